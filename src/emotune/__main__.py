@@ -1,0 +1,5 @@
+import sys
+
+from emotune.cli import main
+
+sys.exit(main())

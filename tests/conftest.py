@@ -1,0 +1,109 @@
+"""Shared fixtures: a tiny random Gemma-3-style model with a tokenizer built here, and small data files.
+
+Nothing touches the network: HF_HUB_OFFLINE is set before transformers is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+LABELS = ["sadness", "joy", "love", "anger", "fear", "surprise"]
+CUES = {
+    "sadness": ["lonely", "crying", "grief", "lost", "gloomy"],
+    "joy": ["happy", "delighted", "great", "smiling", "cheerful"],
+    "love": ["adore", "darling", "tender", "caring", "affection"],
+    "anger": ["furious", "rage", "annoyed", "hate", "outraged"],
+    "fear": ["scared", "terrified", "nervous", "panic", "dread"],
+    "surprise": ["shocked", "unexpected", "amazed", "wow", "astonished"],
+}
+FILLER = ["today", "my", "friend", "the", "work", "was", "so", "i", "am", "feel", "really", "this", "morning", "very"]
+
+
+def make_rows(n_per_label: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows = []
+    for label in LABELS:
+        for _ in range(n_per_label):
+            words = rng.sample(FILLER, 4) + [rng.choice(CUES[label])]
+            rng.shuffle(words)
+            rows.append({"text": " ".join(words), "label": label})
+    rng.shuffle(rows)
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("data")
+    write_jsonl(folder / "train.jsonl", make_rows(6, seed=1))
+    write_jsonl(folder / "validation.jsonl", make_rows(2, seed=2))
+    write_jsonl(folder / "test.jsonl", make_rows(2, seed=3))
+    return folder
+
+
+def build_tokenizer(folder: Path):
+    """A word-level tokenizer over the fixture vocabulary with Gemma's special tokens and turn format."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    from emotune.models import GEMMA_CHAT_TEMPLATE
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    words = set(FILLER) | set(LABELS) | {w for cues in CUES.values() for w in cues}
+    words |= {"you", "are", "an", "emotion", "classification", "assistant", "read", "text", "and", "reply", "with",
+              "exactly", "one", "word", "it", "expresses", "that", "only", "classify", "of", "user", "model", "system",
+              ".", ",", ":", "\n", "\n\n"}
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(words))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
+                                                 pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Punctuation()])
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    fast.chat_template = GEMMA_CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Gemma 3 text model (about 30k parameters) saved as a Hugging Face folder."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    tokenizer = build_tokenizer(folder)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+        sliding_window=64, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def tiny_overrides(tiny_model_dir, data_dir, tmp_path) -> list[str]:
+    """Overrides that point a run at the tiny model and fixture data, 2 training steps, fp32."""
+    return [
+        f"model.source={tiny_model_dir}", f"data.source={data_dir}", f"output_dir={tmp_path / 'runs'}",
+        "name=tiny", "data.label_names=[sadness, joy, love, anger, fear, surprise]", "train.max_steps=2", "train.batch_size=4", "train.gradient_accumulation_steps=1",
+        "train.gradient_checkpointing=false", "train.precision=fp32", "train.eval_steps=1", "train.save_steps=1",
+        "train.logging_steps=1", "train.learning_rate=0.01", "eval.batch_size=5", "model.cache_dir=" + str(tmp_path / "cache"),
+    ]

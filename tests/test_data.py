@@ -1,0 +1,114 @@
+"""Data loading, label mapping, splitting, validation errors, and the embedded dataset's promises."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from emotune.config import DataConfig, PromptConfig
+from emotune.data import EMBEDDED_LABELS, embedded_dataset_dir, load_data, prompt_messages, to_prompt_completion
+from emotune.errors import UserError
+
+from conftest import LABELS, make_rows, write_jsonl
+
+
+def test_embedded_dataset_is_large_clean_and_leak_free():
+    folder = embedded_dataset_dir()
+    splits = {}
+    for name in ("train", "validation", "test"):
+        rows = [json.loads(line) for line in (folder / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+        assert all(set(r) == {"text", "label"} and r["label"] in EMBEDDED_LABELS for r in rows)
+        splits[name] = rows
+    norm = lambda t: re.sub(r"\s+", " ", t.lower()).strip()  # noqa: E731
+    texts = [norm(r["text"]) for rows in splits.values() for r in rows]
+    assert len(texts) >= 1200
+    assert len(set(texts)) == len(texts), "duplicates within or across splits"
+    for rows in splits.values():
+        assert {r["label"] for r in rows} == set(EMBEDDED_LABELS)
+    lengths = sorted(len(t.split()) for t in texts)
+    assert lengths[0] <= 5 and lengths[-1] >= 40  # varied length
+    assert (folder / "DATASHEET.md").is_file()
+
+
+def test_embedded_source_loads_with_reference_label_order():
+    data = load_data(DataConfig(), seed=0)
+    assert data.labels == ["sadness", "joy", "love", "anger", "fear", "surprise"]
+    assert {name: len(ds) for name, ds in data.splits.items()} == {"train": 1079, "validation": 181, "test": 240}
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".jsonl", ".json", ".parquet"])
+def test_each_file_format_with_custom_columns(tmp_path, suffix):
+    import pandas as pd
+
+    rows = make_rows(10, seed=5)
+    frame = pd.DataFrame({"sentence": [r["text"] for r in rows], "emotion": [r["label"] for r in rows]})
+    path = tmp_path / f"all{suffix}"
+    if suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif suffix == ".tsv":
+        frame.to_csv(path, index=False, sep="\t")
+    elif suffix == ".jsonl":
+        frame.to_json(path, orient="records", lines=True)
+    elif suffix == ".json":
+        path.write_text(json.dumps(frame.to_dict(orient="records")))
+    else:
+        frame.to_parquet(path)
+    data = load_data(DataConfig(source=str(path), text_column="sentence", label_column="emotion"), seed=0)
+    assert sorted(data.labels) == sorted(LABELS)
+    sizes = {name: len(ds) for name, ds in data.splits.items()}
+    assert sizes == {"train": 48, "validation": 6, "test": 6}  # stratified 80/10/10 of 60 rows
+    assert set(data.splits["test"]["label"]) == set(LABELS)  # one row of each label per held-out split
+
+
+def test_integer_labels_with_names_and_limits(tmp_path):
+    rows = [{"text": r["text"], "label": LABELS.index(r["label"])} for r in make_rows(8, seed=1)]
+    for name in ("train", "validation", "test"):
+        write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    cfg = DataConfig(source=str(tmp_path), label_names=LABELS, train_limit=12, test_limit=6)
+    data = load_data(cfg, seed=0)
+    assert data.labels == LABELS
+    assert len(data.splits["train"]) == 12 and len(data.splits["test"]) == 6
+    assert set(data.splits["train"]["label"]) == set(LABELS)  # the limit is a stratified sample
+    again = load_data(cfg, seed=0)
+    assert again.splits["train"]["text"] == data.splits["train"]["text"]  # reproducible
+
+
+def test_integer_labels_without_names_is_a_clear_error(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}", "label": i % 7} for i in range(30)])
+    with pytest.raises(UserError, match="data.label_names"):
+        load_data(DataConfig(source=str(tmp_path / "d.jsonl"), label_names=["a", "b"]), seed=0)
+
+
+def test_missing_column_lists_what_was_found(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"sentence": "x", "label": "joy"}] * 10)
+    with pytest.raises(UserError, match=r"no column 'text'.*columns found: sentence, label.*data.text_column"):
+        load_data(DataConfig(source=str(tmp_path / "d.jsonl")), seed=0)
+
+
+def test_missing_source_and_unsupported_type(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_data(DataConfig(source=str(tmp_path / "nope.csv")), seed=0)
+    (tmp_path / "d.xlsx").write_text("x")
+    with pytest.raises(UserError, match="unsupported file type"):
+        load_data(DataConfig(source=str(tmp_path / "d.xlsx")), seed=0)
+
+
+def test_label_without_training_rows(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [r for r in make_rows(4, 1) if r["label"] != "fear"])
+    write_jsonl(tmp_path / "validation.jsonl", make_rows(1, 2))
+    write_jsonl(tmp_path / "test.jsonl", make_rows(1, 3))
+    with pytest.raises(UserError, match=r"\['fear'\] have no training rows"):
+        load_data(DataConfig(source=str(tmp_path), label_names=LABELS), seed=0)
+
+
+def test_prompt_completion_rows_match_the_reference_recipe():
+    prompt = PromptConfig()
+    messages = prompt_messages("i miss her", prompt, LABELS)
+    assert messages[0]["role"] == "system" and "sadness, joy, love, anger, fear, surprise" in messages[0]["content"]
+    assert messages[1] == {"role": "user", "content": "Classify the emotion of this text:\n\ni miss her"}
+    data = load_data(DataConfig(), seed=0)
+    rows = to_prompt_completion(data.splits["test"].select(range(3)), prompt, data.labels)
+    assert rows.column_names == ["prompt", "completion"]
+    assert rows[0]["completion"] == [{"role": "assistant", "content": data.splits["test"][0]["label"]}]

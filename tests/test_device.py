@@ -1,0 +1,84 @@
+"""Backend detection, precision choice and doctor hints, with torch's attributes faked."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from emotune import device
+from emotune.errors import UserError
+
+
+def fake_gpu(monkeypatch, *, hip=None, cuda="12.8", bf16=True, name="GPU", arch="gfx942", major=9, minor=0):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    props = SimpleNamespace(name=name, total_memory=192 * 2**30, gcnArchName=f"{arch}:sramecc+:xnack-", major=major, minor=minor)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None if hip else cuda, raising=False)
+
+
+def test_rocm_detected_from_torch_version_hip(monkeypatch):
+    fake_gpu(monkeypatch, hip="6.4.1", name="AMD Instinct MI300X")
+    report = device.doctor()
+    assert report.backend == "rocm"
+    assert report.torch_build == "ROCm 6.4.1"
+    assert [g.arch for g in report.gpus] == ["gfx942", "gfx942"]
+    assert report.gpus[0].memory_gib == 192.0
+    assert any("bitsandbytes" in h for h in report.hints)
+    assert device.resolve_device("auto").type == "cuda"  # ROCm GPUs are torch.cuda devices
+
+
+def test_consumer_radeon_gets_gfx_override_hint(monkeypatch):
+    monkeypatch.delenv("HSA_OVERRIDE_GFX_VERSION", raising=False)
+    fake_gpu(monkeypatch, hip="6.4.1", name="AMD Radeon RX 6700 XT", arch="gfx1031")
+    hints = device.doctor().hints
+    assert any("HSA_OVERRIDE_GFX_VERSION=10.3.0" in h for h in hints)
+
+
+def test_cuda_without_bf16_uses_fp16(monkeypatch):
+    fake_gpu(monkeypatch, bf16=False, name="Tesla T4", major=7, minor=5)
+    report = device.doctor()
+    assert report.backend == "cuda" and report.gpus[0].arch == "sm_75"
+    precision = device.choose_precision(torch.device("cuda"))
+    assert precision.name == "fp16" and "no bf16" in precision.reason
+    assert any("fp16" in h for h in report.hints)
+
+
+def test_cpu_precision_follows_native_bf16(monkeypatch):
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    assert device.choose_precision(torch.device("cpu")).name == "bf16"
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
+    assert device.choose_precision(torch.device("cpu")).name == "fp32"
+    with pytest.raises(UserError, match="train.precision"):
+        device.choose_precision(torch.device("cpu"), "bf16")
+    with pytest.raises(UserError, match="fp16"):
+        device.choose_precision(torch.device("cpu"), "fp16")
+
+
+def test_cpu_only_torch_on_gpu_machine_gets_install_hint(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device, "_pci_gpu_vendors", lambda: {"amd"})
+    report = device.doctor()
+    assert report.backend in ("cpu", "mps")
+    if report.backend == "cpu":
+        assert any("ROCm build" in h for h in report.hints)
+
+
+def test_asking_for_missing_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="emotune doctor"):
+        device.resolve_device("cuda")
+
+
+def test_doctor_cli_prints_report(capsys):
+    from emotune.cli import main
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "backend" in out and "transformers" in out
+    assert main(["doctor", "--json"]) == 0
+    assert '"backend"' in capsys.readouterr().out

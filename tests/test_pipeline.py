@@ -1,0 +1,74 @@
+"""`emotune run` end to end, in-process, on the tiny model: the run folder is complete and self-consistent."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from emotune.cli import main
+
+
+def _read_predictions(path):
+    with path.open(encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_run_end_to_end(tiny_overrides, tmp_path, capsys):
+    assert main(["run", *tiny_overrides]) == 0
+    out = capsys.readouterr().out
+    assert "Before/after" in out and "macro-F1" in out
+    run_dir = tmp_path / "runs" / "tiny"
+
+    for name in ("config.yaml", "run.json", "comparison.csv", "comparison.json",
+                 "baseline/metrics.json", "baseline/predictions.csv", "finetuned/metrics.json",
+                 "finetuned/predictions.csv", "adapter/adapter_model.safetensors", "adapter/adapter_config.json",
+                 "adapter/emotune.json", "train/log_history.json"):
+        assert (run_dir / name).is_file(), name
+
+    run_info = json.loads((run_dir / "run.json").read_text())
+    assert run_info["status"] == "finished"
+    assert {s["status"] for s in run_info["stages"].values()} == {"done"}
+    assert run_info["versions"]["torch"]
+
+    comparison = json.loads((run_dir / "comparison.json").read_text())
+    for stage in ("baseline", "finetuned"):
+        metrics = json.loads((run_dir / stage / "metrics.json").read_text())
+        rows = _read_predictions(run_dir / stage / "predictions.csv")
+        assert metrics["rows"] == len(rows) == 12
+        share = sum(r["gold"] == r["predicted"] for r in rows) / len(rows)
+        assert metrics["accuracy"] == pytest.approx(share)
+        assert metrics["invalid"] == sum(r["predicted"] == "INVALID" for r in rows)
+        matrix = metrics["confusion_matrix"]["matrix"]
+        assert sum(map(sum, matrix)) == len(rows)
+        key = "before" if stage == "baseline" else "after"
+        assert comparison["metrics"]["accuracy"][key] == metrics["accuracy"]
+        assert comparison["metrics"]["macro_f1"][key] == metrics["macro_f1"]
+    acc = comparison["metrics"]["accuracy"]
+    assert acc["delta"] == pytest.approx(acc["after"] - acc["before"])
+
+    meta = json.loads((run_dir / "adapter" / "emotune.json").read_text())
+    assert meta["labels"] == ["sadness", "joy", "love", "anger", "fear", "surprise"]
+    assert "sadness, joy, love" in meta["system_prompt"]
+    history = json.loads((run_dir / "train" / "log_history.json").read_text())
+    assert any("loss" in entry for entry in history)
+
+
+def test_finished_run_is_not_overwritten(tiny_overrides, tmp_path, capsys):
+    assert main(["run", *tiny_overrides]) == 0
+    metrics = (tmp_path / "runs" / "tiny" / "finetuned" / "metrics.json").read_text()
+    capsys.readouterr()
+    assert main(["run", *tiny_overrides]) == 2
+    assert "finished run" in capsys.readouterr().err
+    assert (tmp_path / "runs" / "tiny" / "finetuned" / "metrics.json").read_text() == metrics
+    assert main(["run", *tiny_overrides, "overwrite=true"]) == 0
+
+
+def test_bad_data_fails_before_run_folder(tiny_overrides, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "hello", "label": "joy"}\n{"text": "x", "label": "boredom"}\n' * 5)
+    assert main(["run", *tiny_overrides, f"data.source={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert "boredom" in err and "data.label_names" in err
+    assert not (tmp_path / "runs" / "tiny").exists()
