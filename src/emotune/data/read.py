@@ -44,7 +44,9 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str) -
 
 def _read_parquet(path: Path) -> pa.Table:
     try:
-        return pq.read_table(path)
+        table = pq.read_table(path)
+        table.validate(full=True)  # corrupt pages can decode into invalid UTF-8 that would fail much later
+        return table
     except Exception as err:  # Arrow raises several types for bad files; the user needs the file and the cause
         raise UserError(f"`{path}` is not a readable Parquet file ({_first_line(err)}). Check that it was fully "
                         "downloaded and that its ending matches its real format.") from None

@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from sklearn.model_selection import train_test_split
 
+from emotune.errors import UserError
+
 
 def stratified_split(table: pa.Table, validation_size: float, test_size: float, seed: int) -> dict[str, pa.Table]:
     """train / validation / test from one collection, each label in proportion (default 80/10/10)."""
@@ -51,6 +53,9 @@ def _codes(table: pa.Table) -> np.ndarray:
 def _split(index: np.ndarray, labels: np.ndarray, held: float | int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     _, counts = np.unique(labels, return_counts=True)
     held_rows = held if isinstance(held, int) else int(np.ceil(held * len(index)))
+    if not 0 < held_rows < len(index):
+        raise UserError(f"{len(index)} rows are too few to hold out {held if isinstance(held, int) else f'{held:.0%}'} of "
+                        "them and keep the rest; give more rows, or give train, validation and test files.")
     # stratifying needs two rows of every label and room for every label on both sides
     can_stratify = counts.min() >= 2 and min(held_rows, len(index) - held_rows) >= len(counts)
     return train_test_split(index, test_size=held, random_state=seed, stratify=labels if can_stratify else None)
