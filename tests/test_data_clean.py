@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from emotune.config import CleaningConfig, DataConfig
 from emotune.data import load_data
-from emotune.data.clean import clean_text, first_occurrences, normalized_key, occurs_in
+from emotune.data.clean import clean_text, codes, conflicting_labels, first_occurrences, key_hashes, normalized_key, occurs_in
 
 from conftest import LABELS, make_rows, write_jsonl
 
@@ -83,17 +83,26 @@ def test_normalized_key_ignores_case_spacing_and_punctuation(values):
 @given(st.lists(st.sampled_from(["a", "b", "A!", "c", " b "]), max_size=30))
 def test_first_occurrences_keep_exactly_one_row_per_key(values):
     keys = normalized_key(pa.array(values, pa.string()))
-    kept = first_occurrences(keys)
+    kept = first_occurrences(key_hashes(pa.array(values, pa.string()), "normalized"))
     kept_keys = [keys[int(i)].as_py() for i in kept]
     assert sorted(set(kept_keys)) == sorted(kept_keys) == sorted(set(keys.to_pylist()))
     assert list(kept) == sorted(kept) and all(keys.to_pylist().index(k) == i for k, i in zip(kept_keys, kept))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(LABELS[:3])), max_size=20))
+def test_conflicting_labels_counts_texts_with_several_labels(rows):
+    texts = pa.array([t for t, _ in rows], pa.string())
+    labels = pa.chunked_array([pa.array([label for _, label in rows], pa.string())])
+    expected = sum(len({label for t, label in rows if t == text}) > 1 for text in {t for t, _ in rows})
+    assert conflicting_labels(key_hashes(texts, "exact"), codes(labels)) == expected
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=20), st.lists(st.sampled_from(["a", "b", "x"]), max_size=20))
 def test_occurs_in_marks_exactly_the_shared_rows(evals, train):
-    mask = occurs_in(pa.chunked_array([pa.array(evals, pa.string())]), pa.chunked_array([pa.array(train, pa.string())]))
-    assert mask.to_pylist() == [e in train for e in evals]
+    mask = occurs_in(key_hashes(pa.array(evals, pa.string()), "exact"), key_hashes(pa.array(train, pa.string()), "exact"))
+    assert mask.tolist() == [e in train for e in evals]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ MENTION = r"(^|[^\w@])@\w+"  # not e-mail addresses: the @ must not follow a wor
 EMOJI = (r"(?:[\x{1F000}-\x{1FAFF}\x{2600}-\x{27BF}\x{2B00}-\x{2BFF}\x{2300}-\x{23FF}\x{1F1E6}-\x{1F1FF}\x{3030}"
          r"\x{303D}\x{3297}\x{3299}\x{E0020}-\x{E007F}][\x{FE0F}\x{200D}\x{20E3}\x{1F3FB}-\x{1F3FF}]*)+")
 PUNCTUATION = r"[\p{P}\p{S}]+"
+BATCH_ROWS = 65_536
 PLACEHOLDERS = {"urls": "<url>", "mentions": "@user", "emoji": "<emoji>"}
 
 
@@ -36,52 +37,84 @@ def clean_text(texts: pa.Array | pa.ChunkedArray, cfg: CleaningConfig) -> tuple[
         ("whitespace", cfg.whitespace, collapse_whitespace),
         ("unicode_nfc", cfg.unicode_nfc, lambda t: pc.utf8_normalize(t, "NFC")),
     ]
-    texts = _chunked(texts)
-    changed = {}
-    for name, enabled, step in steps:
-        if enabled:
-            cleaned = step(texts)
-            changed[name] = int(pc.sum(pc.not_equal(texts, cleaned)).as_py() or 0)
-            texts = cleaned
-    return texts, changed
+    enabled = [(name, step) for name, on, step in steps if on]
+    changed = {name: 0 for name, _ in enabled}
+    out = []
+    for batch in batches(texts):
+        for name, step in enabled:
+            cleaned = step(batch)
+            changed[name] += int(pc.sum(pc.not_equal(batch, cleaned)).as_py() or 0)
+            batch = cleaned
+        out.append(batch)
+    return pa.chunked_array(out, pa.string()), changed
+
+
+def batches(values: pa.Array | pa.ChunkedArray, rows: int = BATCH_ROWS):
+    """Slices of at most `rows` rows (zero-copy): every kernel's temporaries stay the size of one batch."""
+    for start in range(0, len(values), rows):
+        piece = values.slice(start, rows)
+        yield piece.combine_chunks() if isinstance(piece, pa.ChunkedArray) else piece
 
 
 def _replacement(action: str, step: str) -> str:
     return PLACEHOLDERS[step] if action == "replace" else ""
 
 
-def collapse_whitespace(texts: pa.ChunkedArray) -> pa.ChunkedArray:
-    return pc.utf8_trim(pc.replace_substring_regex(texts, WHITESPACE, " "), " ")
+def collapse_whitespace(texts: pa.Array) -> pa.Array:
+    return _trimmed(pc.replace_substring_regex(texts, WHITESPACE, " "))
+
+
+def _trimmed(texts: pa.Array) -> pa.Array:
+    return pc.utf8_trim(texts, " ")
 
 
 def normalized_key(texts: pa.Array | pa.ChunkedArray) -> pa.ChunkedArray:
     """The text as a duplicate check sees it: compatibility forms, lower case, no punctuation or symbols,
     single spaces."""
-    folded = pc.utf8_lower(pc.utf8_normalize(_chunked(texts), "NFKC"))
-    return collapse_whitespace(pc.replace_substring_regex(folded, PUNCTUATION, " "))
+    out = []
+    for batch in batches(texts):
+        folded = pc.utf8_lower(pc.utf8_normalize(batch, "NFKC"))
+        out.append(_trimmed(pc.replace_substring_regex(pc.replace_substring_regex(folded, PUNCTUATION, " "), WHITESPACE, " ")))
+    return pa.chunked_array(out, pa.string())
 
 
-def match_key(texts: pa.ChunkedArray, how: str) -> pa.ChunkedArray:
-    return normalized_key(texts) if how == "normalized" else _chunked(texts)
+def key_hashes(texts: pa.Array | pa.ChunkedArray, how: str) -> np.ndarray:
+    """A 64-bit hash of every row's match key (`exact` text or `normalized` key), batch by batch, so
+    duplicate and leakage checks compare integers and never hold a second copy of the texts."""
+    from pandas.util import hash_array
+
+    out = [np.zeros(0, np.uint64)]
+    for batch in batches(texts):
+        keys = normalized_key(batch) if how == "normalized" else batch
+        out.append(hash_array(keys.to_numpy(zero_copy_only=False), categorize=False))
+    return np.concatenate(out)
 
 
-def first_occurrences(keys: pa.ChunkedArray) -> np.ndarray:
+def codes(values: pa.ChunkedArray) -> np.ndarray:
+    """One small integer per distinct value (for label columns: a handful of distinct values)."""
+    encoded = pc.dictionary_encode(values)
+    chunks = [chunk.indices.to_numpy(zero_copy_only=False) for chunk in encoded.chunks]
+    return np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, np.int64)
+
+
+def first_occurrences(keys: np.ndarray) -> np.ndarray:
     """Sorted indices of the first row of every distinct key."""
-    table = pa.table({"key": keys, "row": pa.array(np.arange(len(keys), dtype=np.int64))})
-    firsts = table.group_by("key", use_threads=False).aggregate([("row", "min")]).column("row_min")
-    return np.sort(firsts.to_numpy())
+    _, firsts = np.unique(keys, return_index=True)
+    return np.sort(firsts)
 
 
-def conflicting_labels(keys: pa.ChunkedArray, labels: pa.ChunkedArray) -> int:
+def conflicting_labels(keys: np.ndarray, label_codes: np.ndarray) -> int:
     """Distinct texts that carry more than one label (the first row's label is the one kept)."""
-    table = pa.table({"key": keys, "label": labels})
-    counts = table.group_by("key", use_threads=False).aggregate([("label", "count_distinct")]).column("label_count_distinct")
-    return int(pc.sum(pc.greater(counts, 1)).as_py() or 0)
+    order = np.lexsort((label_codes, keys))
+    k, labels = keys[order], label_codes[order]
+    same_key = k[1:] == k[:-1]
+    key_id = np.concatenate([[0], np.cumsum(~same_key)])
+    return len(np.unique(key_id[1:][same_key & (labels[1:] != labels[:-1])]))
 
 
-def occurs_in(keys: pa.ChunkedArray, reference: pa.ChunkedArray) -> pa.ChunkedArray:
+def occurs_in(keys: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """Boolean mask: which `keys` also occur in `reference`."""
-    return pc.is_in(keys, value_set=pc.unique(reference))
+    return np.isin(keys, reference)
 
 
 def too_short(texts: pa.ChunkedArray, min_chars: int) -> pa.ChunkedArray:

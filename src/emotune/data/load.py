@@ -6,7 +6,7 @@ fix. Every cleaning step's effect is counted in `LabeledData.report`.
 
 from __future__ import annotations
 
-from collections import Counter
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +32,8 @@ class LabeledData:
     def counts(self) -> dict[str, dict[str, int]]:
         out = {}
         for name, ds in self.splits.items():
-            found = Counter(ds["label"])
+            column = ds.with_format("arrow")[:]["label"]  # counted by Arrow: rows never become Python objects
+            found = {entry["values"]: entry["counts"] for entry in pc.value_counts(column).to_pylist()}
             out[name] = {label: found.get(label, 0) for label in self.labels}
         return out
 
@@ -79,11 +80,16 @@ def load_data(cfg: DataConfig, seed: int, tokenizer=None) -> LabeledData:
     elif cfg.balance == "class_weight":
         weights = split_ops.class_weights(tables["train"], labels)
         report["balance"] = {"method": "class_weight", "class_weights": weights}
-    data = LabeledData(splits={name: Dataset(tables[name]) for name in SPLITS}, labels=labels, source=cfg.source,
+    data = LabeledData(splits={name: in_memory_dataset(tables[name]) for name in SPLITS}, labels=labels, source=cfg.source,
                        report=report, class_weights=weights)
     report["rows"] = {name: len(ds) for name, ds in data.splits.items()}
     report["label_counts"] = data.counts()
     return data
+
+
+def in_memory_dataset(table: pa.Table) -> Dataset:
+    # a given fingerprint spares `datasets` from hashing (pickling) the whole table to make one
+    return Dataset(table, fingerprint=uuid.uuid4().hex)
 
 
 def _share(fraction: float) -> str:
@@ -124,8 +130,8 @@ def clean_splits(tables: dict[str, pa.Table], cfg: CleaningConfig, tokenizer=Non
             table, dropped, truncated = _long_rows(table, cfg, tokenizer)
             report["dropped"]["too_long"][split], report["truncated"][split] = dropped, truncated
         if cfg.duplicates != "keep":
-            keys = clean.match_key(table.column("text"), cfg.duplicates)
-            report["conflicting_labels"][split] = clean.conflicting_labels(keys, table.column("label"))
+            keys = clean.key_hashes(table.column("text"), cfg.duplicates)
+            report["conflicting_labels"][split] = clean.conflicting_labels(keys, clean.codes(table.column("label")))
             firsts = clean.first_occurrences(keys)
             report["dropped"]["duplicates"][split] = len(table) - len(firsts)
             table = table.take(firsts)
@@ -133,8 +139,8 @@ def clean_splits(tables: dict[str, pa.Table], cfg: CleaningConfig, tokenizer=Non
     return out, report
 
 
-def _drop(table: pa.Table, mask: pa.ChunkedArray) -> tuple[pa.Table, int]:
-    kept = table.filter(pc.invert(mask))
+def _drop(table: pa.Table, mask: pa.ChunkedArray | np.ndarray) -> tuple[pa.Table, int]:
+    kept = table.filter(pc.invert(mask if isinstance(mask, pa.ChunkedArray) else pa.array(mask, pa.bool_())))
     return kept, len(table) - len(kept)
 
 
@@ -142,7 +148,7 @@ def _long_rows(table: pa.Table, cfg: CleaningConfig, tokenizer) -> tuple[pa.Tabl
     texts = table.column("text").to_pylist()
     too_long = clean.token_lengths(texts, tokenizer) > cfg.max_tokens
     if cfg.long_rows == "drop":
-        kept, dropped = _drop(table, pa.chunked_array([pa.array(too_long)]))
+        kept, dropped = _drop(table, too_long)
         return kept, dropped, 0
     index = np.flatnonzero(too_long)
     if len(index) == 0:
@@ -157,10 +163,10 @@ def remove_leakage(tables: dict[str, pa.Table], how: str) -> tuple[dict[str, pa.
     """Drop validation/test rows whose text occurs in train: the model would be measured on rows it saw."""
     if how == "keep":
         return tables, {}
-    train_keys = clean.match_key(tables["train"].column("text"), how)
+    train_keys = clean.key_hashes(tables["train"].column("text"), how)
     out, removed = dict(tables), {}
     for split in ("validation", "test"):
-        keys = clean.match_key(tables[split].column("text"), how)
+        keys = clean.key_hashes(tables[split].column("text"), how)
         out[split], removed[split] = _drop(tables[split], clean.occurs_in(keys, train_keys))
     return out, removed
 

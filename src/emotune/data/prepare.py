@@ -16,11 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-from datasets import Dataset
 
 from emotune.config import ModelConfig, RunConfig
 from emotune.data.clean import token_lengths
-from emotune.data.load import LabeledData, load_data
+from emotune.data.load import LabeledData, in_memory_dataset, load_data
 from emotune.data.read import FORMATS
 from emotune.data.sources import HUB_PREFIXES, SPLITS, embedded_dataset_dir
 from emotune.errors import UserError
@@ -130,7 +129,7 @@ def load_prepared(run_dir: Path, fingerprint: str) -> LabeledData | None:
         return None
     try:
         report = json.loads((folder / REPORT).read_text(encoding="utf-8"))
-        splits = {split: Dataset(pq.read_table(folder / f"{split}.parquet")) for split in SPLITS}
+        splits = {split: in_memory_dataset(pq.read_table(folder / f"{split}.parquet")) for split in SPLITS}
     except Exception:  # a damaged folder is prepared again, never trusted
         return None
     return LabeledData(splits=splits, labels=report["labels"], source=report["source"], report=report,

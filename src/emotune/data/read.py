@@ -6,10 +6,12 @@ look for the first bad line, so the message can say where the problem is and wha
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,6 +22,7 @@ import pyarrow.parquet as pq
 from emotune.errors import UserError
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
+BOM = b"\xef\xbb\xbf"
 JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
 
 
@@ -30,16 +33,53 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str) -
                         f"{', '.join(FORMATS)} (TXT holds one `text;label` per line).")
     if fmt == "parquet":
         return _read_parquet(path)
-    text = _decode(path, encoding)
-    if not text.strip():
-        raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
-    if fmt in ("csv", "tsv"):
-        return _read_csv(path, text, "\t" if fmt == "tsv" else ",")
+    if fmt != "json" and fmt != "txt" and _is_utf8(encoding) and _valid_utf8_file(path) and not _has_bom(path):
+        # the common case: Arrow streams the file itself; a Python string of a large file would cost up
+        # to four bytes per character, so the text is decoded in Python only to explain a failure
+        if _is_blank(path):
+            raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
+        explain = lambda: _decode(path, path.read_bytes(), encoding)  # noqa: E731
+        source: str | pa.BufferReader = str(path)
+    else:
+        raw = path.read_bytes()
+        text = _decode(path, raw, encoding)
+        if not text.strip():
+            raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
+        if fmt in ("json", "txt"):
+            return _read_json(path, text) if fmt == "json" else _read_txt(path, text, text_column, label_column)
+        explain = lambda: text  # noqa: E731
+        source = pa.BufferReader(pa.py_buffer(text.encode("utf-8")))
     if fmt == "jsonl":
-        return _read_jsonl(path, text)
-    if fmt == "json":
-        return _read_json(path, text)
-    return _read_txt(path, text, text_column, label_column)
+        return _read_jsonl(path, source, explain)
+    return _read_csv(path, source, "\t" if fmt == "tsv" else ",", explain)
+
+
+def _has_bom(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(len(BOM)) == BOM
+
+
+def _is_blank(path: Path) -> bool:
+    with path.open("rb") as handle:
+        head = handle.read(1 << 16)
+    return not head.strip() and path.stat().st_size <= len(head)
+
+
+def _valid_utf8_file(path: Path, chunk: int = 1 << 22) -> bool:
+    """Validate in chunks, so memory stays flat however large the file (and non-ASCII text is)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as handle:
+            while block := handle.read(chunk):
+                decoder.decode(block)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _is_utf8(encoding: str) -> bool:
+    return encoding.replace("_", "-").lower() in ("utf-8", "utf8", "utf-8-sig")
 
 
 def _read_parquet(path: Path) -> pa.Table:
@@ -52,9 +92,9 @@ def _read_parquet(path: Path) -> pa.Table:
                         "downloaded and that its ending matches its real format.") from None
 
 
-def _decode(path: Path, encoding: str) -> str:
-    raw = path.read_bytes()
-    codec = "utf-8-sig" if encoding.replace("_", "-").lower() in ("utf-8", "utf8") else encoding
+def _decode(path: Path, raw: bytes, encoding: str) -> str:
+    """The file as text, or a UserError naming the line and column of the first byte that does not decode."""
+    codec = "utf-8-sig" if _is_utf8(encoding) else encoding
     try:
         return raw.decode(codec)
     except UnicodeDecodeError as err:
@@ -67,19 +107,16 @@ def _decode(path: Path, encoding: str) -> str:
         raise UserError(f"`{path}` cannot be decoded as {encoding} ({err}). Set data.encoding to the file's encoding.") from None
 
 
-def _buffer(text: str) -> pa.BufferReader:
-    return pa.BufferReader(text.encode("utf-8"))
-
-
-def _read_csv(path: Path, text: str, delimiter: str) -> pa.Table:
+def _read_csv(path: Path, source: str | pa.BufferReader, delimiter: str, text: Callable[[], str]) -> pa.Table:
     parse = pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
     try:
-        return pa_csv.read_csv(_buffer(text), parse_options=parse)
+        table = pa_csv.read_csv(source, parse_options=parse)
     except Exception as err:  # Arrow's message has no line number; find the first bad row ourselves
-        where = _bad_csv_row(text, delimiter)
+        where = _bad_csv_row(text(), delimiter)
         raise UserError(f"`{path}` is not valid {'TSV' if delimiter == chr(9) else 'CSV'}: {where or _first_line(err)}. "
                         "Quote fields that contain the delimiter or a newline, and give every row the header's "
                         "number of fields.") from None
+    return table
 
 
 def _bad_csv_row(text: str, delimiter: str) -> str | None:
@@ -91,14 +128,16 @@ def _bad_csv_row(text: str, delimiter: str) -> str | None:
                 return f"line {reader.line_num} has {len(row)} fields, the header has {len(header)}"
     except csv.Error as err:
         return f"line {reader.line_num}: {err}"
+    except StopIteration:
+        return None
     return None
 
 
-def _read_jsonl(path: Path, text: str) -> pa.Table:
+def _read_jsonl(path: Path, source: str | pa.BufferReader, text: Callable[[], str]) -> pa.Table:
     try:
-        return pa_json.read_json(_buffer(text), read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
+        return pa_json.read_json(source, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
     except Exception as err:
-        problem = _bad_json_line(text)
+        problem = _bad_json_line(text())
         if problem:
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
@@ -125,7 +164,7 @@ def _read_json(path: Path, text: str) -> pa.Table:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _read_jsonl(path, text)  # many `.json` files are really JSON Lines
+            return _read_jsonl(path, pa.BufferReader(pa.py_buffer(text.encode("utf-8"))), lambda: text)  # many `.json` files are really JSON Lines
         raise UserError(f"`{path}` is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}. "
                         "Fix the file there.") from None
     if isinstance(value, dict):

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from sklearn.model_selection import train_test_split
 
+from emotune.data.clean import codes
 from emotune.errors import UserError
 
 
 def stratified_split(table: pa.Table, validation_size: float, test_size: float, seed: int) -> dict[str, pa.Table]:
     """train / validation / test from one collection, each label in proportion (default 80/10/10)."""
-    labels = _codes(table)
+    labels = codes(table.column("label"))
     index = np.arange(len(table))
     held = validation_size + test_size
     train_idx, rest_idx = _split(index, labels, held, seed)
@@ -30,7 +30,7 @@ def carve_missing(splits: dict[str, pa.Table], validation_size: float, test_size
         if name in out:
             continue
         train = out["train"]
-        labels = _codes(train)
+        labels = codes(train.column("label"))
         keep, held = _split(np.arange(len(train)), labels, size, seed)
         out[name], out["train"] = train.take(np.sort(held)), train.take(np.sort(keep))
     return out
@@ -40,14 +40,9 @@ def limit(table: pa.Table, rows: int | None, seed: int) -> pa.Table:
     """At most `rows` rows: a stratified, seeded sample, kept in the original order."""
     if rows is None or rows >= len(table):
         return table
-    labels = _codes(table)
+    labels = codes(table.column("label"))
     keep, _ = _split(np.arange(len(table)), labels, len(table) - rows, seed)
     return table.take(np.sort(keep))
-
-
-def _codes(table: pa.Table) -> np.ndarray:
-    """The label column as small integers (one per distinct label): fast to count and compare."""
-    return pc.dictionary_encode(table.column("label")).combine_chunks().indices.to_numpy(zero_copy_only=False)
 
 
 def _split(index: np.ndarray, labels: np.ndarray, held: float | int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +58,7 @@ def _split(index: np.ndarray, labels: np.ndarray, held: float | int, seed: int) 
 
 def oversample(table: pa.Table, seed: int) -> tuple[pa.Table, int]:
     """Repeat rows of every smaller class (seeded draw) up to the largest class; (table, rows added)."""
-    labels = _codes(table)
+    labels = codes(table.column("label"))
     names, counts = np.unique(labels, return_counts=True)
     rng = np.random.default_rng(seed)
     extra = [rng.choice(np.flatnonzero(labels == name), counts.max() - count, replace=True)
