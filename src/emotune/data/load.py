@@ -57,7 +57,7 @@ def load_data(cfg: DataConfig, seed: int, tokenizer=None) -> LabeledData:
     _raise(problems)
 
     report = {"source": cfg.source, "labels": labels, "labels_from": labels_from,
-              "files": {split: r.origin for split, r in raw.items()},
+              "files": {split: r.origin.replace("`", "") for split, r in raw.items()},
               "rows_read": {split: len(t) for split, t in tables.items()}}
     tables, report["cleaning"] = clean_splits(tables, cfg.cleaning, tokenizer)
     given = [s for s in tables if s != "all"]

@@ -107,7 +107,7 @@ def save_prepared(data: LabeledData, run_dir: Path, force: bool = False) -> Path
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     for split, ds in data.splits.items():
-        ds.to_parquet(str(partial / f"{split}.parquet"))
+        pq.write_table(ds.with_format("arrow")[:], partial / f"{split}.parquet")
     report = {**data.report, "class_weights": data.class_weights,
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (partial / REPORT).write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
