@@ -93,3 +93,19 @@ def test_real_emotion_dataset_known_leakage_and_duplicates():
     assert data.report["rows"]["test"] == 2000 - 11
     train = set(data.splits["train"]["text"])
     assert not train & set(data.splits["test"]["text"]) and not train & set(data.splits["validation"]["text"])
+
+
+def test_chinese_labels_through_a_whole_run(tiny_overrides, tmp_path):
+    names = ["喜悦", "愤怒", "悲伤"]
+    folder = tmp_path / "zh"
+    folder.mkdir()
+    for seed, split in enumerate(("train", "validation", "test")):
+        rows = [{"text": f"{r['text']} {seed}", "label": names[LABELS.index(r["label"]) % 3]} for r in make_rows(2, seed)]
+        write_jsonl(folder / f"{split}.jsonl", rows)
+    overrides = [o for o in tiny_overrides if not o.startswith(("data.source=", "data.label_names="))]
+    assert main(["run", *overrides, f"data.source={folder}", "data.label_names=[喜悦, 愤怒, 悲伤]"]) == 0
+    run_dir = tmp_path / "runs" / "tiny"
+    meta = json.loads((run_dir / "adapter" / "emotune.json").read_text(encoding="utf-8"))
+    assert meta["labels"] == names and "喜悦, 愤怒, 悲伤" in meta["system_prompt"]
+    metrics = json.loads((run_dir / "finetuned" / "metrics.json").read_text(encoding="utf-8"))
+    assert set(metrics["per_class"]) == set(names) and metrics["rows"] == 12

@@ -43,6 +43,26 @@ def load_data(cfg: DataConfig, seed: int, tokenizer=None) -> LabeledData:
     if cfg.cleaning.long_rows != "keep" and tokenizer is None:
         raise UserError("data.cleaning.long_rows needs the model's tokenizer to count tokens; prepare the data with "
                         "`emotune data` or `emotune run`, or set data.cleaning.long_rows=keep.")
+    tables, labels, report = _read_and_map(cfg)
+    tables, report["cleaning"] = clean_splits(tables, cfg.cleaning, tokenizer)
+    given = [s for s in tables if s != "all"]
+    # leakage is checked after splitting: a single file only has train and evaluation rows once split
+    tables, report["split"] = _split(tables, cfg, seed)
+    tables, report["cleaning"]["dropped"]["leakage"] = remove_leakage(tables, cfg.cleaning.leakage)
+    _raise(check_splits(tables, labels, given, _removed_by_step(report["cleaning"]["dropped"])))
+
+    limits = {"train": cfg.train_limit, "validation": cfg.validation_limit, "test": cfg.test_limit}
+    tables = {name: split_ops.limit(tables[name], limits[name], seed) for name in SPLITS}
+    tables["train"], weights, report["balance"] = _balance(tables["train"], labels, cfg.balance, seed)
+    data = LabeledData(splits={name: in_memory_dataset(tables[name]) for name in SPLITS}, labels=labels,
+                       source=cfg.source, report=report, class_weights=weights)
+    report["rows"] = {name: len(ds) for name, ds in data.splits.items()}
+    report["label_counts"] = data.counts()
+    return data
+
+
+def _read_and_map(cfg: DataConfig) -> tuple[dict[str, pa.Table], list[str], dict]:
+    """Every split as `text`/`label` string columns with known label names, or one UserError."""
     raw = read_source(cfg)
     problems: list[str] = []
     tables = {split: coerce_columns(r, problems) for split, r in raw.items()}
@@ -55,36 +75,29 @@ def load_data(cfg: DataConfig, seed: int, tokenizer=None) -> LabeledData:
     problems += [f"the {split} split ({raw[split].origin}) has no rows; give it rows or remove the file"
                  for split, t in tables.items() if t is not None and len(t) == 0]
     _raise(problems)
-
     report = {"source": cfg.source, "labels": labels, "labels_from": labels_from,
               "files": {split: r.origin.replace("`", "") for split, r in raw.items()},
               "rows_read": {split: len(t) for split, t in tables.items()}}
-    tables, report["cleaning"] = clean_splits(tables, cfg.cleaning, tokenizer)
-    given = [s for s in tables if s != "all"]
-    if "all" in tables:
-        tables = split_ops.stratified_split(tables["all"], cfg.validation_size, cfg.test_size, seed)
-        report["split"] = f"stratified {_share(1 - cfg.validation_size - cfg.test_size)}/{_share(cfg.validation_size)}/{_share(cfg.test_size)}, seed {seed}"
-    else:
-        carved = [s for s in SPLITS if s not in tables]
-        tables = split_ops.carve_missing(tables, cfg.validation_size, cfg.test_size, seed)
-        report["split"] = "as given" + (f"; {' and '.join(carved)} held out of train (stratified, seed {seed})" if carved else "")
-    tables, report["cleaning"]["dropped"]["leakage"] = remove_leakage(tables, cfg.cleaning.leakage)
-    _raise(check_splits(tables, labels, given, _removed_by_step(report["cleaning"]["dropped"])))
+    return tables, labels, report
 
-    limits = {"train": cfg.train_limit, "validation": cfg.validation_limit, "test": cfg.test_limit}
-    tables = {name: split_ops.limit(tables[name], limits[name], seed) for name in SPLITS}
-    weights = None
-    if cfg.balance == "oversample":
-        tables["train"], added = split_ops.oversample(tables["train"], seed)
-        report["balance"] = {"method": "oversample", "rows_added": added}
-    elif cfg.balance == "class_weight":
-        weights = split_ops.class_weights(tables["train"], labels)
-        report["balance"] = {"method": "class_weight", "class_weights": weights}
-    data = LabeledData(splits={name: in_memory_dataset(tables[name]) for name in SPLITS}, labels=labels, source=cfg.source,
-                       report=report, class_weights=weights)
-    report["rows"] = {name: len(ds) for name, ds in data.splits.items()}
-    report["label_counts"] = data.counts()
-    return data
+
+def _split(tables: dict[str, pa.Table], cfg: DataConfig, seed: int) -> tuple[dict[str, pa.Table], str]:
+    if "all" in tables:
+        sizes = "/".join(_share(f) for f in (1 - cfg.validation_size - cfg.test_size, cfg.validation_size, cfg.test_size))
+        return split_ops.stratified_split(tables["all"], cfg.validation_size, cfg.test_size, seed), f"stratified {sizes}, seed {seed}"
+    carved = [s for s in SPLITS if s not in tables]
+    how = "as given" + (f"; {' and '.join(carved)} held out of train (stratified, seed {seed})" if carved else "")
+    return split_ops.carve_missing(tables, cfg.validation_size, cfg.test_size, seed), how
+
+
+def _balance(train: pa.Table, labels: list[str], how: str, seed: int) -> tuple[pa.Table, dict[str, float] | None, dict]:
+    if how == "oversample":
+        train, added = split_ops.oversample(train, seed)
+        return train, None, {"method": "oversample", "rows_added": added}
+    if how == "class_weight":
+        weights = split_ops.class_weights(train, labels)
+        return train, weights, {"method": "class_weight", "class_weights": weights}
+    return train, None, {"method": "none"}
 
 
 def in_memory_dataset(table: pa.Table) -> Dataset:
