@@ -1,5 +1,6 @@
-"""Cleaning as Arrow compute kernels over whole columns (RE2 regexes, Unicode normalisation, hash
-group-bys), so a million rows take seconds and no Python loop touches a row.
+"""Cleaning as Arrow compute kernels over batches of rows (RE2 regexes, Unicode normalisation) and
+64-bit hashes for duplicate and leakage checks, so a million rows take seconds in flat memory and no
+Python loop touches a row.
 
 Text steps run in a fixed order; NFC comes last because removing a character can put a combining
 mark next to a new base letter. Every step returns what it changed, for the data report.
@@ -131,10 +132,15 @@ def token_lengths(texts: list[str], tokenizer, batch_size: int = 4096) -> np.nda
 
 
 def truncate_to_tokens(texts: list[str], tokenizer, max_tokens: int) -> list[str]:
-    """Each text cut after its `max_tokens`-th token, at the character offset the fast tokenizer reports."""
+    """Each text cut after its `max_tokens`-th token: at the character offset a fast tokenizer reports,
+    else by decoding the kept tokens (slow tokenizers have no offsets)."""
     out = []
     for start in range(0, len(texts), 4096):
         batch = texts[start:start + 4096]
+        if not getattr(tokenizer, "is_fast", False):
+            ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
+            out.extend(tokenizer.decode(i[:max_tokens]).strip() for i in ids)
+            continue
         enc = tokenizer(batch, add_special_tokens=False, truncation=True, max_length=max_tokens,
                         return_offsets_mapping=True)
         for text, offsets in zip(batch, enc["offset_mapping"]):
