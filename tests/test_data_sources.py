@@ -215,3 +215,9 @@ def test_json_variants(tmp_path):
     for name in ("array", "wrapped", "columns", "lines"):
         data = load_data(DataConfig(source=str(tmp_path / f"{name}.json")), seed=0)
         assert sum(_sizes(data).values()) == 30, name
+
+
+def test_ids_written_as_text_are_ids(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"text": r["text"], "label": str(LABELS.index(r["label"]))} for r in make_rows(10, 1)])
+    data = load_data(DataConfig(source=str(tmp_path / "d.jsonl"), label_names=LABELS), seed=0)
+    assert data.labels == LABELS and set(data.splits["test"]["label"]) == set(LABELS)

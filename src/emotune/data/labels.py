@@ -99,6 +99,10 @@ def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, 
     lookup.update({label_key(alias): target for alias, target in cfg.label_aliases.items() if label_key(target) in lookup})
     distinct = pc.unique(label).to_pylist()
     mapped = [lookup.get(label_key(value)) for value in distinct]
+    if not any(mapped) and all(value.strip().isdigit() for value in distinct):
+        # ids written as text ("0", "1", ...), as some CSV/JSON exports do
+        return map_labels(table.set_column(1, "label", pc.cast(pc.utf8_trim_whitespace(label), pa.int64())),
+                          names, cfg, origin, problems)
     unknown = [value for value, name in zip(distinct, mapped) if name is None]
     if unknown:
         problems.append(f"{origin}: column `{cfg.label_column}` has labels {sorted(unknown)[:10]} that are not in the label "
