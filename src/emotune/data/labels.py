@@ -99,10 +99,9 @@ def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, 
     lookup.update({label_key(alias): target for alias, target in cfg.label_aliases.items() if label_key(target) in lookup})
     distinct = pc.unique(label).to_pylist()
     mapped = [lookup.get(label_key(value)) for value in distinct]
-    if not any(mapped) and all(value.strip().isdigit() for value in distinct):
-        # ids written as text ("0", "1", ...), as some CSV/JSON exports do
-        return map_labels(table.set_column(1, "label", pc.cast(pc.utf8_trim_whitespace(label), pa.int64())),
-                          names, cfg, origin, problems)
+    ids = _ids_written_as_text(label) if not any(mapped) else None
+    if ids is not None:
+        return map_labels(table.set_column(1, "label", ids), names, cfg, origin, problems)
     unknown = [value for value, name in zip(distinct, mapped) if name is None]
     if unknown:
         problems.append(f"{origin}: column `{cfg.label_column}` has labels {sorted(unknown)[:10]} that are not in the label "
@@ -111,6 +110,14 @@ def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, 
         return None
     positions = pc.index_in(label, value_set=pa.array(distinct, pa.string()))
     return table.set_column(1, "label", pc.take(pa.array(mapped, pa.string()), positions))
+
+
+def _ids_written_as_text(label: pa.ChunkedArray) -> pa.ChunkedArray | None:
+    """Ids stored as text ("0", "1", ...), as some CSV/JSON exports do; None when they are not ids."""
+    try:
+        return pc.cast(pc.utf8_trim_whitespace(label), pa.int64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
 
 
 def _examples(table: pa.Table, unknown: list[str]) -> str:
