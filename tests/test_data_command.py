@@ -109,3 +109,15 @@ def test_chinese_labels_through_a_whole_run(tiny_overrides, tmp_path):
     assert meta["labels"] == names and "喜悦, 愤怒, 悲伤" in meta["system_prompt"]
     metrics = json.loads((run_dir / "finetuned" / "metrics.json").read_text(encoding="utf-8"))
     assert set(metrics["per_class"]) == set(names) and metrics["rows"] == 12
+
+
+def test_data_command_never_swaps_the_data_under_an_existing_run(tiny_model_dir, data_dir, tmp_path, capsys):
+    args = _data_overrides(tiny_model_dir, data_dir, tmp_path)
+    assert main(["data", *args]) == 0
+    (tmp_path / "runs" / "d" / "run.json").write_text('{"status": "finished"}')  # a run used this data
+    assert main(["data", *args, "data.test_limit=6"]) == 2
+    assert "holds a run made with other data" in capsys.readouterr().err
+    report = json.loads((tmp_path / "runs" / "d" / "data" / "data_report.json").read_text())
+    assert report["rows"]["test"] == 12  # untouched
+    assert main(["data", *args, "data.test_limit=6", "overwrite=true"]) == 0
+    assert not (tmp_path / "runs" / "d" / "run.json").exists()
