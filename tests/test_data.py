@@ -63,8 +63,8 @@ def test_each_file_format_with_custom_columns(tmp_path, suffix):
 
 
 def test_integer_labels_with_names_and_limits(tmp_path):
-    rows = [{"text": r["text"], "label": LABELS.index(r["label"])} for r in make_rows(8, seed=1)]
-    for name in ("train", "validation", "test"):
+    for seed, name in enumerate(("train", "validation", "test")):
+        rows = [{"text": r["text"], "label": LABELS.index(r["label"])} for r in make_rows(8, seed=seed)]
         write_jsonl(tmp_path / f"{name}.jsonl", rows)
     cfg = DataConfig(source=str(tmp_path), label_names=LABELS, train_limit=12, test_limit=6)
     data = load_data(cfg, seed=0)

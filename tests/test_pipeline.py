@@ -24,7 +24,7 @@ def test_run_end_to_end(tiny_overrides, tmp_path, capsys):
     for name in ("config.yaml", "run.json", "comparison.csv", "comparison.json",
                  "baseline/metrics.json", "baseline/predictions.csv", "finetuned/metrics.json",
                  "finetuned/predictions.csv", "adapter/adapter_model.safetensors", "adapter/adapter_config.json",
-                 "adapter/emotune.json", "train/log_history.json"):
+                 "adapter/emotune.json", "train/log_history.json", "data/data_report.json", "data/test.parquet"):
         assert (run_dir / name).is_file(), name
 
     run_info = json.loads((run_dir / "run.json").read_text())

@@ -9,6 +9,7 @@ rejected with the closest valid name, and every problem is reported at once befo
 
 from __future__ import annotations
 
+import codecs
 import difflib
 from pathlib import Path
 from typing import Any, Literal
@@ -46,17 +47,80 @@ class ModelConfig(Section):
     format is used (system text folded into the first user turn)."""
 
 
+TextAction = Literal["keep", "replace", "drop"]
+
+
+class CleaningConfig(Section):
+    """Each cleaning step can be switched off; every step's effect is counted in data_report.json."""
+
+    unicode_nfc: bool = True
+    """Normalise text to Unicode NFC, so the same word is always the same code points (run last, after
+    the other text steps, so their removals cannot leave text un-normalised)."""
+    control_chars: bool = True
+    """Remove control and invisible format characters (NUL, C1 controls, zero-width space, bidi marks,
+    BOM). Whitespace-like controls (tab, newline, ...) are left to `whitespace`."""
+    whitespace: bool = True
+    """Collapse every run of whitespace (newlines, tabs, non-breaking and ideographic spaces) into one
+    space and trim both ends."""
+    urls: TextAction = "keep"
+    """URLs (`http://`, `https://`, `www.`): keep, replace with `<url>`, or drop from the text."""
+    mentions: TextAction = "keep"
+    """@mentions: keep, replace with `@user`, or drop from the text (e-mail addresses are untouched)."""
+    emoji: TextAction = "keep"
+    """Emoji (each run of them): keep, replace with `<emoji>`, or drop from the text."""
+    min_chars: int = 1
+    """Drop rows whose cleaned text has fewer characters than this; 1 drops empty rows, 0 keeps them."""
+    long_rows: Literal["keep", "drop", "truncate"] = "keep"
+    """Rows longer than `max_tokens` tokens of the model's tokenizer: keep them, drop them, or cut them
+    at the limit (loads the tokenizer only, never the weights)."""
+    max_tokens: int = 192
+    """Token limit for `long_rows`; keep it below train.max_length minus the prompt's own tokens."""
+    duplicates: Literal["keep", "exact", "normalized"] = "normalized"
+    """Repeated texts inside a split (the first is kept): `exact` = the same text after cleaning;
+    `normalized` = also ignoring case, punctuation, symbols and spacing; `keep` = no check."""
+    leakage: Literal["keep", "exact", "normalized"] = "normalized"
+    """Validation and test rows whose text also occurs in train are removed from those splits, so they
+    cannot inflate the measurement; matched `exact` or `normalized` as for `duplicates`; `keep` = no check."""
+
+    @field_validator("min_chars")
+    @classmethod
+    def _not_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be 0 (keep empty rows) or a positive number of characters")
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive_tokens(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be a positive number of tokens")
+        return value
+
+
 class DataConfig(Section):
     source: str = "embedded"
-    """Labelled data: `embedded` (the packaged emotion dataset), a folder with train/validation/test
-    files, or one file (CSV, TSV, JSONL, JSON, Parquet) that is split by `validation_size`/`test_size`."""
+    """Labelled data: `embedded` (the packaged emotion dataset); a folder of split files (`train.*`,
+    `validation.*`/`val.*`/`dev.*`, `test.*`, shards like `train-00000-of-00002.parquet` too); a folder
+    saved with `datasets`' `save_to_disk`; one file that is split by `validation_size`/`test_size`; or a hub
+    dataset, `hf:dair-ai/emotion` or `modelscope:AI-ModelScope/emotion` (its Parquet snapshot is downloaded
+    once into `cache_dir`). Files: CSV, TSV, JSONL, JSON, Parquet, or TXT with one `text;label` per line."""
     text_column: str = "text"
     """Column holding the text to classify."""
     label_column: str = "label"
     """Column holding the label: a name, or an integer id into `label_names`."""
     label_names: list[str] | None = None
-    """Label names in id order. Required for integer labels; for name labels it fixes the order
-    (and so the order in reports). Default: the dataset's own names, else sorted as found."""
+    """Label names in id order. Required for integer labels without a `ClassLabel`; for name labels it
+    fixes the order (and so the order in reports). Default: the dataset's `ClassLabel` names, else the
+    names found, sorted."""
+    label_aliases: dict[str, str] = {}
+    """Other spellings of a label, mapped to its name, e.g. {happy: joy, 开心: 喜悦}. Case and
+    surrounding whitespace never matter (`Joy `, `JOY` and `joy` are one label)."""
+    encoding: str = "utf-8"
+    """Text encoding of CSV, TSV, JSON, JSONL and TXT files, e.g. `latin-1`, `cp1252`, `gbk`."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for `hf:` and `modelscope:` sources; null = the default branch."""
+    cache_dir: str | None = None
+    """Where hub datasets are downloaded; default: `datasets/` in the user cache dir (`~/.cache/emotune`)."""
     validation_size: float = 0.1
     """Share of rows held out for validation when the source has no validation split."""
     test_size: float = 0.1
@@ -67,6 +131,11 @@ class DataConfig(Section):
     """Use at most this many validation rows (stratified, seeded sample); null = all."""
     test_limit: int | None = None
     """Use at most this many test rows (stratified, seeded sample); null = all."""
+    balance: Literal["none", "oversample", "class_weight"] = "none"
+    """Class balancing of the training split: `oversample` repeats rows of smaller classes (seeded) up to
+    the largest class; `class_weight` leaves the rows alone and computes per-class loss weights
+    (n / (classes x n_class), in data_report.json and `LabeledData.class_weights`) for the trainer."""
+    cleaning: CleaningConfig = CleaningConfig()
 
     @field_validator("train_limit", "validation_limit", "test_limit")
     @classmethod
@@ -80,6 +149,15 @@ class DataConfig(Section):
     def _fraction(cls, value: float) -> float:
         if not 0.0 < value < 0.5:
             raise ValueError("must be a fraction between 0 and 0.5, e.g. 0.1")
+        return value
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, value: str) -> str:
+        try:
+            codecs.lookup(value)
+        except LookupError:
+            raise ValueError("is not an encoding Python knows; use e.g. utf-8, latin-1, cp1252 or gbk") from None
         return value
 
 

@@ -18,7 +18,8 @@ from transformers import set_seed
 
 from emotune import device as device_mod
 from emotune.config import RunConfig, dump_config
-from emotune.data import LabeledData, load_data, system_prompt
+from emotune.data import LabeledData, system_prompt
+from emotune.data.prepare import format_cleaning, prepare_data, save_prepared
 from emotune.errors import UserError
 from emotune.evaluate import evaluate, write_result
 from emotune.models import load_model, load_tokenizer, resolve_model_dir
@@ -94,14 +95,16 @@ def _comparable(config_yaml: str) -> str:
 def run(cfg: RunConfig) -> dict:
     set_seed(cfg.seed)
     # Data first: a bad file must fail in seconds, before any weights load and before the run folder exists.
-    data = load_data(cfg.data, cfg.seed)
+    data = prepare_data(cfg)  # reuses run_dir/data/ written by `emotune data` with the same data config
     _print_data(data)
+    print(format_cleaning(data.report), flush=True)
     device = device_mod.resolve_device(cfg.device)
     precision = device_mod.choose_precision(device, cfg.train.precision)
     print(f"Device {device}; precision {precision.name}: {precision.reason}", flush=True)
 
     run_dir = prepare_run_dir(cfg)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
+    save_prepared(data, run_dir)
     report = device_mod.doctor()
     log = RunLog(run_dir / "run.json", {
         "emotune": report.versions.get("emotune"), "versions": report.versions, "hardware": report.as_dict(),

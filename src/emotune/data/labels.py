@@ -1,0 +1,126 @@
+"""Labels: decide the label names once, then turn every split's label column into those names.
+
+Names come from `data.label_names`, else a `ClassLabel`, else the values found. Integer labels are ids
+into the names; string labels match a name or an alias ignoring case and surrounding whitespace.
+All work is on the few distinct values, then one Arrow `take` maps the whole column.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from emotune.config import DataConfig
+from emotune.data.sources import RawSplit
+
+
+def label_key(value: str) -> str:
+    return value.strip().casefold()
+
+
+def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
+    """Text as strings (nulls become empty, numbers become text); labels as strings or integers."""
+    table = raw.table
+    text, label = table.column("text"), table.column("label")
+    if pa.types.is_dictionary(text.type):
+        text = text.cast(text.type.value_type)
+    if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type) or pa.types.is_null(text.type)
+            or pa.types.is_integer(text.type) or pa.types.is_floating(text.type)):
+        problems.append(f"{raw.origin}: the text column holds {text.type} values, not text. Point data.text_column "
+                        "at the column with the text")
+        return None
+    text = pc.fill_null(text.cast(pa.string()), "")
+    if pa.types.is_dictionary(label.type):
+        label = label.cast(label.type.value_type)
+    if pa.types.is_floating(label.type):
+        whole = pc.all(pc.equal(label, pc.floor(label))).as_py()
+        if whole is False:
+            problems.append(f"{raw.origin}: the label column holds fractional numbers; labels are names or integer ids")
+            return None
+        label = label.cast(pa.int64())
+    elif pa.types.is_boolean(label.type) or pa.types.is_null(label.type) or pa.types.is_large_string(label.type):
+        label = label.cast(pa.string())
+    if not (pa.types.is_string(label.type) or pa.types.is_integer(label.type)):
+        problems.append(f"{raw.origin}: the label column holds {label.type} values; labels must be names or integer "
+                        "ids. Point data.label_column at the label column")
+        return None
+    nulls = label.null_count
+    if nulls:
+        rows = pc.indices_nonzero(pc.is_null(label)).to_pylist()[:5]
+        problems.append(f"{raw.origin}: {nulls} row(s) have no label (rows {', '.join(str(r + 1) for r in rows)}). "
+                        "Label or remove them")
+        return None
+    return pa.table({"text": text, "label": label})
+
+
+def choose_label_names(cfg: DataConfig, tables: dict[str, pa.Table], raw: dict[str, RawSplit],
+                       default: list[str] | None, problems: list[str]) -> tuple[list[str], str]:
+    """(names, where they came from)."""
+    if cfg.label_names:
+        return list(cfg.label_names), "data.label_names"
+    if default:
+        return list(default), "the packaged dataset"
+    for split in tables:
+        if raw[split].class_names:
+            return raw[split].class_names, f"the ClassLabel of {raw[split].origin}"
+    if any(pa.types.is_integer(t.column("label").type) for t in tables.values()):
+        problems.append("the labels are integer ids but there are no names for them (no ClassLabel in the data). "
+                        "Set data.label_names to the names in id order, e.g. data.label_names=[sadness, joy, love, anger, fear, surprise]")
+        return [], "none"
+    return _names_as_found(cfg, tables), "the values found"
+
+
+def _names_as_found(cfg: DataConfig, tables: dict[str, pa.Table]) -> list[str]:
+    """Distinct labels merged by case and whitespace; each written as its most frequent spelling."""
+    spellings: dict[str, Counter] = {}
+    aliases = {label_key(a): t for a, t in cfg.label_aliases.items()}
+    for table in tables.values():
+        counts = pc.value_counts(pc.utf8_trim_whitespace(table.column("label")))
+        for entry in counts.to_pylist():
+            spelling = aliases.get(label_key(entry["values"]), entry["values"])
+            spellings.setdefault(label_key(spelling), Counter())[spelling] += entry["counts"]
+    return sorted(counter.most_common(1)[0][0] for counter in spellings.values())
+
+
+def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, problems: list[str]) -> pa.Table | None:
+    """The label column as names from `names`, or None with a problem listing unknown labels and example rows."""
+    label = table.column("label")
+    if pa.types.is_integer(label.type):
+        bad = pc.or_(pc.less(label, 0), pc.greater_equal(label, len(names)))
+        if pc.any(bad).as_py():
+            values = sorted(set(pc.filter(label, bad).to_pylist()))[:10]
+            problems.append(f"{origin}: column `{cfg.label_column}` holds integer ids {values} outside 0..{len(names) - 1} "
+                            f"for the {len(names)} label names {names}. Set data.label_names to the full list of names in id order")
+            return None
+        return table.set_column(1, "label", pc.take(pa.array(names, pa.string()), label))
+    lookup = {label_key(n): n for n in names}
+    lookup.update({label_key(alias): target for alias, target in cfg.label_aliases.items() if label_key(target) in lookup})
+    distinct = pc.unique(label).to_pylist()
+    mapped = [lookup.get(label_key(value)) for value in distinct]
+    ids = _ids_written_as_text(label) if not any(mapped) else None
+    if ids is not None:
+        return map_labels(table.set_column(1, "label", ids), names, cfg, origin, problems)
+    unknown = [value for value, name in zip(distinct, mapped) if name is None]
+    if unknown:
+        problems.append(f"{origin}: column `{cfg.label_column}` has labels {sorted(unknown)[:10]} that are not in the label "
+                        f"set {names} (e.g. {_examples(table, unknown)}). Fix those rows, map them with data.label_aliases, "
+                        "or set data.label_names to include them")
+        return None
+    positions = pc.index_in(label, value_set=pa.array(distinct, pa.string()))
+    return table.set_column(1, "label", pc.take(pa.array(mapped, pa.string()), positions))
+
+
+def _ids_written_as_text(label: pa.ChunkedArray) -> pa.ChunkedArray | None:
+    """Ids stored as text ("0", "1", ...), as some CSV/JSON exports do; None when they are not ids."""
+    try:
+        return pc.cast(pc.utf8_trim_whitespace(label), pa.int64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+
+
+def _examples(table: pa.Table, unknown: list[str]) -> str:
+    rows = pc.indices_nonzero(pc.is_in(table.column("label"), value_set=pa.array(unknown, pa.string()))).to_pylist()[:3]
+    texts, labels = table.column("text"), table.column("label")
+    return "; ".join(f"row {r + 1}: {labels[r].as_py()!r} {texts[r].as_py()[:60]!r}" for r in rows)

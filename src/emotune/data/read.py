@@ -1,0 +1,206 @@
+"""Read one data file into an Arrow table, or raise a UserError naming the file, line and fix.
+
+The fast path hands the whole file to Arrow's C++ readers. Only when they fail does a slow Python pass
+look for the first bad line, so the message can say where the problem is and what to do.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from emotune.errors import UserError
+
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
+BOM = b"\xef\xbb\xbf"
+JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
+
+
+def read_table(path: Path, encoding: str, text_column: str, label_column: str) -> pa.Table:
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise UserError(f"data.source `{path}`: unsupported file type `{path.suffix}`. Use one of "
+                        f"{', '.join(FORMATS)} (TXT holds one `text;label` per line).")
+    if fmt == "parquet":
+        return _read_parquet(path)
+    if fmt != "json" and fmt != "txt" and _is_utf8(encoding) and _valid_utf8_file(path) and not _has_bom(path):
+        # the common case: Arrow streams the file itself; a Python string of a large file would cost up
+        # to four bytes per character, so the text is decoded in Python only to explain a failure
+        if _is_blank(path):
+            raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
+        explain = lambda: _decode(path, path.read_bytes(), encoding)  # noqa: E731
+        source: str | pa.BufferReader = str(path)
+    else:
+        raw = path.read_bytes()
+        text = _decode(path, raw, encoding)
+        if not text.strip():
+            raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
+        if fmt in ("json", "txt"):
+            return _read_json(path, text) if fmt == "json" else _read_txt(path, text, text_column, label_column)
+        explain = lambda: text  # noqa: E731
+        source = pa.BufferReader(pa.py_buffer(text.encode("utf-8")))
+    if fmt == "jsonl":
+        return _read_jsonl(path, source, explain)
+    return _read_csv(path, source, "\t" if fmt == "tsv" else ",", explain)
+
+
+def _has_bom(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(len(BOM)) == BOM
+
+
+def _is_blank(path: Path) -> bool:
+    with path.open("rb") as handle:
+        head = handle.read(1 << 16)
+    return not head.strip() and path.stat().st_size <= len(head)
+
+
+def _valid_utf8_file(path: Path, chunk: int = 1 << 22) -> bool:
+    """Validate in chunks, so memory stays flat however large the file (and non-ASCII text is)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as handle:
+            while block := handle.read(chunk):
+                decoder.decode(block)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _is_utf8(encoding: str) -> bool:
+    return encoding.replace("_", "-").lower() in ("utf-8", "utf8", "utf-8-sig")
+
+
+def _read_parquet(path: Path) -> pa.Table:
+    try:
+        table = pq.read_table(path)
+        table.validate(full=True)  # corrupt pages can decode into invalid UTF-8 that would fail much later
+        return table
+    except Exception as err:  # Arrow raises several types for bad files; the user needs the file and the cause
+        raise UserError(f"`{path}` is not a readable Parquet file ({_first_line(err)}). Check that it was fully "
+                        "downloaded and that its ending matches its real format.") from None
+
+
+def _decode(path: Path, raw: bytes, encoding: str) -> str:
+    """The file as text, or a UserError naming the line and column of the first byte that does not decode."""
+    codec = "utf-8-sig" if _is_utf8(encoding) else encoding
+    try:
+        return raw.decode(codec)
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise UserError(f"`{path}` line {line}, column {column}: byte 0x{raw[err.start]:02x} is not valid {encoding}. "
+                        "If the file uses another encoding, set data.encoding (e.g. data.encoding=latin-1, cp1252 "
+                        "or gbk); otherwise fix or remove that line.") from None
+    except UnicodeError as err:  # e.g. utf-16 without a byte-order mark
+        raise UserError(f"`{path}` cannot be decoded as {encoding} ({err}). Set data.encoding to the file's encoding.") from None
+
+
+def _read_csv(path: Path, source: str | pa.BufferReader, delimiter: str, text: Callable[[], str]) -> pa.Table:
+    parse = pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+    try:
+        table = pa_csv.read_csv(source, parse_options=parse)
+    except Exception as err:  # Arrow's message has no line number; find the first bad row ourselves
+        where = _bad_csv_row(text(), delimiter)
+        raise UserError(f"`{path}` is not valid {'TSV' if delimiter == chr(9) else 'CSV'}: {where or _first_line(err)}. "
+                        "Quote fields that contain the delimiter or a newline, and give every row the header's "
+                        "number of fields.") from None
+    return table
+
+
+def _bad_csv_row(text: str, delimiter: str) -> str | None:
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    try:
+        header = next(reader)
+        for row in reader:
+            if row and len(row) != len(header):
+                return f"line {reader.line_num} has {len(row)} fields, the header has {len(header)}"
+    except csv.Error as err:
+        return f"line {reader.line_num}: {err}"
+    except StopIteration:
+        return None
+    return None
+
+
+def _read_jsonl(path: Path, source: str | pa.BufferReader, text: Callable[[], str]) -> pa.Table:
+    try:
+        return pa_json.read_json(source, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
+    except Exception as err:
+        problem = _bad_json_line(text())
+        if problem:
+            raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
+                            '{"text": "...", "label": "..."}; fix or remove that line.') from None
+        raise UserError(f"`{path}` could not be read as JSON Lines ({_first_line(err)}). Give every row the "
+                        "same fields with the same types (e.g. all labels strings, or all integers).") from None
+
+
+def _bad_json_line(text: str) -> str | None:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"line {number} is not valid JSON ({err.msg} at column {err.colno})"
+        if not isinstance(value, dict):
+            return f"line {number} is a JSON {type(value).__name__}, not an object"
+    return None
+
+
+def _read_json(path: Path, text: str) -> pa.Table:
+    """A JSON array of objects, an object of columns, or `{"data": [...]}`; JSON Lines under .json too."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and text.lstrip().startswith("{"):
+            return _read_jsonl(path, pa.BufferReader(pa.py_buffer(text.encode("utf-8"))), lambda: text)  # many `.json` files are really JSON Lines
+        raise UserError(f"`{path}` is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}. "
+                        "Fix the file there.") from None
+    if isinstance(value, dict):
+        lists = [v for v in value.values() if isinstance(v, list)]
+        if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]):
+            value = lists[0]  # {"data": [{...}, ...]}
+        elif value and all(isinstance(v, list) for v in value.values()):
+            return _arrow(path, lambda: pa.table(value))  # columns
+    if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
+        raise UserError(f"`{path}` must hold a JSON array of objects such as "
+                        '[{"text": "...", "label": "..."}] (or JSON Lines); it holds something else.')
+    return _arrow(path, lambda: pa.Table.from_pylist(value))
+
+
+def _arrow(path: Path, build) -> pa.Table:
+    try:
+        return build()
+    except (pa.ArrowException, ValueError, TypeError) as err:
+        raise UserError(f"`{path}` has fields whose types differ between rows ({_first_line(err)}). "
+                        "Give every row the same fields with the same types.") from None
+
+
+def _read_txt(path: Path, text: str, text_column: str, label_column: str) -> pa.Table:
+    """The `text;label` format of the common copies of the emotion dataset; the label follows the last `;`."""
+    numbered = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if numbered and numbered[0][1].strip().lower() in (f"{text_column};{label_column}", "text;label"):
+        numbered = numbered[1:]  # a header row
+    bad = [number for number, line in numbered if ";" not in line]
+    if bad:
+        raise UserError(f"`{path}`: {len(bad)} line(s) have no `;` between text and label (first: line "
+                        f"{', '.join(map(str, bad[:5]))}). TXT files hold one `text;label` per line.")
+    lines = [line for _, line in numbered]
+    parts = pc.split_pattern(pa.array(lines, pa.string()), ";", max_splits=1, reverse=True)
+    return pa.table({text_column: pc.list_element(parts, 0), label_column: pc.list_element(parts, 1)})
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]

@@ -1,0 +1,219 @@
+"""Where the rows come from: the packaged dataset, a file, a folder of split files, a `save_to_disk`
+folder, or a hub dataset whose Parquet snapshot is downloaded once and then read like a local folder.
+
+Every source ends as raw splits: one Arrow table per split (`train`, `validation`, `test`, or `all`
+when the source is one file to be split) with the configured text and label columns.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import pyarrow as pa
+from datasets import ClassLabel, Features
+from platformdirs import user_cache_dir
+
+from emotune.config import DataConfig
+from emotune.data.read import FORMATS, read_table
+from emotune.errors import UserError
+
+SPLITS = ("train", "validation", "test")
+SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev"), "test": ("test",)}
+SPLIT_FILE = re.compile(r"^(?P<split>[a-z]+)(?:[-_.].*)?$")  # train.csv, train-00000-of-00001.parquet
+HUB_PREFIXES = ("hf:", "modelscope:")
+EMBEDDED_LABELS = ["sadness", "joy", "love", "anger", "fear", "surprise"]
+DOWNLOAD_DONE = ".emotune-download-complete"
+
+
+@dataclass
+class RawSplit:
+    table: pa.Table  # the configured text and label columns, as read
+    origin: str  # file(s) the rows came from, for messages
+    class_names: list[str] | None = None  # names from a `ClassLabel` feature, if the source has one
+
+
+def embedded_dataset_dir() -> Path:
+    return Path(str(resources.files("emotune").joinpath("datasets", "emotion")))
+
+
+def read_source(cfg: DataConfig) -> dict[str, RawSplit]:
+    """Read every split the source holds; the key `all` means one unsplit collection."""
+    folder = _source_folder(cfg)
+    if folder is None:
+        path = Path(cfg.source).expanduser()
+        return {"all": _read_files([path], cfg)}
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        return _read_saved_dataset(folder, cfg)
+    out, problems = {}, []
+    for split, paths in split_files(folder).items():
+        try:
+            out[split] = _read_files(paths, cfg)
+        except UserError as err:  # report every unreadable split file at once
+            problems.append(str(err))
+    if problems:
+        raise UserError(problems[0] if len(problems) == 1 else "\n".join(["The data files have problems:", *(f"  - {p}" for p in problems)]))
+    return out
+
+
+def _source_folder(cfg: DataConfig) -> Path | None:
+    if cfg.source == "embedded":
+        return embedded_dataset_dir()
+    if cfg.source.startswith(HUB_PREFIXES):
+        return download_hub_dataset(cfg)
+    path = Path(cfg.source).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        return None
+    raise UserError(f"data.source `{cfg.source}` does not exist. Give a file, a folder of split files, `embedded`, "
+                    "or a hub dataset such as hf:dair-ai/emotion or modelscope:AI-ModelScope/emotion.")
+
+
+def split_files(folder: Path) -> dict[str, list[Path]]:
+    """Split name -> data files, found anywhere under `folder`; one folder's set is used, never a mix.
+
+    Hub snapshots hold one folder per configuration (dair-ai/emotion: `split/` and `unsplit/`); the
+    folder with the most splits wins, so the configuration with train/validation/test is chosen.
+    """
+    groups: dict[Path, dict[str, list[Path]]] = {}
+    loose: dict[Path, list[Path]] = {}
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS):
+        if any(part.startswith(".") for part in file.relative_to(folder).parts):
+            continue  # hidden folders: download caches, .git
+        match = SPLIT_FILE.match(file.stem.lower())
+        split = next((s for s, aliases in SPLIT_ALIASES.items() if match and match["split"] in aliases), None)
+        if split is None:
+            loose.setdefault(file.parent, []).append(file)
+        else:
+            groups.setdefault(file.parent, {}).setdefault(split, []).append(file)
+    if groups:
+        best = max(groups, key=lambda parent: (len(groups[parent]), -len(parent.parts)))
+        found = groups[best]
+        if "train" not in found:
+            raise UserError(f"data.source `{folder}` has {', '.join(sorted(found))} files but no train file. Name the "
+                            f"files train.*, validation.* (or val./dev.) and test.* with one of the endings {', '.join(FORMATS)}.")
+        return {split: found[split] for split in SPLITS if split in found}
+    if len(loose) == 1 and len(next(iter(loose.values()))) == 1:
+        return {"all": next(iter(loose.values()))}  # a folder with one data file: split it
+    raise UserError(f"data.source `{folder}` holds no train file. Name the files train.*, validation.* (or val./dev.) "
+                    f"and test.* with one of the endings {', '.join(FORMATS)}, or point data.source at one file.")
+
+
+def _read_files(paths: list[Path], cfg: DataConfig) -> RawSplit:
+    tables = [_select_columns(read_table(path, cfg.encoding, cfg.text_column, cfg.label_column), path, cfg)
+              for path in paths]
+    origin = f"`{paths[0]}`" if len(paths) == 1 else f"`{paths[0]}` (+{len(paths) - 1} more shards)"
+    try:
+        table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+    except pa.ArrowException as err:
+        raise UserError(f"The shards {origin} have different column types ({err}). Give them the same schema.") from None
+    return RawSplit(table=table, origin=origin, class_names=_class_names(table))
+
+
+def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig) -> pa.Table:
+    missing = [c for c in (cfg.text_column, cfg.label_column) if c not in table.column_names]
+    if missing:
+        raise UserError(f"`{path}` has no column {', '.join(repr(m) for m in missing)} (columns found: "
+                        f"{', '.join(table.column_names) or 'none'}). Set data.text_column / data.label_column to the right names.")
+    return table.select([cfg.text_column, cfg.label_column]).rename_columns(["text", "label"]).replace_schema_metadata(
+        _label_metadata(table, cfg.label_column))
+
+
+def _class_names(table: pa.Table) -> list[str] | None:
+    try:
+        features = Features.from_arrow_schema(table.schema)
+    except Exception:  # metadata written by another tool: no names to learn from it
+        return None
+    feature = features.get("label")
+    return list(feature.names) if isinstance(feature, ClassLabel) else None
+
+
+def _label_metadata(table: pa.Table, label_column: str) -> dict | None:
+    """Keep a `ClassLabel` of the label column (stored in the schema by `datasets`) under its new name."""
+    try:
+        features = Features.from_arrow_schema(table.schema)
+    except Exception:
+        return None
+    feature = features.get(label_column)
+    if not isinstance(feature, ClassLabel):
+        return None
+    return Features({"label": feature}).arrow_schema.metadata
+
+
+def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except Exception as err:  # a damaged or foreign folder
+        raise UserError(f"`{folder}` looks like a `save_to_disk` folder but could not be loaded "
+                        f"({str(err).splitlines()[0][:300] if str(err) else type(err).__name__}). Save it again.") from None
+    parts = {"all": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
+    out = {}
+    for name, ds in parts.items():
+        split = next((s for s, aliases in SPLIT_ALIASES.items() if name.lower() in aliases), "all" if name == "all" else None)
+        if split is None:
+            continue  # e.g. an `unsupervised` split
+        table = ds.flatten_indices().data.table if ds._indices is not None else ds.data.table
+        selected = _select_columns(table, f"{folder} [{name}]", cfg)
+        label = ds.features.get(cfg.label_column)
+        names = list(label.names) if isinstance(label, ClassLabel) else None
+        out[split] = RawSplit(table=selected, origin=f"`{folder}` [{name}]", class_names=names)
+    if "train" not in out and "all" not in out:
+        raise UserError(f"The saved dataset `{folder}` has splits {list(parts)} but no train split. Rename one to `train`.")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Hub datasets: the Parquet snapshot is downloaded once, then read like any local folder.
+
+
+def cache_dir(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path(user_cache_dir("emotune")) / "datasets"
+
+
+def download_hub_dataset(cfg: DataConfig) -> Path:
+    hub, _, repo_id = cfg.source.partition(":")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise UserError(f"data.source `{cfg.source}`: a hub dataset is written {hub}:owner/name, e.g. "
+                        "hf:dair-ai/emotion or modelscope:AI-ModelScope/emotion.")
+    local = cache_dir(cfg) / hub / (repo_id.replace("/", "--") + (f"@{cfg.revision}" if cfg.revision else ""))
+    if (local / DOWNLOAD_DONE).is_file():
+        return local
+    how = (f"Or download it where the hub is reachable (`hf download {repo_id} --repo-type dataset --local-dir data/{repo_id.split('/')[-1]}`"
+           if hub == "hf" else
+           f"Or download it where ModelScope is reachable (`modelscope download --dataset {repo_id} --local_dir data/{repo_id.split('/')[-1]}`")
+    how += ", then copy the folder here) and set data.source to that folder."
+    print(f"Downloading the {hub} dataset {repo_id} into {local} (once) ...", flush=True)
+    try:
+        if hub == "modelscope":
+            _modelscope_download(repo_id, cfg.revision, local)
+        else:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(repo_id, repo_type="dataset", revision=cfg.revision, local_dir=str(local),
+                              allow_patterns=["*.parquet", "*.md"])
+    except UserError as err:
+        raise UserError(f"{err} {how}") from None
+    except Exception as err:  # offline, auth, not found: all end the same way for the user
+        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else "no details"
+        raise UserError(f"data.source `{cfg.source}`: could not download from the {hub} hub ({type(err).__name__}: "
+                        f"{detail}). Check the name and the network. {how}") from None
+    if not any(local.rglob("*.parquet")):
+        raise UserError(f"data.source `{cfg.source}`: the download holds no Parquet files (looked in {local}). "
+                        f"Check the dataset name. {how}")
+    (local / DOWNLOAD_DONE).write_text(cfg.source + "\n")
+    return local
+
+
+def _modelscope_download(repo_id: str, revision: str | None, local: Path) -> None:
+    try:
+        from modelscope import dataset_snapshot_download
+    except ImportError:
+        raise UserError(f"data.source `modelscope:{repo_id}` needs the `modelscope` package "
+                        "(`pip install modelscope`, or `pip install emotune[modelscope]`).") from None
+    kwargs = {"revision": revision} if revision else {}
+    dataset_snapshot_download(repo_id, local_dir=str(local), **kwargs)

@@ -1,0 +1,78 @@
+"""Splits: stratified and seeded hold-outs, per-split limits, and class balancing of the training split.
+
+Everything here works on row indices and the label column, then takes rows with one Arrow `take`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from sklearn.model_selection import train_test_split
+
+from emotune.data.clean import codes
+from emotune.errors import UserError
+
+
+def stratified_split(table: pa.Table, validation_size: float, test_size: float, seed: int) -> dict[str, pa.Table]:
+    """train / validation / test from one collection, each label in proportion (default 80/10/10)."""
+    labels = codes(table.column("label"))
+    index = np.arange(len(table))
+    held = validation_size + test_size
+    train_idx, rest_idx = _split(index, labels, held, seed)
+    val_idx, test_idx = _split(rest_idx, labels[rest_idx], test_size / held, seed)
+    return {"train": table.take(train_idx), "validation": table.take(val_idx), "test": table.take(test_idx)}
+
+
+def carve_missing(splits: dict[str, pa.Table], validation_size: float, test_size: float, seed: int) -> dict[str, pa.Table]:
+    """Hold a missing validation or test split out of train (stratified); given splits stay as given."""
+    out = dict(splits)
+    for name, size in (("test", test_size), ("validation", validation_size)):
+        if name in out:
+            continue
+        train = out["train"]
+        labels = codes(train.column("label"))
+        keep, held = _split(np.arange(len(train)), labels, size, seed)
+        out[name], out["train"] = train.take(np.sort(held)), train.take(np.sort(keep))
+    return out
+
+
+def limit(table: pa.Table, rows: int | None, seed: int) -> pa.Table:
+    """At most `rows` rows: a stratified, seeded sample, kept in the original order."""
+    if rows is None or rows >= len(table):
+        return table
+    labels = codes(table.column("label"))
+    keep, _ = _split(np.arange(len(table)), labels, len(table) - rows, seed)
+    return table.take(np.sort(keep))
+
+
+def _split(index: np.ndarray, labels: np.ndarray, held: float | int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    _, counts = np.unique(labels, return_counts=True)
+    held_rows = held if isinstance(held, int) else int(np.ceil(held * len(index)))
+    if not 0 < held_rows < len(index):
+        raise UserError(f"{len(index)} rows are too few to hold out {held if isinstance(held, int) else f'{held:.0%}'} of "
+                        "them and keep the rest; give more rows, or give train, validation and test files.")
+    # stratifying needs two rows of every label and room for every label on both sides
+    can_stratify = counts.min() >= 2 and min(held_rows, len(index) - held_rows) >= len(counts)
+    return train_test_split(index, test_size=held, random_state=seed, stratify=labels if can_stratify else None)
+
+
+def oversample(table: pa.Table, seed: int) -> tuple[pa.Table, int]:
+    """Repeat rows of every smaller class (seeded draw) up to the largest class; (table, rows added)."""
+    labels = codes(table.column("label"))
+    names, counts = np.unique(labels, return_counts=True)
+    rng = np.random.default_rng(seed)
+    extra = [rng.choice(np.flatnonzero(labels == name), counts.max() - count, replace=True)
+             for name, count in zip(names, counts) if count < counts.max()]
+    if not extra:
+        return table, 0
+    index = np.concatenate([np.arange(len(table)), *extra])
+    rng.shuffle(index)  # repeated rows spread through the epoch instead of trailing at the end
+    return table.take(index), len(index) - len(table)
+
+
+def class_weights(table: pa.Table, labels: list[str]) -> dict[str, float]:
+    """n / (classes x n_class): the usual 'balanced' weights; a class weighs 1.0 when all are equal."""
+    values, counts = np.unique(table.column("label").to_numpy(zero_copy_only=False), return_counts=True)
+    count = dict(zip(values, counts))
+    total = len(table)
+    return {label: round(total / (len(labels) * count[label]), 6) for label in labels if count.get(label)}

@@ -1,0 +1,123 @@
+"""`emotune data`: validates with the tokenizer only, writes run_dir/data/, which `emotune run` reuses;
+nothing is written when validation fails. Plus the real emotion dataset's known leakage (when present)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from emotune.cli import main
+from emotune.config import DataConfig
+
+from conftest import LABELS, make_rows, write_jsonl
+
+REAL_EMOTION = Path("/work/shared/datasets/emotion")
+
+
+def _data_overrides(tiny_model_dir, source, tmp_path) -> list[str]:
+    return [f"model.source={tiny_model_dir}", f"data.source={source}", f"output_dir={tmp_path / 'runs'}", "name=d"]
+
+
+def test_data_command_writes_the_prepared_folder(tiny_model_dir, data_dir, tmp_path, capsys):
+    assert main(["data", *_data_overrides(tiny_model_dir, data_dir, tmp_path), "data.balance=class_weight"]) == 0
+    out = capsys.readouterr().out
+    assert "token lengths" in out and "p95" in out and "cleaning:" in out and "class weights" in out
+    folder = tmp_path / "runs" / "d" / "data"
+    report = json.loads((folder / "data_report.json").read_text())
+    assert report["rows"] == {"train": 36, "validation": 12, "test": 12}
+    assert report["label_counts"]["test"] == {label: 2 for label in sorted(LABELS)}
+    assert report["token_lengths"]["train"]["max"] == 5  # the fixture rows are five words, one token each
+    assert set(report["cleaning"]) >= {"changed", "dropped"} and report["class_weights"]
+    assert (folder / "label_distribution.png").stat().st_size > 1000
+    assert pq.read_table(folder / "train.parquet").num_rows == 36
+    assert not (tmp_path / "runs" / "d" / "run.json").exists()  # no weights, no run: data only
+
+
+def test_data_command_writes_nothing_when_validation_fails(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine", "label": "joy"}\n{"text": broken}\n')
+    assert main(["data", *_data_overrides(tiny_model_dir, bad, tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "line 2 is not valid JSON" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_reuses_the_prepared_data(tiny_overrides, tmp_path, capsys, monkeypatch):
+    assert main(["data", *tiny_overrides]) == 0
+    prepared = tmp_path / "runs" / "tiny" / "data" / "data_report.json"
+    created = json.loads(prepared.read_text())["created"]
+    capsys.readouterr()
+
+    import emotune.data.prepare as prepare
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the data should have been reused, not loaded again")
+
+    monkeypatch.setattr(prepare, "load_data", refuse)
+    assert main(["run", *tiny_overrides]) == 0
+    assert "Reusing the prepared data" in capsys.readouterr().out
+    assert json.loads(prepared.read_text())["created"] == created  # left as `emotune data` wrote it
+
+
+def test_changed_data_config_is_not_reused(tiny_model_dir, data_dir, tmp_path, capsys):
+    args = _data_overrides(tiny_model_dir, data_dir, tmp_path)
+    assert main(["data", *args]) == 0
+    assert main(["data", *args, "data.test_limit=6"]) == 0
+    report = json.loads((tmp_path / "runs" / "d" / "data" / "data_report.json").read_text())
+    assert report["rows"]["test"] == 6
+
+
+def test_chinese_labels_through_emotune_data(tiny_model_dir, tmp_path, capsys):
+    names = ["喜悦", "愤怒", "悲伤"]
+    for seed, split in enumerate(("train", "validation", "test")):
+        rows = [{"text": f"{r['text']} {seed}", "label": names[LABELS.index(r["label"]) % 3]} for r in make_rows(2, seed)]
+        write_jsonl(tmp_path / f"{split}.jsonl", rows)
+    assert main(["data", *_data_overrides(tiny_model_dir, tmp_path, tmp_path), "data.label_names=[喜悦, 愤怒, 悲伤]"]) == 0
+    assert "喜悦" in capsys.readouterr().out
+    report = json.loads((tmp_path / "runs" / "d" / "data" / "data_report.json").read_text(encoding="utf-8"))
+    assert report["labels"] == names and report["label_counts"]["train"] == {n: 4 for n in names}
+
+
+@pytest.mark.skipif(not REAL_EMOTION.is_dir(), reason="the emotion dataset is not on this machine")
+def test_real_emotion_dataset_known_leakage_and_duplicates():
+    from emotune.data import load_data
+
+    data = load_data(DataConfig(source=str(REAL_EMOTION), label_names=["sadness", "joy", "love", "anger", "fear", "surprise"],
+                                cleaning={"duplicates": "exact", "leakage": "exact"}), seed=0)
+    dropped = data.report["cleaning"]["dropped"]
+    assert dropped["leakage"]["test"] == 11  # the dataset README: 11 test texts also occur in train
+    assert dropped["duplicates"]["train"] == 31  # and 31 duplicate texts inside train
+    assert data.report["rows"]["test"] == 2000 - 11
+    train = set(data.splits["train"]["text"])
+    assert not train & set(data.splits["test"]["text"]) and not train & set(data.splits["validation"]["text"])
+
+
+def test_chinese_labels_through_a_whole_run(tiny_overrides, tmp_path):
+    names = ["喜悦", "愤怒", "悲伤"]
+    folder = tmp_path / "zh"
+    folder.mkdir()
+    for seed, split in enumerate(("train", "validation", "test")):
+        rows = [{"text": f"{r['text']} {seed}", "label": names[LABELS.index(r["label"]) % 3]} for r in make_rows(2, seed)]
+        write_jsonl(folder / f"{split}.jsonl", rows)
+    overrides = [o for o in tiny_overrides if not o.startswith(("data.source=", "data.label_names="))]
+    assert main(["run", *overrides, f"data.source={folder}", "data.label_names=[喜悦, 愤怒, 悲伤]"]) == 0
+    run_dir = tmp_path / "runs" / "tiny"
+    meta = json.loads((run_dir / "adapter" / "emotune.json").read_text(encoding="utf-8"))
+    assert meta["labels"] == names and "喜悦, 愤怒, 悲伤" in meta["system_prompt"]
+    metrics = json.loads((run_dir / "finetuned" / "metrics.json").read_text(encoding="utf-8"))
+    assert set(metrics["per_class"]) == set(names) and metrics["rows"] == 12
+
+
+def test_data_command_never_swaps_the_data_under_an_existing_run(tiny_model_dir, data_dir, tmp_path, capsys):
+    args = _data_overrides(tiny_model_dir, data_dir, tmp_path)
+    assert main(["data", *args]) == 0
+    (tmp_path / "runs" / "d" / "run.json").write_text('{"status": "finished"}')  # a run used this data
+    assert main(["data", *args, "data.test_limit=6"]) == 2
+    assert "holds a run made with other data" in capsys.readouterr().err
+    report = json.loads((tmp_path / "runs" / "d" / "data" / "data_report.json").read_text())
+    assert report["rows"]["test"] == 12  # untouched
+    assert main(["data", *args, "data.test_limit=6", "overwrite=true"]) == 0
+    assert not (tmp_path / "runs" / "d" / "run.json").exists()

@@ -1,0 +1,195 @@
+"""Bad data gives one clear UserError naming the file, line or column and the fix; never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from emotune.config import DataConfig
+from emotune.data import LabeledData, load_data
+from emotune.errors import UserError
+
+from conftest import LABELS, make_rows, write_jsonl
+
+
+def _load(path: Path, **kwargs) -> LabeledData:
+    return load_data(DataConfig(source=str(path), **kwargs), seed=0)
+
+
+def _jsonl_lines(rows) -> list[str]:
+    return [json.dumps(r, ensure_ascii=False) for r in rows]
+
+
+def test_fake_parquet(tmp_path):
+    (tmp_path / "d.parquet").write_text("text,label\nhello,joy\n")
+    with pytest.raises(UserError, match=r"`.*d.parquet` is not a readable Parquet file.*ending matches its real format"):
+        _load(tmp_path / "d.parquet")
+
+
+def test_malformed_json_line_names_the_line(tmp_path):
+    lines = _jsonl_lines(make_rows(3, seed=1))
+    lines[6] = '{"text": "broken, "label": "joy"}'
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"line 7 is not valid JSON"):
+        _load(tmp_path / "d.jsonl")
+    lines[6] = '["a list"]'
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"line 7 is a JSON list, not an object"):
+        _load(tmp_path / "d.jsonl")
+
+
+def test_non_utf8_names_line_and_encoding_option(tmp_path):
+    rows = make_rows(3, seed=1)
+    rows[4]["text"] = "café crème"
+    body = "text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows)
+    (tmp_path / "d.csv").write_bytes(body.encode("latin-1"))
+    with pytest.raises(UserError, match=r"line 6, column \d+: byte 0xe9 is not valid utf-8.*data.encoding"):
+        _load(tmp_path / "d.csv")
+    data = _load(tmp_path / "d.csv", encoding="latin-1")
+    assert "café crème" in [t for ds in data.splits.values() for t in ds["text"]]
+
+
+def test_unknown_encoding_is_a_config_error():
+    with pytest.raises(ValueError, match="encoding"):
+        DataConfig(encoding="no-such-codec")
+
+
+def test_csv_with_wrong_field_count_names_the_line(tmp_path):
+    body = "text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in make_rows(2, seed=1))
+    body += "one,two,three\n"
+    (tmp_path / "d.csv").write_text(body)
+    with pytest.raises(UserError, match=r"line 14 has 3 fields, the header has 2"):
+        _load(tmp_path / "d.csv")
+
+
+def test_unknown_labels_listed_with_example_rows(tmp_path):
+    rows = make_rows(3, seed=1) + [{"text": "so bored today", "label": "boredom"}]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(UserError, match=r"\['boredom'\].*row 19: 'boredom' 'so bored today'.*data.label_aliases"):
+        _load(tmp_path / "d.jsonl", label_names=LABELS)
+
+
+def test_empty_split_file(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", make_rows(3, seed=1))
+    write_jsonl(tmp_path / "validation.jsonl", make_rows(1, seed=2))
+    (tmp_path / "test.csv").write_text("text,label\n")
+    with pytest.raises(UserError, match=r"the test split \(`.*test.csv`\) has no rows"):
+        _load(tmp_path)
+    (tmp_path / "test.csv").write_text("")
+    with pytest.raises(UserError, match=r"test.csv` is empty"):
+        _load(tmp_path)
+
+
+def test_split_emptied_by_cleaning_names_the_step(tmp_path):
+    rows = make_rows(3, seed=1)
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "validation.jsonl", rows)  # every row also in train
+    write_jsonl(tmp_path / "test.jsonl", make_rows(1, seed=3))
+    with pytest.raises(UserError, match=r"validation split is empty after cleaning \(rows removed: leakage 18\)"):
+        _load(tmp_path)
+    data = _load(tmp_path, cleaning={"leakage": "keep"})
+    assert len(data.splits["validation"]) == 18
+
+
+def test_label_set_differs_between_given_splits(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", make_rows(3, seed=1))
+    write_jsonl(tmp_path / "validation.jsonl", make_rows(1, seed=2))
+    write_jsonl(tmp_path / "test.jsonl", [r for r in make_rows(1, seed=3) if r["label"] != "love"])
+    with pytest.raises(UserError, match=r"label set differs between splits: the test split has no rows of \['love'\]"):
+        _load(tmp_path)
+
+
+def test_label_only_in_an_evaluation_split(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [r for r in make_rows(3, seed=1) if r["label"] != "fear"])
+    write_jsonl(tmp_path / "validation.jsonl", make_rows(1, seed=2))
+    write_jsonl(tmp_path / "test.jsonl", make_rows(1, seed=3))
+    with pytest.raises(UserError, match=r"\['fear'\] have no training rows"):
+        _load(tmp_path)  # names as found: `fear` appears in validation and test only
+
+
+def test_every_problem_at_once(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", make_rows(3, seed=1))
+    (tmp_path / "validation.parquet").write_text("not parquet")
+    (tmp_path / "test.jsonl").write_text("{oops\n")
+    with pytest.raises(UserError) as err:
+        _load(tmp_path)
+    assert "validation.parquet" in str(err.value) and "line 1 is not valid JSON" in str(err.value)
+
+
+def test_null_labels_and_wrong_column_types(tmp_path):
+    rows = make_rows(2, seed=1)
+    rows[3]["label"] = None
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(UserError, match=r"1 row\(s\) have no label \(rows 4\)"):
+        _load(tmp_path / "d.jsonl")
+    write_jsonl(tmp_path / "d.jsonl", [{"text": {"nested": 1}, "label": "joy"}] * 4)
+    with pytest.raises(UserError, match="text column holds struct"):
+        _load(tmp_path / "d.jsonl")
+
+
+def test_no_train_file_in_folder(tmp_path):
+    write_jsonl(tmp_path / "test.jsonl", make_rows(1, seed=1))
+    write_jsonl(tmp_path / "dev.jsonl", make_rows(1, seed=1))
+    with pytest.raises(UserError, match="no train file"):
+        _load(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Random bytes and truncated files: a clear error or a valid dataset, never anything else.
+
+FORMAT_ENDINGS = [".csv", ".tsv", ".jsonl", ".json", ".parquet", ".txt"]
+
+
+def _valid_file(tmp_path: Path, ending: str) -> bytes:
+    import pandas as pd
+
+    rows = make_rows(4, seed=7)
+    frame = pd.DataFrame(rows)
+    path = tmp_path / f"valid{ending}"
+    if ending == ".parquet":
+        frame.to_parquet(path)
+    elif ending == ".json":
+        path.write_text(json.dumps(rows))
+    elif ending == ".txt":
+        path.write_text("".join(f"{r['text']};{r['label']}\n" for r in rows))
+    elif ending == ".jsonl":
+        write_jsonl(path, rows)
+    else:
+        frame.to_csv(path, index=False, sep="\t" if ending == ".tsv" else ",")
+    return path.read_bytes()
+
+
+def _assert_clear_error_or_valid(path: Path) -> None:
+    try:
+        data = _load(path)
+    except UserError as err:
+        assert str(err) and "Traceback" not in str(err)
+        return
+    assert set(data.splits) == {"train", "validation", "test"}
+    assert all(ds.column_names == ["text", "label"] and len(ds) for ds in data.splits.values())
+    assert all(label in data.labels for ds in data.splits.values() for label in ds["label"])
+
+
+@pytest.mark.parametrize("ending", FORMAT_ENDINGS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=400))
+def test_random_bytes_give_a_clear_error(tmp_path, ending, data):
+    path = tmp_path / f"random{ending}"
+    path.write_bytes(data)
+    _assert_clear_error_or_valid(path)
+
+
+@pytest.mark.parametrize("ending", FORMAT_ENDINGS)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.floats(min_value=0.0, max_value=1.0), flip=st.integers(min_value=-1, max_value=10_000))
+def test_truncated_or_corrupted_files_give_a_clear_error_or_a_valid_dataset(tmp_path, ending, cut, flip):
+    body = bytearray(_valid_file(tmp_path, ending))
+    body = body[: int(len(body) * cut)]
+    if 0 <= flip < len(body):
+        body[flip] ^= 0xFF  # one corrupted byte as well
+    path = tmp_path / f"cut{ending}"
+    path.write_bytes(bytes(body))
+    _assert_clear_error_or_valid(path)

@@ -1,0 +1,223 @@
+"""Data sources and label mapping: every file format, split folders, save_to_disk, hub snapshots (mocked)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from emotune.config import DataConfig, PromptConfig
+from emotune.data import load_data, prompt_messages
+from emotune.errors import UserError
+from emotune.evaluate import extract_label, label_pattern
+
+from conftest import LABELS, make_rows, write_jsonl
+
+
+def _write_splits(folder: Path, names=("train", "validation", "test"), n=(6, 2, 2)) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for seed, (name, per_label) in enumerate(zip(names, n)):
+        write_jsonl(folder / f"{name}.jsonl", make_rows(per_label, seed=10 + seed))
+    return folder
+
+
+def _sizes(data):
+    return {name: len(ds) for name, ds in data.splits.items()}
+
+
+def test_txt_semicolon_format_with_semicolons_in_text(tmp_path):
+    for seed, name in enumerate(("train", "val", "test")):
+        rows = make_rows(3, seed=seed)
+        lines = [f"{r['text']}; really;{r['label']}" for r in rows]
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n\n", encoding="utf-8")
+    data = load_data(DataConfig(source=str(tmp_path)), seed=0)
+    assert sorted(data.labels) == sorted(LABELS)
+    assert _sizes(data) == {"train": 18, "validation": 18, "test": 18}
+    assert all(t.endswith("; really") for t in data.splits["train"]["text"])  # the label follows the last `;`
+
+
+@pytest.mark.parametrize("alias", ["val", "dev", "valid", "validation"])
+def test_folder_split_aliases(tmp_path, alias):
+    _write_splits(tmp_path, names=("train", alias, "test"))
+    data = load_data(DataConfig(source=str(tmp_path)), seed=0)
+    assert data.report["split"] == "as given"
+    assert _sizes(data) == {"train": 36, "validation": 12, "test": 12}
+
+
+def test_missing_test_split_is_held_out_of_train(tmp_path):
+    _write_splits(tmp_path, names=("train", "dev"), n=(10, 2))
+    data = load_data(DataConfig(source=str(tmp_path)), seed=0)
+    assert _sizes(data) == {"train": 54, "validation": 12, "test": 6}
+    assert set(data.splits["test"]["label"]) == set(LABELS)  # stratified
+    assert "test held out of train" in data.report["split"]
+
+
+def test_sharded_parquet_snapshot_with_classlabel_and_two_configs(tmp_path):
+    """The layout of hub snapshots: one folder per configuration, shards, ClassLabel ids in Parquet."""
+    _write_hub_snapshot(tmp_path)
+    data = load_data(DataConfig(source=str(tmp_path)), seed=0)
+    assert data.labels == LABELS and data.report["labels_from"].startswith("the ClassLabel")
+    assert _sizes(data) == {"train": 36, "validation": 12, "test": 12}  # `split/`, not `unsplit/`
+
+
+def _write_hub_snapshot(root: Path) -> None:
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=LABELS)})
+    for seed, (name, n) in enumerate((("train", 6), ("validation", 2), ("test", 2))):
+        rows = [{"text": r["text"], "label": LABELS.index(r["label"])} for r in make_rows(n, seed=20 + seed)]
+        ds = datasets.Dataset.from_list(rows, features=features)
+        (root / "split").mkdir(parents=True, exist_ok=True)
+        if name == "train":  # two shards
+            half = len(ds) // 2
+            ds.select(range(half)).to_parquet(str(root / "split" / "train-00000-of-00002.parquet"))
+            ds.select(range(half, len(ds))).to_parquet(str(root / "split" / "train-00001-of-00002.parquet"))
+        else:
+            ds.to_parquet(str(root / "split" / f"{name}-00000-of-00001.parquet"))
+    (root / "unsplit").mkdir()
+    datasets.Dataset.from_list([{"text": "x", "label": 0}], features=features).to_parquet(
+        str(root / "unsplit" / "train-00000-of-00001.parquet"))
+
+
+def test_save_to_disk_folders(tmp_path):
+    import datasets
+
+    features = datasets.Features({"sentence": datasets.Value("string"), "emotion": datasets.ClassLabel(names=LABELS)})
+    parts = {name: datasets.Dataset.from_list([{"sentence": r["text"], "emotion": LABELS.index(r["label"])}
+                                               for r in make_rows(n, seed=30 + i)], features=features)
+             for i, (name, n) in enumerate((("train", 6), ("validation", 2), ("test", 2)))}
+    datasets.DatasetDict(parts).save_to_disk(str(tmp_path / "dict"))
+    cfg = DataConfig(source=str(tmp_path / "dict"), text_column="sentence", label_column="emotion")
+    data = load_data(cfg, seed=0)
+    assert data.labels == LABELS and _sizes(data) == {"train": 36, "validation": 12, "test": 12}
+
+    datasets.concatenate_datasets(list(parts.values())).save_to_disk(str(tmp_path / "one"))
+    data = load_data(cfg.model_copy(update={"source": str(tmp_path / "one")}), seed=0)
+    assert data.labels == LABELS and sum(_sizes(data).values()) == 60
+
+
+def test_label_aliases_case_and_whitespace(tmp_path):
+    rows = make_rows(8, seed=1)
+    spelled = {"joy": [" Joy", "JOY ", "joy", "happy"], "sadness": ["Sadness", "sadness", "sadness "]}
+    for i, row in enumerate(rows):
+        options = spelled.get(row["label"])
+        if options:
+            row["label"] = options[i % len(options)]
+    write_jsonl(tmp_path / "all.jsonl", rows)
+    data = load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_aliases={"happy": "joy"}), seed=0)
+    assert data.labels == sorted(LABELS)  # each label written as its most frequent spelling
+    counts = {label: sum(n[label] for n in data.counts().values()) for label in data.labels}
+    assert counts["joy"] == 8 and counts["sadness"] == 8
+    with pytest.raises(UserError, match="happy"):  # without the alias it is an unknown label, shown with its rows
+        load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_names=LABELS), seed=0)
+
+
+def test_alias_to_an_unknown_label_is_an_error(tmp_path):
+    write_jsonl(tmp_path / "all.jsonl", make_rows(4, seed=1))
+    with pytest.raises(UserError, match="label_aliases maps 'glad' to 'gladness'"):
+        load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_names=LABELS, label_aliases={"glad": "gladness"}), seed=0)
+
+
+def test_chinese_labels_end_to_end(tmp_path):
+    names = ["喜悦", "愤怒", "悲伤"]
+    texts = {"喜悦": "今天我非常开心", "愤怒": "这让我很生气", "悲伤": "我很难过想哭"}
+    rows = [{"文本": f"{texts[n]} {i}", "情绪": f" {n} "} for i in range(10) for n in names]
+    path = tmp_path / "zh.csv"
+    import csv
+
+    with path.open("w", encoding="gbk", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["文本", "情绪"])
+        writer.writeheader()
+        writer.writerows(rows)
+    cfg = DataConfig(source=str(path), text_column="文本", label_column="情绪", label_names=names, encoding="gbk")
+    data = load_data(cfg, seed=0)
+    assert data.labels == names and set(data.splits["test"]["label"]) == set(names)
+    system = prompt_messages("x", PromptConfig(), data.labels)[0]["content"]
+    assert "喜悦, 愤怒, 悲伤" in system
+    pattern = label_pattern(names)
+    assert extract_label("我觉得是悲伤。", names, pattern) == "悲伤"
+    assert extract_label("愤怒", names, pattern) == "愤怒"
+    assert extract_label("不知道", names, pattern) == "INVALID"
+
+
+def test_extraction_keeps_word_boundaries_for_spaced_scripts():
+    assert extract_label("enjoyment", ["joy", "anger"]) == "INVALID"
+    assert extract_label("Joy!", ["joy", "anger"]) == "joy"
+
+
+# --------------------------------------------------------------------------------------------------
+# Hub sources, offline: a mocked client writes the snapshot a real download would.
+
+
+def test_hf_hub_dataset_with_mocked_client(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, repo_type=None, revision=None, local_dir=None, allow_patterns=None):
+        calls.append((repo_id, repo_type, allow_patterns))
+        _write_hub_snapshot(Path(local_dir))
+        return local_dir
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    cfg = DataConfig(source="hf:dair-ai/emotion", cache_dir=str(tmp_path / "cache"))
+    data = load_data(cfg, seed=0)
+    assert calls == [("dair-ai/emotion", "dataset", ["*.parquet", "*.md"])]
+    assert data.labels == LABELS and _sizes(data) == {"train": 36, "validation": 12, "test": 12}
+    load_data(cfg, seed=0)
+    assert len(calls) == 1  # downloaded once, then read from the cache
+
+
+def test_modelscope_dataset_with_mocked_client(tmp_path, monkeypatch):
+    calls = []
+
+    def dataset_snapshot_download(dataset_id, local_dir=None, **kwargs):
+        calls.append(dataset_id)
+        _write_hub_snapshot(Path(local_dir) / "data")
+        return local_dir
+
+    monkeypatch.setitem(sys.modules, "modelscope", types.SimpleNamespace(dataset_snapshot_download=dataset_snapshot_download))
+    data = load_data(DataConfig(source="modelscope:AI-ModelScope/emotion", cache_dir=str(tmp_path)), seed=0)
+    assert calls == ["AI-ModelScope/emotion"] and data.labels == LABELS
+
+
+def test_hub_without_network_is_a_clear_error(tmp_path, monkeypatch):
+    # HF_HUB_OFFLINE=1 (conftest) makes the real client refuse to connect, as it would with no network
+    with pytest.raises(UserError, match=r"could not download from the hf hub.*set data.source to that folder"):
+        load_data(DataConfig(source="hf:dair-ai/emotion", cache_dir=str(tmp_path)), seed=0)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Failed to resolve 'www.modelscope.cn'")
+
+    monkeypatch.setitem(sys.modules, "modelscope", types.SimpleNamespace(dataset_snapshot_download=unreachable))
+    with pytest.raises(UserError, match=r"modelscope hub \(ConnectionError.*modelscope download --dataset"):
+        load_data(DataConfig(source="modelscope:AI-ModelScope/emotion", cache_dir=str(tmp_path)), seed=0)
+    monkeypatch.setitem(sys.modules, "modelscope", None)  # not installed
+    with pytest.raises(UserError, match="pip install modelscope"):
+        load_data(DataConfig(source="modelscope:AI-ModelScope/emotion", cache_dir=str(tmp_path)), seed=0)
+    assert not any(tmp_path.rglob("*.parquet"))
+
+
+def test_bad_hub_name(tmp_path):
+    with pytest.raises(UserError, match="hf:owner/name"):
+        load_data(DataConfig(source="hf:emotion", cache_dir=str(tmp_path)), seed=0)
+
+
+def test_json_variants(tmp_path):
+    rows = make_rows(5, seed=3)
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": rows}))
+    (tmp_path / "columns.json").write_text(json.dumps({"text": [r["text"] for r in rows], "label": [r["label"] for r in rows]}))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("array", "wrapped", "columns", "lines"):
+        data = load_data(DataConfig(source=str(tmp_path / f"{name}.json")), seed=0)
+        assert sum(_sizes(data).values()) == 30, name
+
+
+def test_ids_written_as_text_are_ids(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"text": r["text"], "label": str(LABELS.index(r["label"]))} for r in make_rows(10, 1)])
+    data = load_data(DataConfig(source=str(tmp_path / "d.jsonl"), label_names=LABELS), seed=0)
+    assert data.labels == LABELS and set(data.splits["test"]["label"]) == set(LABELS)
