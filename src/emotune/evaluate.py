@@ -7,6 +7,7 @@ padding, which gives the same greedy tokens as one row at a time up to floating-
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import re
@@ -21,7 +22,8 @@ from tqdm.auto import tqdm
 
 from emotune.config import EvalConfig, PromptConfig
 from emotune.data import prompt_messages
-from emotune.models import stop_token_ids
+from emotune.errors import UserError
+from emotune.models import END_OF_TURN, stop_token_ids
 
 INVALID = "INVALID"
 
@@ -44,6 +46,34 @@ def extract_label(output: str, labels: list[str], pattern: re.Pattern[str] | Non
         return INVALID
     found = match.group(1).casefold()
     return next(label for label in labels if label.casefold() == found)
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+def run_in_batches(order: list[int], batch_size: int, step, desc: str | None = None) -> None:
+    """Call `step(rows)` on consecutive batches of `order`; out of memory halves the batch and retries it."""
+    with tqdm(total=len(order), desc=desc, unit="row", disable=desc is None) as bar:
+        start = 0
+        while start < len(order):
+            batch = order[start:start + batch_size]
+            try:
+                step(batch)
+            except (torch.OutOfMemoryError, RuntimeError) as err:
+                if not _is_out_of_memory(err):
+                    raise
+                if batch_size == 1:
+                    raise UserError("Evaluation ran out of memory with one row per batch. Use a smaller model, "
+                                    "model.dtype=bfloat16, or a device with more memory.") from None
+                batch_size = max(1, batch_size // 2)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                print(f"Out of memory: retrying with eval batch size {batch_size}", flush=True)
+                continue
+            start += len(batch)
+            bar.update(len(batch))
 
 
 @torch.inference_mode()
@@ -126,3 +156,197 @@ def write_result(result: EvalResult, folder: Path) -> None:
         writer.writerows(result.rows)
     csv_tmp.replace(folder / "predictions.csv")
     tmp.replace(folder / "metrics.json")  # metrics last: its presence marks the stage as complete
+
+
+# --------------------------------------------------------------------------------------------------
+# Scoring: the exact probability of every label's completion, never an invalid label.
+
+
+def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:
+    """Each label's completion tokens as the model sees them after the generation prompt, end-of-turn included.
+
+    Training teaches the completion `label<end_of_turn>`, so scoring the end-of-turn token too gives the
+    probability that the model answers exactly this label: `joy` then scores "joy and stop", not every
+    answer that starts with `joy` (`joyful`, `joy!`). Tokens come from the label rendered in context and
+    then cut after the prompt, so tokenizers that merge across the boundary are handled.
+    """
+    probe = tokenizer.apply_chat_template(prompt_messages("x", prompt, labels), tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    end = END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else (tokenizer.eos_token or "")
+    sequences = []
+    for label in labels:
+        full = tokenizer(probe + label + end, add_special_tokens=False)["input_ids"]
+        if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+            sequences.append(full[len(prompt_ids):])
+        else:  # the label merged with the prompt's last token: score it as tokenized on its own
+            sequences.append(tokenizer(label + end, add_special_tokens=False)["input_ids"])
+    return sequences
+
+
+@dataclass(frozen=True)
+class LabelTrie:
+    """Where each label token's log-probability is read, with label prefixes shared.
+
+    Node 0 is the end of the prompt; node k > 0 is a proper prefix of some label's tokens. `paths` are the
+    longest such prefixes: feeding each path after the prompt yields the hidden state of every node on it,
+    so the vocabulary projection runs once per node, however many labels share it.
+    """
+
+    steps: list[list[tuple[int, int]]]  # per label: (node, next token) for every token of the label
+    paths: list[list[int]]  # token sequences fed after the prompt
+    node_at: list[tuple[int, int]]  # for node k > 0: (path index, position in path)
+
+    @classmethod
+    def build(cls, sequences: list[list[int]]) -> LabelTrie:
+        nodes: dict[tuple[int, ...], int] = {(): 0}
+        steps = []
+        for seq in sequences:
+            label_steps = []
+            for k, token in enumerate(seq):
+                node = nodes.setdefault(tuple(seq[:k]), len(nodes))
+                label_steps.append((node, token))
+            steps.append(label_steps)
+        inner = [prefix for prefix in nodes if prefix]
+        paths = [list(p) for p in inner if not any(len(q) > len(p) and q[:len(p)] == p for q in inner)]
+        node_at = [(0, 0)] * len(nodes)
+        for prefix, node in nodes.items():
+            if prefix:
+                m = next(i for i, path in enumerate(paths) if tuple(path[:len(prefix)]) == prefix)
+                node_at[node] = (m, len(prefix) - 1)
+        return cls(steps=steps, paths=paths, node_at=node_at[1:])
+
+    @property
+    def n_nodes(self) -> int:
+        return 1 + len(self.node_at)
+
+
+def _body_and_head(model):
+    """The transformer body (hidden states) and the output projection, looking through a PEFT wrapper."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings(), getattr(base.config, "final_logit_softcapping", None)
+
+
+def _common_prefix(sequences: list[list[int]]) -> int:
+    shortest = min(sequences, key=len)
+    for i, token in enumerate(shortest):
+        if any(seq[i] != token for seq in sequences):
+            return i
+    return len(shortest)
+
+
+class LabelScorer:
+    """log P(label completion | chat prompt) for every label, exactly, in few forward passes.
+
+    The prompt's shared head (system prompt and the user template up to the text) is computed once and its
+    KV cache reused by every batch; each batch runs only the row-specific suffix, then the label paths
+    (`LabelTrie`). The vocabulary projection runs only at the end of each prompt and at the label nodes.
+    Rows in a batch are padded in the middle (between the shared head and the suffix) with the padding
+    masked and positions set explicitly, so a row scores as it would alone; with sliding-window attention
+    this holds while a row plus its padding fits the window (Gemma 3: 512 tokens).
+    """
+
+    def __init__(self, model, tokenizer, prompt: PromptConfig, labels: list[str], padding_side: str = "left"):
+        self.model, self.tokenizer, self.prompt, self.labels = model, tokenizer, prompt, labels
+        self.body, self.head, self.softcap = _body_and_head(model)
+        self.trie = LabelTrie.build(label_token_ids(tokenizer, prompt, labels))
+        self.padding_side = padding_side
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._prefix: tuple[tuple[int, ...], object] | None = None
+
+    def prompt_ids(self, texts: list[str]) -> list[list[int]]:
+        rendered = [self.tokenizer.apply_chat_template(prompt_messages(t, self.prompt, self.labels), tokenize=False,
+                                                       add_generation_prompt=True) for t in texts]
+        # the chat template already holds <bos>; adding special tokens again would double it
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    def shared_prefix(self, ids: list[list[int]]) -> list[int]:
+        """The token prefix every row shares (at least the prompt up to the text), leaving each row ≥ 1 token."""
+        probes = self.prompt_ids(["x", "y"])
+        length = min(_common_prefix([*ids, *probes]), min(len(seq) for seq in ids) - 1)
+        return ids[0][:length]
+
+    def _prefix_cache(self, prefix: list[int]):
+        from transformers import DynamicCache
+
+        if self._prefix is None or self._prefix[0] != tuple(prefix):
+            cache = DynamicCache(config=self.model.config)
+            if prefix:
+                device = self.head.weight.device
+                self.body(input_ids=torch.tensor([prefix], device=device), cache=cache, use_cache=True)
+            self._prefix = (tuple(prefix), cache)
+        return copy.deepcopy(self._prefix[1])
+
+    @torch.inference_mode()
+    def log_probs(self, texts: list[str], batch_size: int = 16, desc: str | None = None) -> torch.Tensor:
+        """[len(texts), len(labels)] float32 log-probabilities (not renormalised over the labels)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            ids = self.prompt_ids(texts)
+            prefix = self.shared_prefix(ids)
+            suffixes = [seq[len(prefix):] for seq in ids]
+            out = torch.empty(len(texts), len(self.labels), dtype=torch.float32)
+
+            def score(batch: list[int]) -> None:
+                out[batch] = self._score_batch(prefix, [suffixes[i] for i in batch])
+
+            run_in_batches(sorted(range(len(texts)), key=lambda i: len(suffixes[i])), batch_size, score, desc)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _score_batch(self, prefix: list[int], suffixes: list[list[int]]) -> torch.Tensor:
+        device = self.head.weight.device
+        rows, width, n_prefix = len(suffixes), max(len(s) for s in suffixes), len(prefix)
+        lengths = torch.tensor([len(s) for s in suffixes], device=device)
+        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((rows, width), dtype=torch.long, device=device)
+        for r, suffix in enumerate(suffixes):
+            span = slice(width - len(suffix), width) if self.padding_side == "left" else slice(0, len(suffix))
+            input_ids[r, span] = torch.tensor(suffix, device=device)
+            mask[r, span] = 1
+        positions = n_prefix + (mask.cumsum(1) - 1).clamp(min=0)
+        head_mask = torch.ones((rows, n_prefix), dtype=torch.long, device=device)
+        cache = self._prefix_cache(prefix)
+        cache.batch_repeat_interleave(rows)
+        hidden = self.body(input_ids=input_ids, attention_mask=torch.cat([head_mask, mask], 1), position_ids=positions,
+                           cache=cache, use_cache=True).last_hidden_state
+        last = torch.full_like(lengths, width - 1) if self.padding_side == "left" else lengths - 1
+        node_hidden = [hidden[torch.arange(rows, device=device), last].unsqueeze(1)]  # node 0: end of the prompt
+
+        if self.trie.paths:  # every path follows its row's real suffix directly, padding stays masked
+            n_paths, path_len = len(self.trie.paths), max(len(p) for p in self.trie.paths)
+            path_ids = torch.full((n_paths, path_len), self.pad_id, dtype=torch.long, device=device)
+            path_mask = torch.zeros((n_paths, path_len), dtype=torch.long, device=device)
+            for m, path in enumerate(self.trie.paths):
+                path_ids[m, :len(path)] = torch.tensor(path, device=device)
+                path_mask[m, :len(path)] = 1
+            cache.batch_repeat_interleave(n_paths)
+            seen = torch.cat([head_mask, mask], 1).repeat_interleave(n_paths, 0)
+            path_positions = (n_prefix + lengths).repeat_interleave(n_paths)[:, None] + torch.arange(path_len, device=device)
+            path_hidden = self.body(input_ids=path_ids.repeat(rows, 1), attention_mask=torch.cat([seen, path_mask.repeat(rows, 1)], 1),
+                                    position_ids=path_positions, cache=cache, use_cache=True).last_hidden_state
+            path_hidden = path_hidden.view(rows, n_paths, path_len, -1)
+            m_index = torch.tensor([m for m, _ in self.trie.node_at], device=device)
+            j_index = torch.tensor([j for _, j in self.trie.node_at], device=device)
+            node_hidden.append(path_hidden[:, m_index, j_index])
+
+        logits = self.head(torch.cat(node_hidden, 1)).float()  # [rows, nodes, vocab]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        node_logp = logits.log_softmax(-1)
+        scores = torch.zeros(rows, len(self.labels), device=device)
+        for i, steps in enumerate(self.trie.steps):
+            for node, token in steps:
+                scores[:, i] += node_logp[:, node, token]
+        return scores.cpu()
+
+
+def score_label_probs(model, tokenizer, texts: list[str], prompt: PromptConfig, labels: list[str],
+                      batch_size: int = 16) -> torch.Tensor:
+    """[len(texts), len(labels)] probabilities over the label set: softmax of each label's exact log-probability.
+
+    The prompt is the one `generate` uses (chat template, generation prompt); each label is scored as its
+    full completion `label<end_of_turn>` (see `label_token_ids`).
+    """
+    return LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size).softmax(-1)
