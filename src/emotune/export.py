@@ -184,17 +184,23 @@ def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path
 
     base_dir = resolve_model_dir(artifact.model_cfg)
     base = load_model(base_dir, torch.float32, torch.device("cpu"))
-    native = base.config.dtype if dtype == "auto" else DTYPES[dtype]
+    native = _saved_dtype(base_dir) if dtype == "auto" else DTYPES[dtype]
     merged = PeftModel.from_pretrained(base, artifact.path).merge_and_unload()
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
     # vLLM and transformers stop on generation_config's eos ids; a chat turn ends with <end_of_turn>
     merged.generation_config.eos_token_id = stop_token_ids(tokenizer)
     merged.generation_config.pad_token_id = tokenizer.pad_token_id
-    merged.to(native if isinstance(native, torch.dtype) else torch.float32)
+    merged.to(native)
     merged.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
     shutil.copy2(artifact.path / ADAPTER_META, target / ADAPTER_META)
     return target
+
+
+def _saved_dtype(model_dir: Path) -> torch.dtype:
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return DTYPES.get(str(name), torch.float32)
 
 
 @torch.inference_mode()
@@ -277,7 +283,7 @@ def _write_script(path: Path, export_dir: Path, args: list[str], what: str) -> N
         f"# {what}\n"
         "# Written by `emotune export --vllm`. Extra vLLM flags are passed through: ./serve_*.sh --port 8001\n"
         "set -euo pipefail\n"
-        f'EXPORT="${{EMOTUNE_EXPORT:-$(cd "$(dirname "${{BASH_SOURCE[0]}}")/.." && pwd)}}"  # was {export_dir}\n'
+        f'EXPORT="$(cd "$(dirname "${{BASH_SOURCE[0]}}")/.." && pwd)"  # written at {export_dir}\n'
         f'exec vllm {quoted} "$@"\n',
         encoding="utf-8")
     path.chmod(0o755)
