@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from emotune import device as device_mod
 from emotune.config import ModelConfig, PromptConfig, RunConfig, ServeConfig
 from emotune.errors import UserError
-from emotune.evaluate import score_label_probs
+from emotune.evaluate import LabelScorer, score_label_probs
 from emotune.export import Artifact, find_artifact
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 
@@ -76,6 +76,7 @@ class Engine:
         self.model = load_model(self.base_dir, self.dtype, self.device).eval()
         self.models: dict[str, Loaded] = {BASE_MODEL: Loaded(BASE_MODEL, None, load_tokenizer(self.base_dir, model_cfg))}
         self.lock = threading.Lock()
+        self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
 
     @property
     def is_peft(self) -> bool:
@@ -92,10 +93,12 @@ class Engine:
             else:
                 self.model = PeftModel.from_pretrained(self.model, artifact.path, adapter_name=artifact.name).eval()
             self.models[artifact.name] = Loaded(artifact.name, artifact, tokenizer)
+            self.scorers.clear()  # the first adapter wraps the model; start every scorer afresh
 
     def remove_adapter(self, name: str) -> None:
         with self.lock:
             self.models.pop(name)
+            self.scorers.pop(name, None)
             self.model.delete_adapter(name)
 
     @contextmanager
@@ -112,7 +115,13 @@ class Engine:
 
     def classify(self, name: str, texts: list[str], prompt: PromptConfig, labels: list[str], batch_size: int) -> torch.Tensor:
         with self.using(name) as loaded:
-            return score_label_probs(self.model, loaded.tokenizer, texts, prompt, labels, batch_size)
+            if loaded.artifact is None:  # the base with request-chosen labels: nothing worth keeping
+                return score_label_probs(self.model, loaded.tokenizer, texts, prompt, labels, batch_size)
+            # an adapter's scorer keeps the KV cache of its prompt head, so one request costs only its own text
+            scorer = self.scorers.get(name)
+            if scorer is None:
+                scorer = self.scorers[name] = LabelScorer(self.model, loaded.tokenizer, prompt, labels)
+            return scorer.log_probs(texts, batch_size).softmax(-1)
 
 
 def check_base(artifact: Artifact, engine_source: str) -> None:
@@ -339,6 +348,31 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+class Observe:
+    """Pure ASGI middleware: counts requests by route and status, and times them, for /metrics."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), [500]
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        self.server.in_flight += 1
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.server.in_flight -= 1
+            route = getattr(scope.get("route"), "path", "unmatched")  # the router fills scope["route"]
+            self.server.metrics.observe_request(route, status[0], time.perf_counter() - started)
+
+
 def _replay(messages: list[dict], then=None):
     async def receive():
         if messages:
@@ -435,18 +469,6 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     async def _http(request: Request, err: StarletteHTTPException):
         return error_response(err.status_code, str(err.detail), "not_found_error" if err.status_code == 404 else "invalid_request_error")
 
-    @app.middleware("http")
-    async def _observe(request: Request, call_next):
-        started = time.perf_counter()
-        state.in_flight += 1
-        try:
-            response = await call_next(request)
-        finally:
-            state.in_flight -= 1
-        route = request.scope.get("route")
-        state.metrics.observe_request(getattr(route, "path", "unmatched"), response.status_code, time.perf_counter() - started)
-        return response
-
     @app.get("/health")
     async def health():
         return {"status": "ok", "models": list(engine.models), "queue": state.batcher.pending}
@@ -478,7 +500,8 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
         for i, row in enumerate(probs.tolist()):
             best = max(range(len(labels)), key=row.__getitem__)
             data.append({"index": i, "label": labels[best], "probs": dict(zip(labels, row))})
-        return {"object": "list", "model": loaded.name, "data": data, "usage": {"texts": len(texts)}}
+        # a JSONResponse skips FastAPI's generic encoder, which costs more than the scoring for small batches
+        return JSONResponse({"object": "list", "model": loaded.name, "data": data, "usage": {"texts": len(texts)}})
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -515,7 +538,8 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(state.executor, engine.remove_adapter, name)
         return {"id": name, "object": "model", "deleted": True}
 
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
+    app.add_middleware(Observe, server=state)
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)  # outermost: oversized bodies never reach the app
     return app
 
 
