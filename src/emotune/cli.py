@@ -59,6 +59,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = next((a for a in args.items if a.endswith((".yaml", ".yml"))), None)
     overrides = [a for a in args.items if "=" in a and a != config]
     targets = [a for a in args.items if a not in overrides and a != config]
+    if args.engine:
+        overrides.append(f"serve.engine={args.engine}")
     serve(load_config(config, overrides), targets)
     return 0
 
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("items", nargs="*", metavar="TARGET|CONFIG|key=value",
                            help="run/adapter folders to serve (name = folder name), an optional YAML config, "
                                 "and overrides such as serve.port=8001 serve.api_key=env:EMOTUNE_API_KEY")
+            p.add_argument("--engine", choices=["native", "vllm"], help="same as serve.engine=...")
         if name == "doctor":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser

@@ -693,6 +693,7 @@ def serve(cfg: RunConfig, targets: list[str]) -> None:
         return serve_with_vllm(cfg, targets)
     import uvicorn
 
+    resolve_key(cfg.serve.api_key, "api_key"), resolve_key(cfg.serve.admin_key, "admin_key")  # fail before loading weights
     engine, _ = build_engine(cfg, targets)
     app = create_app(engine, cfg.serve)
     if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and cfg.serve.api_key is None:
