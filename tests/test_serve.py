@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,6 +140,9 @@ def test_chat_completions_streaming_and_not(client):
     assert streamed.strip() == text
     assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
     assert len(chunks) >= 3  # role chunk, content, finish
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": messages[0]["content"]}]}]
+    assert client.chat.completions.create(model="tiny", messages=parts, max_tokens=5).choices[0].message.content == text
 
 
 def test_vllm_client_example_runs_against_this_server(server, tiny_run_dir, tmp_path):

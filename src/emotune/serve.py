@@ -33,7 +33,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from emotune import device as device_mod
@@ -286,7 +286,15 @@ class ClassifyRequest(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str
+    content: str | list[dict] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value):
+        """OpenAI content may be a list of parts; the text parts are what a text model reads."""
+        if isinstance(value, list):
+            return "".join(part.get("text", "") for part in value if part.get("type") == "text")
+        return value or ""
 
 
 class ChatRequest(BaseModel):
@@ -434,12 +442,14 @@ class Server:
         roots = [Path(d).expanduser().resolve() for d in self.cfg.adapter_dirs]
         given = Path(path).expanduser()
         candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
-        for candidate in candidates:
-            if any(candidate.is_relative_to(root) for root in roots) and candidate.exists():
-                return candidate
-        raise APIError(403 if any(not any(c.is_relative_to(r) for r in roots) for c in candidates) else 404,
-                       f"Adapter path `{path}` is not an existing folder inside serve.adapter_dirs "
-                       f"({', '.join(map(str, roots)) or 'none'}).", "permission_error")
+        inside = [c for c in candidates if any(c.is_relative_to(root) for root in roots)]
+        where = f"serve.adapter_dirs ({', '.join(map(str, roots)) or 'none'})"
+        if not inside:
+            raise APIError(403, f"Adapter path `{path}` lies outside {where}.", "permission_error")
+        found = next((c for c in inside if c.is_dir()), None)
+        if found is None:
+            raise APIError(404, f"Adapter path `{path}` is not a folder inside {where}.", "not_found_error")
+        return found
 
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
