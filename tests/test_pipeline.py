@@ -72,3 +72,46 @@ def test_bad_data_fails_before_run_folder(tiny_overrides, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "boredom" in err and "data.label_names" in err
     assert not (tmp_path / "runs" / "tiny").exists()
+
+
+def test_lora_matching_no_module_refuses_to_train(tiny_overrides, tmp_path, capsys):
+    assert main(["run", *tiny_overrides, "lora.target_modules=[no_such_proj]"]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA matched no module" in err and "lora.target_modules" in err
+    assert not (tmp_path / "runs" / "tiny" / "adapter").exists()
+
+
+def test_interrupted_run_resumes_and_skips_finished_stages(tiny_overrides, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "tiny"
+    assert main(["run", *tiny_overrides]) == 0
+    baseline = (run_dir / "baseline" / "metrics.json").read_text()
+    # Simulate a crash after training: the fine-tuned evaluation never happened.
+    info = json.loads((run_dir / "run.json").read_text())
+    info["status"] = "failed"
+    (run_dir / "run.json").write_text(json.dumps(info))
+    for name in ("finetuned", "comparison.json", "comparison.csv"):
+        path = run_dir / name
+        if path.is_dir():
+            import shutil
+
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    capsys.readouterr()
+    assert main(["run", *tiny_overrides]) == 0
+    assert (run_dir / "baseline" / "metrics.json").read_text() == baseline  # not re-measured
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "finished"
+    assert "already" in info["stages"]["train"]["note"]
+    assert (run_dir / "finetuned" / "metrics.json").is_file()
+
+
+def test_resume_with_a_different_config_is_refused(tiny_overrides, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "tiny"
+    assert main(["run", *tiny_overrides]) == 0
+    info = json.loads((run_dir / "run.json").read_text())
+    info["status"] = "failed"
+    (run_dir / "run.json").write_text(json.dumps(info))
+    capsys.readouterr()
+    assert main(["run", *tiny_overrides, "lora.r=4"]) == 2
+    assert "different config" in capsys.readouterr().err

@@ -81,12 +81,19 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
     _announce_schedule(cfg, len(train_rows), args.world_size)
 
     tokenizer.padding_side = "right"  # training pads on the right; evaluation switches to left
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=val_rows,
-                         processing_class=tokenizer, peft_config=lora_config(cfg))
+    no_match = UserError(f"LoRA matched no module: lora.target_modules={cfg.lora.target_modules!r} found nothing to "
+                         f"adapt in {type(model).__name__}. Use `all-linear` or names of its linear layers "
+                         "(e.g. [q_proj, k_proj, v_proj, o_proj]); refusing to train nothing.")
+    try:
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=val_rows,
+                             processing_class=tokenizer, peft_config=lora_config(cfg))
+    except ValueError as err:
+        if "not found in the base model" in str(err):  # PEFT's own check, raised while wrapping the model
+            raise no_match from None
+        raise
     trainable, total = _count_parameters(trainer.model)
     if trainable == 0:
-        raise UserError(f"LoRA matched no module: lora.target_modules={cfg.lora.target_modules!r} found nothing to adapt "
-                        f"in {type(model).__name__}. Use `all-linear` or names of its linear layers (e.g. [q_proj, v_proj]).")
+        raise no_match
     print(f"Trainable parameters: {trainable:,} / {total:,} ({100 * trainable / total:.2f}%)", flush=True)
 
     last = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None

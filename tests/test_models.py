@@ -1,0 +1,94 @@
+"""Model sources (hub ids offline, mocked hub clients, local folders) and the chat-template fallback."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from emotune.config import ModelConfig
+from emotune.errors import UserError
+from emotune.models import GEMMA_CHAT_TEMPLATE, load_tokenizer, resolve_model_dir, stop_token_ids
+
+
+def test_hub_id_without_network_says_how_to_download(tmp_path):
+    cfg = ModelConfig(source="google/gemma-4-E4B-it", cache_dir=str(tmp_path))
+    with pytest.raises(UserError) as err:
+        resolve_model_dir(cfg)
+    message = str(err.value)
+    assert "google/gemma-4-E4B-it" in message and "Download it first" in message and "model.source" in message
+
+
+def test_hub_id_uses_the_hub_client(tmp_path, monkeypatch, tiny_model_dir):
+    calls = {}
+
+    def fake_snapshot_download(repo_id, revision=None, local_dir=None, allow_patterns=None):
+        calls.update(repo_id=repo_id, revision=revision, local_dir=local_dir)
+        return str(tiny_model_dir)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    cfg = ModelConfig(source="hf:google/gemma-4-E4B-it", revision="main", cache_dir=str(tmp_path))
+    assert resolve_model_dir(cfg) == Path(tiny_model_dir)
+    assert calls["repo_id"] == "google/gemma-4-E4B-it" and calls["revision"] == "main"
+    assert calls["local_dir"].startswith(str(tmp_path))
+
+
+def test_modelscope_id_uses_modelscope_client(tmp_path, monkeypatch, tiny_model_dir):
+    seen = {}
+    fake = types.ModuleType("modelscope")
+
+    def snapshot_download(repo_id, revision=None, local_dir=None):
+        seen["repo_id"] = repo_id
+        return str(tiny_model_dir)
+
+    fake.snapshot_download = snapshot_download
+    monkeypatch.setitem(sys.modules, "modelscope", fake)
+    cfg = ModelConfig(source="modelscope:google/gemma-4-E4B-it", cache_dir=str(tmp_path))
+    assert resolve_model_dir(cfg) == Path(tiny_model_dir)
+    assert seen["repo_id"] == "google/gemma-4-E4B-it"
+
+
+def test_modelscope_client_failure_is_a_clear_error(tmp_path, monkeypatch):
+    fake = types.ModuleType("modelscope")
+
+    def snapshot_download(repo_id, revision=None, local_dir=None):
+        raise ConnectionError("Failed to resolve 'www.modelscope.cn'")
+
+    fake.snapshot_download = snapshot_download
+    monkeypatch.setitem(sys.modules, "modelscope", fake)
+    with pytest.raises(UserError, match=r"modelscope download --model google/gemma-4-E4B-it"):
+        resolve_model_dir(ModelConfig(source="modelscope:google/gemma-4-E4B-it", cache_dir=str(tmp_path)))
+
+
+def test_bad_local_sources(tmp_path):
+    with pytest.raises(UserError, match="without config.json"):
+        resolve_model_dir(ModelConfig(source=str(tmp_path)))
+    with pytest.raises(UserError, match="neither"):
+        resolve_model_dir(ModelConfig(source=str(tmp_path / "missing" / "model")))
+
+
+def test_missing_chat_template_falls_back_to_gemma_turns(tiny_model_dir, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = None
+    tok.save_pretrained(folder)
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (folder / extra).unlink(missing_ok=True)
+    tokenizer = load_tokenizer(folder, ModelConfig(source=str(folder)))
+    assert tokenizer.chat_template == GEMMA_CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+         {"role": "assistant", "content": "joy"}], tokenize=False)
+    assert text == "<bos><start_of_turn>user\nbe brief\n\nhello<end_of_turn>\n<start_of_turn>model\njoy<end_of_turn>\n"
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<start_of_turn>model\n")
+    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in stop_token_ids(tokenizer)

