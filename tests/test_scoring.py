@@ -79,6 +79,31 @@ def test_default_prompt_and_single_text(tiny):
     torch.testing.assert_close(LabelScorer(model, tokenizer, prompt, labels).log_probs(TEXTS[:1]), expected[:1], atol=1e-4, rtol=1e-4)
 
 
+def test_rows_longer_than_the_sliding_window(tiny):
+    """The tiny model's sliding window is 64 tokens: a long row next to short ones, padded, still scores exactly."""
+    model, tokenizer = tiny
+    assert model.config.sliding_window == 64
+    texts = [" ".join(["i feel so lonely and lost today my friend"] * 7), "wow", "happy"]
+    ids = LabelScorer(model, tokenizer, PromptConfig(), TRIE_LABELS).prompt_ids(texts)
+    assert len(ids[0]) > 100 and len(ids[1]) < 64
+    expected = brute_force_log_probs(model, tokenizer, texts, PromptConfig(), TRIE_LABELS)
+    got = LabelScorer(model, tokenizer, PromptConfig(), TRIE_LABELS).log_probs(texts, batch_size=3)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_eager_attention(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from emotune.config import ModelConfig
+    from emotune.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    expected = brute_force_log_probs(model, tokenizer, TEXTS, SHORT_PROMPT, TRIE_LABELS)
+    torch.testing.assert_close(LabelScorer(model, tokenizer, SHORT_PROMPT, TRIE_LABELS).log_probs(TEXTS, 4), expected,
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_score_label_probs_is_a_distribution_over_labels(tiny):
     model, tokenizer = tiny
     probs = score_label_probs(model, tokenizer, TEXTS, SHORT_PROMPT, TRIE_LABELS, batch_size=3)
