@@ -41,13 +41,15 @@ def brute_force_log_probs(model, tokenizer, texts, prompt, labels) -> torch.Tens
     return out
 
 
-def test_label_tokens_include_end_of_turn(tiny):
+def test_end_of_turn_is_scored_only_when_labels_share_a_prefix(tiny):
     _, tokenizer = tiny
-    sequences = label_token_ids(tokenizer, SHORT_PROMPT, TRIE_LABELS)
     eot = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    sequences = label_token_ids(tokenizer, SHORT_PROMPT, TRIE_LABELS)
     assert [len(s) for s in sequences] == [2, 2, 3, 4, 2, 3]
     assert all(s[-1] == eot for s in sequences)
     assert sequences[2][:1] == sequences[1][:1] and sequences[3][:2] == sequences[2][:2]
+    disjoint = label_token_ids(tokenizer, SHORT_PROMPT, ["sadness", "very scared", "happy joy"])
+    assert [len(s) for s in disjoint] == [1, 2, 2] and eot not in sum(disjoint, [])
 
 
 def test_trie_shares_prefix_nodes():
@@ -70,7 +72,7 @@ def test_scores_equal_brute_force(tiny, padding_side, batch_size):
 
 
 def test_default_prompt_and_single_text(tiny):
-    """The default system prompt (the whole shared head cached) and one text alone (nothing shared but the probe)."""
+    """The default prompt and labels (no shared prefix: no end-of-turn), and one text alone."""
     model, tokenizer = tiny
     labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]
     prompt = PromptConfig()

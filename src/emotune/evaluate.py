@@ -163,24 +163,28 @@ def write_result(result: EvalResult, folder: Path) -> None:
 
 
 def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:
-    """Each label's completion tokens as the model sees them after the generation prompt, end-of-turn included.
+    """Each label's completion tokens as the model sees them right after the generation prompt.
 
-    Training teaches the completion `label<end_of_turn>`, so scoring the end-of-turn token too gives the
-    probability that the model answers exactly this label: `joy` then scores "joy and stop", not every
-    answer that starts with `joy` (`joyful`, `joy!`). Tokens come from the label rendered in context and
-    then cut after the prompt, so tokenizers that merge across the boundary are handled.
+    Training teaches the completion `label<end_of_turn>`. When no label's tokens are a prefix of another's,
+    the events "the answer starts with label i" are disjoint and each is scored by the label's own tokens.
+    When one is a prefix of another (`joy` / `joyful` tokenized as `joy` + `ful`), every label is scored with
+    its end-of-turn token, so `joy` means "joy, then stop". The end-of-turn token costs one more vocabulary
+    projection per label and row, which is why it is added only where it changes the answer. Tokens are
+    cut from the label rendered in context, so tokenizers that merge across the boundary are handled.
     """
     probe = tokenizer.apply_chat_template(prompt_messages("x", prompt, labels), tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
     end = END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else (tokenizer.eos_token or "")
-    sequences = []
-    for label in labels:
-        full = tokenizer(probe + label + end, add_special_tokens=False)["input_ids"]
+
+    def completion(text: str) -> list[int]:
+        full = tokenizer(probe + text, add_special_tokens=False)["input_ids"]
         if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
-            sequences.append(full[len(prompt_ids):])
-        else:  # the label merged with the prompt's last token: score it as tokenized on its own
-            sequences.append(tokenizer(label + end, add_special_tokens=False)["input_ids"])
-    return sequences
+            return full[len(prompt_ids):]
+        return tokenizer(text, add_special_tokens=False)["input_ids"]  # merged into the prompt: take it alone
+
+    bare = [completion(label) for label in labels]
+    ambiguous = any(i != j and b[:len(a)] == a for i, a in enumerate(bare) for j, b in enumerate(bare))
+    return [completion(label + end) for label in labels] if ambiguous and end else bare
 
 
 @dataclass(frozen=True)
@@ -380,7 +384,8 @@ def score_label_probs(model, tokenizer, texts: list[str], prompt: PromptConfig, 
                       batch_size: int = 16) -> torch.Tensor:
     """[len(texts), len(labels)] probabilities over the label set: softmax of each label's exact log-probability.
 
-    The prompt is the one `generate` uses (chat template, generation prompt); each label is scored as its
-    full completion `label<end_of_turn>` (see `label_token_ids`).
+    The prompt is the one `generate` uses (chat template, generation prompt); each label is scored by its
+    full token sequence, followed by the end-of-turn token when labels share a token prefix (see
+    `label_token_ids`).
     """
     return LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size).softmax(-1)
