@@ -41,13 +41,15 @@ def brute_force_log_probs(model, tokenizer, texts, prompt, labels) -> torch.Tens
     return out
 
 
-def test_label_tokens_include_end_of_turn(tiny):
+def test_end_of_turn_is_scored_only_when_labels_share_a_prefix(tiny):
     _, tokenizer = tiny
-    sequences = label_token_ids(tokenizer, SHORT_PROMPT, TRIE_LABELS)
     eot = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    sequences = label_token_ids(tokenizer, SHORT_PROMPT, TRIE_LABELS)
     assert [len(s) for s in sequences] == [2, 2, 3, 4, 2, 3]
     assert all(s[-1] == eot for s in sequences)
     assert sequences[2][:1] == sequences[1][:1] and sequences[3][:2] == sequences[2][:2]
+    disjoint = label_token_ids(tokenizer, SHORT_PROMPT, ["sadness", "very scared", "happy joy"])
+    assert [len(s) for s in disjoint] == [1, 2, 2] and eot not in sum(disjoint, [])
 
 
 def test_trie_shares_prefix_nodes():
@@ -70,13 +72,38 @@ def test_scores_equal_brute_force(tiny, padding_side, batch_size):
 
 
 def test_default_prompt_and_single_text(tiny):
-    """The default system prompt (the whole shared head cached) and one text alone (nothing shared but the probe)."""
+    """The default prompt and labels (no shared prefix: no end-of-turn), and one text alone."""
     model, tokenizer = tiny
     labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]
     prompt = PromptConfig()
     expected = brute_force_log_probs(model, tokenizer, TEXTS[:3], prompt, labels)
     torch.testing.assert_close(LabelScorer(model, tokenizer, prompt, labels).log_probs(TEXTS[:3], 2), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(LabelScorer(model, tokenizer, prompt, labels).log_probs(TEXTS[:1]), expected[:1], atol=1e-4, rtol=1e-4)
+
+
+def test_rows_longer_than_the_sliding_window(tiny):
+    """The tiny model's sliding window is 64 tokens: a long row next to short ones, padded, still scores exactly."""
+    model, tokenizer = tiny
+    assert model.config.sliding_window == 64
+    texts = [" ".join(["i feel so lonely and lost today my friend"] * 7), "wow", "happy"]
+    ids = LabelScorer(model, tokenizer, PromptConfig(), TRIE_LABELS).prompt_ids(texts)
+    assert len(ids[0]) > 100 and len(ids[1]) < 64
+    expected = brute_force_log_probs(model, tokenizer, texts, PromptConfig(), TRIE_LABELS)
+    got = LabelScorer(model, tokenizer, PromptConfig(), TRIE_LABELS).log_probs(texts, batch_size=3)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_eager_attention(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from emotune.config import ModelConfig
+    from emotune.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    expected = brute_force_log_probs(model, tokenizer, TEXTS, SHORT_PROMPT, TRIE_LABELS)
+    torch.testing.assert_close(LabelScorer(model, tokenizer, SHORT_PROMPT, TRIE_LABELS).log_probs(TEXTS, 4), expected,
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_score_label_probs_is_a_distribution_over_labels(tiny):

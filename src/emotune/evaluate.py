@@ -163,24 +163,28 @@ def write_result(result: EvalResult, folder: Path) -> None:
 
 
 def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:
-    """Each label's completion tokens as the model sees them after the generation prompt, end-of-turn included.
+    """Each label's completion tokens as the model sees them right after the generation prompt.
 
-    Training teaches the completion `label<end_of_turn>`, so scoring the end-of-turn token too gives the
-    probability that the model answers exactly this label: `joy` then scores "joy and stop", not every
-    answer that starts with `joy` (`joyful`, `joy!`). Tokens come from the label rendered in context and
-    then cut after the prompt, so tokenizers that merge across the boundary are handled.
+    Training teaches the completion `label<end_of_turn>`. When no label's tokens are a prefix of another's,
+    the events "the answer starts with label i" are disjoint and each is scored by the label's own tokens.
+    When one is a prefix of another (`joy` / `joyful` tokenized as `joy` + `ful`), every label is scored with
+    its end-of-turn token, so `joy` means "joy, then stop". The end-of-turn token costs one more vocabulary
+    projection per label and row, which is why it is added only where it changes the answer. Tokens are
+    cut from the label rendered in context, so tokenizers that merge across the boundary are handled.
     """
     probe = tokenizer.apply_chat_template(prompt_messages("x", prompt, labels), tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
     end = END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else (tokenizer.eos_token or "")
-    sequences = []
-    for label in labels:
-        full = tokenizer(probe + label + end, add_special_tokens=False)["input_ids"]
+
+    def completion(text: str) -> list[int]:
+        full = tokenizer(probe + text, add_special_tokens=False)["input_ids"]
         if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
-            sequences.append(full[len(prompt_ids):])
-        else:  # the label merged with the prompt's last token: score it as tokenized on its own
-            sequences.append(tokenizer(label + end, add_special_tokens=False)["input_ids"])
-    return sequences
+            return full[len(prompt_ids):]
+        return tokenizer(text, add_special_tokens=False)["input_ids"]  # merged into the prompt: take it alone
+
+    bare = [completion(label) for label in labels]
+    ambiguous = any(i != j and b[:len(a)] == a for i, a in enumerate(bare) for j, b in enumerate(bare))
+    return [completion(label + end) for label in labels] if ambiguous and end else bare
 
 
 @dataclass(frozen=True)
@@ -235,14 +239,15 @@ def _common_prefix(sequences: list[list[int]]) -> int:
 
 
 class LabelScorer:
-    """log P(label completion | chat prompt) for every label, exactly, in few forward passes.
+    """log P(label completion | chat prompt) for every label, exactly, in one forward pass per batch.
 
-    The prompt's shared head (system prompt and the user template up to the text) is computed once and its
-    KV cache reused by every batch; each batch runs only the row-specific suffix, then the label paths
-    (`LabelTrie`). The vocabulary projection runs only at the end of each prompt and at the label nodes.
-    Rows in a batch are padded in the middle (between the shared head and the suffix) with the padding
-    masked and positions set explicitly, so a row scores as it would alone; with sliding-window attention
-    this holds while a row plus its padding fits the window (Gemma 3: 512 tokens).
+    The prompt's shared head (system prompt and the user template up to the text) is computed once and
+    its KV cache reused by every batch. Each batch then feeds, per row, only the row-specific suffix
+    followed by the label tree (`LabelTrie.paths`), under an attention mask that lets every path token see
+    the prompt and its own path only. Rows are padded in the middle (between the head and the suffix);
+    padding is masked and positions are set explicitly, and sliding windows are applied by position, so
+    a row scores as it would alone. The vocabulary projection runs only at the end of each prompt and at
+    the label-tree nodes.
     """
 
     def __init__(self, model, tokenizer, prompt: PromptConfig, labels: list[str], padding_side: str = "left"):
@@ -251,6 +256,9 @@ class LabelScorer:
         self.trie = LabelTrie.build(label_token_ids(tokenizer, prompt, labels))
         self.padding_side = padding_side
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.layer_types = sorted(set(getattr(config, "layer_types", None) or []))
+        self.sliding_window = getattr(config, "sliding_window", None)
         self._prefix: tuple[tuple[int, ...], object] | None = None
 
     def prompt_ids(self, texts: list[str]) -> list[list[int]]:
@@ -264,17 +272,6 @@ class LabelScorer:
         probes = self.prompt_ids(["x", "y"])
         length = min(_common_prefix([*ids, *probes]), min(len(seq) for seq in ids) - 1)
         return ids[0][:length]
-
-    def _prefix_cache(self, prefix: list[int]):
-        from transformers import DynamicCache
-
-        if self._prefix is None or self._prefix[0] != tuple(prefix):
-            cache = DynamicCache(config=self.model.config)
-            if prefix:
-                device = self.head.weight.device
-                self.body(input_ids=torch.tensor([prefix], device=device), cache=cache, use_cache=True)
-            self._prefix = (tuple(prefix), cache)
-        return copy.deepcopy(self._prefix[1])
 
     @torch.inference_mode()
     def log_probs(self, texts: list[str], batch_size: int = 16, desc: str | None = None) -> torch.Tensor:
@@ -295,43 +292,84 @@ class LabelScorer:
             self.model.train(was_training)
         return out
 
+    def _attention_mask(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
+        """`allowed` [rows, queries, keys] in the form the model's attention takes, per layer type."""
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        if impl not in ("sdpa", "eager"):
+            raise UserError(f"eval.method=score needs the `sdpa` or `eager` attention implementation (the model uses "
+                            f"`{impl}`), because it passes its own attention mask. Load the model with sdpa.")
+
+        def as_mask(keep: torch.Tensor) -> torch.Tensor:
+            keep = keep[:, None]
+            if impl == "eager":
+                return torch.zeros(keep.shape, dtype=self.head.weight.dtype, device=keep.device).masked_fill(
+                    ~keep, torch.finfo(self.head.weight.dtype).min)
+            return keep
+
+        if not self.layer_types:
+            return as_mask(allowed)
+        masks = {}
+        for kind in self.layer_types:
+            keep = allowed
+            if kind == "sliding_attention" and self.sliding_window:
+                keep = allowed & (query_pos[:, :, None] - key_pos[:, None, :] < self.sliding_window)
+            masks[kind] = as_mask(keep)
+        return masks
+
+    def _prefix_cache(self, prefix: list[int]):
+        """KV cache of the shared head; a plain cache (no sliding truncation) so every layer keeps every key."""
+        from transformers import DynamicCache
+
+        if self._prefix is None or self._prefix[0] != tuple(prefix):
+            cache = DynamicCache()
+            if prefix:
+                device = self.head.weight.device
+                pos = torch.arange(len(prefix), device=device)[None]
+                allowed = pos[:, :, None] >= pos[:, None, :]
+                self.body(input_ids=torch.tensor([prefix], device=device), position_ids=pos,
+                          attention_mask=self._attention_mask(allowed, pos, pos), cache=cache, use_cache=True)
+            self._prefix = (tuple(prefix), cache)
+        return copy.deepcopy(self._prefix[1])
+
     def _score_batch(self, prefix: list[int], suffixes: list[list[int]]) -> torch.Tensor:
         device = self.head.weight.device
         rows, width, n_prefix = len(suffixes), max(len(s) for s in suffixes), len(prefix)
+        paths = self.trie.paths
+        tree_tokens = [token for path in paths for token in path]
+        tree_group = [m + 1 for m, path in enumerate(paths) for _ in path]  # group 0: prompt; m + 1: path m
+        tree_depth = [j for path in paths for j in range(len(path))]
+        path_start = [sum(len(p) for p in paths[:m]) for m in range(len(paths))]
+
         lengths = torch.tensor([len(s) for s in suffixes], device=device)
-        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((rows, width), dtype=torch.long, device=device)
+        input_ids = torch.full((rows, width + len(tree_tokens)), self.pad_id, dtype=torch.long, device=device)
+        valid = torch.zeros((rows, width), dtype=torch.bool, device=device)
         for r, suffix in enumerate(suffixes):
             span = slice(width - len(suffix), width) if self.padding_side == "left" else slice(0, len(suffix))
             input_ids[r, span] = torch.tensor(suffix, device=device)
-            mask[r, span] = 1
-        positions = n_prefix + (mask.cumsum(1) - 1).clamp(min=0)
-        head_mask = torch.ones((rows, n_prefix), dtype=torch.long, device=device)
+            valid[r, span] = True
+        input_ids[:, width:] = torch.tensor(tree_tokens, dtype=torch.long, device=device)
+
+        # Positions as if each row stood alone: the suffix follows the head, each path follows its row's suffix.
+        suffix_pos = n_prefix + (valid.long().cumsum(1) - 1).clamp(min=0)
+        tree_pos = n_prefix + lengths[:, None] + torch.tensor(tree_depth, device=device)
+        query_pos = torch.cat([suffix_pos, tree_pos], 1)
+        key_pos = torch.cat([torch.arange(n_prefix, device=device).expand(rows, -1), query_pos], 1)
+        group = torch.tensor([0] * width + tree_group, device=device)
+        key_group = torch.cat([torch.zeros(n_prefix, dtype=torch.long, device=device), group])
+        key_valid = torch.cat([torch.ones((rows, n_prefix), dtype=torch.bool, device=device), valid,
+                               torch.ones((rows, len(tree_tokens)), dtype=torch.bool, device=device)], 1)
+        same_branch = (key_group[None, :] == 0) | (key_group[None, :] == group[:, None])  # [queries, keys]
+        allowed = key_valid[:, None, :] & same_branch[None] & (key_pos[:, None, :] <= query_pos[:, :, None])
+
         cache = self._prefix_cache(prefix)
         cache.batch_repeat_interleave(rows)
-        hidden = self.body(input_ids=input_ids, attention_mask=torch.cat([head_mask, mask], 1), position_ids=positions,
-                           cache=cache, use_cache=True).last_hidden_state
+        hidden = self.body(input_ids=input_ids, position_ids=query_pos, cache=cache, use_cache=True,
+                           attention_mask=self._attention_mask(allowed, query_pos, key_pos)).last_hidden_state
+
         last = torch.full_like(lengths, width - 1) if self.padding_side == "left" else lengths - 1
-        node_hidden = [hidden[torch.arange(rows, device=device), last].unsqueeze(1)]  # node 0: end of the prompt
-
-        if self.trie.paths:  # every path follows its row's real suffix directly, padding stays masked
-            n_paths, path_len = len(self.trie.paths), max(len(p) for p in self.trie.paths)
-            path_ids = torch.full((n_paths, path_len), self.pad_id, dtype=torch.long, device=device)
-            path_mask = torch.zeros((n_paths, path_len), dtype=torch.long, device=device)
-            for m, path in enumerate(self.trie.paths):
-                path_ids[m, :len(path)] = torch.tensor(path, device=device)
-                path_mask[m, :len(path)] = 1
-            cache.batch_repeat_interleave(n_paths)
-            seen = torch.cat([head_mask, mask], 1).repeat_interleave(n_paths, 0)
-            path_positions = (n_prefix + lengths).repeat_interleave(n_paths)[:, None] + torch.arange(path_len, device=device)
-            path_hidden = self.body(input_ids=path_ids.repeat(rows, 1), attention_mask=torch.cat([seen, path_mask.repeat(rows, 1)], 1),
-                                    position_ids=path_positions, cache=cache, use_cache=True).last_hidden_state
-            path_hidden = path_hidden.view(rows, n_paths, path_len, -1)
-            m_index = torch.tensor([m for m, _ in self.trie.node_at], device=device)
-            j_index = torch.tensor([j for _, j in self.trie.node_at], device=device)
-            node_hidden.append(path_hidden[:, m_index, j_index])
-
-        logits = self.head(torch.cat(node_hidden, 1)).float()  # [rows, nodes, vocab]
+        columns = [last] + [torch.full_like(lengths, width + path_start[m] + j) for m, j in self.trie.node_at]
+        node_hidden = hidden[torch.arange(rows, device=device)[:, None], torch.stack(columns, 1)]  # [rows, nodes, hidden]
+        logits = self.head(node_hidden).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         node_logp = logits.log_softmax(-1)
@@ -346,7 +384,8 @@ def score_label_probs(model, tokenizer, texts: list[str], prompt: PromptConfig, 
                       batch_size: int = 16) -> torch.Tensor:
     """[len(texts), len(labels)] probabilities over the label set: softmax of each label's exact log-probability.
 
-    The prompt is the one `generate` uses (chat template, generation prompt); each label is scored as its
-    full completion `label<end_of_turn>` (see `label_token_ids`).
+    The prompt is the one `generate` uses (chat template, generation prompt); each label is scored by its
+    full token sequence, followed by the end-of-turn token when labels share a token prefix (see
+    `label_token_ids`).
     """
     return LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size).softmax(-1)
