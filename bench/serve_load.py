@@ -10,7 +10,7 @@ are answers other than a 200 with a valid label; `lost` are requests that got no
 with the unbatched run's requests/s as a ratio.
 
 `--model small` (default) is a random Gemma 3 with the packaged model's depth (18 layers) but a tiny
-width and vocabulary, so a forward pass costs about the same for 1 row as for 32, as on a GPU: the
+width and vocabulary, so a forward pass of 32 rows costs little more than one of 1 row, as on a GPU: the
 numbers measure the server and its batching, not the CPU's arithmetic. `--model embedded` runs the
 packaged Gemma 3 270M, which on a CPU is compute-bound per row (batching gains little there).
 """
