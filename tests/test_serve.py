@@ -251,8 +251,11 @@ def test_full_queue_answers_503_and_recovers(server, http):
 
 
 def test_graceful_shutdown_finishes_requests_in_flight(adapters_root):
-    engine, app = start(adapters_root)
+    engine, app = start(adapters_root, admin_key=None)
     with running(app) as (url, uvicorn_server):
+        # without an admin key, adapter management is off for everyone
+        off = httpx.post(url + "/v1/adapters", headers=AUTH, json={"name": "second", "path": "second"})
+        assert "admin_key" in _error(off, 403)
         result = {}
 
         def call():
