@@ -107,3 +107,37 @@ def tiny_overrides(tiny_model_dir, data_dir, tmp_path) -> list[str]:
         "train.gradient_checkpointing=false", "train.precision=fp32", "train.eval_steps=1", "train.save_steps=1",
         "train.logging_steps=1", "train.learning_rate=0.01", "eval.batch_size=5", "model.cache_dir=" + str(tmp_path / "cache"),
     ]
+
+
+def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4, **lora_kwargs) -> Path:
+    """A run-like folder (config.yaml + adapter/ with emotune.json) holding a random, non-zero LoRA adapter.
+
+    `init_lora_weights=False` gives B != 0, so the adapter really changes the logits (a fresh LoRA is a no-op).
+    """
+    import torch
+    import yaml
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from emotune.config import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM",
+                      **lora_kwargs)
+    model = get_peft_model(base, lora)
+    adapter = run_dir / "adapter"
+    model.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(adapter)
+    meta = {"labels": LABELS, "system_prompt": DEFAULT_SYSTEM_PROMPT.replace("{labels}", ", ".join(LABELS)),
+            "system_prompt_template": DEFAULT_SYSTEM_PROMPT, "user_template": DEFAULT_USER_TEMPLATE,
+            "base_model": str(model_dir), "eval": {}}
+    (adapter / "emotune.json").write_text(json.dumps(meta, indent=2))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"source": str(model_dir)}}))
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_run_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A finished-run-like folder with a random LoRA adapter on the tiny model (built in about a second)."""
+    return write_tiny_adapter(tiny_model_dir, tmp_path_factory.mktemp("runs") / "tiny")

@@ -46,6 +46,32 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from emotune.export import export
+
+    export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype)
+    return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from emotune.predict import predict_cli
+
+    return predict_cli(args.target, args.texts, args.file, args.out, args.text_column, args.batch_size, args.device)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from emotune.config import load_config
+    from emotune.serve import serve
+
+    config = next((a for a in args.items if a.endswith((".yaml", ".yml"))), None)
+    overrides = [a for a in args.items if "=" in a and a != config]
+    targets = [a for a in args.items if a not in overrides and a != config]
+    if args.engine:
+        overrides.append(f"serve.engine={args.engine}")
+    serve(load_config(config, overrides), targets)
+    return 0
+
+
 def _load(args: argparse.Namespace):
     from emotune.config import load_config
 
@@ -59,6 +85,9 @@ COMMANDS = {
     "run": (_cmd_run, "baseline → LoRA fine-tune → re-measure → compare, into runs/<name>/"),
     "data": (_cmd_data, "validate, clean and split the data with the tokenizer only; write runs/<name>/data/"),
     "doctor": (_cmd_doctor, "report backend (ROCm/CUDA/MPS/CPU), devices, precision support, versions, hints"),
+    "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts"),
+    "predict": (_cmd_predict, "classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or merged model"),
+    "serve": (_cmd_serve, "OpenAI-compatible HTTP server: /v1/classify, /v1/chat/completions, hot-swappable adapters"),
     "config": (_cmd_config, "print the resolved config (or every field with its documentation)"),
 }
 
@@ -73,6 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=2")
         if name == "config":
             p.add_argument("--fields", action="store_true", help="list every config key with its default and docstring")
+        if name == "export":
+            p.add_argument("run_dir", help="run folder (runs/<name>) or adapter folder")
+            p.add_argument("--out", help="output folder (default: RUN_DIR/export)")
+            p.add_argument("--merge", action="store_true", help="also write the base with the adapter folded in")
+            p.add_argument("--vllm", action="store_true", help="also write vLLM launch scripts and a client example")
+            p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                           help="dtype of the merged weights (auto: the base model's own)")
+        if name == "predict":
+            p.add_argument("target", help="run folder, export folder, adapter folder or merged model folder")
+            p.add_argument("texts", nargs="*", help="texts to classify")
+            p.add_argument("--file", help="CSV/TSV/JSONL file of texts to classify (with --out)")
+            p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label>")
+            p.add_argument("--text-column", default="text", help="column of --file holding the text (default: text)")
+            p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
+            p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+        if name == "serve":
+            p.add_argument("items", nargs="*", metavar="TARGET|CONFIG|key=value",
+                           help="run/adapter folders to serve (name = folder name), an optional YAML config, "
+                                "and overrides such as serve.port=8001 serve.api_key=env:EMOTUNE_API_KEY")
+            p.add_argument("--engine", choices=["native", "vllm"], help="same as serve.engine=...")
         if name == "doctor":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser

@@ -277,6 +277,55 @@ class EvalConfig(Section):
         return value
 
 
+class ServeConfig(Section):
+    host: str = "127.0.0.1"
+    """Address `emotune serve` listens on; 0.0.0.0 exposes it to the network (set api_key then)."""
+    port: int = 8000
+    """TCP port of `emotune serve`."""
+    engine: Literal["native", "vllm"] = "native"
+    """`native`: emotune's own server (PyTorch, any device). `vllm`: hand the adapters to `vllm serve`
+    (needs vllm installed; no /v1/classify there)."""
+    api_key: str | None = None
+    """Bearer key every request must send (`Authorization: Bearer KEY`); null = no key. `env:NAME` reads
+    it from the environment variable NAME, which keeps it out of the process list."""
+    admin_key: str | None = None
+    """Bearer key for loading and unloading adapters (POST/DELETE /v1/adapters); null = those endpoints
+    are off. `env:NAME` as for api_key."""
+    adapter_dirs: list[str] = ["runs"]
+    """Folders adapters may be loaded from at run time (POST /v1/adapters); paths outside them, after
+    resolving links and `..`, are refused."""
+    max_batch_size: int = 32
+    """Most texts scored in one forward pass; concurrent classify requests are micro-batched up to it."""
+    batch_wait_ms: float = 5.0
+    """How long the first request of a micro-batch waits for others to join it."""
+    max_queue: int = 256
+    """Most texts waiting to be classified; beyond it requests are answered 503 at once."""
+    max_inputs: int = 64
+    """Most texts in one /v1/classify request (422 beyond)."""
+    max_input_chars: int = 4000
+    """Longest text, or chat message, accepted (422 beyond)."""
+    max_body_bytes: int = 1_000_000
+    """Largest request body accepted (413 beyond)."""
+    max_new_tokens: int = 256
+    """Most tokens one chat completion may generate (`max_tokens` above it is 422)."""
+    shutdown_timeout_s: float = 30.0
+    """On shutdown, how long requests in flight may take to finish."""
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, value: int) -> int:
+        if not 0 <= value < 65536:
+            raise ValueError("must be a TCP port number (0 picks a free one)")
+        return value
+
+    @field_validator("max_batch_size", "max_queue", "max_inputs", "max_input_chars", "max_body_bytes", "max_new_tokens")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be a positive integer")
+        return value
+
+
 class RunConfig(Section):
     name: str | None = None
     """Run folder name under `output_dir`; default: the config file's name, or `default`."""
@@ -294,6 +343,7 @@ class RunConfig(Section):
     lora: LoraSettings = LoraSettings()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    serve: ServeConfig = ServeConfig()
 
     @property
     def run_dir(self) -> Path:

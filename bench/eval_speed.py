@@ -1,0 +1,104 @@
+"""Evaluation speed: the reference recipe's decoding vs emotune's batched `generate` vs emotune's `score`.
+
+    PYTHONPATH=src python bench/eval_speed.py [--rows 400] [--dtype bfloat16] [--batch-size 16]
+
+The packaged Gemma 3 270M on the first `--rows` rows of ../shared/datasets/emotion/test.jsonl (relative
+to the repository; skipped with a message when absent), all three methods in one process, one dtype,
+the same prompts. Prints one JSON line:
+    rows, reference_rows_per_s, generate_rows_per_s, score_rows_per_s, ratio (score / reference),
+    score_vs_generate, agreement (share of rows where score and generate agree), invalid_*, accuracy_*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from emotune.config import EvalConfig, ModelConfig, PromptConfig
+from emotune.data import prompt_messages
+from emotune.evaluate import INVALID, LabelScorer, extract_label, generate_outputs, label_pattern
+from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+
+DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "datasets" / "emotion" / "test.jsonl"
+
+
+def reference_generate_label(model, tokenizer, text: str, prompt: PromptConfig, labels: list[str]) -> str:
+    """The recipe's generate_label(): one row, chat template, greedy, 4 new tokens, first label name by regex."""
+    inputs = tokenizer.apply_chat_template(prompt_messages(text, prompt, labels), add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True).to(model.device)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False, eos_token_id=stop_token_ids(tokenizer),
+                             pad_token_id=tokenizer.pad_token_id, top_p=None, top_k=None, temperature=None)
+    generated = tokenizer.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip().lower()
+    match = re.search("(" + "|".join(labels) + ")", generated)
+    return match.group(1) if match else INVALID
+
+
+def timed(fn):
+    started = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=400)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--data", type=Path, default=DATA)
+    args = parser.parse_args()
+    if not args.data.is_file():
+        print(f"skipped: {args.data} not found (the emotion test split is needed for this benchmark)")
+        return 0
+
+    records = [json.loads(line) for line in args.data.read_text(encoding="utf-8").splitlines() if line.strip()]
+    labels = [name for _, name in sorted({(r["label_id"], r["label"]) for r in records})]
+    rows = records[:args.rows]
+    texts, gold = [r["text"] for r in rows], [r["label"] for r in rows]
+    prompt = PromptConfig()
+    torch.manual_seed(0)
+    model_dir = resolve_model_dir(ModelConfig())
+    tokenizer = load_tokenizer(model_dir, ModelConfig())
+    model = load_model(model_dir, getattr(torch, args.dtype), torch.device("cpu")).eval()
+
+    reference, reference_s = timed(lambda: [reference_generate_label(model, tokenizer, t, prompt, labels) for t in texts])
+    cfg = EvalConfig(batch_size=args.batch_size)
+    pattern = label_pattern(labels)
+    raw, generate_s = timed(lambda: generate_outputs(model, tokenizer, texts, prompt, labels, cfg, desc=None))
+    generated = [extract_label(output, labels, pattern) for output in raw]
+    log_probs, score_s = timed(lambda: LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, args.batch_size))
+    scored = [labels[i] for i in log_probs.argmax(-1).tolist()]
+
+    def accuracy(predicted: list[str]) -> float:
+        return round(sum(p == g for p, g in zip(predicted, gold)) / len(gold), 4)
+
+    n = len(texts)
+    print(json.dumps({
+        "rows": n,
+        "reference_rows_per_s": round(n / reference_s, 2),
+        "generate_rows_per_s": round(n / generate_s, 2),
+        "score_rows_per_s": round(n / score_s, 2),
+        "ratio": round(reference_s / score_s, 2),
+        "score_vs_generate": round(generate_s / score_s, 2),
+        "agreement": round(sum(s == g for s, g in zip(scored, generated)) / n, 4),
+        "invalid_reference": sum(p == INVALID for p in reference),
+        "invalid_generate": sum(p == INVALID for p in generated),
+        "invalid_score": sum(p not in labels for p in scored),
+        "accuracy_reference": accuracy(reference),
+        "accuracy_generate": accuracy(generated),
+        "accuracy_score": accuracy(scored),
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "threads": torch.get_num_threads(),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""`emotune predict`: classify texts from the command line or a file with a run's adapter or merged model.
+
+Labels come from the scoring method (the probability of each label as the model's reply, over the
+label set), with the classifier's own system prompt, user template and chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from emotune import device as device_mod
+from emotune.errors import UserError
+from emotune.evaluate import score_label_probs
+from emotune.export import Artifact, find_artifact, load_artifact_model
+
+READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
+           ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
+           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False)}
+
+
+class Classifier:
+    """A loaded artifact: texts in, label probabilities out."""
+
+    def __init__(self, artifact: Artifact, device: str = "auto"):
+        self.artifact = artifact
+        torch_device = device_mod.resolve_device(device)
+        dtype = device_mod.choose_precision(torch_device, "auto").dtype
+        self.model, self.tokenizer = load_artifact_model(artifact, dtype, torch_device)
+
+    def probs(self, texts: list[str], batch_size: int = 16) -> torch.Tensor:
+        return score_label_probs(self.model, self.tokenizer, texts, self.artifact.prompt, self.artifact.labels, batch_size)
+
+
+def predict_cli(target: str, texts: list[str], file: str | None, out: str | None, text_column: str,
+                batch_size: int, device: str) -> int:
+    if bool(texts) == bool(file):
+        raise UserError("Give texts to classify as arguments, or --file in.csv --out out.csv (not both, not neither).")
+    if file and not out:
+        raise UserError("--file needs --out, the CSV file the labels and probabilities are written to.")
+    if batch_size < 1:
+        raise UserError("--batch-size must be a positive number of texts.")
+    rows = _read_table(Path(file), text_column) if file else None  # bad input fails before weights load
+    artifact = find_artifact(target)
+    classifier = Classifier(artifact, device)
+    if rows is None:
+        probs = classifier.probs(texts, batch_size)
+        for text, row in zip(texts, probs.tolist()):
+            print(json.dumps({"text": text, **labelled(row, artifact.labels)}, ensure_ascii=False))
+        return 0
+    probs = _probs_with_progress(classifier, rows[text_column].astype(str).tolist(), batch_size)
+    _write_table(rows, probs, artifact.labels, Path(out))
+    print(f"Wrote {len(rows)} predictions to {out}", flush=True)
+    return 0
+
+
+def labelled(probs: list[float], labels: list[str]) -> dict:
+    best = max(range(len(labels)), key=probs.__getitem__)
+    return {"label": labels[best], "probs": {label: round(p, 6) for label, p in zip(labels, probs)}}
+
+
+def _probs_with_progress(classifier: Classifier, texts: list[str], batch_size: int) -> torch.Tensor:
+    chunk = batch_size * 8  # large enough that the shared prompt head is computed rarely
+    parts = []
+    with tqdm(total=len(texts), desc="predict", unit="text") as bar:
+        for start in range(0, len(texts), chunk):
+            parts.append(classifier.probs(texts[start:start + chunk], batch_size))
+            bar.update(len(parts[-1]))
+    return torch.cat(parts) if parts else torch.empty(0, len(classifier.artifact.labels))
+
+
+def _read_table(path: Path, text_column: str) -> pd.DataFrame:
+    reader = READERS.get(path.suffix.lower())
+    if reader is None:
+        raise UserError(f"--file `{path}`: unsupported type `{path.suffix}`. Use {', '.join(READERS)}.")
+    if not path.is_file():
+        raise UserError(f"--file `{path}` does not exist.")
+    try:
+        rows = reader(path)
+    except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as err:
+        raise UserError(f"Could not read `{path}`: {str(err).splitlines()[0][:300]}. Check the file's format.") from None
+    if text_column not in rows.columns:
+        raise UserError(f"`{path}` has no column `{text_column}` (columns: {', '.join(map(str, rows.columns))}). "
+                        "Pass --text-column NAME.")
+    return rows
+
+
+def _write_table(rows: pd.DataFrame, probs: torch.Tensor, labels: list[str], out: Path) -> None:
+    result = rows.copy()
+    result["label"] = [labels[i] for i in probs.argmax(-1).tolist()] if len(rows) else []
+    for j, label in enumerate(labels):
+        result[f"p_{label}"] = probs[:, j].tolist() if len(rows) else []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    result.to_csv(tmp, index=False)
+    tmp.replace(out)

@@ -1,0 +1,145 @@
+"""`emotune export` (adapter, merged model, vLLM hand-off) and `emotune predict`, on the tiny model."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import LABELS, write_tiny_adapter
+from emotune.cli import main
+from emotune.export import find_artifact, max_lora_rank, merge_parity_gap
+
+TEXTS = ["i am so happy today", "my friend was furious", "lonely and lost this morning"]
+
+
+def test_merged_model_matches_base_plus_adapter(tiny_run_dir, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert main(["export", str(tiny_run_dir), "--merge", "--vllm", "--dtype", "float32", "--out", str(out)]) == 0
+    for name in ("adapter/adapter_model.safetensors", "adapter/emotune.json", "adapter/chat_template.jinja",
+                 "merged/model.safetensors", "merged/config.json", "merged/generation_config.json",
+                 "merged/tokenizer.json", "merged/chat_template.jinja", "merged/emotune.json", "config.yaml",
+                 "vllm/serve_lora.sh", "vllm/serve_merged.sh", "vllm/client.py"):
+        assert (out / name).is_file(), name
+    assert not (tmp_path / "export.partial").exists()
+
+    # the adapter really moves the logits, so a merge that dropped it would fail the parity check below
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(find_artifact(tiny_run_dir).model_cfg.source, dtype=torch.float32)
+    ids = torch.tensor([[2, 10, 11, 12, 13]])
+    assert (merged(ids).logits - base(ids).logits).abs().max() > 1e-3
+
+    assert merge_parity_gap(tiny_run_dir, TEXTS, merged_dir=out / "merged") < 1e-4
+    assert merge_parity_gap(tiny_run_dir, TEXTS) < 1e-4
+    generation = json.loads((out / "merged" / "generation_config.json").read_text())
+    assert 5 in generation["eos_token_id"]  # <end_of_turn> ends a chat turn
+
+
+def test_merge_keeps_the_base_dtype_by_default(tiny_run_dir, tmp_path):
+    out = tmp_path / "export"
+    assert main(["export", str(tiny_run_dir), "--merge", "--out", str(out)]) == 0
+    config = json.loads((out / "merged" / "config.json").read_text())
+    assert config["dtype"] == "float32"  # the tiny base is saved in fp32
+    assert not (out / "vllm").exists()
+
+
+def test_vllm_launch_scripts_pass_the_right_flags(tiny_run_dir, tmp_path):
+    out = tmp_path / "export"
+    assert main(["export", str(tiny_run_dir), "--merge", "--vllm", "--out", str(out)]) == 0
+    # a stand-in `vllm` that prints its arguments shows what the scripts really run, paths resolved
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "vllm").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    (fake_bin / "vllm").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+
+    lora = subprocess.run(["bash", str(out / "vllm" / "serve_lora.sh"), "--port", "8001"], env=env,
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    model_dir = find_artifact(tiny_run_dir).model_cfg.source
+    assert lora[:2] == ["serve", str(model_dir)]
+    assert lora[lora.index("--lora-modules") + 1] == f"tiny={out.resolve()}/adapter"
+    assert lora[lora.index("--max-lora-rank") + 1] == "8"  # r=4 rounds up to vLLM's smallest rank above 1
+    assert "--enable-lora" in lora and lora[-2:] == ["--port", "8001"]
+    assert lora[lora.index("--chat-template") + 1] == f"{out.resolve()}/adapter/chat_template.jinja"
+
+    merged = subprocess.run(["bash", str(out / "vllm" / "serve_merged.sh")], env=env, capture_output=True, text=True,
+                            check=True).stdout.splitlines()
+    assert merged[:2] == ["serve", f"{out.resolve()}/merged"]
+    assert merged[merged.index("--served-model-name") + 1] == "tiny"
+
+    client = (out / "vllm" / "client.py").read_text()
+    compile(client, "client.py", "exec")
+    assert '{"structured_outputs": {"choice": LABELS}}' in client and f"LABELS = {LABELS!r}" in client
+
+
+def test_dora_adapter_gets_the_merged_route(tiny_model_dir, tmp_path, capsys):
+    run_dir = write_tiny_adapter(tiny_model_dir, tmp_path / "dora", use_dora=True)
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--vllm", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "vLLM cannot hot-load" in said and "DoRA" in said
+    assert (out / "merged" / "model.safetensors").is_file() and (out / "vllm" / "serve_merged.sh").is_file()
+    assert not (out / "vllm" / "serve_lora.sh").exists()
+
+
+def test_max_lora_rank_rounds_up_to_a_vllm_rank():
+    assert max_lora_rank({"r": 16}) == 16
+    assert max_lora_rank({"r": 4}) == 8
+    assert max_lora_rank({"r": 16, "rank_pattern": {"q_proj": 48}}) == 64
+
+
+def test_export_errors(tiny_run_dir, tmp_path, capsys):
+    assert main(["export", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["export", str(tmp_path)]) == 2
+    assert "no emotune adapter" in capsys.readouterr().err
+    assert main(["export", str(tiny_run_dir), "--out", str(tiny_run_dir)]) == 2
+    assert "delete the source" in capsys.readouterr().err
+    assert (tiny_run_dir / "adapter" / "adapter_config.json").is_file()
+
+
+def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
+    assert main(["predict", str(tiny_run_dir), *TEXTS]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [line["text"] for line in lines] == TEXTS
+    for line in lines:
+        assert list(line["probs"]) == LABELS
+        assert sum(line["probs"].values()) == pytest.approx(1.0, abs=1e-4)
+        assert line["label"] == max(line["probs"], key=line["probs"].get)
+
+    source = tmp_path / "in.csv"
+    with source.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["id", "text"])
+        writer.writerows([[i, t] for i, t in enumerate(TEXTS)])
+    out = tmp_path / "out.csv"
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(out), "--batch-size", "2"]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["text"] for r in rows] == TEXTS and [r["id"] for r in rows] == ["0", "1", "2"]
+    for row, line in zip(rows, lines):  # file and argument paths agree
+        assert row["label"] == line["label"]
+        assert float(row["p_joy"]) == pytest.approx(line["probs"]["joy"], abs=1e-5)
+
+
+def test_predict_errors(tiny_run_dir, tmp_path, capsys):
+    assert main(["predict", str(tiny_run_dir)]) == 2
+    assert "Give texts" in capsys.readouterr().err
+    source = tmp_path / "in.csv"
+    source.write_text("sentence\nhello\n")
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(tmp_path / "o.csv")]) == 2
+    assert "--text-column" in capsys.readouterr().err
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_serve_with_vllm_engine_needs_vllm(tiny_run_dir, capsys):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    assert main(["serve", str(tiny_run_dir), "--engine", "vllm"]) == 2
+    assert "needs the `vllm` package" in capsys.readouterr().err
