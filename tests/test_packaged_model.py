@@ -32,6 +32,11 @@ def test_embedded_default_runs_end_to_end(tmp_path, capsys):
     assert (run_dir / "adapter" / "adapter_model.safetensors").stat().st_size > 1_000_000  # r16 on all linear layers
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
 
+    # The merged model equals base + adapter (fp32; GGUF-sourced base).
+    from emotune.export import merge_parity_gap
+
+    assert merge_parity_gap(run_dir, ["i feel so lonely today", "what a wonderful surprise"]) < 1e-4
+
     # The converted folder is reused: resolving the source again converts nothing.
     from emotune.config import ModelConfig
     from emotune.models import resolve_model_dir
