@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from datasets import Dataset
-import numpy as np
 from sklearn.metrics import (accuracy_score, confusion_matrix, f1_score, log_loss, precision_recall_fscore_support,
                              top_k_accuracy_score)
 from tqdm.auto import tqdm
