@@ -113,3 +113,21 @@ def test_score_label_probs_is_a_distribution_over_labels(tiny):
     torch.testing.assert_close(probs.sum(-1), torch.ones(len(TEXTS)))
     expected = brute_force_log_probs(model, tokenizer, TEXTS, SHORT_PROMPT, TRIE_LABELS).softmax(-1)
     torch.testing.assert_close(probs, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_real_model_scores_equal_brute_force():
+    """The packaged Gemma 3 270M and its tokenizer: `sadness` is two tokens, the vocabulary 262,144 wide."""
+    from emotune.config import ModelConfig
+    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(ModelConfig())
+    tokenizer = load_tokenizer(model_dir, ModelConfig())
+    model = load_model(model_dir, torch.float32, torch.device("cpu")).eval()
+    labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]
+    sequences = label_token_ids(tokenizer, PromptConfig(), labels)
+    assert sequences[0] == [37918, 1788] and all(len(s) == 1 for s in sequences[1:])  # no shared prefix: no end-of-turn
+    texts = ["i feel so alone tonight", "this is the best day of my whole life and i cannot stop smiling"]
+    expected = brute_force_log_probs(model, tokenizer, texts, PromptConfig(), labels)
+    got = LabelScorer(model, tokenizer, PromptConfig(), labels).log_probs(texts, batch_size=2)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)

@@ -27,6 +27,25 @@ def _cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from emotune.evaluate import run_eval
+
+    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.config, args.overrides = None, [args.config, *args.overrides]
+    # `adapter=DIR` and `split=NAME` are shorthands of this command, everything else is a config override
+    adapter = next((o.partition("=")[2] for o in args.overrides if o.startswith("adapter=")), None)
+    args.overrides = [f"eval.{o}" if o.startswith("split=") else o for o in args.overrides if not o.startswith("adapter=")]
+    run_eval(_load(args), adapter)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from emotune.report import write_report
+
+    print(f"Report: {write_report(args.run_dir)}")
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from emotune.device import doctor, format_report
 
@@ -84,6 +103,8 @@ def _load(args: argparse.Namespace):
 COMMANDS = {
     "run": (_cmd_run, "baseline → LoRA fine-tune → re-measure → compare, into runs/<name>/"),
     "data": (_cmd_data, "validate, clean and split the data with the tokenizer only; write runs/<name>/data/"),
+    "eval": (_cmd_eval, "evaluate the base model, an adapter folder or a run folder alone: eval CONFIG [adapter=DIR] [split=test]"),
+    "report": (_cmd_report, "write RUN_DIR/report.html (self-contained) and the figures as PNGs"),
     "doctor": (_cmd_doctor, "report backend (ROCm/CUDA/MPS/CPU), devices, precision support, versions, hints"),
     "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts"),
     "predict": (_cmd_predict, "classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or merged model"),
@@ -97,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("run", "config", "data"):
+        if name in ("run", "config", "data", "eval"):
             p.add_argument("config", nargs="?", help="YAML config file (optional; defaults are the embedded CPU recipe)")
             p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=2")
         if name == "config":
@@ -122,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="run/adapter folders to serve (name = folder name), an optional YAML config, "
                                 "and overrides such as serve.port=8001 serve.api_key=env:EMOTUNE_API_KEY")
             p.add_argument("--engine", choices=["native", "vllm"], help="same as serve.engine=...")
+        if name == "report":
+            p.add_argument("run_dir", help="a run folder, e.g. runs/cpu")
         if name == "doctor":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser

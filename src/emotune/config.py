@@ -259,21 +259,31 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
-    method: Literal["generate"] = "generate"
-    """How a label is predicted: `generate` = the reference recipe (greedy decoding, then a regex
-    picks the first label name in the output; INVALID when none matches)."""
+    method: Literal["generate", "score", "both"] = "generate"
+    """How a label is predicted: `generate` = the reference recipe (greedy decoding, then a regex picks the
+    first label name in the output; INVALID when none matches); `score` = the exact probability of every
+    label's tokens after the same prompt, highest wins (never invalid; adds top-2 accuracy, log-loss,
+    calibration); `both` = run both, `generate` as the headline."""
     max_new_tokens: int = 4
     """Tokens generated per row by the `generate` method."""
-    batch_size: int = 16
-    """Rows per forward pass during evaluation."""
+    batch_size: int | Literal["auto"] = "auto"
+    """Rows per forward pass during evaluation; `auto` = as many as fit in 40% of free memory, at most 16
+    (generate) / 32 (score) on CPU and 64 / 128 on GPUs. Out of memory halves it and retries."""
     split: Literal["test", "validation"] = "test"
     """Split measured before and after training."""
 
-    @field_validator("max_new_tokens", "batch_size")
+    @field_validator("max_new_tokens")
     @classmethod
     def _positive(cls, value: int) -> int:
         if value < 1:
             raise ValueError("must be a positive integer")
+        return value
+
+    @field_validator("batch_size")
+    @classmethod
+    def _positive_or_auto(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
+            raise ValueError("must be a positive integer or `auto`")
         return value
 
 

@@ -1,8 +1,12 @@
-"""The evaluation stage: the same prompts and decoding before and after training, then metrics.
+"""The evaluation stage: the same prompts before and after training, two ways to read a label, then metrics.
 
 `generate` is the reference recipe's method: chat template, greedy decoding with `max_new_tokens`,
 a regex that takes the first label name in the output, INVALID when none matches. Batched with left
 padding, which gives the same greedy tokens as one row at a time up to floating-point ties.
+
+`score` reads the same prompt's exact probability of every label (`LabelScorer`) and predicts the most
+likely one, so it can never emit an invalid label; its probabilities also give top-2 accuracy, log-loss
+and calibration. Both sort rows by length to cut padding and halve the batch on out-of-memory.
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from datasets import Dataset
-from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_recall_fscore_support
+from sklearn.metrics import (accuracy_score, confusion_matrix, f1_score, log_loss, precision_recall_fscore_support,
+                             top_k_accuracy_score)
 from tqdm.auto import tqdm
 
 from emotune.config import EvalConfig, PromptConfig
-from emotune.data import prompt_messages
+from emotune.data import prompt_messages, system_prompt
 from emotune.errors import UserError
 from emotune.models import END_OF_TURN, stop_token_ids
 
@@ -32,7 +38,7 @@ UNSPACED_SCRIPTS = ("CJK", "HIRAGANA", "KATAKANA", "HANGUL", "THAI", "LAO", "KHM
 
 @dataclass
 class EvalResult:
-    rows: list[dict[str, str]]  # text, gold, raw_output, predicted
+    rows: list[dict]  # text, gold, predicted; generate: raw_output; score: p_<label> for every label
     metrics: dict
 
 
@@ -93,45 +99,112 @@ def run_in_batches(order: list[int], batch_size: int, step, desc: str | None = N
 
 @torch.inference_mode()
 def generate_outputs(model, tokenizer, texts: list[str], prompt: PromptConfig, labels: list[str],
-                     cfg: EvalConfig, desc: str) -> list[str]:
+                     cfg: EvalConfig, desc: str | None, batch_size: int | None = None) -> list[str]:
     """Greedy-decode up to `max_new_tokens` for every text; batches sorted by length to cut padding."""
     device = next(model.parameters()).device
     prompts = [tokenizer.apply_chat_template(prompt_messages(t, prompt, labels), tokenize=False, add_generation_prompt=True)
                for t in texts]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[str] = [""] * len(prompts)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens must follow the real prompt directly
+
+    def step(batch: list[int]) -> None:
+        # the chat template already holds <bos>; adding special tokens again would double it
+        enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        generated = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1,
+                                   eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   top_p=None, top_k=None, temperature=None)
+        new_tokens = generated[:, enc["input_ids"].shape[1]:]
+        for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True)):
+            outputs[i] = text.strip()
+
     was_training = model.training
     model.eval()
-    with tqdm(total=len(prompts), desc=desc, unit="row") as bar:
-        for start in range(0, len(order), cfg.batch_size):
-            batch = order[start:start + cfg.batch_size]
-            # the chat template already holds <bos>; adding special tokens again would double it
-            enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            generated = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1,
-                                       eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                       top_p=None, top_k=None, temperature=None)
-            new_tokens = generated[:, enc["input_ids"].shape[1]:]
-            for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True)):
-                outputs[i] = text.strip()
-            bar.update(len(batch))
-    model.train(was_training)
+    try:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        run_in_batches(order, batch_size or (cfg.batch_size if cfg.batch_size != "auto" else 16), step, desc)
+    finally:
+        model.train(was_training)
     return outputs
 
 
+def eval_methods(cfg: EvalConfig) -> list[str]:
+    """The methods to run, the reference first: its numbers are the run's headline (`baseline/metrics.json`)."""
+    return ["generate", "score"] if cfg.method == "both" else [cfg.method]
+
+
 def evaluate(model, tokenizer, dataset: Dataset, labels: list[str], prompt: PromptConfig, cfg: EvalConfig,
-             desc: str = "evaluate") -> EvalResult:
+             desc: str = "evaluate", method: str | None = None) -> EvalResult:
+    """One method (default: the first of `eval.method`) over `dataset`: rows for predictions.csv, and metrics."""
+    method = method or eval_methods(cfg)[0]
     started = time.perf_counter()
     texts, gold = list(dataset["text"]), list(dataset["label"])
-    raw = generate_outputs(model, tokenizer, texts, prompt, labels, cfg, desc)
-    pattern = label_pattern(labels)
-    predicted = [extract_label(output, labels, pattern) for output in raw]
-    metrics = compute_metrics(gold, predicted, labels)
+    batch_size = choose_batch_size(model, tokenizer, texts, prompt, labels, cfg, method)
+    if method == "score":
+        log_probs = LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size, desc=f"{desc} (score)")
+        probs = log_probs.softmax(-1)
+        predicted = [labels[i] for i in probs.argmax(-1).tolist()]
+        metrics = {**compute_metrics(gold, predicted, labels), **probability_metrics(gold, probs.numpy(), labels)}
+        rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row)}}
+                for t, g, p, row in zip(texts, gold, predicted, probs.tolist())]
+    else:
+        raw = generate_outputs(model, tokenizer, texts, prompt, labels, cfg, f"{desc} (generate)", batch_size)
+        pattern = label_pattern(labels)
+        predicted = [extract_label(output, labels, pattern) for output in raw]
+        metrics = compute_metrics(gold, predicted, labels)
+        rows = [{"text": t, "gold": g, "raw_output": r, "predicted": p} for t, g, r, p in zip(texts, gold, raw, predicted)]
     seconds = time.perf_counter() - started
-    metrics.update(method=cfg.method, max_new_tokens=cfg.max_new_tokens, seconds=round(seconds, 2),
+    metrics.update(method=method, batch_size=batch_size, seconds=round(seconds, 2),
                    rows_per_s=round(len(texts) / seconds, 2) if seconds else None)
-    rows = [{"text": t, "gold": g, "raw_output": r, "predicted": p} for t, g, r, p in zip(texts, gold, raw, predicted)]
+    if method == "generate":
+        metrics["max_new_tokens"] = cfg.max_new_tokens
     return EvalResult(rows=rows, metrics=metrics)
+
+
+def evaluate_methods(model, tokenizer, dataset: Dataset, labels: list[str], prompt: PromptConfig, cfg: EvalConfig,
+                     desc: str = "evaluate") -> dict[str, EvalResult]:
+    return {m: evaluate(model, tokenizer, dataset, labels, prompt, cfg, desc, method=m) for m in eval_methods(cfg)}
+
+
+def choose_batch_size(model, tokenizer, texts: list[str], prompt: PromptConfig, labels: list[str], cfg: EvalConfig,
+                      method: str) -> int:
+    """`eval.batch_size`, or for `auto` the most rows that fit in 40% of free memory, capped (see EvalConfig).
+
+    The estimate covers the KV cache, one layer's activations and the float32 logits at the projected
+    positions for the longest prompt; out-of-memory still halves the batch (`run_in_batches`).
+    """
+    if cfg.batch_size != "auto":
+        return cfg.batch_size
+    device = next(model.parameters()).device
+    cap = (32 if method == "score" else 16) if device.type == "cpu" else (128 if method == "score" else 64)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    longest = max((len(t) for t in texts), default=0) // 2 + len(system_prompt(prompt, labels)) // 2 + 64  # ≥ 1 token / 2 chars
+    per_row = _bytes_per_row(config, longest, cfg.max_new_tokens, method, next(model.parameters()).element_size(), len(labels))
+    free = _free_memory(device)
+    fits = int(0.4 * free // per_row) if free else cap
+    return max(1, min(cap, fits))
+
+
+def _bytes_per_row(config, tokens: int, new_tokens: int, method: str, element: int, n_labels: int) -> int:
+    hidden = getattr(config, "hidden_size", 4096)
+    layers = getattr(config, "num_hidden_layers", 32)
+    heads = getattr(config, "num_attention_heads", 32)
+    kv = getattr(config, "num_key_value_heads", heads) * getattr(config, "head_dim", hidden // heads)
+    tokens += new_tokens if method == "generate" else 2 * n_labels
+    cache = 2 * layers * kv * tokens * element
+    activations = tokens * (4 * hidden + 2 * getattr(config, "intermediate_size", 4 * hidden) + heads * tokens) * 4
+    positions = (n_labels + 1) if method == "score" else 1
+    logits = 3 * positions * getattr(config, "vocab_size", 32000) * 4
+    return cache + activations + logits
+
+
+def _free_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.virtual_memory().available
 
 
 def compute_metrics(gold: list[str], predicted: list[str], labels: list[str]) -> dict:
@@ -159,6 +232,33 @@ def compute_metrics(gold: list[str], predicted: list[str], labels: list[str]) ->
     }
 
 
+def probability_metrics(gold: list[str], probs: np.ndarray, labels: list[str], bins: int = 10) -> dict:
+    """Top-2 accuracy, log-loss and expected calibration error of per-label probabilities [rows, labels]."""
+    index = {label: i for i, label in enumerate(labels)}
+    truth = np.array([index[g] for g in gold])
+    classes = list(range(len(labels)))
+    top2 = 1.0 if len(labels) <= 2 else float(top_k_accuracy_score(truth, probs, k=2, labels=classes))
+    return {
+        "top2_accuracy": top2,
+        "log_loss": float(log_loss(truth, probs, labels=classes)),
+        "ece": expected_calibration_error(truth, probs, bins),
+        "ece_bins": bins,
+    }
+
+
+def expected_calibration_error(truth: np.ndarray, probs: np.ndarray, bins: int = 10) -> float:
+    """Σ_b (rows in b / rows) · |accuracy(b) − mean confidence(b)| over equal-width bins of the top probability."""
+    confidence = probs.max(1)
+    correct = probs.argmax(1) == truth
+    which = np.minimum((confidence * bins).astype(int), bins - 1)  # confidence 1.0 falls in the last bin
+    ece = 0.0
+    for b in range(bins):
+        in_bin = which == b
+        if in_bin.any():
+            ece += in_bin.mean() * abs(correct[in_bin].mean() - confidence[in_bin].mean())
+    return float(ece)
+
+
 def write_result(result: EvalResult, folder: Path) -> None:
     """metrics.json and predictions.csv, each written to a temporary name and renamed into place."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -171,6 +271,31 @@ def write_result(result: EvalResult, folder: Path) -> None:
         writer.writerows(result.rows)
     csv_tmp.replace(folder / "predictions.csv")
     tmp.replace(folder / "metrics.json")  # metrics last: its presence marks the stage as complete
+
+
+def method_folder(folder: Path, method: str, methods: list[str]) -> Path:
+    """The first method's results live in `folder` itself, any other method's in `folder/<method>/`."""
+    return folder if method == methods[0] else folder / method
+
+
+def write_results(results: dict[str, EvalResult], folder: Path) -> None:
+    methods = list(results)
+    for method in reversed(methods):  # the first method last: `folder/metrics.json` marks the stage complete
+        write_result(results[method], method_folder(folder, method, methods))
+
+
+def read_metrics(folder: Path, methods: list[str]) -> dict[str, dict] | None:
+    """{method: metrics} when every method's metrics.json exists in `folder` (and matches its method), else None."""
+    found = {}
+    for method in methods:
+        path = method_folder(folder, method, methods) / "metrics.json"
+        if not path.is_file():
+            return None
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+        if metrics.get("method", "generate") != method:
+            return None
+        found[method] = metrics
+    return found
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,3 +529,70 @@ def score_label_probs(model, tokenizer, texts: list[str], prompt: PromptConfig, 
     `label_token_ids`).
     """
     return LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size).softmax(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# `emotune eval`: one evaluation on its own, of the base model, an adapter folder or a run folder
+
+
+def run_eval(cfg, adapter: str | None = None) -> Path:
+    """Evaluate `cfg`'s model (plus `adapter`, if given) on `cfg.eval.split`; returns the results folder."""
+    from emotune import device as device_mod
+    from emotune.data import load_data
+    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.report import TITLES
+
+    data = load_data(cfg.data, cfg.seed)  # bad data fails before any weights load
+    adapter_dir, out = _adapter_and_output(cfg, adapter)
+    if adapter_dir is not None:
+        _check_adapter_matches(adapter_dir, data.labels, system_prompt(cfg.prompt, data.labels))
+    device = device_mod.resolve_device(cfg.device)
+    precision = device_mod.choose_precision(device, cfg.train.precision)
+    model_dir = resolve_model_dir(cfg.model)
+    tokenizer = load_tokenizer(model_dir, cfg.model)
+    model = load_model(model_dir, precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype), device)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    split = data.splits[cfg.eval.split]
+    print(f"Evaluating {'adapter ' + str(adapter_dir) if adapter_dir else 'the base model'} on the {cfg.eval.split} "
+          f"split ({len(split)} rows), method {cfg.eval.method}, {precision.name} on {device}", flush=True)
+    results = evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=cfg.eval.split)
+    write_results(results, out)
+    for method, result in results.items():
+        shown = ", ".join(f"{TITLES[k]} {result.metrics[k]:.3f}" if isinstance(result.metrics[k], float)
+                          else f"{TITLES[k]} {result.metrics[k]}" for k in TITLES if k in result.metrics)
+        print(f"{method}: {shown}")
+    print(f"Results: {out}")
+    return out
+
+
+def _adapter_and_output(cfg, adapter: str | None) -> tuple[Path | None, Path]:
+    """The adapter folder to load (an adapter folder, or a run folder's `adapter/`) and where results go."""
+    split = cfg.eval.split
+    if adapter is None:
+        return None, cfg.run_dir / "eval" / f"{split}-base"
+    path = Path(adapter).expanduser()
+    if (path / "adapter_config.json").is_file():
+        return path, path.parent / "eval" / f"{split}-{path.name}"
+    if (path / "adapter" / "adapter_config.json").is_file():
+        return path / "adapter", path / "eval" / f"{split}-finetuned"
+    raise UserError(f"adapter=`{adapter}` is neither an adapter folder (with adapter_config.json) nor a run folder "
+                    f"(with adapter/adapter_config.json). Give e.g. adapter=runs/cpu or adapter=runs/cpu/adapter.")
+
+
+def _check_adapter_matches(adapter_dir: Path, labels: list[str], prompt_text: str) -> None:
+    meta_path = adapter_dir / "emotune.json"
+    if not meta_path.is_file():
+        return  # an adapter trained elsewhere: nothing recorded to compare against
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    problems = []
+    if meta.get("labels") and meta["labels"] != labels:
+        problems.append(f"it was trained on labels {meta['labels']}, the data has {labels} (set data.label_names)")
+    if meta.get("system_prompt") and meta["system_prompt"] != prompt_text:
+        problems.append("it was trained with a different system prompt (set prompt.system_prompt to the one in "
+                        f"{meta_path})")
+    if problems:
+        raise UserError(f"The adapter `{adapter_dir}` does not match this evaluation: {'; '.join(problems)}. "
+                        "Before/after numbers are only comparable with the training prompt and labels.")

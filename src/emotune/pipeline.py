@@ -21,9 +21,9 @@ from emotune.config import RunConfig, dump_config
 from emotune.data import LabeledData, system_prompt
 from emotune.data.prepare import format_cleaning, prepare_data, save_prepared
 from emotune.errors import UserError
-from emotune.evaluate import evaluate, write_result
+from emotune.evaluate import eval_methods, evaluate_methods, read_metrics, write_results
 from emotune.models import load_model, load_tokenizer, resolve_model_dir
-from emotune.report import compare, format_table, write_comparison
+from emotune.report import compare_methods, format_table, write_comparison, write_report
 
 
 class RunLog:
@@ -120,15 +120,18 @@ def run(cfg: RunConfig) -> dict:
         model = load_model(model_dir, dtype, device)
     eval_split = data.splits[cfg.eval.split]
 
-    if (run_dir / "baseline" / "metrics.json").is_file():
+    methods = eval_methods(cfg.eval)
+    before = read_metrics(run_dir / "baseline", methods)
+    if before is not None:
         log.skip("baseline", "already measured in this run folder")
-        before = json.loads((run_dir / "baseline" / "metrics.json").read_text())
     else:
         with log.stage("baseline"):
-            result = evaluate(model, tokenizer, eval_split, data.labels, cfg.prompt, cfg.eval, desc="baseline")
-            write_result(result, run_dir / "baseline")
-            before = result.metrics
-    print(f"Baseline: accuracy {before['accuracy']:.3f}, macro-F1 {before['macro_f1']:.3f}, invalid {before['invalid']}", flush=True)
+            results = evaluate_methods(model, tokenizer, eval_split, data.labels, cfg.prompt, cfg.eval, desc="baseline")
+            write_results(results, run_dir / "baseline")
+            before = {m: r.metrics for m, r in results.items()}
+    for method, metrics in before.items():
+        print(f"Baseline ({method}): accuracy {metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}, "
+              f"invalid {metrics['invalid']}", flush=True)
 
     if (run_dir / "adapter" / "adapter_config.json").is_file():
         from peft import PeftModel
@@ -142,16 +145,18 @@ def run(cfg: RunConfig) -> dict:
             model = train(model, tokenizer, data, cfg, precision, run_dir)
 
     with log.stage("finetuned"):
-        result = evaluate(model, tokenizer, eval_split, data.labels, cfg.prompt, cfg.eval, desc="fine-tuned")
-        write_result(result, run_dir / "finetuned")
-        after = result.metrics
+        results = evaluate_methods(model, tokenizer, eval_split, data.labels, cfg.prompt, cfg.eval, desc="fine-tuned")
+        write_results(results, run_dir / "finetuned")
+        after = {m: r.metrics for m, r in results.items()}
 
-    comparison = compare(before, after, data.labels)
+    comparison = compare_methods(before, after, data.labels)
     write_comparison(comparison, run_dir)
     log.finish()
-    print(f"\nBefore/after on the {cfg.eval.split} split ({after['rows']} rows, method {cfg.eval.method}):")
-    print(format_table(comparison, data.labels))
-    print(f"\nRun folder: {run_dir}")
+    for method, one in comparison["methods"].items():
+        print(f"\nBefore/after on the {cfg.eval.split} split ({one['rows']} rows, method {method}):")
+        print(format_table(one, data.labels))
+    print(f"\nReport: {write_report(run_dir)}")
+    print(f"Run folder: {run_dir}")
     return comparison
 
 

@@ -43,7 +43,7 @@ def sft_config(cfg: RunConfig, precision: Precision, output_dir: Path, has_valid
         max_steps=t.max_steps,
         num_train_epochs=t.num_train_epochs,
         per_device_train_batch_size=t.batch_size,
-        per_device_eval_batch_size=cfg.eval.batch_size,
+        per_device_eval_batch_size=cfg.train.batch_size if cfg.eval.batch_size == "auto" else cfg.eval.batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler_type,

@@ -1,0 +1,64 @@
+"""Evaluation batching: out-of-memory halves the batch and retries, never loses or repeats a row; `auto` sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emotune import evaluate as ev
+from emotune.config import EvalConfig, ModelConfig, PromptConfig
+from emotune.errors import UserError
+
+
+def test_out_of_memory_halves_and_retries(capsys):
+    seen: list[list[int]] = []
+
+    def step(batch):
+        if len(batch) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        seen.append(batch)
+
+    ev.run_in_batches(list(range(20)), 16, step)
+    assert [row for batch in seen for row in batch] == list(range(20))
+    assert max(len(b) for b in seen) == 2  # 16 → 8 → 4 → 2, then kept
+    assert "retrying with eval batch size 2" in capsys.readouterr().out
+
+
+def test_cpu_allocator_failure_counts_as_out_of_memory():
+    calls = []
+
+    def step(batch):
+        calls.append(len(batch))
+        if len(batch) > 1:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    ev.run_in_batches([0, 1, 2], 4, step)
+    assert calls == [3, 2, 1, 1, 1]
+
+
+def test_out_of_memory_at_one_row_is_a_user_error_and_other_errors_pass_through():
+    def always_oom(batch):
+        raise torch.OutOfMemoryError("out of memory")
+
+    with pytest.raises(UserError, match="one row per batch"):
+        ev.run_in_batches([0, 1], 2, always_oom)
+
+    def broken(batch):
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        ev.run_in_batches([0, 1], 2, broken)
+
+
+def test_auto_batch_size_follows_free_memory(tiny_model_dir, monkeypatch):
+    from emotune.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
+    model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
+    labels, texts = ["joy", "sadness"], ["i am happy"] * 4
+    assert ev.choose_batch_size(model, tokenizer, texts, PromptConfig(), labels, EvalConfig(batch_size=7), "score") == 7
+    monkeypatch.setattr(ev, "_free_memory", lambda device: 1 << 40)
+    assert ev.choose_batch_size(model, tokenizer, texts, PromptConfig(), labels, EvalConfig(), "score") == 32  # CPU cap
+    assert ev.choose_batch_size(model, tokenizer, texts, PromptConfig(), labels, EvalConfig(), "generate") == 16
+    monkeypatch.setattr(ev, "_free_memory", lambda device: 1)
+    assert ev.choose_batch_size(model, tokenizer, texts, PromptConfig(), labels, EvalConfig(), "score") == 1

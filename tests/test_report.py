@@ -1,0 +1,105 @@
+"""`emotune run` with both methods, the HTML report (also in headless Chromium), and `emotune eval` / `emotune report`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from emotune.cli import main
+
+
+@pytest.fixture(scope="module")
+def both_run(tiny_model_dir, data_dir, tmp_path_factory):
+    """One tiny 2-step run measured with both methods; tests only read it."""
+    root = tmp_path_factory.mktemp("both")
+    overrides = [
+        f"model.source={tiny_model_dir}", f"data.source={data_dir}", f"output_dir={root / 'runs'}", "name=both",
+        "data.label_names=[sadness, joy, love, anger, fear, surprise]", "train.max_steps=2", "train.batch_size=4",
+        "train.gradient_accumulation_steps=1", "train.gradient_checkpointing=false", "train.precision=fp32",
+        "train.eval_steps=1", "train.save_steps=1", "train.logging_steps=1", "train.learning_rate=0.01",
+        "eval.method=both", f"model.cache_dir={root / 'cache'}",
+    ]
+    assert main(["run", *overrides]) == 0
+    return root / "runs" / "both", overrides
+
+
+def _rows(path):
+    with path.open(encoding="utf-8", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_both_methods_are_measured_and_compared(both_run, capsys):
+    run_dir, _ = both_run
+    labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]
+    for stage in ("baseline", "finetuned"):
+        generate = json.loads((run_dir / stage / "metrics.json").read_text())
+        score = json.loads((run_dir / stage / "score" / "metrics.json").read_text())
+        assert generate["method"] == "generate" and score["method"] == "score"
+        assert score["invalid"] == 0 and {"top2_accuracy", "log_loss", "ece"} <= set(score)
+        rows = _rows(run_dir / stage / "score" / "predictions.csv")
+        assert len(rows) == score["rows"] == generate["rows"]
+        for row in rows:
+            probs = {label: float(row[f"p_{label}"]) for label in labels}
+            assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
+            assert row["predicted"] == max(probs, key=probs.get)
+    comparison = json.loads((run_dir / "comparison.json").read_text())
+    assert set(comparison["methods"]) == {"generate", "score"}
+    assert comparison["method"] == {"before": "generate", "after": "generate"}  # the reference is the headline
+    assert "log_loss" in comparison["methods"]["score"]["metrics"]
+    assert {r["method"] for r in _rows(run_dir / "comparison.csv")} == {"generate", "score"}
+
+
+def test_report_is_self_contained(both_run):
+    run_dir, _ = both_run
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert page.count("class='before-after'") == 2
+    assert "data-method='generate'" in page and "data-method='score'" in page
+    assert "<script" not in page and "src='http" not in page and 'src="http' not in page
+    assert page.count("src='data:image/png;base64,") == 5  # 2 confusion + 2 F1 + loss
+    for name in ("confusion_generate", "confusion_score", "per_class_f1_generate", "per_class_f1_score", "loss"):
+        assert (run_dir / "report" / f"{name}.png").stat().st_size > 1000
+    assert "Wrong → right" in page and "Right → wrong" in page and "Invalid outputs before" in page
+
+
+def test_report_command_rebuilds_and_rejects_other_folders(both_run, tmp_path, capsys):
+    run_dir, _ = both_run
+    assert main(["report", str(run_dir)]) == 0
+    assert str(run_dir / "report.html") in capsys.readouterr().out
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+
+
+def test_eval_command_on_run_folder_and_base_model(both_run, capsys):
+    run_dir, overrides = both_run
+    overrides = [o for o in overrides if not o.startswith("eval.method")]
+    assert main(["eval", *overrides, f"adapter={run_dir}", "split=validation", "eval.method=score"]) == 0
+    metrics = json.loads((run_dir / "eval" / "validation-finetuned" / "metrics.json").read_text())
+    assert metrics["method"] == "score" and metrics["rows"] == 12
+    assert main(["eval", *overrides]) == 0
+    assert json.loads((run_dir / "eval" / "test-base" / "metrics.json").read_text())["method"] == "generate"
+    assert main(["eval", *overrides, f"adapter={run_dir / 'nothing'}"]) == 2
+    assert "neither an adapter folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_report_renders_in_headless_chromium(both_run, tmp_path):
+    import matplotlib.image
+
+    run_dir, _ = both_run
+    shot = tmp_path / "report.png"
+    common = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    url = (run_dir / "report.html").resolve().as_uri()
+    subprocess.run([*common, f"--screenshot={shot}", "--window-size=1280,2000", url], check=True, timeout=120,
+                   capture_output=True)
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    assert pixels.shape[:2] == (2000, 1280)
+    assert pixels.std() > 0.05  # not a blank page
+    assert (pixels.mean(-1) < 0.5).mean() > 0.005  # some dark text and figure ink
+    dom = subprocess.run([*common, "--dump-dom", url], check=True, timeout=120, capture_output=True, text=True).stdout
+    assert "Before/after, method <b>generate</b>" in dom and "Before/after, method <b>score</b>" in dom
+    assert "macro-F1" in dom
