@@ -20,6 +20,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from emotune.pipeline import train_only
+
+    train_only(_load(args))
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from emotune.device import doctor, format_report
 
@@ -50,6 +57,7 @@ def _load(args: argparse.Namespace):
 
 COMMANDS = {
     "run": (_cmd_run, "baseline → LoRA fine-tune → re-measure → compare, into runs/<name>/"),
+    "train": (_cmd_train, "LoRA fine-tune only, resumable; also under torchrun / accelerate launch"),
     "doctor": (_cmd_doctor, "report backend (ROCm/CUDA/MPS/CPU), devices, precision support, versions, hints"),
     "config": (_cmd_config, "print the resolved config (or every field with its documentation)"),
 }
@@ -60,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("run", "config"):
+        if name in ("run", "train", "config"):
             p.add_argument("config", nargs="?", help="YAML config file (optional; defaults are the embedded CPU recipe)")
             p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=2")
         if name == "config":
