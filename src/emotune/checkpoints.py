@@ -26,7 +26,8 @@ BEST_FILE = "best.safetensors"
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    # A copy, not a view: on a CPU `.cpu()` would alias the live weights the optimizer keeps changing.
+    return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -133,7 +133,8 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
                 bar.write(f"step {progress.step}: validation loss {metrics['eval_loss']:.4f}, token accuracy "
                           f"{metrics['eval_token_accuracy']:.3f} (best {progress.best_loss:.4f} at step {progress.best_step})")
             wrapped.train()
-        if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop:
+        # No checkpoint inside a run of non-finite steps: the last one written stays the last good one.
+        if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop and not progress.nonfinite_in_a_row:
             _save(folder, progress, adapted, optimizer, scheduler, scaler, best, accelerator, t.save_total_limit)
         if stop:
             print(f"Early stopping at step {progress.step}: no lower validation loss in "
