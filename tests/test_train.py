@@ -37,7 +37,7 @@ def test_completion_loss_equals_full_vocabulary_loss(tiny_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = make_rows(1, seed=5)
-    for i, row in enumerate(rows):  # rows of different lengths, so left padding really happens
+    for i, row in enumerate(rows):  # rows of different lengths, so padding really happens
         row["text"] = " ".join([row["text"]] * (1 + i % 3))
     examples = encode_examples(Dataset.from_list(rows), tokenizer, PromptConfig(), LABELS, max_length=256)
     assert len({len(e.input_ids) for e in examples}) > 1

@@ -3,9 +3,9 @@
 Speed comes from the loss. A classifier's completion is a label plus the end-of-turn marker (2-4
 tokens) after a prompt of about 70 tokens, and Gemma projects onto a 262,144-entry vocabulary: projecting
 every position (what TRL's completion-only loss does, then masks) costs more than the 18 transformer
-layers together. So batches are padded on the left, every completion ends at the last position, and
-the model projects only the last few positions (`logits_to_keep`). The objective is unchanged: the
-same cross-entropy on the same completion tokens, summed and divided by their number.
+layers together. So the model projects only the positions that predict a completion token (a
+boolean `logits_to_keep`, which transformers 5 supports). The objective is unchanged: the same
+cross-entropy on the same completion tokens, summed and divided by their number.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from transformers import PreTrainedTokenizerBase
 
 from emotune.config import PromptConfig
 from emotune.data import prompt_messages
-
-IGNORE = -100
-
 
 @dataclass(frozen=True)
 class Example:
@@ -90,22 +87,20 @@ def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[start:start + per_rank]
 
 
-def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor | int]:
-    """Left-padded ids, mask and positions, and the labels of the last K positions (K = longest completion)."""
+def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded ids and mask, the positions that predict a completion token, and those tokens."""
     width = max(len(e.input_ids) for e in examples)
-    keep = max(e.completion_tokens for e in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    labels = torch.full((len(examples), keep), IGNORE, dtype=torch.long)
+    predicts = torch.zeros((len(examples), width), dtype=torch.bool)
     for i, e in enumerate(examples):
-        input_ids[i, width - len(e.input_ids):] = torch.tensor(e.input_ids)
-        attention_mask[i, width - len(e.input_ids):] = 1
-        if e.completion_tokens:
-            labels[i, keep - e.completion_tokens:] = torch.tensor(e.input_ids[e.completion_start:])
-    # Positions count real tokens only, so a left-padded row is numbered exactly as it would be unpadded.
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention_mask[i, :len(e.input_ids)] = 1
+        predicts[i, max(e.completion_start - 1, 0):len(e.input_ids) - 1] = e.completion_tokens > 0
+    # Position t predicts token t+1; row-major order, the order in which the model returns the kept logits.
+    targets = input_ids[:, 1:][predicts[:, :-1]]
     return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-            "position_ids": position_ids.to(device), "labels": labels.to(device), "logits_to_keep": keep + 1}
+            "predicts": predicts.to(device), "targets": targets.to(device)}
 
 
 @dataclass
@@ -117,17 +112,16 @@ class LossParts:
     """Completion tokens the model already predicts (argmax), for the validation accuracy."""
 
 
-def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor | int]) -> LossParts:
-    """Cross-entropy on the completion tokens, projecting only the last `logits_to_keep` positions.
+def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossParts:
+    """Cross-entropy on the completion tokens, projecting only the positions that predict them.
 
-    The model's own forward runs (not its body alone), so DDP's gradient hooks, PEFT's adapters and
-    Gemma's final logit soft-capping all apply as usual."""
-    labels = batch["labels"]
+    A boolean `logits_to_keep` makes the model gather exactly those hidden states (flattened, so the
+    projection is one plain matrix product) before its output layer. The model's own forward runs,
+    not its body alone, so DDP's gradient hooks, PEFT's adapters and Gemma's final logit soft-capping
+    apply as usual."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], logits_to_keep=batch["logits_to_keep"], use_cache=False).logits
-    predicting = logits[:, :-1].float()  # position t predicts token t+1, so the last position predicts nothing
-    mask = labels != IGNORE
-    picked = predicting[mask]
-    loss_sum = F.cross_entropy(picked, labels[mask], reduction="sum")
-    correct = (picked.detach().argmax(-1) == labels[mask]).sum()
-    return LossParts(loss_sum, int(mask.sum()), correct)
+                   logits_to_keep=batch["predicts"], use_cache=False).logits.float()
+    targets = batch["targets"]
+    loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+    correct = (logits.detach().argmax(-1) == targets).sum()
+    return LossParts(loss_sum, targets.numel(), correct)
