@@ -156,7 +156,6 @@ def test_nonfinite_steps_in_a_row_stop_with_the_cause(tiny_overrides, tmp_path, 
 
 
 def test_missing_tracker_is_a_clear_error(tiny_overrides, capsys):
-    pytest.importorskip("accelerate")
     from accelerate.utils import is_wandb_available
 
     if is_wandb_available():
