@@ -7,7 +7,8 @@ Both sides train the packaged Gemma 3 270M for one epoch on the same first `--ro
 all-linear), optimiser (AdamW, lr 3e-4, linear schedule, 5% warmup, clip 1.0), batch 8 and dtype
 (bf16 where the CPU has it, else fp32):
   (a) the reference recipe: plain TRL SFTTrainer, completion_only_loss, gradient checkpointing;
-  (b) emotune.train.train: completion-only projection, length-grouped batches, no checkpointing.
+  (b) emotune.train.train: completion-only projection, length-grouped batches, no gradient
+      checkpointing (the CPU recipe's setting) unless --ours-gradient-checkpointing.
 Each side runs in its own fresh subprocess, so each peak RSS is its own. Before training each side
 computes the loss of the same first 8 rows (adapters start as a no-op, so this is the base model's
 loss under each side's code): the objectives must agree. Prints one JSON line.
@@ -35,10 +36,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--ours-gradient-checkpointing", action="store_true",
+                        help="also recompute activations on emotune's side (less memory, slower steps)")
     parser.add_argument("--side", choices=["ref", "ours"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        print("RESULT " + json.dumps(run_side(args.side, args.data, args.rows)), flush=True)
+        print("RESULT " + json.dumps(run_side(args.side, args.data, args.rows, args.ours_gradient_checkpointing)), flush=True)
         return
     if not args.data.is_file():
         print(json.dumps({"skipped": f"{args.data} not found; this benchmark needs the emotion dataset there"}))
@@ -55,6 +58,7 @@ def main() -> None:
         "final_loss_rel_diff": _rel(ours["losses"]["final"], ref["losses"]["final"]),
         "rows": args.rows, "tokens": ours["tokens"], "steps": ours["steps"], "precision": ours["precision"],
         "ref_seconds": ref["seconds"], "ours_seconds": ours["seconds"],
+        "ours_gradient_checkpointing": args.ours_gradient_checkpointing,
     }))
 
 
@@ -63,7 +67,8 @@ def _rel(a: float, b: float) -> float:
 
 
 def _subprocess(side: str, args: argparse.Namespace) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--side", side, "--rows", str(args.rows), "--data", str(args.data)],
+    command = [sys.executable, __file__, "--side", side, "--rows", str(args.rows), "--data", str(args.data)]
+    done = subprocess.run(command + (["--ours-gradient-checkpointing"] if args.ours_gradient_checkpointing else []),
                           capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -75,7 +80,7 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
 # One side, in its own process
 
 
-def run_side(side: str, data_path: Path, rows: int) -> dict:
+def run_side(side: str, data_path: Path, rows: int, ours_gradient_checkpointing: bool) -> dict:
     import torch
     from datasets import Dataset, load_dataset
     from transformers import set_seed
@@ -86,8 +91,8 @@ def run_side(side: str, data_path: Path, rows: int) -> dict:
     from emotune.data import LabeledData
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
 
-    cfg = load_config(None, [*LORA, *TRAIN, "train.gradient_checkpointing=" + ("true" if side == "ref" else "false"),
-                             "device=cpu"])
+    checkpointing = side == "ref" or ours_gradient_checkpointing
+    cfg = load_config(None, [*LORA, *TRAIN, f"train.gradient_checkpointing={str(checkpointing).lower()}", "device=cpu"])
     set_seed(cfg.seed)
     train_rows = load_dataset("json", data_files=str(data_path), split="train").select(range(rows))
     labels = sorted(set(train_rows["label"]), key=train_rows["label"].index)
