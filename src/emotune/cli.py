@@ -46,6 +46,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from emotune.pipeline import train_only
+
+    train_only(_load(args))
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from emotune.device import doctor, format_report
 
@@ -105,6 +112,7 @@ COMMANDS = {
     "data": (_cmd_data, "validate, clean and split the data with the tokenizer only; write runs/<name>/data/"),
     "eval": (_cmd_eval, "evaluate the base model, an adapter folder or a run folder alone: eval CONFIG [adapter=DIR] [split=test]"),
     "report": (_cmd_report, "write RUN_DIR/report.html (self-contained) and the figures as PNGs"),
+    "train": (_cmd_train, "LoRA fine-tune only, resumable; also under torchrun / accelerate launch"),
     "doctor": (_cmd_doctor, "report backend (ROCm/CUDA/MPS/CPU), devices, precision support, versions, hints"),
     "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts"),
     "predict": (_cmd_predict, "classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or merged model"),
@@ -118,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("run", "config", "data", "eval"):
+        if name in ("run", "train", "config", "data", "eval"):
             p.add_argument("config", nargs="?", help="YAML config file (optional; defaults are the embedded CPU recipe)")
             p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=2")
         if name == "config":

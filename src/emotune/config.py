@@ -185,7 +185,16 @@ class LoraSettings(Section):
     """Dropout on the LoRA branch."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get adapters: `all-linear`, or a list of module-name suffixes such as
-    [q_proj, v_proj]."""
+    [q_proj, v_proj]. `all-linear` means every linear layer of the language model, never the vision or
+    audio towers of multimodal checkpoints (Gemma 3n, Gemma 4) nor the output projection."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r, so higher ranks keep learning."""
+    use_dora: bool = False
+    """DoRA: learn a magnitude per output feature on top of the LoRA direction (slower steps, sometimes
+    better at low rank)."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full and saved with the adapter (e.g. [lm_head]); null = none. Costly for
+    Gemma's 262k-entry embedding tables."""
 
     @field_validator("r", "alpha")
     @classmethod
@@ -234,12 +243,34 @@ class TrainConfig(Section):
     """Checkpoint every this many optimizer steps."""
     logging_steps: int = 5
     """Log the training loss every this many optimizer steps."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient norm to this value before each optimizer step; 0 = no clipping."""
+    group_by_length: bool = True
+    """Put rows of similar length in the same batch (shuffled in groups), so little compute goes to padding."""
+    early_stopping_patience: int = 0
+    """Stop after this many validations in a row without a lower validation loss; 0 = never stop early.
+    Either way the saved adapter is the one with the lowest validation loss."""
+    max_nonfinite_steps: int = 3
+    """Stop training after this many optimizer steps in a row with a NaN/inf loss or gradient (each
+    such step is skipped and counted)."""
+    save_total_limit: int = 2
+    """Keep this many most recent checkpoints (plus the best one)."""
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
+    """Experiment trackers that also receive the training log (each must be installed); [] = none."""
 
-    @field_validator("batch_size", "gradient_accumulation_steps", "max_length", "eval_steps", "save_steps", "logging_steps")
+    @field_validator("batch_size", "gradient_accumulation_steps", "max_length", "eval_steps", "save_steps", "logging_steps",
+                     "max_nonfinite_steps", "save_total_limit")
     @classmethod
     def _positive(cls, value: int) -> int:
         if value < 1:
             raise ValueError("must be a positive integer")
+        return value
+
+    @field_validator("max_grad_norm", "early_stopping_patience")
+    @classmethod
+    def _not_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must be 0 (off) or positive")
         return value
 
     @field_validator("learning_rate")

@@ -165,3 +165,37 @@ def _print_data(data: LabeledData) -> None:
     print(f"Data {data.source}: labels {data.labels}", flush=True)
     for split, per_label in counts.items():
         print(f"  {split:<10} {sum(per_label.values()):>6} rows  " + "  ".join(f"{k} {v}" for k, v in per_label.items()))
+
+
+def train_only(cfg: RunConfig) -> Path:
+    """`emotune train`: data → model → LoRA training into the run folder, without the evaluations.
+
+    Safe under `torchrun` / `accelerate launch`: every process loads data and model, only the main
+    process writes; `emotune run` on the same folder later picks up the saved adapter."""
+    from accelerate import PartialState
+
+    from emotune.train import train
+
+    set_seed(cfg.seed)
+    data = load_data(cfg.data, cfg.seed)
+    state = PartialState(cpu=cfg.device == "cpu")  # joins the process group when launched on several
+    device = state.device if state.num_processes > 1 else device_mod.resolve_device(cfg.device)
+    precision = device_mod.choose_precision(device, cfg.train.precision)
+    if state.is_main_process:
+        _print_data(data)
+        print(f"Device {device} x {state.num_processes} processes; precision {precision.name}: {precision.reason}", flush=True)
+        run_dir = prepare_run_dir(cfg)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+    state.wait_for_everyone()
+    run_dir = cfg.run_dir
+    if (run_dir / "adapter" / "adapter_config.json").is_file():
+        raise UserError(f"`{run_dir}/adapter` already holds a trained adapter. Run `emotune run` with the same config to "
+                        "evaluate it, or pass overwrite=true to train again.")
+    model_dir = resolve_model_dir(cfg.model)
+    tokenizer = load_tokenizer(model_dir, cfg.model)
+    dtype = precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    model = load_model(model_dir, dtype, device)
+    train(model, tokenizer, data, cfg, precision, run_dir)
+    if state.is_main_process:
+        print(f"Adapter: {run_dir / 'adapter'}", flush=True)
+    return run_dir

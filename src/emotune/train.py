@@ -1,7 +1,15 @@
-"""The training stage: LoRA on the language model with TRL's SFTTrainer, loss on the completion only.
+"""The training stage: LoRA on the language model, loss on the completion only, in our own short loop.
 
-TRL and PEFT are used as libraries: we build their configs from ours, check what they built (LoRA
-must hit some module), run, and save the adapter with everything needed to reuse it.
+Why not TRL's SFTTrainer (the reference recipe, kept in bench/train_speed.py): its completion-only
+loss projects every position onto the vocabulary and masks afterwards, and what this stage needs
+besides — skipping a non-finite step, checkpoints written atomically, a data order that resumes
+exactly and is identical on 1 or N processes — are not Trainer hooks. So the loop is ours, readable
+top to bottom (setup → resume → steps → best adapter → outputs); PEFT builds the adapters,
+Accelerate does the multi-process work (DDP under `torchrun` / `accelerate launch`) and the trackers.
+
+Loss normalisation: the summed cross-entropy of one optimizer step is divided by the number of
+completion tokens in the whole global step (all micro-batches, all processes), so one process with
+batch B x N and N processes with batch B compute the same gradient.
 """
 
 from __future__ import annotations
@@ -9,105 +17,396 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from datasets import Dataset
-from peft import LoraConfig as PeftLoraConfig
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.trainer_utils import get_last_checkpoint
-from trl import SFTConfig, SFTTrainer
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from emotune.config import RunConfig
-from emotune.data import LabeledData, system_prompt, to_prompt_completion
+from emotune import checkpoints as ckpt
+from emotune.batches import Example, collate, completion_loss, encode_examples, epoch_batches, rank_share
+from emotune.config import RunConfig, TrainConfig
+from emotune.data import LabeledData, system_prompt
 from emotune.device import Precision
 from emotune.errors import UserError
+from emotune.lora import attach_lora
 
 ADAPTER_META = "emotune.json"
 
 
-def lora_config(cfg: RunConfig) -> PeftLoraConfig:
-    return PeftLoraConfig(
-        r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=cfg.lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
+@dataclass
+class Plan:
+    """Derived numbers, printed before training."""
+    steps: int
+    micro_per_step: int
+    global_batch_rows: int
+    batches_per_epoch: int
+    world_size: int
 
 
-def sft_config(cfg: RunConfig, precision: Precision, output_dir: Path, has_validation: bool, use_cpu: bool) -> SFTConfig:
-    t = cfg.train
-    return SFTConfig(
-        output_dir=str(output_dir),
-        max_steps=t.max_steps,
-        num_train_epochs=t.num_train_epochs,
-        per_device_train_batch_size=t.batch_size,
-        per_device_eval_batch_size=cfg.train.batch_size if cfg.eval.batch_size == "auto" else cfg.eval.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler_type,
-        warmup_steps=t.warmup_ratio,  # transformers 5: a float below 1 is a share of the steps
-        weight_decay=t.weight_decay,
-        optim=t.optim,
-        max_length=t.max_length,
-        completion_only_loss=True,
-        gradient_checkpointing=t.gradient_checkpointing,
-        bf16=precision.name == "bf16",
-        fp16=precision.name == "fp16",
-        eval_strategy="steps" if has_validation else "no",
-        eval_steps=t.eval_steps,
-        save_strategy="steps",
-        save_steps=t.save_steps,
-        save_total_limit=2,
-        logging_steps=t.logging_steps,
-        report_to="none",
-        seed=cfg.seed,
-        data_seed=cfg.seed,
-        use_cpu=use_cpu,
-        dataloader_num_workers=0,
-        disable_tqdm=False,
-    )
+@dataclass
+class Progress:
+    """Everything about the run so far that is not a tensor; saved in every checkpoint."""
+    step: int = 0
+    best_loss: float | None = None
+    best_step: int | None = None
+    evals_without_improvement: int = 0
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+    log_history: list[dict] = field(default_factory=list)
 
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: RunConfig,
           precision: Precision, run_dir: Path) -> PreTrainedModel:
     """Fine-tune `model` with LoRA, save `run_dir/adapter`, and return the adapted model (in memory)."""
-    train_rows = to_prompt_completion(data.splits["train"], cfg.prompt, data.labels)
-    val_rows = to_prompt_completion(data.splits["validation"], cfg.prompt, data.labels)
-    checkpoints = run_dir / "checkpoints"
-    args = sft_config(cfg, precision, checkpoints, has_validation=len(val_rows) > 0,
-                      use_cpu=model.device.type == "cpu")
-    _announce_schedule(cfg, len(train_rows), args.world_size)
+    t = cfg.train
+    accelerator = _accelerator(t, model, run_dir)
+    main = accelerator.is_main_process
+    # Encode before attaching adapters: a row problem should surface before any optimizer state exists.
+    train_rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, t.max_length)
+    val_rows = encode_examples(data.splits["validation"], tokenizer, cfg.prompt, data.labels, t.max_length)
+    plan = _plan(t, len(train_rows), accelerator.num_processes)
+    _announce(plan, t, len(train_rows), len(val_rows))
 
-    tokenizer.padding_side = "right"  # training pads on the right; evaluation switches to left
-    no_match = UserError(f"LoRA matched no module: lora.target_modules={cfg.lora.target_modules!r} found nothing to "
-                         f"adapt in {type(model).__name__}. Use `all-linear` or names of its linear layers "
-                         "(e.g. [q_proj, k_proj, v_proj, o_proj]); refusing to train nothing.")
-    try:
-        trainer = SFTTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=val_rows,
-                             processing_class=tokenizer, peft_config=lora_config(cfg))
-    except ValueError as err:
-        if "not found in the base model" in str(err):  # PEFT's own check, raised while wrapping the model
-            raise no_match from None
-        raise
-    trainable, total = _count_parameters(trainer.model)
-    if trainable == 0:
-        raise no_match
-    print(f"Trainable parameters: {trainable:,} / {total:,} ({100 * trainable / total:.2f}%)", flush=True)
+    model.config.use_cache = False
+    adapted = attach_lora(model, cfg.lora)
+    if t.gradient_checkpointing:
+        adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    autocast, scaler = _mixed_precision(precision, adapted)
+    trainable = [p for p in adapted.parameters() if p.requires_grad]
+    optimizer = _optimizer(t, trainable)
+    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(t.warmup_ratio * plan.steps),
+                              num_training_steps=plan.steps)
+    wrapped = accelerator.prepare_model(adapted)  # DDP when launched on several processes, else the model itself
 
-    last = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
-    if last:
-        print(f"Resuming training from {last}", flush=True)
-    trainer.train(resume_from_checkpoint=last)
+    folder = run_dir / "checkpoints"
+    progress, best = _resume(folder, adapted, optimizer, scheduler, scaler, accelerator)
+    log_path = run_dir / "train" / "log_history.jsonl"
+    if main:
+        log_path.parent.mkdir(parents=True, exist_ok=True)  # rewritten from the checkpoint: no replayed lines twice
+        log_path.write_text("".join(json.dumps(e) + "\n" for e in progress.log_history))
+        if t.report_to:
+            accelerator.init_trackers("emotune", config=_flat(cfg.model_dump(mode="json")))
 
-    adapted = trainer.model
+    def log(entry: dict) -> None:
+        progress.log_history.append(entry)
+        if main:
+            with log_path.open("a") as handle:
+                handle.write(json.dumps(entry) + "\n")
+        if t.report_to:
+            accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
+
+    pad_id = tokenizer.pad_token_id
+    bar = tqdm(total=plan.steps, initial=progress.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
+    window = _Window()
+    wrapped.train()
+    while progress.step < plan.steps:
+        globals_ = [_global_batch(plan, t, train_rows, cfg.seed, k)
+                    for k in range(progress.step * plan.micro_per_step, (progress.step + 1) * plan.micro_per_step)]
+        mine = [collate([train_rows[i] for i in rank_share(b, accelerator.process_index, plan.world_size)],
+                        pad_id, accelerator.device) for b in globals_]
+        step_tokens = sum(train_rows[i].completion_tokens for b in globals_ for i in b)
+        loss, grad_norm, finite = _optimizer_step(wrapped, optimizer, scaler, mine, step_tokens, accelerator, autocast,
+                                                  trainable, t.max_grad_norm)
+        scheduler.step()  # also on a skipped step: the schedule follows the data position
+        progress.step += 1
+        window.add(loss if finite else None, sum(len(train_rows[i].input_ids) for b in globals_ for i in b))
+        _guard(progress, finite, loss, grad_norm, t, precision, folder)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{window.tokens_per_s():.0f}", peak_mb=f"{peak_memory_mb():.0f}")
+
+        if progress.step % t.logging_steps == 0 or progress.step == plan.steps:
+            log(window.entry(progress, plan, scheduler.get_last_lr()[0], grad_norm))
+            window = _Window()
+        stop = False
+        if val_rows and (progress.step % t.eval_steps == 0 or progress.step == plan.steps):
+            metrics = validate(wrapped, val_rows, _val_batch_size(cfg), pad_id, accelerator, autocast)
+            log({"step": progress.step, **metrics})
+            best, stop = _track_best(progress, metrics["eval_loss"], adapted, best, t.early_stopping_patience)
+            if main:
+                bar.write(f"step {progress.step}: validation loss {metrics['eval_loss']:.4f}, token accuracy "
+                          f"{metrics['eval_token_accuracy']:.3f} (best {progress.best_loss:.4f} at step {progress.best_step})")
+            wrapped.train()
+        # No checkpoint inside a run of non-finite steps: the last one written stays the last good one.
+        if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop and not progress.nonfinite_in_a_row:
+            _save(folder, progress, adapted, optimizer, scheduler, scaler, best, accelerator, t.save_total_limit)
+        if stop:
+            print(f"Early stopping at step {progress.step}: no lower validation loss in "
+                  f"{t.early_stopping_patience} validations.", flush=True)
+            break
+    bar.close()
+
+    if best is not None:
+        ckpt.load_trainable_state(adapted, best)
+        print(f"Adapter: step {progress.best_step}, the lowest validation loss ({progress.best_loss:.4f}).", flush=True)
     adapted.config.use_cache = True  # training turned the KV cache off; generation wants it back
-    if trainer.is_world_process_zero():
+    if t.gradient_checkpointing:
+        adapted.gradient_checkpointing_disable()
+    adapted.eval()
+    if main:
         save_adapter(adapted, tokenizer, data, cfg, run_dir / "adapter")
-        (run_dir / "train").mkdir(exist_ok=True)
-        (run_dir / "train" / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
+        _write_history(progress, run_dir / "train")
+    if t.report_to:
+        accelerator.end_training()
+    accelerator.wait_for_everyone()
     return adapted
+
+
+# --------------------------------------------------------------------------------------------------
+# Setup
+
+
+def _accelerator(t: TrainConfig, model: PreTrainedModel, run_dir: Path) -> Accelerator:
+    for tracker in t.report_to:
+        if not _tracker_installed(tracker):
+            raise UserError(f"train.report_to lists `{tracker}`, which is not installed. Install it "
+                            f"(pip install {tracker}) or remove it from train.report_to.")
+    # Mixed precision is handled in this module (autocast only where needed, see _mixed_precision), so
+    # Accelerate keeps its default; it would otherwise refuse a second training in the same process.
+    return Accelerator(cpu=model.device.type == "cpu", log_with=list(t.report_to) or None,
+                       project_dir=str(run_dir / "train"))
+
+
+def _tracker_installed(name: str) -> bool:
+    from accelerate.utils import is_mlflow_available, is_tensorboard_available, is_wandb_available
+
+    return {"tensorboard": is_tensorboard_available, "mlflow": is_mlflow_available, "wandb": is_wandb_available}[name]()
+
+
+def _plan(t: TrainConfig, rows: int, world_size: int) -> Plan:
+    global_batch_rows = t.batch_size * world_size
+    if rows < world_size:
+        raise UserError(f"The training split has {rows} rows, fewer than the {world_size} processes. Add rows or "
+                        "launch fewer processes.")
+    batches_per_epoch = rows // global_batch_rows + (rows % global_batch_rows >= world_size)
+    steps_per_epoch = max(1, batches_per_epoch // t.gradient_accumulation_steps)
+    steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
+    return Plan(steps, t.gradient_accumulation_steps, global_batch_rows, batches_per_epoch, world_size)
+
+
+def _announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int) -> None:
+    effective = plan.global_batch_rows * plan.micro_per_step
+    print(f"Training rows {rows}; batch {t.batch_size} x accumulation {t.gradient_accumulation_steps} x processes "
+          f"{plan.world_size} => effective batch {effective}; optimizer steps {plan.steps} "
+          f"(≈ {plan.steps * effective / rows:.2f} epochs); batches grouped by length: {t.group_by_length}", flush=True)
+    if val_rows:
+        print(f"Validation on {val_rows} rows every {t.eval_steps} steps; the adapter kept is the one with the lowest "
+              f"validation loss" + (f"; early stopping after {t.early_stopping_patience} validations without "
+                                    "improvement" if t.early_stopping_patience else ""), flush=True)
+
+
+def _mixed_precision(precision: Precision, model: torch.nn.Module):
+    """(autocast context, grad scaler). Weights already stored in the training dtype need no autocast:
+    Gemma's norms and softmax upcast to fp32 themselves, PEFT keeps the adapters in fp32 and casts at
+    their boundary, and autocast on a CPU would re-cast every weight on every forward. fp16 always
+    gets a scaler, because its gradients underflow without one."""
+    if precision.name == "fp32":
+        return nullcontext(), None
+    device = next(model.parameters()).device.type
+    frozen = next(p for p in model.parameters() if not p.requires_grad)
+    autocast = nullcontext() if frozen.dtype == precision.dtype else torch.autocast(device, dtype=precision.dtype)
+    scaler = torch.amp.GradScaler(device) if precision.name == "fp16" else None
+    return autocast, scaler
+
+
+def _optimizer(t: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if t.optim == "sgd":
+        return torch.optim.SGD(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    if t.optim == "adafactor":
+        return torch.optim.Adafactor(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, fused=t.optim == "adamw_torch_fused")
+
+
+def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Accelerator):
+    if accelerator.is_main_process:
+        ckpt.remove_partial_writes(folder)
+    accelerator.wait_for_everyone()
+    found = ckpt.complete_checkpoints(folder)
+    if not found:
+        return Progress(), None
+    state, best = ckpt.read_checkpoint(found[-1], model, optimizer, scheduler, scaler, accelerator.process_index)
+    print(f"Resuming from {found[-1]} (step {state['step']})", flush=True)
+    return Progress(**state), best
+
+
+# --------------------------------------------------------------------------------------------------
+# One step, validation, guards
+
+
+def _global_batch(plan: Plan, t: TrainConfig, rows: list[Example], seed: int, micro_index: int) -> list[int]:
+    epoch, position = divmod(micro_index, plan.batches_per_epoch)
+    # Recomputed per call for clarity; an epoch's plan costs microseconds next to a training step.
+    return epoch_batches([len(r.input_ids) for r in rows], plan.global_batch_rows, plan.world_size, seed, epoch,
+                         t.group_by_length)[position]
+
+
+def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: int, accelerator: Accelerator,
+                    autocast, trainable: list[torch.nn.Parameter], max_grad_norm: float) -> tuple[float, float, bool]:
+    """Forward/backward over this process's micro-batches, then one optimizer step unless the loss or
+    gradient is not finite. Returns (loss per completion token over all processes, gradient norm, stepped)."""
+    loss_sum = torch.zeros((), device=accelerator.device)
+    # DDP averages gradients over processes, so each one scales its share up by the process count.
+    scale = accelerator.num_processes / max(step_tokens, 1)
+    for i, batch in enumerate(batches):
+        sync = nullcontext() if i == len(batches) - 1 else accelerator.no_sync(model)
+        with sync:
+            with autocast:
+                parts = completion_loss(model, batch)
+            loss = parts.loss_sum * scale
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum += parts.loss_sum.detach().float()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm if max_grad_norm > 0 else math.inf))
+    loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(step_tokens, 1)
+    # Under fp16 a non-finite gradient is the scaler's business (it skips the step and lowers the scale).
+    finite = math.isfinite(loss) and (scaler is not None or math.isfinite(grad_norm))
+    if finite and scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    elif finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, finite
+
+
+def _guard(progress: Progress, finite: bool, loss: float, grad_norm: float, t: TrainConfig, precision: Precision,
+           folder: Path) -> None:
+    if finite:
+        progress.nonfinite_in_a_row = 0
+        return
+    progress.nonfinite_in_a_row += 1
+    progress.nonfinite_total += 1
+    print(f"Step {progress.step}: loss {loss} / gradient norm {grad_norm} is not finite; step skipped "
+          f"({progress.nonfinite_in_a_row} in a row).", flush=True)
+    if progress.nonfinite_in_a_row < t.max_nonfinite_steps:
+        return
+    last = ckpt.complete_checkpoints(folder)
+    kept = f"The last good checkpoint, {last[-1]}, is intact; re-running resumes from it." if last else \
+        "No checkpoint had been written yet."
+    cause = ("fp16 overflow: Gemma's activations exceed the fp16 range (a known Gemma issue). Set train.precision=bf16 "
+             "where supported, else fp32." if precision.name == "fp16" else
+             f"a learning rate too high for this model (train.learning_rate={t.learning_rate}). Lower it, e.g. 10x, "
+             "or set train.max_grad_norm=1.0 if clipping is off.")
+    raise UserError(f"Training stopped at step {progress.step}: the loss or gradient was NaN/inf for "
+                    f"{progress.nonfinite_in_a_row} steps in a row (train.max_nonfinite_steps). Likely cause: {cause} "
+                    f"{kept}")
+
+
+@torch.no_grad()
+def _val_batch_size(cfg: RunConfig) -> int:
+    """Validation-loss batch: the evaluation batch, or the training batch when that is `auto`."""
+    return cfg.train.batch_size if cfg.eval.batch_size == "auto" else cfg.eval.batch_size
+
+
+def validate(model, rows: list[Example], batch_size: int, pad_id: int, accelerator: Accelerator, autocast) -> dict:
+    """Completion-only loss and token accuracy on the validation rows, shared across processes."""
+    model.eval()
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    totals = torch.zeros(3, device=accelerator.device, dtype=torch.float64)  # loss sum, tokens, correct
+    inner = accelerator.unwrap_model(model)  # no gradient, so no DDP hooks needed
+    for batch in batches[accelerator.process_index::accelerator.num_processes]:
+        with autocast:
+            parts = completion_loss(inner, collate([rows[i] for i in batch], pad_id, accelerator.device))
+        totals += torch.stack([parts.loss_sum.double(), torch.tensor(parts.tokens, dtype=torch.float64,
+                                                                     device=totals.device), parts.correct.double()])
+    loss_sum, tokens, correct = accelerator.reduce(totals, reduction="sum").tolist()
+    return {"eval_loss": loss_sum / max(tokens, 1), "eval_token_accuracy": correct / max(tokens, 1)}
+
+
+def _track_best(progress: Progress, eval_loss: float, model, best, patience: int):
+    """Keep a copy of the best weights (small: the adapters only); say whether to stop early."""
+    if progress.best_loss is None or eval_loss < progress.best_loss:
+        progress.best_loss, progress.best_step, progress.evals_without_improvement = eval_loss, progress.step, 0
+        return ckpt.trainable_state(model), False
+    progress.evals_without_improvement += 1
+    return best, bool(patience) and progress.evals_without_improvement >= patience
+
+
+def _save(folder: Path, progress: Progress, model, optimizer, scheduler, scaler, best, accelerator: Accelerator,
+          keep: int) -> None:
+    from accelerate.utils import gather_object
+
+    rng_states = gather_object([ckpt.rng_state()])  # every process's dropout stream, written by the main one
+    if accelerator.is_main_process:
+        ckpt.write_checkpoint(folder, progress.step, model, optimizer, scheduler, scaler, rng_states,
+                              asdict(progress), keep, best)
+    accelerator.wait_for_everyone()
+
+
+# --------------------------------------------------------------------------------------------------
+# Visibility
+
+
+class _Window:
+    """Loss, tokens and time since the last log line."""
+
+    def __init__(self):
+        self.started, self.losses, self.tokens = time.perf_counter(), [], 0
+
+    def add(self, loss: float | None, tokens: int) -> None:
+        if loss is not None:
+            self.losses.append(loss)
+        self.tokens += tokens
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.started, 1e-9)
+
+    def entry(self, progress: Progress, plan: Plan, lr: float, grad_norm: float) -> dict:
+        return {"step": progress.step, "epoch": round(progress.step * plan.micro_per_step / plan.batches_per_epoch, 4),
+                "loss": sum(self.losses) / len(self.losses) if self.losses else math.nan, "learning_rate": lr,
+                "grad_norm": grad_norm, "tokens_per_s": round(self.tokens_per_s(), 1),
+                "peak_memory_mb": round(peak_memory_mb(), 1), "skipped_steps": progress.nonfinite_total}
+
+
+def peak_memory_mb() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _write_history(progress: Progress, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "log_history.json").write_text(json.dumps(progress.log_history, indent=2))
+    plot_losses(progress.log_history, folder / "loss_curve.png")
+
+
+def plot_losses(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("loss", "training"), ("eval_loss", "validation")):
+        points = [(e["step"], e[key]) for e in history if key in e]
+        if points:
+            ax.plot(*zip(*points), marker="o" if key == "eval_loss" else None, label=label)
+    ax.set(xlabel="optimizer step", ylabel="loss per completion token", title="emotune training")
+    ax.legend()
+    fig.tight_layout()
+    partial = path.with_name(".tmp-" + path.name)
+    fig.savefig(partial, format="png")
+    plt.close(fig)
+    partial.replace(path)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """Trackers want flat scalar hyperparameters (TensorBoard's hparams do)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
 
 
 def save_adapter(model, tokenizer, data: LabeledData, cfg: RunConfig, target: Path) -> None:
@@ -128,18 +427,3 @@ def save_adapter(model, tokenizer, data: LabeledData, cfg: RunConfig, target: Pa
     if target.exists():
         shutil.rmtree(target)
     os.replace(partial, target)
-
-
-def _announce_schedule(cfg: RunConfig, rows: int, world_size: int) -> None:
-    t = cfg.train
-    effective = t.batch_size * t.gradient_accumulation_steps * world_size
-    steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * math.ceil(rows / effective))
-    print(f"Training rows {rows}; batch {t.batch_size} x accumulation {t.gradient_accumulation_steps} x processes "
-          f"{world_size} => effective batch {effective}; optimizer steps {steps} "
-          f"(≈ {steps * effective / rows:.2f} epochs)", flush=True)
-
-
-def _count_parameters(model) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return trainable, total

@@ -1,0 +1,161 @@
+"""Training speed and memory: emotune's trainer against the reference recipe, side by side.
+
+    PYTHONPATH=src python bench/train_speed.py [--rows 256]
+
+Both sides train the packaged Gemma 3 270M for one epoch on the same first `--rows` rows of
+../shared/datasets/emotion/train.jsonl, with the same LoRA (r 16, alpha 32, dropout 0.05,
+all-linear), optimiser (AdamW, lr 3e-4, linear schedule, 5% warmup, clip 1.0), batch 8 and dtype
+(bf16 where the CPU has it, else fp32):
+  (a) the reference recipe: plain TRL SFTTrainer, completion_only_loss, gradient checkpointing;
+  (b) emotune.train.train: completion-only projection, length-grouped batches, no gradient
+      checkpointing (the CPU recipe's setting) unless --ours-gradient-checkpointing.
+Each side runs in its own fresh subprocess, so each peak RSS is its own. Before training each side
+computes the loss of the same first 8 rows (adapters start as a no-op, so this is the base model's
+loss under each side's code): the objectives must agree. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "emotion" / "train.jsonl"
+LORA = ["lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.target_modules=all-linear"]
+TRAIN = ["train.batch_size=8", "train.gradient_accumulation_steps=1", "train.learning_rate=3e-4",
+         "train.lr_scheduler_type=linear", "train.warmup_ratio=0.05", "train.max_length=256", "train.max_steps=-1",
+         "train.num_train_epochs=1", "train.logging_steps=1", "train.optim=adamw_torch", "train.max_grad_norm=1.0"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--ours-gradient-checkpointing", action="store_true",
+                        help="also recompute activations on emotune's side (less memory, slower steps)")
+    parser.add_argument("--side", choices=["ref", "ours"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        print("RESULT " + json.dumps(run_side(args.side, args.data, args.rows, args.ours_gradient_checkpointing)), flush=True)
+        return
+    if not args.data.is_file():
+        print(json.dumps({"skipped": f"{args.data} not found; this benchmark needs the emotion dataset there"}))
+        return
+    results = {side: _subprocess(side, args) for side in ("ref", "ours")}
+    ref, ours = results["ref"], results["ours"]
+    print(json.dumps({
+        "ref_tokens_per_s": ref["tokens_per_s"], "ours_tokens_per_s": ours["tokens_per_s"],
+        "ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 2),
+        "ref_peak_rss_mb": ref["peak_rss_mb"], "ours_peak_rss_mb": ours["peak_rss_mb"],
+        "mem_ratio": round(ours["peak_rss_mb"] / ref["peak_rss_mb"], 2),
+        "ref_losses": ref["losses"], "ours_losses": ours["losses"],
+        "identical_batch_rel_diff": _rel(ours["losses"]["identical_batch"], ref["losses"]["identical_batch"]),
+        "final_loss_rel_diff": _rel(ours["losses"]["final"], ref["losses"]["final"]),
+        "rows": args.rows, "tokens": ours["tokens"], "steps": ours["steps"], "precision": ours["precision"],
+        "ref_seconds": ref["seconds"], "ours_seconds": ours["seconds"],
+        "ours_gradient_checkpointing": args.ours_gradient_checkpointing,
+    }))
+
+
+def _rel(a: float, b: float) -> float:
+    return round(abs(a - b) / abs(b), 6)
+
+
+def _subprocess(side: str, args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, "--side", side, "--rows", str(args.rows), "--data", str(args.data)]
+    done = subprocess.run(command + (["--ours-gradient-checkpointing"] if args.ours_gradient_checkpointing else []),
+                          capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        sys.exit(f"{side} side failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+# --------------------------------------------------------------------------------------------------
+# One side, in its own process
+
+
+def run_side(side: str, data_path: Path, rows: int, ours_gradient_checkpointing: bool) -> dict:
+    import torch
+    from datasets import Dataset, load_dataset
+    from transformers import set_seed
+
+    from emotune import device as device_mod
+    from emotune.batches import collate, completion_loss, encode_examples
+    from emotune.config import load_config
+    from emotune.data import LabeledData
+    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+
+    checkpointing = side == "ref" or ours_gradient_checkpointing
+    cfg = load_config(None, [*LORA, *TRAIN, f"train.gradient_checkpointing={str(checkpointing).lower()}", "device=cpu"])
+    set_seed(cfg.seed)
+    train_rows = load_dataset("json", data_files=str(data_path), split="train").select(range(rows))
+    labels = sorted(set(train_rows["label"]), key=train_rows["label"].index)
+    empty = Dataset.from_dict({"text": [], "label": []})
+    data = LabeledData(splits={"train": train_rows, "validation": empty, "test": empty}, labels=labels, source=str(data_path))
+    precision = device_mod.choose_precision(torch.device("cpu"), "auto")
+    model_dir = resolve_model_dir(cfg.model)
+    tokenizer = load_tokenizer(model_dir, cfg.model)
+    model = load_model(model_dir, precision.dtype, torch.device("cpu"))
+    examples = encode_examples(train_rows, tokenizer, cfg.prompt, labels, cfg.train.max_length)
+    tokens = sum(len(e.input_ids) for e in examples)
+
+    if side == "ours":
+        from emotune.train import train
+
+        with torch.no_grad():
+            parts = completion_loss(model, collate(examples[:8], tokenizer.pad_token_id, torch.device("cpu")))
+        identical = float(parts.loss_sum) / parts.tokens
+        with tempfile.TemporaryDirectory() as run_dir:
+            started = time.perf_counter()
+            train(model, tokenizer, data, cfg, precision, Path(run_dir))
+            seconds = time.perf_counter() - started
+            history = json.loads((Path(run_dir) / "train" / "log_history.json").read_text())
+    else:
+        identical, seconds, history = _reference(model, tokenizer, data, cfg, precision)
+    step_losses = [round(e["loss"], 5) for e in history if "loss" in e]
+    tail = step_losses[-max(1, len(step_losses) // 4):]  # the last quarter of the epoch, averaged: less noisy
+    return {"tokens_per_s": round(tokens / seconds, 1), "tokens": tokens, "seconds": round(seconds, 1),
+            "steps": len(step_losses), "precision": precision.name,
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "losses": {"identical_batch": round(identical, 6), "final": round(sum(tail) / len(tail), 5),
+                       "per_step": step_losses}}
+
+
+def _reference(model, tokenizer, data, cfg, precision):
+    """The reference recipe as the foundation ran it: plain TRL SFTTrainer with completion-only loss."""
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    from emotune.data import to_prompt_completion
+    from emotune.lora import lora_config
+
+    t = cfg.train
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, num_train_epochs=1, per_device_train_batch_size=t.batch_size,
+                         learning_rate=t.learning_rate, lr_scheduler_type="linear", warmup_steps=t.warmup_ratio,
+                         max_length=t.max_length, completion_only_loss=True, gradient_checkpointing=True,
+                         bf16=precision.name == "bf16", logging_steps=1, save_strategy="no", report_to="none",
+                         seed=cfg.seed, data_seed=cfg.seed, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+                         optim="adamw_torch", max_grad_norm=t.max_grad_norm)
+        tokenizer.padding_side = "right"
+        rows = to_prompt_completion(data.splits["train"], cfg.prompt, data.labels)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
+                             peft_config=lora_config(cfg.lora, model))
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+        trainer.model.eval()  # no dropout: the same deterministic loss as the other side
+        with torch.no_grad(), trainer.compute_loss_context_manager():
+            identical = float(trainer.compute_loss(trainer.model, batch))
+        started = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - started
+        return identical, seconds, trainer.state.log_history
+
+
+if __name__ == "__main__":
+    main()

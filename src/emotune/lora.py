@@ -1,0 +1,70 @@
+"""LoRA adapters from our config: which modules, which variant (rsLoRA, DoRA), and a check of the result.
+
+`all-linear` is resolved here rather than by PEFT, because PEFT's `all-linear` adapts every linear
+layer of the checkpoint, including the vision and audio towers of multimodal Gemma 3n / Gemma 4
+checkpoints, which a text classifier never runs. We restrict it to the language model (the module
+`get_decoder()` returns) and write the result as a regex PEFT full-matches against module names.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from transformers import PreTrainedModel
+
+from emotune.config import LoraSettings
+from emotune.errors import UserError
+
+
+def language_model_linear_targets(model: PreTrainedModel) -> str:
+    """A regex matching every linear layer inside the language model, and nothing outside it."""
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    output = model.get_output_embeddings()
+    leaves = sorted({name.rsplit(".", 1)[-1] for name, module in decoder.named_modules()
+                     if isinstance(module, torch.nn.Linear) and module is not output and name})
+    if not leaves:
+        raise UserError(f"lora.target_modules=all-linear: the language model of {type(model).__name__} has no linear "
+                        "layer to adapt. Name the modules to adapt in lora.target_modules.")
+    inside = rf"{re.escape(prefix)}\.(?:.*\.)?" if prefix else r"(?:.*\.)?"
+    return rf"^{inside}(?:{'|'.join(map(re.escape, leaves))})$"
+
+
+def lora_config(cfg: LoraSettings, model: PreTrainedModel) -> PeftLoraConfig:
+    targets = language_model_linear_targets(model) if cfg.target_modules == "all-linear" else cfg.target_modules
+    return PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+        modules_to_save=cfg.modules_to_save,
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_lora(model: PreTrainedModel, cfg: LoraSettings) -> PeftModel:
+    """Wrap `model` with fresh adapters and print what is trained; fail clearly when nothing is."""
+    try:
+        adapted = get_peft_model(model, lora_config(cfg, model))
+    except ValueError as err:  # PEFT names the module it could not find
+        raise UserError(f"LoRA could not be attached to {type(model).__name__}: {err} Check lora.target_modules "
+                        "and lora.modules_to_save against the model's module names.") from None
+    trainable, total = count_parameters(adapted)
+    if trainable == 0:
+        raise UserError(f"LoRA matched no module: lora.target_modules={cfg.target_modules!r} found nothing to adapt "
+                        f"in {type(model).__name__}. Use `all-linear` or names of its linear layers (e.g. [q_proj, v_proj]).")
+    variant = " + ".join(["rsLoRA" if cfg.use_rslora else "LoRA"] + (["DoRA"] if cfg.use_dora else []))
+    print(f"{variant} r={cfg.r} alpha={cfg.alpha} dropout={cfg.dropout}; trainable parameters: {trainable:,} / "
+          f"{total:,} ({100 * trainable / total:.2f}%)", flush=True)
+    return adapted
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

@@ -1,0 +1,263 @@
+"""Training engine on the tiny model: the fast loss equals the plain one, batching, outputs, validation
+and early stopping, non-finite guards, exact resume after kill -9, and 2 processes under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+
+from conftest import LABELS, make_rows
+from emotune import train as train_mod
+from emotune.batches import collate, completion_loss, encode_examples, epoch_batches, rank_share
+from emotune.cli import main
+from emotune.config import PromptConfig
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def _tiny_model(tiny_model_dir, softcap: float | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.config.final_logit_softcapping = softcap
+    return model
+
+
+def test_completion_loss_equals_full_vocabulary_loss(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = make_rows(1, seed=5)
+    for i, row in enumerate(rows):  # rows of different lengths, so padding really happens
+        row["text"] = " ".join([row["text"]] * (1 + i % 3))
+    examples = encode_examples(Dataset.from_list(rows), tokenizer, PromptConfig(), LABELS, max_length=256)
+    assert len({len(e.input_ids) for e in examples}) > 1
+    model = _tiny_model(tiny_model_dir, softcap=3.0)  # soft-capping must be applied on the kept positions too
+
+    parts = completion_loss(model, collate(examples, tokenizer.pad_token_id, torch.device("cpu")))
+    parts.loss_sum.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+    total, tokens = 0.0, 0
+    for e in examples:  # the plain way: one unpadded row, every position projected, prompt masked
+        ids = torch.tensor([e.input_ids])
+        targets = ids[0, 1:].clone()
+        targets[: e.completion_start - 1] = -100
+        total += float(torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], targets, reduction="sum"))
+        tokens += e.completion_tokens
+    assert parts.tokens == tokens
+    assert float(parts.loss_sum) / parts.tokens == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_epoch_batches_are_seeded_grouped_and_split_across_processes():
+    lengths = [(i * 37) % 50 + 10 for i in range(100)]
+    first = epoch_batches(lengths, batch_rows=8, min_rows=2, seed=1, epoch=0, group_by_length=True)
+    assert first == epoch_batches(lengths, 8, 2, 1, 0, True)  # a resumed run sees the same order
+    assert first != epoch_batches(lengths, 8, 2, 1, 1, True)  # a new epoch reshuffles
+    assert sorted(i for b in first for i in b) == list(range(100))  # 100 = 12 x 8 + 4: the last batch is kept
+    spread = lambda batches: sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches)  # noqa: E731
+    assert spread(first) < spread(epoch_batches(lengths, 8, 2, 1, 0, False)) / 3  # little padding left
+    batch = first[0]
+    shares = [rank_share(batch, r, 2) for r in range(2)]
+    assert shares[0] + shares[1] == batch and len(shares[0]) == len(shares[1])
+
+
+def _run_dir(tmp_path) -> Path:
+    return tmp_path / "runs" / "tiny"
+
+
+def test_train_command_writes_adapter_history_and_curve(tiny_overrides, tmp_path, capsys):
+    args = ["train", *tiny_overrides, "train.max_steps=4", "train.eval_steps=2", "train.save_steps=2",
+            "lora.use_rslora=true", "lora.use_dora=true"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "effective batch 4" in out and "trainable parameters" in out and "rsLoRA + DoRA" in out
+    run_dir = _run_dir(tmp_path)
+    for name in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/emotune.json",
+                 "train/log_history.json", "train/log_history.jsonl", "train/loss_curve.png", "config.yaml"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "train" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    lines = [json.loads(line) for line in (run_dir / "train" / "log_history.jsonl").read_text().splitlines()]
+    assert lines == json.loads((run_dir / "train" / "log_history.json").read_text())
+    assert [e["step"] for e in lines if "loss" in e] == [1, 2, 3, 4]
+    assert [e["step"] for e in lines if "eval_loss" in e] == [2, 4]
+    assert all(e["tokens_per_s"] > 0 and e["peak_memory_mb"] > 0 for e in lines if "loss" in e)
+    config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    assert config["use_rslora"] and config["use_dora"]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000002"]
+
+    assert main(args) == 2  # a trained adapter is not trained over silently
+    assert "already holds a trained adapter" in capsys.readouterr().err
+
+
+def test_early_stopping_keeps_the_best_adapter(tiny_overrides, tmp_path, monkeypatch, capsys):
+    losses = iter([2.0, 1.0, 1.5, 1.7, 1.9, 2.1])  # best at the second validation, then worse
+    monkeypatch.setattr(train_mod, "validate", lambda *a, **k: {"eval_loss": next(losses), "eval_token_accuracy": 0.5})
+    assert main(["train", *tiny_overrides, "train.max_steps=10", "train.save_steps=1", "train.save_total_limit=10",
+                 "train.early_stopping_patience=2"]) == 0
+    assert "Early stopping at step 4" in capsys.readouterr().out
+    run_dir = _run_dir(tmp_path)
+    history = json.loads((run_dir / "train" / "log_history.json").read_text())
+    assert max(e["step"] for e in history) == 4
+    adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    at_best = {k.replace(".default", ""): v for k, v in
+               load_file(run_dir / "checkpoints" / "step-000002" / "trainable.safetensors").items()}
+    at_third = load_file(run_dir / "checkpoints" / "step-000003" / "trainable.safetensors")
+    assert adapter.keys() == at_best.keys()
+    assert all(torch.equal(adapter[k], at_best[k]) for k in adapter)
+    assert not all(torch.equal(adapter[k], at_third[k.replace("lora_A.", "lora_A.default.").replace(
+        "lora_B.", "lora_B.default.")]) for k in adapter)
+
+
+def _poison_losses(monkeypatch, bad_steps: set[int]):
+    """Make the loss NaN on the given optimizer steps (1-based), as an fp16 overflow would."""
+    calls = {"n": 0}
+
+    def loss(model, batch):
+        parts = completion_loss(model, batch)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] in bad_steps:
+                parts.loss_sum = parts.loss_sum * float("nan")
+        return parts
+
+    monkeypatch.setattr(train_mod, "completion_loss", loss)
+
+
+def test_a_nonfinite_step_is_skipped_and_counted(tiny_overrides, tmp_path, monkeypatch):
+    _poison_losses(monkeypatch, {2})
+    assert main(["train", *tiny_overrides, "train.max_steps=3", "train.save_steps=1", "train.save_total_limit=5"]) == 0
+    run_dir = _run_dir(tmp_path)
+    history = json.loads((run_dir / "train" / "log_history.json").read_text())
+    assert [e["skipped_steps"] for e in history if "loss" in e] == [0, 1, 1]
+    # No checkpoint at the skipped step: a checkpoint is only written when the last step was good.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000001"]
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_nonfinite_steps_in_a_row_stop_with_the_cause(tiny_overrides, tmp_path, monkeypatch, capsys):
+    _poison_losses(monkeypatch, {3, 4, 5})
+    assert main(["train", *tiny_overrides, "train.max_steps=8", "train.save_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "step 5" in err and "3 steps in a row" in err and "train.learning_rate" in err
+    assert "step-000002" in err and "intact" in err, err[-800:]
+    checkpoints = _run_dir(tmp_path) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002"]
+    assert not (_run_dir(tmp_path) / "adapter").exists()
+
+
+def test_missing_tracker_is_a_clear_error(tiny_overrides, capsys):
+    from accelerate.utils import is_wandb_available
+
+    if is_wandb_available():
+        pytest.skip("wandb is installed here")
+    assert main(["train", *tiny_overrides, "train.report_to=[wandb]"]) == 2
+    assert "pip install wandb" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Subprocesses: kill -9 and resume; torchrun with 2 processes
+
+KILLER = """
+import os, signal, sys
+import emotune.checkpoints as ckpt
+
+kill_step, mid_write = int(sys.argv[1]), sys.argv[2] == "mid-write"
+if mid_write:  # die after the first file of the checkpoint is written, before the rename
+    original_save = ckpt.save_file
+    def save_then_die(tensors, path, *a, **k):
+        original_save(tensors, path, *a, **k)
+        if f"step-{kill_step:06d}" in str(path):
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.save_file = save_then_die
+else:  # die right after the checkpoint is complete
+    original_write = ckpt.write_checkpoint
+    def write_then_die(folder, step, *a, **k):
+        path = original_write(folder, step, *a, **k)
+        if step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+    ckpt.write_checkpoint = write_then_die
+from emotune.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _emotune(args: list[str], killer: tuple[int, str] | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", KILLER, str(killer[0]), killer[1]] if killer else [sys.executable, "-m", "emotune"]
+    return subprocess.run(command + args, capture_output=True, text=True, env=_env(), timeout=300)
+
+
+def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+def test_resume_after_kill_9_gives_the_uninterrupted_adapter(tiny_overrides, tmp_path):
+    common = ["train", *tiny_overrides, "train.max_steps=6", "train.save_steps=2", "train.eval_steps=3",
+              "lora.dropout=0.1", "seed=7"]
+    straight = _emotune(common + ["name=straight"])
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    first = _emotune(common + ["name=killed"], killer=(2, "after"))
+    assert first.returncode == -9
+    second = _emotune(common + ["name=killed"], killer=(4, "mid-write"))
+    assert second.returncode == -9 and "Resuming from" in second.stdout
+    checkpoints = tmp_path / "runs" / "killed" / "checkpoints"
+    assert (checkpoints / ".tmp-step-000004").is_dir() and not (checkpoints / "step-000004").exists()
+    last = _emotune(common + ["name=killed"])
+    assert last.returncode == 0, last.stderr[-2000:]
+    assert "step-000002" in last.stdout  # the half-written step 4 was ignored
+    assert not (checkpoints / ".tmp-step-000004").exists()
+
+    expected, resumed = _adapter(tmp_path / "runs" / "straight"), _adapter(tmp_path / "runs" / "killed")
+    assert expected.keys() == resumed.keys()
+    # Same data order, dropout masks and optimizer state: bit-identical on CPU.
+    assert all(torch.equal(expected[k], resumed[k]) for k in expected)
+    history = [json.loads((tmp_path / "runs" / n / "train" / "log_history.json").read_text()) for n in ("straight", "killed")]
+    strip = lambda h: [{k: v for k, v in e.items() if k not in ("tokens_per_s", "peak_memory_mb")} for e in h]  # noqa: E731
+    assert strip(history[0]) == strip(history[1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tiny_overrides, tmp_path):
+    common = ["train", *tiny_overrides, "train.max_steps=3", "train.save_steps=2", "train.eval_steps=3",
+              "lora.dropout=0.0", "device=cpu"]
+    single = _emotune(common + ["name=single", "train.batch_size=8"])
+    assert single.returncode == 0, single.stderr[-2000:]
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "emotune", *common, "name=ddp", "train.batch_size=4"],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "x 2 processes" in ddp.stdout and "effective batch 8" in ddp.stdout
+
+    runs = tmp_path / "runs"
+    histories = {n: json.loads((runs / n / "train" / "log_history.json").read_text()) for n in ("single", "ddp")}
+    for key in ("loss", "eval_loss"):
+        one, two = ([e[key] for e in histories[n] if key in e] for n in ("single", "ddp"))
+        assert len(one) == len(two) > 0
+        assert two == pytest.approx(one, rel=1e-4)
+    one, two = _adapter(runs / "single"), _adapter(runs / "ddp")
+    assert all(torch.allclose(one[k], two[k], atol=1e-5) for k in one)
+    # Only rank 0 writes: the same files as the single process, and every log line once.
+    files = {n: sorted(str(p.relative_to(runs / n)) for p in (runs / n).rglob("*")) for n in ("single", "ddp")}
+    assert files["single"] == files["ddp"]
+    lines = (runs / "ddp" / "train" / "log_history.jsonl").read_text().splitlines()
+    assert len(lines) == len(set(lines)) == len(histories["ddp"])
