@@ -52,7 +52,7 @@ def attach_lora(model: PreTrainedModel, cfg: LoraSettings) -> PeftModel:
     try:
         adapted = get_peft_model(model, lora_config(cfg, model))
     except ValueError as err:  # PEFT names the module it could not find
-        raise UserError(f"LoRA could not be attached to {type(model).__name__}: {err} Check lora.target_modules "
+        raise UserError(f"LoRA matched no module of {type(model).__name__} (or could not be attached): {err} Check lora.target_modules "
                         "and lora.modules_to_save against the model's module names.") from None
     trainable, total = count_parameters(adapted)
     if trainable == 0:

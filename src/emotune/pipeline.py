@@ -177,7 +177,7 @@ def train_only(cfg: RunConfig) -> Path:
     from emotune.train import train
 
     set_seed(cfg.seed)
-    data = load_data(cfg.data, cfg.seed)
+    data = prepare_data(cfg)
     state = PartialState(cpu=cfg.device == "cpu")  # joins the process group when launched on several
     device = state.device if state.num_processes > 1 else device_mod.resolve_device(cfg.device)
     precision = device_mod.choose_precision(device, cfg.train.precision)
@@ -186,6 +186,7 @@ def train_only(cfg: RunConfig) -> Path:
         print(f"Device {device} x {state.num_processes} processes; precision {precision.name}: {precision.reason}", flush=True)
         run_dir = prepare_run_dir(cfg)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
+        save_prepared(data, run_dir)
     state.wait_for_everyone()
     run_dir = cfg.run_dir
     if (run_dir / "adapter" / "adapter_config.json").is_file():
