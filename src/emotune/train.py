@@ -305,6 +305,7 @@ def _val_batch_size(cfg: RunConfig) -> int:
     return cfg.train.batch_size if cfg.eval.batch_size == "auto" else cfg.eval.batch_size
 
 
+@torch.no_grad()  # without it the summed losses chain every batch's graph: GBs of activations kept
 def validate(model, rows: list[Example], batch_size: int, pad_id: int, accelerator: Accelerator, autocast) -> dict:
     """Completion-only loss and token accuracy on the validation rows, shared across processes."""
     model.eval()
