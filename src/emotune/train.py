@@ -299,13 +299,12 @@ def _guard(progress: Progress, finite: bool, loss: float, grad_norm: float, t: T
                     f"{kept}")
 
 
-@torch.no_grad()
 def _val_batch_size(cfg: RunConfig) -> int:
     """Validation-loss batch: the evaluation batch, or the training batch when that is `auto`."""
     return cfg.train.batch_size if cfg.eval.batch_size == "auto" else cfg.eval.batch_size
 
 
-@torch.no_grad()  # without it the summed losses chain every batch's graph: GBs of activations kept
+@torch.no_grad()
 def validate(model, rows: list[Example], batch_size: int, pad_id: int, accelerator: Accelerator, autocast) -> dict:
     """Completion-only loss and token accuracy on the validation rows, shared across processes."""
     model.eval()
