@@ -261,3 +261,20 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_overrides, tmp_
     assert files["single"] == files["ddp"]
     lines = (runs / "ddp" / "train" / "log_history.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines)) == len(histories["ddp"])
+
+
+def test_class_weights_scale_each_rows_completion_loss(tiny_model_dir):
+    """data.balance=class_weight: a row's completion tokens count with its label's weight."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = make_rows(1, seed=4)[:2]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    plain = encode_examples(Dataset.from_list(rows), tokenizer, PromptConfig(), LABELS, max_length=256)
+    weights = {label: 1.0 for label in LABELS} | {rows[0]["label"]: 3.0}
+    weighted = encode_examples(Dataset.from_list(rows), tokenizer, PromptConfig(), LABELS, max_length=256,
+                               class_weights=weights)
+    with torch.no_grad():
+        per_row = [completion_loss(model, collate([e], tokenizer.pad_token_id, torch.device("cpu"))).loss_sum for e in plain]
+        both = completion_loss(model, collate(weighted, tokenizer.pad_token_id, torch.device("cpu"))).loss_sum
+    assert both.item() == pytest.approx(3.0 * per_row[0].item() + per_row[1].item(), rel=1e-5)

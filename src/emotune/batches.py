@@ -26,6 +26,8 @@ class Example:
     input_ids: list[int]
     completion_start: int
     """Index of the first completion (label) token in `input_ids`."""
+    weight: float = 1.0
+    """Loss weight of this row's completion tokens (its label's class weight; 1 without balancing)."""
 
     @property
     def completion_tokens(self) -> int:
@@ -33,7 +35,7 @@ class Example:
 
 
 def encode_examples(ds: Dataset, tokenizer: PreTrainedTokenizerBase, prompt: PromptConfig, labels: list[str],
-                    max_length: int) -> list[Example]:
+                    max_length: int, class_weights: dict[str, float] | None = None) -> list[Example]:
     """Tokenize like TRL's conversational prompt-completion rows: the completion starts where the prompt
     (with the generation prompt) and prompt+completion stop agreeing; rows are cut at `max_length`."""
     examples = []
@@ -44,7 +46,8 @@ def encode_examples(ds: Dataset, tokenizer: PreTrainedTokenizerBase, prompt: Pro
                                                  tokenize=True, return_dict=False)
         start = _common_prefix_length(prompt_ids, full_ids)
         full_ids = list(full_ids[:max_length])
-        examples.append(Example(full_ids, min(start, len(full_ids))))
+        weight = class_weights[row["label"]] if class_weights else 1.0
+        examples.append(Example(full_ids, min(start, len(full_ids)), weight))
     cut = sum(e.completion_tokens == 0 for e in examples)
     if cut:
         print(f"Warning: {cut} of {len(examples)} rows lost their label to train.max_length={max_length} and teach "
@@ -93,14 +96,17 @@ def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
     predicts = torch.zeros((len(examples), width), dtype=torch.bool)
+    weights = torch.zeros((len(examples), width), dtype=torch.float32)
     for i, e in enumerate(examples):
+        weights[i, :] = e.weight
         input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
         attention_mask[i, :len(e.input_ids)] = 1
         predicts[i, max(e.completion_start - 1, 0):len(e.input_ids) - 1] = e.completion_tokens > 0
     # Position t predicts token t+1; row-major order, the order in which the model returns the kept logits.
     targets = input_ids[:, 1:][predicts[:, :-1]]
+    token_weights = weights[:, 1:][predicts[:, :-1]]
     return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-            "predicts": predicts.to(device), "targets": targets.to(device)}
+            "predicts": predicts.to(device), "targets": targets.to(device), "token_weights": token_weights.to(device)}
 
 
 @dataclass
@@ -122,6 +128,8 @@ def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> L
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    logits_to_keep=batch["predicts"], use_cache=False).logits.float()
     targets = batch["targets"]
-    loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+    per_token = F.cross_entropy(logits, targets, reduction="none")
+    # data.balance=class_weight: each completion token counts with its row's class weight
+    loss_sum = (per_token * batch["token_weights"]).sum() if "token_weights" in batch else per_token.sum()
     correct = (logits.detach().argmax(-1) == targets).sum()
     return LossParts(loss_sum, targets.numel(), correct)

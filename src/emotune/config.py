@@ -134,7 +134,7 @@ class DataConfig(Section):
     balance: Literal["none", "oversample", "class_weight"] = "none"
     """Class balancing of the training split: `oversample` repeats rows of smaller classes (seeded) up to
     the largest class; `class_weight` leaves the rows alone and computes per-class loss weights
-    (n / (classes x n_class), in data_report.json and `LabeledData.class_weights`) for the trainer."""
+    (n / (classes x n_class), in data_report.json) that weight each training row's completion loss."""
     cleaning: CleaningConfig = CleaningConfig()
 
     @field_validator("train_limit", "validation_limit", "test_limit")

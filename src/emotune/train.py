@@ -69,7 +69,8 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
     accelerator = _accelerator(t, model, run_dir)
     main = accelerator.is_main_process
     # Encode before attaching adapters: a row problem should surface before any optimizer state exists.
-    train_rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, t.max_length)
+    train_rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, t.max_length,
+                                 class_weights=data.class_weights)  # set only by data.balance=class_weight
     val_rows = encode_examples(data.splits["validation"], tokenizer, cfg.prompt, data.labels, t.max_length)
     plan = _plan(t, len(train_rows), accelerator.num_processes)
     _announce(plan, t, len(train_rows), len(val_rows))
