@@ -157,12 +157,12 @@ def test_hf_hub_dataset_with_mocked_client(tmp_path, monkeypatch):
 
     calls = []
 
-    def fake_snapshot_download(repo_id, repo_type=None, revision=None, local_dir=None, allow_patterns=None):
+    def fake_hub_download(repo_id, repo_type=None, revision=None, local_dir=None, allow_patterns=None):
         calls.append((repo_id, repo_type, allow_patterns))
         _write_hub_snapshot(Path(local_dir))
         return local_dir
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub_download)
     cfg = DataConfig(source="hf:dair-ai/emotion", cache_dir=str(tmp_path / "cache"))
     data = load_data(cfg, seed=0)
     assert calls == [("dair-ai/emotion", "dataset", ["*.parquet", "*.md"])]
@@ -174,12 +174,12 @@ def test_hf_hub_dataset_with_mocked_client(tmp_path, monkeypatch):
 def test_modelscope_dataset_with_mocked_client(tmp_path, monkeypatch):
     calls = []
 
-    def dataset_snapshot_download(dataset_id, local_dir=None, **kwargs):
+    def fake_ms_dataset_download(dataset_id, local_dir=None, **kwargs):
         calls.append(dataset_id)
         _write_hub_snapshot(Path(local_dir) / "data")
         return local_dir
 
-    monkeypatch.setitem(sys.modules, "modelscope", types.SimpleNamespace(dataset_snapshot_download=dataset_snapshot_download))
+    monkeypatch.setitem(sys.modules, "modelscope", types.SimpleNamespace(dataset_snapshot_download=fake_ms_dataset_download))
     data = load_data(DataConfig(source="modelscope:AI-ModelScope/emotion", cache_dir=str(tmp_path)), seed=0)
     assert calls == ["AI-ModelScope/emotion"] and data.labels == LABELS
 

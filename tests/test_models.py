@@ -24,13 +24,13 @@ def test_hub_id_without_network_says_how_to_download(tmp_path):
 def test_hub_id_uses_the_hub_client(tmp_path, monkeypatch, tiny_model_dir):
     calls = {}
 
-    def fake_snapshot_download(repo_id, revision=None, local_dir=None, allow_patterns=None):
+    def fake_hub_download(repo_id, revision=None, local_dir=None, allow_patterns=None):
         calls.update(repo_id=repo_id, revision=revision, local_dir=local_dir)
         return str(tiny_model_dir)
 
     import huggingface_hub
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub_download)
     cfg = ModelConfig(source="hf:google/gemma-4-E4B-it", revision="main", cache_dir=str(tmp_path))
     assert resolve_model_dir(cfg) == Path(tiny_model_dir)
     assert calls["repo_id"] == "google/gemma-4-E4B-it" and calls["revision"] == "main"
@@ -41,11 +41,11 @@ def test_modelscope_id_uses_modelscope_client(tmp_path, monkeypatch, tiny_model_
     seen = {}
     fake = types.ModuleType("modelscope")
 
-    def snapshot_download(repo_id, revision=None, local_dir=None):
+    def fake_ms_download(repo_id, revision=None, local_dir=None):
         seen["repo_id"] = repo_id
         return str(tiny_model_dir)
 
-    fake.snapshot_download = snapshot_download
+    fake.snapshot_download = fake_ms_download
     monkeypatch.setitem(sys.modules, "modelscope", fake)
     cfg = ModelConfig(source="modelscope:google/gemma-4-E4B-it", cache_dir=str(tmp_path))
     assert resolve_model_dir(cfg) == Path(tiny_model_dir)
@@ -55,10 +55,10 @@ def test_modelscope_id_uses_modelscope_client(tmp_path, monkeypatch, tiny_model_
 def test_modelscope_client_failure_is_a_clear_error(tmp_path, monkeypatch):
     fake = types.ModuleType("modelscope")
 
-    def snapshot_download(repo_id, revision=None, local_dir=None):
+    def fake_ms_download(repo_id, revision=None, local_dir=None):
         raise ConnectionError("Failed to resolve 'www.modelscope.cn'")
 
-    fake.snapshot_download = snapshot_download
+    fake.snapshot_download = fake_ms_download
     monkeypatch.setitem(sys.modules, "modelscope", fake)
     with pytest.raises(UserError, match=r"modelscope download --model google/gemma-4-E4B-it"):
         resolve_model_dir(ModelConfig(source="modelscope:google/gemma-4-E4B-it", cache_dir=str(tmp_path)))
