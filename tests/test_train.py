@@ -1,5 +1,6 @@
 """Training engine on the tiny model: the fast loss equals the plain one, batching, outputs, validation
-and early stopping, non-finite guards, exact resume after kill -9, and 2 processes under torchrun."""
+and early stopping, non-finite guards, exact resume after kill -9, and 2 processes under torchrun (DDP, and
+FSDP2 killed and resumed under accelerate launch)."""
 
 from __future__ import annotations
 
@@ -261,6 +262,52 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_overrides, tmp_
     assert files["single"] == files["ddp"]
     lines = (runs / "ddp" / "train" / "log_history.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines)) == len(histories["ddp"])
+
+
+def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(tiny_overrides, tmp_path):
+    """FSDP2 on CPU/gloo: train.fsdp=true under torchrun, killed after the step-2 checkpoint, then resumed by
+    `accelerate launch --use_fsdp` (the launcher's own switch); the result is the single-process run's."""
+    common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=2", "train.eval_steps=2",
+              "lora.dropout=0.0", "device=cpu", "train.gradient_checkpointing=true"]
+    single = _emotune(common + ["name=single", "train.batch_size=8"])
+    assert single.returncode == 0, single.stderr[-2000:]
+
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER)
+    fsdp = common + ["name=fsdp", "train.batch_size=4"]
+    first = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            str(_free_port()), str(killer), "2", "after", *fsdp, "train.fsdp=true"],
+                           capture_output=True, text=True, env=_env(), timeout=300)
+    assert first.returncode != 0 and "FSDP2 over 2 processes (train.fsdp)" in first.stdout, first.stderr[-3000:]
+    checkpoints = tmp_path / "runs" / "fsdp" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["step-000002"]
+    assert not (tmp_path / "runs" / "fsdp" / "adapter").exists()
+
+    second = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines",
+                             "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--use_fsdp", "--fsdp_version", "2",
+                             "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--main_process_port",
+                             str(_free_port()), "-m", "emotune", *fsdp], capture_output=True, text=True, env=_env(), timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "accelerate launch config" in second.stdout and "Resuming from" in second.stdout
+
+    runs = tmp_path / "runs"
+    histories = {n: json.loads((runs / n / "train" / "log_history.json").read_text()) for n in ("single", "fsdp")}
+    for key in ("loss", "eval_loss"):
+        one, two = ([e[key] for e in histories[n] if key in e] for n in ("single", "fsdp"))
+        assert len(one) == len(two) > 0
+        assert two == pytest.approx(one, rel=1e-4)
+    one, two = _adapter(runs / "single"), _adapter(runs / "fsdp")
+    assert one.keys() == two.keys() and all(torch.allclose(one[k], two[k], atol=1e-5) for k in one)
+    files = {n: sorted(str(p.relative_to(runs / n)) for p in (runs / n).rglob("*")) for n in ("single", "fsdp")}
+    assert files["single"] == files["fsdp"]  # only rank 0 wrote, and the adapter has the single-process layout
+    assert json.loads((runs / "fsdp" / "adapter" / "adapter_config.json").read_text()) == \
+        json.loads((runs / "single" / "adapter" / "adapter_config.json").read_text())
+
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(_tiny_model(tiny_overrides[0].split("=", 1)[1]), runs / "fsdp" / "adapter")
+    state = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert len(state) == len(two) and all(torch.equal(v, two[k.replace(".default", "")]) for k, v in state.items())
 
 
 def test_class_weights_scale_each_rows_completion_loss(tiny_model_dir):

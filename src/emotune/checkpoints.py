@@ -5,6 +5,11 @@ atomic, so every `step-*` folder is complete and a crash leaves at most a `.tmp-
 next run deletes. It holds the trainable weights, optimizer, scheduler and grad-scaler state, every
 process's RNG state (dropout masks), the weights with the best validation loss so far, and the progress (step, best validation loss, log history); the
 data position is the step itself, because batch order is a pure function of the seed and the epoch.
+
+Under FSDP2 every parameter is a DTensor holding this process's shard. The functions below gather
+the trainable weights and the optimizer state to full tensors (collectives: every process calls them,
+in the same order) so that a checkpoint, and the adapter, look the same as a single process's; on
+resume every process reads the files and keeps its own shard.
 """
 
 from __future__ import annotations
@@ -20,14 +25,39 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
+
+from emotune.errors import UserError
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 BEST_FILE = "best.safetensors"
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full copies of the trainable weights on the CPU (under FSDP2 a collective, see the module docstring)."""
+    return {name: _full_copy(p) for name, p in model.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def _full_copy(param: torch.Tensor) -> torch.Tensor:
+    full = param.detach()
+    full = full.full_tensor() if isinstance(full, DTensor) else full
     # A copy, not a view: on a CPU `.cpu()` would alias the live weights the optimizer keeps changing.
-    return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    return full.to("cpu", copy=True).contiguous()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Put back the shards of units a forward left gathered (FSDP2 keeps the root's and the output
+    layer's after an evaluation forward): the state-dict helpers expect every parameter sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -35,7 +65,41 @@ def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     if set(tensors) != expected:
         raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
                            f"(missing {sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]})")
-    model.load_state_dict(tensors, strict=False)
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        _reshard(model)
+        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        model.load_state_dict(tensors, strict=False)
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state to save. Under FSDP2 it is gathered to full tensors keyed by parameter
+    name, and only the main process receives it (a collective)."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    _reshard(model)
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                         path: Path) -> None:
+    by_name = isinstance(state["param_groups"][0]["params"][0], str)  # FSDP2's full state names its parameters
+    sharded = is_sharded(model)
+    if by_name != sharded:
+        raise UserError(f"The checkpoint {path} was written {'with' if by_name else 'without'} FSDP, and this run "
+                        f"trains {'with' if sharded else 'without'} it. Resume it the way it was launched (train.fsdp, "
+                        f"or accelerate launch --use_fsdp), or delete {path.parent} to start over.")
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        _reshard(model)
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
 
 
 def rng_state() -> dict[str, Any]:
@@ -53,18 +117,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer, scheduler, scaler,
-                     rng_states: list[dict[str, Any]], progress: dict[str, Any], keep: int,
+def write_checkpoint(folder: Path, step: int, weights: dict[str, torch.Tensor], optimizer: dict[str, Any], scheduler,
+                     scaler, rng_states: list[dict[str, Any]], progress: dict[str, Any], keep: int,
                      best: dict[str, torch.Tensor] | None) -> Path:
-    """Write `folder/step-NNNNNN` atomically and delete all but the `keep` newest. Main process only."""
+    """Write `folder/step-NNNNNN` atomically and delete all but the `keep` newest. Main process only;
+    `weights` and `optimizer` come from `trainable_state` and `optimizer_state`, which every process calls."""
     target = folder / f"step-{step:06d}"
     partial = folder / f".tmp-step-{step:06d}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    save_file(trainable_state(model), partial / "trainable.safetensors")
+    save_file(weights, partial / "trainable.safetensors")
     if best is not None:
         save_file(best, partial / BEST_FILE)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+    torch.save({"optimizer": optimizer, "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else None}, partial / "optimizer.pt")
     torch.save(rng_states, partial / "rng.pt")
     (partial / "progress.json").write_text(json.dumps(progress, indent=1))
@@ -95,7 +160,7 @@ def read_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sc
     best weights so far."""
     load_trainable_state(model, load_file(path / "trainable.safetensors"))
     states = torch.load(path / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(states["optimizer"])
+    load_optimizer_state(model, optimizer, states["optimizer"], path)
     scheduler.load_state_dict(states["scheduler"])
     if scaler is not None and states["scaler"] is not None:
         scaler.load_state_dict(states["scaler"])

@@ -257,6 +257,14 @@ class TrainConfig(Section):
     """Keep this many most recent checkpoints (plus the best one)."""
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Experiment trackers that also receive the training log (each must be installed); [] = none."""
+    fsdp: bool = False
+    """Shard the model's weights, gradients and optimizer state across the processes (FSDP2, PyTorch's
+    `fully_shard` through Accelerate) instead of a full copy on each (DDP). Use it when the model does not
+    fit one device: `torchrun --nproc_per_node N -m emotune train train.fsdp=true`. Each decoder layer is
+    one shard unit, gathered for its forward and again for backward. Checkpoints and the adapter are
+    gathered and written by process 0 in the single-process format; resume with FSDP again. On one
+    process it is ignored, with a note. `accelerate launch --use_fsdp --fsdp_version 2` turns it on too,
+    with that launcher's FSDP settings."""
 
     @field_validator("batch_size", "gradient_accumulation_steps", "max_length", "eval_steps", "save_steps", "logging_steps",
                      "max_nonfinite_steps", "save_total_limit")

@@ -5,7 +5,8 @@ loss projects every position onto the vocabulary and masks afterwards, and what 
 besides — skipping a non-finite step, checkpoints written atomically, a data order that resumes
 exactly and is identical on 1 or N processes — are not Trainer hooks. So the loop is ours, readable
 top to bottom (setup → resume → steps → best adapter → outputs); PEFT builds the adapters,
-Accelerate does the multi-process work (DDP under `torchrun` / `accelerate launch`) and the trackers.
+Accelerate does the multi-process work (DDP under `torchrun` / `accelerate launch`, or FSDP2 with
+`train.fsdp=true` / `accelerate launch --use_fsdp --fsdp_version 2`) and the trackers.
 
 Loss normalisation: the summed cross-entropy of one optimizer step is divided by the number of
 completion tokens in the whole global step (all micro-batches, all processes), so one process with
@@ -25,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
@@ -66,7 +69,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
           precision: Precision, run_dir: Path) -> PreTrainedModel:
     """Fine-tune `model` with LoRA, save `run_dir/adapter`, and return the adapted model (in memory)."""
     t = cfg.train
-    accelerator = _accelerator(t, model, run_dir)
+    accelerator, fsdp = _accelerator(t, model, run_dir)
     main = accelerator.is_main_process
     # Encode before attaching adapters: a row problem should surface before any optimizer state exists.
     train_rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, t.max_length,
@@ -79,12 +82,13 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
     adapted = attach_lora(model, cfg.lora)
     if t.gradient_checkpointing:
         adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp:
+        _fsdp_dtypes(fsdp, adapted)
     autocast, scaler = _mixed_precision(precision, adapted)
-    trainable = [p for p in adapted.parameters() if p.requires_grad]
-    optimizer = _optimizer(t, trainable)
+    optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(t.warmup_ratio * plan.steps),
                               num_training_steps=plan.steps)
-    wrapped = accelerator.prepare_model(adapted)  # DDP when launched on several processes, else the model itself
+    wrapped, trainable = _prepare(accelerator, adapted, optimizer, fsdp)
 
     folder = run_dir / "checkpoints"
     progress, best = _resume(folder, adapted, optimizer, scheduler, scaler, accelerator)
@@ -145,13 +149,16 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
 
     if best is not None:
         ckpt.load_trainable_state(adapted, best)
-        print(f"Adapter: step {progress.best_step}, the lowest validation loss ({progress.best_loss:.4f}).", flush=True)
+        if main:
+            print(f"Adapter: step {progress.best_step}, the lowest validation loss ({progress.best_loss:.4f}).", flush=True)
     adapted.config.use_cache = True  # training turned the KV cache off; generation wants it back
     if t.gradient_checkpointing:
         adapted.gradient_checkpointing_disable()
     adapted.eval()
+    # Sharded weights are gathered on every process, then written by the main one like a single process's.
+    weights = ckpt.trainable_state(adapted) if fsdp else None
     if main:
-        save_adapter(adapted, tokenizer, data, cfg, run_dir / "adapter")
+        save_adapter(adapted, tokenizer, data, cfg, run_dir / "adapter", state_dict=weights)
         _write_history(progress, run_dir / "train")
     if t.report_to:
         accelerator.end_training()
@@ -163,15 +170,86 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
 # Setup
 
 
-def _accelerator(t: TrainConfig, model: PreTrainedModel, run_dir: Path) -> Accelerator:
+def _accelerator(t: TrainConfig, model: PreTrainedModel, run_dir: Path
+                 ) -> tuple[Accelerator, FullyShardedDataParallelPlugin | None]:
+    """The accelerator, and the FSDP2 settings when training sharded (None: one process, or DDP)."""
     for tracker in t.report_to:
         if not _tracker_installed(tracker):
             raise UserError(f"train.report_to lists `{tracker}`, which is not installed. Install it "
                             f"(pip install {tracker}) or remove it from train.report_to.")
+    cpu = model.device.type == "cpu"
+    plugin = _fsdp_plugin(t, cpu)
     # Mixed precision is handled in this module (autocast only where needed, see _mixed_precision), so
     # Accelerate keeps its default; it would otherwise refuse a second training in the same process.
-    return Accelerator(cpu=model.device.type == "cpu", log_with=list(t.report_to) or None,
-                       project_dir=str(run_dir / "train"))
+    accelerator = Accelerator(cpu=cpu, log_with=list(t.report_to) or None, project_dir=str(run_dir / "train"),
+                              fsdp_plugin=plugin)
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise UserError("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass "
+                        "--fsdp_version 2 (or fsdp_version: 2 in the accelerate config), or set train.fsdp=true "
+                        "and launch with torchrun.")
+    return accelerator, accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else plugin
+
+
+def _fsdp_plugin(t: TrainConfig, cpu: bool) -> FullyShardedDataParallelPlugin | None:
+    """FSDP2 settings from `train.fsdp`, else from `accelerate launch --use_fsdp` (its FSDP_* environment)."""
+    launcher = parse_flag_from_env("ACCELERATE_USE_FSDP")
+    if not (t.fsdp or launcher):
+        return None
+    processes = PartialState(cpu=cpu).num_processes
+    if processes == 1:
+        print("FSDP asked for on a single process: nothing to shard across, so training runs as a plain "
+              "single-process run.", flush=True)
+        return None
+    if t.fsdp:  # each decoder layer (the model's `_no_split_modules`) is one unit, re-gathered for backward
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                reshard_after_forward=True, state_dict_type="FULL_STATE_DICT")
+    else:
+        plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise UserError("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass "
+                        "--fsdp_version 2 (or fsdp_version: 2 in the accelerate config).")
+    if PartialState().is_main_process:
+        print(f"FSDP2 over {processes} processes ({'train.fsdp' if t.fsdp else 'accelerate launch config'}): "
+              f"wrap policy {getattr(plugin.auto_wrap_policy, '__name__', plugin.auto_wrap_policy)}, reshard after "
+              f"forward {plugin.reshard_after_forward}, CPU offload {type(plugin.cpu_offload).__name__ == 'CPUOffloadPolicy'}",
+              flush=True)
+    return plugin
+
+
+def _fsdp_dtypes(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:
+    """FSDP2 needs one dtype across the trainable parameters of a shard unit. LoRA adapters are fp32
+    over a bf16 base (PEFT upcasts them), which is fine: frozen weights may differ. A `modules_to_save`
+    copy keeps the base dtype, though; then the trainable weights are upcast to fp32 and computed in
+    the base dtype (the usual FSDP mixed-precision recipe, as Accelerate's own)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if len({p.dtype for p in trainable}) == 1:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = next(p.dtype for p in trainable if p.dtype != torch.float32)
+    for p in trainable:
+        p.data = p.data.float()
+    plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def _prepare(accelerator: Accelerator, model, optimizer, fsdp: FullyShardedDataParallelPlugin | None
+             ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """(the model to call, its trainable parameters). DDP wraps the model when launched on several
+    processes; FSDP2 shards model and optimizer together, in place, replacing every parameter with a
+    DTensor, so the trainable ones are listed again afterwards."""
+    if fsdp is None:
+        wrapped = accelerator.prepare_model(model)
+    else:
+        if accelerator.distributed_type != DistributedType.FSDP:
+            # Accelerate switches to FSDP only on GPU-like process groups (accelerate/state.py) and would
+            # run DDP on CPUs, where PyTorch's fully_shard works too (gloo). So FSDP is switched on for
+            # this call; Accelerate's state is rebuilt from the process group's afterwards, which stays
+            # multi-CPU (its barrier would pass device ids gloo does not take), so later code asks the
+            # model whether it is sharded, not Accelerate.
+            accelerator.state.distributed_type = DistributedType.FSDP
+            accelerator.state.fsdp_plugin = fsdp
+        wrapped, _ = accelerator.prepare(model, optimizer)
+    return wrapped, [p for p in wrapped.parameters() if p.requires_grad]
 
 
 def _tracker_installed(name: str) -> bool:
@@ -252,10 +330,12 @@ def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: 
     """Forward/backward over this process's micro-batches, then one optimizer step unless the loss or
     gradient is not finite. Returns (loss per completion token over all processes, gradient norm, stepped)."""
     loss_sum = torch.zeros((), device=accelerator.device)
-    # DDP averages gradients over processes, so each one scales its share up by the process count.
+    # DDP and FSDP average gradients over processes, so each one scales its share up by the process count.
     scale = accelerator.num_processes / max(step_tokens, 1)
+    # FSDP2 reduce-scatters after every micro-batch, so each process keeps only its shard of the gradient.
+    accumulate_unsynced = not ckpt.is_sharded(model)
     for i, batch in enumerate(batches):
-        sync = nullcontext() if i == len(batches) - 1 else accelerator.no_sync(model)
+        sync = accelerator.no_sync(model) if accumulate_unsynced and i < len(batches) - 1 else nullcontext()
         with sync:
             with autocast:
                 parts = completion_loss(model, batch)
@@ -264,7 +344,7 @@ def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: 
         loss_sum += parts.loss_sum.detach().float()
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm if max_grad_norm > 0 else math.inf))
+    grad_norm = _clip_gradients(trainable, max_grad_norm)
     loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(step_tokens, 1)
     # Under fp16 a non-finite gradient is the scaler's business (it skips the step and lowers the scale).
     finite = math.isfinite(loss) and (scaler is not None or math.isfinite(grad_norm))
@@ -275,6 +355,12 @@ def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: 
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, finite
+
+
+def _clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    # Under FSDP2 the norm is a replicated DTensor: the same float on every process.
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def _guard(progress: Progress, finite: bool, loss: float, grad_norm: float, t: TrainConfig, precision: Precision,
@@ -312,12 +398,19 @@ def validate(model, rows: list[Example], batch_size: int, pad_id: int, accelerat
     order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
     totals = torch.zeros(3, device=accelerator.device, dtype=torch.float64)  # loss sum, tokens, correct
-    inner = accelerator.unwrap_model(model)  # no gradient, so no DDP hooks needed
-    for batch in batches[accelerator.process_index::accelerator.num_processes]:
+    mine = batches[accelerator.process_index::accelerator.num_processes]
+    rounds = len(mine)
+    if ckpt.is_sharded(model):  # every forward gathers shards from all processes: all must run as many
+        inner, rounds = model, math.ceil(len(batches) / accelerator.num_processes)
+    else:
+        inner = accelerator.unwrap_model(model)  # no gradient, so no DDP hooks needed
+    for k in range(rounds):
+        batch = mine[k] if k < len(mine) else batches[-1]  # a process short of batches repeats one, unused
         with autocast:
             parts = completion_loss(inner, collate([rows[i] for i in batch], pad_id, accelerator.device))
-        totals += torch.stack([parts.loss_sum.double(), torch.tensor(parts.tokens, dtype=torch.float64,
-                                                                     device=totals.device), parts.correct.double()])
+        if k < len(mine):
+            totals += torch.stack([parts.loss_sum.double(), torch.tensor(parts.tokens, dtype=torch.float64,
+                                                                         device=totals.device), parts.correct.double()])
     loss_sum, tokens, correct = accelerator.reduce(totals, reduction="sum").tolist()
     return {"eval_loss": loss_sum / max(tokens, 1), "eval_token_accuracy": correct / max(tokens, 1)}
 
@@ -336,8 +429,9 @@ def _save(folder: Path, progress: Progress, model, optimizer, scheduler, scaler,
     from accelerate.utils import gather_object
 
     rng_states = gather_object([ckpt.rng_state()])  # every process's dropout stream, written by the main one
+    weights, optimizer_state = ckpt.trainable_state(model), ckpt.optimizer_state(model, optimizer)  # FSDP: gathered
     if accelerator.is_main_process:
-        ckpt.write_checkpoint(folder, progress.step, model, optimizer, scheduler, scaler, rng_states,
+        ckpt.write_checkpoint(folder, progress.step, weights, optimizer_state, scheduler, scaler, rng_states,
                               asdict(progress), keep, best)
     accelerator.wait_for_everyone()
 
@@ -410,11 +504,13 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def save_adapter(model, tokenizer, data: LabeledData, cfg: RunConfig, target: Path) -> None:
-    """Adapter weights + config, tokenizer (with its chat template), and the labels and prompt to reuse it."""
+def save_adapter(model, tokenizer, data: LabeledData, cfg: RunConfig, target: Path,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Adapter weights + config, tokenizer (with its chat template), and the labels and prompt to reuse it.
+    `state_dict`: the full trainable weights when the model's own are sharded (FSDP)."""
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
+    model.save_pretrained(partial, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(partial)
     meta = {
         "labels": data.labels,
