@@ -156,6 +156,36 @@ def test_nonfinite_steps_in_a_row_stop_with_the_cause(tiny_overrides, tmp_path, 
     assert not (_run_dir(tmp_path) / "adapter").exists()
 
 
+def test_fsdp_on_one_process_is_a_plain_run(tiny_overrides, tmp_path, capsys):
+    assert main(["train", *tiny_overrides, "train.max_steps=1", "train.fsdp=true"]) == 0
+    assert "nothing to shard across" in capsys.readouterr().out
+    assert (_run_dir(tmp_path) / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_checkpoint_resumes_only_the_way_it_was_written(tiny_model_dir, tmp_path):
+    """An FSDP checkpoint names its parameters; a plain run refuses it with a clear message, not a KeyError."""
+    from emotune import checkpoints as ckpt
+    from emotune.errors import UserError
+
+    model = _tiny_model(tiny_model_dir)
+    optimizer = torch.optim.AdamW(model.parameters())
+    written_by_fsdp = {"state": {}, "param_groups": [{**optimizer.param_groups[0], "params": ["model.norm.weight"]}]}
+    with pytest.raises(UserError, match="written with FSDP"):
+        ckpt.load_optimizer_state(model, optimizer, written_by_fsdp, tmp_path / "checkpoints" / "step-000002")
+    ckpt.load_optimizer_state(model, optimizer, optimizer.state_dict(), tmp_path)  # the plain format still loads
+
+
+def test_fsdp_refuses_a_modules_to_save_copy_of_a_tied_embedding(tiny_model_dir):
+    from emotune.errors import UserError
+
+    model = _tiny_model(tiny_model_dir)  # Gemma ties lm_head to embed_tokens
+    for tied in (["lm_head"], ["model.embed_tokens"]):
+        with pytest.raises(UserError, match="ties to its output layer"):
+            train_mod._refuse_tied_modules_to_save(model, tied)
+    train_mod._refuse_tied_modules_to_save(model, ["model.norm"])
+    train_mod._refuse_tied_modules_to_save(model, None)
+
+
 def test_missing_tracker_is_a_clear_error(tiny_overrides, capsys):
     from accelerate.utils import is_wandb_available
 

@@ -79,11 +79,12 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
     _announce(plan, t, len(train_rows), len(val_rows))
 
     model.config.use_cache = False
+    if fsdp:
+        _refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
     adapted = attach_lora(model, cfg.lora)
     if t.gradient_checkpointing:
         adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if fsdp:
-        _fsdp_dtypes(fsdp, adapted)
+    upcast = _fsdp_dtypes(fsdp, adapted) if fsdp else {}
     autocast, scaler = _mixed_precision(precision, adapted)
     optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(t.warmup_ratio * plan.steps),
@@ -156,7 +157,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
         adapted.gradient_checkpointing_disable()
     adapted.eval()
     # Sharded weights are gathered on every process, then written by the main one like a single process's.
-    weights = ckpt.trainable_state(adapted) if fsdp else None
+    weights = {k: v.to(upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()} if fsdp else None
     if main:
         save_adapter(adapted, tokenizer, data, cfg, run_dir / "adapter", state_dict=weights)
         _write_history(progress, run_dir / "train")
@@ -216,20 +217,37 @@ def _fsdp_plugin(t: TrainConfig, cpu: bool) -> FullyShardedDataParallelPlugin | 
     return plugin
 
 
-def _fsdp_dtypes(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:
+def _refuse_tied_modules_to_save(model: PreTrainedModel, modules_to_save: list[str] | None) -> None:
+    """A `modules_to_save` copy of an embedding tied to the output layer leaves the tied weight in two
+    FSDP units, which torch refuses at the first forward; say so before any weight is sharded."""
+    embeddings, output = model.get_input_embeddings(), model.get_output_embeddings()
+    if output is None or embeddings.weight is not output.weight:
+        return
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is embeddings or module is output}
+    clash = [name for name in modules_to_save or [] if name.rsplit(".", 1)[-1] in names]
+    if clash:
+        raise UserError(f"lora.modules_to_save={clash} copies an embedding that {type(model).__name__} ties to its output "
+                        "layer, and FSDP2 cannot shard a tied weight split across units. Leave it out of "
+                        "lora.modules_to_save, or train without FSDP (drop train.fsdp / --use_fsdp).")
+
+
+def _fsdp_dtypes(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> dict[str, torch.dtype]:
     """FSDP2 needs one dtype across the trainable parameters of a shard unit. LoRA adapters are fp32
     over a bf16 base (PEFT upcasts them), which is fine: frozen weights may differ. A `modules_to_save`
     copy keeps the base dtype, though; then the trainable weights are upcast to fp32 and computed in
-    the base dtype (the usual FSDP mixed-precision recipe, as Accelerate's own)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if len({p.dtype for p in trainable}) == 1:
-        return
+    the base dtype (the usual FSDP mixed-precision recipe, as Accelerate's own). Returns the original
+    dtypes of the upcast weights, which the saved adapter keeps, as a single process's would."""
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if len({p.dtype for p in trainable.values()}) == 1:
+        return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    compute = next(p.dtype for p in trainable if p.dtype != torch.float32)
-    for p in trainable:
-        p.data = p.data.float()
-    plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    upcast = {name: p.dtype for name, p in trainable.items() if p.dtype != torch.float32}
+    for name in upcast:
+        trainable[name].data = trainable[name].data.float()
+    plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=next(iter(upcast.values())),
+                                                         reduce_dtype=torch.float32)
+    return upcast
 
 
 def _prepare(accelerator: Accelerator, model, optimizer, fsdp: FullyShardedDataParallelPlugin | None
