@@ -298,13 +298,13 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(t
     """FSDP2 on CPU/gloo: train.fsdp=true under torchrun, killed after the step-2 checkpoint, then resumed by
     `accelerate launch --use_fsdp` (the launcher's own switch); the result is the single-process run's."""
     common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=2", "train.eval_steps=2",
-              "lora.dropout=0.0", "device=cpu", "train.gradient_checkpointing=true"]
-    single = _emotune(common + ["name=single", "train.batch_size=8"])
+              "lora.dropout=0.0", "device=cpu", "train.gradient_checkpointing=true", "train.gradient_accumulation_steps=2"]
+    single = _emotune(common + ["name=single", "train.batch_size=4"])
     assert single.returncode == 0, single.stderr[-2000:]
 
     killer = tmp_path / "killer.py"
     killer.write_text(KILLER)
-    fsdp = common + ["name=fsdp", "train.batch_size=4"]
+    fsdp = common + ["name=fsdp", "train.batch_size=2"]
     first = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                             str(_free_port()), str(killer), "2", "after", *fsdp, "train.fsdp=true"],
                            capture_output=True, text=True, env=_env(), timeout=300)
@@ -319,10 +319,11 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(t
                              str(_free_port()), "-m", "emotune", *fsdp], capture_output=True, text=True, env=_env(), timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "accelerate launch config" in second.stdout and "Resuming from" in second.stdout
+    assert "batch 2 x accumulation 2 x processes 2 => effective batch 8" in second.stdout
 
     runs = tmp_path / "runs"
     histories = {n: json.loads((runs / n / "train" / "log_history.json").read_text()) for n in ("single", "fsdp")}
-    for key in ("loss", "eval_loss"):
+    for key in ("loss", "eval_loss", "grad_norm"):  # the norm of the gathered gradient, not of one shard
         one, two = ([e[key] for e in histories[n] if key in e] for n in ("single", "fsdp"))
         assert len(one) == len(two) > 0
         assert two == pytest.approx(one, rel=1e-4)
