@@ -197,9 +197,10 @@ def _fsdp_plugin(t: TrainConfig, cpu: bool) -> FullyShardedDataParallelPlugin | 
     if not (t.fsdp or launcher):
         return None
     processes = PartialState(cpu=cpu).num_processes
-    if processes == 1:
-        print("FSDP asked for on a single process: nothing to shard across, so training runs as a plain "
-              "single-process run.", flush=True)
+    if processes == 1:  # under `accelerate launch` Accelerate decides (FSDP on one GPU, e.g. to offload to CPU)
+        if not launcher:
+            print("train.fsdp=true on a single process: nothing to shard across, so training runs as a plain "
+                  "single-process run.", flush=True)
         return None
     if t.fsdp:  # each decoder layer (the model's `_no_split_modules`) is one unit, re-gathered for backward
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
@@ -260,10 +261,9 @@ def _prepare(accelerator: Accelerator, model, optimizer, fsdp: FullyShardedDataP
     else:
         if accelerator.distributed_type != DistributedType.FSDP:
             # Accelerate switches to FSDP only on GPU-like process groups (accelerate/state.py) and would
-            # run DDP on CPUs, where PyTorch's fully_shard works too (gloo). So FSDP is switched on for
-            # this call; Accelerate's state is rebuilt from the process group's afterwards, which stays
-            # multi-CPU (its barrier would pass device ids gloo does not take), so later code asks the
-            # model whether it is sharded, not Accelerate.
+            # run DDP on CPUs, where PyTorch's fully_shard works too (gloo). So FSDP is switched on for this
+            # call only: Accelerate later rebuilds its state from the (multi-CPU) process group's, so the
+            # code after it asks the model whether it is sharded (ckpt.is_sharded), not Accelerate.
             accelerator.state.distributed_type = DistributedType.FSDP
             accelerator.state.fsdp_plugin = fsdp
         wrapped, _ = accelerator.prepare(model, optimizer)
