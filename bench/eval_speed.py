@@ -7,7 +7,10 @@ The packaged Gemma 3 270M on the first `--rows` rows of ../shared/datasets/emoti
 to the repository; skipped with a message when absent), all three methods in one process, one dtype,
 the same prompts. Prints one JSON line:
     rows, reference_rows_per_s, generate_rows_per_s, score_rows_per_s, ratio (score / reference),
-    score_vs_generate, agreement (share of rows where score and generate agree), invalid_*, accuracy_*.
+    score_vs_generate, agreement (share of rows where score and generate agree), invalid_*, accuracy_*,
+    lora_generate_rows_per_s (emotune `generate` once fresh LoRA adapters are attached, as after training:
+    same outputs, since a fresh adapter adds zero), lora_vs_base_generate (its speed / the base's; ≈ 1)
+    and lora_same_outputs.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import time
 from pathlib import Path
 
 import torch
+from peft import get_peft_model
 
-from emotune.config import EvalConfig, ModelConfig, PromptConfig
+from emotune.config import EvalConfig, LoraSettings, ModelConfig, PromptConfig
 from emotune.data import prompt_messages
 from emotune.evaluate import INVALID, LabelScorer, extract_label, generate_outputs, label_pattern
+from emotune.lora import lora_config
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "datasets" / "emotion" / "test.jsonl"
@@ -76,6 +81,9 @@ def main() -> int:
     generated = [extract_label(output, labels, pattern) for output in raw]
     log_probs, score_s = timed(lambda: LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, args.score_batch_size))
     scored = [labels[i] for i in log_probs.argmax(-1).tolist()]
+    # Last: attaching adapters changes `model` in place. The fine-tuned evaluation's model, minus the training.
+    adapted = get_peft_model(model, lora_config(LoraSettings(), model)).eval()
+    lora_raw, lora_generate_s = timed(lambda: generate_outputs(adapted, tokenizer, texts, prompt, labels, cfg, desc=None))
 
     def accuracy(predicted: list[str]) -> float:
         return round(sum(p == g for p, g in zip(predicted, gold)) / len(gold), 4)
@@ -88,6 +96,9 @@ def main() -> int:
         "score_rows_per_s": round(n / score_s, 2),
         "ratio": round(reference_s / score_s, 2),
         "score_vs_generate": round(generate_s / score_s, 2),
+        "lora_generate_rows_per_s": round(n / lora_generate_s, 2),
+        "lora_vs_base_generate": round(generate_s / lora_generate_s, 2),
+        "lora_same_outputs": lora_raw == raw,
         "agreement": round(sum(s == g for s, g in zip(scored, generated)) / n, 4),
         "invalid_reference": sum(p == INVALID for p in reference),
         "invalid_generate": sum(p == INVALID for p in generated),

@@ -34,16 +34,41 @@ def _tiny_gemma4_multimodal():
     return Gemma4ForConditionalGeneration(config)
 
 
+class _VisionTowerWithoutTimm(torch.nn.Module):
+    """Stands in for Gemma 3n's vision tower, which transformers builds with `timm.create_model` (MobileNetV5).
+    timm imports torchvision, and PyPI's torchvision wheels link against CUDA torch (`libtorch_cuda.so`), so
+    they do not load next to the CPU build of torch the tests run on. Same module names as the real
+    tower (`timm_model.*`), with a linear layer that `all-linear` must leave alone."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.timm_model = torch.nn.ModuleDict({"conv_stem": torch.nn.Conv2d(3, 8, 3),
+                                               "head": torch.nn.Linear(8, config.hidden_size)})
+
+
 def _tiny_gemma3n_multimodal():
-    pytest.importorskip("timm", reason="Gemma 3n's vision tower is a timm model")
-    from transformers import Gemma3nConfig, Gemma3nForConditionalGeneration
+    """Real Gemma 3n text model and audio tower (Conformer) from tiny configs; only the vision tower is a stand-in."""
+    from unittest import mock
+
+    from transformers import AutoModel, Gemma3nConfig, Gemma3nForConditionalGeneration, Gemma3nVisionConfig
+    from transformers.models.gemma3n import modeling_gemma3n
+
+    def from_config(config, **kwargs):
+        if isinstance(config, Gemma3nVisionConfig):
+            return _VisionTowerWithoutTimm(config)
+        return AutoModel.from_config(config, **kwargs)
 
     text = dict(vocab_size=300, vocab_size_per_layer_input=300, hidden_size=32, hidden_size_per_layer_input=8,
                 intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                 num_kv_shared_layers=0, laurel_rank=4, layer_types=["sliding_attention", "full_attention"],
                 activation_sparsity_pattern=[0.0, 0.0], altup_num_inputs=2)
     audio = dict(hidden_size=32, conf_num_hidden_layers=1, conf_num_attention_heads=2, sscp_conv_channel_size=[8, 4])
-    return Gemma3nForConditionalGeneration(Gemma3nConfig(text_config=text, audio_config=audio))
+    vision = dict(hidden_size=32)
+    config = Gemma3nConfig(text_config=text, vision_config=vision, audio_config=audio)
+    torch.manual_seed(0)
+    with mock.patch.object(modeling_gemma3n, "AutoModel", mock.Mock(from_config=from_config)):
+        return Gemma3nForConditionalGeneration(config)
 
 
 def _adapted_modules(model) -> list[str]:

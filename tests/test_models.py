@@ -7,10 +7,11 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from emotune.config import ModelConfig
 from emotune.errors import UserError
-from emotune.models import GEMMA_CHAT_TEMPLATE, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.models import GEMMA_CHAT_TEMPLATE, load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 
 
 def test_hub_id_without_network_says_how_to_download(tmp_path):
@@ -92,3 +93,25 @@ def test_missing_chat_template_falls_back_to_gemma_turns(tiny_model_dir, tmp_pat
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<start_of_turn>model\n")
     assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in stop_token_ids(tokenizer)
+
+
+def test_generation_under_lora_projects_the_last_position_with_one_matmul(tiny_model_dir):
+    """A frozen output projection (every LoRA model) must not take torch's batched-matmul path on the
+    [rows, 1, hidden] last-position view: that path copies the weight once per row (40 s per batch of 16
+    for Gemma's vocabulary on a CPU, the fine-tuned evaluation's 9x slowdown)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from emotune.config import EvalConfig, LoraSettings, PromptConfig
+    from emotune.evaluate import generate_outputs
+    from emotune.lora import attach_lora
+
+    tokenizer = load_tokenizer(tiny_model_dir, ModelConfig(source=str(tiny_model_dir)))
+    model = attach_lora(load_model(tiny_model_dir, torch.float32, torch.device("cpu")), LoraSettings(r=4))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    assert not model.get_output_embeddings().weight.requires_grad
+    texts = ["i feel sad today", "what a joy", "so angry right now and more words here"]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        generate_outputs(model, tokenizer, texts, PromptConfig(), ["joy", "sadness"], EvalConfig(max_new_tokens=2, batch_size=3), None)
+    batched_head = [e.input_shapes for e in prof.events() if e.name == "aten::bmm" and vocab in sum(e.input_shapes, [])]
+    projections = [e for e in prof.events() if e.name == "aten::linear" and e.input_shapes[1][:1] == [vocab]]
+    assert projections and not batched_head

@@ -24,13 +24,26 @@ def language_model_linear_targets(model: PreTrainedModel) -> str:
     decoder = model.get_decoder()
     prefix = next(name for name, module in model.named_modules() if module is decoder)
     output = model.get_output_embeddings()
-    leaves = sorted({name.rsplit(".", 1)[-1] for name, module in decoder.named_modules()
-                     if isinstance(module, torch.nn.Linear) and module is not output and name})
-    if not leaves:
+    linears = {f"{prefix}.{name}".lstrip(".") for name, module in decoder.named_modules()
+               if isinstance(module, torch.nn.Linear) and module is not output and name}
+    if not linears:
         raise UserError(f"lora.target_modules=all-linear: the language model of {type(model).__name__} has no linear "
                         "layer to adapt. Name the modules to adapt in lora.target_modules.")
     inside = rf"{re.escape(prefix)}\.(?:.*\.)?" if prefix else r"(?:.*\.)?"
-    return rf"^{inside}(?:{'|'.join(map(re.escape, leaves))})$"
+    pattern = rf"^{inside}(?:{'|'.join(map(re.escape, sorted({_leaf(name) for name in linears})))})$"
+    if {name for name, _ in model.named_modules() if re.fullmatch(pattern, name)} == linears:
+        return pattern
+    # A leaf name shared with a non-linear module (Gemma 3n's `altup_projections.0` vs `layers.0`): list them all.
+    return rf"^(?:{'|'.join(map(re.escape, sorted(linears)))})$"
+
+
+def _leaf(name: str) -> str:
+    """The last part of a module name, with the list it indexes when it is a number (`altup_projections.0`)."""
+    parts = name.split(".")
+    keep = 1
+    while keep < len(parts) and parts[-keep].isdigit():
+        keep += 1
+    return ".".join(parts[-keep:])
 
 
 def lora_config(cfg: LoraSettings, model: PreTrainedModel) -> PeftLoraConfig:
