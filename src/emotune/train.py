@@ -41,6 +41,8 @@ from emotune.errors import UserError
 from emotune.lora import attach_lora
 
 ADAPTER_META = "emotune.json"
+FSDP1_REFUSED = ("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass --fsdp_version 2 "
+                 "(or fsdp_version: 2 in the accelerate config), or set train.fsdp=true and launch with torchrun.")
 
 
 @dataclass
@@ -185,9 +187,7 @@ def _accelerator(t: TrainConfig, model: PreTrainedModel, run_dir: Path
     accelerator = Accelerator(cpu=cpu, log_with=list(t.report_to) or None, project_dir=str(run_dir / "train"),
                               fsdp_plugin=plugin)
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
-        raise UserError("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass "
-                        "--fsdp_version 2 (or fsdp_version: 2 in the accelerate config), or set train.fsdp=true "
-                        "and launch with torchrun.")
+        raise UserError(FSDP1_REFUSED)
     return accelerator, accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else plugin
 
 
@@ -208,8 +208,7 @@ def _fsdp_plugin(t: TrainConfig, cpu: bool) -> FullyShardedDataParallelPlugin | 
     else:
         plugin = FullyShardedDataParallelPlugin()
     if plugin.fsdp_version != 2:
-        raise UserError("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass "
-                        "--fsdp_version 2 (or fsdp_version: 2 in the accelerate config).")
+        raise UserError(FSDP1_REFUSED)
     if PartialState().is_main_process:
         print(f"FSDP2 over {processes} processes ({'train.fsdp' if t.fsdp else 'accelerate launch config'}): "
               f"wrap policy {getattr(plugin.auto_wrap_policy, '__name__', plugin.auto_wrap_policy)}, reshard after "
@@ -447,7 +446,9 @@ def _save(folder: Path, progress: Progress, model, optimizer, scheduler, scaler,
     from accelerate.utils import gather_object
 
     rng_states = gather_object([ckpt.rng_state()])  # every process's dropout stream, written by the main one
-    weights, optimizer_state = ckpt.trainable_state(model), ckpt.optimizer_state(model, optimizer)  # FSDP: gathered
+    # Sharded: a collective every process joins; otherwise only the writer needs the copies.
+    gather = accelerator.is_main_process or ckpt.is_sharded(model)
+    weights, optimizer_state = (ckpt.trainable_state(model), ckpt.optimizer_state(model, optimizer)) if gather else (None, None)
     if accelerator.is_main_process:
         ckpt.write_checkpoint(folder, progress.step, weights, optimizer_state, scheduler, scaler, rng_states,
                               asdict(progress), keep, best)
