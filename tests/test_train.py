@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import LABELS, make_rows
 from emotune import train as train_mod
-from emotune.batches import collate, completion_loss, encode_examples, epoch_batches, rank_share
+from emotune.batches import collate, completion_loss, encode_examples, epoch_batches, forward_passes, rank_share
 from emotune.cli import main
 from emotune.config import PromptConfig
 
@@ -70,6 +70,43 @@ def test_epoch_batches_are_seeded_grouped_and_split_across_processes():
     batch = first[0]
     shares = [rank_share(batch, r, 2) for r in range(2)]
     assert shares[0] + shares[1] == batch and len(shares[0]) == len(shares[1])
+
+
+def test_forward_passes_cover_each_share_under_the_cap_with_one_count_for_all_processes():
+    lengths = [10, 90, 20, 80, 30, 70, 40, 60, 50, 50, 15, 25, 35]
+    batch = list(range(13))
+    for world in (1, 2, 3):
+        passes = forward_passes(batch, lengths, world, max_tokens=160)
+        assert len({len(mine) for mine in passes}) == 1  # under FSDP every pass is collective
+        for rank, mine in enumerate(passes):
+            assert sorted(i for p in mine for i in p) == sorted(rank_share(batch, rank, world))
+            order = [i for p in mine for i in p]
+            assert order == sorted(order, key=lambda i: -lengths[i])  # longest first: the largest pass first
+            assert all(len(p) * lengths[p[0]] <= 160 for p in mine)
+    assert [len(p) for p in forward_passes(batch, lengths, 1, max_tokens=160)[0]] == [1, 2, 2, 3, 5]
+    # A share with short rows is cut further to match the count a share with long rows needs ...
+    uneven = forward_passes([1, 3, 5, 7, 0, 2, 10, 4], lengths, 2, max_tokens=90)
+    assert [len(mine) for mine in uneven] == [4, 4] and all(len(p) == 1 for p in uneven[0])
+    # ... but never below one row a pass: a share of 1 row caps the count, and the other share's rows merge.
+    assert [len(mine) for mine in forward_passes([1, 3, 0], lengths, 2, max_tokens=10)] == [1, 1]
+    assert forward_passes(batch, lengths, 2, max_tokens=0) == [[sorted(batch[:6], key=lambda i: -lengths[i])],
+                                                               [sorted(batch[6:], key=lambda i: -lengths[i])]]
+
+
+def test_splitting_a_batch_into_passes_leaves_the_update_unchanged(tiny_overrides, tmp_path, capsys):
+    common = ["train", *tiny_overrides, "train.max_steps=2", "train.batch_size=6", "lora.dropout=0.0", "device=cpu"]
+    assert main(common + ["name=whole", "train.max_tokens_per_pass=0"]) == 0
+    assert "one forward pass per batch" in capsys.readouterr().out
+    assert main(common + ["name=rows", "train.max_tokens_per_pass=1"]) == 0  # every row is its own pass
+    assert "forward passes of at most 1 padded tokens" in capsys.readouterr().out
+    runs = tmp_path / "runs"
+    losses = {n: [e["loss"] for e in json.loads((runs / n / "train" / "log_history.json").read_text()) if "loss" in e]
+              for n in ("whole", "rows")}
+    assert losses["rows"] == pytest.approx(losses["whole"], rel=1e-5)
+    whole, rows = _adapter(runs / "whole"), _adapter(runs / "rows")
+    # Equal up to float summation order (Adam's normalised step amplifies it to ~3e-5 on weights of ~0.2).
+    assert all(torch.allclose(whole[k], rows[k], atol=1e-4) for k in whole)
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in rows.items() if "lora_B" in k)  # it trained
 
 
 def _run_dir(tmp_path) -> Path:
@@ -299,12 +336,12 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(t
     `accelerate launch --use_fsdp` (the launcher's own switch); the result is the single-process run's."""
     common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=2", "train.eval_steps=2",
               "lora.dropout=0.0", "device=cpu", "train.gradient_checkpointing=true", "train.gradient_accumulation_steps=2"]
-    single = _emotune(common + ["name=single", "train.batch_size=4"])
+    single = _emotune(common + ["name=single", "train.batch_size=4", "train.max_tokens_per_pass=0"])
     assert single.returncode == 0, single.stderr[-2000:]
 
     killer = tmp_path / "killer.py"
     killer.write_text(KILLER)
-    fsdp = common + ["name=fsdp", "train.batch_size=2"]
+    fsdp = common + ["name=fsdp", "train.batch_size=2", "train.max_tokens_per_pass=1"]  # 2 passes a batch, in step
     first = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                             str(_free_port()), str(killer), "2", "after", *fsdp, "train.fsdp=true"],
                            capture_output=True, text=True, env=_env(), timeout=300)

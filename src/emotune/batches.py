@@ -10,7 +10,6 @@ cross-entropy on the same completion tokens, summed and divided by their number.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +83,47 @@ def epoch_batches(lengths: list[int], batch_rows: int, min_rows: int, seed: int,
 
 
 def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
-    """This process's contiguous share of a global batch (contiguous, so similar lengths stay together)."""
-    per_rank = math.ceil(len(batch) / world_size)
-    start = min(rank * per_rank, len(batch))
-    return batch[start:start + per_rank]
+    """This process's contiguous share of a global batch (contiguous, so similar lengths stay together).
+    Shares differ by at most one row, so a batch of at least `world_size` rows leaves no process empty."""
+    return batch[rank * len(batch) // world_size:(rank + 1) * len(batch) // world_size]
+
+
+def forward_passes(batch: list[int], lengths: list[int], world_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """Each process's share of a global batch, cut into forward passes: rows sorted longest first, each
+    pass as many rows as fit `max_tokens` padded tokens (rows x its longest row; a longer row goes
+    alone). The gradient is summed over the passes before the optimizer step, so the update is the
+    same; what shrinks is the memory one pass allocates. Every process gets the same number of passes,
+    since under FSDP each pass gathers weights collectively: the most any share needs, at most the
+    fewest rows any share has. `max_tokens` 0: one pass per share. Returns [process][pass] -> rows."""
+    shares = [sorted(rank_share(batch, rank, world_size), key=lambda i: -lengths[i]) for rank in range(world_size)]
+    if not max_tokens:
+        return [[share] for share in shares]
+    cut = [_greedy_passes(share, lengths, max_tokens) for share in shares]
+    count = min(max(len(p) for p in cut), min(len(s) for s in shares))
+    return [_exactly(passes, count, lengths) for passes in cut]
+
+
+def _greedy_passes(rows: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    passes, start = [], 0
+    while start < len(rows):
+        take = max(1, max_tokens // max(lengths[rows[start]], 1))  # rows are sorted: the first is the longest
+        passes.append(rows[start:start + take])
+        start += take
+    return passes
+
+
+def _exactly(passes: list[list[int]], count: int, lengths: list[int]) -> list[list[int]]:
+    """Split the largest passes in two (keeping each under its cap) or merge the smallest neighbours until
+    there are `count` passes."""
+    passes = [list(p) for p in passes]
+    while len(passes) < count:
+        i = max(range(len(passes)), key=lambda k: (len(passes[k]) > 1, len(passes[k]) * lengths[passes[k][0]]))
+        half = (len(passes[i]) + 1) // 2
+        passes[i:i + 1] = [passes[i][:half], passes[i][half:]]
+    while len(passes) > count:
+        i = min(range(len(passes) - 1), key=lambda k: len(passes[k]) + len(passes[k + 1]))
+        passes[i:i + 2] = [passes[i] + passes[i + 1]]
+    return passes
 
 
 def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from emotune import checkpoints as ckpt
-from emotune.batches import Example, collate, completion_loss, encode_examples, epoch_batches, rank_share
+from emotune.batches import Example, collate, completion_loss, encode_examples, epoch_batches, forward_passes
 from emotune.config import RunConfig, TrainConfig
 from emotune.data import LabeledData, system_prompt
 from emotune.device import Precision
@@ -78,7 +78,8 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
                                  class_weights=data.class_weights)  # set only by data.balance=class_weight
     val_rows = encode_examples(data.splits["validation"], tokenizer, cfg.prompt, data.labels, t.max_length)
     plan = _plan(t, len(train_rows), accelerator.num_processes)
-    _announce(plan, t, len(train_rows), len(val_rows))
+    cap = _pass_token_cap(t, accelerator.device)
+    _announce(plan, t, len(train_rows), len(val_rows), cap)
 
     model.config.use_cache = False
     if fsdp:
@@ -111,14 +112,15 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
             accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 
     pad_id = tokenizer.pad_token_id
+    lengths = [len(r.input_ids) for r in train_rows]
     bar = tqdm(total=plan.steps, initial=progress.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
     window = _Window()
     wrapped.train()
     while progress.step < plan.steps:
         globals_ = [_global_batch(plan, t, train_rows, cfg.seed, k)
                     for k in range(progress.step * plan.micro_per_step, (progress.step + 1) * plan.micro_per_step)]
-        mine = [collate([train_rows[i] for i in rank_share(b, accelerator.process_index, plan.world_size)],
-                        pad_id, accelerator.device) for b in globals_]
+        mine = [collate([train_rows[i] for i in rows], pad_id, accelerator.device) for b in globals_
+                for rows in forward_passes(b, lengths, plan.world_size, cap)[accelerator.process_index]]
         step_tokens = sum(train_rows[i].completion_tokens for b in globals_ for i in b)
         loss, grad_norm, finite = _optimizer_step(wrapped, optimizer, scaler, mine, step_tokens, accelerator, autocast,
                                                   trainable, t.max_grad_norm)
@@ -286,11 +288,12 @@ def _plan(t: TrainConfig, rows: int, world_size: int) -> Plan:
     return Plan(steps, t.gradient_accumulation_steps, global_batch_rows, batches_per_epoch, world_size)
 
 
-def _announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int) -> None:
+def _announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, cap: int) -> None:
     effective = plan.global_batch_rows * plan.micro_per_step
     print(f"Training rows {rows}; batch {t.batch_size} x accumulation {t.gradient_accumulation_steps} x processes "
           f"{plan.world_size} => effective batch {effective}; optimizer steps {plan.steps} "
-          f"(≈ {plan.steps * effective / rows:.2f} epochs); batches grouped by length: {t.group_by_length}", flush=True)
+          f"(≈ {plan.steps * effective / rows:.2f} epochs); batches grouped by length: {t.group_by_length}; "
+          + (f"forward passes of at most {cap} padded tokens" if cap else "one forward pass per batch"), flush=True)
     if val_rows:
         print(f"Validation on {val_rows} rows every {t.eval_steps} steps; the adapter kept is the one with the lowest "
               f"validation loss" + (f"; early stopping after {t.early_stopping_patience} validations without "
@@ -335,6 +338,14 @@ def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Acce
 # One step, validation, guards
 
 
+def _pass_token_cap(t: TrainConfig, device: torch.device) -> int:
+    if t.max_tokens_per_pass != "auto":
+        return t.max_tokens_per_pass
+    # On CPU, glibc's heap keeps what large passes free, fragmented by the next pass's smaller
+    # allocations: its footprint follows the size of a pass (bench/train_memory.py). GPU allocators cache.
+    return 512 if device.type == "cpu" else 0
+
+
 def _global_batch(plan: Plan, t: TrainConfig, rows: list[Example], seed: int, micro_index: int) -> list[int]:
     epoch, position = divmod(micro_index, plan.batches_per_epoch)
     # Recomputed per call for clarity; an epoch's plan costs microseconds next to a training step.
@@ -344,7 +355,7 @@ def _global_batch(plan: Plan, t: TrainConfig, rows: list[Example], seed: int, mi
 
 def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: int, accelerator: Accelerator,
                     autocast, trainable: list[torch.nn.Parameter], max_grad_norm: float) -> tuple[float, float, bool]:
-    """Forward/backward over this process's micro-batches, then one optimizer step unless the loss or
+    """Forward/backward over this process's passes (of all its micro-batches), then one optimizer step unless the loss or
     gradient is not finite. Returns (loss per completion token over all processes, gradient norm, stepped)."""
     loss_sum = torch.zeros((), device=accelerator.device)
     # DDP and FSDP average gradients over processes, so each one scales its share up by the process count.
