@@ -158,8 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def process_defaults() -> None:
+    """Settings that libraries read from the environment on first use; a value the user set wins."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # On CPU, PyTorch's oneDNN bridge (ideep) and oneDNN itself cache kernels per input shape, 1,024 of
+    # each by default. Batches change width at nearly every training step, so together they grew by
+    # ~10 MB a step (pytorch#27971); bounded, they hold a few steps' shapes (no slower in
+    # bench/train_speed.py).
+    os.environ.setdefault("LRU_CACHE_CAPACITY", "16")
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+
+
+def main(argv: list[str] | None = None) -> int:
+    process_defaults()
     args = build_parser().parse_args(argv)
     handler = COMMANDS[args.command][0]
     try:
