@@ -115,3 +115,24 @@ def test_generation_under_lora_projects_the_last_position_with_one_matmul(tiny_m
     batched_head = [e.input_shapes for e in prof.events() if e.name == "aten::bmm" and vocab in sum(e.input_shapes, [])]
     projections = [e for e in prof.events() if e.name == "aten::linear" and e.input_shapes[1][:1] == [vocab]]
     assert projections and not batched_head
+
+
+def test_a_gemma_tokenizer_drops_its_build_lists_and_encodes_and_saves_the_same(tmp_path):
+    from transformers import AutoTokenizer, GemmaTokenizer
+
+    pieces = ["▁", "f", "e", "l", "s", "a", "d", "j", "o", "y", "▁f", "ee", "▁fee", "▁feel", "▁s", "▁sa", "▁sad"]
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *pieces])}
+    merges = [("▁", "f"), ("e", "e"), ("▁f", "ee"), ("▁fee", "l"), ("▁", "s"), ("▁s", "a"), ("▁sa", "d")]
+    GemmaTokenizer(vocab=vocab, merges=merges).save_pretrained(tmp_path / "built")
+    plain = AutoTokenizer.from_pretrained(tmp_path / "built")
+    assert type(plain).__name__ == "GemmaTokenizer" and len(plain._merges) == len(merges)
+
+    tokenizer = load_tokenizer(tmp_path / "built", ModelConfig(source=str(tmp_path / "built")))
+    assert tokenizer._vocab == {} and tokenizer._merges == []
+    text = "i feel sad joy"
+    assert tokenizer(text)["input_ids"] == plain(text)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer(text)["input_ids"]) == plain.convert_ids_to_tokens(plain(text)["input_ids"])
+    tokenizer.save_pretrained(tmp_path / "saved")  # as the adapter folder gets it
+    assert (tmp_path / "saved" / "tokenizer.json").read_text() == (tmp_path / "built" / "tokenizer.json").read_text()
+    again = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert again(text)["input_ids"] == plain(text)["input_ids"] and len(again._merges) == len(merges)

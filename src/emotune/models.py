@@ -163,7 +163,21 @@ def load_tokenizer(model_dir: Path, cfg: ModelConfig) -> PreTrainedTokenizerBase
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    _drop_build_lists(tokenizer)
     return tokenizer
+
+
+def _drop_build_lists(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Free the Python vocabulary and merge list a GemmaTokenizer was built from.
+
+    transformers 5 keeps both after building the Rust tokenizer, which holds its own copy; for Gemma's
+    262,144 entries and 514,906 merges they are ~175 MB that every emotune process (training, serving)
+    would carry. GemmaTokenizer reads them only in its constructor; other classes may read them later
+    (Whisper saves them), so they are left alone."""
+    if type(tokenizer).__name__ == "GemmaTokenizer" and getattr(tokenizer, "backend_tokenizer", None) is not None:
+        for name in ("_vocab", "_merges"):
+            if isinstance(getattr(tokenizer, name, None), (dict, list)):
+                setattr(tokenizer, name, type(getattr(tokenizer, name))())
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
