@@ -7,9 +7,12 @@ Both sides train the packaged Gemma 3 270M for one epoch on the same first `--ro
 all-linear), optimiser (AdamW, lr 3e-4, linear schedule, 5% warmup, clip 1.0), batch 8 and dtype
 (bf16 where the CPU has it, else fp32):
   (a) the reference recipe: plain TRL SFTTrainer, completion_only_loss, gradient checkpointing;
-  (b) emotune.train.train: completion-only projection, length-grouped batches, and gradient
+  (b) emotune.train.train: completion-only projection, length-grouped batches cut into forward
+      passes of at most 512 padded tokens (train.max_tokens_per_pass=auto on CPU), gradient
       checkpointing like the reference (--ours-no-gradient-checkpointing keeps activations instead:
-      faster steps, more memory).
+      faster steps, more memory), and the process settings the `emotune` command applies at start
+      (emotune.cli.process_defaults: a bounded oneDNN kernel cache). --ref-process-defaults gives the
+      reference those settings too, to show what they alone are worth.
 Each side runs in its own fresh subprocess, so each peak RSS is its own. Before training each side
 computes the loss of the same first 8 rows (adapters start as a no-op, so this is the base model's
 loss under each side's code): the objectives must agree. After training, the final training loss of
@@ -44,10 +47,17 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--ours-no-gradient-checkpointing", action="store_true",
                         help="keep activations on emotune's side instead of recomputing them (faster, more memory)")
+    parser.add_argument("--ours-max-tokens-per-pass", default="auto", help="train.max_tokens_per_pass on emotune's side")
+    parser.add_argument("--seed", type=int, default=42, help="the run's seed on both sides (row order, dropout); 42 is the config default")
+    parser.add_argument("--ref-process-defaults", action="store_true",
+                        help="run the reference with emotune.cli.process_defaults() too")
     parser.add_argument("--side", choices=["ref", "ours"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        print("RESULT " + json.dumps(run_side(args.side, args.data, args.rows, not args.ours_no_gradient_checkpointing)), flush=True)
+        defaults = args.side == "ours" or args.ref_process_defaults
+        overrides = [f"train.gradient_checkpointing={str(args.side == 'ref' or not args.ours_no_gradient_checkpointing).lower()}",
+                     f"train.max_tokens_per_pass={args.ours_max_tokens_per_pass}", f"seed={args.seed}"]
+        print("RESULT " + json.dumps(run_side(args.side, args.data, args.rows, overrides, defaults)), flush=True)
         return
     if not args.data.is_file():
         print(json.dumps({"skipped": f"{args.data} not found; this benchmark needs the emotion dataset there"}))
@@ -66,6 +76,8 @@ def main() -> None:
         "rows": args.rows, "tokens": ours["tokens"], "steps": ours["steps"], "precision": ours["precision"],
         "ref_seconds": ref["seconds"], "ours_seconds": ours["seconds"],
         "ours_gradient_checkpointing": not args.ours_no_gradient_checkpointing,
+        "ref_process_defaults": args.ref_process_defaults, "ours_max_tokens_per_pass": args.ours_max_tokens_per_pass,
+        "seed": args.seed,
     }))
 
 
@@ -75,7 +87,10 @@ def _rel(a: float, b: float) -> float:
 
 def _subprocess(side: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--side", side, "--rows", str(args.rows), "--data", str(args.data)]
-    done = subprocess.run(command + (["--ours-no-gradient-checkpointing"] if args.ours_no_gradient_checkpointing else []),
+    flags = ["--ours-no-gradient-checkpointing"] * args.ours_no_gradient_checkpointing + \
+        ["--ref-process-defaults"] * args.ref_process_defaults + \
+        ["--ours-max-tokens-per-pass", str(args.ours_max_tokens_per_pass), "--seed", str(args.seed)]
+    done = subprocess.run(command + flags,
                           capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -87,7 +102,11 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
 # One side, in its own process
 
 
-def run_side(side: str, data_path: Path, rows: int, ours_gradient_checkpointing: bool) -> dict:
+def run_side(side: str, data_path: Path, rows: int, overrides: list[str], process_defaults: bool) -> dict:
+    if process_defaults:  # as the `emotune` command starts
+        from emotune.cli import process_defaults as emotune_process_defaults
+
+        emotune_process_defaults()
     import torch
     from datasets import Dataset, load_dataset
     from transformers import set_seed
@@ -98,8 +117,7 @@ def run_side(side: str, data_path: Path, rows: int, ours_gradient_checkpointing:
     from emotune.data import LabeledData
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
 
-    checkpointing = side == "ref" or ours_gradient_checkpointing
-    cfg = load_config(None, [*LORA, *TRAIN, f"train.gradient_checkpointing={str(checkpointing).lower()}", "device=cpu"])
+    cfg = load_config(None, [*LORA, *TRAIN, *overrides, "device=cpu"])
     set_seed(cfg.seed)
     train_rows = load_dataset("json", data_files=str(data_path), split="train").select(range(rows))
     labels = sorted(set(train_rows["label"]), key=train_rows["label"].index)
