@@ -9,6 +9,7 @@ import json
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -115,25 +116,25 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     `init_lora_weights=False` gives B != 0, so the adapter really changes the logits (a fresh LoRA is a no-op).
     """
     import torch
-    import yaml
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emotune.config import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
+    from emotune.artifacts import write_adapter
+    from emotune.config import dump_config, load_config
+    from emotune.rundir import RunDir, write_text
+    from emotune.tasks import classify
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM",
                       **lora_kwargs)
     model = get_peft_model(base, lora)
-    adapter = run_dir / "adapter"
-    model.save_pretrained(adapter)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(adapter)
-    meta = {"labels": LABELS, "system_prompt": DEFAULT_SYSTEM_PROMPT.replace("{labels}", ", ".join(LABELS)),
-            "system_prompt_template": DEFAULT_SYSTEM_PROMPT, "user_template": DEFAULT_USER_TEMPLATE,
-            "base_model": str(model_dir), "eval": {}}
-    (adapter / "emotune.json").write_text(json.dumps(meta, indent=2))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"source": str(model_dir)}}))
+    cfg = load_config(None, [f"model.source={model_dir}"])
+    run = RunDir(run_dir)
+    # the product's own writer and metadata, so these tests fail if the adapter format changes
+    write_adapter(model, AutoTokenizer.from_pretrained(model_dir), run.adapter,
+                  classify.adapter_meta(cfg, SimpleNamespace(labels=LABELS)))
+    write_text(run.config, dump_config(cfg))
     return run_dir
 
 

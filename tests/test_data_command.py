@@ -116,7 +116,7 @@ def test_data_command_never_swaps_the_data_under_an_existing_run(tiny_model_dir,
     assert main(["data", *args]) == 0
     (tmp_path / "runs" / "d" / "run.json").write_text('{"status": "finished"}')  # a run used this data
     assert main(["data", *args, "data.test_limit=6"]) == 2
-    assert "holds a run made with other data" in capsys.readouterr().err
+    assert "holds a finished run made with other data" in capsys.readouterr().err
     report = json.loads((tmp_path / "runs" / "d" / "data" / "data_report.json").read_text())
     assert report["rows"]["test"] == 12  # untouched
     assert main(["data", *args, "data.test_limit=6", "overwrite=true"]) == 0

@@ -13,7 +13,8 @@ import torch
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
-from emotune.export import find_artifact, max_lora_rank, merge_parity_gap
+from emotune.artifacts import find_artifact
+from emotune.export import max_lora_rank, merge_parity_gap
 
 TEXTS = ["i am so happy today", "my friend was furious", "lonely and lost this morning"]
 

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from conftest import LABELS, make_rows
 from emotune import train as train_mod
-from emotune.batches import collate, completion_loss, encode_examples, epoch_batches, forward_passes, rank_share
+from emotune.batches import collate, completion_loss, epoch_batches, forward_passes, rank_share
+from emotune.tasks.classify import encode_examples
 from emotune.cli import main
 from emotune.config import PromptConfig
 
@@ -284,11 +285,11 @@ def test_resume_after_kill_9_gives_the_uninterrupted_adapter(tiny_overrides, tmp
     second = _emotune(common + ["name=killed"], killer=(4, "mid-write"))
     assert second.returncode == -9 and "Resuming from" in second.stdout
     checkpoints = tmp_path / "runs" / "killed" / "checkpoints"
-    assert (checkpoints / ".tmp-step-000004").is_dir() and not (checkpoints / "step-000004").exists()
+    assert (checkpoints / "step-000004.partial").is_dir() and not (checkpoints / "step-000004").exists()
     last = _emotune(common + ["name=killed"])
     assert last.returncode == 0, last.stderr[-2000:]
     assert "step-000002" in last.stdout  # the half-written step 4 was ignored
-    assert not (checkpoints / ".tmp-step-000004").exists()
+    assert not (checkpoints / "step-000004.partial").exists()
 
     expected, resumed = _adapter(tmp_path / "runs" / "straight"), _adapter(tmp_path / "runs" / "killed")
     assert expected.keys() == resumed.keys()

@@ -14,11 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
-from transformers import PreTrainedTokenizerBase
-
-from emotune.config import PromptConfig
-from emotune.data import prompt_messages
 
 @dataclass(frozen=True)
 class Example:
@@ -33,28 +28,7 @@ class Example:
         return len(self.input_ids) - self.completion_start
 
 
-def encode_examples(ds: Dataset, tokenizer: PreTrainedTokenizerBase, prompt: PromptConfig, labels: list[str],
-                    max_length: int, class_weights: dict[str, float] | None = None) -> list[Example]:
-    """Tokenize like TRL's conversational prompt-completion rows: the completion starts where the prompt
-    (with the generation prompt) and prompt+completion stop agreeing; rows are cut at `max_length`."""
-    examples = []
-    for row in ds:
-        messages = prompt_messages(row["text"], prompt, labels)
-        prompt_ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-        full_ids = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": row["label"]}],
-                                                 tokenize=True, return_dict=False)
-        start = _common_prefix_length(prompt_ids, full_ids)
-        full_ids = list(full_ids[:max_length])
-        weight = class_weights[row["label"]] if class_weights else 1.0
-        examples.append(Example(full_ids, min(start, len(full_ids)), weight))
-    cut = sum(e.completion_tokens == 0 for e in examples)
-    if cut:
-        print(f"Warning: {cut} of {len(examples)} rows lost their label to train.max_length={max_length} and teach "
-              "nothing; raise train.max_length.", flush=True)
-    return examples
-
-
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:

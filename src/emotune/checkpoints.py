@@ -1,8 +1,8 @@
 """Checkpoints that survive `kill -9` at any moment, and exact resumption from them.
 
-A checkpoint is written into a hidden temporary folder and then renamed to `step-NNNNNN`: a rename is
-atomic, so every `step-*` folder is complete and a crash leaves at most a `.tmp-*` folder, which the
-next run deletes. It holds the trainable weights, optimizer, scheduler and grad-scaler state, every
+A checkpoint is written into `step-NNNNNN.partial` and then renamed to `step-NNNNNN` (emotune.rundir's
+atomic_dir): a rename is atomic, so every `step-*` folder is complete and a crash leaves at most a
+`.partial` folder, which the next run deletes. It holds the trainable weights, optimizer, scheduler and grad-scaler state, every
 process's RNG state (dropout masks), the weights with the best validation loss so far, and the progress (step, best validation loss, log history); the
 data position is the step itself, because batch order is a pure function of the seed and the epoch.
 
@@ -15,7 +15,6 @@ resume every process reads the files and keeps its own shard.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -28,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from emotune.errors import UserError
+from emotune.rundir import atomic_dir
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 BEST_FILE = "best.safetensors"
@@ -123,18 +123,14 @@ def write_checkpoint(folder: Path, step: int, weights: dict[str, torch.Tensor], 
     """Write `folder/step-NNNNNN` atomically and delete all but the `keep` newest. Main process only;
     `weights` and `optimizer` come from `trainable_state` and `optimizer_state`, which every process calls."""
     target = folder / f"step-{step:06d}"
-    partial = folder / f".tmp-step-{step:06d}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file(weights, partial / "trainable.safetensors")
-    if best is not None:
-        save_file(best, partial / BEST_FILE)
-    torch.save({"optimizer": optimizer, "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None}, partial / "optimizer.pt")
-    torch.save(rng_states, partial / "rng.pt")
-    (partial / "progress.json").write_text(json.dumps(progress, indent=1))
-    shutil.rmtree(target, ignore_errors=True)  # only after a resume that replays this very step
-    os.replace(partial, target)
+    with atomic_dir(target) as partial:  # replaces a same-step folder only after a resume that replays this very step
+        save_file(weights, partial / "trainable.safetensors")
+        if best is not None:
+            save_file(best, partial / BEST_FILE)
+        torch.save({"optimizer": optimizer, "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict() if scaler is not None else None}, partial / "optimizer.pt")
+        torch.save(rng_states, partial / "rng.pt")
+        (partial / "progress.json").write_text(json.dumps(progress, indent=1))
     for old in complete_checkpoints(folder)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
@@ -146,12 +142,6 @@ def complete_checkpoints(folder: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))]
     return [p for _, p in sorted(found)]
-
-
-def remove_partial_writes(folder: Path) -> None:
-    if folder.is_dir():
-        for leftover in folder.glob(".tmp-*"):
-            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
 
 
 def read_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, scaler,

@@ -11,31 +11,28 @@ from emotune.errors import UserError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from emotune.config import dump_config
     from emotune.pipeline import run
 
-    cfg = _load(args)
-    print("Resolved config (defaults < YAML < key=value):\n" + dump_config(cfg), flush=True)
-    run(cfg)
+    run(_load(args))
     return 0
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from emotune.data.prepare import data_command
+    from emotune.pipeline import data_only
 
-    data_command(_load(args))
+    data_only(_load(args))
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from emotune.evaluate import run_eval
+    from emotune.pipeline import eval_only
 
     if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.config, args.overrides = None, [args.config, *args.overrides]
     # `adapter=DIR` and `split=NAME` are shorthands of this command, everything else is a config override
     adapter = next((o.partition("=")[2] for o in args.overrides if o.startswith("adapter=")), None)
     args.overrides = [f"eval.{o}" if o.startswith("split=") else o for o in args.overrides if not o.startswith("adapter=")]
-    run_eval(_load(args), adapter)
+    eval_only(_load(args), adapter)
     return 0
 
 
@@ -68,14 +65,14 @@ def _cmd_config(args: argparse.Namespace) -> int:
         for key, default, doc in field_docs():
             print(f"{key} = {default}\n    {doc}")
         return 0
-    print(dump_config(_load(args)), end="")
+    print(dump_config(_load(args, announce=False)), end="")
     return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from emotune.export import export
 
-    export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype)
+    export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype, force=args.force)
     return 0
 
 
@@ -94,17 +91,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     targets = [a for a in args.items if a not in overrides and a != config]
     if args.engine:
         overrides.append(f"serve.engine={args.engine}")
-    serve(load_config(config, overrides), targets)
+    cfg = load_config(config, overrides)
+    _announce(cfg)
+    serve(cfg, targets)
     return 0
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, announce: bool = True):
     from emotune.config import load_config
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]  # `emotune run train.max_steps=2` without a file
-    return load_config(config, overrides)
+    cfg = load_config(config, overrides)
+    if announce:
+        _announce(cfg)
+    return cfg
+
+
+def _announce(cfg) -> None:
+    """Every command that takes a config prints it resolved first, so a log always says what ran."""
+    from emotune.config import dump_config
+
+    print("Resolved config (defaults < YAML < key=value):\n" + dump_config(cfg), flush=True)
 
 
 COMMANDS = {
@@ -138,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--vllm", action="store_true", help="also write vLLM launch scripts and a client example")
             p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                            help="dtype of the merged weights (auto: the base model's own)")
+            p.add_argument("--force", action="store_true",
+                           help="replace an existing --out folder (only once the new export is complete)")
         if name == "predict":
             p.add_argument("target", help="run folder, export folder, adapter folder or merged model folder")
             p.add_argument("texts", nargs="*", help="texts to classify")

@@ -388,20 +388,26 @@ class ServeConfig(Section):
         return value
 
 
-class RunConfig(Section):
+class RunConfigBase(Section):
+    """The sections every task shares. Each task's config class adds its own `data` and `prompt`."""
+
+    task: str = "classify"
+    """What the run fine-tunes the model for: `classify` = generative classification (the label is the
+    assistant's answer; measured by decoding and by label scoring). The task decides which `data` and
+    `prompt` keys exist (TASK_CONFIGS)."""
     name: str | None = None
     """Run folder name under `output_dir`; default: the config file's name, or `default`."""
     output_dir: str = "runs"
     """Parent folder of run folders."""
     overwrite: bool = False
-    """Replace a finished run folder of the same name (otherwise emotune refuses)."""
+    """Replace a finished run folder of the same name (otherwise emotune refuses). The old run is moved aside
+    to `<name>.previous` only after the new run's config, data and model source validated, and deleted when
+    the new run finishes."""
     seed: int = 42
     """Seed for sampling, LoRA initialisation and data order."""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """Device to run on; `auto` picks CUDA/ROCm, then MPS, then CPU. ROCm GPUs are `cuda` in PyTorch."""
     model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    prompt: PromptConfig = PromptConfig()
     lora: LoraSettings = LoraSettings()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
@@ -412,11 +418,28 @@ class RunConfig(Section):
         return Path(self.output_dir) / (self.name or "default")
 
 
+class ClassifyConfig(RunConfigBase):
+    """`task: classify`: a labelled text dataset; the label name is the assistant's answer."""
+
+    task: Literal["classify"] = "classify"
+    """What the run fine-tunes the model for: `classify` = generative classification (the label is the
+    assistant's answer; measured by decoding and by label scoring). The task decides which `data` and
+    `prompt` keys exist (TASK_CONFIGS)."""
+    data: DataConfig = DataConfig()
+    prompt: PromptConfig = PromptConfig()
+
+
+# The config class of every task, keyed on `task`. A new task adds its class here and its module to
+# emotune.tasks.TASKS.
+TASK_CONFIGS: dict[str, type[RunConfigBase]] = {"classify": ClassifyConfig}
+RunConfig = RunConfigBase  # what generic code (pipeline, train, export) may rely on in any task's config
+
+
 # --------------------------------------------------------------------------------------------------
 # Loading: defaults < YAML < key=value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfigBase:
     """Build the resolved config, or raise one UserError listing every problem."""
     raw: dict[str, Any] = {}
     if path is not None:
@@ -428,16 +451,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             problems.append(f"`{item}`: overrides are written key=value, e.g. train.max_steps=2")
             continue
         _set_dotted(raw, key.strip(), _parse_value(value))
-    problems += _unknown_keys(raw, RunConfig)
+    schema = _task_config(raw, problems)
+    problems += _unknown_keys(raw, schema)
     if path is not None and "name" not in raw:
         raw["name"] = Path(path).stem
     try:
-        cfg = RunConfig.model_validate(_known_only(raw, RunConfig))
+        cfg = schema.model_validate(_known_only(raw, schema))
     except ValidationError as err:
         problems += [_describe(e) for e in err.errors()]
     if problems:  # unknown keys and bad values, all at once
         raise UserError(_format_problems(problems))
     return cfg
+
+
+def _task_config(raw: dict[str, Any], problems: list[str]) -> type[RunConfigBase]:
+    """The config class of the task the config asks for (`task`, default `classify`)."""
+    task = raw.get("task", "classify")
+    if task in TASK_CONFIGS:
+        return TASK_CONFIGS[task]
+    problems.append(f"`task`: {task!r} is not a task emotune knows; choose one of {', '.join(TASK_CONFIGS)}")
+    raw.pop("task")
+    return ClassifyConfig
 
 
 def _known_only(raw: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
@@ -518,11 +552,11 @@ def _format_problems(problems: list[str]) -> str:
     return "\n".join([head, *(f"  - {p}" for p in problems), "Fix them in the YAML file or the key=value overrides and run again."])
 
 
-def dump_config(cfg: RunConfig) -> str:
+def dump_config(cfg: RunConfigBase) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=100)
 
 
-def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+def field_docs(model: type[BaseModel] = ClassifyConfig, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every leaf field, for `emotune config --fields`."""
     rows = []
     for name, info in model.model_fields.items():

@@ -31,6 +31,7 @@ from emotune.config import EvalConfig, PromptConfig
 from emotune.data import prompt_messages, system_prompt
 from emotune.errors import UserError
 from emotune.models import END_OF_TURN, stop_token_ids
+from emotune.rundir import atomic_file, write_json
 
 INVALID = "INVALID"
 UNSPACED_SCRIPTS = ("CJK", "HIRAGANA", "KATAKANA", "HANGUL", "THAI", "LAO", "KHMER", "MYANMAR", "TIBETAN")
@@ -261,16 +262,11 @@ def expected_calibration_error(truth: np.ndarray, probs: np.ndarray, bins: int =
 
 def write_result(result: EvalResult, folder: Path) -> None:
     """metrics.json and predictions.csv, each written to a temporary name and renamed into place."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "metrics.json.tmp"
-    tmp.write_text(json.dumps(result.metrics, indent=2, ensure_ascii=False))
-    csv_tmp = folder / "predictions.csv.tmp"
-    with csv_tmp.open("w", newline="", encoding="utf-8") as handle:
+    with atomic_file(folder / "predictions.csv") as tmp, tmp.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(result.rows[0]) if result.rows else ["text", "gold", "raw_output", "predicted"])
         writer.writeheader()
         writer.writerows(result.rows)
-    csv_tmp.replace(folder / "predictions.csv")
-    tmp.replace(folder / "metrics.json")  # metrics last: its presence marks the stage as complete
+    write_json(folder / "metrics.json", result.metrics)  # metrics last: its presence marks the stage as complete
 
 
 def method_folder(folder: Path, method: str, methods: list[str]) -> Path:
@@ -529,70 +525,3 @@ def score_label_probs(model, tokenizer, texts: list[str], prompt: PromptConfig, 
     `label_token_ids`).
     """
     return LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size).softmax(-1)
-
-
-# --------------------------------------------------------------------------------------------------
-# `emotune eval`: one evaluation on its own, of the base model, an adapter folder or a run folder
-
-
-def run_eval(cfg, adapter: str | None = None) -> Path:
-    """Evaluate `cfg`'s model (plus `adapter`, if given) on `cfg.eval.split`; returns the results folder."""
-    from emotune import device as device_mod
-    from emotune.data import load_data
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
-    from emotune.report import TITLES
-
-    data = load_data(cfg.data, cfg.seed)  # bad data fails before any weights load
-    adapter_dir, out = _adapter_and_output(cfg, adapter)
-    if adapter_dir is not None:
-        _check_adapter_matches(adapter_dir, data.labels, system_prompt(cfg.prompt, data.labels))
-    device = device_mod.resolve_device(cfg.device)
-    precision = device_mod.choose_precision(device, cfg.train.precision)
-    model_dir = resolve_model_dir(cfg.model)
-    tokenizer = load_tokenizer(model_dir, cfg.model)
-    model = load_model(model_dir, precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype), device)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    split = data.splits[cfg.eval.split]
-    print(f"Evaluating {'adapter ' + str(adapter_dir) if adapter_dir else 'the base model'} on the {cfg.eval.split} "
-          f"split ({len(split)} rows), method {cfg.eval.method}, {precision.name} on {device}", flush=True)
-    results = evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=cfg.eval.split)
-    write_results(results, out)
-    for method, result in results.items():
-        shown = ", ".join(f"{TITLES[k]} {result.metrics[k]:.3f}" if isinstance(result.metrics[k], float)
-                          else f"{TITLES[k]} {result.metrics[k]}" for k in TITLES if k in result.metrics)
-        print(f"{method}: {shown}")
-    print(f"Results: {out}")
-    return out
-
-
-def _adapter_and_output(cfg, adapter: str | None) -> tuple[Path | None, Path]:
-    """The adapter folder to load (an adapter folder, or a run folder's `adapter/`) and where results go."""
-    split = cfg.eval.split
-    if adapter is None:
-        return None, cfg.run_dir / "eval" / f"{split}-base"
-    path = Path(adapter).expanduser()
-    if (path / "adapter_config.json").is_file():
-        return path, path.parent / "eval" / f"{split}-{path.name}"
-    if (path / "adapter" / "adapter_config.json").is_file():
-        return path / "adapter", path / "eval" / f"{split}-finetuned"
-    raise UserError(f"adapter=`{adapter}` is neither an adapter folder (with adapter_config.json) nor a run folder "
-                    f"(with adapter/adapter_config.json). Give e.g. adapter=runs/cpu or adapter=runs/cpu/adapter.")
-
-
-def _check_adapter_matches(adapter_dir: Path, labels: list[str], prompt_text: str) -> None:
-    meta_path = adapter_dir / "emotune.json"
-    if not meta_path.is_file():
-        return  # an adapter trained elsewhere: nothing recorded to compare against
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    problems = []
-    if meta.get("labels") and meta["labels"] != labels:
-        problems.append(f"it was trained on labels {meta['labels']}, the data has {labels} (set data.label_names)")
-    if meta.get("system_prompt") and meta["system_prompt"] != prompt_text:
-        problems.append("it was trained with a different system prompt (set prompt.system_prompt to the one in "
-                        f"{meta_path})")
-    if problems:
-        raise UserError(f"The adapter `{adapter_dir}` does not match this evaluation: {'; '.join(problems)}. "
-                        "Before/after numbers are only comparable with the training prompt and labels.")

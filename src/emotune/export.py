@@ -8,113 +8,36 @@
     vllm/       (--vllm) serve_lora.sh, serve_merged.sh, client.py (output constrained to the label set)
 
 The whole folder is written under a temporary name and renamed into place, so a failed export never
-replaces a good one. This module also finds and loads what a run produced, for `predict` and `serve`.
+replaces a good one; an existing OUT is replaced only with --force. What a run produced is found and
+loaded by emotune.artifacts.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import shlex
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
-from emotune.config import ModelConfig, PromptConfig
+from emotune.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
+from emotune.config import ModelConfig
 from emotune.errors import UserError
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
-
-ADAPTER_META = "emotune.json"  # written by train.save_adapter
+from emotune.rundir import RunDir, atomic_dir
 # vLLM's --max-lora-rank only accepts these values (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # --------------------------------------------------------------------------------------------------
-# Finding what a run produced
-
-
-@dataclass
-class Artifact:
-    """A servable classifier on disk: a LoRA adapter over a base model, or a merged full model."""
-
-    name: str
-    path: Path  # the adapter folder, or the merged model folder
-    merged: bool
-    meta: dict
-    model_cfg: ModelConfig  # how to find the base model (unused for merged models)
-
-    @property
-    def labels(self) -> list[str]:
-        return list(self.meta["labels"])
-
-    @property
-    def prompt(self) -> PromptConfig:
-        return PromptConfig(system_prompt=self.meta["system_prompt_template"], user_template=self.meta["user_template"])
-
-
-def find_artifact(target: str | Path, name: str | None = None) -> Artifact:
-    """Accept a run folder, an export folder, an adapter folder or a merged model folder."""
-    target = Path(target).expanduser()
-    if not target.exists():
-        raise UserError(f"`{target}` does not exist. Give a run folder (runs/<name>), an export folder, "
-                        "or an adapter folder holding adapter_config.json.")
-    candidates = [(target / "adapter", False), (target, False), (target / "merged", True), (target, True)]
-    for folder, merged in candidates:
-        marker = folder / ("config.json" if merged else "adapter_config.json")
-        if marker.is_file() and (folder / ADAPTER_META).is_file():
-            meta = _read_meta(folder / ADAPTER_META)
-            return Artifact(name=name or _default_name(target), path=folder, merged=merged, meta=meta,
-                            model_cfg=_model_cfg(target, folder, meta))
-    raise UserError(f"`{target}` holds no emotune adapter or merged model (looked for adapter_config.json or "
-                    f"config.json next to {ADAPTER_META}, in the folder and in adapter/ and merged/). "
-                    "Point at a finished run folder (runs/<name>) or at the output of `emotune export`.")
-
-
-def _read_meta(path: Path) -> dict:
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"`{path}` is not valid JSON ({err}). Re-export the run, or restore the file.") from None
-    missing = [k for k in ("labels", "system_prompt_template", "user_template", "base_model") if k not in meta]
-    if missing:
-        raise UserError(f"`{path}` lacks {', '.join(missing)}. It was not written by emotune; re-export the run.")
-    return meta
-
-
-def _default_name(target: Path) -> str:
-    folder = target.resolve()
-    name = folder.parent.name if folder.name in ("adapter", "merged", "export") else folder.name
-    # the name travels in URLs, JSON `model` fields and vLLM's name=path flags
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "adapter"
-
-
-def _model_cfg(target: Path, folder: Path, meta: dict) -> ModelConfig:
-    """The run's model section (source, cache, chat template) when its config.yaml is at hand."""
-    for config_file in (target / "config.yaml", folder.parent / "config.yaml"):
-        if config_file.is_file():
-            raw = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-            return ModelConfig.model_validate(raw.get("model") or {"source": meta["base_model"]})
-    return ModelConfig(source=meta["base_model"])
-
-
-def load_artifact_model(artifact: Artifact, dtype: torch.dtype, device: torch.device):
-    """The model (PEFT-wrapped for adapters) and tokenizer, ready for inference."""
-    if artifact.merged:
-        return load_model(artifact.path, dtype, device).eval(), load_tokenizer(artifact.path, ModelConfig())
-    from peft import PeftModel
-
-    base = load_model(resolve_model_dir(artifact.model_cfg), dtype, device)
-    model = PeftModel.from_pretrained(base, artifact.path, adapter_name=artifact.name)
-    return model.eval(), load_tokenizer(artifact.path, ModelConfig())
+# What vLLM can load
 
 
 def adapter_config(adapter_dir: Path) -> dict:
-    return json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    return json.loads((adapter_dir / PEFT_CONFIG).read_text(encoding="utf-8"))
 
 
 def vllm_blockers(config: dict) -> list[str]:
@@ -140,42 +63,33 @@ def max_lora_rank(config: dict) -> int:
 
 
 def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = False, vllm: bool = False,
-           dtype: str = "auto") -> Path:
+           dtype: str = "auto", force: bool = False) -> Path:
     artifact = find_artifact(run_dir)
     if artifact.merged:
         raise UserError(f"`{run_dir}` holds a merged model only; export needs the adapter. Point at the run folder.")
-    out = Path(out).expanduser() if out else Path(run_dir) / "export"
+    out = Path(out).expanduser() if out else RunDir(run_dir).export
     if artifact.path.resolve().is_relative_to(out.resolve()):
         raise UserError(f"--out `{out}` holds the adapter being exported, so replacing it would delete the source. "
                         "Choose another folder, e.g. the default RUN_DIR/export.")
+    if out.exists() and not force:
+        raise UserError(f"`{out}` already exists (an earlier export?). Pass --force to replace it once the new export is "
+                        "complete, or --out <another folder>.")
     blockers = vllm_blockers(adapter_config(artifact.path))
     if vllm and blockers and not merge:
         print(f"vLLM cannot hot-load this adapter: {'; '.join(blockers)}. Exporting the merged route "
               "(as if --merge was given); serve_merged.sh is the launch script.", flush=True)
         merge = True
 
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    shutil.copytree(artifact.path, partial / "adapter")
-    (partial / "config.yaml").write_text(yaml.safe_dump({"model": artifact.model_cfg.model_dump(mode="json")}, sort_keys=False))
-    if merge:
-        merge_adapter(artifact, partial / "merged", dtype)
-    if vllm:
-        write_vllm_handoff(artifact, partial, out, merged=merge, lora_route=not blockers)
-    _replace(partial, out)
+    with atomic_dir(out) as partial:  # a failed export never replaces a good one
+        exported = RunDir(partial)
+        shutil.copytree(artifact.path, exported.adapter)
+        exported.config.write_text(yaml.safe_dump({"model": artifact.model_cfg.model_dump(mode="json")}, sort_keys=False))
+        if merge:
+            merge_adapter(artifact, partial / "merged", dtype)
+        if vllm:
+            write_vllm_handoff(artifact, partial, out, merged=merge, lora_route=not blockers)
     print(f"Exported {artifact.name} to {out}" + (" (adapter + merged model)" if merge else " (adapter)"), flush=True)
     return out
-
-
-def _replace(partial: Path, out: Path) -> None:
-    """Swap the finished folder in; the previous export is removed only once the new one is in place."""
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(partial, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path:
@@ -193,7 +107,7 @@ def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path
     merged.to(native)
     merged.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
-    shutil.copy2(artifact.path / ADAPTER_META, target / ADAPTER_META)
+    shutil.copy2(artifact.path / META, target / META)
     return target
 
 
@@ -238,10 +152,10 @@ def merge_parity_gap(target: str | Path, texts: list[str], merged_dir: str | Pat
 
 def vllm_base_reference(model_cfg: ModelConfig) -> tuple[str, list[str]]:
     """What `vllm serve` should load as the base: a hub id as is, everything else as its local folder."""
-    from emotune.models import HUB_PREFIXES, _looks_like_hub_id
+    from emotune.models import HUB_PREFIXES, looks_like_hub_id
 
     source = model_cfg.source
-    if source.startswith("hf:") or (not source.startswith(HUB_PREFIXES) and _looks_like_hub_id(source)):
+    if source.startswith("hf:") or (not source.startswith(HUB_PREFIXES) and looks_like_hub_id(source)):
         repo = source.removeprefix("hf:")
         return repo, (["--revision", model_cfg.revision] if model_cfg.revision else [])
     return str(resolve_model_dir(model_cfg).resolve()), []

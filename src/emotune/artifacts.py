@@ -1,0 +1,183 @@
+"""The adapter folder format: one writer, one reader, used by train, eval, export, predict and serve.
+
+An emotune adapter folder holds PEFT's files (`adapter_config.json`, `adapter_model.safetensors`), the
+tokenizer with its chat template, and `emotune.json`: the task, label set, prompt and base model the
+adapter was trained with, so it can be measured and served with exactly the training prompt.
+
+Adapters written by other tools (plain PEFT, LLaMA-Factory, TRL; `adapter_model.bin` too, which PEFT
+reads with `torch.load(weights_only=True)`) have no `emotune.json`. They load when what it would say is
+given another way (`Fallback`: a config's labels and prompt, or command-line flags); otherwise the
+error says which pieces are missing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from emotune.config import ModelConfig, PromptConfig
+from emotune.errors import UserError
+from emotune.rundir import RunDir, atomic_dir, read_json
+
+META = "emotune.json"
+PEFT_CONFIG = "adapter_config.json"
+REQUIRED_META = ("labels", "system_prompt_template", "user_template", "base_model")
+
+
+@dataclass
+class Fallback:
+    """What to use for an adapter without emotune.json (None = not given)."""
+
+    labels: list[str] | None = None
+    prompt: PromptConfig | None = None
+    base_model: str | None = None
+    source: str = "the config"  # named in the error, e.g. "the --labels/--system-prompt flags"
+
+
+@dataclass
+class Artifact:
+    """A servable classifier on disk: a LoRA adapter over a base model, or a merged full model."""
+
+    name: str
+    path: Path  # the adapter folder, or the merged model folder
+    merged: bool
+    meta: dict
+    model_cfg: ModelConfig = field(default_factory=ModelConfig)  # how to find the base model (unused when merged)
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.meta["labels"])
+
+    @property
+    def prompt(self) -> PromptConfig:
+        return PromptConfig(system_prompt=self.meta["system_prompt_template"], user_template=self.meta["user_template"])
+
+    @property
+    def foreign(self) -> bool:
+        """Trained by another tool: the labels and prompt came from a Fallback."""
+        return bool(self.meta.get("foreign"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Writer
+
+
+def write_adapter(model, tokenizer, target: Path, meta: dict, state_dict: dict | None = None) -> Path:
+    """Adapter weights + config, tokenizer (with its chat template) and `meta` as emotune.json, atomically.
+    `state_dict`: the full trainable weights when the model's own are sharded (FSDP)."""
+    with atomic_dir(target) as partial:
+        model.save_pretrained(partial, **({"state_dict": state_dict} if state_dict is not None else {}))
+        tokenizer.save_pretrained(partial)
+        (partial / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
+    return target
+
+
+def is_adapter(folder: Path) -> bool:
+    return (folder / PEFT_CONFIG).is_file()
+
+
+def read_meta(folder: Path) -> dict | None:
+    """emotune.json of `folder`, None when there is none; an unreadable or incomplete one is an error."""
+    path = folder / META
+    if not path.is_file():
+        return None
+    meta = read_json(path)
+    if meta is None:
+        raise UserError(f"`{path}` is not valid JSON. Re-export the run, or restore the file.")
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise UserError(f"`{path}` lacks {', '.join(missing)}. It was not written by emotune; delete it to load the "
+                        "adapter as one made by another tool (labels and prompt from the config or flags).")
+    return meta
+
+
+# --------------------------------------------------------------------------------------------------
+# Reader
+
+
+def find_artifact(target: str | Path, name: str | None = None, fallback: Fallback | None = None) -> Artifact:
+    """Accept a run folder, an export folder, an adapter folder or a merged model folder."""
+    target = Path(target).expanduser()
+    if not target.exists():
+        raise UserError(f"`{target}` does not exist, so it is neither an adapter folder nor a run folder. Give a run "
+                        f"folder (runs/<name>), an export folder, or an adapter folder holding {PEFT_CONFIG}.")
+    run = RunDir(target)
+    candidates = [(run.adapter, False), (target, False), (target / "merged", True), (target, True)]
+    for folder, merged in candidates:
+        marker = folder / ("config.json" if merged else PEFT_CONFIG)
+        if marker.is_file() and (folder / META).is_file():
+            meta = read_meta(folder)
+            return Artifact(name=name or default_name(target), path=folder, merged=merged, meta=meta,
+                            model_cfg=_model_cfg(target, folder, meta["base_model"]))
+    for folder in (run.adapter, target):
+        if is_adapter(folder):
+            return _foreign_adapter(folder, name or default_name(target), fallback)
+    raise UserError(f"`{target}` holds no emotune adapter, PEFT adapter or merged model (looked for {PEFT_CONFIG}, or config.json next to "
+                    f"{META}, in the folder and in adapter/ and merged/). Point at a finished run folder (runs/<name>), "
+                    "the output of `emotune export`, or a PEFT adapter folder.")
+
+
+def _foreign_adapter(folder: Path, name: str, fallback: Fallback | None) -> Artifact:
+    """An adapter trained by another tool: PEFT's config names the base; labels and prompt come from `fallback`."""
+    fallback = fallback or Fallback(source="nothing (no config or flags were given)")
+    peft_config = read_json(folder / PEFT_CONFIG) or {}
+    base = fallback.base_model or peft_config.get("base_model_name_or_path")
+    missing = [what for what, value in (("the label set", fallback.labels), ("the prompt", fallback.prompt),
+                                        ("the base model", base)) if not value]
+    if missing:
+        raise UserError(f"`{folder}` is an adapter made by another tool (no {META}), so emotune cannot tell "
+                        f"{' or '.join(missing)} it was trained with, and {fallback.source} did not say. Give them: with "
+                        "`emotune eval CONFIG adapter=DIR`, the config's data.label_names and prompt section; with "
+                        "`emotune predict`/`serve`, a config file with those sections (or --labels). Before/after "
+                        "numbers are only comparable with the prompt and labels the adapter was trained with.")
+    meta = {"task": "classify", "labels": list(fallback.labels), "system_prompt_template": fallback.prompt.system_prompt,
+            "user_template": fallback.prompt.user_template, "base_model": base, "foreign": True}
+    model_cfg = ModelConfig(source=base) if fallback.base_model is None else ModelConfig(source=fallback.base_model)
+    return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=model_cfg)
+
+
+def default_name(target: Path) -> str:
+    folder = target.resolve()
+    name = folder.parent.name if folder.name in ("adapter", "merged", "export") else folder.name
+    # the name travels in URLs, JSON `model` fields and vLLM's name=path flags
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "adapter"
+
+
+def _model_cfg(target: Path, folder: Path, base_model: str) -> ModelConfig:
+    """The run's model section (source, cache, chat template) when its config.yaml is at hand."""
+    for config_file in (RunDir(target).config, RunDir(folder.parent).config):
+        if config_file.is_file():
+            raw = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+            return ModelConfig.model_validate(raw.get("model") or {"source": base_model})
+    return ModelConfig(source=base_model)
+
+
+def check_matches(artifact: Artifact, labels: list[str], system_prompt_text: str) -> None:
+    """Refuse to measure an adapter with other labels or another prompt than it was trained with."""
+    meta, problems = artifact.meta, []
+    if meta.get("labels") and meta["labels"] != labels:
+        problems.append(f"it was trained on labels {meta['labels']}, the data has {labels} (set data.label_names)")
+    if meta.get("system_prompt") and meta["system_prompt"] != system_prompt_text:
+        problems.append(f"it was trained with a different system prompt (set prompt.system_prompt to the one in "
+                        f"{artifact.path / META})")
+    if problems:
+        raise UserError(f"The adapter `{artifact.path}` does not match this evaluation: {'; '.join(problems)}. "
+                        "Before/after numbers are only comparable with the training prompt and labels.")
+
+
+def load_artifact_model(artifact: Artifact, dtype, device):
+    """The model (PEFT-wrapped for adapters) and tokenizer, ready for inference."""
+    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+
+    if artifact.merged:
+        return load_model(artifact.path, dtype, device).eval(), load_tokenizer(artifact.path, ModelConfig())
+    from peft import PeftModel
+
+    base_dir = resolve_model_dir(artifact.model_cfg)
+    model = PeftModel.from_pretrained(load_model(base_dir, dtype, device), artifact.path, adapter_name=artifact.name)
+    tokenizer_dir = artifact.path if (artifact.path / "tokenizer_config.json").is_file() else base_dir
+    return model.eval(), load_tokenizer(tokenizer_dir, artifact.model_cfg if tokenizer_dir == base_dir else ModelConfig())

@@ -1,0 +1,34 @@
+"""What each task contributes to a run, and the table from `task` to the module that implements it.
+
+A task module provides, as plain functions (see classify.py, and docs/tasks.md for the contract):
+
+    load_data(cfg)                                   validated data, before any weights load
+    data_fingerprint(cfg) / saved_fingerprint(run)   whether run/data/ holds this data
+    save_data(data, run, tokenizer, cfg)             the data stage's outputs in run/data/
+    describe_data(data) -> str                       the summary printed by `emotune data` and `run`
+    run_info(cfg, data) -> dict                      what run.json records about the task
+    training_rows(data, tokenizer, cfg)              encoded (train, validation) rows with their loss masks
+    adapter_meta(cfg, data) -> dict                  what emotune.json records next to the adapter
+    evaluate(model, tokenizer, data, cfg, desc)      the measurement, run identically before and after
+    write_results(results, folder) / read_results(folder, cfg)
+    compare(before, after, data) -> dict             the before/after comparison (comparison.json)
+    write_comparison(comparison, run) / format_comparison(comparison, data, cfg) -> str
+    outputs(run, cfg) -> list[Path]                  what must exist before a run counts as finished
+
+The pipeline, the training loop and the evaluation stage call these and nothing task-specific, so a new
+task is a module here, a line in TASKS, and its config class in emotune.config.TASK_CONFIGS.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from emotune.tasks import classify
+
+TASKS: dict[str, ModuleType] = {
+    "classify": classify,
+}
+
+
+def task_for(cfg) -> ModuleType:
+    return TASKS[cfg.task]

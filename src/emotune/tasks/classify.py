@@ -1,0 +1,122 @@
+"""`task: classify`: generative classification, the label name as the assistant's answer.
+
+Rows are (text, label); the prompt is the system prompt (with the label names) and the user template;
+the loss is on the label's tokens and the end of the turn; the measurement is `eval.method` (decoding
+with a regex, and/or exact label scoring) with accuracy, macro-F1, per-class scores, invalid outputs
+and confusion matrices, the same before and after training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from emotune.artifacts import META, PEFT_CONFIG
+from emotune.batches import Example, common_prefix_length
+from emotune.config import ClassifyConfig, PromptConfig
+from emotune.data import LabeledData, prompt_messages, system_prompt
+from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
+from emotune.evaluate import eval_methods, evaluate_methods, method_folder, read_metrics, write_results
+from emotune.rundir import RunDir
+from emotune.tasks.classify_report import compare_methods, format_table, report_sections, write_comparison
+
+__all__ = ["adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
+           "format_comparison", "load_data", "outputs", "read_results", "report_sections", "run_info", "save_data",
+           "saved_fingerprint", "training_rows", "write_comparison", "write_results"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+
+
+def load_data(cfg: ClassifyConfig) -> LabeledData:
+    """Validated, cleaned and split data (or the run folder's prepared copy of the same data)."""
+    return prepare_data(cfg)
+
+
+def save_data(data: LabeledData, run: RunDir, tokenizer, cfg: ClassifyConfig) -> None:
+    save_prepared(data, run, tokenizer, cfg)
+
+
+def describe_data(data: LabeledData) -> str:
+    return format_summary(data)
+
+
+def run_info(cfg: ClassifyConfig, data: LabeledData) -> dict:
+    return {"labels": data.labels, "rows": {name: len(ds) for name, ds in data.splits.items()},
+            "system_prompt": system_prompt(cfg.prompt, data.labels)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Training rows: the prompt, then the label as the assistant's turn; the loss on the label's tokens
+
+
+def training_rows(data: LabeledData, tokenizer: PreTrainedTokenizerBase, cfg: ClassifyConfig
+                  ) -> tuple[list[Example], list[Example]]:
+    max_length = cfg.train.max_length
+    train = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, max_length,
+                            class_weights=data.class_weights)  # set only by data.balance=class_weight
+    return train, encode_examples(data.splits["validation"], tokenizer, cfg.prompt, data.labels, max_length)
+
+
+def encode_examples(ds: Dataset, tokenizer: PreTrainedTokenizerBase, prompt: PromptConfig, labels: list[str],
+                    max_length: int, class_weights: dict[str, float] | None = None) -> list[Example]:
+    """Tokenize like TRL's conversational prompt-completion rows: the completion starts where the prompt
+    (with the generation prompt) and prompt+completion stop agreeing; rows are cut at `max_length`."""
+    examples = []
+    for row in ds:
+        messages = prompt_messages(row["text"], prompt, labels)
+        prompt_ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        full_ids = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": row["label"]}],
+                                                 tokenize=True, return_dict=False)
+        start = common_prefix_length(prompt_ids, full_ids)
+        full_ids = list(full_ids[:max_length])
+        weight = class_weights[row["label"]] if class_weights else 1.0
+        examples.append(Example(full_ids, min(start, len(full_ids)), weight))
+    cut = sum(e.completion_tokens == 0 for e in examples)
+    if cut:
+        print(f"Warning: {cut} of {len(examples)} rows lost their label to train.max_length={max_length} and teach "
+              "nothing; raise train.max_length.", flush=True)
+    return examples
+
+
+def adapter_meta(cfg: ClassifyConfig, data: LabeledData) -> dict:
+    """What emotune.json records, so the adapter is measured and served with its training prompt and labels."""
+    return {"task": "classify", "labels": data.labels, "system_prompt": system_prompt(cfg.prompt, data.labels),
+            "system_prompt_template": cfg.prompt.system_prompt, "user_template": cfg.prompt.user_template,
+            "base_model": cfg.model.source, "eval": cfg.eval.model_dump()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement and comparison
+
+
+def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyConfig, desc: str) -> dict:
+    """Every method of `eval.method` on `eval.split`: {method: EvalResult}."""
+    split = data.splits[cfg.eval.split]
+    return evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=desc)
+
+
+def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, dict] | None:
+    """{method: metrics} when every method's results are complete in `folder`, else None."""
+    return read_metrics(folder, eval_methods(cfg.eval))
+
+
+def compare(before: dict[str, dict], after: dict[str, dict], data: LabeledData) -> dict:
+    return compare_methods(before, after, data.labels)
+
+
+def format_comparison(comparison: dict, data: LabeledData, cfg: ClassifyConfig) -> str:
+    return "\n".join(f"\nBefore/after on the {cfg.eval.split} split ({one['rows']} rows, method {method}):\n"
+                     + format_table(one, data.labels) for method, one in comparison["methods"].items())
+
+
+def outputs(run: RunDir, cfg: ClassifyConfig) -> list[Path]:
+    """What a finished classification run holds."""
+    methods = eval_methods(cfg.eval)
+    results = [method_folder(stage, m, methods) / name for stage in (run.baseline, run.finetuned) for m in methods
+               for name in ("metrics.json", "predictions.csv")]
+    return [*results, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json,
+            run.comparison_csv, run.report_html]
