@@ -12,7 +12,7 @@ ideep's per-shape kernel cache (emotune.cli.process_defaults sets it); `--trim` 
 after each step; `--mmap-threshold` fixes glibc's M_MMAP_THRESHOLD (and M_TRIM_THRESHOLD) via
 mallopt, as MALLOC_MMAP_THRESHOLD_ would: buffers at least that large go back to the system when
 freed; `--arena-max` sets M_ARENA_MAX; `--pad-multiple` pads every batch to a multiple of N tokens.
-Used to find where the trainer's peak RSS goes (README, Training engine).
+Used to find where the trainer's peak RSS goes (docs/training.md, Memory on CPUs).
 """
 
 from __future__ import annotations

