@@ -238,10 +238,10 @@ def merge_parity_gap(target: str | Path, texts: list[str], merged_dir: str | Pat
 
 def vllm_base_reference(model_cfg: ModelConfig) -> tuple[str, list[str]]:
     """What `vllm serve` should load as the base: a hub id as is, everything else as its local folder."""
-    from emotune.models import HUB_PREFIXES, _looks_like_hub_id
+    from emotune.models import HUB_PREFIXES, looks_like_hub_id
 
     source = model_cfg.source
-    if source.startswith("hf:") or (not source.startswith(HUB_PREFIXES) and _looks_like_hub_id(source)):
+    if source.startswith("hf:") or (not source.startswith(HUB_PREFIXES) and looks_like_hub_id(source)):
         repo = source.removeprefix("hf:")
         return repo, (["--revision", model_cfg.revision] if model_cfg.revision else [])
     return str(resolve_model_dir(model_cfg).resolve()), []

@@ -58,7 +58,7 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     source = cfg.source
     if source == EMBEDDED_MODEL:
         return _embedded_model_dir(cfg)
-    if source.startswith(HUB_PREFIXES) or _looks_like_hub_id(source):
+    if source.startswith(HUB_PREFIXES) or looks_like_hub_id(source):
         return _download_from_hub(source, cfg)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -72,7 +72,7 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                     "(`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded.")
 
 
-def _looks_like_hub_id(source: str) -> bool:
+def looks_like_hub_id(source: str) -> bool:
     parts = source.split("/")
     return len(parts) == 2 and all(parts) and not Path(source).exists() and not source.startswith((".", "~"))
 
