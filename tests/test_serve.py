@@ -12,7 +12,7 @@ import pytest
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.config import ServeConfig, load_config
-from emotune.evaluate import score_label_probs
+from emotune.scoring import score_label_probs
 from emotune.serve import build_engine, create_app, running
 
 USER, ADMIN = "user-key", "admin-key"

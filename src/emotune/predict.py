@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from emotune import device as device_mod
 from emotune.errors import UserError
-from emotune.evaluate import score_label_probs
+from emotune.scoring import score_label_probs
 from emotune.export import Artifact, find_artifact, load_artifact_model
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),

@@ -39,9 +39,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from emotune import device as device_mod
 from emotune.config import ModelConfig, PromptConfig, RunConfig, ServeConfig
 from emotune.errors import UserError
-from emotune.evaluate import LabelScorer, score_label_probs
 from emotune.export import Artifact, find_artifact
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.scoring import LabelScorer, score_label_probs
 
 BASE_MODEL = "base"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
