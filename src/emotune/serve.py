@@ -742,25 +742,3 @@ def serve_with_vllm(cfg: RunConfig, targets: list[str]) -> None:
     executable = shutil.which("vllm", path=str(Path(sys.executable).parent)) or shutil.which("vllm") or "vllm"
     print(f"Starting: vllm {' '.join(args)}" + (" --api-key ***" if api_key else ""), flush=True)
     subprocess.run([executable, *args, *(["--api-key", api_key] if api_key else [])], check=False)
-
-
-@contextmanager
-def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 30.0):
-    """Run `app` with uvicorn on a background thread; yields (base URL, uvicorn server). For tests and benchmarks."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=shutdown_timeout_s))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        if not thread.is_alive() or time.time() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()
-    try:
-        yield f"http://{bound[0]}:{bound[1]}", server
-    finally:
-        server.should_exit = True
-        thread.join(timeout=shutdown_timeout_s + 10)
