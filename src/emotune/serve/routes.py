@@ -1,4 +1,4 @@
-"""The app: routes over the shared `Server` state (a FastAPI dependency), error handlers and middlewares."""
+"""The app: its route table, error handlers and middlewares; each route gets the shared `Server` as a dependency."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,8 +23,6 @@ from emotune.serve.state import Server
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
-router = APIRouter()
-
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     state = Server(engine, cfg)
@@ -33,7 +31,13 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.include_router(router)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/classify", classify, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/adapters", load_adapter, methods=["POST"], status_code=201)
+    app.add_api_route("/v1/adapters/{name}", unload_adapter, methods=["DELETE"])
     app.add_middleware(Observe, server=state)
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)  # outermost: oversized bodies never reach the app
     return app
@@ -57,12 +61,10 @@ async def current_server(request: Request) -> Server:
 ServerState = Annotated[Server, Depends(current_server)]
 
 
-@router.get("/health")
 async def health(state: ServerState):
     return {"status": "ok", "models": list(state.engine.models), "queue": state.batcher.pending}
 
 
-@router.get("/metrics")
 async def metrics(request: Request, state: ServerState):
     state.authorize(request)
     gauges = {"emotune_queue_texts": state.batcher.pending, "emotune_requests_in_flight": state.in_flight,
@@ -70,13 +72,11 @@ async def metrics(request: Request, state: ServerState):
     return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
 
-@router.get("/v1/models")
 async def list_models(request: Request, state: ServerState):
     state.authorize(request)
     return {"object": "list", "data": [_model_card(m, state.engine) for m in state.engine.models.values()]}
 
 
-@router.post("/v1/classify")
 async def classify(body: ClassifyRequest, request: Request, state: ServerState):
     state.authorize(request)
     loaded = state.loaded(body.model)
@@ -95,7 +95,6 @@ async def classify(body: ClassifyRequest, request: Request, state: ServerState):
     return JSONResponse({"object": "list", "model": loaded.name, "data": data, "usage": {"texts": len(texts)}})
 
 
-@router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request, state: ServerState):
     state.authorize(request)
     loaded = state.loaded(body.model)
@@ -109,7 +108,6 @@ async def chat(body: ChatRequest, request: Request, state: ServerState):
             "usage": usage}
 
 
-@router.post("/v1/adapters", status_code=201)
 async def load_adapter(body: AdapterRequest, request: Request, state: ServerState):
     state.authorize(request, admin=True)
     engine = state.engine
@@ -124,7 +122,6 @@ async def load_adapter(body: AdapterRequest, request: Request, state: ServerStat
     return _model_card(engine.models[artifact.name], engine)
 
 
-@router.delete("/v1/adapters/{name}")
 async def unload_adapter(name: str, request: Request, state: ServerState):
     state.authorize(request, admin=True)
     if name == BASE_MODEL:
