@@ -27,9 +27,11 @@ from peft import get_peft_model
 
 from emotune.config import EvalConfig, LoraSettings, ModelConfig, PromptConfig
 from emotune.data import prompt_messages
-from emotune.evaluate import INVALID, LabelScorer, extract_label, generate_outputs, label_pattern
+from emotune.evaluate import generate_outputs
 from emotune.lora import lora_config
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.replies import INVALID, extract_label, label_pattern
+from emotune.scoring import LabelScorer
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "datasets" / "emotion" / "test.jsonl"
 

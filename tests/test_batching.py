@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from emotune import evaluate as ev
+from emotune import scoring
 from emotune.config import EvalConfig, ModelConfig, PromptConfig
 from emotune.errors import UserError
 
@@ -18,7 +19,7 @@ def test_out_of_memory_halves_and_retries(capsys):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         seen.append(batch)
 
-    ev.run_in_batches(list(range(20)), 16, step)
+    scoring.run_in_batches(list(range(20)), 16, step)
     assert [row for batch in seen for row in batch] == list(range(20))
     assert max(len(b) for b in seen) == 2  # 16 → 8 → 4 → 2, then kept
     assert "retrying with eval batch size 2" in capsys.readouterr().out
@@ -32,7 +33,7 @@ def test_cpu_allocator_failure_counts_as_out_of_memory():
         if len(batch) > 1:
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
 
-    ev.run_in_batches([0, 1, 2], 4, step)
+    scoring.run_in_batches([0, 1, 2], 4, step)
     assert calls == [3, 2, 1, 1, 1]
 
 
@@ -41,13 +42,13 @@ def test_out_of_memory_at_one_row_is_a_user_error_and_other_errors_pass_through(
         raise torch.OutOfMemoryError("out of memory")
 
     with pytest.raises(UserError, match="one row per batch"):
-        ev.run_in_batches([0, 1], 2, always_oom)
+        scoring.run_in_batches([0, 1], 2, always_oom)
 
     def broken(batch):
         raise RuntimeError("shape mismatch")
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        ev.run_in_batches([0, 1], 2, broken)
+        scoring.run_in_batches([0, 1], 2, broken)
 
 
 def test_auto_batch_size_follows_free_memory(tiny_model_dir, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 from emotune.config import DataConfig, PromptConfig
 from emotune.data import load_data, prompt_messages
 from emotune.errors import UserError
-from emotune.evaluate import extract_label, label_pattern
+from emotune.replies import extract_label, label_pattern
 
 from conftest import LABELS, make_rows, write_jsonl
 

@@ -12,8 +12,9 @@ import pytest
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.config import ServeConfig, load_config
-from emotune.evaluate import score_label_probs
-from emotune.serve import build_engine, create_app, running
+from emotune.scoring import score_label_probs
+from emotune.serve import build_engine, create_app
+from server_harness import running
 
 USER, ADMIN = "user-key", "admin-key"
 AUTH = {"Authorization": f"Bearer {USER}"}

@@ -130,7 +130,7 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
     how = (f"Download it first where the hub is reachable (e.g. `hf download {repo_id} --local-dir models/{repo_id.split('/')[-1]}`"
            if hub == "hf" else
            f"Download it first where ModelScope is reachable (e.g. `modelscope download --model {repo_id} --local_dir models/{repo_id.split('/')[-1]}`")
-    how += f") and set model.source to that folder."
+    how += ") and set model.source to that folder."
     try:
         if hub == "modelscope":
             try:

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from emotune import device as device_mod
 from emotune.errors import UserError
 from emotune.rundir import atomic_file
-from emotune.evaluate import score_label_probs
+from emotune.scoring import score_label_probs
 from emotune.artifacts import Artifact, find_artifact, load_artifact_model
 from emotune.models import weights_dtype
 

@@ -1,0 +1,103 @@
+"""Micro-batching: classify requests wait in a bounded queue and are scored together, one forward pass for many.
+
+This is where the server's throughput comes from. The worker runs on the event loop and hands each batch to
+the single model thread (`Engine.lock`), so scoring never blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from emotune.config import PromptConfig, ServeConfig
+from emotune.serve.engine import Engine
+from emotune.serve.http import APIError
+from emotune.serve.metrics import Metrics
+
+
+@dataclass
+class Job:
+    model: str
+    texts: list[str]
+    prompt: PromptConfig
+    labels: list[str]
+    future: asyncio.Future
+
+    @property
+    def key(self) -> tuple:
+        return self.model, self.prompt.system_prompt, self.prompt.user_template, tuple(self.labels)
+
+
+class MicroBatcher:
+    """Bounded queue of classify jobs; the worker scores every job that arrived together in one call."""
+
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor, metrics: Metrics, cfg: ServeConfig):
+        self.engine, self.executor, self.metrics, self.cfg = engine, executor, metrics, cfg
+        self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.pending = 0  # texts queued or being scored
+
+    async def submit(self, model: str, texts: list[str], prompt: PromptConfig, labels: list[str]) -> torch.Tensor:
+        if self.pending + len(texts) > self.cfg.max_queue:
+            self.metrics.inc("emotune_rejected_total", {"reason": "queue_full"})
+            raise APIError(503, f"The classify queue is full ({self.pending} texts waiting, serve.max_queue="
+                                f"{self.cfg.max_queue}). Retry shortly.", "server_overloaded")
+        job = Job(model, texts, prompt, labels, asyncio.get_running_loop().create_future())
+        self.pending += len(texts)
+        try:
+            self.queue.put_nowait(job)
+            return await job.future
+        finally:
+            self.pending -= len(texts)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect(loop)
+            groups: dict[tuple, list[Job]] = defaultdict(list)
+            for job in batch:
+                groups[job.key].append(job)
+            for jobs in groups.values():
+                await self._score(loop, jobs)
+
+    async def _collect(self, loop) -> list[Job]:
+        """The first waiting job, plus whatever arrives within batch_wait_ms, up to max_batch_size texts."""
+        batch = [await self.queue.get()]
+        size, deadline = len(batch[0].texts), loop.time() + self.cfg.batch_wait_ms / 1000
+        while size < self.cfg.max_batch_size:
+            try:
+                job = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    job = await asyncio.wait_for(self.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            batch.append(job)
+            size += len(job.texts)
+        return [job for job in batch if not job.future.done()]  # skip clients that went away
+
+    async def _score(self, loop, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        texts = [t for job in jobs for t in job.texts]
+        first = jobs[0]
+        self.metrics.observe_batch(len(texts))
+        try:
+            probs = await loop.run_in_executor(self.executor, self.engine.classify, first.model, texts, first.prompt,
+                                               first.labels, self.cfg.max_batch_size)
+        except Exception as err:  # one failing batch must not take the worker down
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(err)
+            return
+        start = 0
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_result(probs[start:start + len(job.texts)])
+            start += len(job.texts)

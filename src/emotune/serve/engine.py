@@ -1,0 +1,118 @@
+"""The engine: one base model, adapters by name, every model call under one lock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from emotune import device as device_mod
+from emotune.config import ModelConfig, PromptConfig, RunConfig
+from emotune.errors import UserError
+from emotune.artifacts import Artifact, find_artifact
+from emotune.models import load_base, load_tokenizer
+from emotune.scoring import LabelScorer, score_label_probs
+
+BASE_MODEL = "base"
+
+
+@dataclass
+class Loaded:
+    name: str
+    artifact: Artifact | None  # None for the base model
+    tokenizer: Any
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Engine:
+    def __init__(self, model_cfg: ModelConfig, device: str = "auto"):
+        self.device = device_mod.resolve_device(device)
+        self.base_source = model_cfg.source
+        base = load_base(model_cfg, self.device)  # model.dtype honoured, as in training and evaluation
+        self.base_dir, self.dtype = base.model_dir, base.model.dtype
+        self.model = base.model.eval()
+        self.models: dict[str, Loaded] = {BASE_MODEL: Loaded(BASE_MODEL, None, base.tokenizer)}
+        self.lock = threading.Lock()
+        self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
+
+    @property
+    def is_peft(self) -> bool:
+        return hasattr(self.model, "peft_config")
+
+    def add_adapter(self, artifact: Artifact) -> None:
+        """Load an adapter under its name (called on the worker thread)."""
+        from peft import PeftModel
+
+        tokenizer = load_tokenizer(artifact.path, ModelConfig())
+        with self.lock:
+            if self.is_peft:
+                self.model.load_adapter(artifact.path, adapter_name=artifact.name)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, artifact.path, adapter_name=artifact.name).eval()
+            self.models[artifact.name] = Loaded(artifact.name, artifact, tokenizer)
+            self.scorers.clear()  # the first adapter wraps the model; start every scorer afresh
+
+    def remove_adapter(self, name: str) -> None:
+        with self.lock:
+            self.models.pop(name)
+            self.scorers.pop(name, None)
+            self.model.delete_adapter(name)
+
+    @contextmanager
+    def using(self, name: str):
+        """Hold the lock with `name` active: the base runs with every adapter disabled."""
+        with self.lock:
+            if name == BASE_MODEL:
+                context = self.model.disable_adapter() if self.is_peft else nullcontext()
+            else:
+                self.model.set_adapter(name)
+                context = nullcontext()
+            with context:
+                yield self.models[name]
+
+    def classify(self, name: str, texts: list[str], prompt: PromptConfig, labels: list[str], batch_size: int) -> torch.Tensor:
+        with self.using(name) as loaded:
+            if loaded.artifact is None:  # the base with request-chosen labels: nothing worth keeping
+                return score_label_probs(self.model, loaded.tokenizer, texts, prompt, labels, batch_size)
+            # an adapter's scorer keeps the KV cache of its prompt head, so one request costs only its own text
+            scorer = self.scorers.get(name)
+            if scorer is None:
+                scorer = self.scorers[name] = LabelScorer(self.model, loaded.tokenizer, prompt, labels)
+            return scorer.log_probs(texts, batch_size).softmax(-1)
+
+
+def check_base(artifact: Artifact, engine_source: str) -> None:
+    """An adapter only fits the base it was trained on."""
+    source = artifact.model_cfg.source
+    same = source == engine_source or (Path(source).expanduser().exists() and Path(engine_source).expanduser().exists()
+                                       and Path(source).expanduser().resolve() == Path(engine_source).expanduser().resolve())
+    if not same:
+        raise UserError(f"Adapter `{artifact.name}` was trained on base model `{source}`, but this server's base is "
+                        f"`{engine_source}`. Serve it from a server started with that base.")
+
+
+def build_engine(cfg: RunConfig, targets: list[str]) -> tuple[Engine, list[Artifact]]:
+    artifacts = [find_artifact(t) for t in targets]
+    names = [a.name for a in artifacts]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise UserError(f"Two adapters would both be named {duplicates}; the name is the run folder's name. "
+                        "Serve one of them, or copy it to a folder with another name.")
+    merged = [a.name for a in artifacts if a.merged]
+    if merged:
+        raise UserError(f"{merged} are merged models; `emotune serve` serves adapters over one base. Point at the run "
+                        "folders instead, or serve the merged model with vLLM (export --vllm writes serve_merged.sh).")
+    model_cfg = artifacts[0].model_cfg if artifacts else cfg.model
+    for artifact in artifacts:
+        check_base(artifact, model_cfg.source)
+    print(f"Loading base model {model_cfg.source} ...", flush=True)
+    engine = Engine(model_cfg, cfg.device)
+    for artifact in artifacts:
+        engine.add_adapter(artifact)
+        print(f"Loaded adapter {artifact.name} ({len(artifact.labels)} labels) from {artifact.path}", flush=True)
+    return engine, artifacts

@@ -1,0 +1,68 @@
+"""The state every route shares (engine, model thread, batcher, metrics, keys) and the checks a request passes."""
+
+from __future__ import annotations
+
+import hmac
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from fastapi import Request
+
+from emotune.config import ServeConfig
+from emotune.serve.batching import MicroBatcher
+from emotune.serve.engine import Engine, Loaded
+from emotune.serve.http import APIError, resolve_key
+from emotune.serve.metrics import Metrics
+
+
+class Server:
+    """State shared by the routes: engine, worker thread, batcher, metrics, keys."""
+
+    def __init__(self, engine: Engine, cfg: ServeConfig):
+        self.engine, self.cfg = engine, cfg
+        self.api_key = resolve_key(cfg.api_key, "api_key")
+        self.admin_key = resolve_key(cfg.admin_key, "admin_key")
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emotune-model")
+        self.metrics = Metrics()
+        self.batcher = MicroBatcher(engine, self.executor, self.metrics, cfg)
+        self.in_flight = 0
+
+    # ---- checks ----
+
+    def authorize(self, request: Request, admin: bool = False) -> None:
+        expected = self.admin_key if admin else self.api_key
+        if admin and expected is None:
+            raise APIError(403, "Adapter loading is off: start the server with serve.admin_key set to enable it.",
+                           "permission_error")
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise APIError(401, "Missing or wrong API key: send `Authorization: Bearer <key>`"
+                                + (" with the admin key." if admin else "."), "authentication_error")
+
+    def loaded(self, name: str) -> Loaded:
+        if name not in self.engine.models:
+            raise APIError(404, f"The model `{name}` does not exist. Loaded: {', '.join(self.engine.models)} "
+                                "(GET /v1/models).", "not_found_error")
+        return self.engine.models[name]
+
+    def check_text(self, text: str, what: str) -> None:
+        if len(text) > self.cfg.max_input_chars:
+            raise APIError(422, f"{what} has {len(text)} characters; the limit is serve.max_input_chars="
+                                f"{self.cfg.max_input_chars}. Shorten it.")
+
+    def allowed_adapter_path(self, path: str) -> Path:
+        """The resolved adapter folder, if it lies inside one of serve.adapter_dirs (links and `..` resolved)."""
+        roots = [Path(d).expanduser().resolve() for d in self.cfg.adapter_dirs]
+        given = Path(path).expanduser()
+        candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
+        inside = [c for c in candidates if any(c.is_relative_to(root) for root in roots)]
+        where = f"serve.adapter_dirs ({', '.join(map(str, roots)) or 'none'})"
+        if not inside:
+            raise APIError(403, f"Adapter path `{path}` lies outside {where}.", "permission_error")
+        found = next((c for c in inside if c.is_dir()), None)
+        if found is None:
+            raise APIError(404, f"Adapter path `{path}` is not a folder inside {where}.", "not_found_error")
+        return found

@@ -1,0 +1,40 @@
+"""`serve.engine=vllm`: hand the adapters to `vllm serve` with hot-loaded LoRA, after checking vLLM can load them."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from emotune.config import RunConfig
+from emotune.errors import UserError
+from emotune.artifacts import find_artifact
+from emotune.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
+from emotune.serve.engine import check_base
+from emotune.serve.http import resolve_key
+
+
+def serve_with_vllm(cfg: RunConfig, targets: list[str]) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("serve.engine=vllm needs the `vllm` package, which is not installed here (it needs a CUDA or "
+                        "ROCm GPU). Install vllm, or use serve.engine=native.")
+    artifacts = [find_artifact(t) for t in targets]
+    if not artifacts or any(a.merged for a in artifacts):
+        raise UserError("serve.engine=vllm serves run or adapter folders; for a merged model run its serve_merged.sh.")
+    for artifact in artifacts:
+        blockers = vllm_blockers(adapter_config(artifact.path))
+        if blockers:
+            raise UserError(f"vLLM cannot hot-load adapter `{artifact.name}`: {'; '.join(blockers)}. Use "
+                            f"`emotune export {artifact.path.parent} --merge --vllm` and its serve_merged.sh.")
+        check_base(artifact, artifacts[0].model_cfg.source)
+    base, extra = vllm_base_reference(artifacts[0].model_cfg)
+    rank = max(max_lora_rank(adapter_config(a.path)) for a in artifacts)
+    args = ["serve", base, *extra, "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(len(artifacts)),
+            "--lora-modules", *(f"{a.name}={a.path.resolve()}" for a in artifacts),
+            "--host", cfg.serve.host, "--port", str(cfg.serve.port), "--generation-config", "auto"]
+    api_key = resolve_key(cfg.serve.api_key, "api_key")
+    executable = shutil.which("vllm", path=str(Path(sys.executable).parent)) or shutil.which("vllm") or "vllm"
+    print(f"Starting: vllm {' '.join(args)}" + (" --api-key ***" if api_key else ""), flush=True)
+    subprocess.run([executable, *args, *(["--api-key", api_key] if api_key else [])], check=False)
