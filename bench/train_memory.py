@@ -57,7 +57,8 @@ def main() -> None:
         os.environ["LRU_CACHE_CAPACITY"] = str(args.lru_cache_capacity)
     from datasets import load_dataset
 
-    from emotune.batches import collate, completion_loss, encode_examples
+    from emotune.batches import collate, completion_loss
+    from emotune.tasks.classify import encode_examples
     from emotune.config import load_config
     from emotune.lora import attach_lora
     from emotune.models import load_model, load_tokenizer, resolve_model_dir

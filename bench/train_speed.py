@@ -112,7 +112,8 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
     from transformers import set_seed
 
     from emotune import device as device_mod
-    from emotune.batches import collate, completion_loss, encode_examples
+    from emotune.batches import collate, completion_loss
+    from emotune.tasks.classify import encode_examples
     from emotune.config import load_config
     from emotune.data import LabeledData
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
@@ -131,6 +132,7 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
     tokens = sum(len(e.input_ids) for e in examples)
 
     if side == "ours":
+        from emotune.rundir import RunDir
         from emotune.train import train
 
         with torch.no_grad():
@@ -138,7 +140,7 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
         identical = float(parts.loss_sum) / parts.tokens
         with tempfile.TemporaryDirectory() as run_dir:
             started = time.perf_counter()
-            trained = train(model, tokenizer, data, cfg, precision, Path(run_dir))
+            trained = train(model, tokenizer, examples, [], cfg, precision, RunDir(run_dir), {"labels": labels})
             seconds = time.perf_counter() - started
             history = json.loads((Path(run_dir) / "train" / "log_history.json").read_text())
     else:

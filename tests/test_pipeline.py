@@ -81,6 +81,7 @@ def test_lora_matching_no_module_refuses_to_train(tiny_overrides, tmp_path, caps
     assert not (tmp_path / "runs" / "tiny" / "adapter").exists()
 
 
+@pytest.mark.slow  # subprocesses / several runs
 def test_interrupted_run_resumes_and_skips_finished_stages(tiny_overrides, tmp_path, capsys):
     run_dir = tmp_path / "runs" / "tiny"
     assert main(["run", *tiny_overrides]) == 0

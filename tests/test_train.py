@@ -215,13 +215,14 @@ def test_a_checkpoint_resumes_only_the_way_it_was_written(tiny_model_dir, tmp_pa
 
 def test_fsdp_refuses_a_modules_to_save_copy_of_a_tied_embedding(tiny_model_dir):
     from emotune.errors import UserError
+    from emotune.parallel import refuse_tied_modules_to_save
 
     model = _tiny_model(tiny_model_dir)  # Gemma ties lm_head to embed_tokens
     for tied in (["lm_head"], ["model.embed_tokens"]):
         with pytest.raises(UserError, match="ties to its output layer"):
-            train_mod._refuse_tied_modules_to_save(model, tied)
-    train_mod._refuse_tied_modules_to_save(model, ["model.norm"])
-    train_mod._refuse_tied_modules_to_save(model, None)
+            refuse_tied_modules_to_save(model, tied)
+    refuse_tied_modules_to_save(model, ["model.norm"])
+    refuse_tied_modules_to_save(model, None)
 
 
 def test_missing_tracker_is_a_clear_error(tiny_overrides, capsys):
@@ -274,6 +275,7 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.slow  # subprocesses / several runs
 def test_resume_after_kill_9_gives_the_uninterrupted_adapter(tiny_overrides, tmp_path):
     common = ["train", *tiny_overrides, "train.max_steps=6", "train.save_steps=2", "train.eval_steps=3",
               "lora.dropout=0.1", "seed=7"]
@@ -306,6 +308,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # subprocesses / several runs
 def test_two_processes_match_one_with_the_same_global_batch(tiny_overrides, tmp_path):
     common = ["train", *tiny_overrides, "train.max_steps=3", "train.save_steps=2", "train.eval_steps=3",
               "lora.dropout=0.0", "device=cpu"]
@@ -332,6 +335,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_overrides, tmp_
     assert len(lines) == len(set(lines)) == len(histories["ddp"])
 
 
+@pytest.mark.slow  # subprocesses / several runs
 def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(tiny_overrides, tmp_path):
     """FSDP2 on CPU/gloo: train.fsdp=true under torchrun, killed after the step-2 checkpoint, then resumed by
     `accelerate launch --use_fsdp` (the launcher's own switch); the result is the single-process run's."""

@@ -130,14 +130,22 @@ def _foreign_adapter(folder: Path, name: str, fallback: Fallback | None) -> Arti
                                         ("the base model", base)) if not value]
     if missing:
         raise UserError(f"`{folder}` is an adapter made by another tool (no {META}), so emotune cannot tell "
-                        f"{' or '.join(missing)} it was trained with, and {fallback.source} did not say. Give them: with "
-                        "`emotune eval CONFIG adapter=DIR`, the config's data.label_names and prompt section; with "
-                        "`emotune predict`/`serve`, a config file with those sections (or --labels). Before/after "
-                        "numbers are only comparable with the prompt and labels the adapter was trained with.")
+                        f"{' or '.join(missing)} it was trained with, and {fallback.source} did not say. Give them: "
+                        "`emotune eval CONFIG adapter=DIR` takes them from the config (data.label_names, the prompt "
+                        "section, model.source); `emotune predict DIR --config FILE` (or --labels a,b,c for the labels) "
+                        "and `emotune serve DIR FILE.yaml` from a config file. Before/after numbers are only "
+                        "comparable with the prompt and labels the adapter was trained with.")
     meta = {"task": "classify", "labels": list(fallback.labels), "system_prompt_template": fallback.prompt.system_prompt,
             "user_template": fallback.prompt.user_template, "base_model": base, "foreign": True}
     model_cfg = ModelConfig(source=base) if fallback.base_model is None else ModelConfig(source=fallback.base_model)
     return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=model_cfg)
+
+
+def fallback_from(cfg=None, labels: list[str] | None = None, source: str = "the config") -> Fallback:
+    """A Fallback from a config the user gave (its label names, prompt and base model) and/or a label flag."""
+    return Fallback(labels=labels or (cfg.data.label_names if cfg is not None else None),
+                    prompt=getattr(cfg, "prompt", None), base_model=cfg.model.source if cfg is not None else None,
+                    source=source)
 
 
 def default_name(target: Path) -> str:

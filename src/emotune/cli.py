@@ -77,12 +77,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
+    from emotune.artifacts import fallback_from
+    from emotune.config import load_config
     from emotune.predict import predict_cli
 
-    return predict_cli(args.target, args.texts, args.file, args.out, args.text_column, args.batch_size, args.device)
+    cfg = load_config(args.config, []) if args.config else None
+    if cfg is not None:
+        _announce(cfg)
+    labels = [label.strip() for label in args.labels.split(",")] if args.labels else None
+    if labels is not None and (not all(labels) or len(set(labels)) != len(labels)):
+        raise UserError(f"--labels `{args.labels}` must be distinct, non-empty labels separated by commas, e.g. "
+                        "--labels joy,sadness,anger.")
+    fallback = fallback_from(cfg, labels, source="--config/--labels") if cfg is not None or labels else None
+    return predict_cli(args.target, args.texts, args.file, args.out, args.text_column, args.batch_size, args.device,
+                       fallback)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from emotune.artifacts import fallback_from
     from emotune.config import load_config
     from emotune.serve import serve
 
@@ -93,7 +105,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         overrides.append(f"serve.engine={args.engine}")
     cfg = load_config(config, overrides)
     _announce(cfg)
-    serve(cfg, targets)
+    # an adapter made by another tool takes its labels, prompt and base from the config file, if one was given
+    serve(cfg, targets, fallback_from(cfg, source=f"the config `{config}`") if config else None)
     return 0
 
 
@@ -157,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--text-column", default="text", help="column of --file holding the text (default: text)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
             p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+            p.add_argument("--config", help="for an adapter made by another tool (no emotune.json): a YAML config whose "
+                                            "data.label_names, prompt and model.source it was trained with")
+            p.add_argument("--labels", help="the same labels as a comma-separated list (overrides the config's)")
         if name == "serve":
             p.add_argument("items", nargs="*", metavar="TARGET|CONFIG|key=value",
                            help="run/adapter folders to serve (name = folder name), an optional YAML config, "

@@ -17,7 +17,7 @@ from emotune import device as device_mod
 from emotune.errors import UserError
 from emotune.rundir import atomic_file
 from emotune.scoring import score_label_probs
-from emotune.artifacts import Artifact, find_artifact, load_artifact_model
+from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.models import weights_dtype
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
@@ -39,7 +39,8 @@ class Classifier:
 
 
 def predict_cli(target: str, texts: list[str], file: str | None, out: str | None, text_column: str,
-                batch_size: int, device: str) -> int:
+                batch_size: int, device: str, fallback: Fallback | None = None) -> int:
+    """`fallback`: labels, prompt and base for an adapter made by another tool (from --config / --labels)."""
     if bool(texts) == bool(file):
         raise UserError("Give texts to classify as arguments, or --file in.csv --out out.csv (not both, not neither).")
     if file and not out:
@@ -47,7 +48,7 @@ def predict_cli(target: str, texts: list[str], file: str | None, out: str | None
     if batch_size < 1:
         raise UserError("--batch-size must be a positive number of texts.")
     rows = _read_table(Path(file), text_column) if file else None  # bad input fails before weights load
-    artifact = find_artifact(target)
+    artifact = find_artifact(target, fallback=fallback)
     classifier = Classifier(artifact, device)
     if rows is None:
         probs = classifier.probs(texts, batch_size)

@@ -15,17 +15,14 @@ batch B x N and N processes with batch B compute the same gradient.
 
 from __future__ import annotations
 
-import json
 import math
-import resource
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
@@ -37,11 +34,9 @@ from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
 from emotune.lora import attach_lora
-from emotune.rundir import RunDir, atomic_file, remove_partial_writes, write_json
-
-FSDP1_REFUSED = ("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass --fsdp_version 2 "
-                 "(or fsdp_version: 2 in the accelerate config), or set train.fsdp=true and launch with torchrun.")
-
+from emotune.parallel import fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
+from emotune.rundir import RunDir, remove_partial_writes
+from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
 
 @dataclass
 class Plan:
@@ -65,63 +60,82 @@ class Progress:
     log_history: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class Session:
+    """What one training holds between steps besides `Progress`: the model in its three guises, the optimizer
+    side, precision handling and the process layout."""
+    accelerator: Accelerator
+    fsdp: FullyShardedDataParallelPlugin | None
+    plan: Plan
+    cap: int  # padded tokens per forward pass (0: one pass per micro-batch)
+    adapted: PreTrainedModel  # the PEFT model (what is saved)
+    wrapped: torch.nn.Module  # what is called (DDP / FSDP wrapper, or `adapted` itself)
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: torch.amp.GradScaler | None
+    autocast: object
+    upcast: dict[str, torch.dtype]  # FSDP: trainable weights upcast to fp32, saved in their own dtype
+
+
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows: list[Example], val_rows: list[Example],
           cfg: RunConfig, precision: Precision, run: RunDir, adapter_meta: dict) -> PreTrainedModel:
     """Fine-tune `model` with LoRA on the task's encoded rows (each carries its loss positions), save the adapter
     with `adapter_meta` into the run folder, and return the adapted model (in memory).
 
     The task encodes the rows before this is called, so a row problem surfaces before any optimizer state exists."""
+    s = _setup(model, cfg, precision, len(train_rows), len(val_rows), run)
+    progress, best = _resume(run.checkpoints, s.adapted, s.optimizer, s.scheduler, s.scaler, s.accelerator)
+    log = TrainLog(run.train / "log_history.jsonl", progress.log_history, s.accelerator, cfg.train.report_to,
+                   cfg.model_dump(mode="json"))
+    best = _loop(s, progress, best, log, train_rows, val_rows, tokenizer.pad_token_id, cfg, precision, run.checkpoints)
+    _finish(s, progress, best, tokenizer, run, adapter_meta, cfg.train)
+    log.close()
+    s.accelerator.wait_for_everyone()
+    return s.adapted
+
+
+def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: int, val_rows: int, run: RunDir) -> Session:
+    """Processes, LoRA adapters, precision, optimizer and schedule: everything before the first step."""
     t = cfg.train
-    accelerator, fsdp = _accelerator(t, model, run.train)
-    main = accelerator.is_main_process
-    plan = _plan(t, len(train_rows), accelerator.num_processes)
+    accelerator, fsdp = make_accelerator(t, model, run.train)
+    plan = _plan(t, rows, accelerator.num_processes)
     cap = _pass_token_cap(t, accelerator.device)
-    _announce(plan, t, len(train_rows), len(val_rows), cap)
+    _announce(plan, t, rows, val_rows, cap)
 
     model.config.use_cache = False
     if fsdp:
-        _refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
+        refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
     adapted = attach_lora(model, cfg.lora)
     if t.gradient_checkpointing:
         adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    upcast = _fsdp_dtypes(fsdp, adapted) if fsdp else {}
+    upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
     autocast, scaler = _mixed_precision(precision, adapted)
     optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(t.warmup_ratio * plan.steps),
                               num_training_steps=plan.steps)
-    wrapped, trainable = _prepare(accelerator, adapted, optimizer, fsdp)
+    wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
+    return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast)
 
-    folder = run.checkpoints
-    progress, best = _resume(folder, adapted, optimizer, scheduler, scaler, accelerator)
-    log_path = run.train / "log_history.jsonl"
-    if main:
-        log_path.parent.mkdir(parents=True, exist_ok=True)  # rewritten from the checkpoint: no replayed lines twice
-        log_path.write_text("".join(json.dumps(e) + "\n" for e in progress.log_history))
-        if t.report_to:
-            accelerator.init_trackers("emotune", config=_flat(cfg.model_dump(mode="json")))
 
-    def log(entry: dict) -> None:
-        progress.log_history.append(entry)
-        if main:
-            with log_path.open("a") as handle:
-                handle.write(json.dumps(entry) + "\n")
-        if t.report_to:
-            accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
-
-    pad_id = tokenizer.pad_token_id
+def _loop(s: Session, progress: Progress, best, log: TrainLog, train_rows: list[Example], val_rows: list[Example],
+          pad_id: int, cfg: RunConfig, precision: Precision, folder: Path):
+    """Optimizer steps until the plan's last (or early stopping); returns the best weights seen (None without
+    validation). Validation, logging and checkpoints follow their step counts."""
+    t, plan, main = cfg.train, s.plan, s.accelerator.is_main_process
     lengths = [len(r.input_ids) for r in train_rows]
     bar = tqdm(total=plan.steps, initial=progress.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
-    window = _Window()
-    wrapped.train()
+    window = Window()
+    s.wrapped.train()
     while progress.step < plan.steps:
         globals_ = [_global_batch(plan, t, train_rows, cfg.seed, k)
                     for k in range(progress.step * plan.micro_per_step, (progress.step + 1) * plan.micro_per_step)]
-        mine = [collate([train_rows[i] for i in rows], pad_id, accelerator.device) for b in globals_
-                for rows in forward_passes(b, lengths, plan.world_size, cap)[accelerator.process_index]]
+        mine = [collate([train_rows[i] for i in rows], pad_id, s.accelerator.device) for b in globals_
+                for rows in forward_passes(b, lengths, plan.world_size, s.cap)[s.accelerator.process_index]]
         step_tokens = sum(train_rows[i].completion_tokens for b in globals_ for i in b)
-        loss, grad_norm, finite = _optimizer_step(wrapped, optimizer, scaler, mine, step_tokens, accelerator, autocast,
-                                                  trainable, t.max_grad_norm)
-        scheduler.step()  # also on a skipped step: the schedule follows the data position
+        loss, grad_norm, finite = _optimizer_step(s.wrapped, s.optimizer, s.scaler, mine, step_tokens, s.accelerator,
+                                                  s.autocast, s.trainable, t.max_grad_norm)
+        s.scheduler.step()  # also on a skipped step: the schedule follows the data position
         progress.step += 1
         window.add(loss if finite else None, sum(len(train_rows[i].input_ids) for b in globals_ for i in b))
         _guard(progress, finite, loss, grad_norm, t, precision, folder)
@@ -129,26 +143,39 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{window.tokens_per_s():.0f}", peak_mb=f"{peak_memory_mb():.0f}")
 
         if progress.step % t.logging_steps == 0 or progress.step == plan.steps:
-            log(window.entry(progress, plan, scheduler.get_last_lr()[0], grad_norm))
-            window = _Window()
+            log(window.entry(progress, plan, s.scheduler.get_last_lr()[0], grad_norm))
+            window = Window()
         stop = False
         if val_rows and (progress.step % t.eval_steps == 0 or progress.step == plan.steps):
-            metrics = validate(wrapped, val_rows, _val_batch_size(cfg), pad_id, accelerator, autocast)
-            log({"step": progress.step, **metrics})
-            best, stop = _track_best(progress, metrics["eval_loss"], adapted, best, t.early_stopping_patience)
-            if main:
-                bar.write(f"step {progress.step}: validation loss {metrics['eval_loss']:.4f}, token accuracy "
-                          f"{metrics['eval_token_accuracy']:.3f} (best {progress.best_loss:.4f} at step {progress.best_step})")
-            wrapped.train()
+            best, stop = _validate_and_track(s, progress, best, log, val_rows, pad_id, cfg, bar)
         # No checkpoint inside a run of non-finite steps: the last one written stays the last good one.
         if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop and not progress.nonfinite_in_a_row:
-            _save(folder, progress, adapted, optimizer, scheduler, scaler, best, accelerator, t.save_total_limit)
+            _save(folder, progress, s.adapted, s.optimizer, s.scheduler, s.scaler, best, s.accelerator, t.save_total_limit)
         if stop:
             print(f"Early stopping at step {progress.step}: no lower validation loss in "
                   f"{t.early_stopping_patience} validations.", flush=True)
             break
     bar.close()
+    return best
 
+
+def _validate_and_track(s: Session, progress: Progress, best, log: TrainLog, val_rows: list[Example], pad_id: int,
+                        cfg: RunConfig, bar) -> tuple[object, bool]:
+    metrics = validate(s.wrapped, val_rows, _val_batch_size(cfg), pad_id, s.accelerator, s.autocast)
+    log({"step": progress.step, **metrics})
+    best, stop = _track_best(progress, metrics["eval_loss"], s.adapted, best, cfg.train.early_stopping_patience)
+    if s.accelerator.is_main_process:
+        bar.write(f"step {progress.step}: validation loss {metrics['eval_loss']:.4f}, token accuracy "
+                  f"{metrics['eval_token_accuracy']:.3f} (best {progress.best_loss:.4f} at step {progress.best_step})")
+    s.wrapped.train()
+    return best, stop
+
+
+def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizerBase, run: RunDir, adapter_meta: dict,
+            t: TrainConfig) -> None:
+    """Back to the best weights, inference settings, then the adapter and the loss history on disk."""
+    main = s.accelerator.is_main_process
+    adapted = s.adapted
     if best is not None:
         ckpt.load_trainable_state(adapted, best)
         if main:
@@ -158,120 +185,15 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
         adapted.gradient_checkpointing_disable()
     adapted.eval()
     # Sharded weights are gathered on every process, then written by the main one like a single process's.
-    weights = {k: v.to(upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()} if fsdp else None
+    weights = ({k: v.to(s.upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()}
+               if s.fsdp else None)
     if main:
         write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights)
-        _write_history(progress, run.train)
-    if t.report_to:
-        accelerator.end_training()
-    accelerator.wait_for_everyone()
-    return adapted
+        write_history(progress.log_history, run.train)
 
 
 # --------------------------------------------------------------------------------------------------
-# Setup
-
-
-def _accelerator(t: TrainConfig, model: PreTrainedModel, tracker_dir: Path
-                 ) -> tuple[Accelerator, FullyShardedDataParallelPlugin | None]:
-    """The accelerator, and the FSDP2 settings when training sharded (None: one process, or DDP)."""
-    for tracker in t.report_to:
-        if not _tracker_installed(tracker):
-            raise UserError(f"train.report_to lists `{tracker}`, which is not installed. Install it "
-                            f"(pip install {tracker}) or remove it from train.report_to.")
-    cpu = model.device.type == "cpu"
-    plugin = _fsdp_plugin(t, cpu)
-    # Mixed precision is handled in this module (autocast only where needed, see _mixed_precision), so
-    # Accelerate keeps its default; it would otherwise refuse a second training in the same process.
-    accelerator = Accelerator(cpu=cpu, log_with=list(t.report_to) or None, project_dir=str(tracker_dir),
-                              fsdp_plugin=plugin)
-    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
-        raise UserError(FSDP1_REFUSED)
-    return accelerator, accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else plugin
-
-
-def _fsdp_plugin(t: TrainConfig, cpu: bool) -> FullyShardedDataParallelPlugin | None:
-    """FSDP2 settings from `train.fsdp`, else from `accelerate launch --use_fsdp` (its FSDP_* environment)."""
-    launcher = parse_flag_from_env("ACCELERATE_USE_FSDP")
-    if not (t.fsdp or launcher):
-        return None
-    processes = PartialState(cpu=cpu).num_processes
-    if processes == 1:  # under `accelerate launch` Accelerate decides (FSDP on one GPU, e.g. to offload to CPU)
-        if not launcher:
-            print("train.fsdp=true on a single process: nothing to shard across, so training runs as a plain "
-                  "single-process run.", flush=True)
-        return None
-    if t.fsdp:  # each decoder layer (the model's `_no_split_modules`) is one unit, re-gathered for backward
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                                reshard_after_forward=True, state_dict_type="FULL_STATE_DICT")
-    else:
-        plugin = FullyShardedDataParallelPlugin()
-    if plugin.fsdp_version != 2:
-        raise UserError(FSDP1_REFUSED)
-    if PartialState().is_main_process:
-        print(f"FSDP2 over {processes} processes ({'train.fsdp' if t.fsdp else 'accelerate launch config'}): "
-              f"wrap policy {getattr(plugin.auto_wrap_policy, '__name__', plugin.auto_wrap_policy)}, reshard after "
-              f"forward {plugin.reshard_after_forward}, CPU offload {type(plugin.cpu_offload).__name__ == 'CPUOffloadPolicy'}",
-              flush=True)
-    return plugin
-
-
-def _refuse_tied_modules_to_save(model: PreTrainedModel, modules_to_save: list[str] | None) -> None:
-    """A `modules_to_save` copy of an embedding tied to the output layer leaves the tied weight in two
-    FSDP units, which torch refuses at the first forward; say so before any weight is sharded."""
-    embeddings, output = model.get_input_embeddings(), model.get_output_embeddings()
-    if output is None or embeddings.weight is not output.weight:
-        return
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is embeddings or module is output}
-    clash = [name for name in modules_to_save or [] if name.rsplit(".", 1)[-1] in names]
-    if clash:
-        raise UserError(f"lora.modules_to_save={clash} copies an embedding that {type(model).__name__} ties to its output "
-                        "layer, and FSDP2 cannot shard a tied weight split across units. Leave it out of "
-                        "lora.modules_to_save, or train without FSDP (drop train.fsdp / --use_fsdp).")
-
-
-def _fsdp_dtypes(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> dict[str, torch.dtype]:
-    """FSDP2 needs one dtype across the trainable parameters of a shard unit. LoRA adapters are fp32
-    over a bf16 base (PEFT upcasts them), which is fine: frozen weights may differ. A `modules_to_save`
-    copy keeps the base dtype, though; then the trainable weights are upcast to fp32 and computed in
-    the base dtype (the usual FSDP mixed-precision recipe, as Accelerate's own). Returns the original
-    dtypes of the upcast weights, which the saved adapter keeps, as a single process's would."""
-    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if len({p.dtype for p in trainable.values()}) == 1:
-        return {}
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    upcast = {name: p.dtype for name, p in trainable.items() if p.dtype != torch.float32}
-    for name in upcast:
-        trainable[name].data = trainable[name].data.float()
-    plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=next(iter(upcast.values())),
-                                                         reduce_dtype=torch.float32)
-    return upcast
-
-
-def _prepare(accelerator: Accelerator, model, optimizer, fsdp: FullyShardedDataParallelPlugin | None
-             ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
-    """(the model to call, its trainable parameters). DDP wraps the model when launched on several
-    processes; FSDP2 shards model and optimizer together, in place, replacing every parameter with a
-    DTensor, so the trainable ones are listed again afterwards."""
-    if fsdp is None:
-        wrapped = accelerator.prepare_model(model)
-    else:
-        if accelerator.distributed_type != DistributedType.FSDP:
-            # Accelerate switches to FSDP only on GPU-like process groups (accelerate/state.py) and would
-            # run DDP on CPUs, where PyTorch's fully_shard works too (gloo). So FSDP is switched on for this
-            # call only: Accelerate later rebuilds its state from the (multi-CPU) process group's, so the
-            # code after it asks the model whether it is sharded (ckpt.is_sharded), not Accelerate.
-            accelerator.state.distributed_type = DistributedType.FSDP
-            accelerator.state.fsdp_plugin = fsdp
-        wrapped, _ = accelerator.prepare(model, optimizer)
-    return wrapped, [p for p in wrapped.parameters() if p.requires_grad]
-
-
-def _tracker_installed(name: str) -> bool:
-    from accelerate.utils import is_mlflow_available, is_tensorboard_available, is_wandb_available
-
-    return {"tensorboard": is_tensorboard_available, "mlflow": is_mlflow_available, "wandb": is_wandb_available}[name]()
+# Plan, precision, resume
 
 
 def _plan(t: TrainConfig, rows: int, world_size: int) -> Plan:
@@ -461,70 +383,3 @@ def _save(folder: Path, progress: Progress, model, optimizer, scheduler, scaler,
         ckpt.write_checkpoint(folder, progress.step, weights, optimizer_state, scheduler, scaler, rng_states,
                               asdict(progress), keep, best)
     accelerator.wait_for_everyone()
-
-
-# --------------------------------------------------------------------------------------------------
-# Visibility
-
-
-class _Window:
-    """Loss, tokens and time since the last log line."""
-
-    def __init__(self):
-        self.started, self.losses, self.tokens = time.perf_counter(), [], 0
-
-    def add(self, loss: float | None, tokens: int) -> None:
-        if loss is not None:
-            self.losses.append(loss)
-        self.tokens += tokens
-
-    def tokens_per_s(self) -> float:
-        return self.tokens / max(time.perf_counter() - self.started, 1e-9)
-
-    def entry(self, progress: Progress, plan: Plan, lr: float, grad_norm: float) -> dict:
-        return {"step": progress.step, "epoch": round(progress.step * plan.micro_per_step / plan.batches_per_epoch, 4),
-                "loss": sum(self.losses) / len(self.losses) if self.losses else math.nan, "learning_rate": lr,
-                "grad_norm": grad_norm, "tokens_per_s": round(self.tokens_per_s(), 1),
-                "peak_memory_mb": round(peak_memory_mb(), 1), "skipped_steps": progress.nonfinite_total}
-
-
-def peak_memory_mb() -> float:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def _write_history(progress: Progress, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    write_json(folder / "log_history.json", progress.log_history)
-    plot_losses(progress.log_history, folder / "loss_curve.png")
-
-
-def plot_losses(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("loss", "training"), ("eval_loss", "validation")):
-        points = [(e["step"], e[key]) for e in history if key in e]
-        if points:
-            ax.plot(*zip(*points), marker="o" if key == "eval_loss" else None, label=label)
-    ax.set(xlabel="optimizer step", ylabel="loss per completion token", title="emotune training")
-    ax.legend()
-    fig.tight_layout()
-    with atomic_file(path) as partial:
-        fig.savefig(partial, format="png")
-    plt.close(fig)
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    """Trackers want flat scalar hyperparameters (TensorBoard's hparams do)."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return flat

@@ -24,6 +24,7 @@ the middle of a forward pass. Classify requests wait in a bounded queue and are 
 
 from __future__ import annotations
 
+from emotune.artifacts import Fallback
 from emotune.config import RunConfig
 from emotune.serve.engine import build_engine
 from emotune.serve.http import resolve_key
@@ -33,13 +34,13 @@ from emotune.serve.vllm import serve_with_vllm
 __all__ = ["build_engine", "create_app", "serve", "serve_with_vllm"]
 
 
-def serve(cfg: RunConfig, targets: list[str]) -> None:
+def serve(cfg: RunConfig, targets: list[str], fallback: Fallback | None = None) -> None:
     if cfg.serve.engine == "vllm":
-        return serve_with_vllm(cfg, targets)
+        return serve_with_vllm(cfg, targets, fallback)
     import uvicorn
 
     resolve_key(cfg.serve.api_key, "api_key"), resolve_key(cfg.serve.admin_key, "admin_key")  # fail before loading weights
-    engine, _ = build_engine(cfg, targets)
+    engine, _ = build_engine(cfg, targets, fallback)
     app = create_app(engine, cfg.serve)
     if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and cfg.serve.api_key is None:
         print(f"Warning: listening on {cfg.serve.host} without serve.api_key; anyone who can reach it can use it.", flush=True)

@@ -14,7 +14,7 @@ import torch
 from emotune import device as device_mod
 from emotune.config import ModelConfig, PromptConfig, RunConfig
 from emotune.errors import UserError
-from emotune.artifacts import Artifact, find_artifact
+from emotune.artifacts import Artifact, Fallback, find_artifact
 from emotune.models import load_base, load_tokenizer
 from emotune.scoring import LabelScorer, score_label_probs
 
@@ -96,8 +96,8 @@ def check_base(artifact: Artifact, engine_source: str) -> None:
                         f"`{engine_source}`. Serve it from a server started with that base.")
 
 
-def build_engine(cfg: RunConfig, targets: list[str]) -> tuple[Engine, list[Artifact]]:
-    artifacts = [find_artifact(t) for t in targets]
+def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None = None) -> tuple[Engine, list[Artifact]]:
+    artifacts = [find_artifact(t, fallback=fallback) for t in targets]
     names = [a.name for a in artifacts]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

@@ -10,17 +10,17 @@ from pathlib import Path
 
 from emotune.config import RunConfig
 from emotune.errors import UserError
-from emotune.artifacts import find_artifact
+from emotune.artifacts import Fallback, find_artifact
 from emotune.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
 from emotune.serve.engine import check_base
 from emotune.serve.http import resolve_key
 
 
-def serve_with_vllm(cfg: RunConfig, targets: list[str]) -> None:
+def serve_with_vllm(cfg: RunConfig, targets: list[str], fallback: Fallback | None = None) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise UserError("serve.engine=vllm needs the `vllm` package, which is not installed here (it needs a CUDA or "
                         "ROCm GPU). Install vllm, or use serve.engine=native.")
-    artifacts = [find_artifact(t) for t in targets]
+    artifacts = [find_artifact(t, fallback=fallback) for t in targets]
     if not artifacts or any(a.merged for a in artifacts):
         raise UserError("serve.engine=vllm serves run or adapter folders; for a merged model run its serve_merged.sh.")
     for artifact in artifacts:

@@ -1,0 +1,87 @@
+"""The adapter folder format: emotune's own adapters, and adapters made by other tools (plain PEFT, also
+the older `adapter_model.bin`), which load when the labels and prompt are given by a config or a flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import LABELS
+from emotune.artifacts import META, Fallback, find_artifact, load_artifact_model
+from emotune.cli import main
+from emotune.config import PromptConfig
+from emotune.errors import UserError
+
+
+def _foreign_adapter(model_dir: Path, folder: Path, safetensors: bool) -> Path:
+    """What PEFT (and LLaMA-Factory, TRL, which save through it) writes: no emotune.json, no tokenizer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"))
+    model.save_pretrained(folder, safe_serialization=safetensors)
+    assert (folder / ("adapter_model.safetensors" if safetensors else "adapter_model.bin")).is_file()
+    return folder
+
+
+@pytest.fixture(scope="module", params=["safetensors", "bin"])
+def foreign(request, tiny_model_dir, tmp_path_factory) -> Path:
+    return _foreign_adapter(tiny_model_dir, tmp_path_factory.mktemp("foreign") / "lf-adapter", request.param == "safetensors")
+
+
+def test_own_adapter_round_trips_through_the_writer(tiny_run_dir):
+    artifact = find_artifact(tiny_run_dir)
+    assert artifact.path == tiny_run_dir / "adapter" and not artifact.merged and not artifact.foreign
+    assert artifact.labels == LABELS and artifact.name == "tiny"
+    assert json.loads((artifact.path / META).read_text(encoding="utf-8"))["task"] == "classify"
+
+
+def test_foreign_adapter_without_labels_or_prompt_names_what_is_missing(foreign):
+    with pytest.raises(UserError) as err:
+        find_artifact(foreign)
+    message = str(err.value)
+    assert "another tool" in message and "the label set or the prompt" in message and "--config" in message
+    with pytest.raises(UserError, match="the prompt"):
+        find_artifact(foreign, fallback=Fallback(labels=LABELS, source="--labels"))
+
+
+def test_foreign_adapter_loads_its_own_weights(foreign, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    artifact = find_artifact(foreign, fallback=Fallback(labels=LABELS, prompt=PromptConfig(),
+                                                        base_model=str(tiny_model_dir)))
+    assert artifact.foreign and artifact.labels == LABELS
+    model, tokenizer = load_artifact_model(artifact, torch.float32, torch.device("cpu"))
+    ids = tokenizer("i am happy today", return_tensors="pt").input_ids
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), foreign).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours, theirs, plain = model(ids).logits, reference(ids).logits, base(ids).logits
+    torch.testing.assert_close(ours, theirs)
+    assert (ours - plain).abs().max() > 1e-4  # the adapter's weights were really loaded
+
+
+def test_eval_measures_a_foreign_adapter_with_the_configs_labels_and_prompt(foreign, tiny_overrides, capsys):
+    assert main(["eval", *tiny_overrides, f"adapter={foreign}", "eval.method=score"]) == 0
+    out = foreign.parent / "eval" / "test-lf-adapter"
+    metrics = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
+    assert metrics["rows"] == 12 and set(metrics["per_class"]) <= set(LABELS)
+
+
+def test_predict_takes_labels_and_prompt_from_a_config(foreign, tiny_model_dir, tmp_path, capsys):
+    config = tmp_path / "lf.yaml"
+    config.write_text(f"model:\n  source: {tiny_model_dir}\ndata:\n  label_names: [sadness, joy, love, anger, fear, surprise]\n",
+                      encoding="utf-8")
+    assert main(["predict", str(foreign), "i am so happy", "--device", "cpu"]) == 2
+    assert "another tool" in capsys.readouterr().err
+    assert main(["predict", str(foreign), "i am so happy", "--device", "cpu", "--config", str(config)]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["label"] in LABELS and abs(sum(line["probs"].values()) - 1) < 1e-4
+    assert main(["predict", str(foreign), "i am so happy", "--config", str(config), "--labels", "joy,,joy"]) == 2
+    assert "--labels" in capsys.readouterr().err
