@@ -59,10 +59,10 @@ class Context:
         self.run = open_run(self.cfg.run_dir, dump_config(self.cfg), self.cfg.overwrite, self.fingerprint)
         report = device_mod.doctor()
         self.log = RunLog(self.run, {
+            **self.task.run_info(self.cfg, self.data),  # first: a task cannot overwrite the generic keys below
             "task": self.cfg.task, "emotune": report.versions.get("emotune"), "versions": report.versions,
             "hardware": report.as_dict(), "device": str(self.device),
             "precision": {"name": self.precision.name, "reason": self.precision.reason},
-            **self.task.run_info(self.cfg, self.data),
         })
 
     @property

@@ -1,6 +1,7 @@
 """The run folder: every file and folder of a run by name, atomic writes, and the run's life cycle.
 
-No other module spells a run-folder name; they ask a `RunDir` for the path. Every writer in the
+The run's top-level files and folders are named here only; other modules ask a `RunDir` for the path
+(the files inside a stage's folder, such as metrics.json, are named by the module that writes them). Every writer in the
 package writes through `atomic_file` / `atomic_dir`: the output appears whole under its final name or
 not at all, so a crash never leaves a half-written file where a good one was.
 

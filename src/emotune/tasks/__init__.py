@@ -14,6 +14,7 @@ A task module provides, as plain functions (see classify.py, and docs/tasks.md f
     compare(before, after, data) -> dict             the before/after comparison (comparison.json)
     write_comparison(comparison, run) / format_comparison(comparison, data, cfg) -> str
     outputs(run, cfg) -> list[Path]                  what must exist before a run counts as finished
+    report_sections(run, info) -> list[str]          the task's HTML sections of report.html
 
 The pipeline, the training loop and the evaluation stage call these and nothing task-specific, so a new
 task is a module here, a line in TASKS, and its config class in emotune.config.TASK_CONFIGS.
