@@ -109,3 +109,23 @@ def test_nan_num_train_epochs_is_refused():
 def test_infinite_max_grad_norm_is_refused_zero_means_no_clipping():
     assert "`train.max_grad_norm`: must be a number >= 0, 0 = no clipping" in _problem("train.max_grad_norm=.inf")
     assert load_config(None, ["train.max_grad_norm=0"]).train.max_grad_norm == 0
+
+
+def test_duplicate_yaml_key_is_refused(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  batch_size: 2\n  max_steps: 3\n  batch_size: 8\n")
+    with pytest.raises(UserError, match=r"dup.yaml`: key `batch_size` appears twice \(lines 2 and 4\).*remove one"):
+        load_config(path)
+    assert "key `a` appears twice" in _problem("data.label_aliases={a: joy, a: love}")
+    merged = tmp_path / "merged.yaml"  # a YAML merge followed by an override is not a duplicate
+    merged.write_text("train: &t\n  batch_size: 2\neval:\n  max_new_tokens: 3\nserve:\n  <<: {port: 1}\n  port: 2\n")
+    assert load_config(merged).serve.port == 2
+
+
+def test_run_name_that_escapes_output_dir_is_refused(tmp_path):
+    for name in ("../../..", "..", ".", "a/b", "a\\\\b", "/etc", "two words", ""):
+        assert "`name`: must be a plain folder name" in _problem(f"name={name}"), name
+    assert load_config(None, ["name=gemma_r16-v1.2"]).run_dir == Path("runs/gemma_r16-v1.2")
+    path = tmp_path / "my config (1).yaml"  # the default taken from the file name is made plain
+    path.write_text("train:\n  max_steps: 2\n")
+    assert load_config(path).name == "my-config-1"

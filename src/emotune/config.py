@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import difflib
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -66,6 +67,9 @@ class Range:
         else:
             bounds = "(any finite one)"
         return f"{kind} {bounds}" + (f", {self.also}" if self.also else "")
+
+
+RUN_NAME = re.compile(r"[\w.-]{1,100}")
 
 
 class Section(BaseModel):
@@ -358,7 +362,8 @@ class ServeConfig(Section):
 
 class RunConfig(Section):
     name: str | None = None
-    """Run folder name under `output_dir`; default: the config file's name, or `default`."""
+    """Run folder name under `output_dir`: letters, digits, `.`, `-` and `_` only, so it stays inside
+    `output_dir`; default: the config file's name (other characters become `-`), or `default`."""
     output_dir: str = "runs"
     """Parent folder of run folders."""
     overwrite: bool = False
@@ -379,6 +384,15 @@ class RunConfig(Section):
     def run_dir(self) -> Path:
         return Path(self.output_dir) / (self.name or "default")
 
+    @field_validator("name")
+    @classmethod
+    def _plain_folder_name(cls, value: str | None) -> str | None:
+        # the run folder is output_dir/name and `overwrite` deletes it: a path here could point anywhere
+        if value is not None and (not RUN_NAME.fullmatch(value) or value in (".", "..")):
+            raise ValueError("must be a plain folder name of letters, digits, `.`, `-` and `_` (at most 100; no `/`, "
+                             "`\\`, spaces, `.` or `..`), e.g. name=gemma-emotion-r16; put parent folders in output_dir")
+        return value
+
 
 # --------------------------------------------------------------------------------------------------
 # Loading: defaults < YAML < key=value
@@ -395,10 +409,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not sep or not key.strip():
             problems.append(f"`{item}`: overrides are written key=value, e.g. train.max_steps=2")
             continue
-        _set_dotted(raw, key.strip(), _parse_value(value))
+        try:
+            _set_dotted(raw, key.strip(), _parse_value(value))
+        except DuplicateKeyError as err:
+            problems.append(f"`{item}`: {err}")
     problems += _unknown_keys(raw, RunConfig)
     if path is not None and "name" not in raw:
-        raw["name"] = Path(path).stem
+        raw["name"] = _name_from_file(Path(path))
     try:
         cfg = RunConfig.model_validate(_known_only(raw, RunConfig))
     except ValidationError as err:
@@ -420,11 +437,48 @@ def _known_only(raw: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
     return known
 
 
+def _name_from_file(path: Path) -> str:
+    """The default run name: the config file's name, made a plain folder name (see RunConfig.name)."""
+    return re.sub(r"[^\w.-]+", "-", path.stem).strip("-")[:100].strip(".") or "default"
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys without a word, so a setting written twice silently loses one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` then overriding one key is how YAML merges are meant to be used
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if first is not None:
+                where = f"line {line}" if first == line else f"lines {first} and {line}"
+                raise DuplicateKeyError(f"key `{key}` appears twice ({where}); YAML would keep only the last one, so "
+                                        "remove one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"Config file `{path}` does not exist. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _yaml(path.read_text(encoding="utf-8"))
+    except DuplicateKeyError as err:
+        raise UserError(f"Config file `{path}`: {err}.") from None
     except yaml.YAMLError as err:
         raise UserError(f"Config file `{path}` is not valid YAML: {err}. Fix the syntax at the position shown.") from None
     except UnicodeDecodeError:
@@ -439,7 +493,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def _parse_value(text: str) -> Any:
     """Parse an override value as YAML so `2`, `1e-4`, `true`, `null` and `[a, b]` get their types."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return _yaml(text) if text.strip() else ""
+    except DuplicateKeyError:
+        raise
     except yaml.YAMLError:
         return text
 
