@@ -71,7 +71,7 @@ def _check(key: str, text: str) -> None:
         return
     value = config._parse_value(text)
     assert not isinstance(value, bool), f"{key}={text}: a bool was accepted as a number"
-    value = float(value)
+    value = value if isinstance(value, int) else float(value)  # ints beyond 2**53 stay exact
     assert math.isfinite(value), f"{key}={text}: a non-finite value was accepted"
     got = _loaded(cfg, key)
     assert got == value and (not integer or float(got).is_integer()), f"{key}={text}: accepted as {got!r}"
