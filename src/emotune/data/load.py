@@ -75,9 +75,12 @@ def _read_and_map(cfg: DataConfig) -> tuple[dict[str, pa.Table], list[str], dict
     problems += [f"the {split} split ({raw[split].origin}) has no rows; give it rows or remove the file"
                  for split, t in tables.items() if t is not None and len(t) == 0]
     _raise(problems)
+    notes = [note for r in raw.values() for note in r.notes]
+    for note in notes:
+        print(f"Note: {note}", flush=True)
     report = {"source": cfg.source, "labels": labels, "labels_from": labels_from,
               "files": {split: r.origin.replace("`", "") for split, r in raw.items()},
-              "rows_read": {split: len(t) for split, t in tables.items()}}
+              "rows_read": {split: len(t) for split, t in tables.items()}, "notes": notes}
     return tables, labels, report
 
 
