@@ -203,6 +203,35 @@ def _csv(rows, delimiter=",") -> str:
     return f"text{delimiter}label\n" + "".join(f"{r['text']}{delimiter}{r['label']}\n" for r in rows)
 
 
+def test_csv_empty_label_cell_is_refused(tmp_path):
+    rows = make_rows(3, seed=1)
+    rows[2]["label"] = ""
+    (tmp_path / "d.csv").write_text(_csv(rows))
+    with pytest.raises(UserError, match=r"d.csv`: 1 row\(s\) have no label \(rows 3\): the label is empty, NaN or null"):
+        _load(tmp_path / "d.csv")
+
+
+def test_csv_nan_label_is_refused(tmp_path):
+    rows = make_rows(3, seed=1)
+    for i in (1, 4, 6, 8, 10, 12, 14):
+        rows[i]["label"] = "NaN" if i % 4 else " nan "
+    (tmp_path / "d.csv").write_text(_csv(rows))
+    with pytest.raises(UserError, match=r"7 row\(s\) have no label \(rows 2, 5, 7, 9, 11 and 2 more\)"):
+        _load(tmp_path / "d.csv")
+
+
+def test_nan_float_label_is_a_missing_label_at_its_row(tmp_path):
+    rows = [{"text": r["text"], "label": float(LABELS.index(r["label"]))} for r in make_rows(3, seed=1)]
+    rows[4]["label"] = float("nan")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN
+    with pytest.raises(UserError, match=r"1 row\(s\) have no label \(rows 5\): the label is empty, NaN or null"):
+        _load(tmp_path / "d.jsonl", label_names=LABELS)
+    rows[4]["label"] = 2.5
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=r"fractional numbers \(rows 5, e.g. 2.5\)"):
+        _load(tmp_path / "d.jsonl", label_names=LABELS)
+
+
 def test_csv_unclosed_quote_that_swallows_a_row_is_refused(tmp_path):
     lines = [f"{r['text']},{r['label']}" for r in make_rows(14, seed=1)[:81]]
     lines[10] = '"' + lines[10]  # never closed here; the quote on the next line closes it
