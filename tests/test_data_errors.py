@@ -287,3 +287,13 @@ def test_csv_long_field_does_not_hide_the_real_problem(tmp_path):
     (tmp_path / "d.csv").write_text(_csv(rows) + "one,two,three\n")
     with pytest.raises(UserError, match=r"line 20 has 3 fields, the header has 2"):
         _load(tmp_path / "d.csv")
+
+
+def test_unknown_label_in_test_shows_example_rows(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", make_rows(3, seed=1))
+    write_jsonl(tmp_path / "validation.jsonl", make_rows(1, seed=2))
+    test = make_rows(1, seed=3) + [{"text": "so bored of waiting", "label": "boredom"}]
+    write_jsonl(tmp_path / "test.jsonl", test)
+    with pytest.raises(UserError, match=r"labels \['boredom'\] have no training rows but occur in the test split "
+                                        r"`.*test.jsonl` \(row 7: 'boredom' 'so bored of waiting'\)"):
+        _load(tmp_path)

@@ -121,7 +121,7 @@ def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, 
     unknown = [value for value, name in zip(distinct, mapped) if name is None]
     if unknown:
         problems.append(f"{origin}: column `{cfg.label_column}` has labels {sorted(unknown)[:10]} that are not in the label "
-                        f"set {names} (e.g. {_examples(table, unknown)}). Fix those rows, map them with data.label_aliases, "
+                        f"set {names} (e.g. {example_rows(table, unknown)}). Fix those rows, map them with data.label_aliases, "
                         "or set data.label_names to include them")
         return None
     positions = pc.index_in(label, value_set=pa.array(distinct, pa.string()))
@@ -136,7 +136,8 @@ def _ids_written_as_text(label: pa.ChunkedArray) -> pa.ChunkedArray | None:
         return None
 
 
-def _examples(table: pa.Table, unknown: list[str]) -> str:
-    rows = pc.indices_nonzero(pc.is_in(table.column("label"), value_set=pa.array(unknown, pa.string()))).to_pylist()[:3]
+def example_rows(table: pa.Table, labels: list[str]) -> str:
+    """`row 7: 'boredom' 'so bored today'; ...`: the first three rows holding any of `labels`, to find them in the file."""
+    rows = pc.indices_nonzero(pc.is_in(table.column("label"), value_set=pa.array(labels, pa.string()))).to_pylist()[:3]
     texts, labels = table.column("text"), table.column("label")
     return "; ".join(f"row {r + 1}: {labels[r].as_py()!r} {texts[r].as_py()[:60]!r}" for r in rows)
