@@ -297,3 +297,16 @@ def test_unknown_label_in_test_shows_example_rows(tmp_path):
     with pytest.raises(UserError, match=r"labels \['boredom'\] have no training rows but occur in the test split "
                                         r"`.*test.jsonl` \(row 7: 'boredom' 'so bored of waiting'\)"):
         _load(tmp_path)
+
+
+def test_too_few_rows_to_split_says_how_many_are_needed(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", make_rows(1, seed=1)[:3])
+    with pytest.raises(UserError, match=r"has 3 row\(s\) left after cleaning, too few to split .* data.validation_size=0.1 "
+                                        r"and data.test_size=0.1: that needs at least 6 rows"):
+        _load(tmp_path / "d.jsonl")
+    one_row = [{"text": "so happy today", "label": "joy"}]
+    (tmp_path / "folder").mkdir()
+    write_jsonl(tmp_path / "folder" / "train.jsonl", one_row)
+    write_jsonl(tmp_path / "folder" / "validation.jsonl", one_row)
+    with pytest.raises(UserError, match=r"train split has 1 row\(s\) left after cleaning, too few to hold data.test_size=0.1"):
+        _load(tmp_path / "folder")
