@@ -126,14 +126,29 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines) -> pa.Table:
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
 
 
+class _RepeatedKey(Exception):
+    pass
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """Python keeps the last of two equal keys, Arrow refuses the row: name the key instead of guessing."""
+    keys = [key for key, _ in pairs]
+    repeated = next((key for key in keys if keys.count(key) > 1), None)
+    if repeated is not None:
+        raise _RepeatedKey(repeated)
+    return dict(pairs)
+
+
 def _bad_json_line(lines: Iterator[str]) -> str | None:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = json.loads(line, object_pairs_hook=_refuse_repeated_keys)
         except json.JSONDecodeError as err:
             return f"line {number} is not valid JSON ({err.msg} at column {err.colno})"
+        except _RepeatedKey as err:
+            return f"line {number} has the key `{err}` twice"
         if not isinstance(value, dict):
             return f"line {number} is a JSON {type(value).__name__}, not an object"
     return None
