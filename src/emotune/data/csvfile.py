@@ -159,8 +159,8 @@ def _row_like_line(row: list[str], start: int, header: list[str], label_at: int 
 def _label_spellings(table: pa.Table, label_column: str) -> set[str]:
     if label_column not in table.column_names:
         return set()
-    spellings = set()
-    for value in pc.unique(table.column(label_column)).to_pylist():
+    spellings = set()  # by position: a repeated header name is refused later, with its own message
+    for value in pc.unique(table.column(table.column_names.index(label_column))).to_pylist():
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if value is not None and str(value).strip():
