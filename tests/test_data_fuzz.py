@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from emotune.config import DataConfig
 from emotune.data import load_data
 from emotune.data.labels import MISSING_SPELLINGS
-from emotune.data.sources import read_source
+from emotune.data.sources import RawSplit, read_source
 from emotune.errors import UserError
 
 from conftest import LABELS
@@ -110,13 +110,10 @@ def _same_label(got, written: str) -> bool:
 def test_generated_csv_and_tsv_read_like_pythons_csv_or_fail_clearly(tmp_path, case):
     delimiter, body, intended_rows = case
     path = tmp_path / ("d.tsv" if delimiter == "\t" else "d.csv")
-    path.write_bytes(body.encode("utf-8"))
-    reference = _csv_reference(body, delimiter)
-    try:
-        raw = read_source(DataConfig(source=str(path)))["all"]
-    except UserError as err:
-        assert path.name in str(err), str(err)
+    raw = _read_or_refuse(path, body)
+    if raw is None:
         return
+    reference = _csv_reference(body, delimiter)
     assert reference is not None, "read although Python's csv module finds rows of the wrong length"
     header, rows = reference
     assert header.count("text") == 1 and header.count("label") == 1, "a repeated text/label column was read"
@@ -188,19 +185,26 @@ def _same(got, written) -> bool:
 @given(body=jsonl_files())
 def test_generated_jsonl_reads_like_pythons_json_or_fails_clearly(tmp_path, body):
     path = tmp_path / "d.jsonl"
-    path.write_bytes(body.encode("utf-8"))
-    reference = _json_reference(body)
-    try:
-        raw = read_source(DataConfig(source=str(path)))["all"]
-    except UserError as err:
-        assert path.name in str(err), str(err)
+    raw = _read_or_refuse(path, body)
+    if raw is None:
         return
+    reference = _json_reference(body)
     assert reference is not None, "read although Python's json finds a broken line"
     table = raw.table.to_pydict()
     assert len(table["text"]) == len(reference)
     assert all(_same(got, row.get("text")) for got, row in zip(table["text"], reference))
     assert all(_same(got, row.get("label")) for got, row in zip(table["label"], reference))
     _loads_or_refuses_clearly(path)
+
+
+def _read_or_refuse(path: Path, body: str) -> RawSplit | None:
+    """The file's rows as read, or None after checking that the refusal names the file."""
+    path.write_bytes(body.encode("utf-8"))
+    try:
+        return read_source(DataConfig(source=str(path)))["all"]
+    except UserError as err:
+        assert path.name in str(err), str(err)
+        return None
 
 
 def _loads_or_refuses_clearly(path: Path) -> None:
