@@ -3,7 +3,7 @@
 A quoted field may hold line breaks, which is also exactly what an unclosed quote looks like: the rest of
 its line and the lines after it become one field, and rows vanish without an error. So every quoted field
 that spans lines is reported with its line numbers, and the file is refused when a line inside one looks
-like a row of its own (the header's number of fields, ending in a label other rows have).
+like a row of its own (the header's number of fields, with a label other rows have in the label column).
 """
 
 from __future__ import annotations
@@ -69,9 +69,7 @@ def _field_limit(limit: int) -> Iterator[None]:
 
 
 class Unparsable(Exception):
-    def __init__(self, line: int, reason: str):
-        super().__init__(f"line {line}: {reason}")
-        self.line, self.reason = line, reason
+    """`line N: what the csv module found there`."""
 
 
 def _records(lines: Lines, delimiter: str) -> Iterator[tuple[int, int, list[str]]]:
@@ -85,9 +83,9 @@ def _records(lines: Lines, delimiter: str) -> Iterator[tuple[int, int, list[str]
                 yield start, end, row
         except csv.Error as err:
             if "field limit" in str(err):
-                raise Unparsable(reader.line_num, f"a field longer than {MAX_ROW_BYTES >> 20} MiB ends here, "
-                                                  "longer than any row emotune reads") from None
-            raise Unparsable(reader.line_num, str(err)) from None
+                raise Unparsable(f"line {reader.line_num}: a field longer than {MAX_ROW_BYTES >> 20} MiB ends here, "
+                                 "longer than any row emotune reads") from None
+            raise Unparsable(f"line {reader.line_num}: {err}") from None
 
 
 def _bad_row(lines: Lines, delimiter: str) -> str | None:
@@ -130,7 +128,8 @@ def _check_multiline_fields(path: Path, table: pa.Table, delimiter: str, lines: 
         raise UserError(f"`{path}` {err}. Fix that line (its quotes) and run again.") from None
     if swallowed:
         start, end, (number, fragment) = swallowed[0]
-        more = f" ({len(swallowed)} such rows, starting on lines {listed([s for s, _, _ in swallowed])})" if len(swallowed) > 1 else ""
+        starts = [s for s, _, _ in swallowed]
+        more = f" ({len(swallowed)} such rows, starting on lines {listed(starts)})" if len(swallowed) > 1 else ""
         raise UserError(f"`{path}` lines {start}-{end}: a quoted field runs from line {start} to line {end} and "
                         f"swallows line {number} ({fragment[:80]!r}), which looks like a row of its own{more}. "
                         f"A quote (`\"`) that is never closed does this and silently merges rows: close it, or write "
@@ -143,7 +142,7 @@ def _check_multiline_fields(path: Path, table: pa.Table, delimiter: str, lines: 
 
 def _row_like_line(row: list[str], start: int, header: list[str], label_at: int | None, labels: set[str],
                    delimiter: str) -> tuple[int, str] | None:
-    """(line number, text) of the first line inside this record's fields that parses as a row ending in a known label."""
+    """(line number, text) of the first line inside this record's fields that parses as a row with a known label."""
     if label_at is None:
         return None
     line = start
