@@ -72,3 +72,60 @@ def test_resolved_config_round_trips(tmp_path):
 def test_every_field_has_a_docstring():
     undocumented = [key for key, _, doc in field_docs() if not doc]
     assert not undocumented
+
+
+# --------------------------------------------------------------------------------------------------
+# Values that used to be accepted although invalid
+
+
+def _problem(*overrides: str) -> str:
+    with pytest.raises(UserError) as err:
+        load_config(None, list(overrides))
+    return str(err.value)
+
+
+def test_bool_for_a_number_field_is_refused():
+    # YAML reads `true` as a bool and pydantic used to make it 1
+    message = _problem("train.batch_size=true")
+    assert "`train.batch_size`: must be an integer >= 1; true/false is not a number" in message
+    assert "`train.learning_rate`" in _problem("train.learning_rate=false")
+
+
+def test_warmup_ratio_outside_0_1_is_refused():
+    for value in ("5", "-1", "1"):
+        assert "`train.warmup_ratio`: must be a number in [0, 1)" in _problem(f"train.warmup_ratio={value}")
+    assert load_config(None, ["train.warmup_ratio=0.1"]).train.warmup_ratio == 0.1
+
+
+def test_negative_weight_decay_is_refused():
+    assert "`train.weight_decay`: must be a number >= 0" in _problem("train.weight_decay=-0.01")
+
+
+def test_nan_num_train_epochs_is_refused():
+    for value in (".nan", "nan", ".inf"):
+        assert "`train.num_train_epochs`: must be a number > 0" in _problem(f"train.num_train_epochs={value}")
+
+
+def test_infinite_max_grad_norm_is_refused_zero_means_no_clipping():
+    assert "`train.max_grad_norm`: must be a number >= 0, 0 = no clipping" in _problem("train.max_grad_norm=.inf")
+    assert load_config(None, ["train.max_grad_norm=0"]).train.max_grad_norm == 0
+
+
+def test_duplicate_yaml_key_is_refused(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  batch_size: 2\n  max_steps: 3\n  batch_size: 8\n")
+    with pytest.raises(UserError, match=r"dup.yaml`: key `batch_size` appears twice \(lines 2 and 4\).*remove one"):
+        load_config(path)
+    assert "key `a` appears twice" in _problem("data.label_aliases={a: joy, a: love}")
+    merged = tmp_path / "merged.yaml"  # a YAML merge followed by an override is not a duplicate
+    merged.write_text("train: &t\n  batch_size: 2\neval:\n  max_new_tokens: 3\nserve:\n  <<: {port: 1}\n  port: 2\n")
+    assert load_config(merged).serve.port == 2
+
+
+def test_run_name_that_escapes_output_dir_is_refused(tmp_path):
+    for name in ("../../..", "..", ".", "a/b", "a\\\\b", "/etc", "two words", ""):
+        assert "`name`: must be a plain folder name" in _problem(f"name={name}"), name
+    assert load_config(None, ["name=gemma_r16-v1.2"]).run_dir == Path("runs/gemma_r16-v1.2")
+    path = tmp_path / "my config (1).yaml"  # the default taken from the file name is made plain
+    path.write_text("train:\n  max_steps: 2\n")
+    assert load_config(path).name == "my-config-1"

@@ -39,6 +39,10 @@ def test_malformed_json_line_names_the_line(tmp_path):
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(UserError, match=r"line 7 is a JSON list, not an object"):
         _load(tmp_path / "d.jsonl")
+    lines[6] = '{"text": "one", "text": "two", "label": "joy"}'  # Arrow refuses it, Python's json keeps the last
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"d.jsonl` line 7 has the key `text` twice"):
+        _load(tmp_path / "d.jsonl")
 
 
 def test_non_utf8_names_line_and_encoding_option(tmp_path):
@@ -193,3 +197,120 @@ def test_truncated_or_corrupted_files_give_a_clear_error_or_a_valid_dataset(tmp_
     path = tmp_path / f"cut{ending}"
     path.write_bytes(bytes(body))
     _assert_clear_error_or_valid(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# CSV pitfalls that used to pass silently or end in a traceback
+
+
+def _csv(rows, delimiter=",") -> str:
+    return f"text{delimiter}label\n" + "".join(f"{r['text']}{delimiter}{r['label']}\n" for r in rows)
+
+
+def test_csv_empty_label_cell_is_refused(tmp_path):
+    rows = make_rows(3, seed=1)
+    rows[2]["label"] = ""
+    (tmp_path / "d.csv").write_text(_csv(rows))
+    with pytest.raises(UserError, match=r"d.csv`: 1 row\(s\) have no label \(rows 3\): the label is empty, NaN or null"):
+        _load(tmp_path / "d.csv")
+
+
+def test_csv_nan_label_is_refused(tmp_path):
+    rows = make_rows(3, seed=1)
+    for i in (1, 4, 6, 8, 10, 12, 14):
+        rows[i]["label"] = "NaN" if i % 4 else " nan "
+    (tmp_path / "d.csv").write_text(_csv(rows))
+    with pytest.raises(UserError, match=r"7 row\(s\) have no label \(rows 2, 5, 7, 9, 11 and 2 more\)"):
+        _load(tmp_path / "d.csv")
+
+
+def test_nan_float_label_is_a_missing_label_at_its_row(tmp_path):
+    rows = [{"text": r["text"], "label": float(LABELS.index(r["label"]))} for r in make_rows(3, seed=1)]
+    rows[4]["label"] = float("nan")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN
+    with pytest.raises(UserError, match=r"1 row\(s\) have no label \(rows 5\): the label is empty, NaN or null"):
+        _load(tmp_path / "d.jsonl", label_names=LABELS)
+    rows[4]["label"] = 2.5
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=r"fractional numbers \(rows 5, e.g. 2.5\)"):
+        _load(tmp_path / "d.jsonl", label_names=LABELS)
+
+
+def test_csv_unclosed_quote_that_swallows_a_row_is_refused(tmp_path):
+    lines = [f"{r['text']},{r['label']}" for r in make_rows(14, seed=1)[:81]]
+    lines[10] = '"' + lines[10]  # never closed here; the quote on the next line closes it
+    lines[11] = lines[11].replace(",", '",')
+    (tmp_path / "d.csv").write_text("text,label\n" + "\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"d.csv` lines 12-13: a quoted field runs from line 12 to line 13 and swallows "
+                                        r"line 12 \('.*'\), which looks like a row of its own.*never closed"):
+        _load(tmp_path / "d.csv")
+
+
+def test_csv_unclosed_quote_to_the_end_of_the_file_names_its_line(tmp_path):
+    lines = [f"{r['text']},{r['label']}" for r in make_rows(3, seed=1)]
+    lines[4] = '"' + lines[4]
+    (tmp_path / "d.csv").write_text("text,label\n" + "\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"lines 6-19 are one row of 1 field\(s\) .*quote \(`\"`\) on line 6 is probably never closed"):
+        _load(tmp_path / "d.csv")
+
+
+def test_csv_quoted_field_that_spans_lines_is_noted_with_its_line(tmp_path, capsys):
+    rows = make_rows(3, seed=1)
+    rows[3]["text"] = '"first line\nsecond line, still the same text"'
+    (tmp_path / "d.csv").write_text(_csv(rows))
+    data = _load(tmp_path / "d.csv")
+    assert data.report["rows_read"] == {"all": 18}
+    note = "1 row(s) have a quoted field that spans lines (rows starting on lines 5)"
+    assert any(note in n for n in data.report["notes"]) and note in capsys.readouterr().out
+
+
+def test_duplicated_header_column_names_the_column_and_file(tmp_path):
+    rows = make_rows(2, seed=1)
+    (tmp_path / "d.csv").write_text("text,label,label\n" + "".join(f"{r['text']},{r['label']},x\n" for r in rows))
+    with pytest.raises(UserError, match=r"d.csv` has 2 columns named `label` \(columns: text, label, label\).*Rename"):
+        _load(tmp_path / "d.csv")
+    write_jsonl(tmp_path / "d.jsonl", make_rows(2, seed=1))
+    (tmp_path / "d.tsv").write_text("text\ttext\tlabel\n" + "".join(f"a\tb\t{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"d.tsv` has 2 columns named `text`"):
+        _load(tmp_path / "d.tsv")
+
+
+@pytest.mark.parametrize("delimiter", [",", "\t"])
+def test_csv_rows_longer_than_arrows_block_are_read(tmp_path, delimiter):
+    rows = make_rows(3, seed=1)
+    rows[3]["text"] = "word " * 400_000  # 2 MB: over Arrow's 1 MB block and the csv module's 128 KiB field limit
+    path = tmp_path / ("d.tsv" if delimiter == "\t" else "d.csv")
+    path.write_text(_csv(rows, delimiter))
+    data = _load(path, cleaning={"duplicates": "keep"})
+    assert max(len(t) for ds in data.splits.values() for t in ds["text"]) == len("word " * 400_000) - 1
+
+
+def test_csv_long_field_does_not_hide_the_real_problem(tmp_path):
+    rows = make_rows(3, seed=1)
+    rows[3]["text"] = "word " * 400_000
+    (tmp_path / "d.csv").write_text(_csv(rows) + "one,two,three\n")
+    with pytest.raises(UserError, match=r"line 20 has 3 fields, the header has 2"):
+        _load(tmp_path / "d.csv")
+
+
+def test_unknown_label_in_test_shows_example_rows(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", make_rows(3, seed=1))
+    write_jsonl(tmp_path / "validation.jsonl", make_rows(1, seed=2))
+    test = make_rows(1, seed=3) + [{"text": "so bored of waiting", "label": "boredom"}]
+    write_jsonl(tmp_path / "test.jsonl", test)
+    with pytest.raises(UserError, match=r"labels \['boredom'\] have no training rows but occur in the test split "
+                                        r"`.*test.jsonl` \(row 7: 'boredom' 'so bored of waiting'\)"):
+        _load(tmp_path)
+
+
+def test_too_few_rows_to_split_says_how_many_are_needed(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", make_rows(1, seed=1)[:3])
+    with pytest.raises(UserError, match=r"has 3 row\(s\) left after cleaning, too few to split .* data.validation_size=0.1 "
+                                        r"and data.test_size=0.1: that needs at least 6 rows"):
+        _load(tmp_path / "d.jsonl")
+    one_row = [{"text": "so happy today", "label": "joy"}]
+    (tmp_path / "folder").mkdir()
+    write_jsonl(tmp_path / "folder" / "train.jsonl", one_row)
+    write_jsonl(tmp_path / "folder" / "validation.jsonl", one_row)
+    with pytest.raises(UserError, match=r"train split has 1 row\(s\) left after cleaning, too few to hold data.test_size=0.1"):
+        _load(tmp_path / "folder")

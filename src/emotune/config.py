@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import codecs
 import difflib
+import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from emotune.errors import UserError
 
@@ -26,8 +29,83 @@ DEFAULT_SYSTEM_PROMPT = (
 DEFAULT_USER_TEMPLATE = "Classify the emotion of this text:\n\n{text}"
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a number field accepts: `Annotated[int, Range(1)]`. `Section` checks it for every field.
+
+    Bounds are inclusive unless `low_open`/`high_open`. `special` holds values outside the bounds that have a
+    documented meaning (train.max_steps=-1); `also` finishes the sentence that states the range in messages
+    ("or `auto`", "or null for all rows"). NaN and infinities are never in a range: no field gives them a meaning.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    special: tuple[float, ...] = ()
+    also: str = ""
+
+    def allows(self, value: float) -> bool:
+        if value in self.special:
+            return True
+        if not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self, integer: bool) -> str:
+        """How messages state the range: `a number in [0, 1)`, `an integer >= 1, or -1 to run ...`."""
+        kind = "an integer" if integer else "a number"
+        opening, closing = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        if self.low is not None and self.high is not None:
+            bounds = f"in {opening}{_plain(self.low)}, {_plain(self.high)}{closing}"
+        elif self.low is not None:
+            bounds = f"{'>' if self.low_open else '>='} {_plain(self.low)}"
+        elif self.high is not None:
+            bounds = f"{'<' if self.high_open else '<='} {_plain(self.high)}"
+        else:
+            bounds = "(any finite one)"
+        return f"{kind} {bounds}" + (f", {self.also}" if self.also else "")
+
+
+RUN_NAME = re.compile(r"[\w.-]{1,100}")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _in_range(cls, value: Any, handler, info: ValidationInfo) -> Any:
+        """Number fields: refuse true/false (YAML would make `true` a 1), NaN, infinities and values outside the
+        field's `Range`, always with a message that states the range."""
+        field = cls.model_fields[info.field_name]
+        allowed = next((m for m in field.metadata if isinstance(m, Range)), None)
+        if allowed is None:
+            return handler(value)
+        integer = float not in _number_types(field.annotation)
+        expected = f"must be {allowed.describe(integer)}"
+        if isinstance(value, bool):
+            raise ValueError(f"{expected}; true/false is not a number")
+        try:
+            result = handler(value)
+        except ValidationError:
+            raise ValueError(expected) from None
+        if isinstance(result, (int, float)) and not isinstance(result, bool) and not allowed.allows(result):
+            raise ValueError(expected)
+        return result
+
+
+def _plain(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
+def _number_types(annotation: Any) -> set[type]:
+    """int/float among a field's types (`int | None`, `int | Literal["auto"]`, `Annotated[...]`)."""
+    if annotation in (int, float):
+        return {annotation}
+    return {t for arg in get_args(annotation) for t in _number_types(arg)}
 
 
 class ModelConfig(Section):
@@ -68,12 +146,12 @@ class CleaningConfig(Section):
     """@mentions: keep, replace with `@user`, or drop from the text (e-mail addresses are untouched)."""
     emoji: TextAction = "keep"
     """Emoji (each run of them): keep, replace with `<emoji>`, or drop from the text."""
-    min_chars: int = 1
+    min_chars: Annotated[int, Range(0)] = 1
     """Drop rows whose cleaned text has fewer characters than this; 1 drops empty rows, 0 keeps them."""
     long_rows: Literal["keep", "drop", "truncate"] = "keep"
     """Rows longer than `max_tokens` tokens of the model's tokenizer: keep them, drop them, or cut them
     at the limit (loads the tokenizer only, never the weights)."""
-    max_tokens: int = 192
+    max_tokens: Annotated[int, Range(1)] = 192
     """Token limit for `long_rows`; keep it below train.max_length minus the prompt's own tokens."""
     duplicates: Literal["keep", "exact", "normalized"] = "normalized"
     """Repeated texts inside a split (the first is kept): `exact` = the same text after cleaning;
@@ -81,20 +159,6 @@ class CleaningConfig(Section):
     leakage: Literal["keep", "exact", "normalized"] = "normalized"
     """Validation and test rows whose text also occurs in train are removed from those splits, so they
     cannot inflate the measurement; matched `exact` or `normalized` as for `duplicates`; `keep` = no check."""
-
-    @field_validator("min_chars")
-    @classmethod
-    def _not_negative(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("must be 0 (keep empty rows) or a positive number of characters")
-        return value
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _positive_tokens(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be a positive number of tokens")
-        return value
 
 
 class DataConfig(Section):
@@ -121,35 +185,21 @@ class DataConfig(Section):
     """Hub revision (branch, tag or commit) for `hf:` and `modelscope:` sources; null = the default branch."""
     cache_dir: str | None = None
     """Where hub datasets are downloaded; default: `datasets/` in the user cache dir (`~/.cache/emotune`)."""
-    validation_size: float = 0.1
+    validation_size: Annotated[float, Range(0, 0.5, low_open=True, high_open=True, also="e.g. 0.1")] = 0.1
     """Share of rows held out for validation when the source has no validation split."""
-    test_size: float = 0.1
+    test_size: Annotated[float, Range(0, 0.5, low_open=True, high_open=True, also="e.g. 0.1")] = 0.1
     """Share of rows held out for testing when the source has no test split."""
-    train_limit: int | None = None
+    train_limit: Annotated[int | None, Range(1, also="or null for all rows")] = None
     """Use at most this many training rows (stratified, seeded sample); null = all."""
-    validation_limit: int | None = None
+    validation_limit: Annotated[int | None, Range(1, also="or null for all rows")] = None
     """Use at most this many validation rows (stratified, seeded sample); null = all."""
-    test_limit: int | None = None
+    test_limit: Annotated[int | None, Range(1, also="or null for all rows")] = None
     """Use at most this many test rows (stratified, seeded sample); null = all."""
     balance: Literal["none", "oversample", "class_weight"] = "none"
     """Class balancing of the training split: `oversample` repeats rows of smaller classes (seeded) up to
     the largest class; `class_weight` leaves the rows alone and computes per-class loss weights
     (n / (classes x n_class), in data_report.json) that weight each training row's completion loss."""
     cleaning: CleaningConfig = CleaningConfig()
-
-    @field_validator("train_limit", "validation_limit", "test_limit")
-    @classmethod
-    def _positive_limit(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError("must be a positive number of rows, or null for all rows")
-        return value
-
-    @field_validator("validation_size", "test_size")
-    @classmethod
-    def _fraction(cls, value: float) -> float:
-        if not 0.0 < value < 0.5:
-            raise ValueError("must be a fraction between 0 and 0.5, e.g. 0.1")
-        return value
 
     @field_validator("encoding")
     @classmethod
@@ -177,11 +227,11 @@ class PromptConfig(Section):
 
 
 class LoraSettings(Section):
-    r: int = 16
+    r: Annotated[int, Range(1)] = 16
     """LoRA rank."""
-    alpha: int = 32
+    alpha: Annotated[int, Range(1)] = 32
     """LoRA alpha (scaling = alpha / r)."""
-    dropout: float = 0.05
+    dropout: Annotated[float, Range(0, 1, high_open=True)] = 0.05
     """Dropout on the LoRA branch."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get adapters: `all-linear`, or a list of module-name suffixes such as
@@ -196,43 +246,29 @@ class LoraSettings(Section):
     """Modules trained in full and saved with the adapter (e.g. [lm_head]); null = none. Costly for
     Gemma's 262k-entry embedding tables."""
 
-    @field_validator("r", "alpha")
-    @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be a positive integer")
-        return value
-
-    @field_validator("dropout")
-    @classmethod
-    def _dropout(cls, value: float) -> float:
-        if not 0.0 <= value < 1.0:
-            raise ValueError("must be in [0, 1)")
-        return value
-
 
 class TrainConfig(Section):
-    max_steps: int = -1
+    max_steps: Annotated[int, Range(1, special=(-1,), also="or -1 to run train.num_train_epochs epochs")] = -1
     """Optimizer steps to run; -1 = run `num_train_epochs` epochs."""
-    num_train_epochs: float = 1.0
+    num_train_epochs: Annotated[float, Range(0, low_open=True)] = 1.0
     """Epochs over the training split when `max_steps` is -1."""
-    batch_size: int = 4
+    batch_size: Annotated[int, Range(1)] = 4
     """Rows per device per forward pass (per_device_train_batch_size)."""
-    gradient_accumulation_steps: int = 4
+    gradient_accumulation_steps: Annotated[int, Range(1)] = 4
     """Forward passes per optimizer step; effective batch = batch_size x this x processes."""
-    learning_rate: float = 1e-4
+    learning_rate: Annotated[float, Range(0, 1, low_open=True, high_open=True, also="e.g. 1e-4")] = 1e-4
     """Peak learning rate of the LoRA parameters."""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     """Learning-rate schedule."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: Annotated[float, Range(0, 1, high_open=True)] = 0.0
     """Share of steps spent warming the learning rate up."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Range(0)] = 0.0
     """AdamW weight decay."""
-    max_length: int = 256
+    max_length: Annotated[int, Range(1)] = 256
     """Longest tokenized prompt+completion; longer rows are truncated."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass: less memory, about 30% slower."""
-    max_tokens_per_pass: int | Literal["auto"] = "auto"
+    max_tokens_per_pass: Annotated[int | Literal["auto"], Range(0, also="0 = no cap, or `auto`")] = "auto"
     """Most padded tokens (rows x longest row) in one forward/backward pass. Each batch is cut into passes
     of length-sorted rows under this cap and their gradients are summed before the optimizer step, so the
     update is the same as one pass over the batch; what shrinks is the memory a pass allocates. `auto`:
@@ -243,23 +279,24 @@ class TrainConfig(Section):
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Training precision; `auto` = bf16 where the device supports it, fp16 on GPUs without bf16,
     fp32 otherwise."""
-    eval_steps: int = 25
+    eval_steps: Annotated[int, Range(1)] = 25
     """Validation loss every this many optimizer steps."""
-    save_steps: int = 25
+    save_steps: Annotated[int, Range(1)] = 25
     """Checkpoint every this many optimizer steps."""
-    logging_steps: int = 5
+    logging_steps: Annotated[int, Range(1)] = 5
     """Log the training loss every this many optimizer steps."""
-    max_grad_norm: float = 1.0
-    """Clip the gradient norm to this value before each optimizer step; 0 = no clipping."""
+    max_grad_norm: Annotated[float, Range(0, also="0 = no clipping")] = 1.0
+    """Clip the gradient norm to this value before each optimizer step; 0 = no clipping (the one way to say it:
+    `inf` is refused, like NaN and infinities in every other field)."""
     group_by_length: bool = True
     """Put rows of similar length in the same batch (shuffled in groups), so little compute goes to padding."""
-    early_stopping_patience: int = 0
+    early_stopping_patience: Annotated[int, Range(0, also="0 = never stop early")] = 0
     """Stop after this many validations in a row without a lower validation loss; 0 = never stop early.
     Either way the saved adapter is the one with the lowest validation loss."""
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: Annotated[int, Range(1)] = 3
     """Stop training after this many optimizer steps in a row with a NaN/inf loss or gradient (each
     such step is skipped and counted)."""
-    save_total_limit: int = 2
+    save_total_limit: Annotated[int, Range(1)] = 2
     """Keep this many most recent checkpoints (plus the best one)."""
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Experiment trackers that also receive the training log (each must be installed); [] = none."""
@@ -272,43 +309,6 @@ class TrainConfig(Section):
     process it is ignored, with a note. `accelerate launch --use_fsdp --fsdp_version 2` turns it on too,
     with that launcher's FSDP settings."""
 
-    @field_validator("batch_size", "gradient_accumulation_steps", "max_length", "eval_steps", "save_steps", "logging_steps",
-                     "max_nonfinite_steps", "save_total_limit")
-    @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be a positive integer")
-        return value
-
-    @field_validator("max_tokens_per_pass")
-    @classmethod
-    def _cap(cls, value: int | str) -> int | str:
-        if value != "auto" and value < 0:
-            raise ValueError("must be `auto`, 0 (no cap) or a positive number of tokens, e.g. 512")
-        return value
-
-    @field_validator("max_grad_norm", "early_stopping_patience")
-    @classmethod
-    def _not_negative(cls, value: float) -> float:
-        if value < 0:
-            raise ValueError("must be 0 (off) or positive")
-        return value
-
-    @field_validator("learning_rate")
-    @classmethod
-    def _lr(cls, value: float) -> float:
-        if not 0.0 < value < 1.0:
-            raise ValueError("must be between 0 and 1, e.g. 1e-4")
-        return value
-
-    @model_validator(mode="after")
-    def _steps_or_epochs(self) -> TrainConfig:
-        if self.max_steps == 0 or self.max_steps < -1:
-            raise ValueError("train.max_steps must be a positive number of steps, or -1 to use num_train_epochs")
-        if self.max_steps == -1 and self.num_train_epochs <= 0:
-            raise ValueError("train.num_train_epochs must be positive when train.max_steps is -1")
-        return self
-
 
 class EvalConfig(Section):
     method: Literal["generate", "score", "both"] = "generate"
@@ -316,33 +316,19 @@ class EvalConfig(Section):
     first label name in the output; INVALID when none matches); `score` = the exact probability of every
     label's tokens after the same prompt, highest wins (never invalid; adds top-2 accuracy, log-loss,
     calibration); `both` = run both, `generate` as the headline."""
-    max_new_tokens: int = 4
+    max_new_tokens: Annotated[int, Range(1)] = 4
     """Tokens generated per row by the `generate` method."""
-    batch_size: int | Literal["auto"] = "auto"
+    batch_size: Annotated[int | Literal["auto"], Range(1, also="or `auto`")] = "auto"
     """Rows per forward pass during evaluation; `auto` = as many as fit in 40% of free memory, at most 16
     (generate) / 32 (score) on CPU and 64 / 128 on GPUs. Out of memory halves it and retries."""
     split: Literal["test", "validation"] = "test"
     """Split measured before and after training."""
 
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be a positive integer")
-        return value
-
-    @field_validator("batch_size")
-    @classmethod
-    def _positive_or_auto(cls, value: int | str) -> int | str:
-        if value != "auto" and value < 1:
-            raise ValueError("must be a positive integer or `auto`")
-        return value
-
 
 class ServeConfig(Section):
     host: str = "127.0.0.1"
     """Address `emotune serve` listens on; 0.0.0.0 exposes it to the network (set api_key then)."""
-    port: int = 8000
+    port: Annotated[int, Range(0, 65535, also="0 picks a free port")] = 8000
     """TCP port of `emotune serve`."""
     engine: Literal["native", "vllm"] = "native"
     """`native`: emotune's own server (PyTorch, any device). `vllm`: hand the adapters to `vllm serve`
@@ -356,36 +342,22 @@ class ServeConfig(Section):
     adapter_dirs: list[str] = ["runs"]
     """Folders adapters may be loaded from at run time (POST /v1/adapters); paths outside them, after
     resolving links and `..`, are refused."""
-    max_batch_size: int = 32
+    max_batch_size: Annotated[int, Range(1)] = 32
     """Most texts scored in one forward pass; concurrent classify requests are micro-batched up to it."""
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: Annotated[float, Range(0)] = 5.0
     """How long the first request of a micro-batch waits for others to join it."""
-    max_queue: int = 256
+    max_queue: Annotated[int, Range(1)] = 256
     """Most texts waiting to be classified; beyond it requests are answered 503 at once."""
-    max_inputs: int = 64
+    max_inputs: Annotated[int, Range(1)] = 64
     """Most texts in one /v1/classify request (422 beyond)."""
-    max_input_chars: int = 4000
+    max_input_chars: Annotated[int, Range(1)] = 4000
     """Longest text, or chat message, accepted (422 beyond)."""
-    max_body_bytes: int = 1_000_000
+    max_body_bytes: Annotated[int, Range(1)] = 1_000_000
     """Largest request body accepted (413 beyond)."""
-    max_new_tokens: int = 256
+    max_new_tokens: Annotated[int, Range(1)] = 256
     """Most tokens one chat completion may generate (`max_tokens` above it is 422)."""
-    shutdown_timeout_s: float = 30.0
+    shutdown_timeout_s: Annotated[float, Range(0)] = 30.0
     """On shutdown, how long requests in flight may take to finish."""
-
-    @field_validator("port")
-    @classmethod
-    def _port(cls, value: int) -> int:
-        if not 0 <= value < 65536:
-            raise ValueError("must be a TCP port number (0 picks a free one)")
-        return value
-
-    @field_validator("max_batch_size", "max_queue", "max_inputs", "max_input_chars", "max_body_bytes", "max_new_tokens")
-    @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be a positive integer")
-        return value
 
 
 class RunConfigBase(Section):
@@ -396,15 +368,16 @@ class RunConfigBase(Section):
     assistant's answer; measured by decoding and by label scoring). The task decides which `data` and
     `prompt` keys exist (TASK_CONFIGS)."""
     name: str | None = None
-    """Run folder name under `output_dir`; default: the config file's name, or `default`."""
+    """Run folder name under `output_dir`: letters, digits, `.`, `-` and `_` only, so it stays inside
+    `output_dir`; default: the config file's name (other characters become `-`), or `default`."""
     output_dir: str = "runs"
     """Parent folder of run folders."""
     overwrite: bool = False
     """Replace a finished run folder of the same name (otherwise emotune refuses). The old run is moved aside
     to `<name>.previous` only after the new run's config, data and model source validated, and deleted when
     the new run finishes."""
-    seed: int = 42
-    """Seed for sampling, LoRA initialisation and data order."""
+    seed: Annotated[int, Range(0, 2**32 - 1)] = 42
+    """Seed for sampling, LoRA initialisation and data order (0 to 2**32 - 1, the seeds NumPy accepts)."""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """Device to run on; `auto` picks CUDA/ROCm, then MPS, then CPU. ROCm GPUs are `cuda` in PyTorch."""
     model: ModelConfig = ModelConfig()
@@ -416,6 +389,15 @@ class RunConfigBase(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / (self.name or "default")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_folder_name(cls, value: str | None) -> str | None:
+        # the run folder is output_dir/name and `overwrite` deletes it: a path here could point anywhere
+        if value is not None and (not RUN_NAME.fullmatch(value) or value in (".", "..")):
+            raise ValueError("must be a plain folder name of letters, digits, `.`, `-` and `_` (at most 100; no `/`, "
+                             "`\\`, spaces, `.` or `..`), e.g. name=gemma-emotion-r16; put parent folders in output_dir")
+        return value
 
 
 class ClassifyConfig(RunConfigBase):
@@ -450,11 +432,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not sep or not key.strip():
             problems.append(f"`{item}`: overrides are written key=value, e.g. train.max_steps=2")
             continue
-        _set_dotted(raw, key.strip(), _parse_value(value))
+        try:
+            _set_dotted(raw, key.strip(), _parse_value(value))
+        except DuplicateKeyError as err:
+            problems.append(f"`{item}`: {err}")
     schema = _task_config(raw, problems)
     problems += _unknown_keys(raw, schema)
     if path is not None and "name" not in raw:
-        raw["name"] = Path(path).stem
+        raw["name"] = _name_from_file(Path(path))
     try:
         cfg = schema.model_validate(_known_only(raw, schema))
     except ValidationError as err:
@@ -467,7 +452,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def _task_config(raw: dict[str, Any], problems: list[str]) -> type[RunConfigBase]:
     """The config class of the task the config asks for (`task`, default `classify`)."""
     task = raw.get("task", "classify")
-    if task in TASK_CONFIGS:
+    if isinstance(task, str) and task in TASK_CONFIGS:
         return TASK_CONFIGS[task]
     problems.append(f"`task`: {task!r} is not a task emotune knows; choose one of {', '.join(TASK_CONFIGS)}")
     raw.pop("task")
@@ -486,11 +471,48 @@ def _known_only(raw: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
     return known
 
 
+def _name_from_file(path: Path) -> str:
+    """The default run name: the config file's name, made a plain folder name (see RunConfig.name)."""
+    return re.sub(r"[^\w.-]+", "-", path.stem).strip("-")[:100].strip(".") or "default"
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys without a word, so a setting written twice silently loses one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` then overriding one key is how YAML merges are meant to be used
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if first is not None:
+                where = f"line {line}" if first == line else f"lines {first} and {line}"
+                raise DuplicateKeyError(f"key `{key}` appears twice ({where}); YAML would keep only the last one, so "
+                                        "remove one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"Config file `{path}` does not exist. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _yaml(path.read_text(encoding="utf-8"))
+    except DuplicateKeyError as err:
+        raise UserError(f"Config file `{path}`: {err}.") from None
     except yaml.YAMLError as err:
         raise UserError(f"Config file `{path}` is not valid YAML: {err}. Fix the syntax at the position shown.") from None
     except UnicodeDecodeError:
@@ -505,7 +527,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def _parse_value(text: str) -> Any:
     """Parse an override value as YAML so `2`, `1e-4`, `true`, `null` and `[a, b]` get their types."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return _yaml(text) if text.strip() else ""
+    except DuplicateKeyError:
+        raise
     except yaml.YAMLError:
         return text
 

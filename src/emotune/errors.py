@@ -7,3 +7,15 @@ class UserError(Exception):
     The CLI prints it as one paragraph and exits with status 2; nothing else is caught that way, so a
     real bug still shows its traceback.
     """
+
+
+def first_line(err: BaseException) -> str:
+    """A library exception's first line (at most 300 characters), to quote inside a UserError."""
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]
+
+
+def listed(numbers: list[int], shown: int = 5) -> str:
+    """`3, 6, 9, 12, 15 and 7 more`: row or line numbers for a message, the first few shown and the rest counted."""
+    head = ", ".join(map(str, numbers[:shown]))
+    return head + (f" and {len(numbers) - shown} more" if len(numbers) > shown else "")

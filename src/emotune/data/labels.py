@@ -14,6 +14,12 @@ import pyarrow.compute as pc
 
 from emotune.config import DataConfig
 from emotune.data.sources import RawSplit
+from emotune.errors import listed
+
+# How a missing label is written in CSV exports (pandas writes NaN as an empty cell or `NaN`). Never a class:
+# a model trained on `NaN` as an emotion would be measured on it too. (`none` and `NA` are left alone: both
+# are real labels in some datasets.)
+MISSING_SPELLINGS = ["", "nan", "null", "n/a", "#n/a"]
 
 
 def label_key(value: str) -> str:
@@ -34,25 +40,35 @@ def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
     text = pc.fill_null(text.cast(pa.string()), "")
     if pa.types.is_dictionary(label.type):
         label = label.cast(label.type.value_type)
+    if pa.types.is_boolean(label.type) or pa.types.is_null(label.type) or pa.types.is_large_string(label.type):
+        label = label.cast(pa.string())
+    missing = _missing(label)
+    if pc.any(missing).as_py():
+        rows = [r + 1 for r in pc.indices_nonzero(missing).to_pylist()]
+        problems.append(f"{raw.origin}: {len(rows)} row(s) have no label (rows {listed(rows)}): the label is empty, "
+                        "NaN or null. Label those rows or remove them")
+        return None
     if pa.types.is_floating(label.type):
-        whole = pc.all(pc.equal(label, pc.floor(label))).as_py()
-        if whole is False:
-            problems.append(f"{raw.origin}: the label column holds fractional numbers; labels are names or integer ids")
+        fractional = pc.indices_nonzero(pc.not_equal(label, pc.floor(label))).to_pylist()
+        if fractional:
+            problems.append(f"{raw.origin}: the label column holds fractional numbers (rows {listed([r + 1 for r in fractional])}, "
+                            f"e.g. {label[fractional[0]].as_py()}); labels are names or integer ids")
             return None
         label = label.cast(pa.int64())
-    elif pa.types.is_boolean(label.type) or pa.types.is_null(label.type) or pa.types.is_large_string(label.type):
-        label = label.cast(pa.string())
     if not (pa.types.is_string(label.type) or pa.types.is_integer(label.type)):
         problems.append(f"{raw.origin}: the label column holds {label.type} values; labels must be names or integer "
                         "ids. Point data.label_column at the label column")
         return None
-    nulls = label.null_count
-    if nulls:
-        rows = pc.indices_nonzero(pc.is_null(label)).to_pylist()[:5]
-        problems.append(f"{raw.origin}: {nulls} row(s) have no label (rows {', '.join(str(r + 1) for r in rows)}). "
-                        "Label or remove them")
-        return None
     return pa.table({"text": text, "label": label})
+
+
+def _missing(label: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Rows without a label: null, NaN, or text that spreadsheets and pandas write for a missing value."""
+    absent = pc.is_null(label, nan_is_null=True)
+    if pa.types.is_string(label.type):
+        spelled = pc.is_in(pc.utf8_lower(pc.utf8_trim_whitespace(label)), value_set=pa.array(MISSING_SPELLINGS))
+        absent = pc.or_(absent, pc.fill_null(spelled, False))
+    return absent
 
 
 def choose_label_names(cfg: DataConfig, tables: dict[str, pa.Table], raw: dict[str, RawSplit],
@@ -105,7 +121,7 @@ def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, 
     unknown = [value for value, name in zip(distinct, mapped) if name is None]
     if unknown:
         problems.append(f"{origin}: column `{cfg.label_column}` has labels {sorted(unknown)[:10]} that are not in the label "
-                        f"set {names} (e.g. {_examples(table, unknown)}). Fix those rows, map them with data.label_aliases, "
+                        f"set {names} (e.g. {example_rows(table, unknown)}). Fix those rows, map them with data.label_aliases, "
                         "or set data.label_names to include them")
         return None
     positions = pc.index_in(label, value_set=pa.array(distinct, pa.string()))
@@ -120,7 +136,8 @@ def _ids_written_as_text(label: pa.ChunkedArray) -> pa.ChunkedArray | None:
         return None
 
 
-def _examples(table: pa.Table, unknown: list[str]) -> str:
-    rows = pc.indices_nonzero(pc.is_in(table.column("label"), value_set=pa.array(unknown, pa.string()))).to_pylist()[:3]
+def example_rows(table: pa.Table, labels: list[str]) -> str:
+    """`row 7: 'boredom' 'so bored today'; ...`: the first three rows holding any of `labels`, to find them in the file."""
+    rows = pc.indices_nonzero(pc.is_in(table.column("label"), value_set=pa.array(labels, pa.string()))).to_pylist()[:3]
     texts, labels = table.column("text"), table.column("label")
     return "; ".join(f"row {r + 1}: {labels[r].as_py()!r} {texts[r].as_py()[:60]!r}" for r in rows)

@@ -16,7 +16,7 @@ from datasets import Dataset
 
 from emotune.config import CleaningConfig, DataConfig
 from emotune.data import clean, splits as split_ops
-from emotune.data.labels import choose_label_names, coerce_columns, label_key, map_labels
+from emotune.data.labels import choose_label_names, coerce_columns, example_rows, label_key, map_labels
 from emotune.data.sources import EMBEDDED_LABELS, SPLITS, read_source
 from emotune.errors import UserError
 
@@ -75,10 +75,31 @@ def _read_and_map(cfg: DataConfig) -> tuple[dict[str, pa.Table], list[str], dict
     problems += [f"the {split} split ({raw[split].origin}) has no rows; give it rows or remove the file"
                  for split, t in tables.items() if t is not None and len(t) == 0]
     _raise(problems)
+    _raise(_labels_missing_from_train(tables, raw))
+    notes = [note for r in raw.values() for note in r.notes]
+    for note in notes:
+        print(f"Note: {note}", flush=True)
     report = {"source": cfg.source, "labels": labels, "labels_from": labels_from,
               "files": {split: r.origin.replace("`", "") for split, r in raw.items()},
-              "rows_read": {split: len(t) for split, t in tables.items()}}
+              "rows_read": {split: len(t) for split, t in tables.items()}, "notes": notes}
     return tables, labels, report
+
+
+def _labels_missing_from_train(tables: dict[str, pa.Table], raw: dict) -> list[str]:
+    """Labels of a given validation/test file that train never shows, with the rows that hold them."""
+    if "train" not in tables:
+        return []
+    in_train = set(pc.unique(tables["train"].column("label")).to_pylist())
+    problems = []
+    for split in ("validation", "test"):
+        if split not in tables:
+            continue
+        extra = sorted(set(pc.unique(tables[split].column("label")).to_pylist()) - in_train)
+        if extra:
+            problems.append(f"labels {extra} have no training rows but occur in the {split} split {raw[split].origin} "
+                            f"({example_rows(tables[split], extra)}); add training rows for them, fix those rows, or map "
+                            "them to a label train has with data.label_aliases")
+    return problems
 
 
 def _split(tables: dict[str, pa.Table], cfg: DataConfig, seed: int) -> tuple[dict[str, pa.Table], str]:

@@ -1,32 +1,33 @@
 """Read one data file into an Arrow table, or raise a UserError naming the file, line and fix.
 
-The fast path hands the whole file to Arrow's C++ readers. Only when they fail does a slow Python pass
-look for the first bad line, so the message can say where the problem is and what to do.
+The fast path hands the whole file to Arrow's C++ readers. Only when they fail (or, for CSV, when a
+quoted field spans lines: csvfile.py) does a slow Python pass stream the lines, so the message can say
+where the problem is and what to do.
 """
 
 from __future__ import annotations
 
 import codecs
-import csv
 import io
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from emotune.errors import UserError
+from emotune.data.csvfile import Lines, read_csv
+from emotune.errors import UserError, first_line
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
 BOM = b"\xef\xbb\xbf"
 JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
 
 
-def read_table(path: Path, encoding: str, text_column: str, label_column: str) -> pa.Table:
+def read_table(path: Path, encoding: str, text_column: str, label_column: str, notes: list[str]) -> pa.Table:
+    """One file as a table; things worth a look that are not errors go to `notes`."""
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise UserError(f"data.source `{path}`: unsupported file type `{path.suffix}`. Use one of "
@@ -35,11 +36,11 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str) -
         return _read_parquet(path)
     if fmt != "json" and fmt != "txt" and _is_utf8(encoding) and _valid_utf8_file(path) and not _has_bom(path):
         # the common case: Arrow streams the file itself; a Python string of a large file would cost up
-        # to four bytes per character, so the text is decoded in Python only to explain a failure
+        # to four bytes per character, so Python reads the lines (streamed) only to explain a problem
         if _is_blank(path):
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
-        explain = lambda: _decode(path, path.read_bytes(), encoding)  # noqa: E731
-        source: str | pa.BufferReader = str(path)
+        lines: Lines = lambda: _file_lines(path)  # noqa: E731
+        source: str | pa.Buffer = str(path)
     else:
         raw = path.read_bytes()
         text = _decode(path, raw, encoding)
@@ -47,11 +48,16 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str) -
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
         if fmt in ("json", "txt"):
             return _read_json(path, text) if fmt == "json" else _read_txt(path, text, text_column, label_column)
-        explain = lambda: text  # noqa: E731
-        source = pa.BufferReader(pa.py_buffer(text.encode("utf-8")))
+        lines = lambda: io.StringIO(text, newline="")  # noqa: E731
+        source = pa.py_buffer(text.encode("utf-8"))
     if fmt == "jsonl":
-        return _read_jsonl(path, source, explain)
-    return _read_csv(path, source, "\t" if fmt == "tsv" else ",", explain)
+        return _read_jsonl(path, source, lines)
+    return read_csv(path, source, "\t" if fmt == "tsv" else ",", lines, text_column, label_column, notes)
+
+
+def _file_lines(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8", newline="") as handle:  # newline="": line ends as written, like Arrow reads them
+        yield from handle
 
 
 def _has_bom(path: Path) -> bool:
@@ -88,7 +94,7 @@ def _read_parquet(path: Path) -> pa.Table:
         table.validate(full=True)  # corrupt pages can decode into invalid UTF-8 that would fail much later
         return table
     except Exception as err:  # Arrow raises several types for bad files; the user needs the file and the cause
-        raise UserError(f"`{path}` is not a readable Parquet file ({_first_line(err)}). Check that it was fully "
+        raise UserError(f"`{path}` is not a readable Parquet file ({first_line(err)}). Check that it was fully "
                         "downloaded and that its ending matches its real format.") from None
 
 
@@ -107,52 +113,42 @@ def _decode(path: Path, raw: bytes, encoding: str) -> str:
         raise UserError(f"`{path}` cannot be decoded as {encoding} ({err}). Set data.encoding to the file's encoding.") from None
 
 
-def _read_csv(path: Path, source: str | pa.BufferReader, delimiter: str, text: Callable[[], str]) -> pa.Table:
-    parse = pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines) -> pa.Table:
     try:
-        table = pa_csv.read_csv(source, parse_options=parse)
-    except Exception as err:  # Arrow's message has no line number; find the first bad row ourselves
-        where = _bad_csv_row(text(), delimiter)
-        raise UserError(f"`{path}` is not valid {'TSV' if delimiter == chr(9) else 'CSV'}: {where or _first_line(err)}. "
-                        "Quote fields that contain the delimiter or a newline, and give every row the header's "
-                        "number of fields.") from None
-    return table
-
-
-def _bad_csv_row(text: str, delimiter: str) -> str | None:
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    try:
-        header = next(reader)
-        for row in reader:
-            if row and len(row) != len(header):
-                return f"line {reader.line_num} has {len(row)} fields, the header has {len(header)}"
-    except csv.Error as err:
-        return f"line {reader.line_num}: {err}"
-    except StopIteration:
-        return None
-    return None
-
-
-def _read_jsonl(path: Path, source: str | pa.BufferReader, text: Callable[[], str]) -> pa.Table:
-    try:
-        return pa_json.read_json(source, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
+        reader = source if isinstance(source, str) else pa.BufferReader(source)
+        return pa_json.read_json(reader, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
     except Exception as err:
-        problem = _bad_json_line(text())
+        problem = _bad_json_line(lines())
         if problem:
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
-        raise UserError(f"`{path}` could not be read as JSON Lines ({_first_line(err)}). Give every row the "
+        raise UserError(f"`{path}` could not be read as JSON Lines ({first_line(err)}). Give every row the "
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
 
 
-def _bad_json_line(text: str) -> str | None:
-    for number, line in enumerate(text.splitlines(), start=1):
+class _RepeatedKey(Exception):
+    pass
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """Python keeps the last of two equal keys, Arrow refuses the row: name the key instead of guessing."""
+    keys = [key for key, _ in pairs]
+    repeated = next((key for key in keys if keys.count(key) > 1), None)
+    if repeated is not None:
+        raise _RepeatedKey(repeated)
+    return dict(pairs)
+
+
+def _bad_json_line(lines: Iterator[str]) -> str | None:
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = json.loads(line, object_pairs_hook=_refuse_repeated_keys)
         except json.JSONDecodeError as err:
             return f"line {number} is not valid JSON ({err.msg} at column {err.colno})"
+        except _RepeatedKey as err:
+            return f"line {number} has the key `{err}` twice"
         if not isinstance(value, dict):
             return f"line {number} is a JSON {type(value).__name__}, not an object"
     return None
@@ -164,7 +160,7 @@ def _read_json(path: Path, text: str) -> pa.Table:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _read_jsonl(path, pa.BufferReader(pa.py_buffer(text.encode("utf-8"))), lambda: text)  # many `.json` files are really JSON Lines
+            return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""))  # many `.json` files are really JSON Lines
         raise UserError(f"`{path}` is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}. "
                         "Fix the file there.") from None
     if isinstance(value, dict):
@@ -183,7 +179,7 @@ def _arrow(path: Path, build) -> pa.Table:
     try:
         return build()
     except (pa.ArrowException, ValueError, TypeError) as err:
-        raise UserError(f"`{path}` has fields whose types differ between rows ({_first_line(err)}). "
+        raise UserError(f"`{path}` has fields whose types differ between rows ({first_line(err)}). "
                         "Give every row the same fields with the same types.") from None
 
 
@@ -199,8 +195,3 @@ def _read_txt(path: Path, text: str, text_column: str, label_column: str) -> pa.
     lines = [line for _, line in numbered]
     parts = pc.split_pattern(pa.array(lines, pa.string()), ";", max_splits=1, reverse=True)
     return pa.table({text_column: pc.list_element(parts, 0), label_column: pc.list_element(parts, 1)})
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:300]

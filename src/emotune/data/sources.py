@@ -8,7 +8,7 @@ when the source is one file to be split) with the configured text and label colu
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -33,6 +33,7 @@ class RawSplit:
     table: pa.Table  # the configured text and label columns, as read
     origin: str  # file(s) the rows came from, for messages
     class_names: list[str] | None = None  # names from a `ClassLabel` feature, if the source has one
+    notes: list[str] = field(default_factory=list)  # worth a look, not errors (e.g. CSV fields that span lines)
 
 
 def embedded_dataset_dir() -> Path:
@@ -103,14 +104,15 @@ def split_files(folder: Path) -> dict[str, list[Path]]:
 
 
 def _read_files(paths: list[Path], cfg: DataConfig) -> RawSplit:
-    tables = [_select_columns(read_table(path, cfg.encoding, cfg.text_column, cfg.label_column), path, cfg)
+    notes: list[str] = []
+    tables = [_select_columns(read_table(path, cfg.encoding, cfg.text_column, cfg.label_column, notes), path, cfg)
               for path in paths]
     origin = f"`{paths[0]}`" if len(paths) == 1 else f"`{paths[0]}` (+{len(paths) - 1} more shards)"
     try:
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
     except pa.ArrowException as err:
         raise UserError(f"The shards {origin} have different column types ({err}). Give them the same schema.") from None
-    return RawSplit(table=table, origin=origin, class_names=_class_names(table))
+    return RawSplit(table=table, origin=origin, class_names=_class_names(table), notes=notes)
 
 
 def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig) -> pa.Table:
@@ -118,6 +120,11 @@ def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig) -> pa.Ta
     if missing:
         raise UserError(f"`{path}` has no column {', '.join(repr(m) for m in missing)} (columns found: "
                         f"{', '.join(table.column_names) or 'none'}). Set data.text_column / data.label_column to the right names.")
+    repeated = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column)) if table.column_names.count(c) > 1]
+    if repeated:
+        raise UserError(f"`{path}` has {table.column_names.count(repeated[0])} columns named `{repeated[0]}` (columns: "
+                        f"{', '.join(table.column_names)}), so it is unclear which one to read. Rename or remove the "
+                        "extra one in the header.")
     return table.select([cfg.text_column, cfg.label_column]).rename_columns(["text", "label"]).replace_schema_metadata(
         _label_metadata(table, cfg.label_column))
 

@@ -15,6 +15,12 @@ from emotune.errors import UserError
 
 def stratified_split(table: pa.Table, validation_size: float, test_size: float, seed: int) -> dict[str, pa.Table]:
     """train / validation / test from one collection, each label in proportion (default 80/10/10)."""
+    needed = _rows_to_split(validation_size, test_size)
+    if len(table) < needed:
+        raise UserError(f"The data has {len(table)} row(s) left after cleaning, too few to split into train, validation "
+                        f"and test with data.validation_size={validation_size:g} and data.test_size={test_size:g}: that "
+                        f"needs at least {needed} rows (one or more in each split). Give more rows, give separate "
+                        "train/validation/test files, or raise data.validation_size and data.test_size.")
     labels = codes(table.column("label"))
     index = np.arange(len(table))
     held = validation_size + test_size
@@ -30,6 +36,10 @@ def carve_missing(splits: dict[str, pa.Table], validation_size: float, test_size
         if name in out:
             continue
         train = out["train"]
+        if _held_rows(size, len(train)) >= len(train):
+            raise UserError(f"The train split has {len(train)} row(s) left after cleaning, too few to hold data.{name}_size="
+                            f"{size:g} of them out as the {name} split and keep the rest for training. Give more training "
+                            f"rows, or give a {name} file.")
         labels = codes(train.column("label"))
         keep, held = _split(np.arange(len(train)), labels, size, seed)
         out[name], out["train"] = train.take(np.sort(held)), train.take(np.sort(keep))
@@ -45,10 +55,32 @@ def limit(table: pa.Table, rows: int | None, seed: int) -> pa.Table:
     return table.take(np.sort(keep))
 
 
+def _held_rows(held: float | int, rows: int) -> int:
+    return held if isinstance(held, int) else int(np.ceil(held * rows))
+
+
+def _rows_to_split(validation_size: float, test_size: float) -> int:
+    """The fewest rows `stratified_split` can cut into three non-empty splits at these sizes."""
+    held, share = validation_size + test_size, test_size / (validation_size + test_size)
+
+    def works(rows: int) -> bool:
+        held_rows = _held_rows(held, rows)
+        return 0 < held_rows < rows and 0 < _held_rows(share, held_rows) < held_rows
+
+    # both conditions only get easier with more rows, so bisect: tiny sizes need millions of rows
+    low, high = 2, 3
+    while not works(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if works(middle) else (middle, high)
+    return high
+
+
 def _split(index: np.ndarray, labels: np.ndarray, held: float | int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     _, counts = np.unique(labels, return_counts=True)
-    held_rows = held if isinstance(held, int) else int(np.ceil(held * len(index)))
-    if not 0 < held_rows < len(index):
+    held_rows = _held_rows(held, len(index))
+    if not 0 < held_rows < len(index):  # the callers check their sizes first; this guards the arithmetic
         raise UserError(f"{len(index)} rows are too few to hold out {held if isinstance(held, int) else f'{held:.0%}'} of "
                         "them and keep the rest; give more rows, or give train, validation and test files.")
     # stratifying needs two rows of every label and room for every label on both sides
