@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -129,3 +130,32 @@ def test_run_name_that_escapes_output_dir_is_refused(tmp_path):
     path = tmp_path / "my config (1).yaml"  # the default taken from the file name is made plain
     path.write_text("train:\n  max_steps: 2\n")
     assert load_config(path).name == "my-config-1"
+
+
+def test_unknown_task_is_named_with_the_known_ones(capsys):
+    for bad in ("task=sft_typo", "task=[1, 2]"):
+        with pytest.raises(UserError) as err:
+            load_config(None, [bad])
+        assert "`task`" in str(err.value) and "classify" in str(err.value)
+
+
+def test_each_task_accepts_only_its_own_sections(monkeypatch):
+    """The config is a union keyed on `task`: a key that means nothing for the chosen task is refused."""
+    from emotune import config as config_mod
+
+    class TextOnly(config_mod.Section):
+        source: str = "embedded"
+        """Where the rows come from."""
+
+    class OtherTask(config_mod.RunConfigBase):
+        task: Literal["other"] = "other"
+        data: TextOnly = TextOnly()
+
+    monkeypatch.setitem(config_mod.TASK_CONFIGS, "other", OtherTask)
+    cfg = load_config(None, ["task=other", "data.source=x"])
+    assert isinstance(cfg, OtherTask) and cfg.data.source == "x"
+    with pytest.raises(UserError, match="prompt"):
+        load_config(None, ["task=other", "prompt.user_template={text}"])
+    with pytest.raises(UserError, match="label_names"):
+        load_config(None, ["task=other", "data.label_names=[a, b]"])
+    assert type(load_config(None, [])).__name__ == "ClassifyConfig"
