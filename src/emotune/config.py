@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-from emotune.errors import UserError
+from emotune.errors import UserError, raise_problems
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an emotion classification assistant. Read the text and reply with exactly one word, "
@@ -445,7 +445,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except ValidationError as err:
         problems += [_describe(e) for e in err.errors()]
     if problems:  # unknown keys and bad values, all at once
-        raise UserError(_format_problems(problems))
+        raise_problems("The configuration", problems, "Fix them in the YAML file or the key=value overrides and run again.")
     return cfg
 
 
@@ -569,11 +569,6 @@ def _describe(error: dict[str, Any]) -> str:
     got = error.get("input")
     shown = "" if isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
     return f"`{where}`: {message}{shown}"
-
-
-def _format_problems(problems: list[str]) -> str:
-    head = "The configuration has 1 problem:" if len(problems) == 1 else f"The configuration has {len(problems)} problems:"
-    return "\n".join([head, *(f"  - {p}" for p in problems), "Fix them in the YAML file or the key=value overrides and run again."])
 
 
 def dump_config(cfg: RunConfigBase) -> str:

@@ -19,3 +19,14 @@ def listed(numbers: list[int], shown: int = 5) -> str:
     """`3, 6, 9, 12, 15 and 7 more`: row or line numbers for a message, the first few shown and the rest counted."""
     head = ", ".join(map(str, numbers[:shown]))
     return head + (f" and {len(numbers) - shown} more" if len(numbers) > shown else "")
+
+
+def raise_problems(subject: str, problems: list[str], fix: str = "") -> None:
+    """Every problem found at once, as one UserError: `The data has 2 problems:` and one line each.
+
+    The one formatter for "all problems at once" (config, data); nothing is raised when `problems` is empty."""
+    if not problems:
+        return
+    lines = [p.rstrip(".") + "." for p in problems]
+    head = f"{subject} has 1 problem:" if len(lines) == 1 else f"{subject} has {len(lines)} problems:"
+    raise UserError("\n".join([head, *(f"  - {line}" for line in lines), *([fix] if fix else [])]))

@@ -18,7 +18,7 @@ from emotune.config import CleaningConfig, DataConfig
 from emotune.data import clean, splits as split_ops
 from emotune.data.labels import choose_label_names, coerce_columns, example_rows, label_key, map_labels
 from emotune.data.sources import EMBEDDED_LABELS, SPLITS, read_source
-from emotune.errors import UserError
+from emotune.errors import UserError, raise_problems
 
 
 @dataclass
@@ -131,11 +131,7 @@ def _share(fraction: float) -> str:
 
 
 def _raise(problems: list[str]) -> None:
-    if not problems:
-        return
-    if len(problems) == 1:
-        raise UserError(f"The data has a problem: {problems[0]}.")
-    raise UserError("\n".join([f"The data has {len(problems)} problems:", *(f"  - {p}." for p in problems)]))
+    raise_problems("The data", problems)
 
 
 def _alias_problems(cfg: DataConfig, labels: list[str]) -> list[str]:
