@@ -4,6 +4,7 @@ nothing is written when validation fails. Plus the real emotion dataset's known 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -14,7 +15,9 @@ from emotune.config import DataConfig
 
 from conftest import LABELS, make_rows, write_jsonl
 
-REAL_EMOTION = Path("/work/shared/datasets/emotion")
+# The research-only emotion dataset beside the checkout (../shared/datasets/emotion), or where
+# EMOTUNE_EMOTION_DATA points; never copied into the project.
+REAL_EMOTION = Path(os.environ.get("EMOTUNE_EMOTION_DATA") or Path(__file__).resolve().parents[2] / "shared" / "datasets" / "emotion")
 
 
 def _data_overrides(tiny_model_dir, source, tmp_path) -> list[str]:
