@@ -144,7 +144,10 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from emotune import __version__
+
     parser = argparse.ArgumentParser(prog="emotune", description="Turn an instruction-tuned LLM into a measured classifier with LoRA.")
+    parser.add_argument("--version", action="version", version=f"emotune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
