@@ -21,3 +21,18 @@ def test_package_version_matches_pyproject():
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
     assert __version__ == pyproject["project"]["version"]
+
+
+def test_config_fields_lists_the_choices_of_choice_fields(capsys):
+    assert main(["config", "--fields"]) == 0
+    entries = {}
+    for block in capsys.readouterr().out.splitlines():
+        if not block.startswith(" ") and " = " in block:
+            key = block.partition(" = ")[0]
+        elif block.strip():
+            entries[key] = block.strip()
+    assert entries["eval.method"].endswith("Allowed: one of `generate`, `score`, `both`.")
+    assert entries["data.cleaning.urls"].endswith("Allowed: one of `keep`, `replace`, `drop`.")
+    assert "`tensorboard`, `mlflow`, `wandb`" in entries["train.report_to"]
+    assert entries["eval.batch_size"].endswith("Allowed: an integer >= 1, or `auto`.")
+    assert "Allowed" not in entries["model.source"]  # free text has no list of values

@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
@@ -583,5 +583,25 @@ def field_docs(model: type[BaseModel] = ClassifyConfig, prefix: str = "") -> lis
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows += field_docs(annotation, f"{prefix}{name}.")
         else:
-            rows.append((f"{prefix}{name}", repr(info.default), " ".join((info.description or "").split())))
+            doc = " ".join((info.description or "").split())
+            allowed = _allowed_values(info)
+            rows.append((f"{prefix}{name}", repr(info.default), f"{doc} Allowed: {allowed}." if allowed else doc))
     return rows
+
+
+def _allowed_values(info: Any) -> str:
+    """What a field accepts, in words: its `Range`, or its choices (`Literal` values), else "" (free text, bools)."""
+    allowed = next((m for m in info.metadata if isinstance(m, Range)), None)
+    if allowed is not None:
+        return allowed.describe(integer=float not in _number_types(info.annotation))
+    choices = _literal_values(info.annotation)
+    if not choices:
+        return ""
+    listed = ", ".join(f"`{c}`" for c in choices)
+    return f"a list of any of {listed}" if get_origin(info.annotation) is list else f"one of {listed}"
+
+
+def _literal_values(annotation: Any) -> list[Any]:
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    return [value for arg in get_args(annotation) for value in _literal_values(arg)]
