@@ -299,7 +299,8 @@ class TrainConfig(Section):
     save_total_limit: Annotated[int, Range(1)] = 2
     """Keep this many most recent checkpoints (plus the best one)."""
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
-    """Experiment trackers that also receive the training log (each must be installed); [] = none."""
+    """Experiment trackers that also receive the training log (each must be installed); [] = none. One name
+    alone (`train.report_to=tensorboard`) is a one-item list."""
     fsdp: bool = False
     """Shard the model's weights, gradients and optimizer state across the processes (FSDP2, PyTorch's
     `fully_shard` through Accelerate) instead of a full copy on each (DDP). Use it when the model does not
@@ -308,6 +309,11 @@ class TrainConfig(Section):
     gathered and written by process 0 in the single-process format; resume with FSDP again. On one
     process it is ignored, with a note. `accelerate launch --use_fsdp --fsdp_version 2` turns it on too,
     with that launcher's FSDP settings."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 class EvalConfig(Section):
