@@ -36,3 +36,17 @@ def test_config_fields_lists_the_choices_of_choice_fields(capsys):
     assert "`tensorboard`, `mlflow`, `wandb`" in entries["train.report_to"]
     assert entries["eval.batch_size"].endswith("Allowed: an integer >= 1, or `auto`.")
     assert "Allowed" not in entries["model.source"]  # free text has no list of values
+
+
+def test_predict_device_help_says_rocm_is_cuda_and_takes_a_gpu_number(capsys):
+    from emotune.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["predict", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "ROCm (AMD) GPUs are `cuda` in PyTorch" in help_text and "cuda:N" in help_text
+    assert parser.parse_args(["predict", "runs/x", "hi", "--device", "cuda:1"]).device == "cuda:1"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["predict", "runs/x", "hi", "--device", "rocm"])
+    assert "ROCm (AMD) GPUs are cuda" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from emotune.errors import UserError
@@ -172,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label>")
             p.add_argument("--text-column", default="text", help="column of --file holding the text (default: text)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
-            p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+            p.add_argument("--device", default="auto", type=_device_name, metavar="{auto,cpu,cuda,cuda:N,mps}",
+                           help="where the model runs (default: auto = a GPU if PyTorch sees one, else CPU); ROCm "
+                                "(AMD) GPUs are `cuda` in PyTorch; cuda:N picks GPU N")
             p.add_argument("--config", help="for an adapter made by another tool (no emotune.json): a YAML config whose "
                                             "data.label_names, prompt and model.source it was trained with")
             p.add_argument("--labels", help="the same labels as a comma-separated list (overrides the config's)")
@@ -186,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "doctor":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def _device_name(text: str) -> str:
+    if text in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"`{text}` is not a device: use auto, cpu, cuda, cuda:N (e.g. cuda:1) or mps; "
+                                     "ROCm (AMD) GPUs are cuda in PyTorch")
 
 
 def process_defaults() -> None:
