@@ -50,3 +50,17 @@ def test_predict_device_help_says_rocm_is_cuda_and_takes_a_gpu_number(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["predict", "runs/x", "hi", "--device", "rocm"])
     assert "ROCm (AMD) GPUs are cuda" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["data", "eval"])
+def test_data_and_eval_help_show_overrides_of_their_own(command, capsys):
+    from emotune.cli import OVERRIDE_EXAMPLES
+    from emotune.config import load_config
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert OVERRIDE_EXAMPLES[command] in help_text and "train." not in help_text
+    examples = [item.rstrip(",") for item in OVERRIDE_EXAMPLES[command].split() if "=" in item]
+    assert all(item.startswith(f"{command}.") or item.partition("=")[0] in ("adapter", "split") for item in examples)
+    load_config(None, [item for item in examples if "." in item.partition("=")[0]])  # real keys, valid values

@@ -143,6 +143,15 @@ COMMANDS = {
     "config": (_cmd_config, "print the resolved config (or every field with its documentation)"),
 }
 
+# each command's help shows an override that changes what that command does
+OVERRIDE_EXAMPLES = {
+    "run": "train.max_steps=2",
+    "train": "train.max_steps=2",
+    "config": "train.max_steps=2",
+    "data": "data.test_limit=200 data.cleaning.duplicates=exact",
+    "eval": "eval.method=score, plus this command's adapter=DIR and split=validation",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     from emotune import __version__
@@ -154,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name in ("run", "train", "config", "data", "eval"):
             p.add_argument("config", nargs="?", help="YAML config file (optional; defaults are the embedded CPU recipe)")
-            p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=2")
+            p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {OVERRIDE_EXAMPLES[name]}")
         if name == "config":
             p.add_argument("--fields", action="store_true", help="list every config key with its default and docstring")
         if name == "export":
