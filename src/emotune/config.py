@@ -118,8 +118,9 @@ class ModelConfig(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Weight dtype when loading; `auto` follows the precision chosen for the device."""
     cache_dir: str | None = None
-    """Where converted GGUF models and hub downloads are kept; default: the user cache dir
-    (`~/.cache/emotune` on Linux)."""
+    """Where converted GGUF models are kept (default: the user cache dir, `~/.cache/emotune` on Linux) and,
+    when set, Hugging Face hub models (in `<cache_dir>/hub`); unset, hub models go to the shared Hugging Face
+    cache (HF_HUB_CACHE, else HF_HOME/hub, else `~/.cache/huggingface/hub`), so a cached model is reused."""
     chat_template: str | None = None
     """A Jinja chat-template file to use instead of the tokenizer's. When neither exists, Gemma's turn
     format is used (system text folded into the first user turn)."""
