@@ -133,3 +133,10 @@ def test_comparison_terminal_and_report_show_the_chance_levels(both_run):
     assert "<th>majority class (sadness)</th>" in page and page.count("<th>stratified guess</th>") == 2
     assert "always sadness" in page and ("pretrained (not instruction-tuned)" in page) == (invalid >= 6)
 
+
+def test_the_cpu_recipe_measures_both_methods():
+    from pathlib import Path
+
+    from emotune.config import load_config
+
+    assert load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu.yaml").eval.method == "both"
