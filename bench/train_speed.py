@@ -1,5 +1,6 @@
 """Training speed and memory: emotune's trainer against the reference recipe, side by side.
 
+    pip install -e ".[bench]"   # TRL, for the reference side
     PYTHONPATH=src python bench/train_speed.py [--rows 256]
 
 Both sides train the packaged Gemma 3 270M for one epoch on the same first `--rows` rows of
@@ -26,6 +27,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import resource
 import subprocess
@@ -53,6 +55,9 @@ def main() -> None:
                         help="run the reference with emotune.cli.process_defaults() too")
     parser.add_argument("--side", choices=["ref", "ours"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if importlib.util.find_spec("trl") is None:
+        sys.exit("bench/train_speed.py runs the reference recipe with TRL's SFTTrainer, and TRL is not installed "
+                 "(emotune itself does not need it). Install the benchmark extra: pip install -e \".[bench]\"")
     if args.side:
         defaults = args.side == "ours" or args.ref_process_defaults
         overrides = [f"train.gradient_checkpointing={str(args.side == 'ref' or not args.ours_no_gradient_checkpointing).lower()}",

@@ -159,3 +159,9 @@ def test_each_task_accepts_only_its_own_sections(monkeypatch):
     with pytest.raises(UserError, match="label_names"):
         load_config(None, ["task=other", "data.label_names=[a, b]"])
     assert type(load_config(None, [])).__name__ == "ClassifyConfig"
+
+
+def test_one_tracker_name_is_a_one_item_list():
+    assert load_config(None, ["train.report_to=tensorboard"]).train.report_to == ["tensorboard"]
+    assert load_config(None, ["train.report_to=[tensorboard, wandb]"]).train.report_to == ["tensorboard", "wandb"]
+    assert "`train.report_to.0`" in _problem("train.report_to=tensorbord")

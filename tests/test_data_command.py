@@ -124,3 +124,21 @@ def test_data_command_never_swaps_the_data_under_an_existing_run(tiny_model_dir,
     assert report["rows"]["test"] == 12  # untouched
     assert main(["data", *args, "data.test_limit=6", "overwrite=true"]) == 0
     assert not (tmp_path / "runs" / "d" / "run.json").exists()
+
+
+def test_token_length_percentiles_are_rounded_in_the_report():
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from emotune.config import load_config
+    from emotune.data.prepare import token_length_stats
+
+    def words(texts, add_special_tokens):  # one token per word
+        return {"input_ids": [text.split() for text in texts]}
+
+    lengths = [3, 5, 8, 13, 21, 17, 4, 9, 2, 30]  # numpy's p95 of these is 25.94999999999999
+    data = SimpleNamespace(splits={"train": Dataset.from_dict({"text": ["w " * n for n in lengths]})})
+    stats = token_length_stats(data, words, load_config(None, []))["train"]
+    assert stats["p50"] == 8.5 and stats["p95"] == 25.9 and stats["p99"] == 29.2
+    assert all(len(repr(v).partition(".")[2]) <= 1 for v in stats.values())

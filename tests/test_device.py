@@ -82,3 +82,13 @@ def test_doctor_cli_prints_report(capsys):
     assert "backend" in out and "transformers" in out
     assert main(["doctor", "--json"]) == 0
     assert '"backend"' in capsys.readouterr().out
+
+
+def test_a_numbered_gpu_is_chosen_and_checked(monkeypatch):
+    fake_gpu(monkeypatch, hip="6.4.1")  # two GPUs
+    assert device.resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(UserError, match="sees 2 GPU"):
+        device.resolve_device("cuda:2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="no CUDA or ROCm GPU"):
+        device.resolve_device("cuda:0")

@@ -50,3 +50,61 @@ def test_calibration_error_is_zero_when_confidence_matches_accuracy():
 def test_two_labels_top2_is_trivially_one():
     m = probability_metrics(["a", "b"], np.array([[0.9, 0.1], [0.8, 0.2]]), ["a", "b"])
     assert m["top2_accuracy"] == 1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Chance levels of a split
+
+
+def test_chance_levels_by_hand():
+    from emotune.tasks.classify_report import chance_levels
+
+    chance = chance_levels({"a": 6, "b": 3, "c": 1})  # shares 0.6, 0.3, 0.1; K = 3
+    assert chance["rows"] == 10
+    assert chance["uniform"]["accuracy"] == pytest.approx(1 / 3, abs=1e-6)
+    # uniform: F1_k = 2 p_k / (K p_k + 1)
+    assert chance["uniform"]["macro_f1"] == pytest.approx((1.2 / 2.8 + 0.6 / 1.9 + 0.2 / 1.3) / 3, abs=1e-6)
+    assert chance["majority"] == {"label": "a", "accuracy": 0.6, "macro_f1": pytest.approx(0.75 / 3, abs=1e-6)}
+    assert chance["stratified"]["accuracy"] == pytest.approx(0.36 + 0.09 + 0.01, abs=1e-6)
+    assert chance["stratified"]["macro_f1"] == pytest.approx(1 / 3, abs=1e-6)
+
+
+def test_majority_chance_equals_the_metrics_of_always_answering_it():
+    from emotune.tasks.classify_report import chance_levels
+
+    gold = ["a", "a", "b", "b", "b"]  # ties break to the first label in order; `c` is absent from the split
+    labels = ["a", "b", "c"]
+    chance = chance_levels({"a": 2, "b": 3, "c": 0})
+    measured = compute_metrics(gold, ["b"] * len(gold), labels)
+    assert chance["majority"]["label"] == "b"
+    assert chance["majority"]["accuracy"] == pytest.approx(measured["accuracy"])
+    assert chance["majority"]["macro_f1"] == pytest.approx(measured["macro_f1"], abs=1e-6)
+    assert chance_levels({"a": 2, "b": 2})["majority"]["label"] == "a"
+
+
+@pytest.mark.parametrize("guesser", ["uniform", "stratified"])
+def test_random_guessers_measured_on_a_large_split_approach_the_analytic_chance(guesser):
+    from emotune.tasks.classify_report import chance_levels
+
+    labels, shares = ["a", "b", "c", "d"], [0.55, 0.25, 0.15, 0.05]
+    rng = np.random.default_rng(0)
+    gold = list(rng.choice(labels, size=20_000, p=shares))
+    counts = {label: gold.count(label) for label in labels}
+    guess_shares = [0.25] * 4 if guesser == "uniform" else [counts[label] / len(gold) for label in labels]
+    measured = compute_metrics(gold, list(rng.choice(labels, size=len(gold), p=guess_shares)), labels)
+    chance = chance_levels(counts)[guesser]
+    assert measured["accuracy"] == pytest.approx(chance["accuracy"], abs=0.01)
+    assert measured["macro_f1"] == pytest.approx(chance["macro_f1"], abs=0.01)
+
+
+def test_baseline_notes_explain_a_mostly_invalid_generate_baseline():
+    from emotune.tasks.classify_report import baseline_notes, chance_levels
+
+    chance = chance_levels({"joy": 3, "fear": 1})
+    quiet = baseline_notes({"generate": {"rows": 4, "invalid": 1}}, chance)
+    assert len(quiet) == 1 and "always joy" in quiet[0] and "beats all three" in quiet[0]
+    both = baseline_notes({"generate": {"rows": 4, "invalid": 4}, "score": {"rows": 4, "invalid": 0}}, chance)
+    assert len(both) == 2 and "4 of 4 invalid" in both[1] and "pretrained (not instruction-tuned)" in both[1]
+    assert "eval.method=both" not in both[1]
+    alone = baseline_notes({"generate": {"rows": 4, "invalid": 2}}, chance)
+    assert "set eval.method=both" in alone[1]

@@ -22,20 +22,52 @@ def test_hub_id_without_network_says_how_to_download(tmp_path):
     assert "google/gemma-4-E4B-it" in message and "Download it first" in message and "model.source" in message
 
 
-def test_hub_id_uses_the_hub_client(tmp_path, monkeypatch, tiny_model_dir):
-    calls = {}
+def test_hub_id_downloads_into_the_shared_hf_cache(tmp_path, monkeypatch, tiny_model_dir):
+    calls = []
 
-    def fake_hub_download(repo_id, revision=None, local_dir=None, allow_patterns=None):
-        calls.update(repo_id=repo_id, revision=revision, local_dir=local_dir)
+    def fake_hub_download(repo_id, *, revision=None, cache_dir=None, allow_patterns=None, **rest):
+        calls.append(dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, **rest))
         return str(tiny_model_dir)
 
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub_download)
-    cfg = ModelConfig(source="hf:google/gemma-4-E4B-it", revision="main", cache_dir=str(tmp_path))
-    assert resolve_model_dir(cfg) == Path(tiny_model_dir)
-    assert calls["repo_id"] == "google/gemma-4-E4B-it" and calls["revision"] == "main"
-    assert calls["local_dir"].startswith(str(tmp_path))
+    monkeypatch.setattr("emotune.models.user_cache_dir", lambda name: str(tmp_path / "user-cache" / name))
+    assert resolve_model_dir(ModelConfig(source="hf:google/gemma-4-E4B-it", revision="main")) == Path(tiny_model_dir)
+    # huggingface_hub's own default cache (HF_HUB_CACHE / HF_HOME), never a folder of emotune's
+    assert calls[-1] == {"repo_id": "google/gemma-4-E4B-it", "revision": "main", "cache_dir": None}
+    resolve_model_dir(ModelConfig(source="google/gemma-4-E4B-it", cache_dir=str(tmp_path)))
+    assert calls[-1]["cache_dir"] == str(tmp_path / "hub") and "local_dir" not in calls[-1]
+
+
+def _cache_snapshot(cache: Path, repo_id: str, model_dir: Path) -> Path:
+    """A model as huggingface_hub's cache holds it: refs/main naming the commit whose snapshot has the files."""
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(model_dir, repo / "snapshots" / commit)
+    return repo / "snapshots" / commit
+
+
+def test_a_model_in_the_hf_cache_is_used_without_downloading(tmp_path, monkeypatch, tiny_model_dir):
+    import huggingface_hub.constants
+
+    from emotune.models import load_tokenizer_only
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # any request would raise
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "shared"))  # as HF_HUB_CACHE sets it
+    monkeypatch.setattr("emotune.models.user_cache_dir", lambda name: str(tmp_path / "user-cache" / name))
+    snapshot = _cache_snapshot(tmp_path / "shared", "acme/tiny", tiny_model_dir)
+    assert resolve_model_dir(ModelConfig(source="acme/tiny")).resolve() == snapshot.resolve()
+    assert load_tokenizer_only(ModelConfig(source="hf:acme/tiny")).convert_tokens_to_ids("joy") >= 0
+    own = _cache_snapshot(tmp_path / "own" / "hub", "acme/tiny", tiny_model_dir)  # model.cache_dir's hub cache
+    assert resolve_model_dir(ModelConfig(source="acme/tiny", cache_dir=str(tmp_path / "own"))).resolve() == own.resolve()
+    with pytest.raises(UserError, match="Download it first"):
+        resolve_model_dir(ModelConfig(source="acme/other"))
+    assert not (tmp_path / "user-cache").exists()  # nothing written into emotune's own folder
 
 
 def test_modelscope_id_uses_modelscope_client(tmp_path, monkeypatch, tiny_model_dir):

@@ -103,3 +103,40 @@ def test_report_renders_in_headless_chromium(both_run, tmp_path):
     dom = subprocess.run([*common, "--dump-dom", url], check=True, timeout=120, capture_output=True, text=True).stdout
     assert "Before/after, method <b>generate</b>" in dom and "Before/after, method <b>score</b>" in dom
     assert "macro-F1" in dom
+
+
+def test_comparison_terminal_and_report_show_the_chance_levels(both_run):
+    from types import SimpleNamespace
+
+    from emotune.config import load_config
+    from emotune.tasks.classify import format_comparison
+
+    run_dir, overrides = both_run
+    labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]
+    comparison = json.loads((run_dir / "comparison.json").read_text())
+    chance = comparison["chance"]  # the test split holds 2 rows of each of the 6 labels
+    assert chance["rows"] == 12 and chance["majority"]["label"] == "sadness"
+    for guess in ("uniform", "majority", "stratified"):
+        assert chance[guess]["accuracy"] == pytest.approx(1 / 6, abs=1e-6)
+    assert chance["uniform"]["macro_f1"] == chance["stratified"]["macro_f1"] == pytest.approx(1 / 6, abs=1e-6)
+    assert chance["majority"]["macro_f1"] == pytest.approx(2 / 7 / 6, abs=1e-6)
+
+    text = format_comparison(comparison, SimpleNamespace(labels=labels), load_config(None, overrides))
+    assert text.count("uniform    majority  stratified") == 2  # the header of both methods' tables
+    assert text.count("above every chance level?") == 2 and "always sadness" in text
+    accuracy = next(line for line in text.splitlines() if line.startswith("accuracy"))
+    assert accuracy.split()[-3:] == ["0.167", "0.167", "0.167"]
+    invalid = json.loads((run_dir / "baseline" / "metrics.json").read_text())["invalid"]
+    assert ("pretrained (not instruction-tuned)" in text) == (invalid >= 6)  # explained when half or more are invalid
+
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "<th>majority class (sadness)</th>" in page and page.count("<th>stratified guess</th>") == 2
+    assert "always sadness" in page and ("pretrained (not instruction-tuned)" in page) == (invalid >= 6)
+
+
+def test_the_cpu_recipe_measures_both_methods():
+    from pathlib import Path
+
+    from emotune.config import load_config
+
+    assert load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu.yaml").eval.method == "both"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from emotune.errors import UserError
@@ -142,15 +143,27 @@ COMMANDS = {
     "config": (_cmd_config, "print the resolved config (or every field with its documentation)"),
 }
 
+# each command's help shows an override that changes what that command does
+OVERRIDE_EXAMPLES = {
+    "run": "train.max_steps=2",
+    "train": "train.max_steps=2",
+    "config": "train.max_steps=2",
+    "data": "data.test_limit=200 data.cleaning.duplicates=exact",
+    "eval": "eval.method=score, plus this command's adapter=DIR and split=validation",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
+    from emotune import __version__
+
     parser = argparse.ArgumentParser(prog="emotune", description="Turn an instruction-tuned LLM into a measured classifier with LoRA.")
+    parser.add_argument("--version", action="version", version=f"emotune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name in ("run", "train", "config", "data", "eval"):
             p.add_argument("config", nargs="?", help="YAML config file (optional; defaults are the embedded CPU recipe)")
-            p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=2")
+            p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {OVERRIDE_EXAMPLES[name]}")
         if name == "config":
             p.add_argument("--fields", action="store_true", help="list every config key with its default and docstring")
         if name == "export":
@@ -169,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label>")
             p.add_argument("--text-column", default="text", help="column of --file holding the text (default: text)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
-            p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+            p.add_argument("--device", default="auto", type=_device_name, metavar="{auto,cpu,cuda,cuda:N,mps}",
+                           help="where the model runs (default: auto = a GPU if PyTorch sees one, else CPU); ROCm "
+                                "(AMD) GPUs are `cuda` in PyTorch; cuda:N picks GPU N")
             p.add_argument("--config", help="for an adapter made by another tool (no emotune.json): a YAML config whose "
                                             "data.label_names, prompt and model.source it was trained with")
             p.add_argument("--labels", help="the same labels as a comma-separated list (overrides the config's)")
@@ -183,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "doctor":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def _device_name(text: str) -> str:
+    if text in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"`{text}` is not a device: use auto, cpu, cuda, cuda:N (e.g. cuda:1) or mps; "
+                                     "ROCm (AMD) GPUs are cuda in PyTorch")
 
 
 def process_defaults() -> None:

@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
@@ -118,8 +118,9 @@ class ModelConfig(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Weight dtype when loading; `auto` follows the precision chosen for the device."""
     cache_dir: str | None = None
-    """Where converted GGUF models and hub downloads are kept; default: the user cache dir
-    (`~/.cache/emotune` on Linux)."""
+    """Where converted GGUF models are kept (default: the user cache dir, `~/.cache/emotune` on Linux) and,
+    when set, Hugging Face hub models (in `<cache_dir>/hub`); unset, hub models go to the shared Hugging Face
+    cache (HF_HUB_CACHE, else HF_HOME/hub, else `~/.cache/huggingface/hub`), so a cached model is reused."""
     chat_template: str | None = None
     """A Jinja chat-template file to use instead of the tokenizer's. When neither exists, Gemma's turn
     format is used (system text folded into the first user turn)."""
@@ -299,7 +300,8 @@ class TrainConfig(Section):
     save_total_limit: Annotated[int, Range(1)] = 2
     """Keep this many most recent checkpoints (plus the best one)."""
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
-    """Experiment trackers that also receive the training log (each must be installed); [] = none."""
+    """Experiment trackers that also receive the training log (each must be installed); [] = none. One name
+    alone (`train.report_to=tensorboard`) is a one-item list."""
     fsdp: bool = False
     """Shard the model's weights, gradients and optimizer state across the processes (FSDP2, PyTorch's
     `fully_shard` through Accelerate) instead of a full copy on each (DDP). Use it when the model does not
@@ -308,6 +310,11 @@ class TrainConfig(Section):
     gathered and written by process 0 in the single-process format; resume with FSDP again. On one
     process it is ignored, with a note. `accelerate launch --use_fsdp --fsdp_version 2` turns it on too,
     with that launcher's FSDP settings."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 class EvalConfig(Section):
@@ -583,5 +590,25 @@ def field_docs(model: type[BaseModel] = ClassifyConfig, prefix: str = "") -> lis
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows += field_docs(annotation, f"{prefix}{name}.")
         else:
-            rows.append((f"{prefix}{name}", repr(info.default), " ".join((info.description or "").split())))
+            doc = " ".join((info.description or "").split())
+            allowed = _allowed_values(info)
+            rows.append((f"{prefix}{name}", repr(info.default), f"{doc} Allowed: {allowed}." if allowed else doc))
     return rows
+
+
+def _allowed_values(info: Any) -> str:
+    """What a field accepts, in words: its `Range`, or its choices (`Literal` values), else "" (free text, bools)."""
+    allowed = next((m for m in info.metadata if isinstance(m, Range)), None)
+    if allowed is not None:
+        return allowed.describe(integer=float not in _number_types(info.annotation))
+    choices = _literal_values(info.annotation)
+    if not choices:
+        return ""
+    listed = ", ".join(f"`{c}`" for c in choices)
+    return f"a list of any of {listed}" if get_origin(info.annotation) is list else f"one of {listed}"
+
+
+def _literal_values(annotation: Any) -> list[Any]:
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    return [value for arg in get_args(annotation) for value in _literal_values(arg)]

@@ -81,9 +81,12 @@ def resolve_device(preference: str = "auto") -> torch.device:
     backend = detect_backend()
     if preference == "auto":
         return torch.device({"rocm": "cuda", "cuda": "cuda", "mps": "mps"}.get(backend, "cpu"))
-    if preference == "cuda" and backend not in ("cuda", "rocm"):
-        raise UserError("`device: cuda` was asked for but PyTorch sees no CUDA or ROCm GPU. "
+    if preference.startswith("cuda") and backend not in ("cuda", "rocm"):
+        raise UserError(f"`device: {preference}` was asked for but PyTorch sees no CUDA or ROCm GPU. "
                         "Run `emotune doctor` to see why, or set device=auto to use what is there.")
+    if preference.startswith("cuda:") and int(preference[5:]) >= torch.cuda.device_count():
+        raise UserError(f"`device: {preference}` was asked for but PyTorch sees {torch.cuda.device_count()} GPU(s), "
+                        "numbered from 0 (after CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES). Pick one of them.")
     if preference == "mps" and backend != "mps":
         raise UserError("`device: mps` was asked for but MPS is not available. Set device=auto or device=cpu.")
     return torch.device(preference)

@@ -122,9 +122,27 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
-def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
+def hf_cache_dir(cfg: ModelConfig) -> str | None:
+    """Where Hugging Face hub models go: the shared hub cache, so a model that any tool already downloaded is
+    not downloaded again. None = huggingface_hub's own default (HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub); with model.cache_dir set, `<cache_dir>/hub` in the same layout."""
+    return str(Path(cfg.cache_dir).expanduser() / "hub") if cfg.cache_dir else None
+
+
+def _hub_repo(source: str) -> tuple[str, str]:
+    """(`hf` or `modelscope`, repo id) of a hub source; a bare `org/name` is a Hugging Face id."""
     hub, _, repo_id = source.partition(":") if source.startswith(HUB_PREFIXES) else ("hf", "", source)
-    local_dir = cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
+    return hub, repo_id
+
+
+def _own_folder(cfg: ModelConfig, hub: str, repo_id: str) -> Path:
+    """emotune's own download folder: ModelScope models, and Hugging Face models downloaded by earlier versions."""
+    return cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
+
+
+def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
+    hub, repo_id = _hub_repo(source)
+    local_dir = _own_folder(cfg, hub, repo_id)
     if (local_dir / "config.json").is_file():
         return local_dir
     how = (f"Download it first where the hub is reachable (e.g. `hf download {repo_id} --local-dir models/{repo_id.split('/')[-1]}`"
@@ -141,7 +159,9 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
             path = ms_snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local_dir))
         else:
             from huggingface_hub import snapshot_download
-            path = snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local_dir),
+
+            # no local_dir: the shared cache, where a cached snapshot is reused (offline too) and only missing files come
+            path = snapshot_download(repo_id, revision=cfg.revision, cache_dir=hf_cache_dir(cfg),
                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"])
     except UserError:
         raise
@@ -270,14 +290,15 @@ def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
 
 
 def _download_tokenizer(cfg: ModelConfig) -> Path:
-    """Only the tokenizer files of a hub model, into their own folder (the model cache stays untouched)."""
-    hub, _, repo_id = cfg.source.partition(":") if cfg.source.startswith(HUB_PREFIXES) else ("hf", "", cfg.source)
-    full = cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
+    """Only the tokenizer files of a hub model (Hugging Face: into the shared cache's snapshot, where the weights
+    join them later; ModelScope: into their own folder, so the model folder stays untouched)."""
+    hub, repo_id = _hub_repo(cfg.source)
+    full = _own_folder(cfg, hub, repo_id)
     if (full / "config.json").is_file():
         return full  # the whole model is already here
     local = cache_root(cfg) / "tokenizers" / hub / repo_id.replace("/", "--")
     patterns = ["tokenizer*", "*.model", "special_tokens_map.json", "*.jinja", "chat_template*", "config.json"]
-    if (local / "tokenizer_config.json").is_file():
+    if hub == "modelscope" and (local / "tokenizer_config.json").is_file():
         return local
     try:
         if hub == "modelscope":
@@ -287,7 +308,8 @@ def _download_tokenizer(cfg: ModelConfig) -> Path:
         else:
             from huggingface_hub import snapshot_download
 
-            snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local), allow_patterns=patterns)
+            return Path(snapshot_download(repo_id, revision=cfg.revision, cache_dir=hf_cache_dir(cfg),
+                                          allow_patterns=patterns))
     except Exception as err:
         raise UserError(f"model.source `{cfg.source}`: could not download its tokenizer from the {hub} hub "
                         f"({type(err).__name__}). Download the model first and set model.source to its folder.") from None

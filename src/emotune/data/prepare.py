@@ -105,9 +105,10 @@ def token_length_stats(data: LabeledData, tokenizer, cfg: RunConfig) -> dict:
         lengths = token_lengths(list(texts), tokenizer)
         if not len(lengths):
             continue
-        p50, p90, p95, p99 = np.percentile(lengths, [50, 90, 95, 99])
-        stats[split] = {"rows_measured": int(len(lengths)), "mean": round(float(lengths.mean()), 1), "p50": float(p50),
-                        "p90": float(p90), "p95": float(p95), "p99": float(p99), "max": int(lengths.max()),
+        # percentiles interpolate between lengths: one decimal, or the JSON shows float noise (16.700000000000003)
+        p50, p90, p95, p99 = (round(float(p), 1) for p in np.percentile(lengths, [50, 90, 95, 99]))
+        stats[split] = {"rows_measured": int(len(lengths)), "mean": round(float(lengths.mean()), 1), "p50": p50,
+                        "p90": p90, "p95": p95, "p99": p99, "max": int(lengths.max()),
                         f"over_{cfg.data.cleaning.max_tokens}": int((lengths > cfg.data.cleaning.max_tokens).sum())}
     return stats
 

@@ -20,7 +20,8 @@ from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.evaluate import eval_methods, evaluate_methods, method_folder, read_metrics, write_results
 from emotune.rundir import RunDir
-from emotune.tasks.classify_report import compare_methods, format_table, report_sections, write_comparison
+from emotune.tasks.classify_report import (baseline_notes, compare_methods, format_table, report_sections,
+                                           write_comparison)
 
 __all__ = ["adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
            "format_comparison", "load_data", "outputs", "read_results", "report_sections", "run_info", "save_data",
@@ -109,8 +110,14 @@ def compare(before: dict[str, dict], after: dict[str, dict], data: LabeledData) 
 
 
 def format_comparison(comparison: dict, data: LabeledData, cfg: ClassifyConfig) -> str:
-    return "\n".join(f"\nBefore/after on the {cfg.eval.split} split ({one['rows']} rows, method {method}):\n"
-                     + format_table(one, data.labels) for method, one in comparison["methods"].items())
+    chance = comparison.get("chance")  # absent from comparisons written before chance levels existed
+    tables = [f"\nBefore/after on the {cfg.eval.split} split ({one['rows']} rows, method {method}):\n"
+              + format_table(one, data.labels, chance) for method, one in comparison["methods"].items()]
+    if chance:
+        baseline = {m: {"rows": one["rows"], "invalid": one["metrics"]["invalid"]["before"]}
+                    for m, one in comparison["methods"].items()}
+        tables += ["", *baseline_notes(baseline, chance)]
+    return "\n".join(tables)
 
 
 def outputs(run: RunDir, cfg: ClassifyConfig) -> list[Path]:

@@ -41,9 +41,76 @@ def compare(before: dict, after: dict, labels: list[str]) -> dict:
 
 
 def compare_methods(before: dict[str, dict], after: dict[str, dict], labels: list[str]) -> dict:
-    """The first method's comparison at the top level (the headline), every method's under "methods"."""
+    """The first method's comparison at the top level (the headline), every method's under "methods", and the
+    chance levels of the measured split under "chance" (the same split for every method)."""
     methods = {m: compare(before[m], after[m], labels) for m in before if m in after}
-    return {**next(iter(methods.values())), "methods": methods}
+    first = next(iter(before.values()))
+    return {**next(iter(methods.values())), "methods": methods, "chance": chance_levels(_support(first, labels))}
+
+
+# --------------------------------------------------------------------------------------------------
+# Chance levels: what guessing without reading the text scores on the measured split
+
+
+def chance_levels(support: dict[str, int]) -> dict:
+    """Accuracy and macro-F1 of three guessers that ignore the text, from the split's label counts alone.
+
+    With N rows, K labels and p_k = n_k / N the share of label k:
+    - uniform: every label with probability 1/K. Accuracy 1/K.
+    - majority: always the most frequent label m (the first of equals in label order). Accuracy p_m; only m
+      has an F1, 2 p_m / (1 + p_m) (precision p_m, recall 1), so macro-F1 = 2 p_m / (1 + p_m) / K. Exact.
+    - stratified: label k with probability p_k, the split's own proportions. Accuracy sum_k p_k^2.
+    Accuracy of a random guesser is its exact expectation, sum_k p_k q_k for guess shares q_k. Its F1 is
+    taken from the expected confusion matrix (true positives of k: N p_k q_k; predicted k: N q_k), so
+    class k has precision p_k and recall q_k, F1_k = 2 p_k q_k / (p_k + q_k): what a large split converges
+    to (F1 is a ratio, so the exact expectation over N rows differs by O(1/N)). Uniform: F1_k =
+    2 p_k / (K p_k + 1); stratified: F1_k = p_k, so macro-F1 = 1/K. Macro-F1 averages over all K labels,
+    as compute_metrics does; a label absent from the split scores 0.
+    """
+    rows, k = sum(support.values()), len(support)
+    share = {label: n / rows if rows else 0.0 for label, n in support.items()}
+
+    def guesser(guess: dict[str, float]) -> dict[str, float]:
+        f1 = [2 * share[lb] * guess[lb] / (share[lb] + guess[lb]) if share[lb] + guess[lb] else 0.0 for lb in support]
+        return {"accuracy": round(sum(share[lb] * guess[lb] for lb in support), 6), "macro_f1": round(sum(f1) / k, 6)}
+
+    majority = max(support, key=support.get)
+    return {"rows": rows,
+            "uniform": guesser({label: 1 / k for label in support}),
+            "majority": {"label": majority, **guesser({label: float(label == majority) for label in support})},
+            "stratified": guesser(share)}
+
+
+def _support(metrics: dict, labels: list[str]) -> dict[str, int]:
+    return {label: int(metrics["per_class"][label]["support"]) for label in labels}
+
+
+CHANCE_NOTE = ("Chance levels: what guessing without reading the text scores on this split — uniform (every label "
+               "equally often), majority (always {majority}), stratified (labels in the split's own proportions); "
+               "a model knows something about the task only where it beats all three.")
+PRETRAINED_NOTE = ("The generate baseline has {invalid} of {rows} invalid answers: a pretrained (not instruction-tuned) "
+                   "base model continues the prompt instead of answering it, so no label name is found in its reply, "
+                   "while the score method reads the probability of each label directly and so measures what the base "
+                   "model knows{hint}.")
+
+
+def baseline_notes(baseline: dict[str, dict], chance: dict) -> list[str]:
+    """The sentences under the before/after tables: what the chance levels are and, when the generate baseline is
+    mostly invalid, why (and where to look instead). `baseline`: {method: metrics before training}."""
+    notes = [CHANCE_NOTE.format(majority=chance["majority"]["label"])]
+    generate = baseline.get("generate")
+    if generate and generate["rows"] and generate["invalid"] >= generate["rows"] / 2:
+        hint = "" if "score" in baseline else " (set eval.method=both to measure it)"
+        notes.append(PRETRAINED_NOTE.format(invalid=generate["invalid"], rows=generate["rows"], hint=hint))
+    return notes
+
+
+def beats_chance(value: float, metric: str, chance: dict) -> bool:
+    return value > max(chance[guess][metric] for guess in CHANCE_GUESSES)
+
+
+CHANCE_GUESSES = ("uniform", "majority", "stratified")
+CHANCE_METRICS = ("accuracy", "macro_f1")
 
 
 def _row(before: float, after: float) -> dict[str, float]:
@@ -61,19 +128,28 @@ def write_comparison(comparison: dict, run: RunDir) -> None:
     write_json(run.comparison_json, comparison)
 
 
-def format_table(comparison: dict, labels: list[str]) -> str:
-    """The terminal table: headline metrics, then per-class F1."""
+def format_table(comparison: dict, labels: list[str], chance: dict | None = None) -> str:
+    """The terminal table: headline metrics, then per-class F1; with `chance`, the split's chance levels beside
+    accuracy and macro-F1, and whether the model beats them before and after."""
     rows = [(TITLES[key], key) for key in HEADLINE] + [(f"F1 {label}", f"{label}/f1") for label in labels]
     width = max(len(title) for title, _ in rows) + 2
-    lines = [f"{'metric':<{width}}{'before':>10}{'after':>10}{'delta':>10}", "-" * (width + 30)]
+    guesses = CHANCE_GUESSES if chance else ()
+    lines = [f"{'metric':<{width}}{'before':>10}{'after':>10}{'delta':>10}" + "".join(f"{g:>12}" for g in guesses),
+             "-" * (width + 30 + 12 * len(guesses))]
     for title, key in rows:
         row = comparison["metrics"].get(key)
         if row is None:
             continue
         if key == "invalid":
             lines.append(f"{title:<{width}}{row['before']:>10d}{row['after']:>10d}{row['delta']:>+10d}")
-        else:
-            lines.append(f"{title:<{width}}{row['before']:>10.3f}{row['after']:>10.3f}{row['delta']:>+10.3f}")
+            continue
+        levels = "".join(f"{chance[g][key]:>12.3f}" for g in guesses) if key in CHANCE_METRICS else ""
+        lines.append(f"{title:<{width}}{row['before']:>10.3f}{row['after']:>10.3f}{row['delta']:>+10.3f}{levels}")
+    if chance:
+        verdicts = [f"{stage}: " + ", ".join(
+            f"{TITLES[m]} {'yes' if beats_chance(comparison['metrics'][m][stage], m, chance) else 'no'}"
+            for m in CHANCE_METRICS if m in comparison["metrics"]) for stage in ("before", "after")]
+        lines.append("above every chance level? " + " · ".join(verdicts))
     return "\n".join(lines)
 
 
@@ -81,8 +157,11 @@ def report_sections(run: RunDir, info: dict) -> list[str]:
     """One section per evaluation method: before/after table, figures, changed and invalid rows."""
     labels = info["labels"]
     baseline, finetuned = read_stage(run.baseline), read_stage(run.finetuned)
-    return [_method_section(method, before, finetuned.get(method), labels, run.figures)
-            for method, before in baseline.items()]
+    chance = chance_levels(_support(next(iter(baseline.values()))["metrics"], labels))
+    notes = baseline_notes({m: stage["metrics"] for m, stage in baseline.items()}, chance)
+    intro = "<section id=chance>" + "".join(f"<p>{html.escape(note)}</p>" for note in notes) + "</section>"
+    return [intro, *(_method_section(method, before, finetuned.get(method), labels, run.figures, chance)
+                     for method, before in baseline.items())]
 
 
 def read_stage(folder: Path) -> dict[str, dict]:
@@ -97,11 +176,12 @@ def read_stage(folder: Path) -> dict[str, dict]:
     return found
 
 
-def _method_section(method: str, before: dict, after: dict | None, labels: list[str], figures_dir: Path) -> str:
+def _method_section(method: str, before: dict, after: dict | None, labels: list[str], figures_dir: Path,
+                    chance: dict) -> str:
     title = {"generate": "generate — greedy decoding + regex (the reference method)",
              "score": "score — exact label probabilities (never invalid)"}.get(method, method)
     parts = [f"<section id='method-{method}'><h2>Method: {html.escape(title)}</h2>",
-             _metrics_table(method, before["metrics"], after and after["metrics"], labels)]
+             _metrics_table(method, before["metrics"], after and after["metrics"], labels, chance)]
     pictures = [("confusion", _confusion_figure(before["metrics"], after and after["metrics"], labels, method)),
                 ("per_class_f1", _f1_figure(before["metrics"], after and after["metrics"], labels, method))]
     for name, figure in pictures:
@@ -112,7 +192,7 @@ def _method_section(method: str, before: dict, after: dict | None, labels: list[
     return "\n".join(parts) + "</section>"
 
 
-def _metrics_table(method: str, before: dict, after: dict | None, labels: list[str]) -> str:
+def _metrics_table(method: str, before: dict, after: dict | None, labels: list[str], chance: dict) -> str:
     keys = [k for k in HEADLINE if k in before]
     body = []
     for key, title in [(k, TITLES[k]) for k in keys] + [(f"{label}/f1", f"F1 {label}") for label in labels]:
@@ -124,8 +204,12 @@ def _metrics_table(method: str, before: dict, after: dict | None, labels: list[s
             better = (delta < 0) if key in LOWER_IS_BETTER else (delta > 0)
             tone = "good" if better else ("bad" if delta else "")
             cells += f"<td class=num>{_fmt(a)}</td><td class='num {tone}'>{_fmt(delta, signed=True)}</td>"
+        cells += "".join(f"<td class='num chance'>{_fmt(chance[g][key])}</td>" if key in CHANCE_METRICS else "<td></td>"
+                         for g in CHANCE_GUESSES)
         body.append(f"<tr><th>{html.escape(title)}</th>{cells}</tr>")
     head = "<th>before</th><th>after</th><th>Δ</th>" if after is not None else "<th>baseline</th>"
+    head += (f"<th>uniform guess</th><th>majority class ({html.escape(chance['majority']['label'])})</th>"
+             "<th>stratified guess</th>")
     rows = before.get("rows")
     return (f"<table class='before-after' data-method='{method}'><caption>Before/after, method <b>{method}</b>, "
             f"{rows} rows</caption><tr><th>metric</th>{head}</tr>{''.join(body)}</table>")

@@ -1,0 +1,66 @@
+"""The command line itself: flags and help texts that no stage owns."""
+
+from __future__ import annotations
+
+import pytest
+
+from emotune import __version__
+from emotune.cli import main
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"emotune {__version__}"
+
+
+def test_package_version_matches_pyproject():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    assert __version__ == pyproject["project"]["version"]
+
+
+def test_config_fields_lists_the_choices_of_choice_fields(capsys):
+    assert main(["config", "--fields"]) == 0
+    entries = {}
+    for block in capsys.readouterr().out.splitlines():
+        if not block.startswith(" ") and " = " in block:
+            key = block.partition(" = ")[0]
+        elif block.strip():
+            entries[key] = block.strip()
+    assert entries["eval.method"].endswith("Allowed: one of `generate`, `score`, `both`.")
+    assert entries["data.cleaning.urls"].endswith("Allowed: one of `keep`, `replace`, `drop`.")
+    assert "`tensorboard`, `mlflow`, `wandb`" in entries["train.report_to"]
+    assert entries["eval.batch_size"].endswith("Allowed: an integer >= 1, or `auto`.")
+    assert "Allowed" not in entries["model.source"]  # free text has no list of values
+
+
+def test_predict_device_help_says_rocm_is_cuda_and_takes_a_gpu_number(capsys):
+    from emotune.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["predict", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "ROCm (AMD) GPUs are `cuda` in PyTorch" in help_text and "cuda:N" in help_text
+    assert parser.parse_args(["predict", "runs/x", "hi", "--device", "cuda:1"]).device == "cuda:1"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["predict", "runs/x", "hi", "--device", "rocm"])
+    assert "ROCm (AMD) GPUs are cuda" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["data", "eval"])
+def test_data_and_eval_help_show_overrides_of_their_own(command, capsys):
+    from emotune.cli import OVERRIDE_EXAMPLES
+    from emotune.config import load_config
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert OVERRIDE_EXAMPLES[command] in help_text and "train." not in help_text
+    examples = [item.rstrip(",") for item in OVERRIDE_EXAMPLES[command].split() if "=" in item]
+    assert all(item.startswith(f"{command}.") or item.partition("=")[0] in ("adapter", "split") for item in examples)
+    load_config(None, [item for item in examples if "." in item.partition("=")[0]])  # real keys, valid values
