@@ -40,7 +40,15 @@ DATA_REPORT = "data_report.json"
 
 
 def load_data(cfg: SftConfig) -> ConversationData:
+    """Validated conversations; with eval.probe, the probe's questions are checked too (before any weights load)."""
     data = load_conversations(cfg.data, cfg.seed)
+    if cfg.eval.probe:
+        try:
+            from emotune.probe import load_probe
+        except ImportError:
+            raise UserError("eval.probe=true needs the forgetting probe (emotune.probe), which this emotune lacks; set "
+                            "eval.probe=false, or use an emotune that has it.") from None
+        load_probe(limit=cfg.eval.probe_limit)
     data.report["fingerprint"] = data_fingerprint(cfg)
     return data
 
