@@ -4,6 +4,7 @@ full cross-entropy, classification's loss unchanged, and a 2-step `emotune run` 
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -200,3 +201,31 @@ def test_two_step_sft_run(tiny_model_dir, tmp_path):
     header = (folder / "finetuned" / "predictions.csv").read_text().splitlines()[0]
     assert header == "prompt,reference,output,kind,rouge_l,bleu,exact_match"
     assert json.loads((folder / "run.json").read_text())["status"] == "finished"
+
+
+def test_comparison_with_probe_and_intervals():
+    import dataclasses
+
+    from emotune.probe import ProbeResult, load_probe
+    from emotune.tasks.sft_report import _probe_section, compare, format_comparison
+
+    questions = load_probe(limit=40)
+    def probe(right: int) -> dict:  # the first `right` questions answered correctly
+        scores = [[0.0 if k == (q.answer if i < right else (q.answer + 1) % 4) else -5.0 for k in range(4)]
+                  for i, q in enumerate(questions)]
+        result = ProbeResult.from_scores(questions, scores)
+        return json.loads(json.dumps({**dataclasses.asdict(result), "accuracy": result.accuracy}))
+
+    def stage(score: float, loss: float, right: int) -> dict:
+        rows = [{"rouge_l": score, "bleu": score, "exact_match": score} for _ in range(10)]
+        kinds = {"k": {"rouge_l": score, "bleu": score, "exact_match": score, "n": 10}}
+        metrics = {"rows": 10, "rouge_l": score, "bleu": score, "exact_match": score, "loss": loss,
+                   "perplexity": math.exp(loss), "per_kind": kinds, "probe_accuracy": right / 40}
+        return {"metrics": metrics, "rows": rows, "probe": probe(right)}
+
+    comparison = compare(stage(0.2, 2.0, 40), stage(0.5, 1.0, 10))
+    assert comparison["metrics"]["rouge_l"] == {"before": 0.2, "after": 0.5, "delta": 0.3}
+    assert comparison["metrics"]["probe_accuracy"]["delta"] == -0.75
+    assert comparison["intervals"]["rouge_l"]["low"] == pytest.approx(0.3)
+    assert comparison["probe"]["flagged"] is True
+    assert "Flagged" in _probe_section(comparison, None) and "response perplexity" in format_comparison(comparison)
