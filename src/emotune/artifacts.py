@@ -25,7 +25,9 @@ from emotune.rundir import RunDir, atomic_dir, read_json
 
 META = "emotune.json"
 PEFT_CONFIG = "adapter_config.json"
-REQUIRED_META = ("labels", "system_prompt_template", "user_template", "base_model")
+# What emotune.json must hold, by the `task` it names (written by that task's adapter_meta; no `task`: classify).
+REQUIRED_META = {"classify": ("labels", "system_prompt_template", "user_template", "base_model"),
+                 "sft": ("task", "base_model")}
 
 
 @dataclass
@@ -88,7 +90,11 @@ def read_meta(folder: Path) -> dict | None:
     meta = read_json(path)
     if meta is None:
         raise UserError(f"`{path}` is not valid JSON. Re-export the run, or restore the file.")
-    missing = [k for k in REQUIRED_META if k not in meta]
+    required = REQUIRED_META.get(meta.get("task", "classify"))
+    if required is None:
+        raise UserError(f"`{path}` names task {meta.get('task')!r}, which this emotune does not know. Upgrade emotune to "
+                        "the version that trained the adapter.")
+    missing = [k for k in required if k not in meta]
     if missing:
         raise UserError(f"`{path}` lacks {', '.join(missing)}. It was not written by emotune; delete it to load the "
                         "adapter as one made by another tool (labels and prompt from the config or flags).")

@@ -6,6 +6,11 @@ every position (what TRL's completion-only loss does, then masks) costs more tha
 layers together. So the model projects only the positions that predict a completion token (a
 boolean `logits_to_keep`, which transformers 5 supports). The objective is unchanged: the same
 cross-entropy on the same completion tokens, summed and divided by their number.
+
+A row carries one loss span (classification: the label at the end of the row) or several (a
+conversation: every assistant turn). When a pass has more loss positions than `CHUNK_TOKENS` (long
+responses), the projection and the cross-entropy run in chunks, each recomputed in the backward pass,
+so the [positions, vocabulary] logits never exist at once; at or below it, one projection as before.
 """
 
 from __future__ import annotations
@@ -14,18 +19,29 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_TOKENS = 1024  # loss positions per projection chunk: 1 GiB of fp32 logits for a 262,144-entry vocabulary
+
 
 @dataclass(frozen=True)
 class Example:
     input_ids: list[int]
     completion_start: int
-    """Index of the first completion (label) token in `input_ids`."""
+    """Index of the first token that carries loss (classification: the first label token)."""
     weight: float = 1.0
     """Loss weight of this row's completion tokens (its label's class weight; 1 without balancing)."""
+    spans: tuple[tuple[int, int], ...] | None = None
+    """The [start, end) token ranges that carry loss, in order; None = one span from `completion_start` to
+    the end of the row (classification)."""
+
+    @property
+    def loss_spans(self) -> tuple[tuple[int, int], ...]:
+        return ((self.completion_start, len(self.input_ids)),) if self.spans is None else self.spans
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.input_ids) - self.completion_start
+        return sum(end - start for start, end in self.loss_spans)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -111,7 +127,8 @@ def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[
         weights[i, :] = e.weight
         input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
         attention_mask[i, :len(e.input_ids)] = 1
-        predicts[i, max(e.completion_start - 1, 0):len(e.input_ids) - 1] = e.completion_tokens > 0
+        for start, end in e.loss_spans:
+            predicts[i, max(start - 1, 0):end - 1] = end > start
     # Position t predicts token t+1; row-major order, the order in which the model returns the kept logits.
     targets = input_ids[:, 1:][predicts[:, :-1]]
     token_weights = weights[:, 1:][predicts[:, :-1]]
@@ -128,13 +145,16 @@ class LossParts:
     """Completion tokens the model already predicts (argmax), for the validation accuracy."""
 
 
-def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossParts:
+def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = CHUNK_TOKENS) -> LossParts:
     """Cross-entropy on the completion tokens, projecting only the positions that predict them.
 
     A boolean `logits_to_keep` makes the model gather exactly those hidden states (flattened, so the
     projection is one plain matrix product) before its output layer. The model's own forward runs,
     not its body alone, so DDP's gradient hooks, PEFT's adapters and Gemma's final logit soft-capping
-    apply as usual."""
+    apply as usual. More than `chunk_tokens` positions: `chunked_loss` instead of one projection."""
+    head = _plain_head(model)
+    if head is not None and int(batch["targets"].numel()) > chunk_tokens:
+        return _chunked_completion_loss(model, head, batch, chunk_tokens)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    logits_to_keep=batch["predicts"], use_cache=False).logits.float()
     targets = batch["targets"]
@@ -143,3 +163,59 @@ def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> L
     loss_sum = (per_token * batch["token_weights"]).sum() if "token_weights" in batch else per_token.sum()
     correct = (logits.detach().argmax(-1) == targets).sum()
     return LossParts(loss_sum, targets.numel(), correct)
+
+
+def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The output projection when it is a bias-free nn.Linear (not a LoRA or modules_to_save wrapper)."""
+    inner = getattr(model, "module", model)  # DDP
+    getter = getattr(inner, "get_output_embeddings", None)
+    head = getter() if getter else None
+    return head if type(head) is torch.nn.Linear and head.bias is None else None
+
+
+def _chunked_completion_loss(model, head: torch.nn.Linear, batch: dict[str, torch.Tensor], chunk_tokens: int) -> LossParts:
+    """The model's forward with the output projection passed through (it returns the kept hidden states),
+    then `chunked_loss`. Gemma's final logit soft-capping is applied inside the chunks instead."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    original = head.forward
+    head.forward = lambda hidden: hidden  # the model's forward returns the kept hidden states as its "logits"
+    try:
+        if softcap is not None:
+            config.final_logit_softcapping = None
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       logits_to_keep=batch["predicts"], use_cache=False).logits
+    finally:
+        head.forward = original
+        if softcap is not None:
+            config.final_logit_softcapping = softcap
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    return chunked_loss(hidden, head.weight, batch["targets"], batch.get("token_weights"), chunk_tokens, softcap)
+
+
+def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor | None,
+                 chunk_tokens: int = CHUNK_TOKENS, softcap: float | None = None) -> LossParts:
+    """Summed cross-entropy of `hidden @ weight.T` against `targets`, `chunk_tokens` rows at a time.
+
+    Each chunk is checkpointed: its logits are freed after the forward and recomputed in the backward, so
+    at most one chunk's [chunk_tokens, vocabulary] logits (and their gradient) exist at any time."""
+    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+    for start in range(0, targets.numel(), chunk_tokens):
+        piece = slice(start, start + chunk_tokens)
+        weights = token_weights[piece] if token_weights is not None else None
+        chunk_loss, chunk_correct = checkpoint(_chunk_loss, hidden[piece], weight, targets[piece], weights, softcap,
+                                               use_reentrant=False)
+        loss_sum = loss_sum + chunk_loss
+        correct += chunk_correct
+    return LossParts(loss_sum, targets.numel(), correct)
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor | None,
+                softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(hidden, weight).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    per_token = F.cross_entropy(logits, targets, reduction="none")
+    loss = (per_token * token_weights).sum() if token_weights is not None else per_token.sum()
+    return loss, (logits.detach().argmax(-1) == targets).sum()

@@ -41,16 +41,24 @@ class EvalResult:
 def generate_outputs(model, tokenizer, texts: list[str], prompt: PromptConfig, labels: list[str],
                      cfg: EvalConfig, desc: str | None, batch_size: int | None = None) -> list[str]:
     """Greedy-decode up to `max_new_tokens` for every text; batches sorted by length to cut padding."""
-    device = next(model.parameters()).device
     prompts = [tokenizer.apply_chat_template(prompt_messages(t, prompt, labels), tokenize=False, add_generation_prompt=True)
                for t in texts]
+    return generate_texts(model, tokenizer, prompts, cfg.max_new_tokens,
+                          batch_size or (cfg.batch_size if cfg.batch_size != "auto" else 16), desc)
+
+
+@torch.inference_mode()
+def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, desc: str | None) -> list[str]:
+    """Greedy continuations of chat-templated `prompts` (each stops at EOS or the end of the turn), stripped;
+    batched with left padding, rows sorted by length."""
+    device = next(model.parameters()).device
     outputs: list[str] = [""] * len(prompts)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens must follow the real prompt directly
 
     def step(batch: list[int]) -> None:
         # the chat template already holds <bos>; adding special tokens again would double it
         enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        generated = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1,
+        generated = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                    eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                    top_p=None, top_k=None, temperature=None)
         new_tokens = generated[:, enc["input_ids"].shape[1]:]
@@ -61,7 +69,7 @@ def generate_outputs(model, tokenizer, texts: list[str], prompt: PromptConfig, l
     model.eval()
     try:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        run_in_batches(order, batch_size or (cfg.batch_size if cfg.batch_size != "auto" else 16), step, desc)
+        run_in_batches(order, batch_size, step, desc)
     finally:
         model.train(was_training)
     return outputs

@@ -22,7 +22,7 @@ import torch
 from transformers import set_seed
 
 from emotune import device as device_mod
-from emotune.artifacts import Fallback, check_matches, find_artifact, is_adapter
+from emotune.artifacts import is_adapter
 from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
 from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir
@@ -228,12 +228,7 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
     this config's labels and prompt."""
     ctx = Context(cfg)
     ctx.validate()
-    artifact = None
-    if adapter is not None:
-        artifact = find_artifact(adapter, fallback=Fallback(labels=ctx.data.labels, prompt=getattr(cfg, "prompt", None),
-                                                            base_model=None, source="the config"))
-        info = ctx.task.run_info(cfg, ctx.data)
-        check_matches(artifact, ctx.data.labels, info.get("system_prompt", ""))
+    artifact = ctx.task.find_adapter(adapter, cfg, ctx.data) if adapter is not None else None
     out = _eval_folder(cfg, adapter, artifact)
     model = ctx.base.model
     if artifact is not None:
@@ -246,12 +241,9 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
     ctx.task.write_results(results, out)
     for method, result in results.items():
         print(f"{method}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                        for k, v in result.metrics.items() if k in SHOWN))
+                                        for k, v in result.metrics.items() if k in ctx.task.SHOWN_METRICS))
     print(f"Results: {out}")
     return out
-
-
-SHOWN = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")
 
 
 def _eval_folder(cfg: RunConfig, adapter: str | None, artifact) -> Path:

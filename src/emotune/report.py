@@ -28,13 +28,13 @@ def write_report(run_dir: str | Path) -> Path:
 
     run = RunDir(run_dir)
     info = read_json(run.run_json)
-    if info is None or not (run.baseline / "metrics.json").is_file():
-        raise UserError(f"`{run.root}` is not a run folder with a measured baseline (run.json and baseline/metrics.json "
-                        f"are missing). Give the folder `emotune run` printed, e.g. runs/cpu.")
-    task = TASKS.get(info.get("task", "classify"))
-    if task is None:
+    task = TASKS.get((info or {}).get("task", "classify"))
+    if info is not None and task is None:
         raise UserError(f"`{run.run_json}` names task {info.get('task')!r}, which this emotune does not know. "
                         "Upgrade emotune to the version that made the run.")
+    if info is None or not task.has_results(run.baseline):
+        raise UserError(f"`{run.root}` is not a run folder with a measured baseline (run.json or the baseline's results "
+                        f"are missing). Give the folder `emotune run` printed, e.g. runs/cpu.")
     run.figures.mkdir(exist_ok=True)
     sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run)]
     page = _PAGE.format(title=html.escape(f"emotune report: {run.root.name}"), body="\n".join(sections))
@@ -51,7 +51,8 @@ def _summary_section(run: dict, folder: RunDir) -> str:
         ("status", f"{run.get('status')} (started {run.get('started')}, finished {run.get('finished', '—')})"),
         ("model", model.group(1) if model else "?"),
         ("data", f"{data.group(1) if data else '?'} — " + ", ".join(f"{k} {v} rows" for k, v in run.get("rows", {}).items())),
-        ("labels", ", ".join(run.get("labels", []))),
+        *([("labels", ", ".join(run["labels"]))] if run.get("labels") else []),
+        *([("kinds of instruction", ", ".join(run["kinds"]))] if run.get("kinds") else []),
         ("hardware", f"{run.get('device')} · backend {hardware.get('backend')} · GPUs: {gpus} · "
                      f"{hardware.get('cpu_count')} CPU cores · {hardware.get('platform')}"),
         ("precision", f"{run.get('precision', {}).get('name')}: {run.get('precision', {}).get('reason')}"),

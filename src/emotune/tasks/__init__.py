@@ -11,6 +11,9 @@ A task module provides, as plain functions (see classify.py, and docs/tasks.md f
     adapter_meta(cfg, data) -> dict                  what emotune.json records next to the adapter
     evaluate(model, tokenizer, data, cfg, desc)      the measurement, run identically before and after
     write_results(results, folder) / read_results(folder, cfg)
+    has_results(folder) -> bool                      whether a stage folder holds a complete measurement (report)
+    find_adapter(path, cfg, data) -> Artifact        an adapter to measure with `emotune eval adapter=...`
+    SHOWN_METRICS                                    the metric names `emotune eval` prints
     compare(before, after, data) -> dict             the before/after comparison (comparison.json)
     write_comparison(comparison, run) / format_comparison(comparison, data, cfg) -> str
     outputs(run, cfg) -> list[Path]                  what must exist before a run counts as finished
@@ -24,10 +27,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from emotune.tasks import classify
+from emotune.tasks import classify, sft
 
 TASKS: dict[str, ModuleType] = {
     "classify": classify,
+    "sft": sft,
 }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from emotune.artifacts import META, PEFT_CONFIG
+from emotune.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
 from emotune.batches import Example, common_prefix_length
 from emotune.config import ClassifyConfig, PromptConfig
 from emotune.data import LabeledData, prompt_messages, system_prompt
@@ -23,9 +23,11 @@ from emotune.rundir import RunDir
 from emotune.tasks.classify_report import (baseline_notes, compare_methods, format_table, report_sections,
                                            write_comparison)
 
-__all__ = ["adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
-           "format_comparison", "load_data", "outputs", "read_results", "report_sections", "run_info", "save_data",
-           "saved_fingerprint", "training_rows", "write_comparison", "write_results"]
+__all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
+           "find_adapter", "format_comparison", "has_results", "load_data", "outputs", "read_results", "report_sections",
+           "run_info", "save_data", "saved_fingerprint", "training_rows", "write_comparison", "write_results"]
+
+SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # `emotune eval`
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,6 +105,20 @@ def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyConfig, desc: str
 def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, dict] | None:
     """{method: metrics} when every method's results are complete in `folder`, else None."""
     return read_metrics(folder, eval_methods(cfg.eval))
+
+
+def has_results(folder: Path) -> bool:
+    """Whether `folder` holds a measurement (the first method's metrics.json), for `emotune report`."""
+    return (folder / "metrics.json").is_file()
+
+
+def find_adapter(path: str, cfg: ClassifyConfig, data: LabeledData) -> Artifact:
+    """The adapter `emotune eval adapter=PATH` measures; one from another tool gets this config's labels and prompt,
+    an emotune one must have been trained with them."""
+    artifact = find_artifact(path, fallback=Fallback(labels=data.labels, prompt=cfg.prompt, base_model=None,
+                                                     source="the config"))
+    check_matches(artifact, data.labels, system_prompt(cfg.prompt, data.labels))
+    return artifact
 
 
 def compare(before: dict[str, dict], after: dict[str, dict], data: LabeledData) -> dict:

@@ -1,0 +1,225 @@
+"""The sft task's data: read → normalise → validate → clean → split → limit, all before anything is written.
+
+Sources are those of the classification data (the packaged dataset, a file, a folder of split files, a
+hub snapshot; the same readers), plus a folder holding LLaMA-Factory's dataset_info.json. Rows become
+`Conversation`s (emotune.data.conversations); malformed rows are reported all at once with their row
+numbers, or skipped and counted with data.skip_bad_rows=true. Duplicate and leakage checks compare whole
+conversations (system prompt and every turn). A held-out split is stratified by dataset and kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from emotune.config import CleaningConfig, SftDataConfig
+from emotune.data import clean, splits as split_ops
+from emotune.data.conversations import Conversation, detect_format, normalise, required_columns
+from emotune.data.dataset_info import Entry, has_dataset_info, read_entries
+from emotune.data.read import read_table
+from emotune.data.sources import HUB_PREFIXES, SPLITS, download_hub_dataset, split_files
+from emotune.errors import UserError, listed, raise_problems
+
+
+@dataclass
+class ConversationData:
+    splits: dict[str, list[Conversation]]  # train / validation / test
+    source: str
+    report: dict = field(default_factory=dict)
+
+    def kinds(self) -> list[str]:
+        return sorted({c.kind for rows in self.splits.values() for c in rows if c.kind})
+
+
+def embedded_instruct_dir() -> Path:
+    return Path(str(resources.files("emotune").joinpath("datasets", "instruct")))
+
+
+def load_conversations(cfg: SftDataConfig, seed: int) -> ConversationData:
+    """Every split as validated, cleaned Conversations, or one UserError listing every problem."""
+    entries = _entries(cfg)
+    problems: list[str] = []
+    skipped: dict[str, int] = {}
+    pools: dict[str, list[Conversation]] = {}
+    for split, entry in entries:
+        rows = _read_entry(entry, cfg, seed, problems, skipped)
+        pools.setdefault(split, []).extend(rows)
+    raise_problems("The data", problems, "Fix those rows, or set data.skip_bad_rows=true to skip them (counted)."
+                   if any("row" in p for p in problems) else "")
+    for what, count in skipped.items():
+        print(f"Note: skipped {count} malformed rows of {what} (data.skip_bad_rows=true).", flush=True)
+    report: dict = {"source": cfg.source, "datasets": sorted({e.name for _, e in entries}),
+                    "rows_read": {s: len(r) for s, r in pools.items()}, "skipped_bad_rows": skipped}
+    pools, report["cleaning"] = _clean(pools, cfg)
+    pools, report["split"] = _split(pools, cfg, seed)
+    pools, report["cleaning"]["leakage"] = _remove_leakage(pools, cfg.cleaning.leakage)
+    empty = [s for s in SPLITS if not pools[s]]
+    raise_problems("The data", [f"the {s} split is empty after cleaning; give it rows, or switch off the step that "
+                                "removed them (data.cleaning.leakage=keep, data.cleaning.duplicates=keep)" for s in empty])
+    limits = {"train": cfg.train_limit, "validation": cfg.validation_limit, "test": cfg.test_limit}
+    pools = {s: _limit(pools[s], limits[s], seed) for s in SPLITS}
+    report["rows"] = {s: len(pools[s]) for s in SPLITS}
+    return ConversationData(pools, cfg.source, report)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources: (split, entry) pairs; `all` is a pool still to be split
+
+
+def _entries(cfg: SftDataConfig) -> list[tuple[str, Entry]]:
+    from emotune.config import SftColumns, SftTags
+
+    def plain(name: str, files: list[Path]) -> Entry:
+        return Entry(name, files, cfg.format, cfg.columns, cfg.tags)
+
+    if cfg.source == "embedded":
+        folder = embedded_instruct_dir()
+        return [(s, Entry("embedded", [folder / f"{s}.jsonl"], "alpaca", SftColumns(), SftTags())) for s in SPLITS]
+    folder = download_hub_dataset(cfg) if cfg.source.startswith(HUB_PREFIXES) else Path(cfg.source).expanduser()
+    if folder.is_file():
+        return [("all", plain(folder.name, [folder]))]
+    if not folder.is_dir():
+        raise UserError(f"data.source `{cfg.source}` does not exist. Give a JSON/JSONL/Parquet file, a folder of split "
+                        "files, a folder with LLaMA-Factory's dataset_info.json, `embedded`, or a hub dataset (hf:owner/name).")
+    if has_dataset_info(folder):
+        return _named_entries(folder, cfg)
+    if cfg.datasets or cfg.eval_datasets:
+        raise UserError(f"data.datasets names datasets, but `{folder}` has no dataset_info.json to find them in. Point "
+                        "data.source at the folder that holds dataset_info.json, or set data.datasets=null.")
+    return [(split, plain(f"{split} ({folder.name})", files)) for split, files in split_files(folder).items()]
+
+
+def _named_entries(folder: Path, cfg: SftDataConfig) -> list[tuple[str, Entry]]:
+    if not cfg.datasets:
+        raise UserError(f"`{folder}` holds a dataset_info.json: name the datasets to train on, e.g. "
+                        "data.datasets=[alpaca_en_demo] (several are mixed).")
+    problems: list[str] = []
+    train = read_entries(folder, cfg.datasets, cfg, problems)
+    test = read_entries(folder, cfg.eval_datasets or [], cfg, problems)
+    raise_problems("The data", problems)
+    return [("all" if not test else "train", e) for e in train] + [("test", e) for e in test]
+
+
+def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str], skipped: dict[str, int]
+                ) -> list[Conversation]:
+    """One dataset's rows as Conversations (max_samples, then num_samples); bad rows go to `problems` or are skipped."""
+    out: list[Conversation] = []
+    for path in entry.files:
+        try:
+            table = read_table(path, cfg.encoding, entry.columns.prompt, entry.columns.response, [])
+        except UserError as err:
+            problems.append(str(err).rstrip("."))
+            continue
+        rows = table.to_pylist()
+        fmt = entry.formatting if entry.formatting != "auto" else detect_format(table.column_names, rows[0] if rows else None,
+                                                                                 entry.columns)
+        if fmt is None:
+            problems.append(f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
+                            f"(conversations) or messages (columns found: {', '.join(table.column_names)}); set "
+                            "data.format and data.columns to match it")
+            continue
+        missing = [c for c in required_columns(fmt, entry.columns, table.column_names) if c not in table.column_names]
+        if missing:
+            problems.append(f"`{path}` ({fmt} format) has no column {', '.join(map(repr, missing))} (columns found: "
+                            f"{', '.join(table.column_names)}); set data.columns (or the entry's `columns`) to its names")
+            continue
+        bad: dict[str, list[int]] = {}
+        for number, row in enumerate(rows, start=1):
+            found = normalise(row, fmt, entry.columns, entry.tags, entry.name)
+            if isinstance(found, str):
+                bad.setdefault(found, []).append(number)
+            else:
+                out.append(found)
+        if bad and cfg.skip_bad_rows:
+            skipped[f"`{path}`"] = sum(len(v) for v in bad.values())
+        else:
+            problems += [f"`{path}` rows {listed(numbers)}: {reason}" for reason, numbers in bad.items()]
+    if cfg.max_samples is not None:
+        out = out[:cfg.max_samples]
+    return _resample(out, entry.num_samples, seed)
+
+
+def _resample(rows: list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:
+    """LLaMA-Factory's num_samples: a seeded sample without replacement, or every row repeated plus a sample."""
+    if not num_samples or not rows or num_samples == len(rows):
+        return rows
+    rng = np.random.default_rng(seed)
+    index = rng.permutation(len(rows))[:num_samples % len(rows)]
+    whole = list(range(len(rows))) * (num_samples // len(rows))
+    return [rows[i] for i in whole + sorted(index.tolist())]
+
+
+# --------------------------------------------------------------------------------------------------
+# Cleaning, splitting, leakage, limits
+
+
+def _clean(pools: dict[str, list[Conversation]], cfg: SftDataConfig) -> tuple[dict[str, list[Conversation]], dict]:
+    """Text steps on every turn, then duplicates inside each split (on the whole conversation)."""
+    steps = CleaningConfig(unicode_nfc=cfg.cleaning.unicode_nfc, control_chars=cfg.cleaning.control_chars,
+                           whitespace=False)
+    report: dict = {"changed_turns": {}, "duplicates": {}}
+    out = {}
+    for split, rows in pools.items():
+        texts = [text for c in rows for _, text in c.messages]
+        cleaned, changed = clean.clean_text(pa.array(texts, pa.string()), steps) if texts else ([], {})
+        report["changed_turns"][split] = sum(changed.values()) if changed else 0
+        values = iter(cleaned.to_pylist() if texts else [])
+        rows = [Conversation(tuple((role, next(values)) for role, _ in c.messages), c.system, c.kind, c.source)
+                for c in rows]
+        if cfg.cleaning.duplicates != "keep" and rows:
+            firsts = clean.first_occurrences(_hashes(rows, cfg.cleaning.duplicates))
+            report["duplicates"][split] = len(rows) - len(firsts)
+            rows = [rows[i] for i in firsts]
+        out[split] = rows
+    return out, report
+
+
+def _hashes(rows: list[Conversation], how: str) -> np.ndarray:
+    return clean.key_hashes(pa.array([c.key() for c in rows], pa.string()), how)
+
+
+def _strata(rows: list[Conversation]) -> pa.Table:
+    """Row index and stratum (dataset and kind), in the shape the classification splitters take."""
+    return pa.table({"label": [f"{c.source}|{c.kind or ''}" for c in rows], "index": list(range(len(rows)))})
+
+
+def _take(rows: list[Conversation], table: pa.Table) -> list[Conversation]:
+    return [rows[i] for i in table.column("index").to_pylist()]
+
+
+def _split(pools: dict[str, list[Conversation]], cfg: SftDataConfig, seed: int) -> tuple[dict[str, list[Conversation]], str]:
+    if "all" in pools:
+        rows = pools.pop("all")
+        if "test" in pools:  # eval_datasets given: train and validation from the pool
+            pools["train"] = rows
+        else:
+            parts = split_ops.stratified_split(_strata(rows), cfg.validation_size, cfg.test_size, seed)
+            return {s: _take(rows, parts[s]) for s in SPLITS}, f"stratified by dataset and kind, seed {seed}"
+    carved = [s for s in SPLITS if s not in pools]
+    train = pools["train"]
+    tables = {s: _strata(r) for s, r in pools.items()}
+    parts = split_ops.carve_missing(tables, cfg.validation_size, cfg.test_size, seed)
+    out = {s: pools[s] if s in pools and s != "train" else _take(train, parts[s]) for s in SPLITS}
+    return out, "as given" + (f"; {' and '.join(carved)} held out of train (stratified, seed {seed})" if carved else "")
+
+
+def _remove_leakage(pools: dict[str, list[Conversation]], how: str) -> tuple[dict[str, list[Conversation]], dict]:
+    if how == "keep" or not pools["train"]:
+        return pools, {}
+    seen = _hashes(pools["train"], how)
+    out, removed = dict(pools), {}
+    for split in ("validation", "test"):
+        if not pools[split]:
+            continue
+        leaked = clean.occurs_in(_hashes(pools[split], how), seen)
+        out[split] = [c for c, bad in zip(pools[split], leaked) if not bad]
+        removed[split] = int(leaked.sum())
+    return out, removed
+
+
+def _limit(rows: list[Conversation], limit: int | None, seed: int) -> list[Conversation]:
+    return rows if limit is None or limit >= len(rows) else _take(rows, split_ops.limit(_strata(rows), limit, seed))

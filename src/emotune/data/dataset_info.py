@@ -1,0 +1,122 @@
+"""LLaMA-Factory's `dataset_info.json`: named datasets in a folder, each with its file (or hub id), format,
+column and tag names, and sample count.
+
+    {"my_data": {"file_name": "my_data.json", "formatting": "sharegpt",
+                 "columns": {"messages": "conversations"}, "tags": {"role_tag": "from", ...},
+                 "num_samples": 500},
+     "hub_data": {"hf_hub_url": "owner/name", "split": "train"}}
+
+Point data.source at the folder and name the entries in data.datasets (and data.eval_datasets for the
+test split). Hub entries are downloaded like every other hub source (emotune.data.sources). Preference
+(`ranking`) and multimodal entries are refused: the sft task trains on one text answer per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from emotune.config import SftColumns, SftDataConfig, SftTags
+from emotune.errors import UserError
+
+INFO_FILE = "dataset_info.json"
+IGNORED_COLUMNS = ("kto_tag",)  # KTO labels: meaningless for plain SFT, so they are ignored like LLaMA-Factory's sft stage
+REFUSED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected")
+
+
+@dataclass
+class Entry:
+    """One dataset to read: its files, format and names."""
+    name: str
+    files: list[Path]
+    formatting: str  # alpaca | sharegpt (LLaMA-Factory's names; OpenAI messages are sharegpt with role/content tags)
+    columns: SftColumns
+    tags: SftTags
+    num_samples: int | None = None
+
+
+def has_dataset_info(folder: Path) -> bool:
+    return (folder / INFO_FILE).is_file()
+
+
+def read_entries(folder: Path, names: list[str], cfg: SftDataConfig, problems: list[str]) -> list[Entry]:
+    """The named entries of `folder/dataset_info.json`, resolved to local files; problems are appended."""
+    path = folder / INFO_FILE
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"`{path}` is not readable JSON ({err}). Fix the file.") from None
+    if not isinstance(info, dict):
+        raise UserError(f"`{path}` must hold an object of named datasets, as LLaMA-Factory's does.")
+    entries = []
+    for name in names:
+        if name not in info:
+            problems.append(f"data.datasets names `{name}`, which `{path}` does not define (it defines: "
+                            f"{', '.join(info) or 'nothing'})")
+            continue
+        entry = _entry(name, info[name], folder, cfg, problems)
+        if entry is not None:
+            entries.append(entry)
+    return entries
+
+
+def _entry(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: list[str]) -> Entry | None:
+    where = f"dataset_info.json entry `{name}`"
+    if not isinstance(raw, dict):
+        problems.append(f"{where} is not an object")
+        return None
+    if raw.get("ranking"):
+        problems.append(f"{where} is a ranking (preference) dataset, for DPO/ORPO-style training; the sft task trains "
+                        "on one answer per prompt. Name an SFT dataset instead, or register its chosen answers as an "
+                        "alpaca/sharegpt dataset")
+        return None
+    columns = raw.get("columns") or {}
+    refused = [c for c in REFUSED_COLUMNS if columns.get(c)]
+    if refused:
+        problems.append(f"{where} has {', '.join(refused)} columns, which the sft task does not train on (text "
+                        "conversations only); remove them from the entry's columns or name another dataset")
+        return None
+    formatting = raw.get("formatting", "alpaca")
+    if formatting not in ("alpaca", "sharegpt"):
+        problems.append(f"{where} has formatting {formatting!r}; LLaMA-Factory's formats are alpaca and sharegpt")
+        return None
+    try:
+        names = SftColumns(**{k: v for k, v in columns.items() if k in SftColumns.model_fields and v})
+        tags = SftTags(**{k: v for k, v in (raw.get("tags") or {}).items() if k in SftTags.model_fields and v})
+    except Exception as err:  # a tag that is not a string
+        problems.append(f"{where} has invalid columns/tags ({str(err).splitlines()[0]})")
+        return None
+    files = _files(name, raw, folder, cfg, problems)
+    if files is None:
+        return None
+    return Entry(name, files, formatting, names, tags, raw.get("num_samples"))
+
+
+def _files(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: list[str]) -> list[Path] | None:
+    from emotune.data.read import FORMATS
+    from emotune.data.sources import download_hub_dataset, split_files
+
+    where = f"dataset_info.json entry `{name}`"
+    if raw.get("file_name"):
+        path = folder / raw["file_name"]
+        if path.is_dir():
+            return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS)
+        if not path.is_file():
+            problems.append(f"{where}: file `{path}` does not exist")
+            return None
+        return [path]
+    hub = ("hf", raw["hf_hub_url"]) if raw.get("hf_hub_url") else ("modelscope", raw["ms_hub_url"]) if raw.get("ms_hub_url") else None
+    if hub is None:
+        problems.append(f"{where} has neither file_name nor hf_hub_url / ms_hub_url (script_url and cloud files are "
+                        "not supported); download the data and give its file_name")
+        return None
+    source = SimpleNamespace(source=f"{hub[0]}:{hub[1]}", revision=raw.get("revision") or cfg.revision,
+                             cache_dir=cfg.cache_dir)
+    found = split_files(download_hub_dataset(source))
+    split = raw.get("split", "train")
+    if split not in found and not (split == "train" and "all" in found):
+        problems.append(f"{where}: the hub dataset {hub[1]} has no `{split}` split (found: {', '.join(found)})")
+        return None
+    return found.get(split) or found["all"]

@@ -1,0 +1,224 @@
+"""The forgetting check: a general-ability multiple-choice probe answered before and after fine-tuning.
+
+Each question is asked through the tokenizer's chat template with its options listed as `A. …` to `D. …`;
+the model's answer is the option letter it finds most likely as the first token of its reply, so nothing is
+generated and no answer is ever invalid. `compare_probe` flags a drop whose paired 95% interval lies below 0.
+The questions are packaged in `datasets/probe/probe.jsonl` (see the DATASHEET beside it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from emotune.errors import raise_problems
+from emotune.scoring import run_in_batches
+from emotune.textmetrics import bootstrap_ci, paired_bootstrap_delta
+
+PROBE_PATH = Path(__file__).parent / "datasets" / "probe" / "probe.jsonl"
+LETTERS = ("A", "B", "C", "D")
+INSTRUCTIONS = {
+    "en": "Answer with the letter of the correct option (A, B, C or D) only.",
+    "zh": "请只回答正确选项的字母（A、B、C 或 D）。",
+}
+FIELDS = {"id": str, "lang": str, "topic": str, "question": str, "choices": list, "answer": int}
+
+
+@dataclass(frozen=True)
+class ProbeQuestion:
+    """One multiple-choice question; `answer` is the index of the correct option in `choices`."""
+
+    id: str
+    lang: str
+    topic: str
+    question: str
+    choices: tuple[str, ...]
+    answer: int
+
+
+def _row_problems(row: object) -> list[str]:
+    """What is wrong with one parsed row, each problem naming its field."""
+    if not isinstance(row, dict):
+        return [f"is a JSON {type(row).__name__}, not an object with fields {', '.join(FIELDS)}"]
+    problems = [f"field '{k}' is missing" for k in FIELDS if k not in row]
+    for key, kind in FIELDS.items():
+        if key in row and (not isinstance(row[key], kind) or isinstance(row[key], bool)):
+            problems.append(f"field '{key}' must be a {kind.__name__}, not {type(row[key]).__name__}")
+    if isinstance(row.get("lang"), str) and row["lang"] not in INSTRUCTIONS:
+        problems.append(f"field 'lang' is '{row['lang']}'; it must be one of {', '.join(INSTRUCTIONS)}")
+    choices = row.get("choices")
+    if isinstance(choices, list) and (len(choices) != len(LETTERS)
+                                      or not all(isinstance(c, str) and c.strip() for c in choices)):
+        problems.append(f"field 'choices' must hold {len(LETTERS)} non-empty strings")
+    answer = row.get("answer")
+    if isinstance(answer, int) and not isinstance(answer, bool) and not 0 <= answer < len(LETTERS):
+        problems.append(f"field 'answer' is {answer}; it must be an index 0–{len(LETTERS) - 1} into 'choices'")
+    return problems
+
+
+def _stratified(questions: list[ProbeQuestion], limit: int) -> list[ProbeQuestion]:
+    """`limit` questions, each language's share proportional to its size (largest remainder), taken evenly
+    spaced through that language's rows so that every topic block is sampled; file order kept."""
+    by_lang: dict[str, list[int]] = {}
+    for i, q in enumerate(questions):
+        by_lang.setdefault(q.lang, []).append(i)
+    exact = {lang: limit * len(idx) / len(questions) for lang, idx in by_lang.items()}
+    quota = {lang: int(share) for lang, share in exact.items()}
+    for lang in sorted(exact, key=lambda g: (quota[g] - exact[g], g))[: limit - sum(quota.values())]:
+        quota[lang] += 1
+    keep = {idx[j * len(idx) // quota[lang]] for lang, idx in by_lang.items() for j in range(quota[lang])}
+    return [q for i, q in enumerate(questions) if i in keep]
+
+
+def load_probe(path: Path | None = None, limit: int | None = None) -> list[ProbeQuestion]:
+    """The probe's questions from a JSON-lines file (default: the packaged 280-question probe).
+
+    `limit` keeps a deterministic subset of that many questions, stratified by language. A malformed file
+    raises one UserError listing every bad line and field."""
+    path = Path(path) if path is not None else PROBE_PATH
+    problems, questions = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            problems.append(f"line {number} is not valid JSON ({err.msg} at column {err.colno})")
+            continue
+        found = _row_problems(row)
+        problems += [f"line {number}: {p}" for p in found]
+        if not found:
+            questions.append(ProbeQuestion(row["id"], row["lang"], row["topic"], row["question"],
+                                           tuple(row["choices"]), row["answer"]))
+    if not problems and not questions:
+        problems.append("it holds no questions")
+    raise_problems(f"The probe file {path}", problems, "Fix those lines, or point the probe at another file.")
+    if limit is not None and limit < 1:
+        raise_problems("The probe limit", [f"it is {limit}; it must be at least 1 (or unset for all questions)"])
+    return questions if limit is None or limit >= len(questions) else _stratified(questions, limit)
+
+
+def render_prompt(tokenizer, question: ProbeQuestion) -> str:
+    """The chat-templated prompt text (generation prompt included) that asks one question."""
+    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, question.choices))
+    content = f"{question.question}\n\n{options}\n\n{INSTRUCTIONS[question.lang]}"
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def letter_token_ids(tokenizer, prompt: str) -> list[int]:
+    """The first token of each letter as it tokenizes right after `prompt`.
+
+    When a tokenizer merges the letter into the prompt's last token, the letter's own first token is used.
+    Raises a UserError when two letters share a token, since the probe could not tell them apart."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = []
+    for letter in LETTERS:
+        full = tokenizer(prompt + letter, add_special_tokens=False)["input_ids"]
+        if full[: len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+            ids.append(full[len(prompt_ids)])
+        else:
+            ids.append(tokenizer(letter, add_special_tokens=False)["input_ids"][0])
+    if len(set(ids)) < len(ids):
+        raise_problems("The tokenizer", [f"the option letters {', '.join(LETTERS)} tokenize to the token ids "
+                                         f"{ids}, which are not all distinct"],
+                       "The probe needs a tokenizer that has the letters A–D as tokens.")
+    return ids
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One model's answers to the probe. Intervals are 95% percentile-bootstrap intervals (`bootstrap_ci`,
+    2000 resamples, seed 0) over questions; `per_lang` maps a language to `{n, accuracy, low, high}`."""
+
+    ids: list[str]
+    langs: list[str]
+    predicted: list[int]  # index of the chosen option
+    correct: list[bool]
+    letter_logprobs: list[list[float]]  # log P(letter) over the full vocabulary, per question, A–D
+    accuracy: float
+    ci: tuple[float, float]
+    per_lang: dict[str, dict]
+
+    @classmethod
+    def from_scores(cls, questions: list[ProbeQuestion], letter_logprobs: list[list[float]]) -> ProbeResult:
+        """The result for these questions given each one's letter log-probabilities (argmax = the answer)."""
+        predicted = [max(range(len(row)), key=row.__getitem__) for row in letter_logprobs]
+        correct = [p == q.answer for p, q in zip(predicted, questions)]
+        per_lang = {}
+        for lang in sorted({q.lang for q in questions}):
+            flags = [float(c) for c, q in zip(correct, questions) if q.lang == lang]
+            low, high = bootstrap_ci(flags)
+            per_lang[lang] = {"n": len(flags), "accuracy": sum(flags) / len(flags), "low": low, "high": high}
+        return cls(ids=[q.id for q in questions], langs=[q.lang for q in questions], predicted=predicted,
+                   correct=correct, letter_logprobs=letter_logprobs,
+                   accuracy=sum(correct) / len(correct) if correct else 0.0,
+                   ci=bootstrap_ci([float(c) for c in correct]) if correct else (0.0, 0.0), per_lang=per_lang)
+
+    def summary(self) -> dict:
+        """`{n, accuracy, low, high, per_lang}` for a report (no per-question lists)."""
+        return {"n": len(self.correct), "accuracy": self.accuracy, "low": self.ci[0], "high": self.ci[1],
+                "per_lang": self.per_lang}
+
+
+def _letter_logprobs(model, batch: list[list[int]], letters: list[list[int]], pad_id: int) -> list[list[float]]:
+    """One forward pass over left-padded prompts; log-softmax over the vocabulary at each prompt's last token,
+    read at its letter tokens. Position ids count real tokens only, so padding leaves every row unchanged."""
+    device = next(model.parameters()).device
+    width = max(map(len, batch))
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, logits_to_keep=1).logits
+    logprobs = torch.log_softmax(logits[:, -1].float(), dim=-1)
+    return logprobs.gather(1, torch.tensor(letters, device=device)).tolist()
+
+
+def score_probe(model, tokenizer, questions: list[ProbeQuestion], batch_size: int = 16) -> ProbeResult:
+    """Ask the model every question and take the most likely option letter as its answer.
+
+    Batches are of similar-length prompts, left-padded, one forward pass each; out of memory halves the
+    batch. The model is put in eval mode for the call and restored after."""
+    prompts = [render_prompt(tokenizer, q) for q in questions]
+    letters = [letter_token_ids(tokenizer, p) for p in prompts]
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    scores: list[list[float]] = [[] for _ in questions]
+
+    def step(rows: list[int]) -> None:
+        got = _letter_logprobs(model, [encoded[i] for i in rows], [letters[i] for i in rows], pad_id)
+        for i, row in zip(rows, got):
+            scores[i] = row
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            run_in_batches(sorted(range(len(questions)), key=lambda i: len(encoded[i])), batch_size, step)
+    finally:
+        model.train(was_training)
+    return ProbeResult.from_scores(questions, scores)
+
+
+def compare_probe(before: ProbeResult, after: ProbeResult, confidence: float = 0.95) -> dict:
+    """Accuracy before and after fine-tuning on the same questions, and whether it clearly dropped.
+
+    `delta` = after − before with a paired-bootstrap interval over questions (`paired_bootstrap_delta`,
+    2000 resamples, seed 0), overall and per language; `flagged` is True when the overall interval lies
+    entirely below zero (forgetting). Raises ValueError when the two results are not on the same questions."""
+    if before.ids != after.ids:
+        raise ValueError("compare_probe needs both results on the same questions in the same order.")
+
+    def paired(keep: list[bool]) -> dict:
+        b = [float(c) for c, k in zip(before.correct, keep) if k]
+        a = [float(c) for c, k in zip(after.correct, keep) if k]
+        delta = paired_bootstrap_delta(b, a, confidence=confidence)
+        return {"n": len(b), "accuracy_before": sum(b) / len(b), "accuracy_after": sum(a) / len(a), **delta}
+
+    out = paired([True] * len(before.ids))
+    out["flagged"] = out["high"] < 0
+    out["per_lang"] = {lang: paired([g == lang for g in before.langs]) for lang in sorted(set(before.langs))}
+    return out

@@ -1,0 +1,231 @@
+"""sft training rows and loss: loss spans against the chat template's own rendering, chunked loss equal to the
+full cross-entropy, classification's loss unchanged, and a 2-step `emotune run` with task: sft."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import CUES, FILLER, LABELS, write_jsonl
+from emotune.batches import Example, chunked_loss, collate, completion_loss
+from emotune.data.conversations import Conversation
+from emotune.tasks.sft_rows import encode, loss_spans, truncate
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+CONVERSATION = Conversation((("user", "i feel so lonely today"), ("assistant", "sadness"),
+                             ("user", "this morning was great"), ("assistant", "joy really"),
+                             ("user", "i am scared"), ("assistant", "fear")), system="classify the emotion")
+
+
+def _words(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_loss_on_every_assistant_turn_against_the_template(tokenizer):
+    messages = CONVERSATION.chat()
+    ids, spans = loss_spans(tokenizer, messages)
+    assert ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    end_of_turn = _words(tokenizer, "<end_of_turn>\n")
+    answers = [text for role, text in CONVERSATION.messages if role == "assistant"]
+    assert [ids[s:e] for s, e in spans] == [_words(tokenizer, a) + end_of_turn for a in answers]
+    masked = set(range(len(ids))) - {i for s, e in spans for i in range(s, e)}
+    assert not any(ids[i] in _words(tokenizer, " ".join(answers)) for i in masked)  # nothing else carries loss
+
+    last_only = encode(CONVERSATION, tokenizer, None, mask_history=True)
+    assert last_only.loss_spans == (spans[-1],) and last_only.input_ids == ids
+    first = CONVERSATION.messages[:2]
+    with_default = encode(Conversation(first), tokenizer, "classify the emotion", False)
+    assert with_default == encode(Conversation(first, system="classify the emotion"), tokenizer, None, False)
+    assert with_default != encode(Conversation(first, system="reply"), tokenizer, "classify the emotion", False)  # the row's own wins
+
+
+DROPS_REASONING = (  # a template that, like reasoning models' templates, drops past reasoning from the history
+    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{% set text = m['content'].split('reasoning:')[-1] if (m['role'] == 'assistant' and not loop.last) else m['content'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + text | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def test_loss_spans_for_a_template_that_rewrites_earlier_turns(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = DROPS_REASONING
+    messages = [{"role": "user", "content": "i am happy"}, {"role": "assistant", "content": "reasoning: smiling joy"},
+                {"role": "user", "content": "i am scared"}, {"role": "assistant", "content": "reasoning: panic fear"}]
+    ids, spans = loss_spans(tok, messages)
+    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert ids[spans[0][0]:spans[0][1]] == _words(tok, "smiling joy") + [eot]  # as the whole rendering shows it
+    assert ids[spans[1][0]:spans[1][1]] == _words(tok, "reasoning: panic fear") + _words(tok, "<end_of_turn>\n")
+
+
+def test_truncation_clips_spans():
+    example = Example(list(range(20)), 5, spans=((5, 8), (12, 20)))
+    assert truncate(example, 14).loss_spans == ((5, 8), (12, 14))
+    assert truncate(example, 4).completion_tokens == 0
+
+
+def _reference_collate(examples, pad_id):
+    """collate as it was before rows could carry several spans (classification's single tail span)."""
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    predicts = torch.zeros((len(examples), width), dtype=torch.bool)
+    weights = torch.zeros((len(examples), width), dtype=torch.float32)
+    for i, e in enumerate(examples):
+        weights[i, :] = e.weight
+        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention_mask[i, :len(e.input_ids)] = 1
+        predicts[i, max(e.completion_start - 1, 0):len(e.input_ids) - 1] = len(e.input_ids) - e.completion_start > 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "predicts": predicts,
+            "targets": input_ids[:, 1:][predicts[:, :-1]], "token_weights": weights[:, 1:][predicts[:, :-1]]}
+
+
+def _reference_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   logits_to_keep=batch["predicts"], use_cache=False).logits.float()
+    return (F.cross_entropy(logits, batch["targets"], reduction="none") * batch["token_weights"]).sum()
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_classification_loss_and_gradients_unchanged(model, tokenizer, tiny_model_dir, data_dir):
+    from emotune.config import load_config
+    from emotune.data import load_data
+    from emotune.tasks.classify import encode_examples
+
+    cfg = load_config(None, [f"data.source={data_dir}", f"data.label_names=[{', '.join(LABELS)}]"])
+    data = load_data(cfg.data, cfg.seed)
+    rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, 40,
+                           class_weights={label: 1.0 + i / 10 for i, label in enumerate(LABELS)})[:8]
+    rows.append(Example(rows[0].input_ids, len(rows[0].input_ids)))  # a row whose label was cut away
+    new, old = collate(rows, tokenizer.pad_token_id, torch.device("cpu")), _reference_collate(rows, tokenizer.pad_token_id)
+    assert all(torch.equal(new[k], old[k]) for k in old)
+    model.zero_grad()
+    loss_new = completion_loss(model, new).loss_sum
+    loss_new.backward()
+    grads_new = _grads(model)
+    model.zero_grad()
+    loss_old = _reference_loss(model, old)
+    loss_old.backward()
+    assert torch.equal(loss_new, loss_old)
+    assert all(torch.equal(a, b) for a, b in zip(grads_new, _grads(model)))
+    model.zero_grad()
+
+
+def test_chunked_loss_equals_full_cross_entropy(model, tokenizer):
+    rows = [encode(CONVERSATION, tokenizer, None, False), encode(Conversation(CONVERSATION.messages[:4]), tokenizer, "x", False)]
+    batch = collate(rows, tokenizer.pad_token_id, torch.device("cpu"))
+    model.zero_grad()
+    full = completion_loss(model, batch, chunk_tokens=10 ** 6)
+    full.loss_sum.backward()
+    full_grads = _grads(model)
+    model.zero_grad()
+    chunked = completion_loss(model, batch, chunk_tokens=3)  # several chunks, the last one short
+    chunked.loss_sum.backward()
+    # float32, summed in another order: equal to rounding (relative 1e-5 on the loss, absolute 1e-6 on gradients)
+    assert chunked.tokens == full.tokens and int(chunked.correct) == int(full.correct)
+    torch.testing.assert_close(chunked.loss_sum, full.loss_sum, rtol=1e-5, atol=0)
+    for a, b in zip(_grads(model), full_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(50, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    targets, weights = torch.randint(0, 30, (50,)), torch.rand(50)
+    logits = torch.tanh(hidden @ weight.T / 5.0) * 5.0
+    (F.cross_entropy(logits, targets, reduction="none") * weights).sum().backward()
+    expected = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    chunked_loss(hidden, weight, targets, weights, chunk_tokens=7, softcap=5.0).loss_sum.backward()
+    torch.testing.assert_close((hidden.grad, weight.grad), expected, rtol=1e-5, atol=1e-6)
+
+
+def _sft_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = rng.choice(LABELS)
+        rows.append({"instruction": "classify the emotion of this text",
+                     "input": " ".join(rng.sample(FILLER, 4) + [rng.choice(CUES[label])]),
+                     "output": label, "kind": "single" if i % 2 else "history",
+                     **({"history": [["i am happy", "joy"]]} if i % 2 == 0 else {})})
+    return rows
+
+
+@pytest.mark.slow
+def test_two_step_sft_run(tiny_model_dir, tmp_path):
+    from emotune.config import load_config
+    from emotune.pipeline import run
+
+    write_jsonl(tmp_path / "sft.jsonl", _sft_rows(60, seed=1))
+    cfg = load_config(None, [
+        "task=sft", f"model.source={tiny_model_dir}", f"data.source={tmp_path / 'sft.jsonl'}", f"output_dir={tmp_path / 'runs'}",
+        "name=sft", "train.max_steps=2", "train.batch_size=4", "train.gradient_accumulation_steps=1",
+        "train.gradient_checkpointing=false", "train.precision=fp32", "train.eval_steps=1", "train.save_steps=1",
+        "train.logging_steps=1", "train.learning_rate=0.01", "eval.batch_size=4", "eval.max_new_tokens=3",
+        "eval.probe=false", f"model.cache_dir={tmp_path / 'cache'}"])
+    comparison = run(cfg)
+    folder = tmp_path / "runs" / "sft"
+    saved = json.loads((folder / "comparison.json").read_text())
+    assert saved == comparison
+    for name in ("rouge_l", "bleu", "exact_match", "perplexity", "loss"):
+        assert set(saved["metrics"][name]) == {"before", "after", "delta"}
+    assert saved["metrics"]["loss"]["after"] < saved["metrics"]["loss"]["before"]
+    assert set(saved["per_kind"]) == {"single", "history"}
+    page = (folder / "report.html").read_text()
+    assert "Sample rows" in page and "Rows that got worse" in page and "Forgetting check" in page
+    assert json.loads((folder / "adapter" / "emotune.json").read_text())["task"] == "sft"
+    header = (folder / "finetuned" / "predictions.csv").read_text().splitlines()[0]
+    assert header == "prompt,reference,output,kind,rouge_l,bleu,exact_match"
+    assert json.loads((folder / "run.json").read_text())["status"] == "finished"
+
+
+def test_comparison_with_probe_and_intervals():
+    import dataclasses
+
+    from emotune.probe import ProbeResult, load_probe
+    from emotune.tasks.sft_report import _probe_section, compare, format_comparison
+
+    questions = load_probe(limit=40)
+    def probe(right: int) -> dict:  # the first `right` questions answered correctly
+        scores = [[0.0 if k == (q.answer if i < right else (q.answer + 1) % 4) else -5.0 for k in range(4)]
+                  for i, q in enumerate(questions)]
+        result = ProbeResult.from_scores(questions, scores)
+        return json.loads(json.dumps({**dataclasses.asdict(result), "accuracy": result.accuracy}))
+
+    def stage(score: float, loss: float, right: int) -> dict:
+        rows = [{"rouge_l": score, "bleu": score, "exact_match": score} for _ in range(10)]
+        kinds = {"k": {"rouge_l": score, "bleu": score, "exact_match": score, "n": 10}}
+        metrics = {"rows": 10, "rouge_l": score, "bleu": score, "exact_match": score, "loss": loss,
+                   "perplexity": math.exp(loss), "per_kind": kinds, "probe_accuracy": right / 40}
+        return {"metrics": metrics, "rows": rows, "probe": probe(right)}
+
+    comparison = compare(stage(0.2, 2.0, 40), stage(0.5, 1.0, 10))
+    assert comparison["metrics"]["rouge_l"] == {"before": 0.2, "after": 0.5, "delta": 0.3}
+    assert comparison["metrics"]["probe_accuracy"]["delta"] == -0.75
+    assert comparison["intervals"]["rouge_l"]["low"] == pytest.approx(0.3)
+    assert comparison["probe"]["flagged"] is True
+    assert "Flagged" in _probe_section(comparison, None) and "response perplexity" in format_comparison(comparison)

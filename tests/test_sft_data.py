@@ -1,0 +1,159 @@
+"""sft data: every row format, dataset_info.json, malformed rows (reported at once or skipped), cleaning and splits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from emotune.config import load_config
+from emotune.data.conversation_data import load_conversations
+from emotune.errors import UserError
+from conftest import write_jsonl
+
+
+def _data(source: Path | str, *overrides: str):
+    cfg = load_config(None, ["task=sft", f"data.source={source}", *overrides])
+    return load_conversations(cfg.data, cfg.seed)
+
+
+def _alpaca(n: int, prefix: str = "q", kind: str | None = None) -> list[dict]:
+    return [{"instruction": f"{prefix} question {i}", "input": f"context {i}" if i % 2 else "", "output": f"answer {i}",
+             **({"kind": kind} if kind else {})} for i in range(n)]
+
+
+def test_alpaca_with_system_and_history(tmp_path):
+    rows = _alpaca(30)
+    rows[0].update(system="be brief", history=[["hi", "hello"], ["how are you", "fine"]])
+    data = _data(write_jsonl(tmp_path / "a.jsonl", rows), "data.cleaning.duplicates=keep")
+    every = [c for split in data.splits.values() for c in split]
+    assert len(every) == 30
+    first = next(c for c in every if c.system == "be brief")
+    assert first.messages == (("user", "hi"), ("assistant", "hello"), ("user", "how are you"), ("assistant", "fine"),
+                              ("user", "q question 0"), ("assistant", "answer 0"))
+    second = next(c for c in every if c.messages[0][1].startswith("q question 1\n"))
+    assert second.messages[0][1] == "q question 1\n\ncontext 1"
+
+
+def test_sharegpt_with_tags_tools_and_function_turns(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": f"weather in city {i}?"},
+                               {"from": "function_call", "value": '{"name": "weather"}'},
+                               {"from": "observation", "value": "sunny"},
+                               {"from": "gpt", "value": f"it is sunny {i}"}],
+             "system": "sys", "tools": '[{"name": "weather"}]'} for i in range(20)]
+    data = _data(write_jsonl(tmp_path / "s.jsonl", rows))
+    one = data.splits["train"][0]
+    assert [r for r, _ in one.messages] == ["user", "assistant", "user", "assistant"]
+    assert one.messages[1][1] == '{"name": "weather"}' and one.messages[2][1] == "sunny"
+    assert one.system.startswith("sys\n\nTools available:\n")
+
+    custom = [{"dialog": [{"speaker": "u", "text": f"hello {i}"}, {"speaker": "a", "text": f"hi {i}"}]} for i in range(20)]
+    data = _data(write_jsonl(tmp_path / "c.jsonl", custom), "data.format=sharegpt", "data.columns.messages=dialog",
+                 "data.tags.role_tag=speaker", "data.tags.content_tag=text", "data.tags.user_tag=u", "data.tags.assistant_tag=a")
+    assert data.splits["train"][0].messages[1][1].startswith("hi ")
+
+
+def test_openai_messages_in_parquet(tmp_path):
+    rows = [{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": f"u {i}"},
+                          {"role": "assistant", "content": f"a {i}"}]} for i in range(20)]
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    data = _data(path)
+    one = data.splits["train"][0]
+    assert one.system == "s" and one.messages[0][0] == "user" and one.messages[1][1].startswith("a ")
+
+
+def test_json_array_and_folder_of_split_files(tmp_path):
+    folder = tmp_path / "split"
+    folder.mkdir()
+    (folder / "train.json").write_text(json.dumps(_alpaca(20)), encoding="utf-8")
+    write_jsonl(folder / "test.jsonl", _alpaca(4, prefix="t"))
+    data = _data(folder)
+    assert len(data.splits["test"]) == 4 and len(data.splits["train"]) + len(data.splits["validation"]) == 20
+
+
+def test_malformed_rows_reported_at_once_with_row_numbers(tmp_path):
+    rows = _alpaca(20)
+    rows[2]["output"] = ""
+    rows[5]["output"] = "  "
+    rows[7]["history"] = "not a list"
+    rows[9]["instruction"] = None
+    rows[9]["input"] = ""
+    with pytest.raises(UserError) as err:
+        _data(write_jsonl(tmp_path / "bad.jsonl", rows))
+    message = str(err.value)
+    assert "3 problems" in message and "rows 3, 6: the response" in message and "rows 8:" in message
+    assert "rows 10: a user turn is empty" in message and "skip_bad_rows" in message
+
+    turns = [{"conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "y"}]}] + \
+            [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(20)]
+    with pytest.raises(UserError, match="rows 1: the turns do not alternate"):
+        _data(write_jsonl(tmp_path / "order.jsonl", turns))
+    with pytest.raises(UserError, match="has no column 'output'"):
+        _data(write_jsonl(tmp_path / "col.jsonl", [{"instruction": "x", "answer": "y"}] * 20), "data.format=alpaca")
+
+
+def test_skip_bad_rows_counts_them(tmp_path, capsys):
+    rows = _alpaca(25)
+    rows[3]["output"] = ""
+    data = _data(write_jsonl(tmp_path / "bad.jsonl", rows), "data.skip_bad_rows=true")
+    assert sum(data.report["skipped_bad_rows"].values()) == 1
+    assert sum(len(s) for s in data.splits.values()) == 24
+    assert "skipped 1 malformed rows" in capsys.readouterr().out
+
+
+def test_duplicates_and_leakage_on_the_whole_conversation(tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    train = _alpaca(20) + [_alpaca(1)[0]]  # an exact repeat of row 0
+    test = [{"instruction": "Q QUESTION 0!", "input": "", "output": "answer 0"},  # row 0 up to case and punctuation
+            {"instruction": "q question 0", "input": "", "output": "another answer"}]  # same prompt, other answer: kept
+    write_jsonl(folder / "train.jsonl", train)
+    write_jsonl(folder / "test.jsonl", test)
+    data = _data(folder)
+    assert data.report["cleaning"]["duplicates"]["train"] == 1
+    assert data.report["cleaning"]["leakage"]["test"] == 1
+    assert [c.response for c in data.splits["test"]] == ["another answer"]
+
+
+def test_dataset_info_mixes_two_datasets_and_takes_eval_dataset(tmp_path):
+    write_jsonl(tmp_path / "alpaca_part.jsonl", _alpaca(30, prefix="alpaca"))
+    write_jsonl(tmp_path / "chat_part.jsonl", [{"dialog": [{"role": "user", "content": f"chat question {i}"},
+                                                           {"role": "assistant", "content": f"chat answer {i}"}]}
+                                               for i in range(30)])
+    write_jsonl(tmp_path / "held.jsonl", _alpaca(5, prefix="held"))
+    info = {"a": {"file_name": "alpaca_part.jsonl", "num_samples": 10},
+            "c": {"file_name": "chat_part.jsonl", "formatting": "sharegpt", "columns": {"messages": "dialog"},
+                  "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}},
+            "h": {"file_name": "held.jsonl"},
+            "prefs": {"file_name": "alpaca_part.jsonl", "ranking": True}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
+    data = _data(tmp_path, "data.datasets=[a, c]", "data.max_samples=20")
+    sources = [c.source for split in ("train", "validation", "test") for c in data.splits[split]]
+    assert sources.count("a") == 10 and sources.count("c") == 20
+    for split in ("validation", "test"):  # stratified by dataset
+        assert {c.source for c in data.splits[split]} == {"a", "c"}
+
+    data = _data(tmp_path, "data.datasets=[a, c]", "data.eval_datasets=[h]")
+    assert [c.source for c in data.splits["test"]] == ["h"] * 5
+    with pytest.raises(UserError, match="ranking"):
+        _data(tmp_path, "data.datasets=[prefs]")
+    with pytest.raises(UserError, match="name the datasets"):
+        _data(tmp_path)
+    with pytest.raises(UserError, match="does not define"):
+        _data(tmp_path, "data.datasets=[nope]")
+
+
+def test_embedded_instruct_dataset_and_limits():
+    data = _data("embedded", "data.test_limit=30")
+    assert [len(data.splits[s]) for s in ("train", "validation")] == [540, 60]
+    assert len(data.splits["test"]) == 30 and len({c.kind for c in data.splits["test"]}) == 6
+
+
+def test_sft_config_refuses_classify_keys():
+    with pytest.raises(UserError) as err:
+        load_config(None, ["task=sft", "prompt.user_template={text}", "data.label_names=[a, b]", "eval.method=score"])
+    assert "3 problems" in str(err.value)

@@ -1,0 +1,110 @@
+"""Reference-based text scores: hand-computed values, CJK tokenization, JSON exact match, bootstrap intervals."""
+
+from __future__ import annotations
+
+import pytest
+from rouge_score import rouge_scorer
+from sacrebleu.metrics import BLEU
+
+from emotune.textmetrics import (CJKTokenizer, bleu, bleu_tokenize, bootstrap_ci, exact_match,
+                                 paired_bootstrap_delta, rouge_l, sentence_bleu, summarize)
+
+
+def test_rouge_l_matches_the_hand_computed_lcs_f1():
+    # LCS("the cat sat on the mat", "a cat was on the red mat") = "cat on the mat": P = 4/6, R = 4/7, F = 8/13
+    scores = rouge_l(["the cat sat on the mat", "The Cat."], ["a cat was on the red mat", "the cat"])
+    assert scores == pytest.approx([8 / 13, 1.0])
+
+
+def test_rouge_l_scores_chinese_by_character_where_the_default_tokenizer_gives_zero():
+    pred, ref = "今天天气很好", "今天的天气非常好"
+    # LCS = 今天天气好 (5 characters): P = 5/6, R = 5/8, F = 5/7
+    assert rouge_l([pred], [ref]) == pytest.approx([5 / 7])
+    assert rouge_scorer.RougeScorer(["rougeL"]).score(ref, pred)["rougeL"].fmeasure == 0
+
+
+def test_tokenizer_splits_cjk_characters_and_keeps_other_words_whole():
+    assert CJKTokenizer().tokenize("Hello世界, café 3.5 こんにちは 안녕 ＡＢＣ") == [
+        "hello", "世", "界", "café", "3", "5", "こ", "ん", "に", "ち", "は", "안", "녕", "abc"]
+
+
+def test_rouge_l_refuses_unpaired_lists():
+    with pytest.raises(ValueError, match="pair up"):
+        rouge_l(["a", "b"], ["a"])
+
+
+def test_bleu_is_one_for_identical_and_zero_for_disjoint_texts():
+    same = ["the quick brown fox jumps over the lazy dog", "a b c d e"]
+    assert bleu(same, same) == pytest.approx(1.0)
+    assert bleu(["red green blue yellow"], ["one two three four"]) == 0.0
+    assert sentence_bleu("yes", "yes") == pytest.approx(1.0)
+    assert sentence_bleu("red green", "one two") == 0.0
+
+
+def test_bleu_uses_sacrebleu_zh_tokenization_for_chinese_references():
+    preds, refs = ["今天天气很好"], ["今天的天气非常好"]
+    assert bleu_tokenize(refs) == "zh" and bleu_tokenize(["plain english"]) == "13a"
+    assert bleu_tokenize(["今日はいい天気"]) == "char"
+    expected = BLEU(tokenize="zh").corpus_score(preds, [refs]).score / 100
+    assert bleu(preds, refs) == pytest.approx(expected) and expected > 0
+    assert BLEU(tokenize="13a").corpus_score(preds, [refs]).score == 0  # what the default would give
+    assert 0 < sentence_bleu(preds[0], refs[0]) < 1
+
+
+def test_exact_match_normalises_case_space_quotes_and_punctuation():
+    assert exact_match('  "Paris."  ', "paris")
+    assert exact_match("巴黎。", "「巴黎」")
+    assert exact_match("New   York", "new york")
+    assert not exact_match("Paris, France", "Paris")
+
+
+def test_exact_match_compares_parsed_json_when_both_parse():
+    ref = '{"name": "Ada", "year": 1843}'
+    assert exact_match('{"year":1843,"name":"Ada"}', ref)
+    assert exact_match('```json\n{"name": "Ada", "year": 1843}\n```', ref)
+    assert not exact_match('{"name": "Ada", "year": 1842}', ref)
+    assert not exact_match('{"name": "Ada", "year": "1843"}', ref)
+    assert not exact_match("name: Ada, year: 1843", ref)
+
+
+def test_summarize_gives_overall_and_per_kind_means():
+    rows = [
+        {"kind": "qa", "rouge_l": 1.0, "bleu": 1.0, "exact_match": True, "prediction": "a b", "reference": "a b"},
+        {"kind": "qa", "rouge_l": 0.5, "bleu": 0.0, "exact_match": False, "prediction": "x", "reference": "y"},
+        {"kind": "json", "rouge_l": 0.0, "bleu": 0.5, "exact_match": True, "prediction": "c d e f", "reference": "c d e f"},
+    ]
+    out = summarize(rows)
+    assert out["n"] == 3 and out["rouge_l"] == pytest.approx(0.5) and out["exact_match"] == pytest.approx(2 / 3)
+    assert out["bleu"] == pytest.approx(0.5)
+    assert out["corpus_bleu"] == pytest.approx(bleu(["a b", "x", "c d e f"], ["a b", "y", "c d e f"]))
+    assert out["per_kind"]["qa"]["n"] == 2 and out["per_kind"]["qa"]["rouge_l"] == pytest.approx(0.75)
+    assert out["per_kind"]["json"] == {"n": 1, "rouge_l": 0.0, "bleu": 0.5, "exact_match": 1.0,
+                                       "corpus_bleu": pytest.approx(1.0)}
+    assert summarize(rows, corpus_bleu=0.25)["corpus_bleu"] == 0.25
+    bare = [{k: v for k, v in r.items() if k not in ("prediction", "reference", "kind")} for r in rows]
+    assert summarize(bare)["corpus_bleu"] is None and summarize(bare)["per_kind"] == {}
+
+
+def test_bootstrap_ci_contains_the_mean_narrows_with_more_data_and_is_deterministic():
+    values = [1.0] * 30 + [0.0] * 20
+    low, high = bootstrap_ci(values)
+    assert low < 0.6 < high and 0.4 < low and high < 0.8
+    assert bootstrap_ci(values) == (low, high)
+    spread = [i / 49 for i in range(50)]
+    assert bootstrap_ci(spread) == bootstrap_ci(spread) != bootstrap_ci(spread, seed=1)
+    wide = bootstrap_ci(values[:5] + values[-5:])
+    assert wide[1] - wide[0] > high - low
+    assert bootstrap_ci([0.3]) == (0.3, 0.3)
+    with pytest.raises(ValueError):
+        bootstrap_ci([])
+
+
+def test_paired_bootstrap_delta_sees_a_clear_drop_and_no_change():
+    before = [1.0] * 40 + [0.0] * 10
+    after = [0.0] * 30 + [1.0] * 10 + [0.0] * 10
+    drop = paired_bootstrap_delta(before, after)
+    assert drop["delta"] == pytest.approx(-0.6) and drop["low"] <= -0.6 <= drop["high"] < 0
+    assert paired_bootstrap_delta(before, before) == {"delta": 0.0, "low": 0.0, "high": 0.0}
+    assert paired_bootstrap_delta(before, after) == drop
+    with pytest.raises(ValueError, match="pair up"):
+        paired_bootstrap_delta(before, after[:-1])
