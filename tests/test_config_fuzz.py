@@ -33,8 +33,18 @@ def _number_fields(model: type[BaseModel], prefix: str = "") -> dict[str, tuple[
     return out
 
 
-SCHEMAS = [config.RunConfig, *getattr(config, "TASK_CONFIGS", {}).values()]  # every task's sections too
-FIELDS = {key: spec for schema in SCHEMAS for key, spec in _number_fields(schema).items()}
+# every task's sections too; a key is loaded under the first task whose config has it
+SCHEMAS = {"classify": config.RunConfig, **config.TASK_CONFIGS}
+TASK_OF = {}
+FIELDS = {}
+for _task, _schema in SCHEMAS.items():
+    for _key, _spec in _number_fields(_schema).items():
+        FIELDS.setdefault(_key, _spec)
+        TASK_OF.setdefault(_key, _task)
+
+
+def _load(key: str, text: str):
+    return load_config(None, [f"task={TASK_OF[key]}", f"{key}={text}"])
 BAD_WORDS = ["true", "false", ".nan", "nan", "NaN", ".inf", "inf", "-.inf", "-inf", "1e999"]
 NUMBERS = [-1_000_000_000, -2, -1, -0.5, -0.0, 0, 0.5, 1, 1.5, 65_536, 2**32, 1e12, 1e300]
 
@@ -53,7 +63,7 @@ def test_every_number_field_has_a_range_its_default_satisfies(key):
 
 
 def _default(key: str):
-    node = config.RunConfig()
+    node = SCHEMAS[TASK_OF[key]]()
     for part in key.split("."):
         node = getattr(node, part, None)
     return node
@@ -63,7 +73,7 @@ def _check(key: str, text: str) -> None:
     """`key=text` is refused with the field and its range named, or accepted unchanged and documented."""
     allowed, integer, doc = FIELDS[key]
     try:
-        cfg = load_config(None, [f"{key}={text}"])
+        cfg = _load(key, text)
     except UserError as err:
         message = str(err)
         assert f"`{key}`: must be {allowed.describe(integer)}" in message, message
@@ -92,7 +102,7 @@ def test_bool_nan_inf_negative_and_out_of_range_values(key):
         _check(key, text)
     allowed, _, _ = FIELDS[key]
     for documented in allowed.special:  # e.g. train.max_steps=-1 must stay accepted
-        assert _loaded(load_config(None, [f"{key}={documented!r}"]), key) == documented
+        assert _loaded(_load(key, repr(documented)), key) == documented
     edges = [b + d for b in (allowed.low, allowed.high) if b is not None for d in (-1, -0.001, 0, 0.001, 1)]
     for number in NUMBERS + edges:
         _check(key, repr(number))

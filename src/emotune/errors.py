@@ -27,6 +27,6 @@ def raise_problems(subject: str, problems: list[str], fix: str = "") -> None:
     The one formatter for "all problems at once" (config, data); nothing is raised when `problems` is empty."""
     if not problems:
         return
-    lines = [p.rstrip(".") + "." for p in problems]
+    lines = [p if p.endswith((".", "?", "!")) else p + "." for p in problems]
     head = f"{subject} has 1 problem:" if len(lines) == 1 else f"{subject} has {len(lines)} problems:"
     raise UserError("\n".join([head, *(f"  - {line}" for line in lines), *([fix] if fix else [])]))
