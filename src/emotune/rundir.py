@@ -196,8 +196,16 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
 
 
 def move_aside(run: RunDir) -> None:
-    """Keep an old run as `<name>.previous` until the run replacing it finishes."""
+    """Keep an old run as `<name>.previous` until the run replacing it finishes.
+
+    With a `.previous` already there, an unfinished run in `root` is an earlier attempt at the same
+    replacement that never finished: it is the one discarded, and the run kept aside stays."""
     if run.previous.exists():
+        if not run.is_finished():
+            shutil.rmtree(run.root)
+            print(f"The unfinished run in {run.root} is discarded; the old run stays kept as {run.previous} until "
+                  "this run finishes.", flush=True)
+            return
         shutil.rmtree(run.previous)  # an older run emotune itself moved aside earlier
     os.replace(run.root, run.previous)
     print(f"The old run in {run.root} is kept as {run.previous} until this run finishes.", flush=True)

@@ -1,0 +1,212 @@
+"""The run folder's life cycle, with real processes killed by SIGKILL at a stage's start marker.
+
+`python -m emotune ...` runs as a subprocess; its stdout is read line by line and the process is killed
+the moment it prints `[emotune] stage NAME: start`. Nothing in the product knows it is being tested.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from emotune.cli import main
+from emotune.rundir import PARTIAL, PREVIOUS, STAGE_MARKER, RunDir
+
+from conftest import make_rows, write_jsonl
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TIMEOUT_S = 300
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    killed: bool
+
+
+def emotune(args: list[str], kill_at: str | None = None) -> Result:
+    """Run `python -m emotune ARGS`; with `kill_at`, SIGKILL it as soon as that stage's start marker is printed."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    marker = f"{STAGE_MARKER} {kill_at}: start" if kill_at else None
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as err:  # a file, so a full stderr pipe never blocks it
+        proc = subprocess.Popen([sys.executable, "-m", "emotune", *args], stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=env)
+        watchdog = threading.Timer(TIMEOUT_S, proc.kill)
+        watchdog.start()
+        lines, killed = [], False
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if marker and line.rstrip("\n") == marker:
+                    proc.send_signal(signal.SIGKILL)
+                    killed = True
+                    break
+            lines.append(proc.stdout.read())
+            returncode = proc.wait()
+        finally:
+            watchdog.cancel()
+            proc.stdout.close()
+        err.seek(0)
+        result = Result(returncode, "".join(lines), err.read(), killed)
+    if kill_at:
+        assert killed and returncode == -signal.SIGKILL, f"never reached {marker!r}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under `folder` by relative path, with a hash of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_json(folder: Path) -> dict:
+    return json.loads((folder / "run.json").read_text(encoding="utf-8"))
+
+
+def leftovers(runs: Path) -> list[str]:
+    return sorted(p.name for p in runs.rglob("*") if p.name.endswith((PARTIAL, PREVIOUS)))
+
+
+def finished_run(tiny_overrides, tmp_path) -> tuple[Path, dict[str, str]]:
+    """A finished run made in-process (faster than a subprocess), with its snapshot."""
+    assert main(["run", *tiny_overrides]) == 0
+    root = tmp_path / "runs" / "tiny"
+    assert RunDir(root).is_finished() and (root / "report.html").is_file()
+    return root, snapshot(root)
+
+
+# --------------------------------------------------------------------------------------------------
+# a. a run killed before it finished is not finished, and the same command completes it
+
+
+def test_run_killed_at_the_report_resumes_to_a_finished_run(tiny_overrides, tmp_path):
+    root = tmp_path / "runs" / "tiny"
+    killed = emotune(["run", *tiny_overrides], kill_at="report")
+    assert f"{STAGE_MARKER} finetuned: done" in killed.stdout
+    assert run_json(root)["status"] != "finished" and not RunDir(root).is_finished()
+    assert not (root / "report.html").exists()
+    adapter = snapshot(root / "adapter")
+
+    again = emotune(["run", *tiny_overrides])
+    assert again.returncode == 0, again.stderr[-3000:]
+    for stage in ("data", "baseline", "train", "finetuned"):
+        assert f"{STAGE_MARKER} {stage}: skipped" in again.stdout, stage
+    assert f"{STAGE_MARKER} report: start" in again.stdout and f"{STAGE_MARKER} report: done" in again.stdout
+    assert run_json(root)["status"] == "finished" and RunDir(root).is_finished()
+    assert (root / "report.html").is_file()
+    assert snapshot(root / "adapter") == adapter  # resumed, not trained again
+    assert leftovers(tmp_path / "runs") == []
+
+
+# --------------------------------------------------------------------------------------------------
+# b. overwrite=true with a new run that does not validate leaves the finished run as it was
+
+
+def test_overwrite_with_an_invalid_new_run_keeps_the_finished_run(tiny_overrides, tmp_path):
+    root, before = finished_run(tiny_overrides, tmp_path)
+    bad_data = write_jsonl(tmp_path / "bad.jsonl", [{"text": "so happy", "label": "joy"}, {"text": "meh", "label": "boredom"}] * 3)
+    invalid = {
+        "model source": [f"model.source={tmp_path / 'no-such-model'}"],
+        "data": [f"data.source={bad_data}"],
+    }
+    # a bad config value fails at load time, before torch is imported: in-process is just as real
+    assert main(["run", *tiny_overrides, "overwrite=true", "train.learning_rate=5"]) == 2
+    assert snapshot(root) == before and leftovers(tmp_path / "runs") == []
+    for what, change in invalid.items():
+        result = emotune(["run", *tiny_overrides, "overwrite=true", *change])
+        assert result.returncode == 2, (what, result.stdout[-2000:], result.stderr[-2000:])
+        assert "emotune: error:" in result.stderr and "Traceback" not in result.stderr, what
+        assert STAGE_MARKER not in result.stdout, what  # nothing started
+        assert snapshot(root) == before, what  # adapter, metrics, report.html, run.json: byte for byte
+        assert run_json(root)["status"] == "finished" and RunDir(root).is_finished(), what
+        assert leftovers(tmp_path / "runs") == [], what  # no .previous, no .partial
+
+
+# --------------------------------------------------------------------------------------------------
+# c. overwrite=true keeps the old run as <name>.previous until the new run finishes
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_finishes(tiny_overrides, tmp_path):
+    root, before = finished_run(tiny_overrides, tmp_path)
+    previous = root.with_name(root.name + PREVIOUS)
+    command = ["run", *tiny_overrides, "overwrite=true", "lora.r=4"]
+
+    first = emotune(command, kill_at="train")
+    assert previous.name in first.stdout  # the user is told where the old run is
+    assert snapshot(previous) == before and RunDir(previous).is_finished()
+    assert not RunDir(root).is_finished()
+
+    # the same command again, killed again: the old run is still the one kept, not the half-done new one
+    emotune(command, kill_at="train")
+    assert snapshot(previous) == before and RunDir(previous).is_finished()
+
+    done = emotune(command)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert RunDir(root).is_finished()
+    assert json.loads((root / "adapter" / "adapter_config.json").read_text())["r"] == 4  # the new run
+    assert not previous.exists()  # dropped once the new run finished
+    assert leftovers(tmp_path / "runs") == []
+
+
+# --------------------------------------------------------------------------------------------------
+# d. `emotune data` never deletes a finished run's outputs (no command deletes outputs it did not write)
+
+
+def test_data_command_never_deletes_a_finished_run(tiny_overrides, tmp_path, capsys):
+    root, before = finished_run(tiny_overrides, tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    for seed, split in enumerate(("train", "validation", "test"), start=10):
+        write_jsonl(other / f"{split}.jsonl", make_rows(2, seed))
+    change = [o for o in tiny_overrides if not o.startswith("data.source=")] + [f"data.source={other}"]
+
+    assert main(["data", *change]) == 2  # refused without overwrite=true
+    assert "holds a finished run made with other data" in capsys.readouterr().err
+    assert snapshot(root) == before
+
+    replaced = emotune(["data", *change, "overwrite=true"])
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    # what the product does: it keeps the whole finished run aside as <name>.previous, and says so
+    previous = root.with_name(root.name + PREVIOUS)
+    assert previous.name in replaced.stdout
+    assert snapshot(previous) == before and RunDir(previous).is_finished()
+    report = json.loads((root / "data" / "data_report.json").read_text(encoding="utf-8"))
+    assert report["source"] == str(other) and report["rows"]["test"] == 12
+
+
+# --------------------------------------------------------------------------------------------------
+# e. export never replaces an existing folder without --force
+
+
+def test_export_into_an_existing_folder_needs_force(tiny_run_dir, tmp_path):
+    out = tmp_path / "exported"
+    assert main(["export", str(tiny_run_dir), "--out", str(out)]) == 0
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    (out / "notes.txt").write_text("the user's own file", encoding="utf-8")
+    before = snapshot(out)
+
+    again = emotune(["export", str(tiny_run_dir), "--out", str(out)])
+    assert again.returncode == 2
+    assert "already exists" in again.stderr and "--force" in again.stderr and "Traceback" not in again.stderr
+    assert snapshot(out) == before
+
+    forced = emotune(["export", str(tiny_run_dir), "--out", str(out), "--force"])
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert not (out / "notes.txt").exists()  # replaced, not merged into
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "config.yaml").is_file()
+    assert {k: v for k, v in before.items() if k != "notes.txt"} == snapshot(out)
+    assert leftovers(tmp_path) == []
