@@ -1,13 +1,16 @@
-"""The forgetting probe: loading the packaged questions, letter scoring against a slow reference, comparison.
+"""The forgetting probe: loading the packaged questions, option and letter scoring against slow references,
+comparison.
 
 The tiny fixture model's word-level vocabulary has no letters, so `letter_tokenizer` is the fixture's
 tokenizer with four label words renamed to A–D: same ids and size, so the fixture model's weights fit it.
+Option scoring uses the fixture's own tokenizer (`word_tokenizer`); every test option is made of its words.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from emotune.errors import UserError
 from emotune.probe import (INSTRUCTIONS, LETTERS, PROBE_PATH, ProbeQuestion, ProbeResult, compare_probe,
-                           letter_token_ids, load_probe, render_prompt, score_probe)
+                           letter_token_ids, load_probe, option_token_ids, render_prompt, score_probe)
 
 RENAMED = ["sadness", "joy", "love", "anger"]  # label words the test questions do not use
 
@@ -35,6 +38,11 @@ def letter_tokenizer(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def word_tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
 
@@ -43,8 +51,8 @@ def make_questions() -> list[ProbeQuestion]:
     """Questions of different lengths and both languages, from words in the fixture vocabulary."""
     texts = ["my friend was so happy today", "work", "i am really nervous this morning and the work was very gloomy",
              "the morning", "i feel lonely", "this was so unexpected my friend"]
-    options = [["happy", "lonely", "furious", "scared"], ["grief", "great", "rage", "wow"],
-               ["crying", "delighted", "annoyed", "panic"], ["tender", "caring", "adore", "darling"]]
+    options = [["happy", "so lonely", "really very furious", "scared"], ["grief", "great work", "rage", "wow"],
+               ["crying today", "delighted", "annoyed", "panic"], ["tender", "caring", "adore", "my darling"]]
     return [ProbeQuestion(f"q{i}", "zh" if i % 3 == 2 else "en", "t", text, tuple(options[i % 4]), i % 4)
             for i, text in enumerate(texts)]
 
@@ -59,6 +67,23 @@ def reference_logprobs(model, tokenizer, question: ProbeQuestion) -> list[float]
     with torch.no_grad():
         logprobs = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)
     return logprobs[tokenizer.convert_tokens_to_ids(list("ABCD"))].tolist()
+
+
+def reference_option_scores(model, tokenizer, question: ProbeQuestion) -> list[float]:
+    """The slow way: the question alone as the user turn, then one option at a time as the reply, a full
+    forward over the whole row, log-softmax everywhere, the option tokens' log-probabilities summed / count."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question.question}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    scores = []
+    for choice in question.choices:
+        ids = tokenizer(text + choice, add_special_tokens=False)["input_ids"]
+        assert ids[:len(prompt)] == prompt and len(ids) > len(prompt)
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+        picked = [logprobs[t - 1, ids[t]].item() for t in range(len(prompt), len(ids))]
+        scores.append(sum(picked) / len(picked))
+    return scores
 
 
 def test_packaged_probe_loads_280_valid_questions():
@@ -99,16 +124,16 @@ def test_a_malformed_probe_file_names_every_bad_line_and_field(tmp_path):
 
 def test_letter_token_ids_are_the_letters_after_the_prompt(letter_tokenizer, tiny_model_dir):
     prompt = render_prompt(letter_tokenizer, make_questions()[0])
-    assert prompt.endswith("model\n") and "A. happy\nB. lonely" in prompt
+    assert prompt.endswith("model\n") and "A. happy\nB. so lonely" in prompt
     assert letter_token_ids(letter_tokenizer, prompt) == letter_tokenizer.convert_tokens_to_ids(list("ABCD"))
     no_letters = AutoTokenizer.from_pretrained(tiny_model_dir)  # every letter is <unk>
     with pytest.raises(UserError, match="not all distinct"):
         letter_token_ids(no_letters, prompt)
 
 
-def test_score_probe_equals_a_slow_one_question_reference(tiny_model, letter_tokenizer):
+def test_letter_scoring_equals_a_slow_one_question_reference(tiny_model, letter_tokenizer):
     questions = make_questions()
-    result = score_probe(tiny_model, letter_tokenizer, questions, batch_size=4)
+    result = score_probe(tiny_model, letter_tokenizer, questions, batch_size=4, method="letter")
     expected = [reference_logprobs(tiny_model, letter_tokenizer, q) for q in questions]
     assert torch.allclose(torch.tensor(result.letter_logprobs), torch.tensor(expected), atol=1e-5, rtol=0)
     assert result.predicted == [max(range(4), key=row.__getitem__) for row in expected]
@@ -118,17 +143,57 @@ def test_score_probe_equals_a_slow_one_question_reference(tiny_model, letter_tok
     assert result.per_lang["en"]["n"] == 4 and result.per_lang["zh"]["n"] == 2
 
 
-def test_batching_and_padding_do_not_change_the_scores(tiny_model, letter_tokenizer):
+def test_letter_scoring_is_unchanged_by_batching_and_padding(tiny_model, letter_tokenizer):
     questions = make_questions()
-    one = score_probe(tiny_model, letter_tokenizer, questions, batch_size=1)
-    all_at_once = score_probe(tiny_model, letter_tokenizer, questions, batch_size=16)
+    one = score_probe(tiny_model, letter_tokenizer, questions, batch_size=1, method="letter")
+    all_at_once = score_probe(tiny_model, letter_tokenizer, questions, batch_size=16, method="letter")
     assert torch.allclose(torch.tensor(one.letter_logprobs), torch.tensor(all_at_once.letter_logprobs), atol=1e-5)
     assert one.predicted == all_at_once.predicted
 
 
-def test_score_probe_restores_the_training_mode(tiny_model, letter_tokenizer):
+def test_option_prompt_is_the_question_alone_and_every_option_word_is_in_the_vocabulary(word_tokenizer):
+    question = make_questions()[0]
+    prompt = render_prompt(word_tokenizer, question, "option")
+    assert prompt.endswith("model\n") and question.question in prompt
+    assert "A." not in prompt and "happy\n" not in prompt and INSTRUCTIONS["en"] not in prompt
+    for q in make_questions():
+        prompt_ids, options = option_token_ids(word_tokenizer, render_prompt(word_tokenizer, q, "option"), q.choices)
+        assert [len(o) for o in options] == [len(c.split()) for c in q.choices]
+        assert word_tokenizer.unk_token_id not in {t for o in options for t in o}
+        assert word_tokenizer.unk_token_id not in prompt_ids
+
+
+def test_option_scoring_equals_a_slow_one_row_reference(tiny_model, word_tokenizer):
+    questions = make_questions()
+    result = score_probe(tiny_model, word_tokenizer, questions, batch_size=5)
+    expected = [reference_option_scores(tiny_model, word_tokenizer, q) for q in questions]
+    assert result.method == "option" and result.summary()["method"] == "option"
+    assert torch.allclose(torch.tensor(result.option_scores), torch.tensor(expected), atol=1e-5, rtol=0)
+    assert result.letter_logprobs == result.option_scores  # the earlier name still reads the scores
+    assert result.predicted == [max(range(4), key=row.__getitem__) for row in expected]
+    assert result.correct == [p == q.answer for p, q in zip(result.predicted, questions)]
+    assert result.per_lang["en"]["n"] == 4 and result.per_lang["zh"]["n"] == 2
+
+
+def test_option_scoring_is_unchanged_by_batching_and_padding(tiny_model, word_tokenizer):
+    questions = make_questions()
+    one = score_probe(tiny_model, word_tokenizer, questions, batch_size=1)
+    some = score_probe(tiny_model, word_tokenizer, questions, batch_size=3)  # rows of mixed lengths together
+    all_at_once = score_probe(tiny_model, word_tokenizer, questions, batch_size=64)
+    for other in (some, all_at_once):
+        assert torch.allclose(torch.tensor(one.option_scores), torch.tensor(other.option_scores), atol=1e-5, rtol=0)
+        assert one.predicted == other.predicted
+
+
+def test_an_unknown_method_is_refused(tiny_model, word_tokenizer):
+    with pytest.raises(UserError, match="option, letter"):
+        score_probe(tiny_model, word_tokenizer, make_questions(), method="logits")
+
+
+@pytest.mark.parametrize("method", ["option", "letter"])
+def test_score_probe_restores_the_training_mode(tiny_model, letter_tokenizer, method):
     tiny_model.train()
-    score_probe(tiny_model, letter_tokenizer, make_questions()[:2])
+    score_probe(tiny_model, letter_tokenizer, make_questions()[:2], method=method)
     assert tiny_model.training
     tiny_model.eval()
 
@@ -154,23 +219,53 @@ def test_compare_probe_flags_a_clear_drop_only():
     assert small["delta"] == pytest.approx(-0.02) and small["low"] < 0 <= small["high"] and not small["flagged"]
     with pytest.raises(ValueError, match="same questions"):
         compare_probe(before, result_with([True] * 99))
+    assert drop["method"] == "option"
+    letters = ProbeResult.from_scores([ProbeQuestion(i, g, "t", "?", ("a", "b", "c", "d"), 0)
+                                       for i, g in zip(before.ids, before.langs)], before.option_scores, "letter")
+    with pytest.raises(ValueError, match="scored the same way"):
+        compare_probe(before, letters)
 
 
-@pytest.mark.slow
-def test_real_gemma_tokenizer_and_model_agree_with_the_reference():
-    """The packaged Gemma 3 270M (when already converted in the cache): letters are its single tokens A–D,
-    and batched scoring of a few real probe questions equals the one-question reference."""
+def packaged_model():
+    """The packaged Gemma 3 270M and its tokenizer when already converted in the cache, else skip."""
     from emotune.config import load_config
     from emotune.models import EMBEDDED_FOLDER, cache_root
 
     folder = cache_root(load_config(None, []).model) / "models" / EMBEDDED_FOLDER
     if not (folder / "config.json").is_file():
         pytest.skip("the packaged model is not converted in the cache (test_packaged_model.py does that)")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_real_gemma_tokenizer_and_model_agree_with_the_reference():
+    """The packaged Gemma 3 270M: letters are its single tokens A–D, and batched scoring of a few real probe
+    questions equals the one-question reference, in both methods."""
+    model, tokenizer = packaged_model()
     questions = load_probe(limit=4)
     ids = letter_token_ids(tokenizer, render_prompt(tokenizer, questions[0]))
     assert tokenizer.convert_ids_to_tokens(ids) == list("ABCD")
-    result = score_probe(model, tokenizer, questions, batch_size=4)
+    result = score_probe(model, tokenizer, questions, batch_size=4, method="letter")
     expected = [reference_logprobs(model, tokenizer, q) for q in questions]
     assert torch.allclose(torch.tensor(result.letter_logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+    result = score_probe(model, tokenizer, questions, batch_size=8)
+    expected = [reference_option_scores(model, tokenizer, q) for q in questions]
+    assert torch.allclose(torch.tensor(result.option_scores), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_real_gemma_accuracy_on_40_questions_by_method():
+    """One measurement, not a sweep: the packaged Gemma 3 270M base model on 40 stratified probe questions,
+    option scoring against letter scoring; accuracy and seconds are printed (run with -s to see them)."""
+    model, tokenizer = packaged_model()
+    questions = load_probe(limit=40)
+    results = {}
+    for method in ("option", "letter"):
+        start = time.perf_counter()
+        results[method] = score_probe(model, tokenizer, questions, batch_size=16, method=method)
+        seconds = time.perf_counter() - start
+        summary = results[method].summary()
+        print(f"\n{method}: accuracy {summary['accuracy']:.3f} [{summary['low']:.3f}, {summary['high']:.3f}] "
+              f"in {seconds:.1f} s; per language "
+              + ", ".join(f"{g} {v['accuracy']:.3f}" for g, v in summary["per_lang"].items()))
+    assert all(r.ids == [q.id for q in questions] for r in results.values())
