@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 import torch
@@ -227,13 +226,11 @@ def test_compare_probe_flags_a_clear_drop_only():
 
 
 def packaged_model():
-    """The packaged Gemma 3 270M and its tokenizer when already converted in the cache, else skip."""
+    """The packaged Gemma 3 270M and its tokenizer (converted from the GGUF package once, then cached)."""
     from emotune.config import load_config
-    from emotune.models import EMBEDDED_FOLDER, cache_root
+    from emotune.models import resolve_model_dir
 
-    folder = cache_root(load_config(None, []).model) / "models" / EMBEDDED_FOLDER
-    if not (folder / "config.json").is_file():
-        pytest.skip("the packaged model is not converted in the cache (test_packaged_model.py does that)")
+    folder = resolve_model_dir(load_config(None, []).model)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
 
 
@@ -251,21 +248,3 @@ def test_real_gemma_tokenizer_and_model_agree_with_the_reference():
     result = score_probe(model, tokenizer, questions, batch_size=8)
     expected = [reference_option_scores(model, tokenizer, q) for q in questions]
     assert torch.allclose(torch.tensor(result.option_scores), torch.tensor(expected), atol=1e-4, rtol=0)
-
-
-@pytest.mark.slow
-def test_real_gemma_accuracy_on_40_questions_by_method():
-    """One measurement, not a sweep: the packaged Gemma 3 270M base model on 40 stratified probe questions,
-    option scoring against letter scoring; accuracy and seconds are printed (run with -s to see them)."""
-    model, tokenizer = packaged_model()
-    questions = load_probe(limit=40)
-    results = {}
-    for method in ("option", "letter"):
-        start = time.perf_counter()
-        results[method] = score_probe(model, tokenizer, questions, batch_size=16, method=method)
-        seconds = time.perf_counter() - start
-        summary = results[method].summary()
-        print(f"\n{method}: accuracy {summary['accuracy']:.3f} [{summary['low']:.3f}, {summary['high']:.3f}] "
-              f"in {seconds:.1f} s; per language "
-              + ", ".join(f"{g} {v['accuracy']:.3f}" for g, v in summary["per_lang"].items()))
-    assert all(r.ids == [q.id for q in questions] for r in results.values())
