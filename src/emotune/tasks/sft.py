@@ -22,6 +22,7 @@ from emotune.batches import Example
 from emotune.config import SftConfig
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
 from emotune.data.sources import HUB_PREFIXES, SPLITS
+from emotune.probe import load_probe
 from emotune.rundir import RunDir, atomic_dir, read_json
 from emotune.tasks import sft_eval
 from emotune.tasks.sft_report import compare, format_comparison, report_sections, write_comparison
@@ -43,11 +44,6 @@ def load_data(cfg: SftConfig) -> ConversationData:
     """Validated conversations; with eval.probe, the probe's questions are checked too (before any weights load)."""
     data = load_conversations(cfg.data, cfg.seed)
     if cfg.eval.probe:
-        try:
-            from emotune.probe import load_probe
-        except ImportError:
-            raise UserError("eval.probe=true needs the forgetting probe (emotune.probe), which this emotune lacks; set "
-                            "eval.probe=false, or use an emotune that has it.") from None
         load_probe(limit=cfg.eval.probe_limit)
     data.report["fingerprint"] = data_fingerprint(cfg)
     return data
