@@ -39,6 +39,9 @@ Name = Annotated[str, AfterValidator(_utf8), AfterValidator(_no_nul)]
 
 
 class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "NAME", "input": "i am so happy today"},
+        {"model": "base", "input": ["text one", "text two"], "labels": ["joy", "sadness"]}]})
     model: Name
     input: Text | list[Text]
     labels: list[Text] | None = None
@@ -79,7 +82,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we accept and ignore
+    # OpenAI clients send fields we accept and ignore
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"model": "NAME", "messages": [{"role": "user", "content": "i am so happy today"}], "max_tokens": 8}]})
     model: Name
     messages: list[ChatMessage]
     stream: StrictBool = False
