@@ -194,6 +194,60 @@ def test_nonfinite_steps_in_a_row_stop_with_the_cause(tiny_overrides, tmp_path, 
     assert not (_run_dir(tmp_path) / "adapter").exists()
 
 
+def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_good_one(tiny_overrides, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A checkpoint spoiled after it was written (here its weights cut in half): no traceback on resume; the
+    run says which checkpoint it uses and why, keeps the bad one aside, and ends as if never interrupted."""
+    from emotune import checkpoints as ckpt
+
+    common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=1", "train.save_total_limit=3",
+              "lora.dropout=0.1", "seed=7", "device=cpu"]
+    assert main(common + ["name=straight"]) == 0
+    write = ckpt.write_checkpoint
+
+    def write_then_crash(folder, step, *args, **kwargs):
+        path = write(folder, step, *args, **kwargs)
+        if step == 3:
+            raise RuntimeError("crash right after the step-3 checkpoint")
+        return path
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", write_then_crash)
+    with pytest.raises(RuntimeError, match="step-3 checkpoint"):
+        main(common + ["name=cut"])
+    monkeypatch.undo()
+    checkpoints = tmp_path / "runs" / "cut" / "checkpoints"
+    weights = checkpoints / "step-000003" / "trainable.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    capsys.readouterr()
+
+    assert main(common + ["name=cut"]) == 0
+    out = capsys.readouterr().out
+    assert "Checkpoint step-000003 cannot be resumed from: trainable.safetensors is unreadable" in out
+    assert f"Resuming from {checkpoints / 'step-000002'} (step 2), the newest intact checkpoint" in out
+    assert (checkpoints / "step-000003.unreadable").is_dir()
+    straight, resumed = _adapter(tmp_path / "runs" / "straight"), _adapter(tmp_path / "runs" / "cut")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_an_unreadable_checkpoint_file_is_named_with_the_reason(tmp_path):
+    from emotune import checkpoints as ckpt
+
+    folder = tmp_path / "step-000001"
+    folder.mkdir()
+    assert ckpt.checkpoint_problem(folder) == "trainable.safetensors, optimizer.pt, rng.pt, progress.json are missing"
+    for name in ckpt.FILES:
+        (folder / name).write_bytes(b"")
+    assert "trainable.safetensors is unreadable" in ckpt.checkpoint_problem(folder)
+    ckpt.save_file({"w": torch.zeros(2)}, folder / "trainable.safetensors")
+    assert "optimizer.pt is unreadable" in ckpt.checkpoint_problem(folder)
+    for name in ("optimizer.pt", "rng.pt"):
+        torch.save({}, folder / name)
+    assert ckpt.checkpoint_problem(folder) == "progress.json is unreadable (Expecting value: line 1 column 1 (char 0))"
+    (folder / "progress.json").write_text('{"step": 1}')
+    assert ckpt.checkpoint_problem(folder) is None
+
+
 def test_fsdp_on_one_process_is_a_plain_run(tiny_overrides, tmp_path, capsys):
     assert main(["train", *tiny_overrides, "train.max_steps=1", "train.fsdp=true"]) == 0
     assert "nothing to shard across" in capsys.readouterr().out

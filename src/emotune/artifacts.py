@@ -147,6 +147,43 @@ def _foreign_adapter(folder: Path, name: str, fallback: Fallback | None) -> Arti
     return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=model_cfg)
 
 
+def check_adapter_files(folder: Path) -> None:
+    """Refuse, before any weight is loaded, an adapter whose files PEFT would fail on half-way: an unreadable
+    adapter_config.json or safetensors file, or LoRA matrices whose rank is not the config's."""
+    config = read_json(folder / PEFT_CONFIG)
+    if not isinstance(config, dict) or not isinstance(config.get("peft_type"), str):
+        raise UserError(f"`{folder / PEFT_CONFIG}` is not a PEFT adapter config (a JSON object with `peft_type`). "
+                        "Re-export the adapter, or restore the file.")
+    weights = folder / "adapter_model.safetensors"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(weights, "pt") as f:  # reads the header and checks that the data covers it
+            shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as err:  # noqa: BLE001 (safetensors raises its own error type for every kind of damage)
+        raise UserError(f"`{weights}` is not a readable safetensors file ({err}). Re-export the adapter.") from None
+    if config["peft_type"] != "LORA":
+        return
+    ranks = {config.get("r")} | set((config.get("rank_pattern") or {}).values())
+    for key, shape in shapes.items():
+        rank = _lora_rank(key, shape)
+        if rank is not None and rank not in ranks:
+            raise UserError(f"`{weights}` holds `{key}` with shape {shape}, i.e. LoRA rank {rank}, but "
+                            f"`{folder / PEFT_CONFIG}` says r={config.get('r')}. The config and the weights come "
+                            "from different adapters; re-export the adapter.")
+
+
+def _lora_rank(key: str, shape: list[int]) -> int | None:
+    """The rank a LoRA matrix was saved with: A is [r, in], B is [out, r] (conv: [out, r, k, k])."""
+    if len(shape) < 2:
+        return None
+    if ".lora_A." in key or ".lora_embedding_A" in key:
+        return shape[0]
+    if ".lora_B." in key or ".lora_embedding_B" in key:
+        return shape[1]
+    return None
+
+
 def fallback_from(cfg=None, labels: list[str] | None = None, source: str = "the config") -> Fallback:
     """A Fallback from a config the user gave (its label names, prompt and base model) and/or a label flag."""
     return Fallback(labels=labels or (cfg.data.label_names if cfg is not None else None),

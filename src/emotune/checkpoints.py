@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -31,6 +32,8 @@ from emotune.rundir import atomic_dir
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 BEST_FILE = "best.safetensors"
+FILES = ("trainable.safetensors", "optimizer.pt", "rng.pt", "progress.json")  # every checkpoint has these
+SET_ASIDE = ".unreadable"
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -142,6 +145,49 @@ def complete_checkpoints(folder: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (a file missing, cut short or unreadable), or None.
+
+    The rename makes a checkpoint complete when written; a disk that fills up, a copy cut short or a
+    damaged file can still spoil it later, so each file is read back once before the run trusts it."""
+    missing = [name for name in FILES if not (path / name).is_file()]
+    if missing:
+        return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+    for name in ("trainable.safetensors", BEST_FILE):
+        if (path / name).is_file():
+            try:
+                with safe_open(path / name, "pt"):  # reads the header and checks the data covers it
+                    pass
+            except Exception as err:  # noqa: BLE001 (safetensors has one error type for every kind of damage)
+                return f"{name} is unreadable ({err})"
+    for name in ("optimizer.pt", "rng.pt"):
+        try:
+            torch.load(path / name, weights_only=False, map_location="cpu")
+        except Exception as err:  # noqa: BLE001 (a cut pickle or zip fails in many ways)
+            return f"{name} is unreadable ({type(err).__name__}: {err})"
+    try:
+        progress = json.loads((path / "progress.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"progress.json is unreadable ({err})"
+    return None if isinstance(progress, dict) and "step" in progress else "progress.json has no step"
+
+
+def set_aside_unreadable(folder: Path) -> list[tuple[Path, Path, str]]:
+    """Rename the newest checkpoints that cannot be resumed from to `step-NNNNNN.unreadable` (kept for a
+    look, no longer counted as checkpoints), until an intact one is newest. Main process only.
+    Returns (checkpoint, where it went, why) for each one set aside."""
+    moved = []
+    for path in reversed(complete_checkpoints(folder)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            break
+        aside = path.with_name(path.name + SET_ASIDE)
+        shutil.rmtree(aside, ignore_errors=True)  # an older copy set aside at this step
+        path.rename(aside)
+        moved.append((path, aside, problem))
+    return moved
 
 
 def read_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, scaler,

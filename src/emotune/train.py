@@ -242,14 +242,20 @@ def _optimizer(t: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.
 
 
 def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Accelerator):
+    """Continue from the newest checkpoint that reads back whole; say which one, and why any newer one is not."""
     if accelerator.is_main_process:
         remove_partial_writes(folder)
+        for path, aside, problem in ckpt.set_aside_unreadable(folder):
+            print(f"Checkpoint {path.name} cannot be resumed from: {problem}. Kept it as {aside.name}; "
+                  "trying the one before.", flush=True)
     accelerator.wait_for_everyone()
     found = ckpt.complete_checkpoints(folder)
     if not found:
+        if folder.is_dir() and any(folder.glob("*" + ckpt.SET_ASIDE)):
+            print("No intact checkpoint is left: training starts again from step 0.", flush=True)
         return Progress(), None
     state, best = ckpt.read_checkpoint(found[-1], model, optimizer, scheduler, scaler, accelerator.process_index)
-    print(f"Resuming from {found[-1]} (step {state['step']})", flush=True)
+    print(f"Resuming from {found[-1]} (step {state['step']}), the newest intact checkpoint", flush=True)
     return Progress(**state), best
 
 

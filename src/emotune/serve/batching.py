@@ -86,18 +86,40 @@ class MicroBatcher:
         if not jobs:
             return
         texts = [t for job in jobs for t in job.texts]
-        first = jobs[0]
         self.metrics.observe_batch(len(texts))
         try:
-            probs = await loop.run_in_executor(self.executor, self.engine.classify, first.model, texts, first.prompt,
-                                               first.labels, self.cfg.max_batch_size)
-        except Exception as err:  # one failing batch must not take the worker down
+            probs = await self._classify(loop, jobs[0], texts)
+        except Exception as err:  # noqa: BLE001 (any failure belongs to the request, not the worker)
+            if len(jobs) == 1:
+                return _fail(jobs[0], err)
+            # One request's text can fail a whole batch that validation let through: score each request
+            # alone, once, so only the request that fails by itself gets the error.
+            self.metrics.inc("emotune_batch_retries_total")
             for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(err)
+                await self._score_alone(loop, job)
             return
         start = 0
         for job in jobs:
             if not job.future.done():
                 job.future.set_result(probs[start:start + len(job.texts)])
             start += len(job.texts)
+
+    async def _score_alone(self, loop, job: Job) -> None:
+        if job.future.done():
+            return
+        try:
+            probs = await self._classify(loop, job, job.texts)
+        except Exception as err:  # noqa: BLE001 (any failure belongs to the request, not the worker)
+            return _fail(job, err)
+        if not job.future.done():
+            job.future.set_result(probs)
+
+    def _classify(self, loop, job: Job, texts: list[str]):
+        return loop.run_in_executor(self.executor, self.engine.classify, job.model, texts, job.prompt, job.labels,
+                                    self.cfg.max_batch_size)
+
+
+def _fail(job: Job, err: Exception) -> None:
+    """The error goes to the request that caused it; the worker carries on with the next batch."""
+    if not job.future.done():
+        job.future.set_exception(err)

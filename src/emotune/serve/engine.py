@@ -12,13 +12,17 @@ from typing import Any
 import torch
 
 from emotune import device as device_mod
+from emotune.artifacts import Artifact, Fallback, find_artifact
 from emotune.config import ModelConfig, PromptConfig, RunConfig
 from emotune.errors import UserError
-from emotune.artifacts import Artifact, Fallback, find_artifact
 from emotune.models import load_base, load_tokenizer
 from emotune.scoring import LabelScorer, score_label_probs
 
 BASE_MODEL = "base"
+
+
+class ModelGone(LookupError):
+    """The model a queued request named was unloaded before its turn came."""
 
 
 @dataclass
@@ -42,31 +46,54 @@ class Engine:
 
     @property
     def is_peft(self) -> bool:
-        return hasattr(self.model, "peft_config")
+        return hasattr(self.model, "peft_config") and hasattr(self.model, "get_base_model")  # a PeftModel
 
     def add_adapter(self, artifact: Artifact) -> None:
-        """Load an adapter under its name (called on the worker thread)."""
-        from peft import PeftModel
-
+        """Load an adapter under its name (called on the worker thread). All or nothing: if PEFT fails half-way
+        (it wraps layers before it reads the weights), what it registered is taken out again, so the models
+        served before are unchanged and the name can be loaded again."""
         tokenizer = load_tokenizer(artifact.path, ModelConfig())
         with self.lock:
-            if self.is_peft:
-                self.model.load_adapter(artifact.path, adapter_name=artifact.name)
-            else:
-                self.model = PeftModel.from_pretrained(self.model, artifact.path, adapter_name=artifact.name).eval()
+            try:
+                self._attach(artifact)
+            except BaseException:
+                self._detach(artifact.name)
+                raise
+            finally:
+                self.scorers.clear()  # the first adapter wraps the model; start every scorer afresh
             self.models[artifact.name] = Loaded(artifact.name, artifact, tokenizer)
-            self.scorers.clear()  # the first adapter wraps the model; start every scorer afresh
 
     def remove_adapter(self, name: str) -> None:
         with self.lock:
             self.models.pop(name)
             self.scorers.pop(name, None)
-            self.model.delete_adapter(name)
+            self._detach(name)
+
+    def _attach(self, artifact: Artifact) -> None:
+        from peft import PeftModel
+
+        if self.is_peft:
+            self.model.load_adapter(artifact.path, adapter_name=artifact.name)
+        else:
+            self.model = PeftModel.from_pretrained(self.model, artifact.path, adapter_name=artifact.name).eval()
+
+    def _detach(self, name: str) -> None:
+        """Take out adapter `name`, whole or half-loaded. Without adapters left the plain base model is served
+        again: a PeftModel with no adapter cannot run with its adapters disabled."""
+        if self.is_peft:
+            if name in self.model.peft_config:
+                self.model.delete_adapter(name)
+            if self.model.peft_config:
+                return
+            self.model = self.model.base_model.model  # get_base_model() needs an active adapter
+        _strip_adapter_layers(self.model)
 
     @contextmanager
     def using(self, name: str):
         """Hold the lock with `name` active: the base runs with every adapter disabled."""
         with self.lock:
+            if name not in self.models:
+                raise ModelGone(f"The model `{name}` was unloaded before this request's turn came.")
             if name == BASE_MODEL:
                 context = self.model.disable_adapter() if self.is_peft else nullcontext()
             else:
@@ -84,6 +111,21 @@ class Engine:
             if scorer is None:
                 scorer = self.scorers[name] = LabelScorer(self.model, loaded.tokenizer, prompt, labels)
             return scorer.log_probs(texts, batch_size).softmax(-1)
+
+
+def _strip_adapter_layers(model: torch.nn.Module) -> None:
+    """Put back the plain layers PEFT wrapped, in place (as `PeftModel.unload` does); also on a model a failed
+    `PeftModel.from_pretrained` left half-wrapped, where there is no PeftModel to call `unload` on."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if hasattr(child, "unload_and_optionally_merge_module"):
+                plain = child.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+                setattr(parent, child_name, plain)
+            elif isinstance(child, BaseTunerLayer):
+                setattr(parent, child_name, child.get_base_layer())
+    model.__dict__.pop("peft_config", None)  # PEFT notes its config on the model it wraps
 
 
 def check_base(artifact: Artifact, engine_source: str) -> None:

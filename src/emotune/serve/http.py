@@ -1,7 +1,9 @@
-"""HTTP plumbing: errors as OpenAI-style JSON, API keys, and the two pure ASGI middlewares (body limit, metrics)."""
+"""HTTP plumbing: errors as OpenAI-style JSON, API keys, and the pure ASGI middlewares (keys, body limit, metrics)."""
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 import time
 from typing import TYPE_CHECKING
@@ -25,7 +27,12 @@ class APIError(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
+log = logging.getLogger("emotune.serve")
+
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    # a message may quote what the client sent, lone surrogates included; UTF-8 cannot hold those
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
@@ -42,6 +49,13 @@ async def http_error(request: Request, err: StarletteHTTPException):
     return error_response(err.status_code, str(err.detail), "not_found_error" if err.status_code == 404 else "invalid_request_error")
 
 
+async def server_error(request: Request, err: Exception):
+    """Anything unforeseen: the same error body as every other failure, and the traceback in the log."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+    return error_response(500, f"The server failed on this request ({type(err).__name__}: {err}). It has been "
+                               "logged; other requests are unaffected.", "server_error")
+
+
 def resolve_key(value: str | None, field_name: str) -> str | None:
     if value is None or not value.startswith("env:"):
         return value
@@ -50,6 +64,39 @@ def resolve_key(value: str | None, field_name: str) -> str | None:
         raise UserError(f"serve.{field_name}=env:{variable}, but the environment variable {variable} is unset or empty. "
                         "Export it before starting the server, or give the key directly.")
     return os.environ[variable]
+
+
+class RequireKey:
+    """Pure ASGI middleware: the API key (admin key for /v1/adapters) is checked before the body is read or
+    validated, so a caller without a key learns nothing about the API, not even what a valid body is.
+
+    Every path but `open_paths` needs the key when one is set: the routes, /docs and /openapi.json alike."""
+
+    def __init__(self, app, api_key: str | None, admin_key: str | None, admin_prefix: str, open_paths: tuple[str, ...]):
+        self.app, self.api_key, self.admin_key = app, api_key, admin_key
+        self.admin_prefix, self.open_paths = admin_prefix, open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        problem = self.problem(scope)
+        if problem is not None:
+            return await error_response(*problem)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def problem(self, scope) -> tuple[int, str, str] | None:
+        admin = scope["path"] == self.admin_prefix or scope["path"].startswith(self.admin_prefix + "/")
+        expected = self.admin_key if admin else self.api_key
+        if admin and expected is None:
+            return 403, "Adapter loading is off: start the server with serve.admin_key set to enable it.", "permission_error"
+        if expected is None:
+            return None
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        given = header[7:] if header[:7].lower() == b"bearer " else b""
+        if hmac.compare_digest(given, expected.encode()):
+            return None
+        return 401, ("Missing or wrong API key: send `Authorization: Bearer <key>`"
+                     + (" with the admin key." if admin else ".")), "authentication_error"
 
 
 class BodyLimit:

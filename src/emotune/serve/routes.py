@@ -4,24 +4,59 @@ from __future__ import annotations
 
 import asyncio
 import re
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
+from functools import partial
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from emotune.artifacts import Artifact, check_adapter_files, find_artifact
 from emotune.config import PromptConfig, ServeConfig
 from emotune.errors import UserError
-from emotune.artifacts import Artifact, find_artifact
 from emotune.serve.chat import chat_job, generate_reply, stream_chat
-from emotune.serve.engine import BASE_MODEL, Engine, Loaded, check_base
-from emotune.serve.http import APIError, BodyLimit, Observe, api_error, http_error, invalid_request
-from emotune.serve.schemas import AdapterRequest, ChatRequest, ClassifyRequest
+from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone, check_base
+from emotune.serve.http import (
+    APIError,
+    BodyLimit,
+    Observe,
+    RequireKey,
+    api_error,
+    http_error,
+    invalid_request,
+    server_error,
+)
+from emotune.serve.schemas import (
+    AdapterRequest,
+    ChatCompletion,
+    ChatRequest,
+    ClassifyRequest,
+    ClassifyResponse,
+    Deleted,
+    ErrorBody,
+    Health,
+    ModelCard,
+    ModelList,
+)
 from emotune.serve.state import Server
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+ERRORS = {"4XX": {"model": ErrorBody, "description": "Refused; `error.message` says why and what to do."},
+          "5XX": {"model": ErrorBody, "description": "The server could not answer (overloaded, or a failure it logged)."}}
+# /metrics answers text, and FastAPI would declare its errors as text too; they are the same JSON as everywhere
+TEXT_ROUTE_ERRORS = {code: {"description": response["description"],
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+                     for code, response in ERRORS.items()}
+SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+             "description": "A chat.completion, or with `stream: true` chat.completion.chunk events."}}
+ADMIN_PREFIX = "/v1/adapters"
+bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
+                    description="serve.api_key; serve.admin_key for /v1/adapters")
 
 
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
@@ -31,15 +66,25 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/v1/classify", classify, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_api_route("/v1/adapters", load_adapter, methods=["POST"], status_code=201)
-    app.add_api_route("/v1/adapters/{name}", unload_adapter, methods=["DELETE"])
-    app.add_middleware(Observe, server=state)
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)  # outermost: oversized bodies never reach the app
+    app.add_exception_handler(Exception, server_error)
+    # The keys are checked by RequireKey; `Security(bearer)` declares them in the OpenAPI document.
+    user = [Security(bearer)] if state.api_key is not None else []
+    admin = [Security(bearer)]
+    route = partial(app.add_api_route, responses=ERRORS, response_model_exclude_unset=True)
+    route("/health", health, methods=["GET"], response_model=Health)
+    route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse, dependencies=user,
+          responses=TEXT_ROUTE_ERRORS)
+    route("/v1/models", list_models, methods=["GET"], response_model=ModelList, dependencies=user)
+    route("/v1/classify", classify, methods=["POST"], response_model=ClassifyResponse, dependencies=user)
+    route("/v1/chat/completions", chat, methods=["POST"], response_model=ChatCompletion, dependencies=user,
+          responses={**ERRORS, **SSE})
+    route(ADMIN_PREFIX, load_adapter, methods=["POST"], status_code=201, response_model=ModelCard, dependencies=admin)
+    route(ADMIN_PREFIX + "/{name}", unload_adapter, methods=["DELETE"], response_model=Deleted, dependencies=admin)
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)  # oversized bodies never reach the app
+    # before the body is read: a caller without the key gets 401 whatever it sent (/docs, /openapi.json too)
+    app.add_middleware(RequireKey, api_key=state.api_key, admin_key=state.admin_key, admin_prefix=ADMIN_PREFIX,
+                       open_paths=("/health",))
+    app.add_middleware(Observe, server=state)  # outermost: every answer is counted, refusals too
     return app
 
 
@@ -65,20 +110,17 @@ async def health(state: ServerState):
     return {"status": "ok", "models": list(state.engine.models), "queue": state.batcher.pending}
 
 
-async def metrics(request: Request, state: ServerState):
-    state.authorize(request)
+async def metrics(state: ServerState):
     gauges = {"emotune_queue_texts": state.batcher.pending, "emotune_requests_in_flight": state.in_flight,
               "emotune_adapters_loaded": len(state.engine.models) - 1}
     return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
 
-async def list_models(request: Request, state: ServerState):
-    state.authorize(request)
+async def list_models(state: ServerState):
     return {"object": "list", "data": [_model_card(m, state.engine) for m in state.engine.models.values()]}
 
 
-async def classify(body: ClassifyRequest, request: Request, state: ServerState):
-    state.authorize(request)
+async def classify(body: ClassifyRequest, state: ServerState):
     loaded = state.loaded(body.model)
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts or len(texts) > state.cfg.max_inputs:
@@ -86,7 +128,8 @@ async def classify(body: ClassifyRequest, request: Request, state: ServerState):
     for i, text in enumerate(texts):
         state.check_text(text, f"input[{i}]")
     prompt, labels = _task(loaded, body.labels)
-    probs = await state.batcher.submit(loaded.name, texts, prompt, labels)
+    with model_gone_is_404():
+        probs = await state.batcher.submit(loaded.name, texts, prompt, labels)
     data = []
     for i, row in enumerate(probs.tolist()):
         best = max(range(len(labels)), key=row.__getitem__)
@@ -95,21 +138,20 @@ async def classify(body: ClassifyRequest, request: Request, state: ServerState):
     return JSONResponse({"object": "list", "model": loaded.name, "data": data, "usage": {"texts": len(texts)}})
 
 
-async def chat(body: ChatRequest, request: Request, state: ServerState):
-    state.authorize(request)
+async def chat(body: ChatRequest, state: ServerState):
     loaded = state.loaded(body.model)
     job = chat_job(body, loaded, state.cfg, state)
     if body.stream:
         return StreamingResponse(stream_chat(job, state.engine, state), media_type="text/event-stream")
     loop = asyncio.get_running_loop()
-    text, finish, usage = await loop.run_in_executor(state.executor, generate_reply, state.engine, job, None)
+    with model_gone_is_404():
+        text, finish, usage = await loop.run_in_executor(state.executor, generate_reply, state.engine, job, None)
     return {"id": job["id"], "object": "chat.completion", "created": job["created"], "model": loaded.name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
             "usage": usage}
 
 
-async def load_adapter(body: AdapterRequest, request: Request, state: ServerState):
-    state.authorize(request, admin=True)
+async def load_adapter(body: AdapterRequest, state: ServerState):
     engine = state.engine
     if not NAME_PATTERN.match(body.name) or body.name == BASE_MODEL:
         raise APIError(422, f"Adapter name `{body.name}` must be 1-64 letters, digits, `.`, `_` or `-` and not "
@@ -122,13 +164,20 @@ async def load_adapter(body: AdapterRequest, request: Request, state: ServerStat
     return _model_card(engine.models[artifact.name], engine)
 
 
-async def unload_adapter(name: str, request: Request, state: ServerState):
-    state.authorize(request, admin=True)
+async def unload_adapter(name: str, state: ServerState):
     if name == BASE_MODEL:
         raise APIError(422, "The base model cannot be unloaded.")
     state.loaded(name)
     await asyncio.get_running_loop().run_in_executor(state.executor, state.engine.remove_adapter, name)
     return {"id": name, "object": "model", "deleted": True}
+
+
+@contextmanager
+def model_gone_is_404():
+    try:
+        yield
+    except ModelGone as err:
+        raise APIError(404, str(err), "not_found_error") from None
 
 
 def _model_card(loaded: Loaded, engine: Engine) -> dict:
@@ -162,6 +211,7 @@ def _adapter_artifact(state: Server, body: AdapterRequest) -> Artifact:
             raise UserError(f"`{body.path}` has no adapter_model.safetensors; only safetensors adapters are loaded "
                             "(pickled .bin files can run code).")
         check_base(artifact, state.engine.base_source)
+        check_adapter_files(artifact.path)
     except UserError as err:
         raise APIError(422, str(err)) from None
     return artifact

@@ -1,44 +1,188 @@
-"""Request bodies, OpenAI-compatible where OpenAI has the endpoint."""
+"""Request and response bodies, OpenAI-compatible where OpenAI has the endpoint.
+
+Every check that needs only the body lives here, so a bad request is answered 422 before it reaches the
+model thread or a micro-batch (where it would fail other people's requests too).
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+)
+
+
+def _utf8(value: str) -> str:
+    """JSON may carry lone surrogates (`"\\ud800"`); no tokenizer or UTF-8 response can hold them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"holds a character that is not valid Unicode text ({err.reason} at position {err.start})") \
+            from None
+    return value
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("holds a NUL character")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+Name = Annotated[str, AfterValidator(_utf8), AfterValidator(_no_nul)]
 
 
 class ClassifyRequest(BaseModel):
-    model: str
-    input: str | list[str]
-    labels: list[str] | None = None
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "NAME", "input": "i am so happy today"},
+        {"model": "base", "input": ["text one", "text two"], "labels": ["joy", "sadness"]}]})
+    model: Name
+    input: Text | list[Text]
+    labels: list[Text] | None = None
     """Only for the base model, which has no label set of its own."""
+
+    @field_validator("labels")
+    @classmethod
+    def _distinct_names(cls, labels: list[str] | None) -> list[str] | None:
+        if labels is None:
+            return None
+        if any(not label.strip() for label in labels):
+            raise ValueError("every label needs a name; an empty label would be scored like any other and could win")
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicates:
+            raise ValueError(f"labels {duplicates} appear more than once; give each label once")
+        return labels
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # image parts and the like are accepted and not read
+    type: str
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict] | None = None
+    role: Name
+    content: Text | list[ContentPart]
+    """Required: a message without content has nothing for the template to render."""
 
     @field_validator("content")
     @classmethod
     def _text_only(cls, value):
         """OpenAI content may be a list of parts; the text parts are what a text model reads."""
         if isinstance(value, list):
-            return "".join(part.get("text", "") for part in value if part.get("type") == "text")
-        return value or ""
+            return "".join(part.text or "" for part in value if part.type == "text")
+        return value
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we accept and ignore
-    model: str
+    # OpenAI clients send fields we accept and ignore
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"model": "NAME", "messages": [{"role": "user", "content": "i am so happy today"}], "max_tokens": 8}]})
+    model: Name
     messages: list[ChatMessage]
-    stream: bool = False
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    stream: StrictBool = False
+    """Strict: `"yes"` or `1` is refused rather than read as true."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     n: int = 1
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    """The range torch's generator takes."""
 
 
 class AdapterRequest(BaseModel):
-    name: str
-    path: str
+    name: Name
+    path: Name
+
+
+# --------------------------------------------------------------------------------------------------
+# Responses: declared so the OpenAPI document says what each route answers (and tests can check it)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx answer, OpenAI-style."""
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    models: list[str]
+    queue: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    labels: list[str] | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Classification(BaseModel):
+    index: int
+    label: str
+    probs: dict[str, float]
+
+
+class ClassifyUsage(BaseModel):
+    texts: int
+
+
+class ClassifyResponse(BaseModel):
+    object: Literal["list"]
+    model: str
+    data: list[Classification]
+    usage: ClassifyUsage
+
+
+class ReplyMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class Choice(BaseModel):
+    index: int
+    message: ReplyMessage
+    finish_reason: Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class Deleted(BaseModel):
+    id: str
+    object: Literal["model"]
+    deleted: bool

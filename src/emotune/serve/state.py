@@ -1,12 +1,11 @@
-"""The state every route shares (engine, model thread, batcher, metrics, keys) and the checks a request passes."""
+"""The state every route shares (engine, model thread, batcher, metrics, keys) and the checks a request passes.
+
+The keys themselves are checked by the `RequireKey` middleware (emotune.serve.http), before any body is read."""
 
 from __future__ import annotations
 
-import hmac
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-from fastapi import Request
 
 from emotune.config import ServeConfig
 from emotune.serve.batching import MicroBatcher
@@ -29,19 +28,6 @@ class Server:
 
     # ---- checks ----
 
-    def authorize(self, request: Request, admin: bool = False) -> None:
-        expected = self.admin_key if admin else self.api_key
-        if admin and expected is None:
-            raise APIError(403, "Adapter loading is off: start the server with serve.admin_key set to enable it.",
-                           "permission_error")
-        if expected is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise APIError(401, "Missing or wrong API key: send `Authorization: Bearer <key>`"
-                                + (" with the admin key." if admin else "."), "authentication_error")
-
     def loaded(self, name: str) -> Loaded:
         if name not in self.engine.models:
             raise APIError(404, f"The model `{name}` does not exist. Loaded: {', '.join(self.engine.models)} "
@@ -56,8 +42,11 @@ class Server:
     def allowed_adapter_path(self, path: str) -> Path:
         """The resolved adapter folder, if it lies inside one of serve.adapter_dirs (links and `..` resolved)."""
         roots = [Path(d).expanduser().resolve() for d in self.cfg.adapter_dirs]
-        given = Path(path).expanduser()
-        candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
+        try:
+            given = Path(path).expanduser()
+            candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
+        except (OSError, RuntimeError) as err:  # `~nobody` (no such user), a name too long for the file system
+            raise APIError(422, f"Adapter path `{path}` cannot be resolved: {err}.") from None
         inside = [c for c in candidates if any(c.is_relative_to(root) for root in roots)]
         where = f"serve.adapter_dirs ({', '.join(map(str, roots)) or 'none'})"
         if not inside:

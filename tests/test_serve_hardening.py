@@ -1,0 +1,272 @@
+"""What one client sends cannot break anyone else's work (issue 14, server part): each case is a regression test.
+
+Bad bodies are 422 before they reach a micro-batch; a batch that fails anyway is retried one request at a
+time; broken adapters are 422 and leave every served model as it was; keys are checked before bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from conftest import LABELS, write_tiny_adapter
+from server_harness import running
+from test_serve import ADMIN_AUTH, AUTH, _error, serve_config
+
+from emotune.artifacts import find_artifact
+from emotune.config import load_config
+from emotune.serve import build_engine, create_app
+
+WORDS = ["happy", "furious", "scared", "lonely", "wow", "adore", "great", "rage", "dread", "tender"]
+GOOD_TEXTS = [f"{a} {b} today" for a in WORDS[:8] for b in WORDS[5:]][:40]
+
+
+@pytest.fixture(scope="module")
+def adapters_root(tiny_model_dir, tmp_path_factory):
+    """A good adapter, and broken copies of it as a careless or hostile admin might point at."""
+    root = tmp_path_factory.mktemp("adapters")
+    write_tiny_adapter(tiny_model_dir, root / "tiny", seed=0)
+    write_tiny_adapter(tiny_model_dir, root / "rank8", seed=1, r=8)
+    weights = "adapter/adapter_model.safetensors"
+    for broken in ("junk-config", "junk-weights", "cut-weights"):
+        shutil.copytree(root / "tiny", root / broken)
+    (root / "junk-config" / "adapter" / "adapter_config.json").write_text("{not json")
+    (root / "junk-weights" / weights).write_bytes(b"\x00" * 64)
+    cut = (root / "tiny" / weights).read_bytes()
+    (root / "cut-weights" / weights).write_bytes(cut[:len(cut) // 2])
+    shutil.copytree(root / "rank8", root / "rank-mismatch")
+    config_file = root / "rank-mismatch" / "adapter" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "r": 4}))
+    return root
+
+
+def start(tiny_model_dir, adapters_root, adapters=("tiny",), **changes):
+    cfg = load_config(None, ["device=cpu", f"model.source={tiny_model_dir}"])
+    engine, _ = build_engine(cfg, [str(adapters_root / a) for a in adapters])
+    return engine, create_app(engine, serve_config(adapters_root, **changes))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, adapters_root):
+    engine, app = start(tiny_model_dir, adapters_root, max_queue=128, max_batch_size=64)
+    with running(app) as (url, _):
+        yield url, engine, app
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server[0], timeout=60) as client:
+        yield client
+
+
+def post(http, path, body, headers=AUTH):
+    """JSON as Python writes it: lone surrogates as `\\ud800` escapes and NaN as `NaN` (httpx refuses both)."""
+    return http.post(path, headers={**headers, "Content-Type": "application/json"}, content=json.dumps(body))
+
+
+def classify(http, text, model="tiny", **extra):
+    return post(http, "/v1/classify", {"model": model, "input": text, **extra})
+
+
+def chat(http, **body):
+    return post(http, "/v1/chat/completions",
+                {"model": "tiny", "messages": [{"role": "user", "content": "happy"}], "max_tokens": 2, **body})
+
+
+def flood(server, http, texts: list[str], queued: int) -> list[httpx.Response]:
+    """Send every text at once while the model is held, so that `queued` of them (those validation lets
+    through) wait in the queue together and are scored in the same batches."""
+    engine, batcher = server[1], server[2].state.server.batcher
+    with ThreadPoolExecutor(len(texts)) as pool:
+        with engine.lock:
+            futures = [pool.submit(classify, http, text) for text in texts]
+            deadline = time.time() + 30
+            while batcher.pending < queued and time.time() < deadline:
+                time.sleep(0.01)
+        return [f.result() for f in futures]
+
+
+# --------------------------------------------------------------------------------------------------
+# Micro-batch poisoning
+
+
+def test_micro_batch_poisoning_by_a_lone_surrogate_fails_only_the_bad_requests(server, http):
+    alone = {text: classify(http, text).json()["data"][0]["probs"] for text in GOOD_TEXTS}
+    bad = ["\ud800", "happy \udfff today", "\ud83d"]
+    texts = GOOD_TEXTS[:20] + bad + GOOD_TEXTS[20:]
+    replies = dict(zip(texts, flood(server, http, texts, queued=len(GOOD_TEXTS))))
+    for text in bad:
+        assert "Unicode" in _error(replies[text], 422)
+    for text in GOOD_TEXTS:
+        assert replies[text].status_code == 200, replies[text].text
+        assert replies[text].json()["data"][0]["probs"] == pytest.approx(alone[text], abs=1e-5)
+
+
+def test_a_failing_batch_is_retried_one_request_at_a_time_at_most_once(server, http, monkeypatch):
+    """A text that validation lets through but the model fails on: only its own request errors."""
+    engine, metrics = server[1], server[2].state.server.metrics
+    alone = {text: classify(http, text).json()["data"][0]["probs"] for text in GOOD_TEXTS}
+    calls, real = [], engine.classify
+
+    def fails_on_poison(name, texts, *args):
+        calls.append(list(texts))
+        if any("poison" in t for t in texts):
+            raise ValueError("this text breaks the model")
+        return real(name, texts, *args)
+
+    monkeypatch.setattr(engine, "classify", fails_on_poison)
+    retries = metrics.counters[("emotune_batch_retries_total", ())]
+    poison = ["poison one", "poison two"]
+    texts = GOOD_TEXTS[:20] + poison + GOOD_TEXTS[20:]
+    replies = dict(zip(texts, flood(server, http, texts, queued=len(texts))))
+    for text in poison:
+        assert "ValueError" in _error(replies[text], 500)
+    for text in GOOD_TEXTS:
+        assert replies[text].status_code == 200, replies[text].text
+        assert replies[text].json()["data"][0]["probs"] == pytest.approx(alone[text], abs=1e-5)
+    assert metrics.counters[("emotune_batch_retries_total", ())] > retries
+    for text in texts:  # in its batch, then at most once alone
+        assert sum(text in c for c in calls) <= 2
+    assert classify(http, GOOD_TEXTS[0]).status_code == 200  # the worker carries on
+
+
+# --------------------------------------------------------------------------------------------------
+# 4xx, not 500; invalid values refused
+
+
+def test_a_lone_surrogate_anywhere_in_a_body_is_422(http):
+    _error(classify(http, ["happy", "\ud800"]), 422)
+    _error(classify(http, "happy", model="base", labels=["joy", "\ud800"]), 422)
+    _error(classify(http, "happy", model="\ud800"), 422)
+    _error(chat(http, messages=[{"role": "user", "content": "\ud800"}]), 422)
+    _error(chat(http, messages=[{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]), 422)
+    _error(post(http, "/v1/adapters", {"name": "x", "path": "\ud800"}, ADMIN_AUTH), 422)
+
+
+def test_a_chat_message_without_content_is_422(http):
+    assert "content" in _error(chat(http, messages=[{"role": "user"}]), 422)
+    _error(chat(http, messages=[{"role": "user", "content": None}]), 422)
+
+
+@pytest.mark.parametrize("top_p", [-1, 0, 5, float("nan"), float("inf")])
+def test_top_p_outside_0_to_1_or_nan_is_422(http, top_p):
+    assert "top_p" in _error(chat(http, top_p=top_p, temperature=1.0), 422)
+
+
+def test_a_seed_beyond_what_torch_takes_is_422_and_the_largest_it_takes_works(http):
+    assert "seed" in _error(chat(http, seed=2**70, temperature=1.0), 422)
+    assert chat(http, seed=2**64 - 1, temperature=1.0).status_code == 200
+
+
+def test_max_tokens_zero_is_422(http):
+    assert "max_tokens" in _error(chat(http, max_tokens=0), 422)
+    assert "max_completion_tokens" in _error(chat(http, max_completion_tokens=0), 422)
+
+
+@pytest.mark.parametrize("stream", ["yes", "true", 1, None])
+def test_stream_must_be_a_json_boolean(http, stream):
+    assert "stream" in _error(chat(http, stream=stream), 422)
+
+
+@pytest.mark.parametrize("labels", [["", "joy"], ["  ", "joy"], ["joy", "fear", "joy"]])
+def test_a_label_set_with_an_empty_label_or_duplicates_is_422(http, labels):
+    assert "label" in _error(classify(http, "happy", model="base", labels=labels), 422)
+
+
+# --------------------------------------------------------------------------------------------------
+# Adapters: broken files are 422, a failed load changes nothing, deleting the last one keeps base working
+
+
+@pytest.mark.parametrize("folder, says", [("junk-config", "adapter config"), ("junk-weights", "safetensors"),
+                                          ("cut-weights", "safetensors"), ("rank-mismatch", "rank")])
+def test_a_broken_adapter_is_422_and_its_name_stays_usable(http, folder, says):
+    before = classify(http, "happy").json()["data"][0]["probs"]
+    refused = http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "retry", "path": folder})
+    assert says in _error(refused, 422)
+    assert classify(http, "happy").json()["data"][0]["probs"] == pytest.approx(before, abs=1e-6)
+    retried = http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "retry", "path": "rank8"})
+    assert retried.status_code == 201, retried.text
+    assert classify(http, "happy", model="retry").status_code == 200
+    assert http.delete("/v1/adapters/retry", headers=ADMIN_AUTH).status_code == 200
+
+
+def _logits(engine, name):
+    with engine.using(name):
+        return engine.model(input_ids=torch.tensor([[2, 10, 11, 12]])).logits
+
+
+@pytest.mark.parametrize("served", [(), ("tiny",)], ids=["first-adapter", "second-adapter"])
+def test_an_adapter_load_that_fails_half_way_leaves_every_model_as_it_was(tiny_model_dir, adapters_root, served):
+    """PEFT wraps layers before it reads the weights; the engine takes them out again (the route's file
+    check is bypassed here, to reach the engine's own rollback)."""
+    engine, _ = start(tiny_model_dir, adapters_root, adapters=served)
+    before = {name: _logits(engine, name) for name in engine.models}
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        engine.add_adapter(find_artifact(adapters_root / "rank-mismatch", name="retry"))
+    assert list(engine.models) == ["base", *served]
+    for name, logits in before.items():
+        assert torch.equal(_logits(engine, name), logits)
+    engine.add_adapter(find_artifact(adapters_root / "rank8", name="retry"))
+    assert not torch.equal(_logits(engine, "retry"), before["base"])
+
+
+def test_deleting_the_last_adapter_then_asking_base_works(tiny_model_dir, adapters_root):
+    engine, app = start(tiny_model_dir, adapters_root)
+    base_logits = _logits(engine, "base")
+    with running(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        asked = {"model": "base", "labels": LABELS}
+        base = classify(http, "happy", **asked).json()["data"][0]["probs"]
+        tuned = classify(http, "happy").json()["data"][0]["probs"]
+        assert http.delete("/v1/adapters/tiny", headers=ADMIN_AUTH).status_code == 200
+        reply = classify(http, "happy", **asked)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["data"][0]["probs"] == pytest.approx(base, abs=1e-6)
+        assert chat(http, model="base").status_code == 200
+        assert torch.equal(_logits(engine, "base"), base_logits)  # the plain model again, no LoRA layers left
+        assert http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "tiny", "path": "tiny"}).status_code == 201
+        assert classify(http, "happy").json()["data"][0]["probs"] == pytest.approx(tuned, abs=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Keys before bodies; the API document needs the key too
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"}], ids=["no-key", "wrong-key"])
+def test_a_request_without_the_key_and_a_bad_body_is_401_not_422(http, headers):
+    json_headers = {**headers, "Content-Type": "application/json"}
+    _error(http.post("/v1/classify", headers=json_headers, content=b"{not json"), 401)
+    _error(http.post("/v1/classify", headers=headers, json={"input": 5}), 401)
+    _error(http.post("/v1/chat/completions", headers=headers, json={"messages": "no"}), 401)
+    _error(http.post("/v1/adapters", headers={**headers, **({} if headers else AUTH)}, json={"name": 5}), 401)
+    _error(http.delete("/v1/adapters/tiny", headers=headers or AUTH), 401)
+
+
+def test_docs_and_openapi_need_the_key_when_one_is_set(http, tiny_model_dir, adapters_root):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        _error(http.get(path), 401)
+        assert http.get(path, headers=AUTH).status_code == 200
+    assert http.get("/health").status_code == 200
+    _, app = start(tiny_model_dir, adapters_root, api_key=None)
+    with running(app) as (url, _):
+        assert httpx.get(url + "/openapi.json").status_code == 200  # no key set: open, as before
+
+
+def test_the_openapi_document_declares_responses_one_error_body_and_the_bearer_scheme(http):
+    document = http.get("/openapi.json", headers=AUTH).json()
+    assert document["components"]["securitySchemes"]["bearer"] == {
+        "type": "http", "scheme": "bearer", "description": "serve.api_key; serve.admin_key for /v1/adapters"}
+    error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            success = next(code for code in responses if code.startswith("2"))
+            assert responses[success]["content"], (method, path)
+            for errors in ("4XX", "5XX"):
+                assert responses[errors]["content"]["application/json"]["schema"] == error_ref, (method, path)
+            assert "422" not in responses and "HTTPValidationError" not in json.dumps(operation), (method, path)
+            assert (operation.get("security") == [{"bearer": []}]) == (path != "/health"), (method, path)
