@@ -85,3 +85,16 @@ def test_predict_takes_labels_and_prompt_from_a_config(foreign, tiny_model_dir, 
     assert line["label"] in LABELS and abs(sum(line["probs"].values()) - 1) < 1e-4
     assert main(["predict", str(foreign), "i am so happy", "--config", str(config), "--labels", "joy,,joy"]) == 2
     assert "--labels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("meta", [[1, 2], {"labels": 5}, {"labels": ["", "joy"]}, {"labels": ["joy", "joy"]},
+                                  {"labels": [], "user_template": 3}, {"task": ["classify"]}])
+def test_an_edited_emotune_json_is_a_clear_error(tiny_model_dir, tmp_path, meta):
+    from conftest import write_tiny_adapter
+
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "edited")
+    path = run / "adapter" / META
+    good = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps({**good, **meta} if isinstance(meta, dict) else meta), encoding="utf-8")
+    with pytest.raises(UserError, match="emotune.json"):
+        find_artifact(run)

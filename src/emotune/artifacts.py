@@ -88,9 +88,9 @@ def read_meta(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     meta = read_json(path)
-    if meta is None:
-        raise UserError(f"`{path}` is not valid JSON. Re-export the run, or restore the file.")
-    required = REQUIRED_META.get(meta.get("task", "classify"))
+    if not isinstance(meta, dict):
+        raise UserError(f"`{path}` is not a JSON object. Re-export the run, or restore the file.")
+    required = REQUIRED_META.get(meta.get("task", "classify")) if isinstance(meta.get("task", "classify"), str) else None
     if required is None:
         raise UserError(f"`{path}` names task {meta.get('task')!r}, which this emotune does not know. Upgrade emotune to "
                         "the version that trained the adapter.")
@@ -98,7 +98,22 @@ def read_meta(folder: Path) -> dict | None:
     if missing:
         raise UserError(f"`{path}` lacks {', '.join(missing)}. It was not written by emotune; delete it to load the "
                         "adapter as one made by another tool (labels and prompt from the config or flags).")
+    wrong = _wrong_types(meta)
+    if wrong:
+        raise UserError(f"`{path}` has {'; '.join(wrong)}. It was edited or not written by emotune; re-export the run, "
+                        "or delete it to load the adapter as one made by another tool.")
     return meta
+
+
+def _wrong_types(meta: dict) -> list[str]:
+    """What in emotune.json has a type its readers cannot use (labels: distinct non-empty strings)."""
+    wrong = [f"`{key}` that is not text" for key in ("system_prompt", "system_prompt_template", "user_template",
+                                                     "base_model") if key in meta and not isinstance(meta[key], (str, type(None)))]
+    labels = meta.get("labels")
+    if "labels" in meta and not (isinstance(labels, list) and labels and all(isinstance(x, str) and x.strip() for x in labels)
+                                 and len(set(labels)) == len(labels)):
+        wrong.append("`labels` that are not a list of distinct, non-empty texts")
+    return wrong
 
 
 # --------------------------------------------------------------------------------------------------
