@@ -267,6 +267,9 @@ class TrainConfig(Section):
     """Learning-rate schedule."""
     warmup_ratio: Annotated[float, Range(0, 1, high_open=True)] = 0.0
     """Share of steps spent warming the learning rate up."""
+    warmup_steps: Annotated[int, Range(0)] = 0
+    """Optimizer steps spent warming the learning rate up; when above 0 it replaces `warmup_ratio` (as in
+    transformers' TrainingArguments, so a LLaMA-Factory file's `warmup_steps` means the same here)."""
     weight_decay: Annotated[float, Range(0)] = 0.0
     """AdamW weight decay."""
     max_length: Annotated[int, Range(1)] = 256
