@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from emotune.cli import COMMANDS, build_parser
-from emotune.config import field_docs
+from emotune.config import TASK_CONFIGS, field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -87,9 +87,9 @@ def subcommand_options() -> dict[str, set[str]]:
 
 
 def config_keys() -> set[str]:
-    """Every leaf key and every section above one (`data.cleaning`), dotted."""
+    """Every leaf key and every section above one (`data.cleaning`), dotted, of every task's config class."""
     keys = set()
-    for key, _, _ in field_docs():
+    for key, _, _ in (row for schema in TASK_CONFIGS.values() for row in field_docs(schema)):
         parts = key.split(".")
         keys.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     return keys

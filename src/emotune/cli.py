@@ -66,6 +66,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
         for key, default, doc in field_docs():
             print(f"{key} = {default}\n    {doc}")
         return 0
+    if args.from_llamafactory:
+        from emotune.llamafactory import translated_yaml
+
+        overrides = [args.config, *args.overrides] if args.config else list(args.overrides)
+        print(translated_yaml(args.from_llamafactory, overrides), end="")
+        return 0
     print(dump_config(_load(args, announce=False)), end="")
     return 0
 
@@ -117,6 +123,10 @@ def _load(args: argparse.Namespace, announce: bool = True):
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]  # `emotune run train.max_steps=2` without a file
+    if announce and config is not None:
+        from emotune.llamafactory import announce as announce_llamafactory
+
+        announce_llamafactory(config, overrides)  # a LLaMA-Factory file: each key's emotune equivalent first
     cfg = load_config(config, overrides)
     if announce:
         _announce(cfg)
@@ -140,7 +150,8 @@ COMMANDS = {
     "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts"),
     "predict": (_cmd_predict, "classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or merged model"),
     "serve": (_cmd_serve, "OpenAI-compatible HTTP server: /v1/classify, /v1/chat/completions, hot-swappable adapters"),
-    "config": (_cmd_config, "print the resolved config (or every field with its documentation)"),
+    "config": (_cmd_config, "print the resolved config (or every field with its documentation, or a LLaMA-Factory "
+                            "file's translation)"),
 }
 
 # each command's help shows an override that changes what that command does
@@ -166,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {OVERRIDE_EXAMPLES[name]}")
         if name == "config":
             p.add_argument("--fields", action="store_true", help="list every config key with its default and docstring")
+            p.add_argument("--from-llamafactory", metavar="FILE",
+                           help="print the emotune YAML (task: sft) a LLaMA-Factory training YAML translates to, with "
+                                "each key's equivalent and the ignored keys as comments; redirect it to save it")
         if name == "export":
             p.add_argument("run_dir", help="run folder (runs/<name>) or adapter folder")
             p.add_argument("--out", help="output folder (default: RUN_DIR/export)")

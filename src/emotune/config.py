@@ -267,6 +267,9 @@ class TrainConfig(Section):
     """Learning-rate schedule."""
     warmup_ratio: Annotated[float, Range(0, 1, high_open=True)] = 0.0
     """Share of steps spent warming the learning rate up."""
+    warmup_steps: Annotated[int, Range(0)] = 0
+    """Optimizer steps spent warming the learning rate up; when above 0 it replaces `warmup_ratio` (as in
+    transformers' TrainingArguments, so a LLaMA-Factory file's `warmup_steps` means the same here)."""
     weight_decay: Annotated[float, Range(0)] = 0.0
     """AdamW weight decay."""
     max_length: Annotated[int, Range(1)] = 256
@@ -575,11 +578,25 @@ RunConfig = RunConfigBase  # what generic code (pipeline, train, export) may rel
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfigBase:
-    """Build the resolved config, or raise one UserError listing every problem."""
+    """Build the resolved config, or raise one UserError listing every problem.
+
+    A LLaMA-Factory training YAML (flat keys such as `model_name_or_path` and `stage`) is translated into a
+    `task: sft` config first (emotune.llamafactory); the overrides then apply on top of the translation."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
-    problems: list[str] = []
+        from emotune import llamafactory  # imported here: it builds on this module's classes
+
+        if llamafactory.is_llamafactory(raw):
+            return llamafactory.load(raw, Path(path), overrides)
+    return build_config(raw, overrides, path)
+
+
+def build_config(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), path: str | Path | None = None,
+                 problems: list[str] | None = None, check=None) -> RunConfigBase:
+    """Apply the overrides to `raw` and validate it against its task's class; `problems` found before (by a
+    translation) and those of `check(raw)` (run after the overrides) are reported with the others, all at once."""
+    problems = list(problems or [])
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -589,6 +606,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             _set_dotted(raw, key.strip(), _parse_value(value))
         except DuplicateKeyError as err:
             problems.append(f"`{item}`: {err}")
+    if check is not None:
+        problems += check(raw)
     schema = _task_config(raw, problems)
     problems += _unknown_keys(raw, schema)
     if path is not None and "name" not in raw:

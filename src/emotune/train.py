@@ -112,8 +112,8 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: i
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
     autocast, scaler = _mixed_precision(precision, adapted)
     optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
-    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(t.warmup_ratio * plan.steps),
-                              num_training_steps=plan.steps)
+    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps)  # steps win over the ratio, as in transformers
+    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
     wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
     return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast)
 

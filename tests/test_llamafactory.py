@@ -1,0 +1,225 @@
+"""LLaMA-Factory training YAMLs: translated to `task: sft` with LLaMA-Factory's defaults, refused clearly where
+emotune cannot train the same way, and run end to end through `emotune run` on the tiny model.
+
+The YAML and its dataset_info.json folder are written here in the shape of LLaMA-Factory's
+examples/train_lora/*_lora_sft.yaml (sections, comma-separated datasets), not copied from it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import yaml
+from conftest import CUES, FILLER, LABELS, write_jsonl
+
+from emotune.cli import main
+from emotune.config import load_config
+from emotune.errors import UserError
+
+LORA_SFT_YAML = """\
+### model
+model_name_or_path: {model}
+trust_remote_code: true
+
+### method
+stage: sft
+do_train: true
+finetuning_type: lora
+lora_rank: 4
+lora_target: all
+
+### dataset
+dataset: emotion_alpaca,emotion_chat
+dataset_dir: {data}
+template: gemma3
+cutoff_len: 128
+max_samples: 40
+preprocessing_num_workers: 16
+dataloader_num_workers: 4
+
+### output
+output_dir: {out}/saves/tiny-gemma/lora/sft
+logging_steps: 1
+save_steps: 1
+plot_loss: true
+overwrite_output_dir: true
+save_only_model: false
+report_to: none  # choices: [none, wandb, tensorboard, swanlab, mlflow]
+
+### train
+per_device_train_batch_size: 4
+gradient_accumulation_steps: 1
+learning_rate: 1.0e-2
+max_steps: 2
+lr_scheduler_type: cosine
+warmup_steps: 1
+ddp_timeout: 180000000
+resume_from_checkpoint: null
+my_own_note: kept for later
+"""
+
+
+def _emotion_rows(n: int, seed: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(LABELS)
+        rows.append((" ".join(rng.sample(FILLER, 4) + [rng.choice(CUES[label])]), label))
+    return rows
+
+
+@pytest.fixture
+def lf_folder(tmp_path):
+    """A dataset_info.json folder: an alpaca file, a sharegpt file and a ranking (preference) entry."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    alpaca = [{"instruction": "classify the emotion of this text", "input": text, "output": label}
+              for text, label in _emotion_rows(30, seed=1)]
+    (folder / "emotion_alpaca.json").write_text(json.dumps(alpaca), encoding="utf-8")
+    write_jsonl(folder / "emotion_chat.jsonl",
+                [{"conversations": [{"from": "human", "value": f"classify {text}"}, {"from": "gpt", "value": label}]}
+                 for text, label in _emotion_rows(30, seed=2)])
+    info = {"emotion_alpaca": {"file_name": "emotion_alpaca.json"},
+            "emotion_chat": {"file_name": "emotion_chat.jsonl", "formatting": "sharegpt"},
+            "emotion_prefs": {"file_name": "emotion_alpaca.json", "ranking": True,
+                              "columns": {"prompt": "instruction", "chosen": "output", "rejected": "output"}}}
+    (folder / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture
+def lf_yaml(tmp_path, lf_folder, tiny_model_dir):
+    def write(text: str = LORA_SFT_YAML, name: str = "tiny_lora_sft.yaml", **changes):
+        lines = text.format(model=tiny_model_dir, data=lf_folder, out=tmp_path).splitlines()
+        for key, value in changes.items():  # replace a key's line, or add it
+            lines = [line for line in lines if not line.startswith(f"{key}:")]
+            if value is not None:
+                lines.append(f"{key}: {value}")
+        path = tmp_path / name
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+    return write
+
+
+def test_a_lora_sft_file_translates_to_the_expected_config(lf_yaml, lf_folder, tiny_model_dir, tmp_path):
+    cfg = load_config(lf_yaml())
+    assert cfg.task == "sft"
+    assert (cfg.model.source, cfg.data.source) == (str(tiny_model_dir), str(lf_folder))
+    assert cfg.data.datasets == ["emotion_alpaca", "emotion_chat"] and cfg.data.eval_datasets is None
+    assert (cfg.data.max_samples, cfg.train.max_length) == (40, 128)
+    assert cfg.lora.model_dump() == {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
+                                     "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    train = cfg.train
+    assert (train.batch_size, train.gradient_accumulation_steps, train.learning_rate) == (4, 1, 0.01)
+    assert (train.max_steps, train.num_train_epochs, train.lr_scheduler_type) == (2, 3.0, "cosine")
+    assert (train.warmup_steps, train.warmup_ratio, train.optim) == (1, 0.0, "adamw_torch_fused")
+    assert (train.logging_steps, train.save_steps, train.eval_steps) == (1, 1, 1)  # eval_strategy no: every checkpoint
+    assert (train.precision, train.gradient_checkpointing, train.report_to) == ("auto", True, [])
+    assert (cfg.output_dir, cfg.name, cfg.overwrite, cfg.seed) == (f"{tmp_path}/saves/tiny-gemma/lora", "sft", True, 42)
+    assert cfg.run_dir == tmp_path / "saves" / "tiny-gemma" / "lora" / "sft"  # LLaMA-Factory's output_dir
+    assert cfg.eval.batch_size == 8 and cfg.prompt.mask_history is False
+
+
+def test_keys_the_file_leaves_out_take_llamafactorys_defaults(lf_yaml):
+    minimal = "model_name_or_path: {model}\nstage: sft\ndo_train: true\ndataset: emotion_alpaca\ndataset_dir: {data}\n"
+    cfg = load_config(lf_yaml(minimal))
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules) == (8, 16, 0.0, "all-linear")
+    train = cfg.train
+    assert (train.batch_size, train.gradient_accumulation_steps, train.learning_rate) == (8, 1, 5e-5)
+    assert (train.num_train_epochs, train.max_steps, train.lr_scheduler_type) == (3.0, -1, "linear")
+    assert (train.logging_steps, train.save_steps, train.eval_steps, train.max_length) == (500, 500, 500, 2048)
+    assert (train.warmup_ratio, train.warmup_steps, train.weight_decay, train.max_grad_norm) == (0.0, 0, 0.0, 1.0)
+    assert train.gradient_checkpointing is True  # LLaMA-Factory enables it unless disable_gradient_checkpointing
+    assert cfg.name == "tiny_lora_sft" and cfg.overwrite is False
+
+
+def test_yaml_spellings_and_older_key_names(lf_yaml):
+    cfg = load_config(lf_yaml(learning_rate="1e-4", lora_target="q_proj,v_proj", evaluation_strategy="steps",
+                              eval_steps=3, bf16="true", val_size=0.2, eval_dataset="emotion_chat",
+                              default_system="be brief", mask_history="true", lora_alpha=32, use_rslora="true"))
+    assert cfg.train.learning_rate == 1e-4  # YAML reads 1e-4 as text; LLaMA-Factory's parser makes it a number
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and (cfg.lora.alpha, cfg.lora.use_rslora) == (32, True)
+    assert (cfg.train.eval_steps, cfg.train.precision, cfg.data.validation_size) == (3, "bf16", 0.2)
+    assert cfg.data.eval_datasets == ["emotion_chat"]
+    assert (cfg.prompt.system_prompt, cfg.prompt.mask_history) == ("be brief", True)
+
+
+def test_refusals_name_their_keys_all_at_once(lf_yaml):
+    path = lf_yaml(stage="dpo", quantization_bit=4, finetuning_type="full", dataset="emotion_alpaca,emotion_prefs")
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "4 problems" in message
+    for expected in ("`stage: dpo` is not supported", "`quantization_bit: 4` is not supported",
+                     "`finetuning_type: full` is not supported", "`dataset`: `emotion_prefs` is a ranking"):
+        assert expected in message
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"do_train": None}, "`do_train` is not true"),
+    ({"model_name_or_path": None}, "`model_name_or_path` is missing"),
+    ({"lr_scheduler_type": "polynomial"}, "`lr_scheduler_type: polynomial` is not supported"),
+    ({"val_size": 500}, "`val_size: 500` is not supported"),
+    ({"template": "gemma33"}, "`template: gemma33` is not a LLaMA-Factory template; did you mean gemma3?"),
+    ({"template": "llama3"}, "`template: llama3` writes <|start_header_id|> turns"),
+    ({"learning_rate": "fast"}, "`learning_rate`: 'fast' is not a number"),
+])
+def test_each_refusal_is_a_clear_user_error(lf_yaml, change, expected):
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(**change))
+    assert expected in str(err.value)
+
+
+def test_the_translation_is_printed_with_ignored_keys(lf_yaml, capsys):
+    from emotune.llamafactory import announce
+
+    announce(lf_yaml())
+    out = capsys.readouterr().out
+    assert "lora_rank: 4" in out and "->  lora.r: 4" in out
+    assert re.search(r"lora_dropout: 0.0 \(default\) +->  lora.dropout: 0.0", out)
+    assert re.search(r"stage: sft +->  task: sft", out)
+    ignored = out.split("Ignored keys:")[1].split("Notes:")[0]
+    for key in ("trust_remote_code", "preprocessing_num_workers", "dataloader_num_workers", "save_only_model",
+                "ddp_timeout", "resume_from_checkpoint"):
+        assert f"  {key}: " in ignored
+    assert "  my_own_note: not a LLaMA-Factory key emotune translates" in ignored
+    assert "template: gemma3 matches the model's own chat template" in out
+
+
+def test_config_from_llamafactory_writes_an_equivalent_emotune_yaml(lf_yaml, tmp_path, capsys):
+    path = lf_yaml()
+    assert main(["config", "--from-llamafactory", str(path), "max_steps=5", "eval.max_new_tokens=3"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# LLaMA-Factory config ")
+    translated = yaml.safe_load(text)
+    assert translated["task"] == "sft" and translated["train"]["max_steps"] == 5  # a LLaMA-Factory key overridden
+    saved = tmp_path / "translated.yaml"
+    saved.write_text(text, encoding="utf-8")
+    assert load_config(saved) == load_config(path, ["max_steps=5", "eval.max_new_tokens=3"])
+
+
+def test_key_value_overrides_apply_on_top(lf_yaml):
+    cfg = load_config(lf_yaml(), ["train.max_steps=7", "lora_rank=2", "seed=3"])
+    assert (cfg.train.max_steps, cfg.lora.r, cfg.lora.alpha, cfg.seed) == (7, 2, 4, 3)
+    with pytest.raises(UserError, match="`train.max_stepz` is not a config key"):
+        load_config(lf_yaml(), ["train.max_stepz=7"])
+
+
+@pytest.mark.slow
+def test_emotune_run_on_a_llamafactory_file(lf_yaml, tmp_path):
+    path = lf_yaml()
+    code = main(["run", str(path), "train.precision=fp32", "eval.max_new_tokens=3", "eval.probe=false",
+                 "data.test_limit=4", f"model.cache_dir={tmp_path / 'cache'}"])
+    assert code == 0
+    folder = tmp_path / "saves" / "tiny-gemma" / "lora" / "sft"
+    assert json.loads((folder / "run.json").read_text())["status"] == "finished"
+    comparison = json.loads((folder / "comparison.json").read_text())
+    assert set(comparison["metrics"]["rouge_l"]) == {"before", "after", "delta"}
+    log = json.loads((folder / "train" / "log_history.json").read_text())
+    first = next(entry for entry in log if entry.get("step") == 1 and "learning_rate" in entry)
+    assert first["learning_rate"] == pytest.approx(0.01)  # warmup_steps: 1 took effect: full rate after step 1
+    train_rows = [json.loads(line) for line in (folder / "data" / "train.jsonl").read_text().splitlines()]
+    assert {row["source"] for row in train_rows} == {"emotion_alpaca", "emotion_chat"}  # both datasets, mixed
