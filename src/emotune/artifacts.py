@@ -27,7 +27,8 @@ META = "emotune.json"
 PEFT_CONFIG = "adapter_config.json"
 # What emotune.json must hold, by the `task` it names (written by that task's adapter_meta; no `task`: classify).
 REQUIRED_META = {"classify": ("labels", "system_prompt_template", "user_template", "base_model"),
-                 "sft": ("task", "base_model")}
+                 "sft": ("task", "base_model"), "classify_head": ("task", "labels", "base_model")}
+HEAD_TASKS = ("classify_head",)  # adapters that carry a classification head: only `emotune eval` reads them yet
 
 
 @dataclass
@@ -120,8 +121,10 @@ def _wrong_types(meta: dict) -> list[str]:
 # Reader
 
 
-def find_artifact(target: str | Path, name: str | None = None, fallback: Fallback | None = None) -> Artifact:
-    """Accept a run folder, an export folder, an adapter folder or a merged model folder."""
+def find_artifact(target: str | Path, name: str | None = None, fallback: Fallback | None = None,
+                  heads: bool = False) -> Artifact:
+    """Accept a run folder, an export folder, an adapter folder or a merged model folder. A classification-head
+    adapter is refused unless `heads` (its reader, `task: classify_head`'s `emotune eval`, asks for it)."""
     target = Path(target).expanduser()
     if not target.exists():
         raise UserError(f"`{target}` does not exist, so it is neither an adapter folder nor a run folder. Give a run "
@@ -132,6 +135,10 @@ def find_artifact(target: str | Path, name: str | None = None, fallback: Fallbac
         marker = folder / ("config.json" if merged else PEFT_CONFIG)
         if marker.is_file() and (folder / META).is_file():
             meta = read_meta(folder)
+            if meta.get("task") in HEAD_TASKS and not heads:
+                raise UserError(f"`{folder}` holds a classification-head adapter (task {meta['task']}); export, predict "
+                                "and serve do not handle head adapters yet (issue 13, part 3). Measure it with "
+                                f"`emotune eval CONFIG adapter={target}` using its run's config.")
             return Artifact(name=name or default_name(target), path=folder, merged=merged, meta=meta,
                             model_cfg=_model_cfg(target, folder, meta["base_model"]))
     for folder in (run.adapter, target):

@@ -16,6 +16,7 @@ so the [positions, vocabulary] logits never exist at once; at or below it, one p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ class Example:
     spans: tuple[tuple[int, int], ...] | None = None
     """The [start, end) token ranges that carry loss, in order; None = one span from `completion_start` to
     the end of the row (classification)."""
+    label: int | None = None
+    """The class index, for a classification head (`task: classify_head`); None for language-model rows. A head row
+    has one loss "token" (its last), so loss normalisation counts rows."""
 
     @property
     def loss_spans(self) -> tuple[tuple[int, int], ...]:
@@ -143,6 +147,34 @@ class LossParts:
     tokens: int
     correct: torch.Tensor
     """Completion tokens the model already predicts (argmax), for the validation accuracy."""
+    predicted: torch.Tensor | None = None
+    """Per-row predicted class (classification head), so validation can compute macro-F1; None otherwise."""
+    gold: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the training loop optimises and which adapter it keeps; the task supplies it (`task.objective`).
+
+    The default is the language-model objective every generative task uses: `completion_loss` on the
+    rows' spans, the adapter with the lowest validation loss kept, PEFT's CAUSAL_LM adapters."""
+    collate: Callable[[list[Example], int, torch.device], dict] = collate
+    loss: Callable[[torch.nn.Module, dict], LossParts] | None = None
+    """None = `completion_loss` (looked up in emotune.train when called)."""
+    select: str = "eval_loss"
+    """The validation metric that picks the kept adapter and drives early stopping."""
+    higher_is_better: bool = False
+    row_metrics: Callable[[torch.Tensor, torch.Tensor], dict] | None = None
+    """Extra validation metrics from every row's (predicted, gold) class, e.g. eval_macro_f1; None: none."""
+    lora_task_type: str = "CAUSAL_LM"
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full and saved with the adapter, besides `lora.modules_to_save` (a classifier's head)."""
+
+    def better(self, value: float, best: float | None) -> bool:
+        return best is None or (value > best if self.higher_is_better else value < best)
+
+
+LANGUAGE_MODEL = Objective()
 
 
 def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = CHUNK_TOKENS) -> LossParts:

@@ -46,8 +46,13 @@ def _leaf(name: str) -> str:
     return ".".join(parts[-keep:])
 
 
-def lora_config(cfg: LoraSettings, model: PreTrainedModel) -> PeftLoraConfig:
+def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAUSAL_LM",
+                extra_modules_to_save: tuple[str, ...] = ()) -> PeftLoraConfig:
+    """PEFT's config; `task_type` SEQ_CLS with the head in `extra_modules_to_save` for a classification head."""
     targets = language_model_linear_targets(model) if cfg.target_modules == "all-linear" else cfg.target_modules
+    modules_to_save = cfg.modules_to_save
+    if extra_modules_to_save:
+        modules_to_save = [*(modules_to_save or []), *(m for m in extra_modules_to_save if m not in (modules_to_save or []))]
     return PeftLoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
@@ -55,15 +60,16 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel) -> PeftLoraConfig:
         target_modules=targets,
         use_rslora=cfg.use_rslora,
         use_dora=cfg.use_dora,
-        modules_to_save=cfg.modules_to_save,
-        task_type="CAUSAL_LM",
+        modules_to_save=modules_to_save,
+        task_type=task_type,
     )
 
 
-def attach_lora(model: PreTrainedModel, cfg: LoraSettings) -> PeftModel:
+def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAUSAL_LM",
+                extra_modules_to_save: tuple[str, ...] = ()) -> PeftModel:
     """Wrap `model` with fresh adapters and print what is trained; fail clearly when nothing is."""
     try:
-        adapted = get_peft_model(model, lora_config(cfg, model))
+        adapted = get_peft_model(model, lora_config(cfg, model, task_type, extra_modules_to_save))
     except ValueError as err:  # PEFT names the module it could not find
         raise UserError(f"LoRA matched no module of {type(model).__name__} (or could not be attached): {err} Check lora.target_modules "
                         "and lora.modules_to_save against the model's module names.") from None

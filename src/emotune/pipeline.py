@@ -78,9 +78,7 @@ class Context:
     def adapted(self):
         """The fine-tuned model: trained in this process, or the base with the run folder's adapter."""
         if self._adapted is None:
-            from peft import PeftModel
-
-            self._adapted = PeftModel.from_pretrained(self.base.model, self.run.adapter)
+            self._adapted = self.task.load_adapted(self.base.model, self.run.adapter, self.cfg, self.data)
         return self._adapted
 
 
@@ -109,8 +107,9 @@ def train_stage(ctx: Context) -> None:
     from emotune.train import train
 
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
-    ctx._adapted = train(ctx.base.model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
-                         ctx.task.adapter_meta(ctx.cfg, ctx.data))
+    model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
+    ctx._adapted = train(model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
+                         ctx.task.adapter_meta(ctx.cfg, ctx.data), objective)
 
 
 def finetuned_stage(ctx: Context) -> None:
@@ -232,9 +231,7 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
     out = _eval_folder(cfg, adapter, artifact)
     model = ctx.base.model
     if artifact is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, artifact.path)
+        model = ctx.task.load_adapted(model, artifact.path, cfg, ctx.data)
     print(f"Evaluating {'adapter ' + str(artifact.path) if artifact else 'the base model'} on the {cfg.eval.split} "
           f"split, {ctx.precision.name} on {ctx.device}", flush=True)
     results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, cfg, desc=cfg.eval.split)

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from emotune import checkpoints as ckpt
 from emotune.artifacts import write_adapter
-from emotune.batches import Example, collate, completion_loss, epoch_batches, forward_passes
+from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss, epoch_batches, forward_passes
 from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
@@ -53,6 +53,7 @@ class Progress:
     """Everything about the run so far that is not a tensor; saved in every checkpoint."""
     step: int = 0
     best_loss: float | None = None
+    """The best value of the objective's selection metric so far (the validation loss unless the task picks another)."""
     best_step: int | None = None
     evals_without_improvement: int = 0
     nonfinite_in_a_row: int = 0
@@ -76,15 +77,18 @@ class Session:
     scaler: torch.amp.GradScaler | None
     autocast: object
     upcast: dict[str, torch.dtype]  # FSDP: trainable weights upcast to fp32, saved in their own dtype
+    objective: Objective  # the task's loss and the rule that picks the kept adapter
 
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows: list[Example], val_rows: list[Example],
-          cfg: RunConfig, precision: Precision, run: RunDir, adapter_meta: dict) -> PreTrainedModel:
+          cfg: RunConfig, precision: Precision, run: RunDir, adapter_meta: dict,
+          objective: Objective = LANGUAGE_MODEL) -> PreTrainedModel:
     """Fine-tune `model` with LoRA on the task's encoded rows (each carries its loss positions), save the adapter
-    with `adapter_meta` into the run folder, and return the adapted model (in memory).
+    with `adapter_meta` into the run folder, and return the adapted model (in memory). `objective` (the task's)
+    says what the loss is and which validation metric picks the adapter kept.
 
     The task encodes the rows before this is called, so a row problem surfaces before any optimizer state exists."""
-    s = _setup(model, cfg, precision, len(train_rows), len(val_rows), run)
+    s = _setup(model, cfg, precision, len(train_rows), len(val_rows), run, objective)
     progress, best = _resume(run.checkpoints, s.adapted, s.optimizer, s.scheduler, s.scaler, s.accelerator)
     log = TrainLog(run.train / "log_history.jsonl", progress.log_history, s.accelerator, cfg.train.report_to,
                    cfg.model_dump(mode="json"))
@@ -95,18 +99,19 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
     return s.adapted
 
 
-def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: int, val_rows: int, run: RunDir) -> Session:
+def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: int, val_rows: int, run: RunDir,
+           objective: Objective) -> Session:
     """Processes, LoRA adapters, precision, optimizer and schedule: everything before the first step."""
     t = cfg.train
     accelerator, fsdp = make_accelerator(t, model, run.train)
     plan = _plan(t, rows, accelerator.num_processes)
     cap = _pass_token_cap(t, accelerator.device)
-    _announce(plan, t, rows, val_rows, cap)
+    _announce(plan, t, rows, val_rows, cap, objective)
 
     model.config.use_cache = False
     if fsdp:
         refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
-    adapted = attach_lora(model, cfg.lora)
+    adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
     if t.gradient_checkpointing:
         adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
@@ -115,7 +120,8 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: i
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps)  # steps win over the ratio, as in transformers
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
     wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
-    return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast)
+    return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast,
+                   objective)
 
 
 def _loop(s: Session, progress: Progress, best, log: TrainLog, train_rows: list[Example], val_rows: list[Example],
@@ -130,11 +136,11 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, train_rows: list[
     while progress.step < plan.steps:
         globals_ = [_global_batch(plan, t, train_rows, cfg.seed, k)
                     for k in range(progress.step * plan.micro_per_step, (progress.step + 1) * plan.micro_per_step)]
-        mine = [collate([train_rows[i] for i in rows], pad_id, s.accelerator.device) for b in globals_
+        mine = [s.objective.collate([train_rows[i] for i in rows], pad_id, s.accelerator.device) for b in globals_
                 for rows in forward_passes(b, lengths, plan.world_size, s.cap)[s.accelerator.process_index]]
         step_tokens = sum(train_rows[i].completion_tokens for b in globals_ for i in b)
         loss, grad_norm, finite = _optimizer_step(s.wrapped, s.optimizer, s.scaler, mine, step_tokens, s.accelerator,
-                                                  s.autocast, s.trainable, t.max_grad_norm)
+                                                  s.autocast, s.trainable, t.max_grad_norm, s.objective)
         s.scheduler.step()  # also on a skipped step: the schedule follows the data position
         progress.step += 1
         window.add(loss if finite else None, sum(len(train_rows[i].input_ids) for b in globals_ for i in b))
@@ -152,7 +158,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, train_rows: list[
         if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop and not progress.nonfinite_in_a_row:
             _save(folder, progress, s.adapted, s.optimizer, s.scheduler, s.scaler, best, s.accelerator, t.save_total_limit)
         if stop:
-            print(f"Early stopping at step {progress.step}: no lower validation loss in "
+            print(f"Early stopping at step {progress.step}: no better {s.objective.select} in "
                   f"{t.early_stopping_patience} validations.", flush=True)
             break
     bar.close()
@@ -161,12 +167,15 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, train_rows: list[
 
 def _validate_and_track(s: Session, progress: Progress, best, log: TrainLog, val_rows: list[Example], pad_id: int,
                         cfg: RunConfig, bar) -> tuple[object, bool]:
-    metrics = validate(s.wrapped, val_rows, _val_batch_size(cfg), pad_id, s.accelerator, s.autocast)
+    metrics = validate(s.wrapped, val_rows, _val_batch_size(cfg), pad_id, s.accelerator, s.autocast, s.objective)
     log({"step": progress.step, **metrics})
-    best, stop = _track_best(progress, metrics["eval_loss"], s.adapted, best, cfg.train.early_stopping_patience)
+    best, stop = _track_best(progress, metrics, s.adapted, best, cfg.train.early_stopping_patience, s.objective)
     if s.accelerator.is_main_process:
+        extra = "".join(f", {k.removeprefix('eval_')} {v:.3f}" for k, v in metrics.items()
+                        if k not in ("eval_loss", "eval_token_accuracy"))
         bar.write(f"step {progress.step}: validation loss {metrics['eval_loss']:.4f}, token accuracy "
-                  f"{metrics['eval_token_accuracy']:.3f} (best {progress.best_loss:.4f} at step {progress.best_step})")
+                  f"{metrics['eval_token_accuracy']:.3f}{extra} (best {s.objective.select} {progress.best_loss:.4f} at "
+                  f"step {progress.best_step})")
     s.wrapped.train()
     return best, stop
 
@@ -179,7 +188,8 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     if best is not None:
         ckpt.load_trainable_state(adapted, best)
         if main:
-            print(f"Adapter: step {progress.best_step}, the lowest validation loss ({progress.best_loss:.4f}).", flush=True)
+            print(f"Adapter: step {progress.best_step}, the {_best_word(s.objective)} {s.objective.select} "
+                  f"({progress.best_loss:.4f}).", flush=True)
     adapted.config.use_cache = True  # training turned the KV cache off; generation wants it back
     if t.gradient_checkpointing:
         adapted.gradient_checkpointing_disable()
@@ -207,15 +217,19 @@ def _plan(t: TrainConfig, rows: int, world_size: int) -> Plan:
     return Plan(steps, t.gradient_accumulation_steps, global_batch_rows, batches_per_epoch, world_size)
 
 
-def _announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, cap: int) -> None:
+def _best_word(objective: Objective) -> str:
+    return "highest" if objective.higher_is_better else "lowest"
+
+
+def _announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, cap: int, objective: Objective) -> None:
     effective = plan.global_batch_rows * plan.micro_per_step
     print(f"Training rows {rows}; batch {t.batch_size} x accumulation {t.gradient_accumulation_steps} x processes "
           f"{plan.world_size} => effective batch {effective}; optimizer steps {plan.steps} "
           f"(≈ {plan.steps * effective / rows:.2f} epochs); batches grouped by length: {t.group_by_length}; "
           + (f"forward passes of at most {cap} padded tokens" if cap else "one forward pass per batch"), flush=True)
     if val_rows:
-        print(f"Validation on {val_rows} rows every {t.eval_steps} steps; the adapter kept is the one with the lowest "
-              f"validation loss" + (f"; early stopping after {t.early_stopping_patience} validations without "
+        print(f"Validation on {val_rows} rows every {t.eval_steps} steps; the adapter kept is the one with the "
+              f"{_best_word(objective)} {objective.select}" + (f"; early stopping after {t.early_stopping_patience} validations without "
                                     "improvement" if t.early_stopping_patience else ""), flush=True)
 
 
@@ -279,7 +293,8 @@ def _global_batch(plan: Plan, t: TrainConfig, rows: list[Example], seed: int, mi
 
 
 def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: int, accelerator: Accelerator,
-                    autocast, trainable: list[torch.nn.Parameter], max_grad_norm: float) -> tuple[float, float, bool]:
+                    autocast, trainable: list[torch.nn.Parameter], max_grad_norm: float,
+                    objective: Objective = LANGUAGE_MODEL) -> tuple[float, float, bool]:
     """Forward/backward over this process's passes (of all its micro-batches), then one optimizer step unless the loss or
     gradient is not finite. Returns (loss per completion token over all processes, gradient norm, stepped)."""
     loss_sum = torch.zeros((), device=accelerator.device)
@@ -291,7 +306,7 @@ def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: 
         sync = accelerator.no_sync(model) if accumulate_unsynced and i < len(batches) - 1 else nullcontext()
         with sync:
             with autocast:
-                parts = completion_loss(model, batch)
+                parts = _loss(objective, model, batch)
             loss = parts.loss_sum * scale
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += parts.loss_sum.detach().float()
@@ -344,13 +359,20 @@ def _val_batch_size(cfg: RunConfig) -> int:
     return cfg.train.batch_size if cfg.eval.batch_size == "auto" else cfg.eval.batch_size
 
 
+def _loss(objective: Objective, model, batch: dict) -> LossParts:
+    # completion_loss is looked up here, at call time, so tests can substitute it
+    return (objective.loss or completion_loss)(model, batch)
+
+
 @torch.no_grad()
-def validate(model, rows: list[Example], batch_size: int, pad_id: int, accelerator: Accelerator, autocast) -> dict:
-    """Completion-only loss and token accuracy on the validation rows, shared across processes."""
+def validate(model, rows: list[Example], batch_size: int, pad_id: int, accelerator: Accelerator, autocast,
+             objective: Objective = LANGUAGE_MODEL) -> dict:
+    """The objective's loss and token accuracy on the validation rows (plus its row metrics), shared across processes."""
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
     totals = torch.zeros(3, device=accelerator.device, dtype=torch.float64)  # loss sum, tokens, correct
+    classes: list[torch.Tensor] = []  # a classification head's [predicted; gold] per batch
     mine = batches[accelerator.process_index::accelerator.num_processes]
     rounds = len(mine)
     if ckpt.is_sharded(model):  # every forward gathers shards from all processes: all must run as many
@@ -360,18 +382,28 @@ def validate(model, rows: list[Example], batch_size: int, pad_id: int, accelerat
     for k in range(rounds):
         batch = mine[k] if k < len(mine) else batches[-1]  # a process short of batches repeats one, unused
         with autocast:
-            parts = completion_loss(inner, collate([rows[i] for i in batch], pad_id, accelerator.device))
+            parts = _loss(objective, inner, objective.collate([rows[i] for i in batch], pad_id, accelerator.device))
         if k < len(mine):
             totals += torch.stack([parts.loss_sum.double(), torch.tensor(parts.tokens, dtype=torch.float64,
                                                                          device=totals.device), parts.correct.double()])
+            if parts.predicted is not None:
+                classes.append(torch.stack([parts.predicted, parts.gold]).cpu())
     loss_sum, tokens, correct = accelerator.reduce(totals, reduction="sum").tolist()
-    return {"eval_loss": loss_sum / max(tokens, 1), "eval_token_accuracy": correct / max(tokens, 1)}
+    metrics = {"eval_loss": loss_sum / max(tokens, 1), "eval_token_accuracy": correct / max(tokens, 1)}
+    if objective.row_metrics is not None:
+        from accelerate.utils import gather_object
+
+        shares = gather_object([torch.cat(classes, 1) if classes else None])  # one [2, rows] per process
+        pairs = torch.cat([share for share in shares if share is not None], 1)
+        metrics.update(objective.row_metrics(pairs[0], pairs[1]))
+    return metrics
 
 
-def _track_best(progress: Progress, eval_loss: float, model, best, patience: int):
-    """Keep a copy of the best weights (small: the adapters only); say whether to stop early."""
-    if progress.best_loss is None or eval_loss < progress.best_loss:
-        progress.best_loss, progress.best_step, progress.evals_without_improvement = eval_loss, progress.step, 0
+def _track_best(progress: Progress, metrics: dict, model, best, patience: int, objective: Objective = LANGUAGE_MODEL):
+    """Keep a copy of the best weights by the objective's metric (small: the adapters only); say whether to stop early."""
+    value = metrics[objective.select]
+    if objective.better(value, progress.best_loss):
+        progress.best_loss, progress.best_step, progress.evals_without_improvement = value, progress.step, 0
         return ckpt.trainable_state(model), False
     progress.evals_without_improvement += 1
     return best, bool(patience) and progress.evals_without_improvement >= patience

@@ -8,6 +8,9 @@ A task module provides, as plain functions (see classify.py, and docs/tasks.md f
     describe_data(data) -> str                       the summary printed by `emotune data` and `run`
     run_info(cfg, data) -> dict                      what run.json records about the task
     training_rows(data, tokenizer, cfg)              encoded (train, validation) rows with their loss masks
+    training_setup(model, cfg, data)                 the model to train (the base, or a classifier over it) and
+                                                     the Objective (loss, adapter selection, PEFT task type)
+    load_adapted(model, adapter_dir, cfg, data)      the base model with a trained adapter, as training made it
     adapter_meta(cfg, data) -> dict                  what emotune.json records next to the adapter
     evaluate(model, tokenizer, data, cfg, desc)      the measurement, run identically before and after
     write_results(results, folder) / read_results(folder, cfg)
@@ -27,11 +30,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from emotune.tasks import classify, sft
+from emotune.tasks import classify, classify_head, sft
 
 TASKS: dict[str, ModuleType] = {
     "classify": classify,
     "sft": sft,
+    "classify_head": classify_head,
 }
 
 

@@ -14,7 +14,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
-from emotune.batches import Example, common_prefix_length
+from emotune.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
 from emotune.config import ClassifyConfig, PromptConfig
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
@@ -24,8 +24,8 @@ from emotune.tasks.classify_report import (baseline_notes, compare_methods, form
                                            write_comparison)
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_data", "outputs", "read_results", "report_sections",
-           "run_info", "save_data", "saved_fingerprint", "training_rows", "write_comparison", "write_results"]
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "outputs", "read_results", "report_sections",
+           "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
 SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # `emotune eval`
 
@@ -143,3 +143,17 @@ def outputs(run: RunDir, cfg: ClassifyConfig) -> list[Path]:
                for name in ("metrics.json", "predictions.csv")]
     return [*results, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json,
             run.comparison_csv, run.report_html]
+
+
+# --------------------------------------------------------------------------------------------------
+# The model trained and measured: the causal LM itself, with CAUSAL_LM adapters and the completion loss
+
+
+def training_setup(model, cfg, data) -> tuple[object, Objective]:
+    return model, LANGUAGE_MODEL
+
+
+def load_adapted(model, adapter_dir: Path, cfg, data):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter_dir)

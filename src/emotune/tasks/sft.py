@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, Fallback, find_artifact
 from emotune.errors import UserError
-from emotune.batches import Example
+from emotune.batches import LANGUAGE_MODEL, Example, Objective
 from emotune.config import SftConfig
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
 from emotune.data.sources import HUB_PREFIXES, SPLITS
@@ -29,8 +29,8 @@ from emotune.tasks.sft_report import compare, format_comparison, report_sections
 from emotune.tasks.sft_rows import encode_all
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_data", "outputs", "read_results", "report_sections", "run_info",
-           "save_data", "saved_fingerprint", "training_rows", "write_comparison", "write_results"]
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "outputs", "read_results", "report_sections", "run_info",
+           "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
 SHOWN_METRICS = ("rouge_l", "bleu", "exact_match", "perplexity", "probe_accuracy")  # printed by `emotune eval`
 DATA_REPORT = "data_report.json"
@@ -169,3 +169,17 @@ def outputs(run: RunDir, cfg: SftConfig) -> list[Path]:
     probe = [stage / sft_eval.PROBE for stage in (run.baseline, run.finetuned)] if cfg.eval.probe else []
     return [*stages, *probe, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json, run.report_html,
             *(run.data / f"{s}.jsonl" for s in SPLITS)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The model trained and measured: the causal LM itself, with CAUSAL_LM adapters and the completion loss
+
+
+def training_setup(model, cfg, data) -> tuple[object, Objective]:
+    return model, LANGUAGE_MODEL
+
+
+def load_adapted(model, adapter_dir: Path, cfg, data):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter_dir)

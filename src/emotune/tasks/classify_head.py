@@ -1,0 +1,181 @@
+"""`task: classify_head`: a linear classification head on the last token, trained with LoRA.
+
+Rows are classify's (text, label), through the same data pipeline and run folder. The head (`score`,
+emotune.head) reads the bare text, pooled at the last real token; the loss is the class-weighted
+cross-entropy of its logits, and the adapter kept is the best by `head.select` (macro-F1 by default).
+
+The honest "before": an untrained head is chance, so the baseline is the base causal model's zero-shot
+label scoring (the classify task's `score` method, with `prompt`) on the same split and labels; the
+"after" is the head's. Both are stored under the method name `head`, each with `measured_by` saying
+which of the two it is, so classify's metrics, comparison and report code serve unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from emotune.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
+from emotune.batches import Example, Objective
+from emotune.config import ClassifyHeadConfig, EvalConfig
+from emotune.data import LabeledData, system_prompt
+from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
+from emotune.errors import UserError
+from emotune.evaluate import EvalResult, compute_metrics, evaluate as evaluate_method, probability_metrics, write_results
+from emotune.head import classifier_from_causal, collate_rows, head_objective, is_classifier
+from emotune.rundir import RunDir, read_json
+from emotune.scoring import run_in_batches
+from emotune.tasks.classify_head_report import compare, format_comparison, report_sections, write_comparison
+
+__all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
+           "format_comparison", "has_results", "load_adapted", "load_data", "outputs", "read_results", "report_sections",
+           "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison",
+           "write_results"]
+
+SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "top2_accuracy", "log_loss", "ece")
+METHOD = "head"
+BEFORE = "zero-shot label scoring by the base causal model (the classify task's `score` method, with the prompt section)"
+AFTER = "the classification head (`score` on the last token) with the LoRA adapter"
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: classify's
+
+
+def load_data(cfg: ClassifyHeadConfig) -> LabeledData:
+    return prepare_data(cfg)
+
+
+def save_data(data: LabeledData, run: RunDir, tokenizer, cfg: ClassifyHeadConfig) -> None:
+    save_prepared(data, run, tokenizer, cfg)
+
+
+def describe_data(data: LabeledData) -> str:
+    return format_summary(data)
+
+
+def run_info(cfg: ClassifyHeadConfig, data: LabeledData) -> dict:
+    return {"labels": data.labels, "rows": {name: len(ds) for name, ds in data.splits.items()},
+            "system_prompt": system_prompt(cfg.prompt, data.labels), "head_select": cfg.head.select,
+            "baseline": BEFORE}
+
+
+# --------------------------------------------------------------------------------------------------
+# Training: the bare text, one class per row
+
+
+def encode_texts(texts: list[str], tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[list[int]]:
+    """The text's tokens (with the tokenizer's own special tokens, e.g. Gemma's <bos>), cut at `max_length`."""
+    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+    return [ids or [tokenizer.eos_token_id] for ids in encoded]
+
+
+def training_rows(data: LabeledData, tokenizer: PreTrainedTokenizerBase, cfg: ClassifyHeadConfig
+                  ) -> tuple[list[Example], list[Example]]:
+    index = {label: i for i, label in enumerate(data.labels)}
+    out = []
+    for split, weights in (("train", data.class_weights), ("validation", None)):  # weights: data.balance=class_weight
+        ds = data.splits[split]
+        ids = encode_texts(ds["text"], tokenizer, cfg.train.max_length)
+        # The loss "span" is the last token, where the head reads the row: each row counts once in the normalisation.
+        out.append([Example(row_ids, len(row_ids) - 1, weights[label] if weights else 1.0, label=index[label])
+                    for row_ids, label in zip(ids, ds["label"])])
+    return out[0], out[1]
+
+
+def training_setup(model, cfg: ClassifyHeadConfig, data: LabeledData) -> tuple[torch.nn.Module, Objective]:
+    """The base model's language model under a fresh head, and the head's objective."""
+    return classifier_from_causal(model, data.labels, cfg.seed), head_objective(cfg.head.select, len(data.labels))
+
+
+def load_adapted(model, adapter_dir: Path, cfg: ClassifyHeadConfig, data: LabeledData):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(classifier_from_causal(model, data.labels, cfg.seed), adapter_dir)
+
+
+def adapter_meta(cfg: ClassifyHeadConfig, data: LabeledData) -> dict:
+    return {"task": "classify_head", "labels": data.labels, "base_model": cfg.model.source,
+            "max_length": cfg.train.max_length, "head_select": cfg.head.select, "eval": cfg.eval.model_dump()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement: zero-shot scoring for the base model, the head for the adapted one
+
+
+def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyHeadConfig, desc: str) -> dict[str, EvalResult]:
+    split = data.splits[cfg.eval.split]
+    if is_classifier(model):
+        result = evaluate_head(model, tokenizer, split["text"], split["label"], data.labels, cfg, desc)
+    else:
+        zero_shot = EvalConfig(method="score", batch_size=cfg.eval.batch_size, split=cfg.eval.split)
+        result = evaluate_method(model, tokenizer, split, data.labels, cfg.prompt, zero_shot, desc, method="score")
+    result.metrics.update(method=METHOD, measured_by=AFTER if is_classifier(model) else BEFORE)
+    return {METHOD: result}
+
+
+@torch.inference_mode()
+def head_probabilities(model, tokenizer, texts: list[str], max_length: int, batch_size: int,
+                       desc: str | None) -> torch.Tensor:
+    """[rows, labels] softmax of the head's logits; rows sorted by length to cut padding."""
+    device = next(model.parameters()).device
+    ids = encode_texts(texts, tokenizer, max_length)
+    probs = torch.zeros(len(texts), model.config.num_labels)
+
+    def step(batch: list[int]) -> None:
+        rows = [Example(ids[i], len(ids[i]) - 1, label=0) for i in batch]
+        encoded = collate_rows(rows, tokenizer.pad_token_id, device)
+        logits = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+        probs[batch] = logits.float().softmax(-1).cpu()
+
+    was_training = model.training
+    model.eval()
+    try:
+        run_in_batches(sorted(range(len(texts)), key=lambda i: len(ids[i])), batch_size, step, desc)
+    finally:
+        model.train(was_training)
+    return probs
+
+
+def evaluate_head(model, tokenizer, texts: list[str], gold: list[str], labels: list[str], cfg: ClassifyHeadConfig,
+                  desc: str) -> EvalResult:
+    import time
+
+    started = time.perf_counter()
+    cpu = next(model.parameters()).device.type == "cpu"
+    batch_size = cfg.eval.batch_size if cfg.eval.batch_size != "auto" else (32 if cpu else 128)
+    probs = head_probabilities(model, tokenizer, list(texts), cfg.train.max_length, batch_size, f"{desc} (head)")
+    predicted = [labels[i] for i in probs.argmax(-1).tolist()]
+    metrics = {**compute_metrics(list(gold), predicted, labels), **probability_metrics(list(gold), probs.numpy(), labels)}
+    seconds = time.perf_counter() - started
+    metrics.update(batch_size=batch_size, seconds=round(seconds, 2), rows_per_s=round(len(texts) / seconds, 2) if seconds else None)
+    rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row)}}
+            for t, g, p, row in zip(texts, gold, predicted, probs.tolist())]
+    return EvalResult(rows=rows, metrics=metrics)
+
+
+def read_results(folder: Path, cfg: ClassifyHeadConfig | None = None) -> dict[str, dict] | None:
+    metrics = read_json(folder / "metrics.json") if (folder / "predictions.csv").is_file() else None
+    return {METHOD: metrics} if isinstance(metrics, dict) and metrics.get("method") == METHOD else None
+
+
+def has_results(folder: Path) -> bool:
+    return read_results(folder) is not None
+
+
+def find_adapter(path: str, cfg: ClassifyHeadConfig, data: LabeledData) -> Artifact:
+    """A classify_head adapter trained on this config's labels (`emotune eval CONFIG adapter=PATH`)."""
+    artifact = find_artifact(path, heads=True)
+    if artifact.meta.get("task") != "classify_head":
+        raise UserError(f"`{artifact.path}` is a {artifact.meta.get('task', 'classify')} adapter; `task: classify_head` "
+                        "measures classification-head adapters. Use that adapter's own config.")
+    check_matches(artifact, data.labels, "")
+    return artifact
+
+
+def outputs(run: RunDir, cfg: ClassifyHeadConfig) -> list[Path]:
+    results = [stage / name for stage in (run.baseline, run.finetuned) for name in ("metrics.json", "predictions.csv")]
+    return [*results, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json, run.comparison_csv,
+            run.report_html]
