@@ -110,8 +110,10 @@ def tiny_overrides(tiny_model_dir, data_dir, tmp_path) -> list[str]:
     ]
 
 
-def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4, **lora_kwargs) -> Path:
-    """A run-like folder (config.yaml + adapter/ with emotune.json) holding a random, non-zero LoRA adapter.
+def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4, task: str = "classify",
+                       overrides: tuple[str, ...] = (), **lora_kwargs) -> Path:
+    """A run-like folder (config.yaml + adapter/ with emotune.json) holding a random, non-zero LoRA adapter;
+    emotune.json is `task`'s own adapter_meta for a config with `overrides` (e.g. prompt.system_prompt=...).
 
     `init_lora_weights=False` gives B != 0, so the adapter really changes the logits (a fresh LoRA is a no-op).
     """
@@ -122,18 +124,18 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     from emotune.artifacts import write_adapter
     from emotune.config import dump_config, load_config
     from emotune.rundir import RunDir, write_text
-    from emotune.tasks import classify
+    from emotune.tasks import TASKS
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM",
                       **lora_kwargs)
     model = get_peft_model(base, lora)
-    cfg = load_config(None, [f"model.source={model_dir}"])
+    cfg = load_config(None, [*([f"task={task}"] if task != "classify" else []), f"model.source={model_dir}", *overrides])
     run = RunDir(run_dir)
     # the product's own writer and metadata, so these tests fail if the adapter format changes
     write_adapter(model, AutoTokenizer.from_pretrained(model_dir), run.adapter,
-                  classify.adapter_meta(cfg, SimpleNamespace(labels=LABELS)))
+                  TASKS[task].adapter_meta(cfg, SimpleNamespace(labels=LABELS)))
     write_text(run.config, dump_config(cfg))
     return run_dir
 

@@ -2,7 +2,8 @@
 
 An emotune adapter folder holds PEFT's files (`adapter_config.json`, `adapter_model.safetensors`), the
 tokenizer with its chat template, and `emotune.json`: the task, label set, prompt and base model the
-adapter was trained with, so it can be measured and served with exactly the training prompt.
+adapter was trained with (an sft adapter: its system prompt and base model), so it can be measured and
+served with exactly the training prompt.
 
 Adapters written by other tools (plain PEFT, LLaMA-Factory, TRL; `adapter_model.bin` too, which PEFT
 reads with `torch.load(weights_only=True)`) have no `emotune.json`. They load when what it would say is
@@ -39,11 +40,14 @@ class Fallback:
     prompt: PromptConfig | None = None
     base_model: str | None = None
     source: str = "the config"  # named in the error, e.g. "the --labels/--system-prompt flags"
+    task: str = "classify"  # sft: no labels or user template; `system_prompt` is the whole prompt
+    system_prompt: str | None = None
 
 
 @dataclass
 class Artifact:
-    """A servable classifier on disk: a LoRA adapter over a base model, or a merged full model."""
+    """A servable model on disk (a classifier, or an sft model that answers in free text): a LoRA adapter over
+    a base model, or a merged full model."""
 
     name: str
     path: Path  # the adapter folder, or the merged model folder
@@ -52,12 +56,33 @@ class Artifact:
     model_cfg: ModelConfig = field(default_factory=ModelConfig)  # how to find the base model (unused when merged)
 
     @property
+    def task(self) -> str:
+        return self.meta.get("task", "classify")
+
+    @property
     def labels(self) -> list[str]:
         return list(self.meta["labels"])
 
     @property
     def prompt(self) -> PromptConfig:
         return PromptConfig(system_prompt=self.meta["system_prompt_template"], user_template=self.meta["user_template"])
+
+    @property
+    def sft_system_prompt(self) -> str | None:
+        """The system prompt an sft model was trained with for rows without their own (None: none)."""
+        return self.meta.get("system_prompt") if self.task == "sft" else None
+
+    def chat_prompt(self, tokenizer, text: str) -> str:
+        """The chat-templated prompt this model answers `text` under: a classifier's system prompt and user
+        template, or an sft model's system prompt with `text` as the user turn."""
+        if self.task == "sft":
+            system = self.sft_system_prompt
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        else:
+            from emotune.data import prompt_messages
+
+            messages = prompt_messages(text, self.prompt, self.labels)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     @property
     def foreign(self) -> bool:
@@ -154,6 +179,13 @@ def _foreign_adapter(folder: Path, name: str, fallback: Fallback | None) -> Arti
     fallback = fallback or Fallback(source="nothing (no config or flags were given)")
     peft_config = read_json(folder / PEFT_CONFIG) or {}
     base = fallback.base_model or peft_config.get("base_model_name_or_path")
+    model_cfg = ModelConfig(source=base) if fallback.base_model is None else ModelConfig(source=fallback.base_model)
+    if fallback.task == "sft":  # free text: the system prompt (none is a valid one) and the base are all it needs
+        if not base:
+            raise UserError(f"`{folder}` is an adapter made by another tool (no {META}) whose {PEFT_CONFIG} names no "
+                            f"base model, and {fallback.source} did not say. Set model.source in the config.")
+        meta = {"task": "sft", "system_prompt": fallback.system_prompt, "base_model": base, "foreign": True}
+        return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=model_cfg)
     missing = [what for what, value in (("the label set", fallback.labels), ("the prompt", fallback.prompt),
                                         ("the base model", base)) if not value]
     if missing:
@@ -165,7 +197,6 @@ def _foreign_adapter(folder: Path, name: str, fallback: Fallback | None) -> Arti
                         "comparable with the prompt and labels the adapter was trained with.")
     meta = {"task": "classify", "labels": list(fallback.labels), "system_prompt_template": fallback.prompt.system_prompt,
             "user_template": fallback.prompt.user_template, "base_model": base, "foreign": True}
-    model_cfg = ModelConfig(source=base) if fallback.base_model is None else ModelConfig(source=fallback.base_model)
     return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=model_cfg)
 
 
@@ -207,7 +238,10 @@ def _lora_rank(key: str, shape: list[int]) -> int | None:
 
 
 def fallback_from(cfg=None, labels: list[str] | None = None, source: str = "the config") -> Fallback:
-    """A Fallback from a config the user gave (its label names, prompt and base model) and/or a label flag."""
+    """A Fallback from a config the user gave (its label names, prompt and base model) and/or a label flag;
+    from an sft config, its system prompt and base model."""
+    if getattr(cfg, "task", "classify") == "sft":
+        return Fallback(task="sft", system_prompt=cfg.prompt.system_prompt, base_model=cfg.model.source, source=source)
     return Fallback(labels=labels or (cfg.data.label_names if cfg is not None else None),
                     prompt=getattr(cfg, "prompt", None), base_model=cfg.model.source if cfg is not None else None,
                     source=source)

@@ -97,7 +97,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
                         "--labels joy,sadness,anger.")
     fallback = fallback_from(cfg, labels, source="--config/--labels") if cfg is not None or labels else None
     return predict_cli(args.target, args.texts, args.file, args.out, args.text_column, args.batch_size, args.device,
-                       fallback)
+                       fallback, args.max_new_tokens)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -148,7 +148,8 @@ COMMANDS = {
     "train": (_cmd_train, "LoRA fine-tune only, resumable; also under torchrun / accelerate launch"),
     "doctor": (_cmd_doctor, "report backend (ROCm/CUDA/MPS/CPU), devices, precision support, versions, hints"),
     "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts"),
-    "predict": (_cmd_predict, "classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or merged model"),
+    "predict": (_cmd_predict, ("classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or "
+                               "merged model; an sft model answers them in free text")),
     "serve": (_cmd_serve, "OpenAI-compatible HTTP server: /v1/classify, /v1/chat/completions, hot-swappable adapters"),
     "config": (_cmd_config, "print the resolved config (or every field with its documentation, or a LLaMA-Factory "
                             "file's translation)"),
@@ -191,11 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
                            help="replace an existing --out folder (only once the new export is complete)")
         if name == "predict":
             p.add_argument("target", help="run folder, export folder, adapter folder or merged model folder")
-            p.add_argument("texts", nargs="*", help="texts to classify")
-            p.add_argument("--file", help="CSV/TSV/JSONL file of texts to classify (with --out)")
-            p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label>")
+            p.add_argument("texts", nargs="*", help="texts to classify (sft models: prompts to answer)")
+            p.add_argument("--file", help="CSV/TSV/JSONL file of texts to classify or answer (with --out)")
+            p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label> "
+                                         "(sft models: + output)")
             p.add_argument("--text-column", default="text", help="column of --file holding the text (default: text)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
+            p.add_argument("--max-new-tokens", type=int,
+                           help="sft models: most tokens per greedy reply (default: the run's eval.max_new_tokens)")
             p.add_argument("--device", default="auto", type=_device_name, metavar="{auto,cpu,cuda,cuda:N,mps}",
                            help="where the model runs (default: auto = a GPU if PyTorch sees one, else CPU); ROCm "
                                 "(AMD) GPUs are `cuda` in PyTorch; cuda:N picks GPU N")

@@ -2,10 +2,11 @@
 
 `emotune export RUN_DIR [--merge] [--out DIR] [--vllm]` writes into OUT (default RUN_DIR/export):
 
-    adapter/    adapter weights and config, tokenizer with chat template, emotune.json (labels, prompt)
+    adapter/    adapter weights and config, tokenizer with chat template, emotune.json (task, labels, prompt)
     merged/     (--merge) base + adapter folded into one Hugging Face model, tokenizer, generation config
     config.yaml the run's resolved config, so OUT can itself be served or exported again
-    vllm/       (--vllm) serve_lora.sh, serve_merged.sh, client.py (output constrained to the label set)
+    vllm/       (--vllm) serve_lora.sh, serve_merged.sh, client.py (a classifier's output constrained to the
+                label set; an sft model's a free-text chat reply under its system prompt)
 
 The whole folder is written under a temporary name and renamed into place, so a failed export never
 replaces a good one; an existing OUT is replaced only with --force. What a run produced is found and
@@ -122,17 +123,14 @@ def merge_parity_gap(target: str | Path, texts: list[str], merged_dir: str | Pat
     """Largest |logit difference| between base+adapter and the merged model, both in fp32 on the CPU.
 
     `merged_dir` is a saved merged folder (saved in fp32 to compare like with like); without it the
-    adapter is merged in memory. The prompts are the classifier's own chat prompts for `texts`.
+    adapter is merged in memory. The prompts are the model's own chat prompts for `texts` (Artifact.chat_prompt).
     """
     from peft import PeftModel
-
-    from emotune.data import prompt_messages
 
     artifact = find_artifact(target)
     cpu = torch.device("cpu")
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
-    prompts = [tokenizer.apply_chat_template(prompt_messages(t, artifact.prompt, artifact.labels), tokenize=False,
-                                             add_generation_prompt=True) for t in texts]
+    prompts = [artifact.chat_prompt(tokenizer, t) for t in texts]
     base_dir = resolve_model_dir(artifact.model_cfg)
     adapted = PeftModel.from_pretrained(load_model(base_dir, torch.float32, cpu), artifact.path).eval()
     if merged_dir is not None:
@@ -204,6 +202,8 @@ def _write_script(path: Path, export_dir: Path, args: list[str], what: str) -> N
 
 
 def _client_example(artifact: Artifact) -> str:
+    if artifact.task == "sft":
+        return _chat_client_example(artifact)
     from emotune.data import system_prompt
 
     return f'''"""Classify with the vLLM server started by serve_lora.sh or serve_merged.sh; the output is one label.
@@ -244,4 +244,50 @@ if __name__ == "__main__":
     parser.add_argument("--legacy", action="store_true", help="vLLM < 0.11: send guided_choice")
     args = parser.parse_args()
     print(classify(OpenAI(base_url=args.base_url, api_key=args.api_key), args.text, args.legacy))
+'''
+
+
+def _chat_client_example(artifact: Artifact) -> str:
+    """An sft model answers in free text: plain chat under the system prompt it was trained with, no constraint."""
+    return f'''"""Chat with the vLLM server started by serve_lora.sh or serve_merged.sh (also works with `emotune serve`).
+
+Written by `emotune export --vllm`. Usage: python client.py "your instruction" [--base-url URL] [--stream]
+The system prompt is the one the model was trained with (None: it was trained without one).
+"""
+
+import argparse
+
+from openai import OpenAI
+
+MODEL = {artifact.name!r}
+SYSTEM_PROMPT = {artifact.sft_system_prompt!r}
+
+
+def chat(client: OpenAI, text: str, max_tokens: int = 256, stream: bool = False) -> str:
+    messages = ([{{"role": "system", "content": SYSTEM_PROMPT}}] if SYSTEM_PROMPT else []) + [
+        {{"role": "user", "content": text}}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0, max_tokens=max_tokens,
+                                           stream=stream)
+    if not stream:
+        return reply.choices[0].message.content
+    pieces = []
+    for chunk in reply:
+        piece = (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        print(piece, end="", flush=True)
+        pieces.append(piece)
+    print()
+    return "".join(pieces)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("text")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--api-key", default="EMPTY")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--stream", action="store_true", help="print the reply as it is generated")
+    args = parser.parse_args()
+    answer = chat(OpenAI(base_url=args.base_url, api_key=args.api_key), args.text, args.max_tokens, args.stream)
+    if not args.stream:
+        print(answer)
 '''

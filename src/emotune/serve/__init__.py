@@ -1,8 +1,8 @@
 """`emotune serve`: an OpenAI-compatible HTTP API over one base model and any number of LoRA adapters.
 
-    GET  /v1/models                 the base model and every loaded adapter
-    POST /v1/classify               {"model", "input": str | [str]} -> label + per-label probabilities
-    POST /v1/chat/completions       OpenAI chat completions, streaming (SSE) or not
+    GET  /v1/models                 the base model and every loaded adapter, with its task
+    POST /v1/classify               {"model", "input": str | [str]} -> label + per-label probabilities (not sft)
+    POST /v1/chat/completions       OpenAI chat completions (stop, max_tokens), streaming (SSE) or not
     POST /v1/adapters               {"name", "path"} load an adapter (admin key; only from serve.adapter_dirs)
     DELETE /v1/adapters/{name}      unload it (admin key)
     GET  /health, GET /metrics      liveness; Prometheus text format

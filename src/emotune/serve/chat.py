@@ -1,6 +1,9 @@
 """Chat completions: a request checked and rendered with the chat template, then generated on the model thread.
 
-Streaming reads a `TextIteratorStreamer` from a helper thread and sends OpenAI `chat.completion.chunk` events.
+An sft adapter's own system prompt leads the conversation when the request sends none. `stop` texts end
+generation as soon as the decoded reply holds one, and the reply is cut before it (OpenAI's rule).
+Streaming reads a `TextIteratorStreamer` from a helper thread and sends OpenAI `chat.completion.chunk`
+events, holding back any tail that could still turn into a stop text.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import time
 import uuid
 
 import torch
+from transformers import StoppingCriteria
 
 from emotune.config import ServeConfig
 from emotune.models import stop_token_ids
@@ -22,7 +26,8 @@ from emotune.serve.state import Server
 
 def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server) -> dict:
     if body.n != 1:
-        raise APIError(422, "Only n=1 is supported.")
+        raise APIError(422, f"n={body.n}: this server returns one choice per request (n=1). For several different "
+                            "replies send several requests with temperature > 0 and different seeds.")
     if not body.messages:
         raise APIError(422, "`messages` is empty; send at least one user message.")
     for i, message in enumerate(body.messages):
@@ -32,14 +37,17 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
     max_tokens = asked if asked is not None else min(64, cfg.max_new_tokens)
     if max_tokens > cfg.max_new_tokens:
         raise APIError(422, f"max_tokens={max_tokens} is outside 1..serve.max_new_tokens={cfg.max_new_tokens}.")
+    messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+    system = loaded.artifact.sft_system_prompt if loaded.artifact is not None else None
+    if system and not any(m["role"] == "system" for m in messages):  # answer under the prompt it was trained with
+        messages.insert(0, {"role": "system", "content": system})
     try:
-        prompt = loaded.tokenizer.apply_chat_template([m.model_dump(include={"role", "content"}) for m in body.messages],
-                                                      tokenize=False, add_generation_prompt=True)
+        prompt = loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as err:  # jinja raise_exception: e.g. roles that do not alternate
         raise APIError(422, f"The chat template rejected the messages: {err}") from None
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": loaded.name,
             "prompt": prompt, "max_tokens": max_tokens, "temperature": body.temperature or 0.0,
-            "top_p": body.top_p, "seed": body.seed}
+            "top_p": body.top_p, "seed": body.seed, "stop": body.stop or []}
 
 
 def generate_reply(engine: Engine, job: dict, streamer) -> tuple[str, str, dict]:
@@ -51,19 +59,66 @@ def generate_reply(engine: Engine, job: dict, streamer) -> tuple[str, str, dict]
             sampling = job["temperature"] > 0
             if sampling and job["seed"] is not None:
                 torch.manual_seed(job["seed"])
+            prompt_length = enc["input_ids"].shape[1]
+            criteria = [StopAtText(tokenizer, job["stop"], prompt_length)] if job["stop"] else None
             output = engine.model.generate(
                 **enc, max_new_tokens=job["max_tokens"], do_sample=sampling, streamer=streamer,
                 temperature=job["temperature"] if sampling else None, top_p=job["top_p"] if sampling else None,
-                top_k=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
+                top_k=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                stopping_criteria=criteria)
     except BaseException:
         if streamer is not None:
             streamer.end()  # unblock the reader, which would otherwise wait for tokens that never come
         raise
-    new = output[0, enc["input_ids"].shape[1]:]
-    finish = "stop" if len(new) and int(new[-1]) in stop_token_ids(tokenizer) else "length"
-    usage = {"prompt_tokens": enc["input_ids"].shape[1], "completion_tokens": len(new),
-             "total_tokens": enc["input_ids"].shape[1] + len(new)}
-    return tokenizer.decode(new, skip_special_tokens=True).strip(), finish, usage
+    new = output[0, prompt_length:]
+    text, stopped = cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), job["stop"])
+    finish = "stop" if stopped or (len(new) and int(new[-1]) in stop_token_ids(tokenizer)) else "length"
+    usage = {"prompt_tokens": prompt_length, "completion_tokens": len(new), "total_tokens": prompt_length + len(new)}
+    return text.strip(), finish, usage
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop text, and whether there was one."""
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return (text[:min(found)], True) if found else (text, False)
+
+
+class StopAtText(StoppingCriteria):
+    """Ends generation once the decoded reply holds a stop text. Decoding, not token matching: a stop text may
+    span tokens or start inside one, and the tokenizer's own spacing decides what the reply says."""
+
+    def __init__(self, tokenizer, stops: list[str], prompt_length: int):
+        self.tokenizer, self.stops, self.prompt_length = tokenizer, stops, prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        done = [cut_at_stop(self.tokenizer.decode(row[self.prompt_length:], skip_special_tokens=True), self.stops)[1]
+                for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class StopFilter:
+    """Streamed text in, the text a client may see out: nothing from the first stop text on, and a tail that
+    could still grow into a stop text held back until the next piece (or the end) decides."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held, self.stopped = stops, "", False
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        text, self.held = self.held + piece, ""
+        text, self.stopped = cut_at_stop(text, self.stops)
+        if self.stopped:
+            return text
+        keep = next((k for k in range(min(len(text), max(map(len, self.stops), default=1) - 1), 0, -1)
+                     if any(stop.startswith(text[-k:]) for stop in self.stops)), 0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        """What was held back, once generation ended without reaching a stop text."""
+        held, self.held = ("" if self.stopped else self.held), ""
+        return held
 
 
 async def stream_chat(job: dict, engine: Engine, state: Server):
@@ -80,11 +135,15 @@ async def stream_chat(job: dict, engine: Engine, state: Server):
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
-    pieces = aiter_streamer(streamer, loop)
-    async for piece in pieces:
+    visible = StopFilter(job["stop"])
+    async for piece in aiter_streamer(streamer, loop):
+        piece = visible.feed(piece)
         if piece:
             yield chunk({"content": piece})
     _, finish, _ = await done
+    rest = visible.flush()
+    if rest:
+        yield chunk({"content": rest})
     yield chunk({}, finish)
     yield "data: [DONE]\n\n"
 

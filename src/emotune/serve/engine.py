@@ -156,5 +156,6 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
     engine = Engine(model_cfg, cfg.device)
     for artifact in artifacts:
         engine.add_adapter(artifact)
-        print(f"Loaded adapter {artifact.name} ({len(artifact.labels)} labels) from {artifact.path}", flush=True)
+        what = f"{len(artifact.labels)} labels" if artifact.task == "classify" else f"{artifact.task}, free-text chat"
+        print(f"Loaded adapter {artifact.name} ({what}) from {artifact.path}", flush=True)
     return engine, artifacts

@@ -185,12 +185,18 @@ def _model_card(loaded: Loaded, engine: Engine) -> dict:
             "root": engine.base_source if loaded.artifact is None else str(loaded.artifact.path),
             "parent": None if loaded.artifact is None else BASE_MODEL}
     if loaded.artifact is not None:
-        card["labels"] = loaded.artifact.labels
+        card["task"] = loaded.artifact.task
+        if loaded.artifact.task == "classify":
+            card["labels"] = loaded.artifact.labels
     return card
 
 
 def _task(loaded: Loaded, labels: list[str] | None) -> tuple[PromptConfig, list[str]]:
     """The prompt and label set to score with: the adapter's own, or (base model) the request's labels."""
+    if loaded.artifact is not None and loaded.artifact.task != "classify":
+        raise APIError(422, f"`{loaded.name}` is an {loaded.artifact.task} model: it answers in free text and has no "
+                            "label set to classify into. Send its requests to /v1/chat/completions; /v1/classify "
+                            f"serves classify adapters, and `{BASE_MODEL}` with a `labels` list.")
     if loaded.artifact is not None:
         if labels is not None and labels != loaded.artifact.labels:
             raise APIError(422, f"`labels` can only be chosen for the base model; `{loaded.name}` classifies into "

@@ -35,6 +35,7 @@ def _no_nul(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
+MAX_STOP_SEQUENCES = 4
 Name = Annotated[str, AfterValidator(_utf8), AfterValidator(_no_nul)]
 
 
@@ -94,8 +95,22 @@ class ChatRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     n: int = 1
+    """Choices to return; only 1 (the reply is greedy unless temperature > 0, and one choice per request)."""
+    stop: Text | list[Text] | None = None
+    """Up to 4 texts; the reply ends before the first of them (OpenAI's `stop`). Read as a list."""
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     """The range torch's generator takes."""
+
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_sequences(cls, value: str | list[str] | None) -> list[str]:
+        stops = [] if value is None else [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"holds {len(stops)} stop sequences; give at most {MAX_STOP_SEQUENCES}, as OpenAI allows")
+        if any(not stop for stop in stops):
+            raise ValueError("holds an empty stop sequence, which would end every reply before its first word")
+        return stops
 
 
 class AdapterRequest(BaseModel):
@@ -131,6 +146,8 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str
     parent: str | None
+    task: Literal["classify", "sft"] | None = None
+    """An adapter's task: `classify` (/v1/classify and chat) or `sft` (free-text chat only). The base does both."""
     labels: list[str] | None = None
 
 

@@ -132,7 +132,8 @@ def training_rows(data: ConversationData, tokenizer: PreTrainedTokenizerBase, cf
 def find_adapter(path: str, cfg: SftConfig, data: ConversationData) -> Artifact:
     """The adapter `emotune eval adapter=PATH` measures: an emotune sft adapter, or one from another tool (PEFT,
     LLaMA-Factory), measured with this config's prompt."""
-    artifact = find_artifact(path, fallback=Fallback(labels=[], base_model=None, source="the config"))
+    artifact = find_artifact(path, fallback=Fallback(task="sft", system_prompt=cfg.prompt.system_prompt,
+                                                     base_model=cfg.model.source, source="the config"))
     if artifact.meta.get("task", "sft") != "sft":
         raise UserError(f"`{artifact.path}` is a {artifact.meta.get('task')} adapter; `task: sft` measures sft adapters. "
                         "Use that adapter's own config.")

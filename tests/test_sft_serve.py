@@ -1,0 +1,265 @@
+"""An sft adapter through `emotune export`, `emotune predict` and `emotune serve` on the tiny model: free-text
+replies under the adapter's own system prompt, chat completions through the `openai` client (streaming, `stop`),
+and /v1/classify refused for it."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import LABELS, write_tiny_adapter
+from server_harness import running
+
+from emotune.cli import main
+from emotune.config import ServeConfig, load_config
+from emotune.serve import build_engine, create_app
+from emotune.serve.chat import StopFilter
+
+SYSTEM = "reply with one word"
+TEXTS = ["i am so happy today", "my friend was furious"]
+TRAINED_MAX_NEW_TOKENS = 5  # the adapter's eval.max_new_tokens: predict's default length
+USER, ADMIN = "user-key", "admin-key"
+AUTH = {"Authorization": f"Bearer {USER}"}
+
+
+@pytest.fixture(scope="module")
+def sft_run(tiny_model_dir, tmp_path_factory):
+    """Seed 2 gives replies of several different words on the tiny model, so a stop word can cut them."""
+    return write_tiny_adapter(tiny_model_dir, tmp_path_factory.mktemp("sft-runs") / "chat", seed=2, task="sft",
+                              overrides=(f"prompt.system_prompt={SYSTEM}",
+                                         f"eval.max_new_tokens={TRAINED_MAX_NEW_TOKENS}"))
+
+
+def reference_replies(model_dir, adapter_dir, texts, max_new_tokens, system=SYSTEM) -> list[str]:
+    """Greedy replies computed here with PEFT and transformers alone: the system prompt, then the text as the user."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir).eval()
+    stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
+    replies = []
+    for text in texts:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
+                                 pad_token_id=tokenizer.pad_token_id)
+        replies.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return replies
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+# --------------------------------------------------------------------------------------------------
+# predict and export
+
+
+def test_predict_answers_in_free_text_under_the_system_prompt(sft_run, tiny_model_dir, tmp_path, capsys):
+    assert main(["predict", str(sft_run), *TEXTS]) == 0  # default length: the one the run evaluated with
+    lines = _json_lines(capsys.readouterr().out)
+    expected = reference_replies(tiny_model_dir, sft_run / "adapter", TEXTS, TRAINED_MAX_NEW_TOKENS)
+    assert [line["text"] for line in lines] == TEXTS and [line["output"] for line in lines] == expected
+    assert all(expected) and set(lines[0]) == {"text", "output"}
+
+    assert main(["predict", str(sft_run), *TEXTS, "--max-new-tokens", "8"]) == 0
+    longer = [line["output"] for line in _json_lines(capsys.readouterr().out)]
+    assert longer == reference_replies(tiny_model_dir, sft_run / "adapter", TEXTS, 8)
+    assert any(len(a.split()) > len(b.split()) for a, b in zip(longer, expected))
+
+    source, out = tmp_path / "in.csv", tmp_path / "out.csv"
+    source.write_text("id,prompt\n" + "".join(f"{i},{t}\n" for i, t in enumerate(TEXTS)), encoding="utf-8")
+    assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "prompt",
+                 "--max-new-tokens", "8", "--batch-size", "2"]) == 0  # batched with left padding: same replies
+    rows = list(csv.DictReader(out.open(encoding="utf-8")))
+    assert [r["id"] for r in rows] == ["0", "1"] and [r["output"] for r in rows] == longer
+
+
+def test_predict_refuses_max_new_tokens_for_a_classifier(tiny_run_dir, sft_run, capsys):
+    assert main(["predict", str(tiny_run_dir), "happy", "--max-new-tokens", "4"]) == 2
+    assert "--max-new-tokens is for sft models" in capsys.readouterr().err
+    assert main(["predict", str(sft_run), "happy", "--max-new-tokens", "0"]) == 2
+    assert "positive" in capsys.readouterr().err
+
+
+def test_export_merges_an_sft_adapter_and_writes_a_free_text_client(sft_run, tmp_path, capsys):
+    from emotune.export import merge_parity_gap
+
+    out = tmp_path / "export"
+    assert main(["export", str(sft_run), "--merge", "--vllm", "--dtype", "float32", "--out", str(out)]) == 0
+    for name in ("adapter/adapter_model.safetensors", "adapter/emotune.json", "merged/model.safetensors",
+                 "merged/emotune.json", "vllm/serve_lora.sh", "vllm/serve_merged.sh", "vllm/client.py"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "merged" / "emotune.json").read_text())["task"] == "sft"
+    # the parity prompts are the sft chat prompts (system prompt + text), which the adapter really moves
+    assert merge_parity_gap(sft_run, TEXTS, merged_dir=out / "merged") < 1e-4
+
+    capsys.readouterr()
+    assert main(["predict", str(sft_run), *TEXTS]) == 0
+    from_adapter = _json_lines(capsys.readouterr().out)
+    assert main(["predict", str(out / "merged"), *TEXTS]) == 0
+    assert _json_lines(capsys.readouterr().out) == from_adapter
+
+    client = (out / "vllm" / "client.py").read_text()
+    compile(client, "client.py", "exec")
+    assert f"SYSTEM_PROMPT = {SYSTEM!r}" in client and "MODEL = 'chat'" in client
+    assert "structured_outputs" not in client and "guided_choice" not in client and "LABELS" not in client
+
+
+def test_a_foreign_adapter_served_with_an_sft_config_is_an_sft_model(tiny_model_dir, tmp_path):
+    """An adapter from another tool (no emotune.json) takes the sft config's system prompt and base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from emotune.artifacts import fallback_from, find_artifact
+
+    folder = tmp_path / "lf-sft"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM")).save_pretrained(folder)
+    cfg = load_config(None, ["task=sft", f"model.source={tiny_model_dir}", f"prompt.system_prompt={SYSTEM}"])
+    artifact = find_artifact(folder, fallback=fallback_from(cfg))
+    assert artifact.task == "sft" and artifact.foreign and artifact.sft_system_prompt == SYSTEM
+    assert artifact.model_cfg.source == str(tiny_model_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# serve
+
+
+@pytest.fixture(scope="module")
+def server(sft_run, tiny_run_dir):
+    cfg = load_config(None, ["device=cpu"])
+    engine, _ = build_engine(cfg, [str(sft_run), str(tiny_run_dir)])
+    serve_cfg = ServeConfig(api_key=USER, admin_key=ADMIN, adapter_dirs=[str(sft_run.parent)], max_new_tokens=16)
+    with running(create_app(engine, serve_cfg)) as (url, _):
+        yield url
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server, timeout=60, headers=AUTH) as client:
+        yield client
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=USER, max_retries=0)
+
+
+def ask(client, text, **kwargs):
+    return client.chat.completions.create(model="chat", messages=[{"role": "user", "content": text}], temperature=0,
+                                          **kwargs)
+
+
+def streamed(client, text, **kwargs) -> tuple[str, str]:
+    chunks = list(ask(client, text, stream=True, **kwargs))
+    return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+
+
+def test_models_list_the_task_and_classify_is_refused_for_sft(http, client):
+    assert [m.id for m in client.models.list().data] == ["base", "chat", "tiny"]
+    cards = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
+    assert cards["chat"]["task"] == "sft" and "labels" not in cards["chat"]
+    assert cards["tiny"]["task"] == "classify" and cards["tiny"]["labels"] == LABELS
+    assert "task" not in cards["base"]
+
+    refused = http.post("/v1/classify", json={"model": "chat", "input": "i am happy"})
+    assert refused.status_code == 422, refused.text
+    message = refused.json()["error"]["message"]
+    assert "`chat` is an sft model" in message and "/v1/chat/completions" in message
+    assert http.post("/v1/classify", json={"model": "tiny", "input": "i am happy"}).status_code == 200
+
+    loaded = http.post("/v1/adapters", headers={"Authorization": f"Bearer {ADMIN}"}, json={"name": "again", "path": "chat"})
+    assert loaded.status_code == 201, loaded.text
+    assert loaded.json()["task"] == "sft" and "labels" not in loaded.json()
+    assert http.post("/v1/classify", json={"model": "again", "input": "x"}).status_code == 422
+    assert http.delete("/v1/adapters/again", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+
+
+def test_chat_answers_under_the_adapters_own_system_prompt(client, sft_run, tiny_model_dir):
+    reply = ask(client, TEXTS[1], max_tokens=6)
+    assert reply.choices[0].message.content == reference_replies(tiny_model_dir, sft_run / "adapter", TEXTS[1:], 6)[0]
+    explicit = client.chat.completions.create(model="chat", max_tokens=6, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": TEXTS[1]}])
+    assert explicit.choices[0].message.content == reply.choices[0].message.content
+    assert explicit.usage.prompt_tokens == reply.usage.prompt_tokens
+    other = client.chat.completions.create(model="chat", max_tokens=6, messages=[
+        {"role": "system", "content": "reply"}, {"role": "user", "content": TEXTS[1]}])
+    assert other.usage.prompt_tokens == reply.usage.prompt_tokens - 3  # the request's own system prompt wins
+
+    # a classify adapter's chat is as before: no system prompt added
+    plain = {"messages": [{"role": "user", "content": TEXTS[1]}], "max_tokens": 2}
+    assert (client.chat.completions.create(model="tiny", **plain).usage.prompt_tokens
+            == client.chat.completions.create(model="base", **plain).usage.prompt_tokens)
+
+
+def test_streaming_equals_the_plain_reply(client):
+    reply = ask(client, TEXTS[1], max_tokens=10)
+    text, finish = streamed(client, TEXTS[1], max_tokens=10)
+    assert text.strip() == reply.choices[0].message.content and finish == reply.choices[0].finish_reason
+
+
+def test_stop_cuts_the_reply_before_the_first_stop_text(client):
+    full = ask(client, TEXTS[1], max_tokens=12)
+    words = full.choices[0].message.content.split()
+    stop = next(w for w in words if w != words[0])  # a word after the start, so something comes before it
+    expected = " ".join(words[:words.index(stop)])
+    assert expected and full.choices[0].finish_reason == "length"
+
+    for given in ([stop], stop, ["never said", stop]):
+        cut = ask(client, TEXTS[1], max_tokens=12, stop=given)
+        assert cut.choices[0].message.content == expected, given
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.usage.completion_tokens == words.index(stop) + 1  # generation ended at the stop text
+        assert streamed(client, TEXTS[1], max_tokens=12, stop=given) == (expected + " ", "stop")
+
+    # a stop text the reply starts but never completes: the held-back tail is sent after all
+    never = f"{words[1]} zzz"
+    assert ask(client, TEXTS[1], max_tokens=12, stop=[never]).choices[0].message.content == " ".join(words)
+    text, finish = streamed(client, TEXTS[1], max_tokens=12, stop=[never])
+    assert text.strip() == " ".join(words) and finish == "length"
+
+
+def test_n_and_stop_limits_are_refused_clearly(http, client):
+    for body, said in (({"n": 2}, "n=2"), ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+                       ({"stop": ["a", ""]}, "empty stop"), ({"stop": 5}, "stop")):
+        answer = http.post("/v1/chat/completions", json={"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+                                                         **body})
+        assert answer.status_code == 422 and said in answer.json()["error"]["message"], (body, answer.text)
+    with pytest.raises(openai.UnprocessableEntityError):
+        ask(client, "hi", n=3)
+
+
+def test_exported_chat_client_runs_against_this_server(client, sft_run, tmp_path):
+    from emotune.export import export
+
+    out = export(sft_run, out=tmp_path / "export", vllm=True)
+    spec = importlib.util.spec_from_file_location("chat_client_example", out / "vllm" / "client.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    expected = ask(client, TEXTS[0], max_tokens=6).choices[0].message.content
+    assert module.chat(client, TEXTS[0], max_tokens=6) == expected
+    assert module.chat(client, TEXTS[0], max_tokens=6, stream=True).strip() == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# the stop filter of streamed text
+
+
+@pytest.mark.parametrize(("pieces", "stops", "shown"), [
+    (["hello E", "N", "D more"], ["END"], "hello "),  # a stop text split over three pieces
+    (["hello E", "x"], ["END"], "hello Ex"),  # a started one that does not finish is sent after all
+    (["ab", "c"], ["bcd", "c"], "ab"),  # the earliest of several stop texts
+    (["tail E"], ["END"], "tail E"),  # held back at the end: flushed
+    (["no stops"], [], "no stops"),
+])
+def test_stop_filter(pieces, stops, shown):
+    visible = StopFilter(stops)
+    assert "".join(visible.feed(p) for p in pieces) + visible.flush() == shown
