@@ -29,24 +29,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from emotune import checkpoints as ckpt
 from emotune.artifacts import write_adapter
-from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss, epoch_batches, forward_passes
+from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss, forward_passes
 from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
 from emotune.lora import attach_lora
 from emotune.parallel import fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
+from emotune.train_plan import Plan, announce, best_word, global_batch, make_plan, pass_token_cap
 from emotune.rundir import RunDir, remove_partial_writes
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
-
-@dataclass
-class Plan:
-    """Derived numbers, printed before training."""
-    steps: int
-    micro_per_step: int
-    global_batch_rows: int
-    batches_per_epoch: int
-    world_size: int
-
 
 @dataclass
 class Progress:
@@ -104,9 +95,9 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: i
     """Processes, LoRA adapters, precision, optimizer and schedule: everything before the first step."""
     t = cfg.train
     accelerator, fsdp = make_accelerator(t, model, run.train)
-    plan = _plan(t, rows, accelerator.num_processes)
-    cap = _pass_token_cap(t, accelerator.device)
-    _announce(plan, t, rows, val_rows, cap, objective)
+    plan = make_plan(t, rows, accelerator.num_processes)
+    cap = pass_token_cap(t, accelerator.device)
+    announce(plan, t, rows, val_rows, cap, objective)
 
     model.config.use_cache = False
     if fsdp:
@@ -134,7 +125,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, train_rows: list[
     window = Window()
     s.wrapped.train()
     while progress.step < plan.steps:
-        globals_ = [_global_batch(plan, t, train_rows, cfg.seed, k)
+        globals_ = [global_batch(plan, t, train_rows, cfg.seed, k)
                     for k in range(progress.step * plan.micro_per_step, (progress.step + 1) * plan.micro_per_step)]
         mine = [s.objective.collate([train_rows[i] for i in rows], pad_id, s.accelerator.device) for b in globals_
                 for rows in forward_passes(b, lengths, plan.world_size, s.cap)[s.accelerator.process_index]]
@@ -188,7 +179,7 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     if best is not None:
         ckpt.load_trainable_state(adapted, best)
         if main:
-            print(f"Adapter: step {progress.best_step}, the {_best_word(s.objective)} {s.objective.select} "
+            print(f"Adapter: step {progress.best_step}, the {best_word(s.objective)} {s.objective.select} "
                   f"({progress.best_loss:.4f}).", flush=True)
     adapted.config.use_cache = True  # training turned the KV cache off; generation wants it back
     if t.gradient_checkpointing:
@@ -203,34 +194,7 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
 
 
 # --------------------------------------------------------------------------------------------------
-# Plan, precision, resume
-
-
-def _plan(t: TrainConfig, rows: int, world_size: int) -> Plan:
-    global_batch_rows = t.batch_size * world_size
-    if rows < world_size:
-        raise UserError(f"The training split has {rows} rows, fewer than the {world_size} processes. Add rows or "
-                        "launch fewer processes.")
-    batches_per_epoch = rows // global_batch_rows + (rows % global_batch_rows >= world_size)
-    steps_per_epoch = max(1, batches_per_epoch // t.gradient_accumulation_steps)
-    steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * steps_per_epoch)
-    return Plan(steps, t.gradient_accumulation_steps, global_batch_rows, batches_per_epoch, world_size)
-
-
-def _best_word(objective: Objective) -> str:
-    return "highest" if objective.higher_is_better else "lowest"
-
-
-def _announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, cap: int, objective: Objective) -> None:
-    effective = plan.global_batch_rows * plan.micro_per_step
-    print(f"Training rows {rows}; batch {t.batch_size} x accumulation {t.gradient_accumulation_steps} x processes "
-          f"{plan.world_size} => effective batch {effective}; optimizer steps {plan.steps} "
-          f"(≈ {plan.steps * effective / rows:.2f} epochs); batches grouped by length: {t.group_by_length}; "
-          + (f"forward passes of at most {cap} padded tokens" if cap else "one forward pass per batch"), flush=True)
-    if val_rows:
-        print(f"Validation on {val_rows} rows every {t.eval_steps} steps; the adapter kept is the one with the "
-              f"{_best_word(objective)} {objective.select}" + (f"; early stopping after {t.early_stopping_patience} validations without "
-                                    "improvement" if t.early_stopping_patience else ""), flush=True)
+# Precision, optimizer, resume
 
 
 def _mixed_precision(precision: Precision, model: torch.nn.Module):
@@ -275,21 +239,6 @@ def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Acce
 
 # --------------------------------------------------------------------------------------------------
 # One step, validation, guards
-
-
-def _pass_token_cap(t: TrainConfig, device: torch.device) -> int:
-    if t.max_tokens_per_pass != "auto":
-        return t.max_tokens_per_pass
-    # On CPU, glibc's heap keeps what large passes free, fragmented by the next pass's smaller
-    # allocations: its footprint follows the size of a pass (bench/train_memory.py). GPU allocators cache.
-    return 512 if device.type == "cpu" else 0
-
-
-def _global_batch(plan: Plan, t: TrainConfig, rows: list[Example], seed: int, micro_index: int) -> list[int]:
-    epoch, position = divmod(micro_index, plan.batches_per_epoch)
-    # Recomputed per call for clarity; an epoch's plan costs microseconds next to a training step.
-    return epoch_batches([len(r.input_ids) for r in rows], plan.global_batch_rows, plan.world_size, seed, epoch,
-                         t.group_by_length)[position]
 
 
 def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: int, accelerator: Accelerator,
