@@ -617,7 +617,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     `task: sft` config first (emotune.llamafactory); the overrides then apply on top of the translation."""
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = _read_yaml(Path(path))
+        raw = read_yaml(Path(path))
         from emotune import llamafactory  # imported here: it builds on this module's classes
 
         if llamafactory.is_llamafactory(raw):
@@ -711,7 +711,8 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The YAML mapping in `path` (duplicate keys refused, naming both lines), or a UserError saying what is wrong."""
     if not path.is_file():
         raise UserError(f"Config file `{path}` does not exist. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
     try:

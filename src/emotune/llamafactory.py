@@ -407,9 +407,9 @@ def describe(t: Translation, path: Path) -> str:
 
 def announce(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> None:
     """Print the translation when `path` is a LLaMA-Factory file; nothing otherwise."""
-    from emotune.config import _read_yaml
+    from emotune.config import read_yaml
 
-    file = _read_yaml(Path(path))
+    file = read_yaml(Path(path))
     if is_llamafactory(file):
         print(describe(translate(file, overrides), Path(path)) + "\n", flush=True)
 
@@ -417,9 +417,9 @@ def announce(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> N
 def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """`emotune config --from-llamafactory FILE`: the emotune YAML the file means (overrides applied), with the
     translation as comments. The file need not look like one; every problem is reported at once, as by `run`."""
-    from emotune.config import _read_yaml
+    from emotune.config import read_yaml
 
-    t = translate(_read_yaml(Path(path)), overrides)
+    t = translate(read_yaml(Path(path)), overrides)
     raw = _with_overrides(t)
     build_config(json.loads(json.dumps(t.raw)), t.overrides, path, t.problems,
                  check=lambda r: template_check(t.template, r)[0])
