@@ -131,11 +131,25 @@ def format_summary(data: LabeledData) -> str:
                 t = tokens[split]
                 lines.append(f"    {split:<10} p50 {t['p50']:g}  p90 {t['p90']:g}  p95 {t['p95']:g}  p99 {t['p99']:g}  "
                              f"max {t['max']}  ({t['rows_measured']} rows)")
+    lines.extend(format_imbalance(report.get("imbalance") or {}))
     if data.class_weights:
         lines.append("  class weights for the loss: " + ", ".join(f"{k} {v:.3f}" for k, v in data.class_weights.items()))
     if "balance" in report and report["balance"].get("method") == "oversample":
         lines.append(f"  oversampling added {report['balance']['rows_added']} training rows")
     return "\n".join(lines)
+
+
+def format_imbalance(imbalance: dict) -> list[str]:
+    """A warning with the counts and the key to set when the training classes are far from balanced."""
+    if not imbalance.get("flagged"):
+        return []
+    big, small = imbalance["largest"], imbalance["smallest"]
+    line = (f"  imbalanced: the largest training class ({big['label']}, {big['rows']} rows) has {imbalance['ratio']:g}x "
+            f"the rows of the smallest ({small['label']}, {small['rows']} rows)")
+    if imbalance.get("balance", "none") == "none":
+        return [line + "; small classes may never be predicted. Set data.balance=class_weight to weight the loss "
+                "by inverse class frequency (or data.balance=oversample to repeat their rows)."]
+    return [line + f"; data.balance={imbalance['balance']} compensates."]
 
 
 def format_cleaning(report: dict) -> str:

@@ -37,7 +37,18 @@ def compare(before: dict, after: dict, labels: list[str]) -> dict:
         "method": {"before": before.get("method"), "after": after.get("method")},
         "rows": after.get("rows"),
         "metrics": metrics,
+        "never_predicted": {"before": never_predicted(before, labels), "after": never_predicted(after, labels)},
     }
+
+
+def never_predicted(metrics: dict, labels: list[str]) -> list[str]:
+    """Labels that occur in the split but that the model never answered (from the confusion matrix's columns)."""
+    confusion = metrics.get("confusion_matrix")
+    if not confusion:
+        return []
+    predicted = dict(zip(confusion["labels"], np.asarray(confusion["matrix"]).sum(axis=0).tolist()))
+    return [label for label in labels
+            if predicted.get(label, 0) == 0 and metrics["per_class"][label].get("support", 0) > 0]
 
 
 def compare_methods(before: dict[str, dict], after: dict[str, dict], labels: list[str]) -> dict:
@@ -131,7 +142,8 @@ def write_comparison(comparison: dict, run: RunDir) -> None:
 def format_table(comparison: dict, labels: list[str], chance: dict | None = None) -> str:
     """The terminal table: headline metrics, then per-class F1; with `chance`, the split's chance levels beside
     accuracy and macro-F1, and whether the model beats them before and after."""
-    rows = [(TITLES[key], key) for key in HEADLINE] + [(f"F1 {label}", f"{label}/f1") for label in labels]
+    rows = ([(TITLES[key], key) for key in HEADLINE] + [(f"F1 {label}", f"{label}/f1") for label in labels]
+            + [(f"recall {label}", f"{label}/recall") for label in labels])
     width = max(len(title) for title, _ in rows) + 2
     guesses = CHANCE_GUESSES if chance else ()
     lines = [f"{'metric':<{width}}{'before':>10}{'after':>10}{'delta':>10}" + "".join(f"{g:>12}" for g in guesses),
@@ -150,6 +162,11 @@ def format_table(comparison: dict, labels: list[str], chance: dict | None = None
             f"{TITLES[m]} {'yes' if beats_chance(comparison['metrics'][m][stage], m, chance) else 'no'}"
             for m in CHANCE_METRICS if m in comparison["metrics"]) for stage in ("before", "after")]
         lines.append("above every chance level? " + " · ".join(verdicts))
+    missing = comparison.get("never_predicted", {}).get("after")
+    if missing:
+        lines.append(f"Warning: after training the model never predicted {', '.join(missing)}, though the split has "
+                     "rows of it; if the training data is imbalanced, data.balance=class_weight weights the loss toward "
+                     "small classes.")
     return "\n".join(lines)
 
 
