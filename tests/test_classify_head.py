@@ -203,6 +203,9 @@ def test_emotune_run_with_the_head_task(tiny_overrides, tmp_path, capsys):
         assert key in before and key in after
     assert "p_joy" in (run / "finetuned" / "predictions.csv").read_text().splitlines()[0]
     assert "before = zero-shot label scoring" in out and "zero-shot" in (run / "report.html").read_text()
+    comparison = json.loads((run / "comparison.json").read_text())
+    assert comparison["methods"]["head"]["paired"]["verdict"] in ("better", "worse", "within noise", "mixed")
+    assert "Verdict: " in out and "<table class=intervals" in (run / "report.html").read_text()
     history = [e for e in json.loads((run / "train" / "log_history.json").read_text()) if "eval_macro_f1" in e]
     best = max(history, key=lambda e: e["eval_macro_f1"])  # the first of equals, as _track_best keeps it
     assert f"Adapter: step {best['step']}, the highest eval_macro_f1" in out

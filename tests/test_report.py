@@ -51,6 +51,8 @@ def test_both_methods_are_measured_and_compared(both_run, capsys):
     assert comparison["method"] == {"before": "generate", "after": "generate"}  # the reference is the headline
     assert "log_loss" in comparison["methods"]["score"]["metrics"]
     assert {r["method"] for r in _rows(run_dir / "comparison.csv")} == {"generate", "score"}
+    for one in comparison["methods"].values():  # 95% intervals and the paired test per method (test_stats.py)
+        assert set(one["intervals"]) == {"accuracy", "macro_f1"} and set(one["paired"]) == {"mcnemar", "verdict"}
 
 
 def test_report_is_self_contained(both_run):
@@ -132,6 +134,8 @@ def test_comparison_terminal_and_report_show_the_chance_levels(both_run):
     page = (run_dir / "report.html").read_text(encoding="utf-8")
     assert "<th>majority class (sadness)</th>" in page and page.count("<th>stratified guess</th>") == 2
     assert "always sadness" in page and ("pretrained (not instruction-tuned)" in page) == (invalid >= 6)
+    assert text.count("Verdict: ") == 2 and page.count("<table class=intervals") == 2
+    assert page.count(f"Verdict: {comparison['paired']['verdict']}") >= 1
 
 
 def test_the_cpu_recipe_measures_both_methods():

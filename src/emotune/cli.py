@@ -44,6 +44,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from emotune.compare import compare_runs
+
+    compare_runs(args.run_dirs, out=args.out, allow_mismatch=args.allow_mismatch)
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from emotune.pipeline import train_only
 
@@ -145,6 +152,8 @@ COMMANDS = {
     "data": (_cmd_data, "validate, clean and split the data with the tokenizer only; write runs/<name>/data/"),
     "eval": (_cmd_eval, "evaluate the base model, an adapter folder or a run folder alone: eval CONFIG [adapter=DIR] [split=test]"),
     "report": (_cmd_report, "write RUN_DIR/report.html (self-contained) and the figures as PNGs"),
+    "compare": (_cmd_compare, "finished runs side by side: scores with 95% intervals, paired test against the first, "
+                              "setup and cost; terminal, CSV, Markdown, HTML"),
     "train": (_cmd_train, "LoRA fine-tune only, resumable; also under torchrun / accelerate launch"),
     "doctor": (_cmd_doctor, "report backend (ROCm/CUDA/MPS/CPU), devices, precision support, versions, hints"),
     "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts"),
@@ -213,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--engine", choices=["native", "vllm"], help="same as serve.engine=...")
         if name == "report":
             p.add_argument("run_dir", help="a run folder, e.g. runs/cpu")
+        if name == "compare":
+            p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run folders; the first is the "
+                                                                            "reference of the paired test")
+            p.add_argument("--out", help="folder for compare.csv/.md/.html/.json (default: ./compare, replaced whole)")
+            p.add_argument("--allow-mismatch", action="store_true",
+                           help="show runs measured on other labels or test rows, marked not comparable, instead of "
+                                "refusing them")
         if name == "doctor":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser

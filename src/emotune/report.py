@@ -37,8 +37,12 @@ def write_report(run_dir: str | Path) -> Path:
                         f"are missing). Give the folder `emotune run` printed, e.g. runs/cpu.")
     run.figures.mkdir(exist_ok=True)
     sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run)]
-    page = _PAGE.format(title=html.escape(f"emotune report: {run.root.name}"), body="\n".join(sections))
-    return write_text(run.report_html, page)
+    return write_text(run.report_html, html_page(f"emotune report: {run.root.name}", sections))
+
+
+def html_page(title: str, sections: list[str]) -> str:
+    """A self-contained page in the report's style (also `emotune compare`'s)."""
+    return _PAGE.format(title=html.escape(title), body="\n".join(sections))
 
 
 def _summary_section(run: dict, folder: RunDir) -> str:
@@ -116,7 +120,7 @@ table {{ border-collapse: collapse; margin: .8rem 0; }}
 td, th {{ border: 1px solid #ddd; padding: .3rem .6rem; text-align: left; vertical-align: top; }}
 th {{ background: #f5f5f5; }} caption {{ text-align: left; padding: .3rem 0; }}
 td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
-td.good {{ color: #0a7a2f; font-weight: 600; }} td.bad {{ color: #b3261e; font-weight: 600; }}
+.good {{ color: #0a7a2f; font-weight: 600; }} .bad {{ color: #b3261e; font-weight: 600; }}
 table.rows td:first-child {{ max-width: 640px; }}
 figure {{ margin: 1rem 0; }} img {{ max-width: 100%; }}
 pre {{ background: #f7f7f7; padding: 1rem; overflow-x: auto; }}

@@ -18,7 +18,7 @@ from emotune.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_le
 from emotune.config import ClassifyConfig, PromptConfig
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
-from emotune.evaluate import eval_methods, evaluate_methods, method_folder, read_metrics, write_results
+from emotune.evaluate import EvalResult, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
 from emotune.rundir import RunDir
 from emotune.tasks.classify_report import (baseline_notes, compare_methods, format_table, report_sections,
                                            write_comparison)
@@ -102,9 +102,9 @@ def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyConfig, desc: str
     return evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=desc)
 
 
-def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, dict] | None:
-    """{method: metrics} when every method's results are complete in `folder`, else None."""
-    return read_metrics(folder, eval_methods(cfg.eval))
+def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, EvalResult] | None:
+    """{method: EvalResult} (metrics and predictions) when every method's results are complete in `folder`, else None."""
+    return read_evaluation(folder, eval_methods(cfg.eval))
 
 
 def has_results(folder: Path) -> bool:
@@ -121,7 +121,7 @@ def find_adapter(path: str, cfg: ClassifyConfig, data: LabeledData) -> Artifact:
     return artifact
 
 
-def compare(before: dict[str, dict], after: dict[str, dict], data: LabeledData) -> dict:
+def compare(before: dict[str, EvalResult], after: dict[str, EvalResult], data: LabeledData) -> dict:
     return compare_methods(before, after, data.labels)
 
 

@@ -23,7 +23,8 @@ from emotune.config import ClassifyHeadConfig, EvalConfig
 from emotune.data import LabeledData, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.errors import UserError
-from emotune.evaluate import EvalResult, compute_metrics, evaluate as evaluate_method, probability_metrics, write_results
+from emotune.evaluate import (EvalResult, compute_metrics, evaluate as evaluate_method, probability_metrics, read_predictions,
+                              write_results)
 from emotune.head import classifier_from_causal, collate_rows, head_objective, is_classifier
 from emotune.rundir import RunDir, read_json
 from emotune.scoring import run_in_batches
@@ -156,9 +157,11 @@ def evaluate_head(model, tokenizer, texts: list[str], gold: list[str], labels: l
     return EvalResult(rows=rows, metrics=metrics)
 
 
-def read_results(folder: Path, cfg: ClassifyHeadConfig | None = None) -> dict[str, dict] | None:
+def read_results(folder: Path, cfg: ClassifyHeadConfig | None = None) -> dict[str, EvalResult] | None:
     metrics = read_json(folder / "metrics.json") if (folder / "predictions.csv").is_file() else None
-    return {METHOD: metrics} if isinstance(metrics, dict) and metrics.get("method") == METHOD else None
+    if not isinstance(metrics, dict) or metrics.get("method") != METHOD:
+        return None
+    return {METHOD: EvalResult(rows=read_predictions(folder), metrics=metrics)}
 
 
 def has_results(folder: Path) -> bool:
