@@ -141,7 +141,7 @@ def test_export_refuses_vllm_for_a_head_model(head_runs, tmp_path, capsys):
 # predict
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("arch", ["gemma3", pytest.param("gemma4", marks=pytest.mark.slow)])
 def test_predict_gives_the_head_label_and_probabilities(head_runs, arch, tmp_path, capsys):
     run = head_runs[arch]
     assert main(["predict", str(run), *TEXTS, "--batch-size", "3"]) == 0  # batched: padded rows, same answers
@@ -163,6 +163,7 @@ def test_predict_gives_the_head_label_and_probabilities(head_runs, arch, tmp_pat
         assert [float(row[f"p_{label}"]) for label in LABELS] == pytest.approx(list(line["probs"].values()), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_predict_with_a_merged_head_folder_equals_the_adapter(head_runs, exports, capsys):
     run, out = head_runs["gemma4"], exports("gemma4")
     capsys.readouterr()
@@ -287,6 +288,7 @@ def test_a_head_adapter_hot_loads_and_unloads(http, head_runs):
 # serve: a merged head model alone
 
 
+@pytest.mark.slow
 def test_a_merged_head_folder_is_served_alone(head_runs, exports, tiny_run_dir):
     run, out = head_runs["gemma4"], exports("gemma4")
     cfg = load_config(None, ["device=cpu"])
@@ -307,6 +309,7 @@ def test_a_merged_head_folder_is_served_alone(head_runs, exports, tiny_run_dir):
         assert http.post("/v1/classify", json={"model": "base", "input": "x", "labels": LABELS}).status_code == 404
 
 
+@pytest.mark.slow
 def test_the_engine_puts_a_head_adapter_on_a_multimodal_base(tmp_path):
     """Gemma 4 as its checkpoints come (multimodal): the classifier holds the language model at `model`, the causal
     model at `model.language_model`, so the head adapter's LoRA is renamed to join the causal model's adapters."""
