@@ -18,6 +18,7 @@ from emotune.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_le
 from emotune.config import ClassifyConfig, PromptConfig
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
+from emotune.errors import UserError
 from emotune.evaluate import EvalResult, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
 from emotune.rundir import RunDir
 from emotune.tasks.classify_report import (baseline_notes, compare_methods, format_table, report_sections,
@@ -117,6 +118,9 @@ def find_adapter(path: str, cfg: ClassifyConfig, data: LabeledData) -> Artifact:
     an emotune one must have been trained with them."""
     artifact = find_artifact(path, fallback=Fallback(labels=data.labels, prompt=cfg.prompt, base_model=None,
                                                      source="the config"))
+    if artifact.task != "classify":
+        raise UserError(f"`{artifact.path}` is a {artifact.task} adapter; `task: classify` measures generative "
+                        "classification adapters. Use that adapter's own config (its run folder's config.yaml).")
     check_matches(artifact, data.labels, system_prompt(cfg.prompt, data.labels))
     return artifact
 
