@@ -283,6 +283,9 @@ def test_trial_table_sorts_by_the_metric_and_shows_intervals_or_a_dash(tmp_path)
     assert rows[1]["macro_f1_low"] == "0.42" and rows[0]["macro_f1_low"] == "" and rows[0]["seconds"] == "12.34"
     assert "| trial-001-r16 | 16 | 0.550 | — |" in (tmp_path / "table.md").read_text(encoding="utf-8")
     assert format_text(table).splitlines()[3].startswith("trial-001-r16  16")
+    drawn = Trial(0, "trial-000-lr0.000123", (("train.learning_rate", "0.000123456789"),))
+    table = trial_table([drawn], {drawn.name: _result(0.5)}, ["train.learning_rate"], "macro_f1", "maximize", "classify")
+    assert table.rows[0][1] == "0.0001235" and table.records[0]["train.learning_rate"] == "0.000123456789"
 
 
 def test_ablation_table_is_mean_and_sd_over_seeds_with_the_difference_from_the_base():

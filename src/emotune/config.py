@@ -404,8 +404,8 @@ class SweepConfig(Section):
     through CUDA_VISIBLE_DEVICES), one after another on a CPU; `ray` = as Ray Tune trials on a Ray cluster (needs
     the `ray` extra: pip install 'emotune[ray]'; the sweep folder must be on storage every node sees)."""
     ray_address: str | None = None
-    """Address of the Ray cluster for `backend: ray`, e.g. `ray://head:10001` or `auto`; null = start a Ray instance
-    on this machine."""
+    """Address of the Ray cluster for `backend: ray`: `auto` on a node of a running cluster, or the head's
+    `HOST:6379`; null = start a Ray instance on this machine."""
     ray_cpus_per_trial: Annotated[int, Range(1)] = 1
     """CPU cores Ray reserves for each trial (plus one GPU each where the cluster has GPUs)."""
 

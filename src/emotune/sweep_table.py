@@ -125,7 +125,7 @@ def trial_table(trials: list[Trial], results: dict[str, Result], keys: list[str]
     rows, records = [], []
     for trial in order:
         result, params = results[trial.name], dict(trial.params)
-        rows.append([trial.name, *(params.get(k, DASH) for k in keys),
+        rows.append([trial.name, *(_short(params.get(k, DASH)) for k in keys),
                      *(c for m in shown for c in (_fmt(result.after.get(m)), _ci(result.intervals.get(m)))),
                      _fmt_number(result.seconds, 1), _fmt_number(result.peak_memory_mb, 0), result.status])
         record = {"trial": trial.name, **{k: params.get(k, "") for k in keys}, "seed": trial.seed, "status": result.status,
@@ -186,6 +186,16 @@ def _summarise(members: list[Trial], results: dict[str, Result], shown: list[str
 def _mean_sd(summary: dict, metric: str) -> str:
     mean, sd = summary["mean"].get(metric), summary["sd"].get(metric)
     return _fmt(mean) if sd is None else f"{mean:.3f} ± {sd:.3f}"
+
+
+def _short(text: str) -> str:
+    """A drawn number as the table shows it (0.000123456789 → 0.0001235); the CSV keeps every digit."""
+    if len(text) <= 8:
+        return text
+    try:
+        return f"{float(text):.4g}"
+    except ValueError:
+        return text
 
 
 def _fmt_number(value: float | None, digits: int) -> str:
