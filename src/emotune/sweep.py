@@ -110,7 +110,7 @@ def make_plan(cfg: RunConfig, config: str | None, overrides: list[str]) -> Plan:
     base = _trial_config(config, overrides, [], problems)
     base_values = base.model_dump(mode="json") if base else {}
     is_base = {}
-    for param in params:
+    for param in params if base is not None else []:  # a broken base config would repeat its problem per value
         texts = param.values if not param.is_range else _bounds(param)
         for text in texts:
             trial_cfg = _trial_config(config, overrides, [f"{param.key}={text}"], problems, f"{param.key}={text}")
