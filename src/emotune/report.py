@@ -1,4 +1,5 @@
-"""The HTML report of a run folder: the run summary, the task's own sections, the loss curves.
+"""The HTML report of a run folder: the run summary, the task's own sections, the loss curves, and what training did
+(gradient norms, adapter weights: emotune.report_training).
 
 `write_report(run_dir)` reads only the run folder (run.json, config.yaml, the evaluations,
 train/log_history.json), so `emotune report RUN_DIR` can rebuild it at any time. The page is one
@@ -17,6 +18,7 @@ import re
 from pathlib import Path
 
 from emotune.errors import UserError
+from emotune.fonts import figure_fonts
 from emotune.rundir import RunDir, atomic_file, read_json, write_text
 
 # --------------------------------------------------------------------------------------------------
@@ -24,6 +26,7 @@ from emotune.rundir import RunDir, atomic_file, read_json, write_text
 
 def write_report(run_dir: str | Path) -> Path:
     """report.html (self-contained) and report/*.png from whatever the run folder holds; returns the page's path."""
+    from emotune.report_training import training_section  # it embeds its figures with this module's embed_figure
     from emotune.tasks import TASKS
 
     run = RunDir(run_dir)
@@ -36,7 +39,9 @@ def write_report(run_dir: str | Path) -> Path:
         raise UserError(f"`{run.root}` is not a run folder with a measured baseline (run.json or the baseline's results "
                         f"are missing). Give the folder `emotune run` printed, e.g. runs/cpu.")
     run.figures.mkdir(exist_ok=True)
-    sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run)]
+    with figure_fonts():  # labels and texts in any script: Chinese glyphs fall back to a CJK font
+        sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run),
+                    training_section(run)]
     return write_text(run.report_html, html_page(f"emotune report: {run.root.name}", sections))
 
 
