@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from fontTools.ttLib import TTFont  # noqa: E402
-from matplotlib.font_manager import FontProperties, findfont  # noqa: E402
+from matplotlib.font_manager import FontProperties, findfont, font_family_aliases  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
 from emotune import fonts  # noqa: E402
@@ -25,13 +25,14 @@ LABELS = ["喜悦", "愤怒", "悲伤", "恐惧", "惊讶", "厌恶", "中性"]
 
 def glyph_sources(text: Text) -> dict[str, str | None]:
     """For each character of a drawn Text: the file of the first family in its family list whose cmap has it (None:
-    no family has it, so it draws as a box)."""
+    no family has it, so it draws as a box). Generic names (`sans-serif`) stand for their rcParams list."""
     files = []
     for family in text.get_fontfamily():
-        try:
-            files.append(findfont(FontProperties(family=family), fallback_to_default=False))
-        except ValueError:
-            continue
+        for name in (matplotlib.rcParams[f"font.{family}"] if family in font_family_aliases else [family]):
+            try:
+                files.append(findfont(FontProperties(family=name), fallback_to_default=False))
+            except ValueError:
+                continue
     return {ch: next((p for p in files if ord(ch) in cmap(p)), None) for ch in text.get_text() if not ch.isspace()}
 
 
