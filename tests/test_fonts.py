@@ -86,3 +86,12 @@ def test_the_cjk_font_comes_from_an_installed_package_under_the_open_font_licens
     licence = metadata.metadata("pylopdf-fonts-zh-cn")
     assert "SIL Open Font License" in (licence.get("License") or "") + " ".join(licence.get_all("Classifier") or [])
     assert set(map(ord, "".join(LABELS))) <= fonts.covered(path)
+
+
+def test_the_report_says_when_no_font_has_a_label_s_characters(capsys):
+    from emotune.report import _note_missing_glyphs
+
+    _note_missing_glyphs(["喜悦", "joy", "中性"])
+    assert capsys.readouterr().out == ""
+    _note_missing_glyphs(["喜悦", "\U00012000"])  # a cuneiform sign: in neither DejaVu Sans nor Noto Sans SC
+    assert "\U00012000" in capsys.readouterr().out
