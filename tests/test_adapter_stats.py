@@ -1,5 +1,5 @@
 """Training observability on small cases: the gradient norm the log records (before clipping; the window's mean and
-largest step), and emotune.adapter_stats against PEFT's own merge (rsLoRA scaling) and a head trained in full."""
+largest step), and emotune.adapter_stats against PEFT's own weight change (rsLoRA scaling) and a head trained in full."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from emotune.adapter_stats import adapter_stats, group_of, layer_of
 from emotune.train import _clip_gradients
 from emotune.train_log import Window
 
-from conftest import write_tiny_adapter
 
 
 def test_the_logged_gradient_norm_is_the_norm_before_clipping():
@@ -41,19 +40,21 @@ def test_module_groups_and_layers_from_module_names():
     assert group_of("model.altup_projections.0") == "altup_projections" and layer_of("score") is None
 
 
-def test_rslora_norms_equal_the_weight_change_peft_merges(tiny_model_dir, tmp_path):
-    from peft import PeftModel
+def test_rslora_norms_equal_the_weight_change_peft_computes(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    run = write_tiny_adapter(tiny_model_dir, tmp_path / "run", r=4, use_rslora=True)
-    stats = adapter_stats(run / "adapter")
-    assert stats["use_rslora"] and all(m["scaling"] == pytest.approx(8 / 2) for m in stats["modules"])  # 2r / sqrt(r)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
-                                       run / "adapter").merge_and_unload()
-    for m in stats["modules"]:
-        delta = merged.get_submodule(m["module"]).weight - base.get_submodule(m["module"]).weight
-        assert float(torch.linalg.norm(delta)) == pytest.approx(m["delta_norm"], rel=1e-4), m["module"]
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, use_rslora=True, init_lora_weights=False,
+                                      target_modules="all-linear"))  # B != 0: a real weight change
+    model.save_pretrained(tmp_path)
+    stats = adapter_stats(tmp_path)
+    assert stats["use_rslora"] and all(m["scaling"] == pytest.approx(8 / 2) for m in stats["modules"])  # 8 / sqrt(4)
+    assert len(stats["modules"]) == 14
+    for m in stats["modules"]:  # ΔW as PEFT adds it to the weight when merging
+        delta = model.base_model.model.get_submodule(m["module"]).get_delta_weight("default")
+        assert float(torch.linalg.norm(delta)) == pytest.approx(m["delta_norm"], rel=1e-5), m["module"]
 
 
 def test_a_head_trained_in_full_is_reported_by_its_weights(tmp_path):
