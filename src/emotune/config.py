@@ -128,6 +128,7 @@ class ModelConfig(Section):
 
 
 TextAction = Literal["keep", "replace", "drop"]
+MarkupAction = Literal["keep", "unwrap", "drop"]
 
 
 class CleaningConfig(Section):
@@ -145,9 +146,26 @@ class CleaningConfig(Section):
     urls: TextAction = "keep"
     """URLs (`http://`, `https://`, `www.`): keep, replace with `<url>`, or drop from the text."""
     mentions: TextAction = "keep"
-    """@mentions: keep, replace with `@user`, or drop from the text (e-mail addresses are untouched)."""
+    """@mentions (names in any script, up to the next space or punctuation mark): keep, replace with `@user`, or
+    drop from the text (e-mail addresses are untouched)."""
     emoji: TextAction = "keep"
     """Emoji (each run of them): keep, replace with `<emoji>`, or drop from the text."""
+    unicode_nfkc: bool = False
+    """Fold compatibility forms with Unicode NFKC, first of the text steps: full-width letters, digits and
+    punctuation become ASCII (`ＡＰＰ２０２６！` -> `APP2026!`, also `，` -> `,`), so later steps and the
+    tokenizer see one form. Off by default (it also rewrites ligatures, superscripts and the like)."""
+    weibo_reposts: MarkupAction = "keep"
+    """Weibo repost chains `我的话 //@name: 上一条 //@name: ...`: keep; `drop` the chain, keeping only the poster's own
+    text before the first `//@name:` (a row that is only a chain becomes empty, and `min_chars` drops it); or
+    `unwrap`: remove the `//@name:` markers and keep every text of the chain. Runs before `mentions`."""
+    weibo_topics: MarkupAction = "keep"
+    """Weibo topic tags `#话题#`: keep, `unwrap` (keep the topic's words, drop the two `#`), or `drop` the whole
+    tag. A `#` right after an ASCII letter or digit (`C#`, `5#楼`) or without a closing `#` on the line is
+    never a tag."""
+    weibo_emoticons: MarkupAction = "keep"
+    """Weibo emoticon codes such as `[哈哈]`, `[泪]`, `[doge]`: keep, `unwrap` (keep the word, `哈哈`), or `drop`.
+    A code is 1-8 Chinese characters (or 2-8 letters) in brackets, possibly with digits after the first
+    character; `[1]`, `[a]` and `[see note]` are not codes."""
     min_chars: Annotated[int, Range(0)] = 1
     """Drop rows whose cleaned text has fewer characters than this; 1 drops empty rows, 0 keeps them."""
     long_rows: Literal["keep", "drop", "truncate"] = "keep"
@@ -165,7 +183,8 @@ class CleaningConfig(Section):
 
 class DataConfig(Section):
     source: str = "embedded"
-    """Labelled data: `embedded` (the packaged emotion dataset); a folder of split files (`train.*`,
+    """Labelled data: `embedded` (the packaged English emotion dataset, also `embedded:emotion`),
+    `embedded:emotion_zh` (the packaged Chinese 7-class dataset: 喜悦 愤怒 悲伤 恐惧 惊讶 厌恶 中性); a folder of split files (`train.*`,
     `validation.*`/`val.*`/`dev.*`, `test.*`, shards like `train-00000-of-00002.parquet` too); a folder
     saved with `datasets`' `save_to_disk`; one file that is split by `validation_size`/`test_size`; or a hub
     dataset, `hf:dair-ai/emotion` or `modelscope:AI-ModelScope/emotion` (its Parquet snapshot is downloaded

@@ -17,7 +17,7 @@ from datasets import Dataset
 from emotune.config import CleaningConfig, DataConfig
 from emotune.data import clean, splits as split_ops
 from emotune.data.labels import choose_label_names, coerce_columns, example_rows, label_key, map_labels
-from emotune.data.sources import EMBEDDED_LABELS, SPLITS, read_source
+from emotune.data.sources import SPLITS, packaged_labels, read_source
 from emotune.errors import UserError, raise_problems
 
 
@@ -72,7 +72,7 @@ def _read_and_map(cfg: DataConfig) -> tuple[dict[str, pa.Table], list[str], dict
     problems: list[str] = []
     tables = {split: coerce_columns(r, problems) for split, r in raw.items()}
     _raise(problems)
-    default = EMBEDDED_LABELS if cfg.source == "embedded" else None
+    default = packaged_labels(cfg.source)
     labels, labels_from = choose_label_names(cfg, tables, raw, default, problems)
     problems += _alias_problems(cfg, labels)
     _raise(problems)
