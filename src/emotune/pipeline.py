@@ -25,7 +25,8 @@ from emotune import device as device_mod
 from emotune.artifacts import is_adapter
 from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
-from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir
+from emotune.models import (Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir,
+                            weights_dtype)
 from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
 from emotune.tasks import task_for
 
@@ -38,6 +39,7 @@ class Context:
         self.task = task_for(cfg)
         self.run = RunDir(cfg.run_dir)
         self.device = device or device_mod.resolve_device(cfg.device)
+        device_mod.make_current(self.device)
         self.precision = device_mod.choose_precision(self.device, cfg.train.precision)
         self.data = None
         self.tokenizer = None
@@ -53,6 +55,8 @@ class Context:
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
+            check_attention(self.cfg.model, model_dir, self.device,
+                            weights_dtype(self.cfg.model, self.device, self.cfg.train.precision))
 
     def open(self) -> None:
         """Claim the run folder (resume, refuse, or move an old run aside) and start run.json."""
@@ -199,6 +203,10 @@ def train_only(cfg: RunConfig) -> Path:
 
     set_seed(cfg.seed)
     state = PartialState(cpu=cfg.device == "cpu")  # joins the process group when launched on several
+    if state.num_processes > 1 and cfg.device.startswith("cuda:"):
+        raise UserError(f"device={cfg.device} picks one GPU, but this training runs {state.num_processes} processes, "
+                        "each on the GPU of its local rank. Set device=cuda (or auto) and choose the GPUs with "
+                        "CUDA_VISIBLE_DEVICES (NVIDIA) or HIP_VISIBLE_DEVICES (ROCm), e.g. CUDA_VISIBLE_DEVICES=1,2.")
     ctx = Context(cfg, device=state.device if state.num_processes > 1 else None)
     ctx.validate()
     if is_adapter(ctx.run.adapter) and not cfg.overwrite:
