@@ -317,6 +317,14 @@ class TrainConfig(Section):
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Experiment trackers that also receive the training log (each must be installed); [] = none. One name
     alone (`train.report_to=tensorboard`) is a one-item list."""
+    oom_recovery: Literal["none", "same_update", "any"] = "same_update"
+    """What training does when a step runs out of memory. Every choice first frees the step's memory and
+    redoes the step from its start, with the same rows. `same_update` = only changes that leave every
+    optimizer update as it would have been: a lower `max_tokens_per_pass` (when a cap is in use), else
+    smaller forward passes (as `batch_size` halved with `gradient_accumulation_steps` doubled), then
+    `gradient_checkpointing` on; `any` = those, then changes to what is trained (rows cut to a shorter
+    `max_length`, adapters on the attention projections only); `none` = stop at the first out-of-memory
+    error. Each change is printed and recorded in run.json. The default changes speed, never the result."""
     fsdp: bool = False
     """Shard the model's weights, gradients and optimizer state across the processes (FSDP2, PyTorch's
     `fully_shard` through Accelerate) instead of a full copy on each (DDP). Use it when the model does not

@@ -47,6 +47,7 @@ class Context:
         self.log: RunLog | None = None
         self._base: Base | None = None
         self._adapted = None  # the model with its trained adapter, once there is one
+        self.train_fault = None  # tests: called before every training forward pass (emotune.train.train's `fault`)
 
     def validate(self, model_source: bool = True) -> None:
         """Data (and, for commands that load weights, the model source) before anything is written."""
@@ -113,7 +114,8 @@ def train_stage(ctx: Context) -> None:
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
     model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
     ctx._adapted = train(model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
-                         ctx.task.adapter_meta(ctx.cfg, ctx.data), objective)
+                         ctx.task.adapter_meta(ctx.cfg, ctx.data), objective,
+                         record=ctx.log.note if ctx.log else None, fault=ctx.train_fault)
 
 
 def finetuned_stage(ctx: Context) -> None:
@@ -194,11 +196,12 @@ def data_only(cfg: RunConfig) -> None:
     print(f"\nPrepared data: {ctx.run.data}; `emotune run` with the same config reuses it.")
 
 
-def train_only(cfg: RunConfig) -> Path:
+def train_only(cfg: RunConfig, fault=None) -> Path:
     """`emotune train`: the data and train stages, without the evaluations.
 
     Safe under `torchrun` / `accelerate launch`: every process loads data and model, only the main
-    process writes; `emotune run` on the same folder later picks up the saved adapter."""
+    process writes; `emotune run` on the same folder later picks up the saved adapter. `fault` is for tests
+    (see emotune.train.train)."""
     from accelerate import PartialState
 
     set_seed(cfg.seed)
@@ -208,6 +211,7 @@ def train_only(cfg: RunConfig) -> Path:
                         "each on the GPU of its local rank. Set device=cuda (or auto) and choose the GPUs with "
                         "CUDA_VISIBLE_DEVICES (NVIDIA) or HIP_VISIBLE_DEVICES (ROCm), e.g. CUDA_VISIBLE_DEVICES=1,2.")
     ctx = Context(cfg, device=state.device if state.num_processes > 1 else None)
+    ctx.train_fault = fault
     ctx.validate()
     if is_adapter(ctx.run.adapter) and not cfg.overwrite:
         raise UserError(f"`{ctx.run.adapter}` already holds a trained adapter. Run `emotune run` with the same config to "
