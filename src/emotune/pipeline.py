@@ -15,6 +15,7 @@ is touched (`Context.validate`), so a bad input never costs a finished run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -109,7 +110,8 @@ def train_stage(ctx: Context) -> None:
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
     model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
     ctx._adapted = train(model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
-                         ctx.task.adapter_meta(ctx.cfg, ctx.data), objective)
+                         ctx.task.adapter_meta(ctx.cfg, ctx.data), objective,
+                         record=partial(ctx.log.record, "train") if ctx.log else None)
 
 
 def finetuned_stage(ctx: Context) -> None:
