@@ -96,7 +96,7 @@ def test_a_budget_run_trains_the_steps_that_fit_and_records_its_plan(tiny_overri
     assert main(["train", *tiny_overrides, "train.max_steps=-1", "train.time_budget=35s",
                  "train.num_train_epochs=3", "train.save_steps=100"]) == 0
     out = capsys.readouterr().out
-    assert "optimizer steps as many as fit the 35s time budget, at most 27 (3 epochs)" in out
+    assert "optimizer steps as many as fit the 35s time budget, at most 27 (train.num_train_epochs=3)" in out
     assert ("Time budget 35s: 2 optimizer steps of 4 rows (8 rows, 0.22 epochs) at 10.00 s per step (measured), "
             "2 validations of 5.0 s, measuring 3.0 s: expected 33 s of 35 s.") in out
     assert calls == [27]
@@ -119,7 +119,7 @@ def test_measuring_leaves_the_update_of_an_unmeasured_run(tiny_overrides, tmp_pa
               "train.eval_steps=100", "train.save_steps=100"]
     assert main(common + ["name=steps", "train.max_steps=2"]) == 0
     assert main(common + ["name=budget", "train.max_steps=-1", "train.time_budget=1h"]) == 0
-    assert "0.2 epochs (train.num_train_epochs) end it before the budget" in capsys.readouterr().out
+    assert "train.num_train_epochs=0.2 ends it before the budget" in capsys.readouterr().out
     runs = tmp_path / "runs"
     plan = json.loads((runs / "budget" / "checkpoints" / PLAN_FILE).read_text())
     assert plan["steps"] == 2 and plan["limited_by"] == "num_train_epochs"

@@ -354,9 +354,9 @@ def duration_seconds(text: Any) -> float:
     """Seconds in a duration such as `20m`, `1h30m`, `1.5h` or `900s` (units h, m, s in that order, spaces
     allowed between the parts); ValueError saying what to write otherwise (a bare number has no unit)."""
     example = "write it with units, e.g. 20m, 1h30m or 900s"
-    if isinstance(text, bool) or not isinstance(text, str):
-        raise ValueError(f"must be a duration; {example}" + (" (a bare number could be seconds or minutes)"
-                                                             if isinstance(text, (int, float)) else ""))
+    if isinstance(text, bool) or not isinstance(text, str) or re.fullmatch(r"\s*[\d.]+\s*", text):
+        bare = isinstance(text, (int, float, str)) and not isinstance(text, bool)
+        raise ValueError(f"must be a duration; {example}" + (" (a bare number could be seconds or minutes)" if bare else ""))
     match = DURATION.fullmatch(text.replace(" ", "").lower())
     if match is None or not any(match.groups()):
         raise ValueError(f"is not a duration emotune reads; {example}")

@@ -77,7 +77,8 @@ def announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, cap: int, obj
     print(f"Training rows {rows}; batch {t.batch_size} x accumulation {t.gradient_accumulation_steps} x processes "
           f"{plan.world_size} => effective batch {effective}; optimizer steps "
           + (f"{plan.steps} (≈ {plan.steps * effective / rows:.2f} epochs)" if not t.time_budget else
-             f"as many as fit the {t.time_budget} time budget, at most {plan.steps} ({t.num_train_epochs:g} epochs)")
+             f"as many as fit the {t.time_budget} time budget, at most {plan.steps} "
+             f"(train.num_train_epochs={t.num_train_epochs:g})")
           + f"; batches grouped by length: {t.group_by_length}; "
           + (f"forward passes of at most {cap} padded tokens" if cap else "one forward pass per batch"), flush=True)
     if val_rows:
@@ -282,9 +283,10 @@ def describe_plan(plan: Plan, t: TrainConfig, rows: int) -> dict:
 
 def _plan_words(plan: Plan, t: TrainConfig, rows: int) -> str:
     d = describe_plan(plan, t, rows)
-    validation = (f", {d['validations']} validations of {d['seconds_per_validation']:.1f} s" if d["validations"]
+    count = d["validations"]
+    validation = (f", {count} validation{'s' if count > 1 else ''} of {d['seconds_per_validation']:.1f} s" if count
                   else "")
-    ends = (f"; {t.num_train_epochs:g} epochs (train.num_train_epochs) end it before the budget"
+    ends = (f"; train.num_train_epochs={t.num_train_epochs:g} ends it before the budget"
             if d["limited_by"] == "num_train_epochs" else "")
     return (f"{d['steps']} optimizer steps of {d['effective_batch']} rows ({d['rows_trained']} rows, {d['epochs']:.2f} "
             f"epochs) at {d['seconds_per_step']:.2f} s per step (measured){validation}, measuring "
