@@ -208,10 +208,23 @@ def calibration(model: torch.nn.Module, optimizer: torch.optim.Optimizer, object
         with autocast:
             parts = (objective.loss or completion_loss)(model, batch)
         parts.loss_sum.backward()
+        _finished(accelerator.device)
 
-    return Calibration(run_pass, lambda indices: validate([val_rows[i] for i in indices]),
+    def run_validation(indices: list[int]) -> None:
+        validate([val_rows[i] for i in indices])
+        _finished(accelerator.device)
+
+    return Calibration(run_pass, run_validation,
                        lambda: optimizer.zero_grad(set_to_none=True), [len(r.input_ids) for r in rows],
                        [len(r.input_ids) for r in val_rows], val_batch, cap, accelerator.process_index)
+
+
+def _finished(device: torch.device) -> None:
+    """Wait for the device's queued work: GPUs run it after the call returns, and the clock must see all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def fit_budget(plan: Plan, t: TrainConfig, rows: int, seed: int, folder: Path, measure: Calibration,
@@ -288,7 +301,7 @@ def _plan_words(plan: Plan, t: TrainConfig, rows: int) -> str:
                   else "")
     ends = (f"; train.num_train_epochs={t.num_train_epochs:g} ends it before the budget"
             if d["limited_by"] == "num_train_epochs" else "")
-    return (f"{d['steps']} optimizer steps of {d['effective_batch']} rows ({d['rows_trained']} rows, {d['epochs']:.2f} "
+    return (f"{d['steps']} optimizer step{'s' if d['steps'] > 1 else ''} of {d['effective_batch']} rows ({d['rows_trained']} rows, {d['epochs']:.2f} "
             f"epochs) at {d['seconds_per_step']:.2f} s per step (measured){validation}, measuring "
             f"{d['calibration_seconds']:.1f} s: expected {_duration(d['expected_seconds'])} of "
             f"{_duration(d['budget_seconds'])}{ends}.")
