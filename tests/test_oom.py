@@ -59,8 +59,8 @@ def test_a_step_redone_after_an_oom_gives_the_update_of_the_settings_that_fit(ti
     out = capsys.readouterr().out
     assert "Step 1 ran out of memory (CUDA out of memory" in out and "train.max_tokens_per_pass 512 -> " in out
     run = json.loads((tmp_path / "runs" / "failed" / "run.json").read_text())
-    [change] = run["oom_recovery"]["changes"]
-    assert run["oom_recovery"]["policy"] == "same_update"
+    [change] = run["stages"]["train"]["oom_recovery"]["changes"]
+    assert run["stages"]["train"]["oom_recovery"]["policy"] == "same_update"
     assert change["step"] == 1 and change["setting"] == "train.max_tokens_per_pass" and change["from"] == 512
     assert f"train.max_tokens_per_pass={change['to']}" in out  # the summary: what to start with next time
     progress = json.loads((tmp_path / "runs" / "failed" / "checkpoints" / "step-000001" / "progress.json").read_text())
@@ -79,7 +79,7 @@ def test_when_nothing_is_left_the_error_names_what_to_change(tiny_overrides, tmp
     assert "step 1 (" in message and "DefaultCPUAllocator" in message
     for advice in ("train.max_length", "lora.target_modules", "train.oom_recovery=any", "No checkpoint"):
         assert advice in message, advice
-    changes = json.loads((tmp_path / "runs" / "same" / "run.json").read_text())["oom_recovery"]["changes"]
+    changes = json.loads((tmp_path / "runs" / "same" / "run.json").read_text())["stages"]["train"]["oom_recovery"]["changes"]
     # the cap is halved until every pass is one row, then gradient checkpointing; nothing else is allowed
     assert [c["setting"] for c in changes][-1] == "train.gradient_checkpointing"
     assert {c["setting"] for c in changes[:-1]} == {"train.max_tokens_per_pass"}
@@ -160,6 +160,6 @@ def test_two_processes_take_the_same_decision_when_one_runs_out_of_memory(tiny_o
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert ddp.stdout.count("Step 2 ran out of memory on 1 of 2 processes (CUDA out of memory on rank 1") == 1
     runs = tmp_path / "runs"
-    assert json.loads((runs / "ddp" / "run.json").read_text())["oom_recovery"]["changes"][0]["step"] == 2
+    assert json.loads((runs / "ddp" / "run.json").read_text())["stages"]["train"]["oom_recovery"]["changes"][0]["step"] == 2
     one, two = _adapter(runs / "single"), _adapter(runs / "ddp")
     assert all(torch.allclose(one[k], two[k], atol=1e-4) for k in one)

@@ -282,9 +282,17 @@ class LoraSettings(Section):
 
 class TrainConfig(Section):
     max_steps: Annotated[int, Range(1, special=(-1,), also="or -1 to run train.num_train_epochs epochs")] = -1
-    """Optimizer steps to run; -1 = run `num_train_epochs` epochs."""
+    """Optimizer steps to run; -1 = run `num_train_epochs` epochs (or what fits `time_budget`)."""
     num_train_epochs: Annotated[float, Range(0, low_open=True)] = 1.0
-    """Epochs over the training split when `max_steps` is -1."""
+    """Epochs over the training split when `max_steps` is -1; with `time_budget`, the most it may train."""
+    time_budget: str | None = None
+    """Train for about this long, e.g. `20m`, `1h30m`, `900s` (hours, minutes and seconds, in that order); null =
+    off. Before the first step the speed is measured on this model and these rows (a few steps' forward and
+    backward passes, whose gradients are discarded, and a validation of a few rows), and the number of optimizer
+    steps is set to what fits: steps plus the validations they make, measuring included. `num_train_epochs`
+    stays an upper bound, whichever ends first. The plan is printed, saved in `checkpoints/plan.json` and
+    run.json, and a resumed run keeps it. Set `max_steps` to -1 with it (a step count and a budget are refused
+    together)."""
     batch_size: Annotated[int, Range(1)] = 4
     """Rows per device per forward pass (per_device_train_batch_size)."""
     gradient_accumulation_steps: Annotated[int, Range(1)] = 4
@@ -358,6 +366,40 @@ class TrainConfig(Section):
     @classmethod
     def _one_tracker_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("time_budget", mode="before")
+    @classmethod
+    def _a_duration(cls, value: Any) -> Any:
+        if value is not None:
+            duration_seconds(value)  # raises ValueError with what to write instead
+        return value.strip() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _steps_or_budget(self) -> "TrainConfig":
+        if self.time_budget is not None and self.max_steps > 0:
+            raise ValueError(f"`train.time_budget` ({self.time_budget}) and `train.max_steps` ({self.max_steps}) both say "
+                             "how long to train; set one of them: train.max_steps=-1 to train by the budget, or "
+                             "train.time_budget=null to run the steps")
+        return self
+
+
+DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?")
+
+
+def duration_seconds(text: Any) -> float:
+    """Seconds in a duration such as `20m`, `1h30m`, `1.5h` or `900s` (units h, m, s in that order, spaces
+    allowed between the parts); ValueError saying what to write otherwise (a bare number has no unit)."""
+    example = "write it with units, e.g. 20m, 1h30m or 900s"
+    if isinstance(text, bool) or not isinstance(text, str) or re.fullmatch(r"\s*[\d.]+\s*", text):
+        bare = isinstance(text, (int, float, str)) and not isinstance(text, bool)
+        raise ValueError(f"must be a duration; {example}" + (" (a bare number could be seconds or minutes)" if bare else ""))
+    match = DURATION.fullmatch(text.replace(" ", "").lower())
+    if match is None or not any(match.groups()):
+        raise ValueError(f"is not a duration emotune reads; {example}")
+    seconds = sum(float(match[unit] or 0) * factor for unit, factor in (("h", 3600), ("m", 60), ("s", 1)))
+    if seconds <= 0:
+        raise ValueError(f"must be longer than 0; {example}")
+    return seconds
 
 
 class EvalConfig(Section):

@@ -115,7 +115,8 @@ def train_stage(ctx: Context) -> None:
     model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
     ctx._adapted = train(model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
                          ctx.task.adapter_meta(ctx.cfg, ctx.data), objective,
-                         record=ctx.log.note if ctx.log else None, fault=ctx.train_fault)
+                         record=(lambda key, value: ctx.log.record("train", **{key: value})) if ctx.log else None,
+                         fault=ctx.train_fault)
 
 
 def finetuned_stage(ctx: Context) -> None:

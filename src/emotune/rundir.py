@@ -273,6 +273,11 @@ class RunLog:
         self.write()
         print(f"{STAGE_MARKER} {name}: skipped ({why})", flush=True)
 
+    def record(self, stage: str, **fields) -> None:
+        """Add what a stage decided (e.g. the train stage's shared prefix) to its entry."""
+        self.data["stages"].setdefault(stage, {}).update(fields)
+        self.write()
+
     def finish(self, outputs: list[Path]) -> None:
         """Mark the run finished; refused while any of `outputs` is missing."""
         missing = [p for p in outputs if not p.exists()]

@@ -38,7 +38,8 @@ from emotune.errors import UserError
 from emotune.lora import attach_lora
 from emotune.parallel import (any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare,
                              refuse_tied_modules_to_save)
-from emotune.train_plan import Plan, announce, best_word, global_batch, make_plan, pass_token_cap
+from emotune.train_plan import (Plan, announce, best_word, calibration, describe_plan, fit_budget, global_batch, make_plan,
+                                pass_token_cap)
 from emotune.rundir import RunDir, remove_partial_writes
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
 
@@ -83,11 +84,14 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
     """Fine-tune `model` with LoRA on the task's encoded rows (each carries its loss positions), save the adapter
     with `adapter_meta` into the run folder, and return the adapted model (in memory). `objective` (the task's)
     says what the loss is and which validation metric picks the adapter kept. `record(key, value)` puts what
-    run.json should say about training there (the changes out-of-memory recovery made). `fault(step, batch)`
-    is called before every training forward pass: tests raise an out-of-memory error from it where a device would.
+    run.json should say about training under its train stage (the plan; the changes out-of-memory recovery made).
+    `fault(step, batch)` is called before every training forward pass: tests raise an out-of-memory error from it
+    where a device would.
 
     The task encodes the rows before this is called, so a row problem surfaces before any optimizer state exists."""
-    s = _setup(model, cfg, precision, len(train_rows), len(val_rows), run, objective)
+    s = _setup(model, cfg, precision, train_rows, val_rows, tokenizer.pad_token_id, run, objective)
+    if record is not None:
+        record("plan", describe_plan(s.plan, cfg.train, len(train_rows)))
     progress, best = _resume(run.checkpoints, s.adapted, s.optimizer, s.scheduler, s.scaler, s.accelerator)
     recovery = _recovery(s, progress, train_rows, cfg.train, record, fault)
     log = TrainLog(run.train / "log_history.jsonl", progress.log_history, s.accelerator, cfg.train.report_to,
@@ -99,14 +103,14 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
     return s.adapted
 
 
-def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: int, val_rows: int, run: RunDir,
-           objective: Objective) -> Session:
-    """Processes, LoRA adapters, precision, optimizer and schedule: everything before the first step."""
+def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: list[Example], val_rows: list[Example],
+           pad_id: int, run: RunDir, objective: Objective) -> Session:
+    """Processes, LoRA adapters, precision, optimizer, the steps and their schedule: everything before the first step."""
     t = cfg.train
     accelerator, fsdp = make_accelerator(t, model, run.train)
-    plan = make_plan(t, rows, accelerator.num_processes)
+    plan = make_plan(t, len(rows), accelerator.num_processes)
     cap = pass_token_cap(t, accelerator.device)
-    announce(plan, t, rows, val_rows, cap, objective)
+    announce(plan, t, len(rows), len(val_rows), cap, objective)
 
     model.config.use_cache = False
     if fsdp:
@@ -117,9 +121,14 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: i
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
     autocast, scaler = _mixed_precision(precision, adapted)
     optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
+    wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
+    if t.time_budget:  # the steps that fit, measured on the prepared model before the schedule needs them
+        measure = calibration(wrapped, optimizer, objective, rows, val_rows, pad_id, cap, accelerator, autocast,
+                              lambda some: validate(wrapped, some, _val_batch_size(cfg), pad_id, accelerator, autocast,
+                                                    objective), _val_batch_size(cfg))
+        plan = fit_budget(plan, t, len(rows), cfg.seed, run.checkpoints, measure, accelerator)
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps)  # steps win over the ratio, as in transformers
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
-    wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
     return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast,
                    objective)
 
