@@ -202,6 +202,8 @@ def test_emotune_run_with_the_head_task(tiny_overrides, tmp_path, capsys):
     for key in ("accuracy", "macro_f1", "weighted_f1", "per_class", "confusion_matrix", "top2_accuracy", "log_loss", "ece"):
         assert key in before and key in after
     assert "p_joy" in (run / "finetuned" / "predictions.csv").read_text().splitlines()[0]
+    # the head's evaluation ran with the LoRA merged, checked on the head's class logits
+    assert after["merge"]["merged"] is True and after["merge"]["max_logit_diff"] < 1e-4 and "merge" not in before
     assert "before = zero-shot label scoring" in out and "zero-shot" in (run / "report.html").read_text()
     history = [e for e in json.loads((run / "train" / "log_history.json").read_text()) if "eval_macro_f1" in e]
     best = max(history, key=lambda e: e["eval_macro_f1"])  # the first of equals, as _track_best keeps it

@@ -235,10 +235,13 @@ def _comparable(config_yaml: str | None) -> str | None:
 class RunLog:
     """run.json: versions, hardware, precision, and status and timing of every stage."""
 
+    CARRIED = ("merged_eval",)  # facts `record`ed by a stage, kept when a resumed run skips that stage
+
     def __init__(self, run: RunDir, base: dict):
         self.run = run
         previous = read_json(run.run_json) or {}
-        self.data = {**base, "stages": previous.get("stages", {}), "started": previous.get("started", _now())}
+        self.data = {**base, "stages": previous.get("stages", {}), "started": previous.get("started", _now()),
+                     **{key: previous[key] for key in self.CARRIED if key in previous}}
         self.data["status"] = "running"
         self.write()
 
@@ -265,6 +268,11 @@ class RunLog:
         self.data["stages"].setdefault(name, {}).update(status="done", note=why)
         self.write()
         print(f"{STAGE_MARKER} {name}: skipped ({why})", flush=True)
+
+    def record(self, key: str, value) -> None:
+        """A fact about how the run measured something (e.g. `merged_eval`), kept in run.json under `key`."""
+        self.data[key] = value
+        self.write()
 
     def finish(self, outputs: list[Path]) -> None:
         """Mark the run finished; refused while any of `outputs` is missing."""
