@@ -1,4 +1,8 @@
-"""The engine: one base model, adapters by name, every model call under one lock."""
+"""The engine: one base model, adapters by name, every model call under one lock.
+
+The base slot holds either a plain base model, served as `base` (requests choose the labels), or a merged
+model folder (`emotune export --merge`), served under its own name with its own task, labels and prompt,
+loaded as `emotune predict` loads it. Adapters attach to whichever it is, when they were trained on it."""
 
 from __future__ import annotations
 
@@ -12,10 +16,10 @@ from typing import Any
 import torch
 
 from emotune import device as device_mod
-from emotune.artifacts import Artifact, Fallback, find_artifact
+from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.config import ModelConfig, PromptConfig, RunConfig
 from emotune.errors import UserError
-from emotune.models import load_base, load_tokenizer
+from emotune.models import load_base, load_tokenizer, weights_dtype
 from emotune.scoring import LabelScorer, score_label_probs
 
 BASE_MODEL = "base"
@@ -34,13 +38,20 @@ class Loaded:
 
 
 class Engine:
-    def __init__(self, model_cfg: ModelConfig, device: str = "auto"):
+    def __init__(self, model_cfg: ModelConfig, device: str = "auto", merged: Artifact | None = None):
+        """`merged`: a merged model folder to serve in the base slot under its own name (model_cfg unused)."""
         self.device = device_mod.resolve_device(device)
-        self.base_source = model_cfg.source
-        base = load_base(model_cfg, self.device)  # model.dtype honoured, as in training and evaluation
-        self.base_dir, self.dtype = base.model_dir, base.model.dtype
-        self.model = base.model.eval()
-        self.models: dict[str, Loaded] = {BASE_MODEL: Loaded(BASE_MODEL, None, base.tokenizer)}
+        if merged is None:
+            base = load_base(model_cfg, self.device)  # model.dtype honoured, as in training and evaluation
+            model, tokenizer, self.base_dir = base.model, base.tokenizer, base.model_dir
+            self.base_source, self.base_name = model_cfg.source, BASE_MODEL
+        else:
+            # predict's loader, in the dtype the run's own model.dtype gives (as for the base of an adapter)
+            model, tokenizer = load_artifact_model(merged, weights_dtype(merged.model_cfg, self.device), self.device)
+            self.base_dir, self.base_source, self.base_name = merged.path, str(merged.path), merged.name
+        self.dtype = model.dtype
+        self.model = model.eval()
+        self.models: dict[str, Loaded] = {self.base_name: Loaded(self.base_name, merged, tokenizer)}
         self.lock = threading.Lock()
         self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
 
@@ -90,11 +101,11 @@ class Engine:
 
     @contextmanager
     def using(self, name: str):
-        """Hold the lock with `name` active: the base runs with every adapter disabled."""
+        """Hold the lock with `name` active: the base slot runs with every adapter disabled."""
         with self.lock:
             if name not in self.models:
                 raise ModelGone(f"The model `{name}` was unloaded before this request's turn came.")
-            if name == BASE_MODEL:
+            if name == self.base_name:
                 context = self.model.disable_adapter() if self.is_peft else nullcontext()
             else:
                 self.model.set_adapter(name)
@@ -104,7 +115,7 @@ class Engine:
 
     def classify(self, name: str, texts: list[str], prompt: PromptConfig, labels: list[str], batch_size: int) -> torch.Tensor:
         with self.using(name) as loaded:
-            if loaded.artifact is None:  # the base with request-chosen labels: nothing worth keeping
+            if loaded.artifact is None:  # the plain base with request-chosen labels: nothing worth keeping
                 return score_label_probs(self.model, loaded.tokenizer, texts, prompt, labels, batch_size)
             # an adapter's scorer keeps the KV cache of its prompt head, so one request costs only its own text
             scorer = self.scorers.get(name)
@@ -145,10 +156,17 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
     if duplicates:
         raise UserError(f"Two adapters would both be named {duplicates}; the name is the run folder's name. "
                         "Serve one of them, or copy it to a folder with another name.")
-    merged = [a.name for a in artifacts if a.merged]
+    merged = [a for a in artifacts if a.merged]
+    if merged and len(artifacts) > 1:
+        raise UserError(f"{[a.name for a in merged]} {'is a merged model' if len(merged) == 1 else 'are merged models'}: "
+                        "a whole model of its own, which adapters trained on the original base do not fit. Serve a "
+                        "merged model alone (`emotune serve EXPORT/merged`), or the run folders' adapters together "
+                        "over their base.")
     if merged:
-        raise UserError(f"{merged} are merged models; `emotune serve` serves adapters over one base. Point at the run "
-                        "folders instead, or serve the merged model with vLLM (export --vllm writes serve_merged.sh).")
+        print(f"Loading merged model {merged[0].name} from {merged[0].path} ...", flush=True)
+        engine = Engine(merged[0].model_cfg, cfg.device, merged=merged[0])
+        print(f"Serving merged model {merged[0].name} ({_describe(merged[0])})", flush=True)
+        return engine, artifacts
     model_cfg = artifacts[0].model_cfg if artifacts else cfg.model
     for artifact in artifacts:
         check_base(artifact, model_cfg.source)
@@ -156,6 +174,9 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
     engine = Engine(model_cfg, cfg.device)
     for artifact in artifacts:
         engine.add_adapter(artifact)
-        what = f"{len(artifact.labels)} labels" if artifact.task == "classify" else f"{artifact.task}, free-text chat"
-        print(f"Loaded adapter {artifact.name} ({what}) from {artifact.path}", flush=True)
+        print(f"Loaded adapter {artifact.name} ({_describe(artifact)}) from {artifact.path}", flush=True)
     return engine, artifacts
+
+
+def _describe(artifact: Artifact) -> str:
+    return f"{len(artifact.labels)} labels" if artifact.task == "classify" else f"{artifact.task}, free-text chat"

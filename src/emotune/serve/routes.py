@@ -153,9 +153,9 @@ async def chat(body: ChatRequest, state: ServerState):
 
 async def load_adapter(body: AdapterRequest, state: ServerState):
     engine = state.engine
-    if not NAME_PATTERN.match(body.name) or body.name == BASE_MODEL:
+    if not NAME_PATTERN.match(body.name) or body.name in (BASE_MODEL, engine.base_name):
         raise APIError(422, f"Adapter name `{body.name}` must be 1-64 letters, digits, `.`, `_` or `-` and not "
-                            f"`{BASE_MODEL}`.")
+                            f"`{engine.base_name}`.")
     if body.name in engine.models:
         raise APIError(409, f"An adapter named `{body.name}` is already loaded. DELETE /v1/adapters/{body.name} first.",
                        "conflict_error")
@@ -165,8 +165,8 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
 
 
 async def unload_adapter(name: str, state: ServerState):
-    if name == BASE_MODEL:
-        raise APIError(422, "The base model cannot be unloaded.")
+    if name == state.engine.base_name:
+        raise APIError(422, f"`{name}` is the model the adapters run on; it cannot be unloaded.")
     state.loaded(name)
     await asyncio.get_running_loop().run_in_executor(state.executor, state.engine.remove_adapter, name)
     return {"id": name, "object": "model", "deleted": True}
@@ -181,11 +181,13 @@ def model_gone_is_404():
 
 
 def _model_card(loaded: Loaded, engine: Engine) -> dict:
+    base_slot = loaded.name == engine.base_name
     card = {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "emotune",
             "root": engine.base_source if loaded.artifact is None else str(loaded.artifact.path),
-            "parent": None if loaded.artifact is None else BASE_MODEL}
+            "parent": None if base_slot else engine.base_name}
     if loaded.artifact is not None:
         card["task"] = loaded.artifact.task
+        card["merged"] = loaded.artifact.merged
         if loaded.artifact.task == "classify":
             card["labels"] = loaded.artifact.labels
     return card
@@ -196,7 +198,7 @@ def _task(loaded: Loaded, labels: list[str] | None) -> tuple[PromptConfig, list[
     if loaded.artifact is not None and loaded.artifact.task != "classify":
         raise APIError(422, f"`{loaded.name}` is an {loaded.artifact.task} model: it answers in free text and has no "
                             "label set to classify into. Send its requests to /v1/chat/completions; /v1/classify "
-                            f"serves classify adapters, and `{BASE_MODEL}` with a `labels` list.")
+                            f"serves classifiers, and a plain `{BASE_MODEL}` model with a `labels` list.")
     if loaded.artifact is not None:
         if labels is not None and labels != loaded.artifact.labels:
             raise APIError(422, f"`labels` can only be chosen for the base model; `{loaded.name}` classifies into "
@@ -212,7 +214,8 @@ def _adapter_artifact(state: Server, body: AdapterRequest) -> Artifact:
     try:
         artifact = find_artifact(folder, name=body.name)
         if artifact.merged:
-            raise UserError(f"`{body.path}` is a merged model, not an adapter; serve it on its own (vllm serve).")
+            raise UserError(f"`{body.path}` is a merged model, not an adapter; serve it on its own "
+                            "(`emotune serve FOLDER`).")
         if not (artifact.path / "adapter_model.safetensors").is_file():
             raise UserError(f"`{body.path}` has no adapter_model.safetensors; only safetensors adapters are loaded "
                             "(pickled .bin files can run code).")

@@ -149,6 +149,8 @@ class ModelCard(BaseModel):
     task: Literal["classify", "sft"] | None = None
     """An adapter's task: `classify` (/v1/classify and chat) or `sft` (free-text chat only). The base does both."""
     labels: list[str] | None = None
+    merged: bool | None = None
+    """Whether the model is a merged model folder (served in the base's place) rather than an adapter."""
 
 
 class ModelList(BaseModel):
