@@ -55,9 +55,9 @@ def merged_for_eval(model, sample: list[list[int]], mode: str, tolerance: float)
         yield {"mode": mode, "merged": False, "note": f"evaluated unmerged: {why}"}
         return
     unmerged = last_logits(model, sample)
-    saved = _merge(model, mode)
+    saved, refused = _merge(model, mode)
     if saved is None:  # PEFT refused to merge (auto only; `always` raised)
-        yield {"mode": mode, "merged": False, "note": "evaluated unmerged: PEFT cannot merge this adapter"}
+        yield {"mode": mode, "merged": False, "note": f"evaluated unmerged: PEFT cannot merge this adapter ({refused})"}
         return
     try:
         record = _compare(unmerged, last_logits(model, sample), tolerance, model)
@@ -127,8 +127,9 @@ def _adapted_weights(model) -> list[torch.nn.Parameter]:
 
 
 @torch.no_grad()
-def _merge(model, mode: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]] | None:
-    """Copy the weights the merge writes into to the CPU, then merge; None when PEFT refuses (mode auto)."""
+def _merge(model, mode: str) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]] | None, str | None]:
+    """Copy the weights the merge writes into to the CPU, then merge: (the copy, None), or (None, PEFT's reason)
+    when PEFT refuses (mode auto)."""
     saved = [(param, param.detach().to("cpu", copy=True)) for param in _adapted_weights(model)]
     try:
         model.merge_adapter()
@@ -137,8 +138,8 @@ def _merge(model, mode: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]] | 
         if mode == "always":
             raise UserError(f"eval.merge_adapters=always, but PEFT cannot merge this adapter ({err}). Set "
                             "eval.merge_adapters=auto or never to evaluate it unmerged.") from None
-        return None
-    return saved
+        return None, str(err)
+    return saved, None
 
 
 @torch.no_grad()
