@@ -54,7 +54,7 @@ def test_a_merged_classifier_is_served_under_its_name_with_its_labels(tiny_run_d
         # an adapter trained on the original base does not fit the merged model
         admin = {"Authorization": f"Bearer {ADMIN}"}
         refused = http.post("/v1/adapters", headers=admin, json={"name": "again", "path": "tiny"})
-        assert refused.status_code == 422 and "trained on base model" in refused.json()["error"]["message"]
+        assert refused.status_code == 422 and "serves the merged model" in refused.json()["error"]["message"]
         assert http.delete("/v1/adapters/tiny", headers=admin).status_code == 422
 
 

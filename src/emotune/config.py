@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from emotune.errors import UserError, raise_problems
+from emotune.sweep_space import SEARCH_MODES, parse_grid
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an emotion classification assistant. Read the text and reply with exactly one word, "
@@ -127,6 +128,7 @@ class ModelConfig(Section):
 
 
 TextAction = Literal["keep", "replace", "drop"]
+MarkupAction = Literal["keep", "unwrap", "drop"]
 
 
 class CleaningConfig(Section):
@@ -144,9 +146,26 @@ class CleaningConfig(Section):
     urls: TextAction = "keep"
     """URLs (`http://`, `https://`, `www.`): keep, replace with `<url>`, or drop from the text."""
     mentions: TextAction = "keep"
-    """@mentions: keep, replace with `@user`, or drop from the text (e-mail addresses are untouched)."""
+    """@mentions (names in any script, up to the next space or punctuation mark): keep, replace with `@user`, or
+    drop from the text (e-mail addresses are untouched)."""
     emoji: TextAction = "keep"
     """Emoji (each run of them): keep, replace with `<emoji>`, or drop from the text."""
+    unicode_nfkc: bool = False
+    """Fold compatibility forms with Unicode NFKC, first of the text steps: full-width letters, digits and
+    punctuation become ASCII (`ＡＰＰ２０２６！` -> `APP2026!`, also `，` -> `,`), so later steps and the
+    tokenizer see one form. Off by default (it also rewrites ligatures, superscripts and the like)."""
+    weibo_reposts: MarkupAction = "keep"
+    """Weibo repost chains `我的话 //@name: 上一条 //@name: ...`: keep; `drop` the chain, keeping only the poster's own
+    text before the first `//@name:` (a row that is only a chain becomes empty, and `min_chars` drops it); or
+    `unwrap`: remove the `//@name:` markers and keep every text of the chain. Runs before `mentions`."""
+    weibo_topics: MarkupAction = "keep"
+    """Weibo topic tags `#话题#`: keep, `unwrap` (keep the topic's words, drop the two `#`), or `drop` the whole
+    tag. A `#` right after an ASCII letter or digit (`C#`, `5#楼`) or without a closing `#` on the line is
+    never a tag."""
+    weibo_emoticons: MarkupAction = "keep"
+    """Weibo emoticon codes such as `[哈哈]`, `[泪]`, `[doge]`: keep, `unwrap` (keep the word, `哈哈`), or `drop`.
+    A code is 1-8 Chinese characters (or 2-8 letters) in brackets, possibly with digits after the first
+    character; `[1]`, `[a]` and `[see note]` are not codes."""
     min_chars: Annotated[int, Range(0)] = 1
     """Drop rows whose cleaned text has fewer characters than this; 1 drops empty rows, 0 keeps them."""
     long_rows: Literal["keep", "drop", "truncate"] = "keep"
@@ -164,7 +183,8 @@ class CleaningConfig(Section):
 
 class DataConfig(Section):
     source: str = "embedded"
-    """Labelled data: `embedded` (the packaged emotion dataset); a folder of split files (`train.*`,
+    """Labelled data: `embedded` (the packaged English emotion dataset, also `embedded:emotion`),
+    `embedded:emotion_zh` (the packaged Chinese 7-class dataset: 喜悦 愤怒 悲伤 恐惧 惊讶 厌恶 中性); a folder of split files (`train.*`,
     `validation.*`/`val.*`/`dev.*`, `test.*`, shards like `train-00000-of-00002.parquet` too); a folder
     saved with `datasets`' `save_to_disk`; one file that is split by `validation_size`/`test_size`; or a hub
     dataset, `hf:dair-ai/emotion` or `modelscope:AI-ModelScope/emotion` (its Parquet snapshot is downloaded
@@ -388,6 +408,65 @@ class ServeConfig(Section):
     """On shutdown, how long requests in flight may take to finish."""
 
 
+class SweepConfig(Section):
+    """`emotune sweep`: many runs of this config, each with a few keys changed (docs/sweeps.md). Every other command
+    ignores this section."""
+
+    mode: Literal["grid", "ablation", "random", "tpe"] = "grid"
+    """`grid`: every combination of the listed values; `ablation`: the config as it is, then each listed value of
+    each key with every other key as in the config (one factor at a time); `random` / `tpe`: `trials` trials drawn
+    from the values and ranges by Optuna's random or TPE sampler (`--ablation`, `--search random|tpe`)."""
+    grid: dict[str, Any] = {}
+    """What varies: a dotted config key and its values, e.g. {lora.r: [8, 16, 32], train.learning_rate: [1e-4,
+    2e-4]}; on the command line `--grid lora.r=8,16,32` (those keys replace the same keys here). For `random` and
+    `tpe` a value may also be a range: `loguniform(1e-5,1e-3)`, `uniform(0,0.1)`, `int(1,4)` or `choice(a,b,c)`."""
+    trials: Annotated[int | None, Range(1, also="or null (grid and ablation run every trial)")] = None
+    """How many trials `random` and `tpe` run in all (re-running with a larger number continues the search);
+    grid and ablation sweeps run every trial of their list."""
+    seeds: Annotated[int, Range(1)] = 1
+    """Run each grid or ablation trial with this many seeds (`seed`, `seed`+1, ...) and show mean ± sd (`--seeds`)."""
+    metric: str | None = None
+    """The after-training metric of comparison.json that ranks trials and that `random`/`tpe` optimise: for
+    classify and classify_head e.g. `macro_f1` (the default), `accuracy`, `log_loss`; for sft `rouge_l` (the
+    default), `perplexity`, `bleu`, ... (the headline method's)."""
+    direction: Literal["auto", "maximize", "minimize"] = "auto"
+    """Whether a higher or lower `metric` is better; `auto`: lower for loss, perplexity, log_loss, ece and
+    invalid, higher for every other metric."""
+    backend: Literal["local", "ray"] = "local"
+    """Where trials run: `local` = on this machine, one trial per visible GPU at a time (each sees its GPU alone
+    through CUDA_VISIBLE_DEVICES), one after another on a CPU; `ray` = as Ray Tune trials on a Ray cluster (needs
+    the `ray` extra: pip install 'emotune[ray]'; the sweep folder must be on storage every node sees)."""
+    ray_address: str | None = None
+    """Address of the Ray cluster for `backend: ray`: `auto` on a node of a running cluster, or the head's
+    `HOST:6379`; null = start a Ray instance on this machine."""
+    ray_cpus_per_trial: Annotated[int, Range(1)] = 1
+    """CPU cores Ray reserves for each trial (plus one GPU each where the cluster has GPUs)."""
+
+    @field_validator("grid")
+    @classmethod
+    def _parsable(cls, value: dict[str, Any]) -> dict[str, Any]:
+        parse_grid(value)  # raises ValueError naming every bad key at once
+        return value
+
+    @model_validator(mode="after")
+    def _fits_the_mode(self) -> SweepConfig:
+        ranges = [p.key for p in parse_grid(self.grid) if p.is_range]
+        if self.mode in SEARCH_MODES:
+            if self.trials is None:
+                raise ValueError(f"sweep.mode={self.mode} draws trials at random: set sweep.trials (--trials N), the "
+                                 "number of trials to run")
+            if self.seeds > 1:
+                raise ValueError(f"sweep.seeds={self.seeds} repeats the trials of grid and ablation sweeps; a "
+                                 f"{self.mode} search runs each draw once, so set sweep.seeds=1")
+        elif ranges:
+            raise ValueError(f"{', '.join(ranges)}: a range is drawn from, so it needs sweep.mode=random or tpe "
+                             f"(--search random|tpe); a {self.mode} sweep takes a list of values, e.g. lora.r=8,16,32")
+        if self.seeds > 1 and "seed" in self.grid:
+            raise ValueError("`seed` is in sweep.grid and sweep.seeds > 1 repeats every trial over seeds too; use one "
+                             "of the two")
+        return self
+
+
 class RunConfigBase(Section):
     """The sections every task shares. Each task's config class adds its own `data` and `prompt`."""
 
@@ -413,6 +492,7 @@ class RunConfigBase(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     serve: ServeConfig = ServeConfig()
+    sweep: SweepConfig = SweepConfig()
 
     @property
     def run_dir(self) -> Path:

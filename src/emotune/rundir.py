@@ -143,6 +143,8 @@ class RunDir:
     report_html = property(lambda self: self.root / "report.html")
     figures = property(lambda self: self.root / "report")
     """The report's figures as PNGs."""
+    adapter_stats = property(lambda self: self.root / "report" / "adapter_stats.json")
+    """The adapter's weight norms and B histograms per target module group (emotune.adapter_stats), with the report."""
     evals = property(lambda self: self.root / "eval")
     """Results of `emotune eval` on its own."""
     export = property(lambda self: self.root / "export")

@@ -134,7 +134,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, train_rows: list[
                                                   s.autocast, s.trainable, t.max_grad_norm, s.objective)
         s.scheduler.step()  # also on a skipped step: the schedule follows the data position
         progress.step += 1
-        window.add(loss if finite else None, sum(len(train_rows[i].input_ids) for b in globals_ for i in b))
+        window.add(loss if finite else None, sum(len(train_rows[i].input_ids) for b in globals_ for i in b), grad_norm)
         _guard(progress, finite, loss, grad_norm, t, precision, folder)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{window.tokens_per_s():.0f}", peak_mb=f"{peak_memory_mb():.0f}")

@@ -18,7 +18,8 @@ from emotune.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_le
 from emotune.config import ClassifyConfig, PromptConfig
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
-from emotune.evaluate import eval_methods, evaluate_methods, method_folder, read_metrics, write_results
+from emotune.errors import UserError
+from emotune.evaluate import EvalResult, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
 from emotune.rundir import RunDir
 from emotune.tasks.classify_report import (baseline_notes, compare_methods, format_table, report_sections,
                                            write_comparison)
@@ -111,9 +112,9 @@ def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cf
                                           add_generation_prompt=True, return_dict=False) for t in texts]
 
 
-def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, dict] | None:
-    """{method: metrics} when every method's results are complete in `folder`, else None."""
-    return read_metrics(folder, eval_methods(cfg.eval))
+def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, EvalResult] | None:
+    """{method: EvalResult} (metrics and predictions) when every method's results are complete in `folder`, else None."""
+    return read_evaluation(folder, eval_methods(cfg.eval))
 
 
 def has_results(folder: Path) -> bool:
@@ -126,11 +127,14 @@ def find_adapter(path: str, cfg: ClassifyConfig, data: LabeledData) -> Artifact:
     an emotune one must have been trained with them."""
     artifact = find_artifact(path, fallback=Fallback(labels=data.labels, prompt=cfg.prompt, base_model=None,
                                                      source="the config"))
+    if artifact.task != "classify":
+        raise UserError(f"`{artifact.path}` is a {artifact.task} adapter; `task: classify` measures generative "
+                        "classification adapters. Use that adapter's own config (its run folder's config.yaml).")
     check_matches(artifact, data.labels, system_prompt(cfg.prompt, data.labels))
     return artifact
 
 
-def compare(before: dict[str, dict], after: dict[str, dict], data: LabeledData) -> dict:
+def compare(before: dict[str, EvalResult], after: dict[str, EvalResult], data: LabeledData) -> dict:
     return compare_methods(before, after, data.labels)
 
 
