@@ -62,7 +62,7 @@ def test_head_reads_the_last_real_token_when_pad_equals_eos(build):
     causal = build(pad_is_eos=True)
     eos = causal.config.eos_token_id
     assert causal.config.pad_token_id == eos
-    classifier = classifier_from_causal(causal, LABELS).eval()
+    classifier = classifier_from_causal(causal, LABELS, init_std=0.02).eval()  # a random head: positions differ
     # pad = eos and both rows end with a real eos: pooling by `input_ids != pad` would read the token before it
     short, long = [2, 5, 6, eos], [2, 7, 8, 9, 10, eos]
     alone = [classifier(input_ids=torch.tensor([ids])).logits[0] for ids in (short, long)]
@@ -76,6 +76,13 @@ def test_head_reads_the_last_real_token_when_pad_equals_eos(build):
     left = classifier(input_ids=ids, attention_mask=mask).logits
     hidden = classifier.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
     assert torch.allclose(left, classifier.score(hidden.float()), atol=1e-6)
+
+
+def test_a_fresh_head_starts_at_zero_so_every_class_starts_at_one_over_k():
+    classifier = classifier_from_causal(_gemma3(), LABELS).eval()
+    assert not classifier.score.weight.any()
+    probs = classifier(input_ids=torch.tensor([[2, 5, 6, 7]])).logits.softmax(-1)
+    assert torch.allclose(probs, torch.full_like(probs, 1 / len(LABELS)))
 
 
 def test_library_class_where_transformers_has_one_and_emotune_s_own_otherwise():
@@ -243,13 +250,13 @@ def test_two_training_steps_on_a_tiny_gemma4_text_model(tiny_gemma4_dir, tiny_ov
 
     overrides = [o for o in tiny_overrides if not o.startswith("model.source=")]
     assert main(["train", "task=classify_head", f"model.source={tiny_gemma4_dir}", *overrides,
-                 "data.balance=class_weight"]) == 0
+                 "data.balance=class_weight", "train.eval_steps=2"]) == 0  # step 1 moves only the zero-started head
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "tiny"
     history = json.loads((run / "train" / "log_history.json").read_text())
     assert [e["step"] for e in history if "loss" in e] == [1, 2]
     evals = [e for e in history if "eval_macro_f1" in e]
-    assert [e["step"] for e in evals] == [1, 2]
+    assert [e["step"] for e in evals] == [2]
     best = max(evals, key=lambda e: e["eval_macro_f1"])
     assert f"Adapter: step {best['step']}, the highest eval_macro_f1" in out
     saved = load_file(run / "adapter" / "adapter_model.safetensors")

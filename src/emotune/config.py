@@ -71,6 +71,7 @@ class Range:
 
 
 RUN_NAME = re.compile(r"[\w.-]{1,100}")
+DEVICE_NAME = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 
 
 class Section(BaseModel):
@@ -125,6 +126,13 @@ class ModelConfig(Section):
     chat_template: str | None = None
     """A Jinja chat-template file to use instead of the tokenizer's. When neither exists, Gemma's turn
     format is used (system text folded into the first user turn)."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel the model runs with (transformers' `attn_implementation`): `auto` = transformers'
+    choice (PyTorch's `sdpa` where the model supports it, else `eager`); `sdpa` = PyTorch's
+    scaled_dot_product_attention; `eager` = the model's plain matrix products (the reference for
+    numerics, slowest, most memory); `flash_attention_2` = the flash-attn package (CUDA or ROCm GPUs only,
+    bf16/fp16 weights, and a model class that supports it). A choice the model, device or dtype cannot
+    use is refused before any weights load."""
 
 
 TextAction = Literal["keep", "replace", "drop"]
@@ -329,6 +337,14 @@ class TrainConfig(Section):
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Experiment trackers that also receive the training log (each must be installed); [] = none. One name
     alone (`train.report_to=tensorboard`) is a one-item list."""
+    oom_recovery: Literal["none", "same_update", "any"] = "same_update"
+    """What training does when a step runs out of memory. Every choice first frees the step's memory and
+    redoes the step from its start, with the same rows. `same_update` = only changes that leave every
+    optimizer update as it would have been: a lower `max_tokens_per_pass` (when a cap is in use), else
+    smaller forward passes (as `batch_size` halved with `gradient_accumulation_steps` doubled), then
+    `gradient_checkpointing` on; `any` = those, then changes to what is trained (rows cut to a shorter
+    `max_length`, adapters on the attention projections only); `none` = stop at the first out-of-memory
+    error. Each change is printed and recorded in run.json. The default changes speed, never the result."""
     fsdp: bool = False
     """Shard the model's weights, gradients and optimizer state across the processes (FSDP2, PyTorch's
     `fully_shard` through Accelerate) instead of a full copy on each (DDP). Use it when the model does not
@@ -485,8 +501,13 @@ class RunConfigBase(Section):
     the new run finishes."""
     seed: Annotated[int, Range(0, 2**32 - 1)] = 42
     """Seed for sampling, LoRA initialisation and data order (0 to 2**32 - 1, the seeds NumPy accepts)."""
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    """Device to run on; `auto` picks CUDA/ROCm, then MPS, then CPU. ROCm GPUs are `cuda` in PyTorch."""
+    device: str = "auto"
+    """Device to run on: `auto` (a GPU if PyTorch sees one, then MPS, then the CPU), `cpu`, `cuda` (the
+    first visible GPU), `cuda:N` (GPU N, numbered after CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES /
+    ROCR_VISIBLE_DEVICES), or `mps`. ROCm (AMD) GPUs are `cuda` in PyTorch. A GPU number beyond those
+    visible is refused before any weights load. Under several processes (torchrun, accelerate launch)
+    each process takes the GPU of its local rank, so leave it at `auto` or `cuda` there and choose the
+    GPUs with the variables above."""
     model: ModelConfig = ModelConfig()
     lora: LoraSettings = LoraSettings()
     train: TrainConfig = TrainConfig()
@@ -497,6 +518,14 @@ class RunConfigBase(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / (self.name or "default")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not DEVICE_NAME.fullmatch(value):
+            raise ValueError("must be auto, cpu, cuda, cuda:N (a GPU number, e.g. cuda:1) or mps; ROCm (AMD) GPUs are "
+                             "cuda in PyTorch")
+        return value
 
     @field_validator("name")
     @classmethod

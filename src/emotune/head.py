@@ -123,8 +123,15 @@ def _body(causal: PreTrainedModel) -> tuple:
     return copy.deepcopy(causal.config.get_text_config()), causal.get_decoder()
 
 
-def classifier_from_causal(causal: PreTrainedModel, labels: list[str], seed: int = 0) -> PreTrainedModel:
-    """A classifier over `causal`'s language model (shared, not copied) with a fresh float32 `score` head."""
+def classifier_from_causal(causal: PreTrainedModel, labels: list[str], seed: int = 0, init_std: float = 0.0
+                           ) -> PreTrainedModel:
+    """A classifier over `causal`'s language model (shared, not copied) with a fresh float32 `score` head.
+
+    The head starts at zero (`init_std=0`): every class at 1/K and the loss at ln K. transformers' own
+    initialisation (normal, std `initializer_range` = 0.02) is far too wide for Gemma, whose final hidden
+    states have norms in the hundreds: the 270M model started at a loss of 8 for 7 classes, and training
+    first had to undo that noise. `init_std > 0` draws a seeded normal head instead (tests use it to make
+    the head's reading of a position visible)."""
     config, body = _body(causal)
     config.num_labels = len(labels)
     config.id2label = dict(enumerate(labels))
@@ -137,9 +144,8 @@ def classifier_from_causal(causal: PreTrainedModel, labels: list[str], seed: int
     device = next(body.parameters()).device
     head = torch.nn.Linear(hidden, len(labels), bias=False, device=device, dtype=torch.float32)
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    std = getattr(config.get_text_config(), "initializer_range", 0.02)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * init_std)
     setattr(classifier, HEAD, head)
     return classifier.to(device)
 

@@ -266,6 +266,11 @@ class RunLog:
         self.write()
         print(f"{STAGE_MARKER} {name}: done", flush=True)
 
+    def note(self, key: str, value) -> None:
+        """Put what a stage has to say into run.json under `key` (e.g. training's out-of-memory changes), now."""
+        self.data[key] = value
+        self.write()
+
     def skip(self, name: str, why: str) -> None:
         self.data["stages"].setdefault(name, {}).update(status="done", note=why)
         self.write()
