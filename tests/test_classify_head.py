@@ -209,6 +209,8 @@ def test_emotune_run_with_the_head_task(tiny_overrides, tmp_path, capsys):
     for key in ("accuracy", "macro_f1", "weighted_f1", "per_class", "confusion_matrix", "top2_accuracy", "log_loss", "ece"):
         assert key in before and key in after
     assert "p_joy" in (run / "finetuned" / "predictions.csv").read_text().splitlines()[0]
+    # the head's evaluation ran with the LoRA merged, checked on the head's class logits
+    assert after["merge"]["merged"] is True and after["merge"]["max_logit_diff"] < 1e-4 and "merge" not in before
     assert "before = zero-shot label scoring" in out and "zero-shot" in (run / "report.html").read_text()
     comparison = json.loads((run / "comparison.json").read_text())
     assert comparison["methods"]["head"]["paired"]["verdict"] in ("better", "worse", "within noise", "mixed")

@@ -294,17 +294,18 @@ def test_a_head_adapter_hot_loads_and_unloads(http, head_runs):
 def test_a_merged_head_folder_is_served_alone(head_runs, exports, tiny_run_dir):
     run, out = head_runs["gemma4"], exports("gemma4")
     cfg = load_config(None, ["device=cpu"])
-    with pytest.raises(UserError, match="one merged classification-head model alone"):
+    with pytest.raises(UserError, match="Serve a merged model alone"):
         build_engine(cfg, [str(out / "merged"), str(tiny_run_dir)])
     engine, _ = build_engine(cfg, [str(out / "merged")])
     serve_cfg = ServeConfig(api_key=USER, admin_key=ADMIN, adapter_dirs=[str(tiny_run_dir.parent)])
     with running(create_app(engine, serve_cfg)) as (url, _), httpx.Client(base_url=url, timeout=60,
                                                                            headers=AUTH) as http:
         cards = http.get("/v1/models").json()["data"]
-        assert [(c["id"], c["task"], c["parent"]) for c in cards] == [("export", "classify_head", None)]
-        for row, want in zip(classify(http, "export", TEXTS), reference_probs(run, TEXTS).tolist()):
+        name = out.parent.name  # OUT/merged is named after the folder holding the export, as RUN/export/merged after RUN
+        assert [(c["id"], c["task"], c["parent"], c["merged"]) for c in cards] == [(name, "classify_head", None, True)]
+        for row, want in zip(classify(http, name, TEXTS), reference_probs(run, TEXTS).tolist()):
             assert [row["probs"][label] for label in LABELS] == pytest.approx(want, abs=1e-5)
-        chat = http.post("/v1/chat/completions", json={"model": "export", "messages": [{"role": "user", "content": "x"}]})
+        chat = http.post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "x"}]})
         assert chat.status_code == 422 and "classification-head model" in chat.text
         refused = http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "tiny", "path": "tiny"})
         assert refused.status_code == 422 and "serves the merged model" in refused.json()["error"]["message"]

@@ -256,7 +256,10 @@ def fallback_from(cfg=None, labels: list[str] | None = None, source: str = "the 
 
 
 def default_name(target: Path) -> str:
+    """The run's name: RUN, RUN/adapter, RUN/export, RUN/export/adapter and RUN/export/merged are all `RUN`."""
     folder = target.resolve()
+    if folder.name in ("adapter", "merged") and folder.parent.name == "export":
+        folder = folder.parent
     name = folder.parent.name if folder.name in ("adapter", "merged", "export") else folder.name
     # the name travels in URLs, JSON `model` fields and vLLM's name=path flags
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "adapter"

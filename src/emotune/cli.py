@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--labels", help="the same labels as a comma-separated list (overrides the config's)")
         if name == "serve":
             p.add_argument("items", nargs="*", metavar="TARGET|CONFIG|key=value",
-                           help="run/adapter folders to serve (name = folder name), an optional YAML config, "
+                           help="run/adapter folders to serve (name = folder name) or one merged model folder "
+                                "(emotune export --merge), an optional YAML config, "
                                 "and overrides such as serve.port=8001 serve.api_key=env:EMOTUNE_API_KEY")
             p.add_argument("--engine", choices=["native", "vllm"], help="same as serve.engine=...")
         if name == "report":

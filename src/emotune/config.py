@@ -402,7 +402,21 @@ def duration_seconds(text: Any) -> float:
     return seconds
 
 
-class EvalConfig(Section):
+class MergedEvalSettings(Section):
+    """How the fine-tuned evaluation runs the adapter; shared by every task's `eval` section."""
+
+    merge_adapters: Literal["auto", "always", "never"] = "auto"
+    """Evaluate the fine-tuned model with its LoRA adapter merged into the weights (about the base model's
+    speed; unmerged adapters about halve `generate`'s). `auto` = merge, compare a few evaluated rows with the
+    unmerged model first and keep the merge only when no logit moved by more than `merge_tolerance`
+    (otherwise evaluate unmerged, with a note); `always` = merge whatever the check finds; `never` = unmerged,
+    as trained. The decision and the measured difference go into the evaluation's metrics.json (`merge`)."""
+    merge_tolerance: Annotated[float, Range(0)] = 1.0
+    """Largest |logit difference| between the merged and the unmerged model on the checked rows that
+    `merge_adapters=auto` accepts (logits the prediction is read from: the next token's, or a head's classes)."""
+
+
+class EvalConfig(MergedEvalSettings):
     method: Literal["generate", "score", "both"] = "generate"
     """How a label is predicted: `generate` = the reference recipe (greedy decoding, then a regex picks the
     first label name in the output; INVALID when none matches); `score` = the exact probability of every
@@ -691,7 +705,7 @@ class SftPromptConfig(Section):
     """Loss on the last assistant turn only (LLaMA-Factory's `mask_history`); false = on every assistant turn."""
 
 
-class SftEvalConfig(Section):
+class SftEvalConfig(MergedEvalSettings):
     max_new_tokens: Annotated[int, Range(1)] = 128
     """Most tokens generated per test row (greedy; stops earlier at the end of the turn)."""
     batch_size: Annotated[int | Literal["auto"], Range(1, also="or `auto`")] = "auto"
@@ -728,7 +742,7 @@ class HeadConfig(Section):
     `accuracy` (highest wins) or `loss` (the validation cross-entropy, lowest wins)."""
 
 
-class HeadEvalConfig(Section):
+class HeadEvalConfig(MergedEvalSettings):
     batch_size: Annotated[int | Literal["auto"], Range(1, also="or `auto`")] = "auto"
     """Rows per forward pass during evaluation (the head and the zero-shot baseline); `auto` = as many as fit in
     40% of free memory, at most 32 on CPU and 128 on GPUs. Out of memory halves it and retries."""

@@ -25,6 +25,7 @@ from emotune import device as device_mod
 from emotune.artifacts import is_adapter
 from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
+from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
 from emotune.models import (Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir,
                             weights_dtype)
 from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
@@ -120,8 +121,21 @@ def train_stage(ctx: Context) -> None:
 
 
 def finetuned_stage(ctx: Context) -> None:
-    results = ctx.task.evaluate(ctx.adapted, ctx.base.tokenizer, ctx.data, ctx.cfg, desc="fine-tuned")
+    results, merge = evaluate_adapted(ctx, ctx.adapted, desc="fine-tuned")
     ctx.task.write_results(results, ctx.run.finetuned)
+    ctx.log.note("merged_eval", merge)  # how the fine-tuned numbers were measured
+
+
+def evaluate_adapted(ctx: Context, model, desc: str) -> tuple[dict, dict]:
+    """The task's evaluation of a model with an adapter, merged for it as `eval.merge_adapters` and the check
+    decide (emotune.merged_eval); every result's metrics record how (`merge`). The adapter is unmerged after."""
+    sample = ctx.task.merge_check_inputs(ctx.base.tokenizer, ctx.data, ctx.cfg, CHECK_ROWS)
+    with merged_for_eval(model, sample, ctx.cfg.eval.merge_adapters, ctx.cfg.eval.merge_tolerance) as merge:
+        print(describe(merge), flush=True)
+        results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, ctx.cfg, desc=desc)
+    for result in results.values():
+        result.metrics["merge"] = merge
+    return results, merge
 
 
 def report_stage(ctx: Context) -> None:
@@ -247,7 +261,10 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
         model = ctx.task.load_adapted(model, artifact.path, cfg, ctx.data)
     print(f"Evaluating {'adapter ' + str(artifact.path) if artifact else 'the base model'} on the {cfg.eval.split} "
           f"split, {ctx.precision.name} on {ctx.device}", flush=True)
-    results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, cfg, desc=cfg.eval.split)
+    if artifact is None:
+        results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, cfg, desc=cfg.eval.split)
+    else:
+        results, _ = evaluate_adapted(ctx, model, desc=cfg.eval.split)
     ctx.task.write_results(results, out)
     for method, result in results.items():
         print(f"{method}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from emotune.errors import UserError
 from emotune.fonts import families, figure_fonts, missing_glyphs
+from emotune.merged_eval import describe
 from emotune.rundir import RunDir, atomic_file, read_json, write_text
 
 # --------------------------------------------------------------------------------------------------
@@ -77,6 +78,7 @@ def _summary_section(run: dict, folder: RunDir) -> str:
         ("hardware", f"{run.get('device')} · backend {hardware.get('backend')} · GPUs: {gpus} · "
                      f"{hardware.get('cpu_count')} CPU cores · {hardware.get('platform')}"),
         ("precision", f"{run.get('precision', {}).get('name')}: {run.get('precision', {}).get('reason')}"),
+        *([("fine-tuned evaluation", describe(run["merged_eval"]))] if run.get("merged_eval") else []),
         ("versions", ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items())),
         ("system prompt", run.get("system_prompt", "")),
     ]

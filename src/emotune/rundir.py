@@ -237,10 +237,13 @@ def _comparable(config_yaml: str | None) -> str | None:
 class RunLog:
     """run.json: versions, hardware, precision, and status and timing of every stage."""
 
+    CARRIED = ("merged_eval",)  # facts `record`ed by a stage, kept when a resumed run skips that stage
+
     def __init__(self, run: RunDir, base: dict):
         self.run = run
         previous = read_json(run.run_json) or {}
-        self.data = {**base, "stages": previous.get("stages", {}), "started": previous.get("started", _now())}
+        self.data = {**base, "stages": previous.get("stages", {}), "started": previous.get("started", _now()),
+                     **{key: previous[key] for key in self.CARRIED if key in previous}}
         self.data["status"] = "running"
         self.write()
 

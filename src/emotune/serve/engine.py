@@ -3,7 +3,11 @@
 Every adapter's LoRA lives in one PEFT model over the base. A classification-head adapter's LoRA is loaded
 there too, renamed to the causal model's modules (emotune.head.causal_adapter), and its trained head sits on
 a classifier that reads the base's language model (`Loaded.head`), so heads, generative classifiers and sft
-models share one copy of the base weights. A merged head model is served alone, without a base.
+models share one copy of the base weights.
+
+A merged model folder (`emotune export --merge`: a generative classifier, an sft model or a head model) is
+served alone, without a base, under the run's name with its own task, labels and prompt, loaded as
+`emotune predict` loads it.
 """
 
 from __future__ import annotations
@@ -43,14 +47,15 @@ class Loaded:
 
 class Engine:
     def __init__(self, model_cfg: ModelConfig, device: str = "auto", merged: Artifact | None = None):
-        """The base model of `model_cfg`; or, given a merged head model, that model alone (no base, no adapters)."""
+        """The base model of `model_cfg`; or, given a merged model, that model alone (no base, no adapters)."""
         self.device = device_mod.resolve_device(device)
         self.lock = threading.Lock()
         self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
         if merged is not None:
             model, tokenizer = load_artifact_model(merged, weights_dtype(merged.model_cfg, self.device), self.device)
             self.base_source, self.model, self.causal = str(merged.path), model, None
-            self.models: dict[str, Loaded] = {merged.name: Loaded(merged.name, merged, tokenizer, head=model)}
+            head = model if merged.has_head else None  # a generative model is scored and generated from as it is
+            self.models: dict[str, Loaded] = {merged.name: Loaded(merged.name, merged, tokenizer, head=head)}
             return
         self.base_source = model_cfg.source
         base = load_base(model_cfg, self.device)  # model.dtype honoured, as in training and evaluation
@@ -192,13 +197,16 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
         raise UserError(f"Two adapters would both be named {duplicates}; the name is the run folder's name. "
                         "Serve one of them, or copy it to a folder with another name.")
     merged = [a for a in artifacts if a.merged]
-    if merged and (len(artifacts) > 1 or not merged[0].has_head):
-        raise UserError(f"{[a.name for a in merged]} are merged models; `emotune serve` serves adapters over one base, "
-                        "or one merged classification-head model alone. Point at the run folders instead, or serve "
-                        "a merged generative model with vLLM (export --vllm writes serve_merged.sh).")
+    if merged and len(artifacts) > 1:
+        raise UserError(f"{[a.name for a in merged]} {'is a merged model' if len(merged) == 1 else 'are merged models'}: "
+                        "a whole model of its own, which adapters trained on the original base do not fit. Serve a "
+                        "merged model alone (`emotune serve RUN/export/merged`), or the run folders' adapters together "
+                        "over their base.")
     if merged:
-        print(f"Loading merged classification-head model {merged[0].path} ...", flush=True)
-        return Engine(cfg.model, cfg.device, merged=merged[0]), artifacts
+        print(f"Loading merged model {merged[0].name} from {merged[0].path} ...", flush=True)
+        engine = Engine(cfg.model, cfg.device, merged=merged[0])
+        print(f"Serving merged model {merged[0].name} ({describe(merged[0])})", flush=True)
+        return engine, artifacts
     model_cfg = artifacts[0].model_cfg if artifacts else cfg.model
     for artifact in artifacts:
         check_base(artifact, model_cfg.source)

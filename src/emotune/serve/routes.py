@@ -168,7 +168,9 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
 async def unload_adapter(name: str, state: ServerState):
     if name == BASE_MODEL:
         raise APIError(422, "The base model cannot be unloaded.")
-    state.loaded(name)
+    artifact = state.loaded(name).artifact
+    if artifact is not None and artifact.merged:
+        raise APIError(422, f"`{name}` is the merged model this server serves; it cannot be unloaded.")
     await asyncio.get_running_loop().run_in_executor(state.executor, state.engine.remove_adapter, name)
     return {"id": name, "object": "model", "deleted": True}
 
@@ -190,6 +192,7 @@ def _model_card(loaded: Loaded, engine: Engine) -> dict:
         card["task"] = artifact.task
         if artifact.task == "classify" or artifact.has_head:
             card["labels"] = artifact.labels
+        card["merged"] = artifact.merged
     return card
 
 
@@ -216,7 +219,8 @@ def _adapter_artifact(state: Server, body: AdapterRequest) -> Artifact:
     try:
         artifact = find_artifact(folder, name=body.name)
         if artifact.merged:
-            raise UserError(f"`{body.path}` is a merged model, not an adapter; serve it on its own (vllm serve).")
+            raise UserError(f"`{body.path}` is a merged model, not an adapter; serve it on its own "
+                            "(`emotune serve FOLDER`).")
         if not (artifact.path / "adapter_model.safetensors").is_file():
             raise UserError(f"`{body.path}` has no adapter_model.safetensors; only safetensors adapters are loaded "
                             "(pickled .bin files can run code).")

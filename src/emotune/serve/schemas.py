@@ -151,6 +151,8 @@ class ModelCard(BaseModel):
     only, through its classification head). The base does both of the first two."""
     labels: list[str] | None = None
     """The labels /v1/classify answers with (classify and classify_head models)."""
+    merged: bool | None = None
+    """Whether the model is a merged model folder (served in the base's place) rather than an adapter."""
 
 
 class ModelList(BaseModel):

@@ -25,7 +25,7 @@ from emotune.tasks.classify_report import (baseline_notes, compare_methods, form
                                            write_comparison)
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "outputs", "read_results", "report_sections",
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "merge_check_inputs", "outputs", "read_results", "report_sections",
            "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
 SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # `emotune eval`
@@ -101,6 +101,15 @@ def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyConfig, desc: str
     """Every method of `eval.method` on `eval.split`: {method: EvalResult}."""
     split = data.splits[cfg.eval.split]
     return evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=desc)
+
+
+def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: ClassifyConfig, rows: int
+                       ) -> list[list[int]]:
+    """The first `rows` evaluated prompts as token ids, as both methods read them (chat template, generation prompt)."""
+    split = data.splits[cfg.eval.split]
+    texts = split.select(range(min(rows, len(split))))["text"]
+    return [tokenizer.apply_chat_template(prompt_messages(t, cfg.prompt, data.labels), tokenize=True,
+                                          add_generation_prompt=True, return_dict=False) for t in texts]
 
 
 def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, EvalResult] | None:

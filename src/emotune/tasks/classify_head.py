@@ -30,7 +30,7 @@ from emotune.rundir import RunDir, read_json
 from emotune.tasks.classify_head_report import compare, format_comparison, report_sections, write_comparison
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
-           "format_comparison", "has_results", "load_adapted", "load_data", "outputs", "read_results", "report_sections",
+           "format_comparison", "has_results", "load_adapted", "load_data", "merge_check_inputs", "outputs", "read_results", "report_sections",
            "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison",
            "write_results"]
 
@@ -125,6 +125,13 @@ def evaluate_head(model, tokenizer, texts: list[str], gold: list[str], labels: l
     rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row)}}
             for t, g, p, row in zip(texts, gold, predicted, probs.tolist())]
     return EvalResult(rows=rows, metrics=metrics)
+
+
+def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: ClassifyHeadConfig, rows: int
+                       ) -> list[list[int]]:
+    """The first `rows` evaluated texts as token ids, as the head reads them (the bare text, cut at max_length)."""
+    split = data.splits[cfg.eval.split]
+    return encode_texts(split.select(range(min(rows, len(split))))["text"], tokenizer, cfg.train.max_length)
 
 
 def read_results(folder: Path, cfg: ClassifyHeadConfig | None = None) -> dict[str, EvalResult] | None:
