@@ -6,7 +6,10 @@ automatic choice and its fallbacks; and the training command end to end, with it
 from __future__ import annotations
 
 import json
+import runpy
+import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -154,6 +157,9 @@ def test_the_choice_falls_back_to_whole_rows(tokenizer):
     assert objective is LANGUAGE_MODEL and choice["tokens"] == 5 < SHARED_PREFIX_MIN_TOKENS
     assert f"fewer than {SHARED_PREFIX_MIN_TOKENS}" in choice["reason"]
 
+    objective, choice = share_prefix(LANGUAGE_MODEL, rows, "auto", model, sharded=True)
+    assert objective is LANGUAGE_MODEL and "FSDP2" in choice["reason"]
+
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     objective, choice = share_prefix(LANGUAGE_MODEL, rows, "auto", flash)
     assert objective is LANGUAGE_MODEL and "flash_attention_2" in choice["reason"]
@@ -205,3 +211,22 @@ def test_training_with_a_shared_prefix_equals_whole_rows(tiny_overrides, tmp_pat
 
     shared, whole = (load_file(runs / n / "adapter" / "adapter_model.safetensors") for n in ("shared", "whole"))
     assert shared.keys() == whole.keys() and all(torch.allclose(shared[k], whole[k], atol=1e-5) for k in whole)
+
+
+@pytest.mark.slow  # TRL's trainer and emotune's, one step each
+def test_train_speed_bench_runs_tiny_with_the_shared_prefix(tiny_model_dir, data_dir, monkeypatch, capsys):
+    """bench/train_speed.py's two sides on the tiny model, in this process (the script runs each in a subprocess of
+    its own, only to measure its peak memory apart): emotune's side trains with the shared prefix, and its loss of
+    the identical batch (through the shared-prefix batch) is the reference's."""
+    pytest.importorskip("trl")
+    bench = runpy.run_path(str(Path(__file__).resolve().parent.parent / "bench" / "train_speed.py"))
+    results = {}
+    for side in ("ref", "ours"):
+        monkeypatch.setattr(sys, "argv", ["train_speed.py", "--side", side, "--model", str(tiny_model_dir),
+                                          "--data", str(data_dir / "train.jsonl"), "--rows", "8"])
+        bench["main"]()
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT "))
+        results[side] = json.loads(line.removeprefix("RESULT "))
+    ref, ours = results["ref"], results["ours"]
+    assert ours["shared_prefix_tokens"] >= SHARED_PREFIX_MIN_TOKENS and ours["steps"] == ref["steps"] == 1
+    assert bench["_rel"](ours["losses"]["identical_batch"], ref["losses"]["identical_batch"]) < 1e-3

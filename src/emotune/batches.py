@@ -230,13 +230,17 @@ class Objective:
 LANGUAGE_MODEL = Objective(can_share_prefix=True)
 
 
-def share_prefix(objective: Objective, rows: list[Example], setting: str, model) -> tuple[Objective, dict]:
+def share_prefix(objective: Objective, rows: list[Example], setting: str, model,
+                 sharded: bool = False) -> tuple[Objective, dict]:
     """`objective` with shared-prefix batches when the rows (training and validation) share a head worth running once
     and `setting` (`train.shared_prefix`) is `auto`, else unchanged; and the choice (`used`, `tokens`,
-    `mean_row_tokens`, `reason`), to print and record in run.json."""
+    `mean_row_tokens`, `reason`), to print and record in run.json. `sharded`: training under FSDP2, which gathers a
+    layer's weights for its backward when the gradient reaches the layer's output, while the prefix's keys and values
+    take theirs from inside the layer; so FSDP runs whole rows."""
     n = shared_prefix_length(rows) if rows else 0
     why_not = ("train.shared_prefix=off" if setting == "off" else
                "the task's loss reads whole rows" if not objective.can_share_prefix else
+               "FSDP2 expects each layer's gradient through its output" if sharded else
                f"the rows share {n} leading tokens, fewer than {SHARED_PREFIX_MIN_TOKENS}"
                if n < SHARED_PREFIX_MIN_TOKENS else shared_prefix.unsupported(model))
     choice = {"used": why_not is None, "tokens": n,

@@ -323,7 +323,7 @@ class TrainConfig(Section):
     about 55 of its 85 tokens with the default prompt), run them once per forward pass and let every row attend to
     them; the loss and update are the same, with one LoRA dropout mask for those tokens per pass instead of per row.
     Rows that share fewer than 16 tokens (conversations, per-row system prompts), a task whose loss reads whole rows
-    (classify_head), or an attention implementation other than sdpa/eager run whole. The choice is printed and
+    (classify_head), an attention implementation other than sdpa/eager, or FSDP run whole. The choice is printed and
     recorded in run.json. `off`: always run whole rows. With a shared prefix `max_tokens_per_pass` counts the
     tokens after it."""
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = "adamw_torch"

@@ -111,11 +111,13 @@ def baseline_stage(ctx: Context) -> None:
 
 
 def train_stage(ctx: Context) -> None:
+    from emotune.parallel import fsdp_requested
     from emotune.train import train
 
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
     model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
-    objective, shared = share_prefix(objective, train_rows + val_rows, ctx.cfg.train.shared_prefix, model)
+    objective, shared = share_prefix(objective, train_rows + val_rows, ctx.cfg.train.shared_prefix, model,
+                                     sharded=fsdp_requested(ctx.cfg.train))
     if ctx.log is not None:  # the main process
         print(describe_shared_prefix(shared), flush=True)
         ctx.log.record("train", shared_prefix=shared)
