@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset
 
 from conftest import LABELS, build_tokenizer, make_rows
-from emotune.batches import (LANGUAGE_MODEL, SHARED_PREFIX_MIN_TOKENS, collate, collate_after_prefix, completion_loss,
+from emotune.batches import (CHUNK_TOKENS, LANGUAGE_MODEL, SHARED_PREFIX_MIN_TOKENS, collate, collate_after_prefix, completion_loss,
                              share_prefix, shared_prefix_length)
 from emotune.cli import main
 from emotune.config import PromptConfig
@@ -79,12 +79,12 @@ def _lora(model, checkpointing: bool):
     return adapted.train()
 
 
-def _update(model, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+def _update(model, batches: list[dict], chunk_tokens: int = CHUNK_TOKENS) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss summed over the micro-batches and the LoRA gradients they accumulate, as one optimizer step sees them."""
     model.zero_grad(set_to_none=True)
     total = 0.0
     for batch in batches:
-        parts = completion_loss(model, batch)
+        parts = completion_loss(model, batch, chunk_tokens)
         parts.loss_sum.backward()
         total += float(parts.loss_sum.detach())
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -129,12 +129,14 @@ def test_shared_prefix_gives_the_update_of_whole_rows(tokenizer, build, padding,
     handle = attention.register_forward_hook(lambda *args: calls.append(1))
     _assert_same_update(whole, _update(model, batches))
     handle.remove()
-    # the prefix pass and the rows' pass per micro-batch, each replayed in the backward pass under checkpointing
-    assert len(calls) == len(batches) * (4 if checkpointing else 2)
+    # the prefix pass and the rows' pass per micro-batch; under checkpointing the rows' is replayed in the backward
+    assert len(calls) == len(batches) * (3 if checkpointing else 2)
 
 
-def test_rows_with_several_loss_spans(tokenizer):
-    """Conversation-like rows (a loss span inside the row besides the completion): the spans move with the cut."""
+@pytest.mark.parametrize("chunk_tokens", [CHUNK_TOKENS, 4], ids=["one-projection", "chunked"])
+def test_rows_with_several_loss_spans(tokenizer, chunk_tokens):
+    """Conversation-like rows (a loss span inside the row besides the completion): the spans move with the cut; long
+    responses' chunked projection works after a shared prefix too."""
     rows = _rows(tokenizer, 4)
     n = shared_prefix_length(rows)
     rows = [replace(r, spans=((n, n + 3), (r.completion_start, len(r.input_ids)))) for r in rows]
@@ -142,7 +144,8 @@ def test_rows_with_several_loss_spans(tokenizer):
     model = _lora(_gemma3(tokenizer), checkpointing=False)
     shared, choice = share_prefix(LANGUAGE_MODEL, rows, "auto", model)
     pad = tokenizer.pad_token_id
-    _assert_same_update(_update(model, [collate(rows, pad, CPU)]), _update(model, [shared.collate(rows, pad, CPU)]))
+    _assert_same_update(_update(model, [collate(rows, pad, CPU)], chunk_tokens),
+                        _update(model, [shared.collate(rows, pad, CPU)], chunk_tokens))
 
 
 def test_the_choice_falls_back_to_whole_rows(tokenizer):
@@ -194,7 +197,7 @@ def test_training_with_a_shared_prefix_equals_whole_rows(tiny_overrides, tmp_pat
               "train.gradient_accumulation_steps=2", "train.save_steps=5", "train.eval_steps=2"]
     assert main(common + ["name=shared"]) == 0
     out = capsys.readouterr().out
-    assert out.count("Shared prefix: the first") == 1
+    assert out.count("Shared prefix: every row starts with the same") == 1
     assert main(common + ["name=whole", "train.shared_prefix=off"]) == 0
     assert "Shared prefix: not used (train.shared_prefix=off)" in capsys.readouterr().out
 

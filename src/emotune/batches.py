@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from emotune import prefix as shared_prefix
+from emotune.prefix import cannot_share, model_inputs
 
 CHUNK_TOKENS = 1024  # loss positions per projection chunk: 1 GiB of fp32 logits for a 262,144-entry vocabulary
 SHARED_PREFIX_MIN_TOKENS = 16  # a shorter shared head is not worth a forward pass of its own
@@ -242,7 +242,7 @@ def share_prefix(objective: Objective, rows: list[Example], setting: str, model,
                "the task's loss reads whole rows" if not objective.can_share_prefix else
                "FSDP2 expects each layer's gradient through its output" if sharded else
                f"the rows share {n} leading tokens, fewer than {SHARED_PREFIX_MIN_TOKENS}"
-               if n < SHARED_PREFIX_MIN_TOKENS else shared_prefix.unsupported(model))
+               if n < SHARED_PREFIX_MIN_TOKENS else cannot_share(model))
     choice = {"used": why_not is None, "tokens": n,
               "mean_row_tokens": round(sum(len(r.input_ids) for r in rows) / max(len(rows), 1), 1)}
     if why_not is not None:
@@ -254,8 +254,9 @@ def share_prefix(objective: Objective, rows: list[Example], setting: str, model,
 
 def describe_shared_prefix(choice: dict) -> str:
     if choice["used"]:
-        return (f"Shared prefix: the first {choice['tokens']} tokens of every row (of {choice['mean_row_tokens']:g} on "
-                "average) run once per forward pass, every row attending to them (train.shared_prefix=auto).")
+        return (f"Shared prefix: every row starts with the same {choice['tokens']} tokens (rows average "
+                f"{choice['mean_row_tokens']:g}); they run once per forward pass, every row attending to them "
+                "(train.shared_prefix=auto).")
     return f"Shared prefix: not used ({choice['reason']}); every row runs whole."
 
 
@@ -267,7 +268,7 @@ def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chun
     not its body alone, so DDP's gradient hooks, PEFT's adapters and Gemma's final logit soft-capping
     apply as usual. More than `chunk_tokens` positions: `chunked_loss` instead of one projection."""
     head = _plain_head(model)
-    with shared_prefix.model_inputs(model, batch) as inputs:  # a batch after a shared prefix runs the prefix first
+    with model_inputs(model, batch) as inputs:  # a batch after a shared prefix runs the prefix first
         if head is not None and int(batch["targets"].numel()) > chunk_tokens:
             return _chunked_completion_loss(model, head, inputs, batch, chunk_tokens)
         logits = model(**inputs, logits_to_keep=batch["predicts"]).logits.float()

@@ -20,9 +20,9 @@ Both passes go through the model's own forward (PEFT's adapters, DDP's hooks, FS
 soft-capping as usual); the prefix pass projects no position onto the vocabulary.
 
 Gradient checkpointing: transformers' checkpointed layers drop the cache (`GradientCheckpointingLayer`), because a
-cache that appends would be appended to again when the backward pass replays the layer. These two caches only read
-(the prefix's keeps the first states it is given and ignores the replay's), which is what the layers'
-`_can_checkpoint_with_cache` flag is for; it is set for the duration of the two forwards (`_cache_kept`).
+cache that appends would be appended to again when the backward pass replays the layer. The rows' cache only reads,
+which is what the layers' `_can_checkpoint_with_cache` flag is for; it is set while the forwards run. The prefix
+pass is not checkpointed: it is one row, whose activations cost less memory than recomputing them costs time.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def attention_masks(config, dtype: torch.dtype, allowed: torch.Tensor, query_pos
     return masks
 
 
-def unsupported(model) -> str | None:
+def cannot_share(model) -> str | None:
     """Why `model` cannot run rows after a shared prefix, in a phrase; None when it can."""
     config = _unwrapped(model).config
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
@@ -87,8 +87,11 @@ def model_inputs(model, batch: dict[str, torch.Tensor]):
     if "prefix_ids" not in batch:
         yield {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
         return
-    with _cache_kept(model):
-        cache = _run_prefix(model, batch["prefix_ids"])
+    checkpointed = [m for m in _unwrapped(model).modules()
+                    if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    with _layers_set(checkpointed, "_can_checkpoint_with_cache", True):
+        with _layers_set(checkpointed, "gradient_checkpointing", False):
+            cache = _run_prefix(model, batch["prefix_ids"])
         yield {"input_ids": batch["input_ids"], "cache": cache, "use_cache": False,
                **_row_positions_and_masks(model, batch["attention_mask"], batch["prefix_ids"].shape[1])}
 
@@ -127,8 +130,7 @@ def _unwrapped(model):
 
 
 class _Capture(DynamicLayer):
-    """The prefix pass's cache layer: keeps the first keys and values it is given, attends over those alone. A
-    checkpointed layer's replay in the backward pass hands it the same states again; they are not kept twice."""
+    """The prefix pass's cache layer: keeps the keys and values it is given, and attends over those alone."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -153,14 +155,19 @@ class _AfterPrefix(DynamicLayer):
 
 
 @contextmanager
-def _cache_kept(model):
-    """Let checkpointed layers keep the (read-only) cache while the forwards run."""
-    layers = [m for m in _unwrapped(model).modules() if isinstance(m, GradientCheckpointingLayer)
-              and m.gradient_checkpointing and "_can_checkpoint_with_cache" not in vars(m)]
+def _layers_set(layers: list[torch.nn.Module], name: str, value):
+    """`name` = `value` on each layer while the block runs; then each layer's own value, or its class's, again."""
+    own = [vars(layer).get(name, _CLASS_VALUE) for layer in layers]
     for layer in layers:
-        layer._can_checkpoint_with_cache = True
+        setattr(layer, name, value)
     try:
         yield
     finally:
-        for layer in layers:
-            del layer._can_checkpoint_with_cache
+        for layer, before in zip(layers, own):
+            if before is _CLASS_VALUE:
+                delattr(layer, name)
+            else:
+                setattr(layer, name, before)
+
+
+_CLASS_VALUE = object()
