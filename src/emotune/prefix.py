@@ -16,8 +16,9 @@ Every row's gradient reaches the prefix through the broadcast (its backward sums
 dropout 0 the update is the unshared batch's up to float rounding (tests/test_prefix.py). With dropout above 0 the
 prefix draws one dropout mask for the whole forward pass instead of one per row (docs/training.md).
 
-Both passes go through the model's own forward (PEFT's adapters, DDP's hooks, FSDP's gathering, Gemma's logit
-soft-capping as usual); the prefix pass projects no position onto the vocabulary.
+Both passes go through the model's own forward (PEFT's adapters, DDP's hooks, Gemma's logit soft-capping as usual);
+the prefix pass projects no position onto the vocabulary. The one copy of the prefix's keys and values per row is
+the concatenation attention needs, as whole rows would have them. FSDP2 is left out (emotune.batches.share_prefix).
 
 Gradient checkpointing: transformers' checkpointed layers drop the cache (`GradientCheckpointingLayer`), because a
 cache that appends would be appended to again when the backward pass replays the layer. The rows' cache only reads,
