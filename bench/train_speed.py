@@ -2,25 +2,30 @@
 
     pip install -e ".[bench]"   # TRL, for the reference side
     PYTHONPATH=src python bench/train_speed.py [--rows 256]
+    PYTHONPATH=src python bench/train_speed.py --model DIR --data FILE --rows 16   # tiny, as the test runs it
 
 Both sides train the packaged Gemma 3 270M for one epoch on the same first `--rows` rows of
 ../shared/datasets/emotion/train.jsonl, with the same LoRA (r 16, alpha 32, dropout 0.05,
 all-linear), optimiser (AdamW, lr 3e-4, linear schedule, 5% warmup, clip 1.0), batch 8 and dtype
 (bf16 where the CPU has it, else fp32):
   (a) the reference recipe: plain TRL SFTTrainer, completion_only_loss, gradient checkpointing;
-  (b) emotune.train.train: completion-only projection, length-grouped batches cut into forward
-      passes of at most 512 padded tokens (train.max_tokens_per_pass=auto on CPU), gradient
+  (b) emotune.train.train: completion-only projection, the prompt head all rows share run once per
+      forward pass (train.shared_prefix=auto; --ours-shared-prefix off runs whole rows),
+      length-grouped batches cut into forward passes of at most 512 padded tokens after that head
+      (train.max_tokens_per_pass=auto on CPU), gradient
       checkpointing like the reference (--ours-no-gradient-checkpointing keeps activations instead:
       faster steps, more memory), and the process settings the `emotune` command applies at start
       (emotune.cli.process_defaults: a bounded oneDNN kernel cache). --ref-process-defaults gives the
       reference those settings too, to show what they alone are worth.
 Each side runs in its own fresh subprocess, so each peak RSS is its own. Before training each side
 computes the loss of the same first 8 rows (adapters start as a no-op, so this is the base model's
-loss under each side's code): the objectives must agree. After training, the final training loss of
+loss under each side's code; emotune's side through its shared-prefix batch when it trains with one):
+the objectives must agree. After training, the final training loss of
 each side is measured the same way on both: the completion-only loss of the trained model (eval mode)
 over all the training rows, by one function (emotune.batches.completion_loss, which the identical-batch
 check shows equals TRL's loss). The last-quarter mean of the logged step losses is printed too; it
 depends on which rows fell in those steps, and the two sides order rows differently.
+`--model` trains another model folder than the packaged one (the tests run it with a tiny random model).
 Prints one JSON line.
 """
 
@@ -50,6 +55,9 @@ def main() -> None:
     parser.add_argument("--ours-no-gradient-checkpointing", action="store_true",
                         help="keep activations on emotune's side instead of recomputing them (faster, more memory)")
     parser.add_argument("--ours-max-tokens-per-pass", default="auto", help="train.max_tokens_per_pass on emotune's side")
+    parser.add_argument("--ours-shared-prefix", choices=["auto", "off"], default="auto",
+                        help="train.shared_prefix on emotune's side (auto: the shared prompt head runs once per pass)")
+    parser.add_argument("--model", help="model folder to train on both sides (default: the packaged Gemma 3 270M)")
     parser.add_argument("--seed", type=int, default=42, help="the run's seed on both sides (row order, dropout); 42 is the config default")
     parser.add_argument("--ref-process-defaults", action="store_true",
                         help="run the reference with emotune.cli.process_defaults() too")
@@ -61,7 +69,8 @@ def main() -> None:
     if args.side:
         defaults = args.side == "ours" or args.ref_process_defaults
         overrides = [f"train.gradient_checkpointing={str(args.side == 'ref' or not args.ours_no_gradient_checkpointing).lower()}",
-                     f"train.max_tokens_per_pass={args.ours_max_tokens_per_pass}", f"seed={args.seed}"]
+                     f"train.max_tokens_per_pass={args.ours_max_tokens_per_pass}", f"seed={args.seed}",
+                     f"train.shared_prefix={args.ours_shared_prefix}", *([f"model.source={args.model}"] * bool(args.model))]
         print("RESULT " + json.dumps(run_side(args.side, args.data, args.rows, overrides, defaults)), flush=True)
         return
     if not args.data.is_file():
@@ -82,7 +91,7 @@ def main() -> None:
         "ref_seconds": ref["seconds"], "ours_seconds": ours["seconds"],
         "ours_gradient_checkpointing": not args.ours_no_gradient_checkpointing,
         "ref_process_defaults": args.ref_process_defaults, "ours_max_tokens_per_pass": args.ours_max_tokens_per_pass,
-        "seed": args.seed,
+        "ours_shared_prefix_tokens": ours["shared_prefix_tokens"], "seed": args.seed,
     }))
 
 
@@ -94,7 +103,8 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--side", side, "--rows", str(args.rows), "--data", str(args.data)]
     flags = ["--ours-no-gradient-checkpointing"] * args.ours_no_gradient_checkpointing + \
         ["--ref-process-defaults"] * args.ref_process_defaults + \
-        ["--ours-max-tokens-per-pass", str(args.ours_max_tokens_per_pass), "--seed", str(args.seed)]
+        ["--ours-max-tokens-per-pass", str(args.ours_max_tokens_per_pass), "--seed", str(args.seed),
+         "--ours-shared-prefix", args.ours_shared_prefix] + ["--model", args.model] * bool(args.model)
     done = subprocess.run(command + flags,
                           capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -117,7 +127,7 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
     from transformers import set_seed
 
     from emotune import device as device_mod
-    from emotune.batches import collate, completion_loss
+    from emotune.batches import LANGUAGE_MODEL, completion_loss, share_prefix
     from emotune.tasks.classify import encode_examples
     from emotune.config import load_config
     from emotune.data import LabeledData
@@ -135,17 +145,22 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
     model = load_model(model_dir, precision.dtype, torch.device("cpu"))
     examples = encode_examples(train_rows, tokenizer, cfg.prompt, labels, cfg.train.max_length)
     tokens = sum(len(e.input_ids) for e in examples)
+    shared_tokens = 0
 
     if side == "ours":
         from emotune.rundir import RunDir
         from emotune.train import train
 
+        # as the pipeline's train stage chooses it; the identical batch goes through the same collate and loss
+        objective, shared = share_prefix(LANGUAGE_MODEL, examples, cfg.train.shared_prefix, model)
+        shared_tokens = shared["tokens"] if shared["used"] else 0
         with torch.no_grad():
-            parts = completion_loss(model, collate(examples[:8], tokenizer.pad_token_id, torch.device("cpu")))
+            parts = completion_loss(model, objective.collate(examples[:8], tokenizer.pad_token_id, torch.device("cpu")))
         identical = float(parts.loss_sum) / parts.tokens
         with tempfile.TemporaryDirectory() as run_dir:
             started = time.perf_counter()
-            trained = train(model, tokenizer, examples, [], cfg, precision, RunDir(run_dir), {"labels": labels})
+            trained = train(model, tokenizer, examples, [], cfg, precision, RunDir(run_dir), {"labels": labels},
+                            objective)
             seconds = time.perf_counter() - started
             history = json.loads((Path(run_dir) / "train" / "log_history.json").read_text())
     else:
@@ -155,7 +170,7 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
     step_losses = [round(e["loss"], 5) for e in history if "loss" in e]
     tail = step_losses[-max(1, len(step_losses) // 4):]  # the last quarter of the epoch, averaged: less noisy
     return {"tokens_per_s": round(tokens / seconds, 1), "tokens": tokens, "seconds": round(seconds, 1),
-            "steps": len(step_losses), "precision": precision.name,
+            "steps": len(step_losses), "precision": precision.name, "shared_prefix_tokens": shared_tokens,
             "peak_rss_mb": round(peak_rss_mb, 1),
             "losses": {"identical_batch": round(identical, 6), "final": round(final, 5),
                        "last_quarter": round(sum(tail) / len(tail), 5), "per_step": step_losses}}

@@ -11,18 +11,27 @@ A row carries one loss span (classification: the label at the end of the row) or
 conversation: every assistant turn). When a pass has more loss positions than `CHUNK_TOKENS` (long
 responses), the projection and the cross-entropy run in chunks, each recomputed in the backward pass,
 so the [positions, vocabulary] logits never exist at once; at or below it, one projection as before.
+
+When every row starts with the same tokens (a classifier's system prompt and user-template head, about 55 of its
+85 tokens), `share_prefix` switches the objective to batches that carry those tokens once
+(`collate_after_prefix`): the model runs them once per forward pass and every row attends to them
+(emotune.prefix). The loss and the update are the same (`train.shared_prefix`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from emotune.prefix import cannot_share, model_inputs
+
 CHUNK_TOKENS = 1024  # loss positions per projection chunk: 1 GiB of fp32 logits for a 262,144-entry vocabulary
+SHARED_PREFIX_MIN_TOKENS = 16  # a shorter shared head is not worth a forward pass of its own
 
 
 @dataclass(frozen=True)
@@ -48,13 +57,14 @@ class Example:
         return sum(end - start for start, end in self.loss_spans)
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix_length(*sequences: list[int]) -> int:
+    """How many leading tokens all `sequences` share (a prompt and its completed row; every rendered prompt of an
+    evaluation, emotune.scoring; every training row, `shared_prefix_length`)."""
+    shortest = min(sequences, key=len)
+    for i, token in enumerate(shortest):
+        if any(seq[i] != token for seq in sequences):
+            return i
+    return len(shortest)
 
 
 def epoch_batches(lengths: list[int], batch_rows: int, min_rows: int, seed: int, epoch: int,
@@ -155,6 +165,29 @@ def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[
             "predicts": predicts.to(device), "targets": targets.to(device), "token_weights": token_weights.to(device)}
 
 
+def collate_after_prefix(examples: list[Example], pad_id: int, device: torch.device,
+                         prefix: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """`collate` of the rows without their shared `prefix`, plus the prefix's ids (`prefix_ids`, [1, n]), which the
+    model runs once for the whole batch (emotune.prefix). A batch with a row that does not start with the prefix, or
+    would predict a loss token inside it, is collated whole."""
+    n = len(prefix)
+    if not all(shared_prefix_length([e]) >= n and tuple(e.input_ids[:n]) == prefix for e in examples):
+        return collate(examples, pad_id, device)
+    rest = [replace(e, input_ids=e.input_ids[n:], completion_start=e.completion_start - n,
+                    spans=None if e.spans is None else tuple((start - n, end - n) for start, end in e.spans))
+            for e in examples]
+    batch = collate(rest, pad_id, device)
+    batch["prefix_ids"] = torch.tensor([prefix], dtype=torch.long, device=device)
+    return batch
+
+
+def shared_prefix_length(rows: list[Example]) -> int:
+    """Tokens every row starts with, up to the first position that predicts a loss token (position t predicts token
+    t + 1, and its logits come from the row's own pass), leaving every row at least one token."""
+    last = [min([start - 1 for start, end in r.loss_spans if end > start] + [len(r.input_ids) - 1]) for r in rows]
+    return max(0, min(common_prefix_length(*[r.input_ids for r in rows]), *last))
+
+
 @dataclass
 class LossParts:
     loss_sum: torch.Tensor
@@ -184,12 +217,47 @@ class Objective:
     lora_task_type: str = "CAUSAL_LM"
     modules_to_save: tuple[str, ...] = ()
     """Modules trained in full and saved with the adapter, besides `lora.modules_to_save` (a classifier's head)."""
+    can_share_prefix: bool = False
+    """Whether `loss` takes batches after a shared prefix (`collate_after_prefix`): the completion loss does; a
+    classification head's reads whole rows."""
+    prefix: tuple[int, ...] = ()
+    """The tokens every row starts with, run once per forward pass (set by `share_prefix`); () = whole rows."""
 
     def better(self, value: float, best: float | None) -> bool:
         return best is None or (value > best if self.higher_is_better else value < best)
 
 
-LANGUAGE_MODEL = Objective()
+LANGUAGE_MODEL = Objective(can_share_prefix=True)
+
+
+def share_prefix(objective: Objective, rows: list[Example], setting: str, model,
+                 sharded: bool = False) -> tuple[Objective, dict]:
+    """`objective` with shared-prefix batches when the rows (training and validation) share a head worth running once
+    and `setting` (`train.shared_prefix`) is `auto`, else unchanged; and the choice (`used`, `tokens`,
+    `mean_row_tokens`, `reason`), to print and record in run.json. `sharded`: training under FSDP2, which gathers a
+    layer's weights for its backward when the gradient reaches the layer's output, while the prefix's keys and values
+    take theirs from inside the layer; so FSDP runs whole rows."""
+    n = shared_prefix_length(rows) if rows else 0
+    why_not = ("train.shared_prefix=off" if setting == "off" else
+               "the task's loss reads whole rows" if not objective.can_share_prefix else
+               "FSDP2 expects each layer's gradient through its output" if sharded else
+               f"the rows share {n} leading tokens, fewer than {SHARED_PREFIX_MIN_TOKENS}"
+               if n < SHARED_PREFIX_MIN_TOKENS else cannot_share(model))
+    choice = {"used": why_not is None, "tokens": n,
+              "mean_row_tokens": round(sum(len(r.input_ids) for r in rows) / max(len(rows), 1), 1)}
+    if why_not is not None:
+        return objective, {**choice, "reason": why_not}
+    ids = tuple(rows[0].input_ids[:n])
+    shared = replace(objective, prefix=ids, collate=partial(collate_after_prefix, prefix=ids))
+    return shared, {**choice, "reason": "every row starts with these tokens"}
+
+
+def describe_shared_prefix(choice: dict) -> str:
+    if choice["used"]:
+        return (f"Shared prefix: every row starts with the same {choice['tokens']} tokens (rows average "
+                f"{choice['mean_row_tokens']:g}); they run once per forward pass, every row attending to them "
+                "(train.shared_prefix=auto).")
+    return f"Shared prefix: not used ({choice['reason']}); every row runs whole."
 
 
 def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = CHUNK_TOKENS) -> LossParts:
@@ -200,10 +268,10 @@ def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chun
     not its body alone, so DDP's gradient hooks, PEFT's adapters and Gemma's final logit soft-capping
     apply as usual. More than `chunk_tokens` positions: `chunked_loss` instead of one projection."""
     head = _plain_head(model)
-    if head is not None and int(batch["targets"].numel()) > chunk_tokens:
-        return _chunked_completion_loss(model, head, batch, chunk_tokens)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   logits_to_keep=batch["predicts"], use_cache=False).logits.float()
+    with model_inputs(model, batch) as inputs:  # a batch after a shared prefix runs the prefix first
+        if head is not None and int(batch["targets"].numel()) > chunk_tokens:
+            return _chunked_completion_loss(model, head, inputs, batch, chunk_tokens)
+        logits = model(**inputs, logits_to_keep=batch["predicts"]).logits.float()
     targets = batch["targets"]
     per_token = F.cross_entropy(logits, targets, reduction="none")
     # data.balance=class_weight: each completion token counts with its row's class weight
@@ -220,7 +288,8 @@ def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     return head if type(head) is torch.nn.Linear and head.bias is None else None
 
 
-def _chunked_completion_loss(model, head: torch.nn.Linear, batch: dict[str, torch.Tensor], chunk_tokens: int) -> LossParts:
+def _chunked_completion_loss(model, head: torch.nn.Linear, inputs: dict, batch: dict[str, torch.Tensor],
+                             chunk_tokens: int) -> LossParts:
     """The model's forward with the output projection passed through (it returns the kept hidden states),
     then `chunked_loss`. Gemma's final logit soft-capping is applied inside the chunks instead."""
     config = getattr(getattr(model, "module", model), "config", None)
@@ -230,8 +299,7 @@ def _chunked_completion_loss(model, head: torch.nn.Linear, batch: dict[str, torc
     try:
         if softcap is not None:
             config.final_logit_softcapping = None
-        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       logits_to_keep=batch["predicts"], use_cache=False).logits
+        hidden = model(**inputs, logits_to_keep=batch["predicts"]).logits
     finally:
         head.forward = original
         if softcap is not None:

@@ -318,6 +318,14 @@ class TrainConfig(Section):
     update is the same as one pass over the batch; what shrinks is the memory a pass allocates. `auto`:
     512 on CPU, where glibc keeps the freed memory of large passes (fewer, larger passes raised the
     peak by about 300 MB for Gemma 3 270M at batch 8, docs/benchmarks.md), no cap on GPUs; 0 = no cap."""
+    shared_prefix: Literal["auto", "off"] = "auto"
+    """`auto`: when every row starts with the same tokens (a classifier's system prompt and user-template head,
+    about 55 of its 85 tokens with the default prompt), run them once per forward pass and let every row attend to
+    them; the loss and update are the same, with one LoRA dropout mask for those tokens per pass instead of per row.
+    Rows that share fewer than 16 tokens (conversations, per-row system prompts), a task whose loss reads whole rows
+    (classify_head), an attention implementation other than sdpa/eager, or FSDP run whole. The choice is printed and
+    recorded in run.json. `off`: always run whole rows. With a shared prefix `max_tokens_per_pass` counts the
+    tokens after it."""
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = "adamw_torch"
     """Optimizer (adamw_torch avoids bitsandbytes, which ROCm builds lack)."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
@@ -366,6 +374,11 @@ class TrainConfig(Section):
     @classmethod
     def _one_tracker_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("shared_prefix", mode="before")
+    @classmethod
+    def _bare_off_is_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
 
     @field_validator("time_budget", mode="before")
     @classmethod

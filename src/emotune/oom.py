@@ -139,15 +139,17 @@ class Recovery:
 
     def __init__(self, limits: MemoryLimits, encoded: list[Example], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, t: TrainConfig, world_size: int, main: bool,
-                 record: Callable[[str, object], None] | None, fault: Callable[[int, dict], None] | None):
+                 record: Callable[[str, object], None] | None, fault: Callable[[int, dict], None] | None,
+                 shared_tokens: int = 0):
         self.limits, self.encoded, self.model, self.optimizer, self.t = limits, encoded, model, optimizer, t
         self.world_size, self.main, self.record, self.fault = world_size, main, record, fault
+        self.shared_tokens = shared_tokens  # a shared prefix's: run once per pass, not counted per row
         self.rows = apply(limits, model, optimizer, encoded)  # the data order follows `encoded`, the passes these
 
     def passes(self, globals_: list[list[int]], limits: MemoryLimits | None = None) -> list[list[list[int]]]:
         """[process][pass] -> rows: every micro-batch of a step cut into forward passes under `limits`."""
         limits = limits or self.limits
-        lengths = {i: len(self.rows[i].input_ids) for b in globals_ for i in b}
+        lengths = {i: len(self.rows[i].input_ids) - self.shared_tokens for b in globals_ for i in b}
         cut = [forward_passes(b, lengths, self.world_size, limits.max_tokens_per_pass, limits.rows_per_pass)
                for b in globals_]
         return [[p for micro in cut for p in micro[rank]] for rank in range(self.world_size)]

@@ -43,10 +43,15 @@ def make_accelerator(t: TrainConfig, model: PreTrainedModel, tracker_dir: Path
     return accelerator, accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else plugin
 
 
+def fsdp_requested(t: TrainConfig) -> bool:
+    """Whether FSDP2 is asked for: `train.fsdp`, or `accelerate launch --use_fsdp` (on one process it is not used)."""
+    return t.fsdp or parse_flag_from_env("ACCELERATE_USE_FSDP")
+
+
 def _fsdp_plugin(t: TrainConfig, cpu: bool) -> FullyShardedDataParallelPlugin | None:
     """FSDP2 settings from `train.fsdp`, else from `accelerate launch --use_fsdp` (its FSDP_* environment)."""
     launcher = parse_flag_from_env("ACCELERATE_USE_FSDP")
-    if not (t.fsdp or launcher):
+    if not fsdp_requested(t):
         return None
     processes = PartialState(cpu=cpu).num_processes
     if processes == 1:  # under `accelerate launch` Accelerate decides (FSDP on one GPU, e.g. to offload to CPU)

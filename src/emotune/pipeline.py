@@ -23,6 +23,7 @@ from transformers import set_seed
 
 from emotune import device as device_mod
 from emotune.artifacts import is_adapter
+from emotune.batches import describe_shared_prefix, share_prefix
 from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
@@ -110,10 +111,16 @@ def baseline_stage(ctx: Context) -> None:
 
 
 def train_stage(ctx: Context) -> None:
+    from emotune.parallel import fsdp_requested
     from emotune.train import train
 
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
     model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
+    objective, shared = share_prefix(objective, train_rows + val_rows, ctx.cfg.train.shared_prefix, model,
+                                     sharded=fsdp_requested(ctx.cfg.train))
+    if ctx.log is not None:  # the main process
+        print(describe_shared_prefix(shared), flush=True)
+        ctx.log.record("train", shared_prefix=shared)
     ctx._adapted = train(model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
                          ctx.task.adapter_meta(ctx.cfg, ctx.data), objective,
                          record=(lambda key, value: ctx.log.record("train", **{key: value})) if ctx.log else None,

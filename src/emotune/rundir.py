@@ -224,8 +224,9 @@ def _other_data(run: RunDir, fingerprint: str | None) -> bool:
 
 
 # Keys that change how a run is carried out, not what it computes: a run may resume with them changed
-# (e.g. FSDP under torchrun with train.fsdp=true, resumed by `accelerate launch --use_fsdp`).
-NOT_COMPARED = ("overwrite:", "  fsdp:")
+# (e.g. FSDP under torchrun with train.fsdp=true, resumed by `accelerate launch --use_fsdp`; a run begun before
+# train.shared_prefix existed, or with it off).
+NOT_COMPARED = ("overwrite:", "  fsdp:", "  shared_prefix:")
 
 
 def _comparable(config_yaml: str | None) -> str | None:

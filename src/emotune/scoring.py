@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from emotune.batches import common_prefix_length
 from emotune.config import PromptConfig
 from emotune.data import prompt_messages
 from emotune.errors import UserError
 from emotune.models import END_OF_TURN
+from emotune.prefix import MASKED_ATTENTION, attention_masks
 
 
 def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:
@@ -87,14 +89,6 @@ def _body_and_head(model):
     return base.get_decoder(), base.get_output_embeddings(), getattr(base.config, "final_logit_softcapping", None)
 
 
-def _common_prefix(sequences: list[list[int]]) -> int:
-    shortest = min(sequences, key=len)
-    for i, token in enumerate(shortest):
-        if any(seq[i] != token for seq in sequences):
-            return i
-    return len(shortest)
-
-
 class LabelScorer:
     """log P(label completion | chat prompt) for every label, exactly, in one forward pass per batch.
 
@@ -113,9 +107,6 @@ class LabelScorer:
         self.trie = LabelTrie.build(label_token_ids(tokenizer, prompt, labels))
         self.padding_side = padding_side
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.layer_types = sorted(set(getattr(config, "layer_types", None) or []))
-        self.sliding_window = getattr(config, "sliding_window", None)
         self._prefix: tuple[tuple[int, ...], object] | None = None
 
     def prompt_ids(self, texts: list[str]) -> list[list[int]]:
@@ -127,7 +118,7 @@ class LabelScorer:
     def shared_prefix(self, ids: list[list[int]]) -> list[int]:
         """The token prefix every row shares (at least the prompt up to the text), leaving each row ≥ 1 token."""
         probes = self.prompt_ids(["x", "y"])
-        length = min(_common_prefix([*ids, *probes]), min(len(seq) for seq in ids) - 1)
+        length = min(common_prefix_length(*ids, *probes), min(len(seq) for seq in ids) - 1)
         return ids[0][:length]
 
     @torch.inference_mode()
@@ -152,26 +143,10 @@ class LabelScorer:
     def _attention_mask(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
         """`allowed` [rows, queries, keys] in the form the model's attention takes, per layer type."""
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
-        if impl not in ("sdpa", "eager"):
+        if impl not in MASKED_ATTENTION:
             raise UserError(f"eval.method=score needs the `sdpa` or `eager` attention implementation (the model uses "
                             f"`{impl}`), because it passes its own attention mask. Load the model with sdpa.")
-
-        def as_mask(keep: torch.Tensor) -> torch.Tensor:
-            keep = keep[:, None]
-            if impl == "eager":
-                return torch.zeros(keep.shape, dtype=self.head.weight.dtype, device=keep.device).masked_fill(
-                    ~keep, torch.finfo(self.head.weight.dtype).min)
-            return keep
-
-        if not self.layer_types:
-            return as_mask(allowed)
-        masks = {}
-        for kind in self.layer_types:
-            keep = allowed
-            if kind == "sliding_attention" and self.sliding_window:
-                keep = allowed & (query_pos[:, :, None] - key_pos[:, None, :] < self.sliding_window)
-            masks[kind] = as_mask(keep)
-        return masks
+        return attention_masks(self.model.config, self.head.weight.dtype, allowed, query_pos, key_pos)
 
     def _prefix_cache(self, prefix: list[int]):
         """KV cache of the shared head; a plain cache (no sliding truncation) so every layer keeps every key."""

@@ -144,7 +144,7 @@ def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: Trai
             record("oom_recovery", {"policy": t.oom_recovery, "changes": limits.changes})
     progress.memory = limits.as_dict()
     return oom.Recovery(limits, train_rows, s.adapted, s.optimizer, t, s.plan.world_size,
-                        s.accelerator.is_main_process, record, fault)
+                        s.accelerator.is_main_process, record, fault, shared_tokens=len(s.objective.prefix))
 
 
 def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Recovery, val_rows: list[Example],

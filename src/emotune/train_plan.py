@@ -215,7 +215,8 @@ def calibration(model: torch.nn.Module, optimizer: torch.optim.Optimizer, object
         _finished(accelerator.device)
 
     return Calibration(run_pass, run_validation,
-                       lambda: optimizer.zero_grad(set_to_none=True), [len(r.input_ids) for r in rows],
+                       lambda: optimizer.zero_grad(set_to_none=True),
+                       [len(r.input_ids) - len(objective.prefix) for r in rows],  # as the loop's passes count them
                        [len(r.input_ids) for r in val_rows], val_batch, cap, accelerator.process_index)
 
 
