@@ -186,6 +186,7 @@ def test_the_summary_is_kept_when_the_stage_fails(tmp_path):
     assert entry["telemetry"]["samples"] >= 2
 
 
+@pytest.mark.slow  # a whole run: baseline, training, fine-tuned evaluation, report
 def test_a_run_records_telemetry_into_run_json_and_the_report(tiny_overrides, tmp_path, capsys):
     assert main(["run", *tiny_overrides, "train.telemetry_interval=0.05"]) == 0
     assert "train telemetry (" in capsys.readouterr().out

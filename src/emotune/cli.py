@@ -254,7 +254,13 @@ def process_defaults() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     process_defaults()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `emotune plan CONFIG --device-memory 24GB train.batch_size=8`: argparse ends the overrides at the first flag
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = COMMANDS[args.command][0]
     try:
         return handler(args)

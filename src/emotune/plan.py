@@ -30,11 +30,10 @@ _UNITS = {"": GiB, "b": 1, "k": 2**10, "m": 2**20, "g": GiB, "t": 2**40}
 def parse_memory(text: str) -> int:
     """`24GB`, `24GiB`, `24G`, `500MB` or `24` (GiB) in bytes. GB means GiB here, as on GPU spec sheets (a "24 GB"
     card holds 24 GiB)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower()) or \
-        re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(b)\s*", text.lower())
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|(b))?\s*", text.lower())
     if not match or float(match[1]) <= 0:
         raise UserError(f"--device-memory `{text}` is not an amount of memory. Write it like 24GB, 80GiB or 512MB.")
-    return int(float(match[1]) * _UNITS[match[2]])
+    return int(float(match[1]) * _UNITS[match[2] or match[3] or ""])
 
 
 @dataclass
@@ -179,19 +178,20 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
 
     for rows in range(plan.pass_rows - 1, 0, -1):  # the same update, in passes of fewer rows
         if peak(arch, rows, plan.length, plan.checkpointing) <= limit:
+            same = (f"; or train.batch_size={rows} train.gradient_accumulation_steps="
+                    f"{t.gradient_accumulation_steps * t.batch_size // rows}" if t.batch_size % rows == 0 else "")
             return _fix(passes(rows, plan.length), peak(arch, rows, plan.length, plan.checkpointing),
-                        f"the same update in forward passes of {rows} rows (or train.batch_size={rows} with "
-                        f"gradient_accumulation_steps x {t.batch_size // rows or 1})")
+                        f"the same update in forward passes of {_rows(rows)}{same}")
     gc = ["train.gradient_checkpointing=true"] if not plan.checkpointing else []
     for rows in range(plan.pass_rows, 0, -1):
         if gc and peak(arch, rows, plan.length, True) <= limit:
             return _fix(gc + passes(rows, plan.length), peak(arch, rows, plan.length, True),
-                        f"gradient checkpointing (about 30% slower), passes of {rows} rows")
+                        f"gradient checkpointing (about 30% slower), passes of {_rows(rows)}")
     length = plan.length // 2
     while length >= 16:
         if peak(arch, 1, length, True) <= limit:
             return _fix(gc + passes(1, length) + [f"train.max_length={length}"], peak(arch, 1, length, True),
-                        f"rows cut at {length} tokens (longer rows lose their end), one row per pass")
+                        f"rows cut at {length} tokens (longer rows lose their end), passes of 1 row")
         length //= 2
     fewer = _fewer_targets(arch, cfg, config, dtype, work)
     if fewer is not None:
@@ -203,6 +203,10 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
     return {"for": "training", "overrides": [], "peak": None,
             "note": f"nothing in the config makes it fit: the weights alone take {_size(arch.frozen_bytes)}; use a "
                     "device with more memory or a smaller model"}
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" + ("s" if n != 1 else "")
 
 
 def _fix(overrides: list[str], peak: int, note: str) -> dict:

@@ -87,7 +87,6 @@ class Evaluation:
 @dataclass(frozen=True)
 class Architecture:
     """The facts about one model and adapter setting that the estimate needs; see `describe`."""
-    name: str
     parameters: int
     trainable: int
     frozen_bytes: int
@@ -222,7 +221,6 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     window = getattr(text, "sliding_window", None)
     element = torch.empty((), dtype=dtype).element_size()
     return Architecture(
-        name=getattr(config, "_name_or_path", "") or config.model_type,
         parameters=sum(p.numel() for p in adapted.parameters()) + head, trainable=sum(p.numel() for p in trained) + head,
         frozen_bytes=frozen, trainable_bytes=trainable_bytes,
         optimizer_bytes=_optimizer_bytes(optim, trained) + (8 * head if optim != "sgd" else 0),

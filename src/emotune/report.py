@@ -101,7 +101,7 @@ def _telemetry_section(run: RunDir, info: dict) -> str:
     rows = telemetry.read_series(run.telemetry)
     head = "<section id=telemetry><h2>Telemetry</h2>"
     if not rows:
-        return head + "<p>No telemetry in this run folder (train.telemetry_interval=0).</p></section>"
+        return head + "<p>No telemetry in this run folder (it is recorded when train.telemetry_interval > 0).</p></section>"
     summaries = {name: stage["telemetry"] for name, stage in info.get("stages", {}).items() if "telemetry" in stage}
     fields = list(dict.fromkeys(f for summary in summaries.values() for f in summary["fields"]))
     header = "".join(f"<th>{html.escape(f)} ({html.escape(telemetry.UNITS[f])})</th>" for f in fields)
@@ -109,8 +109,9 @@ def _telemetry_section(run: RunDir, info: dict) -> str:
         f"<tr><td>{html.escape(name)}</td><td class=num>{summary['samples']}</td>"
         + "".join(f"<td class=num>{_peak_mean(summary['fields'].get(f))}</td>" for f in fields) + "</tr>"
         for name, summary in summaries.items())
-    table = (f"<table><caption>Peak / mean per stage (sampled every {summaries and next(iter(summaries.values()))['interval_s']} s; "
-             f"series in {run.telemetry.name})</caption><tr><th>stage</th><th>samples</th>{header}</tr>{body}</table>")
+    interval = next((summary["interval_s"] for summary in summaries.values()), None)
+    table = (f"<table><caption>Peak / mean per stage (a sample every {interval} s; the series is in "
+             f"{run.telemetry.name})</caption><tr><th>stage</th><th>samples</th>{header}</tr>{body}</table>")
     return head + table + embed_figure(telemetry.figure(rows), run.figures / "telemetry.png", "telemetry") + "</section>"
 
 
