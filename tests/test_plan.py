@@ -100,7 +100,7 @@ def test_the_table_names_every_part_and_the_verdict(tiny_model_dir, capsys):
 
 
 def test_every_task_plans_its_own_evaluation(tiny_model_dir, capsys):
-    sft = plan_json(capsys, *gpu(tiny_model_dir), "task=sft", "--device-memory", "8GB")
+    sft = plan_json(capsys, *gpu(tiny_model_dir), "--device-memory", "8GB", "task=sft")  # overrides after a flag too
     assert set(sft["evaluation"]) == {"response loss", "generate"}
     head = plan_json(capsys, *gpu(tiny_model_dir), "task=classify_head", "--device-memory", "8GB")
     assert set(head["evaluation"]) == {"zero-shot score", "head"}

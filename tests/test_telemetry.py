@@ -4,6 +4,7 @@ through sys.modules, as an installed pynvml or amdsmi would be found), and a tin
 from __future__ import annotations
 
 import json
+import mmap
 import sys
 import time
 import types
@@ -101,12 +102,13 @@ def test_cpu_sampler_records_this_process_for_real(tmp_path):
     path = tmp_path / "telemetry.jsonl"
     sampler = Sampler(found.sources, 0.02, path, "train").start()
     before = sampler.samples[0]["rss_mb"]
-    block = torch.ones(64 * MiB // 4)  # 64 MiB, touched
+    block = mmap.mmap(-1, 64 * MiB)  # fresh pages (a heap could reuse memory it already holds), then touched
+    block.write(b"\1" * (64 * MiB))
     deadline = time.monotonic() + 5
     while not any(s["rss_mb"] > before + 48 for s in sampler.samples) and time.monotonic() < deadline:
         time.sleep(0.02)
     summary = sampler.stop()
-    del block
+    block.close()
     assert summary["fields"]["rss_mb"]["peak"] > before + 48
     assert summary["fields"]["rss_mb"]["unit"] == "MiB" and "cpu_pct" in summary["fields"]
     assert not any(name.startswith(("gpu_", "allocated")) for name in summary["fields"])

@@ -66,7 +66,7 @@ class Plan:
         return stage, needs[stage]
 
     def verdict(self) -> str:
-        share = self.peak()[1] / self.target.memory
+        share = self.peak()[1] / max(self.target.memory, 1)
         return "fits" if share <= FITS else "tight" if share <= 1 else "does not fit"
 
 
@@ -93,8 +93,8 @@ def make_plan(cfg: RunConfig, device_memory: str | None = None) -> Plan:
     for method, ev in work.evaluations.items():
         batch = auto_eval_rows(arch, ev, target.memory - target.runtime)
         evaluations[method] = (batch, evaluation_parts(arch, ev, batch))
-    plan = Plan(getattr(config, "_name_or_path", "") or cfg.model.source, cfg.task, target, arch, rows, t.max_length,
-                t.gradient_checkpointing, training, evaluations)
+    plan = Plan(cfg.model.source, cfg.task, target, arch, rows, t.max_length, t.gradient_checkpointing, training,
+                evaluations)
     if plan.verdict() != "fits":
         plan.fixes = _fixes(plan, cfg, config, dtype, work)
     return plan
@@ -273,7 +273,7 @@ def format_plan(plan: Plan) -> str:
     stage, peak = plan.peak()
     lines += ["", f"Device: {target.description}",
               f"Verdict: {plan.verdict()} — the largest need is {stage}, {_size(peak)} "
-              f"({100 * peak / target.memory:.0f}% of {_size(target.memory)}). The estimate came within about ±30% "
+              f"({100 * peak / max(target.memory, 1):.0f}% of {_size(target.memory)}). The estimate came within about ±30% "
               f"of measured peaks in emotune's tests; 'fits' keeps {100 - 100 * FITS:.0f}% free for that."]
     for fix in plan.fixes:
         change = " ".join(fix["overrides"])
