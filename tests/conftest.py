@@ -99,6 +99,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma4_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Gemma 4 text model (transformers has no sequence-classification class for it) with the
+    same tokenizer, saved as a Hugging Face folder."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    folder = tmp_path_factory.mktemp("tiny-gemma4")
+    tokenizer = build_tokenizer(folder)
+    config = Gemma4TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, global_head_dim=16, max_position_embeddings=512, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=len(tokenizer),
+        hidden_size_per_layer_input=8, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def tiny_overrides(tiny_model_dir, data_dir, tmp_path) -> list[str]:
     """Overrides that point a run at the tiny model and fixture data, 2 training steps, fp32."""
@@ -116,6 +137,8 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     emotune.json is `task`'s own adapter_meta for a config with `overrides` (e.g. prompt.system_prompt=...).
 
     `init_lora_weights=False` gives B != 0, so the adapter really changes the logits (a fresh LoRA is a no-op).
+    `task=classify_head`: the adapter of emotune's classifier (emotune.head), with LoRA on its language model and
+    a head whose weights are large enough that the logits spread over several units.
     """
     import torch
     from peft import LoraConfig, get_peft_model
@@ -128,9 +151,12 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM",
-                      **lora_kwargs)
-    model = get_peft_model(base, lora)
+    if task == "classify_head":
+        model = _random_head_adapter(base, r, seed, **lora_kwargs)
+    else:
+        lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False,
+                          task_type="CAUSAL_LM", **lora_kwargs)
+        model = get_peft_model(base, lora)
     cfg = load_config(None, [*([f"task={task}"] if task != "classify" else []), f"model.source={model_dir}", *overrides])
     run = RunDir(run_dir)
     # the product's own writer and metadata, so these tests fail if the adapter format changes
@@ -138,6 +164,36 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
                   TASKS[task].adapter_meta(cfg, SimpleNamespace(labels=LABELS)))
     write_text(run.config, dump_config(cfg))
     return run_dir
+
+
+def _random_head_adapter(base, r: int, seed: int, **lora_kwargs):
+    """The classifier over `base` with random LoRA (as training attaches it) and a random head of std 1.
+
+    The LoRA B matrices are scaled to entries below 0.05 (about twice the base weights' std; PEFT's uninitialised
+    ±0.5 would swamp them): still a large change, and one where the fp32 rounding of folding it into the weights
+    stays well below the 1e-4 the merge tests allow, also through Gemma 4's extra norms."""
+    import torch
+    from peft import get_peft_model
+
+    from emotune.config import LoraSettings
+    from emotune.head import classifier_from_causal, head_objective
+    from emotune.lora import lora_config
+
+    classifier = classifier_from_causal(base, LABELS, seed)
+    objective = head_objective("macro_f1", len(LABELS))
+    lora = lora_config(LoraSettings(r=r, alpha=2 * r), classifier, objective.lora_task_type, objective.modules_to_save)
+    lora.init_lora_weights = False
+    for key, value in lora_kwargs.items():
+        setattr(lora, key, value)
+    model = get_peft_model(classifier, lora)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "modules_to_save" in name:
+                weight.copy_(torch.randn(weight.shape, generator=generator))
+            elif "lora_B" in name:
+                weight.mul_(0.1)
+    return model
 
 
 @pytest.fixture(scope="session")

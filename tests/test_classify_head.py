@@ -62,7 +62,7 @@ def test_head_reads_the_last_real_token_when_pad_equals_eos(build):
     causal = build(pad_is_eos=True)
     eos = causal.config.eos_token_id
     assert causal.config.pad_token_id == eos
-    classifier = classifier_from_causal(causal, LABELS).eval()
+    classifier = classifier_from_causal(causal, LABELS, init_std=0.02).eval()  # a random head: positions differ
     # pad = eos and both rows end with a real eos: pooling by `input_ids != pad` would read the token before it
     short, long = [2, 5, 6, eos], [2, 7, 8, 9, 10, eos]
     alone = [classifier(input_ids=torch.tensor([ids])).logits[0] for ids in (short, long)]
@@ -76,6 +76,13 @@ def test_head_reads_the_last_real_token_when_pad_equals_eos(build):
     left = classifier(input_ids=ids, attention_mask=mask).logits
     hidden = classifier.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
     assert torch.allclose(left, classifier.score(hidden.float()), atol=1e-6)
+
+
+def test_a_fresh_head_starts_at_zero_so_every_class_starts_at_one_over_k():
+    classifier = classifier_from_causal(_gemma3(), LABELS).eval()
+    assert not classifier.score.weight.any()
+    probs = classifier(input_ids=torch.tensor([[2, 5, 6, 7]])).logits.softmax(-1)
+    assert torch.allclose(probs, torch.full_like(probs, 1 / len(LABELS)))
 
 
 def test_library_class_where_transformers_has_one_and_emotune_s_own_otherwise():
@@ -202,7 +209,12 @@ def test_emotune_run_with_the_head_task(tiny_overrides, tmp_path, capsys):
     for key in ("accuracy", "macro_f1", "weighted_f1", "per_class", "confusion_matrix", "top2_accuracy", "log_loss", "ece"):
         assert key in before and key in after
     assert "p_joy" in (run / "finetuned" / "predictions.csv").read_text().splitlines()[0]
+    # the head's evaluation ran with the LoRA merged, checked on the head's class logits
+    assert after["merge"]["merged"] is True and after["merge"]["max_logit_diff"] < 1e-4 and "merge" not in before
     assert "before = zero-shot label scoring" in out and "zero-shot" in (run / "report.html").read_text()
+    comparison = json.loads((run / "comparison.json").read_text())
+    assert comparison["methods"]["head"]["paired"]["verdict"] in ("better", "worse", "within noise", "mixed")
+    assert "Verdict: " in out and "<table class=intervals" in (run / "report.html").read_text()
     history = [e for e in json.loads((run / "train" / "log_history.json").read_text()) if "eval_macro_f1" in e]
     best = max(history, key=lambda e: e["eval_macro_f1"])  # the first of equals, as _track_best keeps it
     assert f"Adapter: step {best['step']}, the highest eval_macro_f1" in out
@@ -212,13 +224,43 @@ def test_emotune_run_with_the_head_task(tiny_overrides, tmp_path, capsys):
     assert again["accuracy"] == after["accuracy"] and again["log_loss"] == pytest.approx(after["log_loss"], abs=1e-6)
 
 
-def test_head_adapters_are_refused_by_predict_and_serve_with_a_clear_message(tmp_path):
-    from emotune.artifacts import find_artifact
+def test_a_head_adapter_is_found_and_one_without_its_head_is_refused_clearly(tmp_path):
+    from peft import get_peft_model
 
+    from emotune.artifacts import find_artifact
+    from emotune.head import causal_adapter
+
+    causal = _gemma3()
+    classifier = classifier_from_causal(causal, LABELS)
     adapter = tmp_path / "run" / "adapter"
-    adapter.mkdir(parents=True)
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "task_type": "SEQ_CLS"}))
+    # no task type: PEFT saves LoRA only (SEQ_CLS would add the head to modules_to_save by itself)
+    get_peft_model(classifier, lora_config(LoraSettings(r=4), classifier, None)).save_pretrained(adapter)
     (adapter / "emotune.json").write_text(json.dumps({"task": "classify_head", "labels": LABELS, "base_model": "x"}))
-    with pytest.raises(UserError, match="classification-head adapter .*emotune eval"):
-        find_artifact(tmp_path / "run")
-    assert find_artifact(tmp_path / "run", heads=True).meta["task"] == "classify_head"
+    artifact = find_artifact(tmp_path / "run")
+    assert artifact.has_head and artifact.max_length == 256 and not artifact.merged
+    with pytest.raises(UserError, match="holds no trained `score` head"):
+        causal_adapter(causal, adapter)
+
+
+@pytest.mark.slow
+def test_two_training_steps_on_a_tiny_gemma4_text_model(tiny_gemma4_dir, tiny_overrides, tmp_path, capsys):
+    """emotune's training loop on the architecture without a library class (emotune's own head), then the trained
+    adapter merged: the merged model gives the adapter's logits."""
+    from emotune.export import merge_parity_gap
+
+    overrides = [o for o in tiny_overrides if not o.startswith("model.source=")]
+    assert main(["train", "task=classify_head", f"model.source={tiny_gemma4_dir}", *overrides,
+                 "data.balance=class_weight", "train.eval_steps=2"]) == 0  # step 1 moves only the zero-started head
+    out = capsys.readouterr().out
+    run = tmp_path / "runs" / "tiny"
+    history = json.loads((run / "train" / "log_history.json").read_text())
+    assert [e["step"] for e in history if "loss" in e] == [1, 2]
+    evals = [e for e in history if "eval_macro_f1" in e]
+    assert [e["step"] for e in evals] == [2]
+    best = max(evals, key=lambda e: e["eval_macro_f1"])
+    assert f"Adapter: step {best['step']}, the highest eval_macro_f1" in out
+    saved = load_file(run / "adapter" / "adapter_model.safetensors")
+    assert any(k.endswith("score.weight") for k in saved) and any("lora_B" in k for k in saved)
+    assert any(v.abs().max() > 0 for k, v in saved.items() if "lora_B" in k)  # two steps moved the LoRA
+    assert main(["export", str(run), "--merge", "--dtype", "float32"]) == 0
+    assert merge_parity_gap(run, ["i am so happy today", "lonely"], merged_dir=run / "export" / "merged") < 1e-4

@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from emotune.config import RunConfig, dump_config, field_docs, load_config
+from emotune.config import RunConfig, dump_config, duration_seconds, field_docs, load_config
 from emotune.errors import UserError
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -165,3 +165,30 @@ def test_one_tracker_name_is_a_one_item_list():
     assert load_config(None, ["train.report_to=tensorboard"]).train.report_to == ["tensorboard"]
     assert load_config(None, ["train.report_to=[tensorboard, wandb]"]).train.report_to == ["tensorboard", "wandb"]
     assert "`train.report_to.0`" in _problem("train.report_to=tensorbord")
+
+
+def test_a_time_budget_is_a_duration_with_units():
+    for text, seconds in (("20m", 1200), ("1h30m", 5400), ("1h 30m", 5400), ("900s", 900), ("1.5h", 5400),
+                          ("2m30s", 150), (" 45S ", 45)):
+        assert duration_seconds(text) == seconds, text
+    assert load_config(None, ["train.time_budget=1h30m"]).train.time_budget == "1h30m"
+    assert load_config(None, []).train.time_budget is None
+    assert "a bare number could be seconds or minutes" in _problem("train.time_budget=20")
+    for text in ("20min", "30m1h", "m", "1h-5m", "true"):
+        assert "`train.time_budget`:" in _problem(f"train.time_budget={text}") and "e.g. 20m, 1h30m or 900s" in \
+            _problem(f"train.time_budget={text}")
+    assert "must be longer than 0" in _problem("train.time_budget=0m")
+
+
+def test_a_time_budget_and_a_step_count_are_refused_together():
+    message = _problem("train.time_budget=20m", "train.max_steps=100")
+    assert "`train.time_budget` (20m) and `train.max_steps` (100) both say how long to train" in message
+    assert "train.max_steps=-1" in message and "train.time_budget=null" in message
+    assert load_config(None, ["train.time_budget=20m", "train.max_steps=-1"]).train.max_steps == -1
+
+
+def test_the_own_data_recipe_trains_for_a_time_budget_with_epochs_as_the_upper_bound():
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "cpu-own-data.yaml")
+    assert (cfg.train.time_budget, cfg.train.max_steps, cfg.train.num_train_epochs) == ("20m", -1, 3)
+    assert cfg.eval.method == "score" and cfg.data.balance == "none"
+    assert cfg.data.validation_limit is not None  # validations are paid from the budget

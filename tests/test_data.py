@@ -112,3 +112,29 @@ def test_prompt_completion_rows_match_the_reference_recipe():
     rows = to_prompt_completion(data.splits["test"].select(range(3)), prompt, data.labels)
     assert rows.column_names == ["prompt", "completion"]
     assert rows[0]["completion"] == [{"role": "assistant", "content": data.splits["test"][0]["label"]}]
+
+
+def test_imbalanced_training_classes_are_called_out_with_the_key_to_set(tmp_path):
+    from emotune.data.prepare import format_summary
+
+    counts = dict(zip(LABELS, [40, 12, 12, 12, 12, 10]))
+    rows = [{"text": f"{label} sample number {i} with some words", "label": label}
+            for label, n in counts.items() for i in range(n)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "test.jsonl", [{"text": f"held out {label} {i}", "label": label}
+                                          for label in LABELS for i in range(2)])
+    data = load_data(DataConfig(source=str(tmp_path), validation_size=0.1), seed=0)
+    imbalance = data.report["imbalance"]
+    train = data.counts()["train"]
+    assert imbalance["largest"] == {"label": LABELS[0], "rows": train[LABELS[0]]}
+    assert imbalance["smallest"]["rows"] == min(train.values())
+    assert imbalance["ratio"] == round(max(train.values()) / min(train.values()), 2) and imbalance["flagged"]
+    assert "data.balance=class_weight" in format_summary(data)
+
+    weighted = load_data(DataConfig(source=str(tmp_path), validation_size=0.1, balance="class_weight"), seed=0)
+    assert "compensates" in format_summary(weighted) and "data.balance=class_weight to" not in format_summary(weighted)
+
+    even = [{"text": f"{label} even {i}", "label": label} for label in LABELS for i in range(10)]
+    write_jsonl(tmp_path / "train.jsonl", even)
+    balanced = load_data(DataConfig(source=str(tmp_path), validation_size=0.1), seed=0)
+    assert not balanced.report["imbalance"]["flagged"] and "imbalanced:" not in format_summary(balanced)

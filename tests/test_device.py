@@ -92,3 +92,27 @@ def test_a_numbered_gpu_is_chosen_and_checked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="no CUDA or ROCm GPU"):
         device.resolve_device("cuda:0")
+
+
+def test_a_gpu_number_is_checked_against_the_visible_count_and_names_the_visibility_variables(monkeypatch):
+    assert device.resolve_device("cuda:1", gpus=lambda: 2) == torch.device("cuda:1")
+    assert device.resolve_device("auto", gpus=lambda: 2) == torch.device("cuda")  # a ROCm GPU too: torch.cuda
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(UserError, match=r"sees 2 GPU\(s\), numbered from 0 to 1 \(with HIP_VISIBLE_DEVICES='2,3'\)"):
+        device.resolve_device("cuda:2", gpus=lambda: 2)
+    with pytest.raises(UserError, match="no CUDA or ROCm GPU"):
+        device.resolve_device("cuda", gpus=lambda: 0)
+
+
+def test_device_cuda_n_is_a_config_value_refused_before_any_weights_load(tiny_overrides, tmp_path, monkeypatch, capsys):
+    from emotune.cli import main
+    from emotune.config import load_config
+
+    assert load_config(None, ["device=cuda:1"]).device == "cuda:1"
+    for wrong in ("cuda1", "rocm", "gpu:0"):
+        with pytest.raises(UserError, match="must be auto, cpu, cuda, cuda:N"):
+            load_config(None, [f"device={wrong}"])
+    monkeypatch.setattr(device, "visible_gpus", lambda: 2)  # as on a machine with two GPUs
+    assert main(["train", *tiny_overrides, "device=cuda:2"]) == 2
+    assert "sees 2 GPU(s)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # refused before the run folder, data or model

@@ -27,7 +27,7 @@ INLINE_CODE = re.compile(r"`([^`\n]+)`")
 # `emotune run ...`, `.venv/bin/emotune run ...`, `-m emotune train ...`; not `emotune.cli` or `emotune's`
 INVOCATION = re.compile(r"(?<![^\s/])emotune[ \t]+(?P<command>[a-z][\w-]*)(?P<rest>[^\n]*)")
 COMMAND_END = re.compile(r"\s#|\s\|\s|&&|;")  # a shell comment, pipe or next command ends the arguments
-SECTIONS = ("model", "data", "prompt", "lora", "train", "eval", "serve")
+SECTIONS = ("model", "data", "prompt", "lora", "train", "eval", "serve", "sweep")
 DOTTED_KEY = re.compile(rf"(?<![\w./$-])(?P<key>(?:{'|'.join(SECTIONS)})(?:\.[A-Za-z_]\w*)+)(?![\w(])")
 PROSE_ASSIGNMENT = re.compile(rf"(?<![\w./$-])(?P<key>(?:{'|'.join(SECTIONS)})(?:\.[A-Za-z_]\w*)+)=")
 # `train.jsonl`, `data.md`, `lora.py` are files, not keys

@@ -108,3 +108,17 @@ def test_baseline_notes_explain_a_mostly_invalid_generate_baseline():
     assert "eval.method=both" not in both[1]
     alone = baseline_notes({"generate": {"rows": 4, "invalid": 2}}, chance)
     assert "set eval.method=both" in alone[1]
+
+
+def test_a_class_never_predicted_after_training_is_warned_about_in_the_terminal_table():
+    from emotune.tasks.classify_report import compare, format_table
+
+    labels = ["a", "b", "c"]
+    gold = ["a", "a", "b", "b", "c", "c"]
+    before = compute_metrics(gold, ["a", "b", "c", "a", "b", "c"], labels)
+    after = compute_metrics(gold, ["a", "a", "b", "b", "b", "b"], labels)
+    comparison = compare(before, after, labels)
+    assert comparison["never_predicted"] == {"before": [], "after": ["c"]}
+    table = format_table(comparison, labels)
+    assert "recall c" in table and "never predicted c" in table
+    assert "never predicted" not in format_table(compare(after, before, labels), labels)

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.utils import is_flash_attn_2_available
 
 from emotune.config import ModelConfig
 from emotune.errors import UserError
-from emotune.models import GEMMA_CHAT_TEMPLATE, load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.models import (GEMMA_CHAT_TEMPLATE, check_attention, load_model, load_tokenizer, resolve_model_dir,
+                            stop_token_ids)
 
 
 def test_hub_id_without_network_says_how_to_download(tmp_path):
@@ -168,3 +170,42 @@ def test_a_gemma_tokenizer_drops_its_build_lists_and_encodes_and_saves_the_same(
     assert (tmp_path / "saved" / "tokenizer.json").read_text() == (tmp_path / "built" / "tokenizer.json").read_text()
     again = AutoTokenizer.from_pretrained(tmp_path / "saved")
     assert again(text)["input_ids"] == plain(text)["input_ids"] and len(again._merges) == len(merges)
+
+
+def test_attn_implementation_reaches_the_model(tiny_model_dir):
+    for choice, expected in (("eager", "eager"), ("sdpa", "sdpa"), ("auto", "sdpa")):
+        model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"), choice)
+        assert model.config._attn_implementation == expected, choice
+
+
+def test_an_attention_kernel_that_cannot_run_is_refused_with_every_reason(tiny_model_dir, tmp_path):
+    cfg = ModelConfig(source=str(tiny_model_dir), attn_implementation="flash_attention_2")
+    for ok in ("auto", "eager", "sdpa"):
+        check_attention(cfg.model_copy(update={"attn_implementation": ok}), tiny_model_dir, torch.device("cpu"),
+                        torch.float32)
+    with pytest.raises(UserError) as cpu:
+        check_attention(cfg, tiny_model_dir, torch.device("cpu"), torch.float32)
+    assert "CUDA and ROCm GPUs only" in str(cpu.value) and "bf16 or fp16" in str(cpu.value)
+    assert "model.attn_implementation=sdpa" in str(cpu.value)
+    if not is_flash_attn_2_available():  # a GPU machine without the package: said, with how to install it
+        with pytest.raises(UserError, match="the flash-attn package"):
+            check_attention(cfg, tiny_model_dir, torch.device("cuda"), torch.bfloat16)
+
+    # a model class transformers does not implement it for (Gemma 3's image-text model), from config.json alone
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    Gemma3Config(text_config=Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=1, head_dim=16),
+                 vision_config=SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=28, patch_size=14),
+                 mm_tokens_per_image=4).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="Gemma3ForConditionalGeneration does not support Flash Attention 2"):
+        check_attention(cfg, tmp_path, torch.device("cuda"), torch.bfloat16)
+
+
+def test_a_refused_attention_kernel_stops_the_run_before_it_starts(tiny_overrides, tmp_path, capsys):
+    from emotune.cli import main
+
+    assert main(["train", *tiny_overrides, "model.attn_implementation=flash_attention_2"]) == 2
+    assert "model.attn_implementation=flash_attention_2 cannot be used here" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

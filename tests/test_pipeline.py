@@ -47,6 +47,12 @@ def test_run_end_to_end(tiny_overrides, tmp_path, capsys):
         assert comparison["metrics"]["macro_f1"][key] == metrics["macro_f1"]
     acc = comparison["metrics"]["accuracy"]
     assert acc["delta"] == pytest.approx(acc["after"] - acc["before"])
+    # the fine-tuned evaluation ran with the adapter merged (fp32: the same logits), and says so
+    merge = json.loads((run_dir / "finetuned" / "metrics.json").read_text())["merge"]
+    assert merge["merged"] is True and merge["max_logit_diff"] < 1e-4 and merge["rows_checked"] == 8
+    assert run_info["merged_eval"] == merge and "merge" not in json.loads((run_dir / "baseline" / "metrics.json").read_text())
+    assert "Adapter merged into the float32 weights" in out
+    assert "Adapter merged into the float32 weights" in (run_dir / "report.html").read_text()
 
     meta = json.loads((run_dir / "adapter" / "emotune.json").read_text())
     assert meta["labels"] == ["sadness", "joy", "love", "anger", "fear", "surprise"]
@@ -105,6 +111,14 @@ def test_interrupted_run_resumes_and_skips_finished_stages(tiny_overrides, tmp_p
     assert info["status"] == "finished"
     assert "already" in info["stages"]["train"]["note"]
     assert (run_dir / "finetuned" / "metrics.json").is_file()
+    assert info["merged_eval"]["merged"] is True  # measured again by the resumed fine-tuned stage
+    # a crash after the fine-tuned evaluation: the resumed run skips it and keeps its record in run.json
+    info["status"] = "failed"
+    (run_dir / "run.json").write_text(json.dumps(info))
+    (run_dir / "comparison.json").unlink()
+    assert main(["run", *tiny_overrides]) == 0
+    resumed = json.loads((run_dir / "run.json").read_text())
+    assert "already" in resumed["stages"]["finetuned"]["note"] and resumed["merged_eval"] == info["merged_eval"]
 
 
 def test_resume_with_a_different_config_is_refused(tiny_overrides, tmp_path, capsys):

@@ -51,6 +51,8 @@ def test_both_methods_are_measured_and_compared(both_run, capsys):
     assert comparison["method"] == {"before": "generate", "after": "generate"}  # the reference is the headline
     assert "log_loss" in comparison["methods"]["score"]["metrics"]
     assert {r["method"] for r in _rows(run_dir / "comparison.csv")} == {"generate", "score"}
+    for one in comparison["methods"].values():  # 95% intervals and the paired test per method (test_stats.py)
+        assert set(one["intervals"]) == {"accuracy", "macro_f1"} and set(one["paired"]) == {"mcnemar", "verdict"}
 
 
 def test_report_is_self_contained(both_run):
@@ -59,11 +61,46 @@ def test_report_is_self_contained(both_run):
     assert page.count("class='before-after'") == 2
     assert "data-method='generate'" in page and "data-method='score'" in page
     assert "<script" not in page and "src='http" not in page and 'src="http' not in page
-    assert page.count("src='data:image/png;base64,") == 6  # 2 confusion + 2 F1 + loss + telemetry
+    assert page.count("src='data:image/png;base64,") == 8  # 2 confusion + 2 F1, loss, gradient norm, B histogram, telemetry
     for name in ("confusion_generate", "confusion_score", "per_class_f1_generate", "per_class_f1_score", "loss",
                  "telemetry"):
         assert (run_dir / "report" / f"{name}.png").stat().st_size > 1000
     assert "Wrong → right" in page and "Right → wrong" in page and "Invalid outputs before" in page
+
+
+def test_report_shows_gradient_norms_and_adapter_weights_of_the_trained_adapter(both_run, tiny_model_dir):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_dir, _ = both_run
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "<section id=training>" in page and "train.max_grad_norm = 1" in page and "class=adapter-norms" in page
+    for name in ("grad_norm", "lora_b_histogram"):
+        assert (run_dir / "report" / f"{name}.png").stat().st_size > 1000
+    # logging_steps=1: each window is one step, so its mean and maximum are that step's norm
+    logged = [e for e in json.loads((run_dir / "train" / "log_history.json").read_text()) if "grad_norm" in e]
+    assert [e["step"] for e in logged] == [1, 2]
+    assert all(e["grad_norm_mean"] == e["grad_norm_max"] == e["grad_norm"] > 0 for e in logged)
+
+    stats = json.loads((run_dir / "report" / "adapter_stats.json").read_text())
+    assert set(stats["groups"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert {m["layer"] for m in stats["modules"]} == {0, 1} and len(stats["modules"]) == 14
+    # ΔW as PEFT merges it into the weights: the reported ‖ΔW‖ of every module
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                       run_dir / "adapter").merge_and_unload()
+    for m in stats["modules"]:
+        delta = merged.get_submodule(m["module"]).weight - base.get_submodule(m["module"]).weight
+        assert float(torch.linalg.norm(delta)) == pytest.approx(m["delta_norm"], rel=1e-4), m["module"]
+    # each group's histogram holds every B entry of the group; B left its zero start everywhere
+    saved = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    for group, g in stats["groups"].items():
+        b_entries = [t for k, t in saved.items() if k.endswith(f"{group}.lora_B.weight")]
+        assert sum(g["histogram"]["counts"]) == g["entries"] == sum(t.numel() for t in b_entries) == 2 * b_entries[0].numel()
+        assert g["entries_max_abs"] == pytest.approx(max(float(t.abs().max()) for t in b_entries))
+        assert g["entries_zero_share"] < 0.5 and g["delta_norm_max"] > 0
 
 
 def test_report_command_rebuilds_and_rejects_other_folders(both_run, tmp_path, capsys):
@@ -133,6 +170,8 @@ def test_comparison_terminal_and_report_show_the_chance_levels(both_run):
     page = (run_dir / "report.html").read_text(encoding="utf-8")
     assert "<th>majority class (sadness)</th>" in page and page.count("<th>stratified guess</th>") == 2
     assert "always sadness" in page and ("pretrained (not instruction-tuned)" in page) == (invalid >= 6)
+    assert text.count("Verdict: ") == 2 and page.count("<table class=intervals") == 2
+    assert page.count(f"Verdict: {comparison['paired']['verdict']}") >= 1
 
 
 def test_the_cpu_recipe_measures_both_methods():

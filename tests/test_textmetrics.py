@@ -1,4 +1,4 @@
-"""Reference-based text scores: hand-computed values, CJK tokenization, JSON exact match, bootstrap intervals."""
+"""Reference-based text scores: hand-computed values, CJK tokenization, JSON exact match (intervals: test_stats.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 from rouge_score import rouge_scorer
 from sacrebleu.metrics import BLEU
 
-from emotune.textmetrics import (CJKTokenizer, bleu, bleu_tokenize, bootstrap_ci, exact_match,
-                                 paired_bootstrap_delta, rouge_l, sentence_bleu, summarize)
+from emotune.textmetrics import CJKTokenizer, bleu, bleu_tokenize, exact_match, rouge_l, sentence_bleu, summarize
 
 
 def test_rouge_l_matches_the_hand_computed_lcs_f1():
@@ -83,28 +82,3 @@ def test_summarize_gives_overall_and_per_kind_means():
     assert summarize(rows, corpus_bleu=0.25)["corpus_bleu"] == 0.25
     bare = [{k: v for k, v in r.items() if k not in ("prediction", "reference", "kind")} for r in rows]
     assert summarize(bare)["corpus_bleu"] is None and summarize(bare)["per_kind"] == {}
-
-
-def test_bootstrap_ci_contains_the_mean_narrows_with_more_data_and_is_deterministic():
-    values = [1.0] * 30 + [0.0] * 20
-    low, high = bootstrap_ci(values)
-    assert low < 0.6 < high and 0.4 < low and high < 0.8
-    assert bootstrap_ci(values) == (low, high)
-    spread = [i / 49 for i in range(50)]
-    assert bootstrap_ci(spread) == bootstrap_ci(spread) != bootstrap_ci(spread, seed=1)
-    wide = bootstrap_ci(values[:5] + values[-5:])
-    assert wide[1] - wide[0] > high - low
-    assert bootstrap_ci([0.3]) == (0.3, 0.3)
-    with pytest.raises(ValueError):
-        bootstrap_ci([])
-
-
-def test_paired_bootstrap_delta_sees_a_clear_drop_and_no_change():
-    before = [1.0] * 40 + [0.0] * 10
-    after = [0.0] * 30 + [1.0] * 10 + [0.0] * 10
-    drop = paired_bootstrap_delta(before, after)
-    assert drop["delta"] == pytest.approx(-0.6) and drop["low"] <= -0.6 <= drop["high"] < 0
-    assert paired_bootstrap_delta(before, before) == {"delta": 0.0, "low": 0.0, "high": 0.0}
-    assert paired_bootstrap_delta(before, after) == drop
-    with pytest.raises(ValueError, match="pair up"):
-        paired_bootstrap_delta(before, after[:-1])

@@ -2,8 +2,9 @@
 
 An emotune adapter folder holds PEFT's files (`adapter_config.json`, `adapter_model.safetensors`), the
 tokenizer with its chat template, and `emotune.json`: the task, label set, prompt and base model the
-adapter was trained with (an sft adapter: its system prompt and base model), so it can be measured and
-served with exactly the training prompt.
+adapter was trained with (an sft adapter: its system prompt and base model; a classify_head adapter: its
+labels, token limit and base model, with the trained `score` head in PEFT's weights file, saved there as a
+module trained in full), so it can be measured and served with exactly the training prompt.
 
 Adapters written by other tools (plain PEFT, LLaMA-Factory, TRL; `adapter_model.bin` too, which PEFT
 reads with `torch.load(weights_only=True)`) have no `emotune.json`. They load when what it would say is
@@ -29,7 +30,8 @@ PEFT_CONFIG = "adapter_config.json"
 # What emotune.json must hold, by the `task` it names (written by that task's adapter_meta; no `task`: classify).
 REQUIRED_META = {"classify": ("labels", "system_prompt_template", "user_template", "base_model"),
                  "sft": ("task", "base_model"), "classify_head": ("task", "labels", "base_model")}
-HEAD_TASKS = ("classify_head",)  # adapters that carry a classification head: only `emotune eval` reads them yet
+HEAD_TASKS = ("classify_head",)  # models that answer through a classification head (emotune.head), not with text
+DEFAULT_HEAD_MAX_LENGTH = 256  # train.max_length's default, for a head adapter whose emotune.json records none
 
 
 @dataclass
@@ -62,6 +64,16 @@ class Artifact:
     @property
     def labels(self) -> list[str]:
         return list(self.meta["labels"])
+
+    @property
+    def has_head(self) -> bool:
+        """A classification-head model: label probabilities from its `score` head, no prompt, no text out."""
+        return self.task in HEAD_TASKS
+
+    @property
+    def max_length(self) -> int:
+        """A head model's token limit per text: the one it was trained and evaluated with."""
+        return int(self.meta.get("max_length") or DEFAULT_HEAD_MAX_LENGTH)
 
     @property
     def prompt(self) -> PromptConfig:
@@ -135,6 +147,8 @@ def _wrong_types(meta: dict) -> list[str]:
     """What in emotune.json has a type its readers cannot use (labels: distinct non-empty strings)."""
     wrong = [f"`{key}` that is not text" for key in ("system_prompt", "system_prompt_template", "user_template",
                                                      "base_model") if key in meta and not isinstance(meta[key], (str, type(None)))]
+    if "max_length" in meta and not (type(meta["max_length"]) is int and meta["max_length"] >= 1):
+        wrong.append("`max_length` that is not a positive whole number")
     labels = meta.get("labels")
     if "labels" in meta and not (isinstance(labels, list) and labels and all(isinstance(x, str) and x.strip() for x in labels)
                                  and len(set(labels)) == len(labels)):
@@ -146,10 +160,8 @@ def _wrong_types(meta: dict) -> list[str]:
 # Reader
 
 
-def find_artifact(target: str | Path, name: str | None = None, fallback: Fallback | None = None,
-                  heads: bool = False) -> Artifact:
-    """Accept a run folder, an export folder, an adapter folder or a merged model folder. A classification-head
-    adapter is refused unless `heads` (its reader, `task: classify_head`'s `emotune eval`, asks for it)."""
+def find_artifact(target: str | Path, name: str | None = None, fallback: Fallback | None = None) -> Artifact:
+    """Accept a run folder, an export folder, an adapter folder or a merged model folder."""
     target = Path(target).expanduser()
     if not target.exists():
         raise UserError(f"`{target}` does not exist, so it is neither an adapter folder nor a run folder. Give a run "
@@ -160,10 +172,6 @@ def find_artifact(target: str | Path, name: str | None = None, fallback: Fallbac
         marker = folder / ("config.json" if merged else PEFT_CONFIG)
         if marker.is_file() and (folder / META).is_file():
             meta = read_meta(folder)
-            if meta.get("task") in HEAD_TASKS and not heads:
-                raise UserError(f"`{folder}` holds a classification-head adapter (task {meta['task']}); export, predict "
-                                "and serve do not handle head adapters yet (issue 13, part 3). Measure it with "
-                                f"`emotune eval CONFIG adapter={target}` using its run's config.")
             return Artifact(name=name or default_name(target), path=folder, merged=merged, meta=meta,
                             model_cfg=_model_cfg(target, folder, meta["base_model"]))
     for folder in (run.adapter, target):
@@ -248,7 +256,10 @@ def fallback_from(cfg=None, labels: list[str] | None = None, source: str = "the 
 
 
 def default_name(target: Path) -> str:
+    """The run's name: RUN, RUN/adapter, RUN/export, RUN/export/adapter and RUN/export/merged are all `RUN`."""
     folder = target.resolve()
+    if folder.name in ("adapter", "merged") and folder.parent.name == "export":
+        folder = folder.parent
     name = folder.parent.name if folder.name in ("adapter", "merged", "export") else folder.name
     # the name travels in URLs, JSON `model` fields and vLLM's name=path flags
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "adapter"
@@ -277,14 +288,20 @@ def check_matches(artifact: Artifact, labels: list[str], system_prompt_text: str
 
 
 def load_artifact_model(artifact: Artifact, dtype, device):
-    """The model (PEFT-wrapped for adapters) and tokenizer, ready for inference."""
+    """The model (PEFT-wrapped for adapters) and tokenizer, ready for inference. A head model is its classifier
+    (emotune.head): a merged one through emotune's loader, an adapter over the base's language model."""
+    from emotune.head import classifier_from_causal, load_classifier
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
 
     if artifact.merged:
-        return load_model(artifact.path, dtype, device).eval(), load_tokenizer(artifact.path, ModelConfig())
+        load = load_classifier if artifact.has_head else load_model
+        return load(artifact.path, dtype, device).eval(), load_tokenizer(artifact.path, ModelConfig())
     from peft import PeftModel
 
     base_dir = resolve_model_dir(artifact.model_cfg)
-    model = PeftModel.from_pretrained(load_model(base_dir, dtype, device), artifact.path, adapter_name=artifact.name)
+    base = load_model(base_dir, dtype, device)
+    if artifact.has_head:
+        base = classifier_from_causal(base, artifact.labels)  # its fresh head is replaced by the adapter's trained one
+    model = PeftModel.from_pretrained(base, artifact.path, adapter_name=artifact.name)
     tokenizer_dir = artifact.path if (artifact.path / "tokenizer_config.json").is_file() else base_dir
     return model.eval(), load_tokenizer(tokenizer_dir, artifact.model_cfg if tokenizer_dir == base_dir else ModelConfig())

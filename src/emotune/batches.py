@@ -82,25 +82,28 @@ def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[rank * len(batch) // world_size:(rank + 1) * len(batch) // world_size]
 
 
-def forward_passes(batch: list[int], lengths: list[int], world_size: int, max_tokens: int) -> list[list[list[int]]]:
+def forward_passes(batch: list[int], lengths: list[int], world_size: int, max_tokens: int,
+                   max_rows: int = 0) -> list[list[list[int]]]:
     """Each process's share of a global batch, cut into forward passes: rows sorted longest first, each
     pass as many rows as fit `max_tokens` padded tokens (rows x its longest row; a longer row goes
-    alone). The gradient is summed over the passes before the optimizer step, so the update is the
-    same; what shrinks is the memory one pass allocates. Every process gets the same number of passes,
-    since under FSDP each pass gathers weights collectively: the most any share needs, at most the
-    fewest rows any share has. `max_tokens` 0: one pass per share. Returns [process][pass] -> rows."""
+    alone) and at most `max_rows` rows. The gradient is summed over the passes before the optimizer
+    step, so the update is the same; what shrinks is the memory one pass allocates. Every process gets
+    the same number of passes, since under FSDP each pass gathers weights collectively: the most any
+    share needs, at most the fewest rows any share has. `max_tokens` and `max_rows` 0: no limit (both 0:
+    one pass per share). Returns [process][pass] -> rows."""
     shares = [sorted(rank_share(batch, rank, world_size), key=lambda i: -lengths[i]) for rank in range(world_size)]
-    if not max_tokens:
+    if not max_tokens and not max_rows:
         return [[share] for share in shares]
-    cut = [_greedy_passes(share, lengths, max_tokens) for share in shares]
+    cut = [_greedy_passes(share, lengths, max_tokens, max_rows) for share in shares]
     count = min(max(len(p) for p in cut), min(len(s) for s in shares))
     return [_exactly(passes, count, lengths) for passes in cut]
 
 
-def _greedy_passes(rows: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+def _greedy_passes(rows: list[int], lengths: list[int], max_tokens: int, max_rows: int) -> list[list[int]]:
     passes, start = [], 0
     while start < len(rows):
-        take = max(1, max_tokens // max(lengths[rows[start]], 1))  # rows are sorted: the first is the longest
+        take = max(1, max_tokens // max(lengths[rows[start]], 1)) if max_tokens else len(rows)  # the first is the longest
+        take = min(take, max_rows) if max_rows else take
         passes.append(rows[start:start + take])
         start += take
     return passes
@@ -118,6 +121,18 @@ def _exactly(passes: list[list[int]], count: int, lengths: list[int]) -> list[li
         i = min(range(len(passes) - 1), key=lambda k: len(passes[k]) + len(passes[k + 1]))
         passes[i:i + 2] = [passes[i] + passes[i + 1]]
     return passes
+
+
+def truncated(example: Example, max_length: int) -> Example:
+    """`example` cut to its first `max_length` tokens, its loss spans cut with it (none left: an empty span,
+    and the row teaches nothing). A classification-head row keeps its label, read at its new last token."""
+    if len(example.input_ids) <= max_length:
+        return example
+    if example.label is not None:
+        return Example(example.input_ids[:max_length], max_length - 1, example.weight, label=example.label)
+    spans = tuple((start, min(end, max_length)) for start, end in example.loss_spans if start < max_length)
+    spans = spans or ((max_length, max_length),)
+    return Example(example.input_ids[:max_length], spans[0][0], example.weight, spans)
 
 
 def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -34,11 +34,19 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 BEST_FILE = "best.safetensors"
 FILES = ("trainable.safetensors", "optimizer.pt", "rng.pt", "progress.json")  # every checkpoint has these
 SET_ASIDE = ".unreadable"
+FROZEN = "emotune_frozen"
+"""Set on an adapter weight that out-of-memory recovery stopped training (emotune.oom): it is still part of the
+trained state, saved in checkpoints and the kept best weights and restored from them, as if it still trained."""
+
+
+def is_trained(param: torch.Tensor) -> bool:
+    """A weight of the trained state: one that trains, or one that trained until out-of-memory recovery froze it."""
+    return param.requires_grad or getattr(param, FROZEN, False)
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full copies of the trainable weights on the CPU (under FSDP2 a collective, see the module docstring)."""
-    return {name: _full_copy(p) for name, p in model.named_parameters() if p.requires_grad}
+    return {name: _full_copy(p) for name, p in model.named_parameters() if is_trained(p)}
 
 
 @torch.no_grad()
@@ -64,7 +72,7 @@ def _reshard(model: torch.nn.Module) -> None:
 
 
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    expected = {name for name, p in model.named_parameters() if is_trained(p)}
     if set(tensors) != expected:
         raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
                            f"(missing {sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]})")

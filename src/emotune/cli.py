@@ -44,6 +44,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from emotune.compare import compare_runs
+
+    compare_runs(args.run_dirs, out=args.out, allow_mismatch=args.allow_mismatch)
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from emotune.pipeline import train_only
 
@@ -125,12 +132,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, announce: bool = True):
-    from emotune.config import load_config
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from emotune.sweep import load_sweep_config, sweep
 
+    config, overrides = _config_and_overrides(args)
+    flags = [f"sweep.{key}={value}" for key, value in (("mode", "ablation" if args.ablation else args.search),
+                                                       ("trials", args.trials), ("seeds", args.seeds),
+                                                       ("metric", args.metric), ("backend", args.backend))
+             if value is not None]
+    cfg = load_sweep_config(config, overrides, args.grid, flags)
+    _announce(cfg)
+    sweep(cfg, config, overrides)
+    return 0
+
+
+def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]  # `emotune run train.max_steps=2` without a file
+    return config, overrides
+
+
+def _load(args: argparse.Namespace, announce: bool = True):
+    from emotune.config import load_config
+
+    config, overrides = _config_and_overrides(args)
     if announce and config is not None:
         from emotune.llamafactory import announce as announce_llamafactory
 
@@ -153,6 +179,8 @@ COMMANDS = {
     "data": (_cmd_data, "validate, clean and split the data with the tokenizer only; write runs/<name>/data/"),
     "eval": (_cmd_eval, "evaluate the base model, an adapter folder or a run folder alone: eval CONFIG [adapter=DIR] [split=test]"),
     "report": (_cmd_report, "write RUN_DIR/report.html (self-contained) and the figures as PNGs"),
+    "compare": (_cmd_compare, "finished runs side by side: scores with 95% intervals, paired test against the first, "
+                              "setup and cost; terminal, CSV, Markdown, HTML"),
     "train": (_cmd_train, "LoRA fine-tune only, resumable; also under torchrun / accelerate launch"),
     "plan": (_cmd_plan, "estimate training and evaluation memory from the model's config (no weights loaded) and say "
                         "whether the config fits this device or --device-memory, and what to change if not"),
@@ -161,6 +189,8 @@ COMMANDS = {
     "predict": (_cmd_predict, ("classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or "
                                "merged model; an sft model answers them in free text")),
     "serve": (_cmd_serve, "OpenAI-compatible HTTP server: /v1/classify, /v1/chat/completions, hot-swappable adapters"),
+    "sweep": (_cmd_sweep, ("many runs of a config, each with some keys changed (grid, ablation, random/TPE search), "
+                           "resumable; one trial per GPU at a time; writes the table and best.yaml")),
     "config": (_cmd_config, "print the resolved config (or every field with its documentation, or a LLaMA-Factory "
                             "file's translation)"),
 }
@@ -171,6 +201,7 @@ OVERRIDE_EXAMPLES = {
     "train": "train.max_steps=2",
     "config": "train.max_steps=2",
     "plan": "train.batch_size=8 train.max_length=512",
+    "sweep": "train.max_steps=20, before --grid",
     "data": "data.test_limit=200 data.cleaning.duplicates=exact",
     "eval": "eval.method=score, plus this command's adapter=DIR and split=validation",
 }
@@ -184,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("run", "train", "config", "data", "eval", "plan"):
+        if name in ("run", "train", "config", "data", "eval", "plan", "sweep"):
             p.add_argument("config", nargs="?", help="YAML config file (optional; defaults are the embedded CPU recipe)")
             p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {OVERRIDE_EXAMPLES[name]}")
         if name == "config":
@@ -197,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="plan for a device with this much memory (e.g. 24GB, 80GiB; GB means GiB) instead of this "
                                 "machine's; a GPU unless device=cpu")
             p.add_argument("--json", action="store_true", help="print the plan as JSON")
+        if name == "sweep":
+            _sweep_options(p)
         if name == "export":
             p.add_argument("run_dir", help="run folder (runs/<name>) or adapter folder")
             p.add_argument("--out", help="output folder (default: RUN_DIR/export)")
@@ -224,14 +257,38 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--labels", help="the same labels as a comma-separated list (overrides the config's)")
         if name == "serve":
             p.add_argument("items", nargs="*", metavar="TARGET|CONFIG|key=value",
-                           help="run/adapter folders to serve (name = folder name), an optional YAML config, "
+                           help="run/adapter folders to serve (name = folder name) or one merged model folder "
+                                "(emotune export --merge), an optional YAML config, "
                                 "and overrides such as serve.port=8001 serve.api_key=env:EMOTUNE_API_KEY")
             p.add_argument("--engine", choices=["native", "vllm"], help="same as serve.engine=...")
         if name == "report":
             p.add_argument("run_dir", help="a run folder, e.g. runs/cpu")
+        if name == "compare":
+            p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run folders; the first is the "
+                                                                            "reference of the paired test")
+            p.add_argument("--out", help="folder for compare.csv/.md/.html/.json (default: ./compare, replaced whole)")
+            p.add_argument("--allow-mismatch", action="store_true",
+                           help="show runs measured on other labels or test rows, marked not comparable, instead of "
+                                "refusing them")
         if name == "doctor":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def _sweep_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grid", nargs="+", default=[], metavar="KEY=VALUES",
+                   help="what varies: key=v1,v2,... (e.g. lora.r=8,16,32 train.learning_rate=1e-4,2e-4), or for "
+                        "--search a range: loguniform(1e-5,1e-3), uniform(a,b), int(a,b), choice(a,b,c); these keys "
+                        "replace the same keys of sweep.grid")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--ablation", action="store_true",
+                      help="one factor at a time: the config as it is, then each value of each key alone (sweep.mode)")
+    mode.add_argument("--search", choices=["random", "tpe"], help="draw --trials trials with Optuna (sweep.mode)")
+    p.add_argument("--trials", type=int, help="how many trials a search draws in all (sweep.trials)")
+    p.add_argument("--seeds", type=int, help="run each grid or ablation trial with this many seeds (sweep.seeds)")
+    p.add_argument("--metric", help="after-training metric that ranks trials, e.g. macro_f1, accuracy, rouge_l "
+                                    "(sweep.metric)")
+    p.add_argument("--backend", choices=["local", "ray"], help="where trials run (sweep.backend)")
 
 
 def _device_name(text: str) -> str:

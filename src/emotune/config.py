@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from emotune.errors import UserError, raise_problems
+from emotune.sweep_space import SEARCH_MODES, parse_grid
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an emotion classification assistant. Read the text and reply with exactly one word, "
@@ -70,6 +71,7 @@ class Range:
 
 
 RUN_NAME = re.compile(r"[\w.-]{1,100}")
+DEVICE_NAME = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 
 
 class Section(BaseModel):
@@ -124,9 +126,17 @@ class ModelConfig(Section):
     chat_template: str | None = None
     """A Jinja chat-template file to use instead of the tokenizer's. When neither exists, Gemma's turn
     format is used (system text folded into the first user turn)."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel the model runs with (transformers' `attn_implementation`): `auto` = transformers'
+    choice (PyTorch's `sdpa` where the model supports it, else `eager`); `sdpa` = PyTorch's
+    scaled_dot_product_attention; `eager` = the model's plain matrix products (the reference for
+    numerics, slowest, most memory); `flash_attention_2` = the flash-attn package (CUDA or ROCm GPUs only,
+    bf16/fp16 weights, and a model class that supports it). A choice the model, device or dtype cannot
+    use is refused before any weights load."""
 
 
 TextAction = Literal["keep", "replace", "drop"]
+MarkupAction = Literal["keep", "unwrap", "drop"]
 
 
 class CleaningConfig(Section):
@@ -144,9 +154,26 @@ class CleaningConfig(Section):
     urls: TextAction = "keep"
     """URLs (`http://`, `https://`, `www.`): keep, replace with `<url>`, or drop from the text."""
     mentions: TextAction = "keep"
-    """@mentions: keep, replace with `@user`, or drop from the text (e-mail addresses are untouched)."""
+    """@mentions (names in any script, up to the next space or punctuation mark): keep, replace with `@user`, or
+    drop from the text (e-mail addresses are untouched)."""
     emoji: TextAction = "keep"
     """Emoji (each run of them): keep, replace with `<emoji>`, or drop from the text."""
+    unicode_nfkc: bool = False
+    """Fold compatibility forms with Unicode NFKC, first of the text steps: full-width letters, digits and
+    punctuation become ASCII (`ＡＰＰ２０２６！` -> `APP2026!`, also `，` -> `,`), so later steps and the
+    tokenizer see one form. Off by default (it also rewrites ligatures, superscripts and the like)."""
+    weibo_reposts: MarkupAction = "keep"
+    """Weibo repost chains `我的话 //@name: 上一条 //@name: ...`: keep; `drop` the chain, keeping only the poster's own
+    text before the first `//@name:` (a row that is only a chain becomes empty, and `min_chars` drops it); or
+    `unwrap`: remove the `//@name:` markers and keep every text of the chain. Runs before `mentions`."""
+    weibo_topics: MarkupAction = "keep"
+    """Weibo topic tags `#话题#`: keep, `unwrap` (keep the topic's words, drop the two `#`), or `drop` the whole
+    tag. A `#` right after an ASCII letter or digit (`C#`, `5#楼`) or without a closing `#` on the line is
+    never a tag."""
+    weibo_emoticons: MarkupAction = "keep"
+    """Weibo emoticon codes such as `[哈哈]`, `[泪]`, `[doge]`: keep, `unwrap` (keep the word, `哈哈`), or `drop`.
+    A code is 1-8 Chinese characters (or 2-8 letters) in brackets, possibly with digits after the first
+    character; `[1]`, `[a]` and `[see note]` are not codes."""
     min_chars: Annotated[int, Range(0)] = 1
     """Drop rows whose cleaned text has fewer characters than this; 1 drops empty rows, 0 keeps them."""
     long_rows: Literal["keep", "drop", "truncate"] = "keep"
@@ -164,7 +191,8 @@ class CleaningConfig(Section):
 
 class DataConfig(Section):
     source: str = "embedded"
-    """Labelled data: `embedded` (the packaged emotion dataset); a folder of split files (`train.*`,
+    """Labelled data: `embedded` (the packaged English emotion dataset, also `embedded:emotion`),
+    `embedded:emotion_zh` (the packaged Chinese 7-class dataset: 喜悦 愤怒 悲伤 恐惧 惊讶 厌恶 中性); a folder of split files (`train.*`,
     `validation.*`/`val.*`/`dev.*`, `test.*`, shards like `train-00000-of-00002.parquet` too); a folder
     saved with `datasets`' `save_to_disk`; one file that is split by `validation_size`/`test_size`; or a hub
     dataset, `hf:dair-ai/emotion` or `modelscope:AI-ModelScope/emotion` (its Parquet snapshot is downloaded
@@ -254,9 +282,17 @@ class LoraSettings(Section):
 
 class TrainConfig(Section):
     max_steps: Annotated[int, Range(1, special=(-1,), also="or -1 to run train.num_train_epochs epochs")] = -1
-    """Optimizer steps to run; -1 = run `num_train_epochs` epochs."""
+    """Optimizer steps to run; -1 = run `num_train_epochs` epochs (or what fits `time_budget`)."""
     num_train_epochs: Annotated[float, Range(0, low_open=True)] = 1.0
-    """Epochs over the training split when `max_steps` is -1."""
+    """Epochs over the training split when `max_steps` is -1; with `time_budget`, the most it may train."""
+    time_budget: str | None = None
+    """Train for about this long, e.g. `20m`, `1h30m`, `900s` (hours, minutes and seconds, in that order); null =
+    off. Before the first step the speed is measured on this model and these rows (a few steps' forward and
+    backward passes, whose gradients are discarded, and a validation of a few rows), and the number of optimizer
+    steps is set to what fits: steps plus the validations they make, measuring included. `num_train_epochs`
+    stays an upper bound, whichever ends first. The plan is printed, saved in `checkpoints/plan.json` and
+    run.json, and a resumed run keeps it. Set `max_steps` to -1 with it (a step count and a budget are refused
+    together)."""
     batch_size: Annotated[int, Range(1)] = 4
     """Rows per device per forward pass (per_device_train_batch_size)."""
     gradient_accumulation_steps: Annotated[int, Range(1)] = 4
@@ -314,6 +350,14 @@ class TrainConfig(Section):
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Experiment trackers that also receive the training log (each must be installed); [] = none. One name
     alone (`train.report_to=tensorboard`) is a one-item list."""
+    oom_recovery: Literal["none", "same_update", "any"] = "same_update"
+    """What training does when a step runs out of memory. Every choice first frees the step's memory and
+    redoes the step from its start, with the same rows. `same_update` = only changes that leave every
+    optimizer update as it would have been: a lower `max_tokens_per_pass` (when a cap is in use), else
+    smaller forward passes (as `batch_size` halved with `gradient_accumulation_steps` doubled), then
+    `gradient_checkpointing` on; `any` = those, then changes to what is trained (rows cut to a shorter
+    `max_length`, adapters on the attention projections only); `none` = stop at the first out-of-memory
+    error. Each change is printed and recorded in run.json. The default changes speed, never the result."""
     fsdp: bool = False
     """Shard the model's weights, gradients and optimizer state across the processes (FSDP2, PyTorch's
     `fully_shard` through Accelerate) instead of a full copy on each (DDP). Use it when the model does not
@@ -328,8 +372,56 @@ class TrainConfig(Section):
     def _one_tracker_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("time_budget", mode="before")
+    @classmethod
+    def _a_duration(cls, value: Any) -> Any:
+        if value is not None:
+            duration_seconds(value)  # raises ValueError with what to write instead
+        return value.strip() if isinstance(value, str) else value
 
-class EvalConfig(Section):
+    @model_validator(mode="after")
+    def _steps_or_budget(self) -> "TrainConfig":
+        if self.time_budget is not None and self.max_steps > 0:
+            raise ValueError(f"`train.time_budget` ({self.time_budget}) and `train.max_steps` ({self.max_steps}) both say "
+                             "how long to train; set one of them: train.max_steps=-1 to train by the budget, or "
+                             "train.time_budget=null to run the steps")
+        return self
+
+
+DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?")
+
+
+def duration_seconds(text: Any) -> float:
+    """Seconds in a duration such as `20m`, `1h30m`, `1.5h` or `900s` (units h, m, s in that order, spaces
+    allowed between the parts); ValueError saying what to write otherwise (a bare number has no unit)."""
+    example = "write it with units, e.g. 20m, 1h30m or 900s"
+    if isinstance(text, bool) or not isinstance(text, str) or re.fullmatch(r"\s*[\d.]+\s*", text):
+        bare = isinstance(text, (int, float, str)) and not isinstance(text, bool)
+        raise ValueError(f"must be a duration; {example}" + (" (a bare number could be seconds or minutes)" if bare else ""))
+    match = DURATION.fullmatch(text.replace(" ", "").lower())
+    if match is None or not any(match.groups()):
+        raise ValueError(f"is not a duration emotune reads; {example}")
+    seconds = sum(float(match[unit] or 0) * factor for unit, factor in (("h", 3600), ("m", 60), ("s", 1)))
+    if seconds <= 0:
+        raise ValueError(f"must be longer than 0; {example}")
+    return seconds
+
+
+class MergedEvalSettings(Section):
+    """How the fine-tuned evaluation runs the adapter; shared by every task's `eval` section."""
+
+    merge_adapters: Literal["auto", "always", "never"] = "auto"
+    """Evaluate the fine-tuned model with its LoRA adapter merged into the weights (about the base model's
+    speed; unmerged adapters about halve `generate`'s). `auto` = merge, compare a few evaluated rows with the
+    unmerged model first and keep the merge only when no logit moved by more than `merge_tolerance`
+    (otherwise evaluate unmerged, with a note); `always` = merge whatever the check finds; `never` = unmerged,
+    as trained. The decision and the measured difference go into the evaluation's metrics.json (`merge`)."""
+    merge_tolerance: Annotated[float, Range(0)] = 1.0
+    """Largest |logit difference| between the merged and the unmerged model on the checked rows that
+    `merge_adapters=auto` accepts (logits the prediction is read from: the next token's, or a head's classes)."""
+
+
+class EvalConfig(MergedEvalSettings):
     method: Literal["generate", "score", "both"] = "generate"
     """How a label is predicted: `generate` = the reference recipe (greedy decoding, then a regex picks the
     first label name in the output; INVALID when none matches); `score` = the exact probability of every
@@ -379,6 +471,65 @@ class ServeConfig(Section):
     """On shutdown, how long requests in flight may take to finish."""
 
 
+class SweepConfig(Section):
+    """`emotune sweep`: many runs of this config, each with a few keys changed (docs/sweeps.md). Every other command
+    ignores this section."""
+
+    mode: Literal["grid", "ablation", "random", "tpe"] = "grid"
+    """`grid`: every combination of the listed values; `ablation`: the config as it is, then each listed value of
+    each key with every other key as in the config (one factor at a time); `random` / `tpe`: `trials` trials drawn
+    from the values and ranges by Optuna's random or TPE sampler (`--ablation`, `--search random|tpe`)."""
+    grid: dict[str, Any] = {}
+    """What varies: a dotted config key and its values, e.g. {lora.r: [8, 16, 32], train.learning_rate: [1e-4,
+    2e-4]}; on the command line `--grid lora.r=8,16,32` (those keys replace the same keys here). For `random` and
+    `tpe` a value may also be a range: `loguniform(1e-5,1e-3)`, `uniform(0,0.1)`, `int(1,4)` or `choice(a,b,c)`."""
+    trials: Annotated[int | None, Range(1, also="or null (grid and ablation run every trial)")] = None
+    """How many trials `random` and `tpe` run in all (re-running with a larger number continues the search);
+    grid and ablation sweeps run every trial of their list."""
+    seeds: Annotated[int, Range(1)] = 1
+    """Run each grid or ablation trial with this many seeds (`seed`, `seed`+1, ...) and show mean ± sd (`--seeds`)."""
+    metric: str | None = None
+    """The after-training metric of comparison.json that ranks trials and that `random`/`tpe` optimise: for
+    classify and classify_head e.g. `macro_f1` (the default), `accuracy`, `log_loss`; for sft `rouge_l` (the
+    default), `perplexity`, `bleu`, ... (the headline method's)."""
+    direction: Literal["auto", "maximize", "minimize"] = "auto"
+    """Whether a higher or lower `metric` is better; `auto`: lower for loss, perplexity, log_loss, ece and
+    invalid, higher for every other metric."""
+    backend: Literal["local", "ray"] = "local"
+    """Where trials run: `local` = on this machine, one trial per visible GPU at a time (each sees its GPU alone
+    through CUDA_VISIBLE_DEVICES), one after another on a CPU; `ray` = as Ray Tune trials on a Ray cluster (needs
+    the `ray` extra: pip install 'emotune[ray]'; the sweep folder must be on storage every node sees)."""
+    ray_address: str | None = None
+    """Address of the Ray cluster for `backend: ray`: `auto` on a node of a running cluster, or the head's
+    `HOST:6379`; null = start a Ray instance on this machine."""
+    ray_cpus_per_trial: Annotated[int, Range(1)] = 1
+    """CPU cores Ray reserves for each trial (plus one GPU each where the cluster has GPUs)."""
+
+    @field_validator("grid")
+    @classmethod
+    def _parsable(cls, value: dict[str, Any]) -> dict[str, Any]:
+        parse_grid(value)  # raises ValueError naming every bad key at once
+        return value
+
+    @model_validator(mode="after")
+    def _fits_the_mode(self) -> SweepConfig:
+        ranges = [p.key for p in parse_grid(self.grid) if p.is_range]
+        if self.mode in SEARCH_MODES:
+            if self.trials is None:
+                raise ValueError(f"sweep.mode={self.mode} draws trials at random: set sweep.trials (--trials N), the "
+                                 "number of trials to run")
+            if self.seeds > 1:
+                raise ValueError(f"sweep.seeds={self.seeds} repeats the trials of grid and ablation sweeps; a "
+                                 f"{self.mode} search runs each draw once, so set sweep.seeds=1")
+        elif ranges:
+            raise ValueError(f"{', '.join(ranges)}: a range is drawn from, so it needs sweep.mode=random or tpe "
+                             f"(--search random|tpe); a {self.mode} sweep takes a list of values, e.g. lora.r=8,16,32")
+        if self.seeds > 1 and "seed" in self.grid:
+            raise ValueError("`seed` is in sweep.grid and sweep.seeds > 1 repeats every trial over seeds too; use one "
+                             "of the two")
+        return self
+
+
 class RunConfigBase(Section):
     """The sections every task shares. Each task's config class adds its own `data` and `prompt`."""
 
@@ -397,17 +548,31 @@ class RunConfigBase(Section):
     the new run finishes."""
     seed: Annotated[int, Range(0, 2**32 - 1)] = 42
     """Seed for sampling, LoRA initialisation and data order (0 to 2**32 - 1, the seeds NumPy accepts)."""
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    """Device to run on; `auto` picks CUDA/ROCm, then MPS, then CPU. ROCm GPUs are `cuda` in PyTorch."""
+    device: str = "auto"
+    """Device to run on: `auto` (a GPU if PyTorch sees one, then MPS, then the CPU), `cpu`, `cuda` (the
+    first visible GPU), `cuda:N` (GPU N, numbered after CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES /
+    ROCR_VISIBLE_DEVICES), or `mps`. ROCm (AMD) GPUs are `cuda` in PyTorch. A GPU number beyond those
+    visible is refused before any weights load. Under several processes (torchrun, accelerate launch)
+    each process takes the GPU of its local rank, so leave it at `auto` or `cuda` there and choose the
+    GPUs with the variables above."""
     model: ModelConfig = ModelConfig()
     lora: LoraSettings = LoraSettings()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     serve: ServeConfig = ServeConfig()
+    sweep: SweepConfig = SweepConfig()
 
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / (self.name or "default")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not DEVICE_NAME.fullmatch(value):
+            raise ValueError("must be auto, cpu, cuda, cuda:N (a GPU number, e.g. cuda:1) or mps; ROCm (AMD) GPUs are "
+                             "cuda in PyTorch")
+        return value
 
     @field_validator("name")
     @classmethod
@@ -545,7 +710,7 @@ class SftPromptConfig(Section):
     """Loss on the last assistant turn only (LLaMA-Factory's `mask_history`); false = on every assistant turn."""
 
 
-class SftEvalConfig(Section):
+class SftEvalConfig(MergedEvalSettings):
     max_new_tokens: Annotated[int, Range(1)] = 128
     """Most tokens generated per test row (greedy; stops earlier at the end of the turn)."""
     batch_size: Annotated[int | Literal["auto"], Range(1, also="or `auto`")] = "auto"
@@ -582,7 +747,7 @@ class HeadConfig(Section):
     `accuracy` (highest wins) or `loss` (the validation cross-entropy, lowest wins)."""
 
 
-class HeadEvalConfig(Section):
+class HeadEvalConfig(MergedEvalSettings):
     batch_size: Annotated[int | Literal["auto"], Range(1, also="or `auto`")] = "auto"
     """Rows per forward pass during evaluation (the head and the zero-shot baseline); `auto` = as many as fit in
     40% of free memory, at most 32 on CPU and 128 on GPUs. Out of memory halves it and retries."""

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -76,20 +76,44 @@ def detect_backend() -> str:
     return "cpu"
 
 
-def resolve_device(preference: str = "auto") -> torch.device:
-    """The torch device for `device:` in the config; ROCm GPUs are `cuda` devices."""
-    backend = detect_backend()
+VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def visible_gpus() -> int:
+    """GPUs PyTorch can use in this process (ROCm GPUs included), after the *_VISIBLE_DEVICES variables."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(preference: str = "auto", gpus: Callable[[], int] | None = None) -> torch.device:
+    """The torch device for `device:` in the config; ROCm GPUs are `cuda` devices. `gpus` counts the visible
+    GPUs (default `visible_gpus`, looked up when called, so tests can fake it). Checked before any weights load."""
+    count = (gpus or visible_gpus)()
+    mps = getattr(torch.backends, "mps", None)
     if preference == "auto":
-        return torch.device({"rocm": "cuda", "cuda": "cuda", "mps": "mps"}.get(backend, "cpu"))
-    if preference.startswith("cuda") and backend not in ("cuda", "rocm"):
-        raise UserError(f"`device: {preference}` was asked for but PyTorch sees no CUDA or ROCm GPU. "
+        return torch.device("cuda" if count else "mps" if mps is not None and mps.is_available() else "cpu")
+    if preference.startswith("cuda") and not count:
+        raise UserError(f"`device: {preference}` was asked for but PyTorch sees no CUDA or ROCm GPU{_visibility()}. "
                         "Run `emotune doctor` to see why, or set device=auto to use what is there.")
-    if preference.startswith("cuda:") and int(preference[5:]) >= torch.cuda.device_count():
-        raise UserError(f"`device: {preference}` was asked for but PyTorch sees {torch.cuda.device_count()} GPU(s), "
-                        "numbered from 0 (after CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES). Pick one of them.")
-    if preference == "mps" and backend != "mps":
+    if preference.startswith("cuda:") and int(preference[5:]) >= count:
+        raise UserError(f"`device: {preference}` was asked for but PyTorch sees {count} GPU(s), numbered from 0 to "
+                        f"{count - 1}{_visibility()}. Pick one of them (device=cuda:0 ... cuda:{count - 1}), or make "
+                        "the GPU visible (CUDA_VISIBLE_DEVICES on NVIDIA, HIP_VISIBLE_DEVICES on ROCm).")
+    if preference == "mps" and (mps is None or not mps.is_available()):
         raise UserError("`device: mps` was asked for but MPS is not available. Set device=auto or device=cpu.")
     return torch.device(preference)
+
+
+def _visibility() -> str:
+    """The *_VISIBLE_DEVICES variables that are set, which decide what PyTorch sees and how GPUs are numbered."""
+    found = [f"{name}={os.environ[name]!r}" for name in VISIBILITY if name in os.environ]
+    return f" (with {', '.join(found)})" if found else ""
+
+
+def make_current(device: torch.device) -> None:
+    """Make a numbered GPU the current one, so that what libraries call plain `cuda` (Accelerate's device
+    placement, autocast, the memory statistics) is this GPU, not GPU 0."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def cpu_supports_bf16() -> bool:

@@ -232,6 +232,22 @@ def write_results(results: dict[str, EvalResult], folder: Path) -> None:
         write_result(results[method], method_folder(folder, method, methods))
 
 
+def read_evaluation(folder: Path, methods: list[str]) -> dict[str, EvalResult] | None:
+    """What `write_results` wrote: {method: EvalResult} with predictions.csv's rows (values as text), when every
+    method is complete in `folder`, else None."""
+    metrics = read_metrics(folder, methods)
+    if metrics is None:
+        return None
+    return {method: EvalResult(rows=read_predictions(method_folder(folder, method, methods)), metrics=found)
+            for method, found in metrics.items()}
+
+
+def read_predictions(folder: Path) -> list[dict]:
+    """predictions.csv's rows (text, gold, predicted, ...), as text."""
+    with (folder / "predictions.csv").open(encoding="utf-8", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
 def read_metrics(folder: Path, methods: list[str]) -> dict[str, dict] | None:
     """{method: metrics} when every method's metrics.json exists in `folder` (and matches its method), else None."""
     found = {}

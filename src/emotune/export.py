@@ -3,10 +3,16 @@
 `emotune export RUN_DIR [--merge] [--out DIR] [--vllm]` writes into OUT (default RUN_DIR/export):
 
     adapter/    adapter weights and config, tokenizer with chat template, emotune.json (task, labels, prompt)
-    merged/     (--merge) base + adapter folded into one Hugging Face model, tokenizer, generation config
+    merged/     (--merge) base + adapter folded into one Hugging Face model, tokenizer, generation config;
+                a classification-head model: its classifier (language model + `score`), see emotune.head
     config.yaml the run's resolved config, so OUT can itself be served or exported again
     vllm/       (--vllm) serve_lora.sh, serve_merged.sh, client.py (a classifier's output constrained to the
                 label set; an sft model's a free-text chat reply under its system prompt)
+
+A head model (task classify_head) has no vLLM hand-off: it answers with label probabilities, which
+`emotune serve` and `emotune predict` give. Its merged folder loads with transformers'
+`AutoModelForSequenceClassification` where the architecture has a sequence-classification class (Gemma 1–3)
+and with `emotune.head.load_classifier` for every architecture (Gemma 3n and Gemma 4 need it).
 
 The whole folder is written under a temporary name and renamed into place, so a failed export never
 replaces a good one; an existing OUT is replaced only with --force. What a run produced is found and
@@ -26,6 +32,7 @@ import yaml
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
 from emotune.config import ModelConfig
 from emotune.errors import UserError
+from emotune.head import classifier_from_causal, encode_texts, load_classifier
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 from emotune.rundir import RunDir, atomic_dir
 # vLLM's --max-lora-rank only accepts these values (vllm.config.lora.MaxLoRARanks).
@@ -68,6 +75,12 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
     artifact = find_artifact(run_dir)
     if artifact.merged:
         raise UserError(f"`{run_dir}` holds a merged model only; export needs the adapter. Point at the run folder.")
+    if vllm and artifact.has_head:
+        raise UserError(f"`{run_dir}` holds a classification-head model (task {artifact.task}), which answers with label "
+                        "probabilities rather than text, so the vLLM chat hand-off does not apply. Leave out --vllm: "
+                        "serve it with `emotune serve` (/v1/classify) or classify with `emotune predict`; --merge "
+                        "writes a folder transformers' AutoModelForSequenceClassification loads where the "
+                        "architecture has that class (Gemma 1–3).")
     out = Path(out).expanduser() if out else RunDir(run_dir).export
     if artifact.path.resolve().is_relative_to(out.resolve()):
         raise UserError(f"--out `{out}` holds the adapter being exported, so replacing it would delete the source. "
@@ -94,22 +107,31 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
 
 
 def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path:
-    """Fold the adapter into the base weights in fp32, then save in `dtype` (auto = the base's own dtype)."""
-    from peft import PeftModel
-
+    """Fold the adapter into the base weights in fp32, then save in `dtype` (auto = the base's own dtype).
+    A head adapter merges into its classifier: the language model with the LoRA folded in, and the trained head."""
     base_dir = resolve_model_dir(artifact.model_cfg)
-    base = load_model(base_dir, torch.float32, torch.device("cpu"))
     native = _saved_dtype(base_dir) if dtype == "auto" else DTYPES[dtype]
-    merged = PeftModel.from_pretrained(base, artifact.path).merge_and_unload()
+    merged = _adapted(artifact, base_dir).merge_and_unload()
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
-    # vLLM and transformers stop on generation_config's eos ids; a chat turn ends with <end_of_turn>
-    merged.generation_config.eos_token_id = stop_token_ids(tokenizer)
-    merged.generation_config.pad_token_id = tokenizer.pad_token_id
+    if not artifact.has_head:
+        # vLLM and transformers stop on generation_config's eos ids; a chat turn ends with <end_of_turn>
+        merged.generation_config.eos_token_id = stop_token_ids(tokenizer)
+        merged.generation_config.pad_token_id = tokenizer.pad_token_id
     merged.to(native)
     merged.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
     shutil.copy2(artifact.path / META, target / META)
     return target
+
+
+def _adapted(artifact: Artifact, base_dir: Path):
+    """The base with the adapter, in fp32 on the CPU: a causal model, or a head adapter's classifier."""
+    from peft import PeftModel
+
+    base = load_model(base_dir, torch.float32, torch.device("cpu"))
+    if artifact.has_head:
+        base = classifier_from_causal(base, artifact.labels)
+    return PeftModel.from_pretrained(base, artifact.path)
 
 
 def _saved_dtype(model_dir: Path) -> torch.dtype:
@@ -123,25 +145,23 @@ def merge_parity_gap(target: str | Path, texts: list[str], merged_dir: str | Pat
     """Largest |logit difference| between base+adapter and the merged model, both in fp32 on the CPU.
 
     `merged_dir` is a saved merged folder (saved in fp32 to compare like with like); without it the
-    adapter is merged in memory. The prompts are the model's own chat prompts for `texts` (Artifact.chat_prompt).
-    """
-    from peft import PeftModel
-
+    adapter is merged in memory. The inputs are the model's own: a generative model's chat prompts for `texts`
+    (Artifact.chat_prompt), a head model's texts as it classifies them (its label logits)."""
     artifact = find_artifact(target)
     cpu = torch.device("cpu")
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
-    prompts = [artifact.chat_prompt(tokenizer, t) for t in texts]
     base_dir = resolve_model_dir(artifact.model_cfg)
-    adapted = PeftModel.from_pretrained(load_model(base_dir, torch.float32, cpu), artifact.path).eval()
-    if merged_dir is not None:
-        merged = load_model(Path(merged_dir), torch.float32, cpu).eval()
+    adapted = _adapted(artifact, base_dir).eval()
+    if merged_dir is None:
+        merged = _adapted(artifact, base_dir).merge_and_unload().eval()
     else:
-        merged = PeftModel.from_pretrained(load_model(base_dir, torch.float32, cpu), artifact.path).merge_and_unload().eval()
-    gap = 0.0
-    for prompt in prompts:
-        enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
-        gap = max(gap, (adapted(**enc).logits - merged(**enc).logits).abs().max().item())
-    return gap
+        merged = (load_classifier if artifact.has_head else load_model)(Path(merged_dir), torch.float32, cpu).eval()
+    if artifact.has_head:
+        inputs = [torch.tensor([ids]) for ids in encode_texts(texts, tokenizer, artifact.max_length)]
+    else:
+        inputs = [tokenizer(artifact.chat_prompt(tokenizer, t), return_tensors="pt", add_special_tokens=False)["input_ids"]
+                  for t in texts]
+    return max((adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item() for ids in inputs)
 
 
 # --------------------------------------------------------------------------------------------------

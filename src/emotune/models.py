@@ -18,7 +18,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTr
 
 from emotune.config import ModelConfig
 from emotune.device import Precision, choose_precision
-from emotune.errors import UserError
+from emotune.errors import UserError, first_line
 from emotune.rundir import atomic_dir
 
 EMBEDDED_MODEL = "embedded"
@@ -224,7 +224,8 @@ def load_base(cfg: ModelConfig, device: torch.device, precision: str = "auto",
     model_dir = resolve_model_dir(cfg)
     tokenizer = tokenizer or load_tokenizer(model_dir, cfg)
     dtype = chosen.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    return Base(load_model(model_dir, dtype, device), tokenizer, chosen, model_dir)
+    check_attention(cfg, model_dir, device, dtype)
+    return Base(load_model(model_dir, dtype, device, cfg.attn_implementation), tokenizer, chosen, model_dir)
 
 
 def weights_dtype(cfg: ModelConfig, device: torch.device, precision: str = "auto") -> torch.dtype:
@@ -232,12 +233,46 @@ def weights_dtype(cfg: ModelConfig, device: torch.device, precision: str = "auto
     return choose_precision(device, precision).dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attention: str = "auto") -> PreTrainedModel:
+    """The weights of `model_dir` in `dtype` on `device`, with `attention` (model.attn_implementation; `auto` =
+    transformers' own choice)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                 attn_implementation=None if attention == "auto" else attention)
     head = model.get_output_embeddings()
     if head is not None:
         head.register_forward_pre_hook(_contiguous_input)
     return model.to(device)
+
+
+def check_attention(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before any weights load, a `model.attn_implementation` that this model, device or dtype cannot
+    run, with every reason at once. Whether the model class supports it is transformers' own check, run on an
+    empty (meta-device) copy built from config.json, so no weight is read."""
+    choice = cfg.attn_implementation
+    if choice in ("auto", "eager"):  # eager is every model's own code; auto is transformers' fallback to it
+        return
+    problems = []
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation=choice)
+    except ValueError as err:  # the model class does not implement it
+        problems.append(f"transformers says: {first_line(err).split(' Please request')[0]}")
+    except ImportError:
+        pass  # the flash-attn package is missing: said below, with what to do
+    if choice == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if device.type != "cuda":
+            problems.append(f"FlashAttention-2 runs on CUDA and ROCm GPUs only, and this run is on {device.type}")
+        if dtype not in (torch.bfloat16, torch.float16):
+            problems.append(f"FlashAttention-2 computes in bf16 or fp16 only, and the weights load as {dtype} here "
+                            "(set model.dtype=bfloat16, or train.precision=bf16)")
+        if device.type == "cuda" and not is_flash_attn_2_available():
+            problems.append("the flash-attn package (2.3.3 or newer) is not installed: `pip install flash-attn "
+                            "--no-build-isolation` on CUDA; on ROCm, AMD's build of it (github.com/ROCm/flash-attention)")
+    if problems:
+        raise UserError(f"model.attn_implementation={choice} cannot be used here: {'; '.join(problems)}. Set "
+                        "model.attn_implementation=sdpa (or auto, or eager) instead.")
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple | None:

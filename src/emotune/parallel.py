@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin,
+                               parse_flag_from_env)
 from transformers import PreTrainedModel
 
 from emotune.config import TrainConfig
@@ -31,8 +32,12 @@ def make_accelerator(t: TrainConfig, model: PreTrainedModel, tracker_dir: Path
     plugin = _fsdp_plugin(t, cpu)
     # Mixed precision is handled in this module (autocast only where needed, see _mixed_precision), so
     # Accelerate keeps its default; it would otherwise refuse a second training in the same process.
+    # DDP keeps every gradient local (no_sync) and emotune averages them once all processes finished the step's
+    # passes (`average_gradients`), so an out-of-memory error on one process can be agreed on first (emotune.oom).
+    # Buffer broadcasting is off for the same reason: it is a collective at the start of every forward pass,
+    # and a language model's buffers (rotary frequencies, scales) are constants anyway.
     accelerator = Accelerator(cpu=cpu, log_with=list(t.report_to) or None, project_dir=str(tracker_dir),
-                              fsdp_plugin=plugin)
+                              fsdp_plugin=plugin, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise UserError(FSDP1_REFUSED)
     return accelerator, accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else plugin
@@ -114,6 +119,29 @@ def prepare(accelerator: Accelerator, model, optimizer, fsdp: FullyShardedDataPa
             accelerator.state.fsdp_plugin = fsdp
         wrapped, _ = accelerator.prepare(model, optimizer)
     return wrapped, [p for p in wrapped.parameters() if p.requires_grad]
+
+
+def any_process(flag: bool, accelerator: Accelerator) -> bool:
+    """Whether `flag` is true on any process: every process gets the same answer (one all-reduce)."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.reduce(torch.tensor([int(flag)], device=accelerator.device), reduction="sum").item())
+
+
+def average_gradients(params: list[torch.nn.Parameter], accelerator: Accelerator) -> None:
+    """DDP's gradient averaging, done once per step after every process finished its passes (see make_accelerator):
+    one all-reduce per dtype over the flattened gradients of the parameters that train. No-op on one process; not
+    for FSDP2, whose sharded gradients are reduce-scattered in the backward pass."""
+    if accelerator.num_processes == 1:
+        return
+    training = [p for p in params if p.requires_grad]
+    for dtype in dict.fromkeys(p.dtype for p in training):
+        group = [p for p in training if p.dtype == dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+        torch.distributed.all_reduce(flat)
+        flat /= accelerator.num_processes
+        for p, piece in zip(group, flat.split([p.numel() for p in group])):
+            p.grad = piece.view_as(p)
 
 
 def _tracker_installed(name: str) -> bool:

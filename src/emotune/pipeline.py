@@ -25,7 +25,9 @@ from emotune import device as device_mod
 from emotune.artifacts import is_adapter
 from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
-from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir
+from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
+from emotune.models import (Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir,
+                            weights_dtype)
 from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
 from emotune.tasks import task_for
 
@@ -38,6 +40,7 @@ class Context:
         self.task = task_for(cfg)
         self.run = RunDir(cfg.run_dir)
         self.device = device or device_mod.resolve_device(cfg.device)
+        device_mod.make_current(self.device)
         self.precision = device_mod.choose_precision(self.device, cfg.train.precision)
         self.data = None
         self.tokenizer = None
@@ -45,6 +48,7 @@ class Context:
         self.log: RunLog | None = None
         self._base: Base | None = None
         self._adapted = None  # the model with its trained adapter, once there is one
+        self.train_fault = None  # tests: called before every training forward pass (emotune.train.train's `fault`)
         self._telemetry = None
 
     def validate(self, model_source: bool = True) -> None:
@@ -54,6 +58,8 @@ class Context:
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
+            check_attention(self.cfg.model, model_dir, self.device,
+                            weights_dtype(self.cfg.model, self.device, self.cfg.train.precision))
 
     def open(self) -> None:
         """Claim the run folder (resume, refuse, or move an old run aside) and start run.json."""
@@ -121,12 +127,27 @@ def train_stage(ctx: Context) -> None:
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
     model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
     ctx._adapted = train(model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
-                         ctx.task.adapter_meta(ctx.cfg, ctx.data), objective)
+                         ctx.task.adapter_meta(ctx.cfg, ctx.data), objective,
+                         record=(lambda key, value: ctx.log.record("train", **{key: value})) if ctx.log else None,
+                         fault=ctx.train_fault)
 
 
 def finetuned_stage(ctx: Context) -> None:
-    results = ctx.task.evaluate(ctx.adapted, ctx.base.tokenizer, ctx.data, ctx.cfg, desc="fine-tuned")
+    results, merge = evaluate_adapted(ctx, ctx.adapted, desc="fine-tuned")
     ctx.task.write_results(results, ctx.run.finetuned)
+    ctx.log.note("merged_eval", merge)  # how the fine-tuned numbers were measured
+
+
+def evaluate_adapted(ctx: Context, model, desc: str) -> tuple[dict, dict]:
+    """The task's evaluation of a model with an adapter, merged for it as `eval.merge_adapters` and the check
+    decide (emotune.merged_eval); every result's metrics record how (`merge`). The adapter is unmerged after."""
+    sample = ctx.task.merge_check_inputs(ctx.base.tokenizer, ctx.data, ctx.cfg, CHECK_ROWS)
+    with merged_for_eval(model, sample, ctx.cfg.eval.merge_adapters, ctx.cfg.eval.merge_tolerance) as merge:
+        print(describe(merge), flush=True)
+        results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, ctx.cfg, desc=desc)
+    for result in results.values():
+        result.metrics["merge"] = merge
+    return results, merge
 
 
 def report_stage(ctx: Context) -> None:
@@ -212,16 +233,22 @@ def data_only(cfg: RunConfig) -> None:
     print(f"\nPrepared data: {ctx.run.data}; `emotune run` with the same config reuses it.")
 
 
-def train_only(cfg: RunConfig) -> Path:
+def train_only(cfg: RunConfig, fault=None) -> Path:
     """`emotune train`: the data and train stages, without the evaluations.
 
     Safe under `torchrun` / `accelerate launch`: every process loads data and model, only the main
-    process writes; `emotune run` on the same folder later picks up the saved adapter."""
+    process writes; `emotune run` on the same folder later picks up the saved adapter. `fault` is for tests
+    (see emotune.train.train)."""
     from accelerate import PartialState
 
     set_seed(cfg.seed)
     state = PartialState(cpu=cfg.device == "cpu")  # joins the process group when launched on several
+    if state.num_processes > 1 and cfg.device.startswith("cuda:"):
+        raise UserError(f"device={cfg.device} picks one GPU, but this training runs {state.num_processes} processes, "
+                        "each on the GPU of its local rank. Set device=cuda (or auto) and choose the GPUs with "
+                        "CUDA_VISIBLE_DEVICES (NVIDIA) or HIP_VISIBLE_DEVICES (ROCm), e.g. CUDA_VISIBLE_DEVICES=1,2.")
     ctx = Context(cfg, device=state.device if state.num_processes > 1 else None)
+    ctx.train_fault = fault
     ctx.validate()
     if is_adapter(ctx.run.adapter) and not cfg.overwrite:
         raise UserError(f"`{ctx.run.adapter}` already holds a trained adapter. Run `emotune run` with the same config to "
@@ -256,7 +283,10 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
         model = ctx.task.load_adapted(model, artifact.path, cfg, ctx.data)
     print(f"Evaluating {'adapter ' + str(artifact.path) if artifact else 'the base model'} on the {cfg.eval.split} "
           f"split, {ctx.precision.name} on {ctx.device}", flush=True)
-    results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, cfg, desc=cfg.eval.split)
+    if artifact is None:
+        results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, cfg, desc=cfg.eval.split)
+    else:
+        results, _ = evaluate_adapted(ctx, model, desc=cfg.eval.split)
     ctx.task.write_results(results, out)
     for method, result in results.items():
         print(f"{method}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

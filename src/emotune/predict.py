@@ -1,8 +1,10 @@
 """`emotune predict`: texts from the command line or a file through a run's adapter or merged model.
 
 A classifier's labels come from the scoring method (the probability of each label as the model's reply,
-over the label set), with its own system prompt, user template and chat template. An sft model answers
-in free text: a greedy generation with its own system prompt and chat template, each text the user turn.
+over the label set), with its own system prompt, user template and chat template; a classification-head
+model's from its `score` head over the bare text (emotune.head), with the token limit it was trained with.
+An sft model answers in free text: a greedy generation with its own system prompt and chat template, each
+text the user turn.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tqdm.auto import tqdm
 
 from emotune import device as device_mod
 from emotune.errors import UserError
+from emotune.head import head_probabilities
 from emotune.rundir import atomic_file
 from emotune.scoring import score_label_probs
 from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
@@ -41,6 +44,8 @@ class Classifier(Loaded):
     """A loaded classifier: texts in, label probabilities out."""
 
     def probs(self, texts: list[str], batch_size: int = 16) -> torch.Tensor:
+        if self.artifact.has_head:
+            return head_probabilities(self.model, self.tokenizer, texts, self.artifact.max_length, batch_size)
         return score_label_probs(self.model, self.tokenizer, texts, self.artifact.prompt, self.artifact.labels, batch_size)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from emotune.errors import raise_problems
 from emotune.scoring import run_in_batches
-from emotune.textmetrics import bootstrap_ci, paired_bootstrap_delta
+from emotune.stats import bootstrap_ci, paired_bootstrap_delta
 
 PROBE_PATH = Path(__file__).parent / "datasets" / "probe" / "probe.jsonl"
 LETTERS = ("A", "B", "C", "D")

@@ -1,4 +1,5 @@
-"""The HTML report of a run folder: the run summary, the task's own sections, the loss curves.
+"""The HTML report of a run folder: the run summary, the task's own sections, the loss curves, and what training did
+(gradient norms, adapter weights: emotune.report_training).
 
 `write_report(run_dir)` reads only the run folder (run.json, config.yaml, the evaluations,
 train/log_history.json), so `emotune report RUN_DIR` can rebuild it at any time. The page is one
@@ -17,6 +18,8 @@ import re
 from pathlib import Path
 
 from emotune.errors import UserError
+from emotune.fonts import families, figure_fonts, missing_glyphs
+from emotune.merged_eval import describe
 from emotune.rundir import RunDir, atomic_file, read_json, write_text
 
 # --------------------------------------------------------------------------------------------------
@@ -24,6 +27,7 @@ from emotune.rundir import RunDir, atomic_file, read_json, write_text
 
 def write_report(run_dir: str | Path) -> Path:
     """report.html (self-contained) and report/*.png from whatever the run folder holds; returns the page's path."""
+    from emotune.report_training import training_section  # it embeds its figures with this module's embed_figure
     from emotune.tasks import TASKS
 
     run = RunDir(run_dir)
@@ -36,10 +40,27 @@ def write_report(run_dir: str | Path) -> Path:
         raise UserError(f"`{run.root}` is not a run folder with a measured baseline (run.json or the baseline's results "
                         f"are missing). Give the folder `emotune run` printed, e.g. runs/cpu.")
     run.figures.mkdir(exist_ok=True)
-    sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run),
-                _telemetry_section(run, info)]
-    page = _PAGE.format(title=html.escape(f"emotune report: {run.root.name}"), body="\n".join(sections))
-    return write_text(run.report_html, page)
+    _note_missing_glyphs(info.get("labels") or [])
+    with figure_fonts():  # labels and texts in any script: Chinese glyphs fall back to a CJK font
+        sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run),
+                    training_section(run), _telemetry_section(run, info)]
+    return write_text(run.report_html, html_page(f"emotune report: {run.root.name}", sections))
+
+
+def html_page(title: str, sections: list[str]) -> str:
+    """A self-contained page in the report's style (also `emotune compare`'s)."""
+    return _PAGE.format(title=html.escape(title), body="\n".join(sections))
+
+
+def _note_missing_glyphs(labels: list[str]) -> None:
+    """Say so when no font has a glyph for a label's characters: the figures would draw them as empty boxes."""
+    from matplotlib.font_manager import FontProperties
+
+    missing = missing_glyphs("".join(labels), FontProperties(family=families()))
+    if missing:
+        print(f"Note: no font here has the characters {''.join(sorted(missing))} of the labels, so the figures draw "
+              "them as boxes (the tables are right). Install a font that covers them; emotune uses any font "
+              "matplotlib finds after DejaVu Sans and Noto Sans SC.", flush=True)
 
 
 def _summary_section(run: dict, folder: RunDir) -> str:
@@ -57,6 +78,7 @@ def _summary_section(run: dict, folder: RunDir) -> str:
         ("hardware", f"{run.get('device')} · backend {hardware.get('backend')} · GPUs: {gpus} · "
                      f"{hardware.get('cpu_count')} CPU cores · {hardware.get('platform')}"),
         ("precision", f"{run.get('precision', {}).get('name')}: {run.get('precision', {}).get('reason')}"),
+        *([("fine-tuned evaluation", describe(run["merged_eval"]))] if run.get("merged_eval") else []),
         ("versions", ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items())),
         ("system prompt", run.get("system_prompt", "")),
     ]
@@ -141,7 +163,7 @@ table {{ border-collapse: collapse; margin: .8rem 0; }}
 td, th {{ border: 1px solid #ddd; padding: .3rem .6rem; text-align: left; vertical-align: top; }}
 th {{ background: #f5f5f5; }} caption {{ text-align: left; padding: .3rem 0; }}
 td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
-td.good {{ color: #0a7a2f; font-weight: 600; }} td.bad {{ color: #b3261e; font-weight: 600; }}
+.good {{ color: #0a7a2f; font-weight: 600; }} .bad {{ color: #b3261e; font-weight: 600; }}
 table.rows td:first-child {{ max-width: 640px; }}
 figure {{ margin: 1rem 0; }} img {{ max-width: 100%; }}
 pre {{ background: #f7f7f7; padding: 1rem; overflow-x: auto; }}

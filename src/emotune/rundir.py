@@ -145,6 +145,8 @@ class RunDir:
     report_html = property(lambda self: self.root / "report.html")
     figures = property(lambda self: self.root / "report")
     """The report's figures as PNGs."""
+    adapter_stats = property(lambda self: self.root / "report" / "adapter_stats.json")
+    """The adapter's weight norms and B histograms per target module group (emotune.adapter_stats), with the report."""
     evals = property(lambda self: self.root / "eval")
     """Results of `emotune eval` on its own."""
     export = property(lambda self: self.root / "export")
@@ -237,10 +239,13 @@ def _comparable(config_yaml: str | None) -> str | None:
 class RunLog:
     """run.json: versions, hardware, precision, and status and timing of every stage."""
 
+    CARRIED = ("merged_eval",)  # facts `record`ed by a stage, kept when a resumed run skips that stage
+
     def __init__(self, run: RunDir, base: dict):
         self.run = run
         previous = read_json(run.run_json) or {}
-        self.data = {**base, "stages": previous.get("stages", {}), "started": previous.get("started", _now())}
+        self.data = {**base, "stages": previous.get("stages", {}), "started": previous.get("started", _now()),
+                     **{key: previous[key] for key in self.CARRIED if key in previous}}
         self.data["status"] = "running"
         self.write()
 
@@ -263,10 +268,20 @@ class RunLog:
         self.write()
         print(f"{STAGE_MARKER} {name}: done", flush=True)
 
+    def note(self, key: str, value) -> None:
+        """Put what a stage has to say into run.json under `key` (e.g. training's out-of-memory changes), now."""
+        self.data[key] = value
+        self.write()
+
     def skip(self, name: str, why: str) -> None:
         self.data["stages"].setdefault(name, {}).update(status="done", note=why)
         self.write()
         print(f"{STAGE_MARKER} {name}: skipped ({why})", flush=True)
+
+    def record(self, stage: str, **fields) -> None:
+        """Add what a stage decided (e.g. the train stage's shared prefix) to its entry."""
+        self.data["stages"].setdefault(stage, {}).update(fields)
+        self.write()
 
     def finish(self, outputs: list[Path]) -> None:
         """Mark the run finished; refused while any of `outputs` is missing."""

@@ -3,7 +3,7 @@
 The scoring itself is the `rouge_score` and `sacrebleu` packages'; this module chooses how text is split into
 tokens. `rouge_score`'s default tokenizer keeps only `[a-z0-9]`, so every CJK character is dropped and a Chinese
 answer scores 0 against any reference; here CJK characters are single tokens. Every score is a 0–1 fraction.
-`bootstrap_ci` and `paired_bootstrap_delta` give seeded percentile-bootstrap intervals with numpy only.
+Intervals over these per-row scores come from `emotune.stats` (`bootstrap_ci`, `paired_bootstrap_delta`).
 """
 
 from __future__ import annotations
@@ -147,47 +147,3 @@ def summarize(rows: list[dict], kind_key: str = "kind", corpus_bleu: float | Non
             groups[str(row[kind_key])].append(row)
     overall["per_kind"] = {kind: _means(group) for kind, group in sorted(groups.items())}
     return overall
-
-
-def _bootstrap_means(columns: np.ndarray, resamples: int, seed: int) -> np.ndarray:
-    """Means of `resamples` resamples of the rows of `columns` (n × k), the same row draws for every column;
-    drawn in chunks so memory stays near 4M indices whatever n is."""
-    rng = np.random.default_rng(seed)
-    n = columns.shape[0]
-    chunk = max(1, 4_000_000 // n)
-    out = []
-    for start in range(0, resamples, chunk):
-        idx = rng.integers(0, n, size=(min(chunk, resamples - start), n))
-        out.append(columns[idx].mean(axis=1))
-    return np.concatenate(out)
-
-
-def _check(values: list[float], confidence: float, resamples: int) -> None:
-    if not values:
-        raise ValueError("Cannot bootstrap an empty list of values.")
-    if not 0 < confidence < 1 or resamples < 1:
-        raise ValueError(f"confidence must be in (0, 1) and resamples >= 1 (got {confidence}, {resamples}).")
-
-
-def bootstrap_ci(values: list[float], confidence: float = 0.95, resamples: int = 2000,
-                 seed: int = 0) -> tuple[float, float]:
-    """Percentile-bootstrap interval for the mean of `values`; the same inputs always give the same interval."""
-    _check(values, confidence, resamples)
-    means = _bootstrap_means(np.asarray(values, dtype=float)[:, None], resamples, seed)[:, 0]
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(means, [tail, 1 - tail])
-    return float(low), float(high)
-
-
-def paired_bootstrap_delta(before: list[float], after: list[float], confidence: float = 0.95,
-                           resamples: int = 2000, seed: int = 0) -> dict[str, float]:
-    """`{"delta", "low", "high"}`: mean(after) − mean(before) and its percentile-bootstrap interval, resampling
-    the paired rows (row i of `before` and of `after` are the same item measured twice)."""
-    _same_length(before, after, "before and after values")
-    _check(before, confidence, resamples)
-    pairs = np.column_stack([np.asarray(before, dtype=float), np.asarray(after, dtype=float)])
-    means = _bootstrap_means(pairs, resamples, seed)
-    deltas = means[:, 1] - means[:, 0]
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(deltas, [tail, 1 - tail])
-    return {"delta": float(pairs[:, 1].mean() - pairs[:, 0].mean()), "low": float(low), "high": float(high)}

@@ -19,6 +19,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -28,14 +29,17 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from emotune import checkpoints as ckpt
+from emotune import oom
 from emotune.artifacts import write_adapter
-from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss, forward_passes
+from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
 from emotune.lora import attach_lora
-from emotune.parallel import fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
-from emotune.train_plan import Plan, announce, best_word, global_batch, make_plan, pass_token_cap
+from emotune.parallel import (any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare,
+                             refuse_tied_modules_to_save)
+from emotune.train_plan import (Plan, announce, best_word, calibration, describe_plan, fit_budget, global_batch, make_plan,
+                                pass_token_cap)
 from emotune.rundir import RunDir, remove_partial_writes
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
 
@@ -50,6 +54,8 @@ class Progress:
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
     log_history: list[dict] = field(default_factory=list)
+    memory: dict | None = None
+    """Out-of-memory recovery's limits (emotune.oom.MemoryLimits), kept so a resumed run carries on with what fitted."""
 
 
 @dataclass
@@ -73,31 +79,38 @@ class Session:
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows: list[Example], val_rows: list[Example],
           cfg: RunConfig, precision: Precision, run: RunDir, adapter_meta: dict,
-          objective: Objective = LANGUAGE_MODEL) -> PreTrainedModel:
+          objective: Objective = LANGUAGE_MODEL, record: Callable[[str, object], None] | None = None,
+          fault: Callable[[int, dict], None] | None = None) -> PreTrainedModel:
     """Fine-tune `model` with LoRA on the task's encoded rows (each carries its loss positions), save the adapter
     with `adapter_meta` into the run folder, and return the adapted model (in memory). `objective` (the task's)
-    says what the loss is and which validation metric picks the adapter kept.
+    says what the loss is and which validation metric picks the adapter kept. `record(key, value)` puts what
+    run.json should say about training under its train stage (the plan; the changes out-of-memory recovery made).
+    `fault(step, batch)` is called before every training forward pass: tests raise an out-of-memory error from it
+    where a device would.
 
     The task encodes the rows before this is called, so a row problem surfaces before any optimizer state exists."""
-    s = _setup(model, cfg, precision, len(train_rows), len(val_rows), run, objective)
+    s = _setup(model, cfg, precision, train_rows, val_rows, tokenizer.pad_token_id, run, objective)
+    if record is not None:
+        record("plan", describe_plan(s.plan, cfg.train, len(train_rows)))
     progress, best = _resume(run.checkpoints, s.adapted, s.optimizer, s.scheduler, s.scaler, s.accelerator)
+    recovery = _recovery(s, progress, train_rows, cfg.train, record, fault)
     log = TrainLog(run.train / "log_history.jsonl", progress.log_history, s.accelerator, cfg.train.report_to,
                    cfg.model_dump(mode="json"))
-    best = _loop(s, progress, best, log, train_rows, val_rows, tokenizer.pad_token_id, cfg, precision, run.checkpoints)
+    best = _loop(s, progress, best, log, recovery, val_rows, tokenizer.pad_token_id, cfg, precision, run.checkpoints)
     _finish(s, progress, best, tokenizer, run, adapter_meta, cfg.train)
     log.close()
     s.accelerator.wait_for_everyone()
     return s.adapted
 
 
-def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: int, val_rows: int, run: RunDir,
-           objective: Objective) -> Session:
-    """Processes, LoRA adapters, precision, optimizer and schedule: everything before the first step."""
+def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: list[Example], val_rows: list[Example],
+           pad_id: int, run: RunDir, objective: Objective) -> Session:
+    """Processes, LoRA adapters, precision, optimizer, the steps and their schedule: everything before the first step."""
     t = cfg.train
     accelerator, fsdp = make_accelerator(t, model, run.train)
-    plan = make_plan(t, rows, accelerator.num_processes)
+    plan = make_plan(t, len(rows), accelerator.num_processes)
     cap = pass_token_cap(t, accelerator.device)
-    announce(plan, t, rows, val_rows, cap, objective)
+    announce(plan, t, len(rows), len(val_rows), cap, objective)
 
     model.config.use_cache = False
     if fsdp:
@@ -108,33 +121,51 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: i
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
     autocast, scaler = _mixed_precision(precision, adapted)
     optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
+    wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
+    if t.time_budget:  # the steps that fit, measured on the prepared model before the schedule needs them
+        measure = calibration(wrapped, optimizer, objective, rows, val_rows, pad_id, cap, accelerator, autocast,
+                              lambda some: validate(wrapped, some, _val_batch_size(cfg), pad_id, accelerator, autocast,
+                                                    objective), _val_batch_size(cfg))
+        plan = fit_budget(plan, t, len(rows), cfg.seed, run.checkpoints, measure, accelerator)
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps)  # steps win over the ratio, as in transformers
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
-    wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
     return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast,
                    objective)
 
 
-def _loop(s: Session, progress: Progress, best, log: TrainLog, train_rows: list[Example], val_rows: list[Example],
+def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: TrainConfig, record, fault) -> oom.Recovery:
+    """Out-of-memory recovery with the forward-pass limits from the config, or with those a resumed run had reached."""
+    limits = (oom.MemoryLimits(**progress.memory) if progress.memory else
+              oom.MemoryLimits(s.cap, gradient_checkpointing=t.gradient_checkpointing))
+    if limits.changes and s.accelerator.is_main_process:
+        print(f"Resuming with the {len(limits.changes)} change(s) out-of-memory recovery made: "
+              + "; ".join(f"{c['setting']} {c['from']} -> {c['to']}" for c in limits.changes), flush=True)
+        if record is not None:
+            record("oom_recovery", {"policy": t.oom_recovery, "changes": limits.changes})
+    progress.memory = limits.as_dict()
+    return oom.Recovery(limits, train_rows, s.adapted, s.optimizer, t, s.plan.world_size,
+                        s.accelerator.is_main_process, record, fault)
+
+
+def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Recovery, val_rows: list[Example],
           pad_id: int, cfg: RunConfig, precision: Precision, folder: Path):
     """Optimizer steps until the plan's last (or early stopping); returns the best weights seen (None without
     validation). Validation, logging and checkpoints follow their step counts."""
     t, plan, main = cfg.train, s.plan, s.accelerator.is_main_process
-    lengths = [len(r.input_ids) for r in train_rows]
     bar = tqdm(total=plan.steps, initial=progress.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
     window = Window()
     s.wrapped.train()
     while progress.step < plan.steps:
-        globals_ = [global_batch(plan, t, train_rows, cfg.seed, k)
+        globals_ = [global_batch(plan, t, recovery.encoded, cfg.seed, k)
                     for k in range(progress.step * plan.micro_per_step, (progress.step + 1) * plan.micro_per_step)]
-        mine = [s.objective.collate([train_rows[i] for i in rows], pad_id, s.accelerator.device) for b in globals_
-                for rows in forward_passes(b, lengths, plan.world_size, s.cap)[s.accelerator.process_index]]
-        step_tokens = sum(train_rows[i].completion_tokens for b in globals_ for i in b)
-        loss, grad_norm, finite = _optimizer_step(s.wrapped, s.optimizer, s.scaler, mine, step_tokens, s.accelerator,
-                                                  s.autocast, s.trainable, t.max_grad_norm, s.objective)
+        loss, grad_norm, finite = recovery.step(
+            progress.step, globals_, lambda passes, rows: _optimizer_step(s, passes, rows, pad_id, t.max_grad_norm,
+                                                                          progress.step, recovery.fault),
+            lambda: _checkpoint_note(folder))
+        progress.memory = recovery.limits.as_dict()
         s.scheduler.step()  # also on a skipped step: the schedule follows the data position
         progress.step += 1
-        window.add(loss if finite else None, sum(len(train_rows[i].input_ids) for b in globals_ for i in b))
+        window.add(loss if finite else None, sum(len(recovery.rows[i].input_ids) for b in globals_ for i in b), grad_norm)
         _guard(progress, finite, loss, grad_norm, t, precision, folder)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{window.tokens_per_s():.0f}", peak_mb=f"{peak_memory_mb():.0f}")
@@ -182,8 +213,10 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
             print(f"Adapter: step {progress.best_step}, the {best_word(s.objective)} {s.objective.select} "
                   f"({progress.best_loss:.4f}).", flush=True)
     adapted.config.use_cache = True  # training turned the KV cache off; generation wants it back
-    if t.gradient_checkpointing:
+    if t.gradient_checkpointing or progress.memory["gradient_checkpointing"]:
         adapted.gradient_checkpointing_disable()
+    if progress.memory["changes"] and main:
+        print(oom.summary(oom.MemoryLimits(**progress.memory), t.batch_size, t.gradient_accumulation_steps), flush=True)
     adapted.eval()
     # Sharded weights are gathered on every process, then written by the main one like a single process's.
     weights = ({k: v.to(s.upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()}
@@ -241,36 +274,64 @@ def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Acce
 # One step, validation, guards
 
 
-def _optimizer_step(model, optimizer, scaler, batches: list[dict], step_tokens: int, accelerator: Accelerator,
-                    autocast, trainable: list[torch.nn.Parameter], max_grad_norm: float,
-                    objective: Objective = LANGUAGE_MODEL) -> tuple[float, float, bool]:
+def _optimizer_step(s: Session, passes: list[list[list[int]]], rows: list[Example], pad_id: int, max_grad_norm: float,
+                    step: int, fault: Callable[[int, dict], None] | None = None
+                    ) -> tuple[float, float, bool] | oom.OutOfMemory:
     """Forward/backward over this process's passes (of all its micro-batches), then one optimizer step unless the loss or
-    gradient is not finite. Returns (loss per completion token over all processes, gradient norm, stepped)."""
+    gradient is not finite. `passes` are every process's ([process][pass] -> row indices); the loss of the step is
+    divided by its completion tokens, those of all of them. Returns (loss per completion token, gradient norm,
+    stepped), or, when any process ran out of memory, what each one said (the step's gradients freed everywhere)."""
+    accelerator, model = s.accelerator, s.wrapped
+    step_tokens = sum(rows[i].completion_tokens for share in passes for p in share for i in p)
     loss_sum = torch.zeros((), device=accelerator.device)
     # DDP and FSDP average gradients over processes, so each one scales its share up by the process count.
     scale = accelerator.num_processes / max(step_tokens, 1)
-    # FSDP2 reduce-scatters after every micro-batch, so each process keeps only its shard of the gradient.
-    accumulate_unsynced = not ckpt.is_sharded(model)
-    for i, batch in enumerate(batches):
-        sync = accelerator.no_sync(model) if accumulate_unsynced and i < len(batches) - 1 else nullcontext()
-        with sync:
-            with autocast:
-                parts = _loss(objective, model, batch)
-            loss = parts.loss_sum * scale
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += parts.loss_sum.detach().float()
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    grad_norm = _clip_gradients(trainable, max_grad_norm)
+    # FSDP2 reduce-scatters after every pass (each process keeps only its shard of the gradient); DDP's stay local
+    # until every process has finished, so that an out-of-memory error can be agreed on first (emotune.oom).
+    sharded = ckpt.is_sharded(model)
+    failure = None
+    try:
+        for indices in passes[accelerator.process_index]:
+            batch = s.objective.collate([rows[i] for i in indices], pad_id, accelerator.device)
+            if fault is not None:
+                fault(step, batch)
+            with nullcontext() if sharded else accelerator.no_sync(model):
+                with s.autocast:
+                    parts = _loss(s.objective, model, batch)
+                loss = parts.loss_sum * scale
+                (s.scaler.scale(loss) if s.scaler is not None else loss).backward()
+            loss_sum += parts.loss_sum.detach().float()
+    except Exception as err:  # noqa: BLE001 (only out-of-memory errors are kept; the rest re-raised)
+        if not oom.is_out_of_memory(err):
+            raise
+        if sharded:
+            raise oom.sharded_failure(step, oom.describe(err)) from None
+        failure = oom.describe(err)  # a string: the error's frames, and the activations they hold, go with it
+    batch = parts = loss = None
+    if any_process(failure is not None, accelerator):
+        oom.free_memory(s.optimizer)
+        from accelerate.utils import gather_object
+
+        return oom.OutOfMemory(gather_object([failure]) if accelerator.num_processes > 1 else [failure])
+    if not sharded:  # FSDP2 reduce-scattered them already
+        average_gradients(s.trainable, accelerator)
+    if s.scaler is not None:
+        s.scaler.unscale_(s.optimizer)
+    grad_norm = _clip_gradients(s.trainable, max_grad_norm)
     loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(step_tokens, 1)
     # Under fp16 a non-finite gradient is the scaler's business (it skips the step and lowers the scale).
-    finite = math.isfinite(loss) and (scaler is not None or math.isfinite(grad_norm))
-    if finite and scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    elif finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    finite = math.isfinite(loss) and (s.scaler is not None or math.isfinite(grad_norm))
+    try:
+        if finite and s.scaler is not None:
+            s.scaler.step(s.optimizer)
+            s.scaler.update()
+        elif finite:
+            s.optimizer.step()
+    except Exception as err:  # noqa: BLE001
+        if oom.is_out_of_memory(err):
+            raise oom.optimizer_failure(step, oom.describe(err)) from None
+        raise
+    s.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, finite
 
 
@@ -291,16 +352,19 @@ def _guard(progress: Progress, finite: bool, loss: float, grad_norm: float, t: T
           f"({progress.nonfinite_in_a_row} in a row).", flush=True)
     if progress.nonfinite_in_a_row < t.max_nonfinite_steps:
         return
-    last = ckpt.complete_checkpoints(folder)
-    kept = f"The last good checkpoint, {last[-1]}, is intact; re-running resumes from it." if last else \
-        "No checkpoint had been written yet."
     cause = ("fp16 overflow: Gemma's activations exceed the fp16 range (a known Gemma issue). Set train.precision=bf16 "
              "where supported, else fp32." if precision.name == "fp16" else
              f"a learning rate too high for this model (train.learning_rate={t.learning_rate}). Lower it, e.g. 10x, "
              "or set train.max_grad_norm=1.0 if clipping is off.")
     raise UserError(f"Training stopped at step {progress.step}: the loss or gradient was NaN/inf for "
                     f"{progress.nonfinite_in_a_row} steps in a row (train.max_nonfinite_steps). Likely cause: {cause} "
-                    f"{kept}")
+                    f"{_checkpoint_note(folder)}")
+
+
+def _checkpoint_note(folder: Path) -> str:
+    last = ckpt.complete_checkpoints(folder)
+    return (f"The last checkpoint, {last[-1]}, is intact; re-running resumes from it." if last else
+            "No checkpoint had been written yet.")
 
 
 def _val_batch_size(cfg: RunConfig) -> int:

@@ -39,23 +39,29 @@ class TrainLog:
 
 
 class Window:
-    """Loss, tokens and time since the last log line."""
+    """Loss, gradient norms, tokens and time since the last log line."""
 
     def __init__(self):
-        self.started, self.losses, self.tokens = time.perf_counter(), [], 0
+        self.started, self.losses, self.grad_norms, self.tokens = time.perf_counter(), [], [], 0
 
-    def add(self, loss: float | None, tokens: int) -> None:
+    def add(self, loss: float | None, tokens: int, grad_norm: float | None = None) -> None:
         if loss is not None:
             self.losses.append(loss)
+        if grad_norm is not None and math.isfinite(grad_norm):
+            self.grad_norms.append(grad_norm)
         self.tokens += tokens
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(time.perf_counter() - self.started, 1e-9)
 
     def entry(self, progress, plan, lr: float, grad_norm: float) -> dict:
+        """The log line. `grad_norm` is the last step's gradient norm; `grad_norm_mean` / `grad_norm_max` cover every
+        finite step of the window. All are the total L2 norm over the trainable parameters before clipping."""
+        norms = self.grad_norms
         return {"step": progress.step, "epoch": round(progress.step * plan.micro_per_step / plan.batches_per_epoch, 4),
                 "loss": sum(self.losses) / len(self.losses) if self.losses else math.nan, "learning_rate": lr,
-                "grad_norm": grad_norm, "tokens_per_s": round(self.tokens_per_s(), 1),
+                "grad_norm": grad_norm, "grad_norm_mean": sum(norms) / len(norms) if norms else math.nan,
+                "grad_norm_max": max(norms, default=math.nan), "tokens_per_s": round(self.tokens_per_s(), 1),
                 "peak_memory_mb": round(peak_memory_mb(), 1), "skipped_steps": progress.nonfinite_total}
 
 

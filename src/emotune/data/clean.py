@@ -2,8 +2,10 @@
 64-bit hashes for duplicate and leakage checks, so a million rows take seconds in flat memory and no
 Python loop touches a row.
 
-Text steps run in a fixed order; NFC comes last because removing a character can put a combining
-mark next to a new base letter. Every step returns what it changed, for the data report.
+Text steps run in a fixed order: NFKC first, so the steps after it see one form of `#`, `@` and `[`; the
+Weibo steps before `mentions`, which would otherwise rewrite the `@name` of a repost chain; NFC last,
+because removing a character can put a combining mark next to a new base letter. Every step returns
+what it changed, for the data report.
 """
 
 from __future__ import annotations
@@ -19,10 +21,21 @@ CONTROL_CHARS = (r"[\x00-\x08\x0E-\x1B\x7F-\x84\x86-\x9F\x{AD}\x{200B}\x{200E}\x
                  r"\x{2060}-\x{2064}\x{2066}-\x{2069}\x{FEFF}\x{FFF9}-\x{FFFB}]")
 WHITESPACE = r"[\s\p{Z}\x0B\x1C-\x1F\x85]+"  # everything Python's str.isspace() accepts
 URL = r"(?i)(?:https?://|www\.)[^\s\p{Z}]+"
-MENTION = r"(^|[^\w@])@\w+"  # not e-mail addresses: the @ must not follow a word character
+# Names in any script (`@anna`, `@小王`, `@熬夜冠军-小赵`). Not e-mail addresses: the @ must not follow a Latin letter,
+# a digit or `_.+-@`; a Chinese character may come right before a mention, as there are no spaces in Chinese.
+MENTION = r"(^|[^\p{Latin}\p{N}_.+@-])@[\p{L}\p{N}\p{M}_-]+"
 EMOJI = (r"(?:[\x{1F000}-\x{1FAFF}\x{2600}-\x{27BF}\x{2B00}-\x{2BFF}\x{2300}-\x{23FF}\x{1F1E6}-\x{1F1FF}\x{3030}"
          r"\x{303D}\x{3297}\x{3299}\x{E0020}-\x{E007F}][\x{FE0F}\x{200D}\x{20E3}\x{1F3FB}-\x{1F3FF}]*)+")
 PUNCTUATION = r"[\p{P}\p{S}]+"
+# Weibo markup, in ASCII and full-width forms (without NFKC the text may hold either).
+# A repost chain is the first `//@name:` and all that follows it: the reposted posts, newest first.
+WEIBO_REPOST_MARKER = r"[\s\p{Z}]*[/／]{2}[@＠][^\s\p{Z}:：/／]{1,30}[:：][\s\p{Z}]*"
+WEIBO_REPOST_CHAIN = r"(?s)" + WEIBO_REPOST_MARKER + ".*"
+# `#topic#` on one line, no space just inside either `#`. The first branch consumes a `#` right after an ASCII
+# letter or digit (C#, 5#楼) and gives it back unchanged (RE2 has no look-behind), so it never opens a tag.
+WEIBO_TOPIC = r"([0-9A-Za-z][#＃])|[#＃]([^#＃\s\p{Z}]|[^#＃\s\p{Z}][^#＃\n]{0,48}[^#＃\s\p{Z}])[#＃]"
+# `[哈哈]`, `[泪]`, `[笑cry]`, `[doge]`: Chinese first (1-8 characters), or 2-8 with an ASCII letter first.
+WEIBO_EMOTICON = r"[\[［](\p{Han}[\p{Han}A-Za-z0-9]{0,7}|[A-Za-z][\p{Han}A-Za-z0-9]{1,7})[\]］]"
 BATCH_ROWS = 65_536
 PLACEHOLDERS = {"urls": "<url>", "mentions": "@user", "emoji": "<emoji>"}
 
@@ -31,6 +44,12 @@ def clean_text(texts: pa.Array | pa.ChunkedArray, cfg: CleaningConfig) -> tuple[
     """Apply the enabled text steps in order; return the texts and, per step, how many rows it changed."""
     steps = [
         ("control_chars", cfg.control_chars, lambda t: pc.replace_substring_regex(t, CONTROL_CHARS, "")),
+        ("unicode_nfkc", cfg.unicode_nfkc, lambda t: pc.utf8_normalize(t, "NFKC")),
+        ("weibo_reposts", cfg.weibo_reposts != "keep", lambda t: _reposts(t, cfg.weibo_reposts)),
+        ("weibo_topics", cfg.weibo_topics != "keep",
+         lambda t: pc.replace_substring_regex(t, WEIBO_TOPIC, r"\1\2" if cfg.weibo_topics == "unwrap" else r"\1")),
+        ("weibo_emoticons", cfg.weibo_emoticons != "keep",
+         lambda t: pc.replace_substring_regex(t, WEIBO_EMOTICON, r"\1" if cfg.weibo_emoticons == "unwrap" else "")),
         ("urls", cfg.urls != "keep", lambda t: pc.replace_substring_regex(t, URL, _replacement(cfg.urls, "urls"))),
         ("mentions", cfg.mentions != "keep",
          lambda t: pc.replace_substring_regex(t, MENTION, r"\1" + _replacement(cfg.mentions, "mentions"))),
@@ -48,6 +67,15 @@ def clean_text(texts: pa.Array | pa.ChunkedArray, cfg: CleaningConfig) -> tuple[
             batch = cleaned
         out.append(batch)
     return pa.chunked_array(out, pa.string()), changed
+
+
+def _reposts(texts: pa.Array, action: str) -> pa.Array:
+    """`drop`: the poster's own text, before the chain; `unwrap`: every text, each `//@name:` marker between two
+    texts made one space (a marker at the start is removed)."""
+    if action == "drop":
+        return pc.replace_substring_regex(texts, WEIBO_REPOST_CHAIN, "")
+    texts = pc.replace_substring_regex(texts, "^" + WEIBO_REPOST_MARKER, "")
+    return pc.replace_substring_regex(texts, WEIBO_REPOST_MARKER, " ")
 
 
 def batches(values: pa.Array | pa.ChunkedArray, rows: int = BATCH_ROWS):

@@ -17,7 +17,7 @@ from datasets import Dataset
 from emotune.config import CleaningConfig, DataConfig
 from emotune.data import clean, splits as split_ops
 from emotune.data.labels import choose_label_names, coerce_columns, example_rows, label_key, map_labels
-from emotune.data.sources import EMBEDDED_LABELS, SPLITS, read_source
+from emotune.data.sources import SPLITS, packaged_labels, read_source
 from emotune.errors import UserError, raise_problems
 
 
@@ -38,6 +38,10 @@ class LabeledData:
         return out
 
 
+# a training split whose largest class has more than this many times the rows of its smallest is called imbalanced
+IMBALANCE_RATIO = 3.0
+
+
 def load_data(cfg: DataConfig, seed: int, tokenizer=None) -> LabeledData:
     """Read, validate, clean and split the data; `tokenizer` is needed only for data.cleaning.long_rows."""
     if cfg.cleaning.long_rows != "keep" and tokenizer is None:
@@ -53,6 +57,7 @@ def load_data(cfg: DataConfig, seed: int, tokenizer=None) -> LabeledData:
 
     limits = {"train": cfg.train_limit, "validation": cfg.validation_limit, "test": cfg.test_limit}
     tables = {name: split_ops.limit(tables[name], limits[name], seed) for name in SPLITS}
+    report["imbalance"] = imbalance(split_ops.label_counts(tables["train"], labels), cfg.balance)
     tables["train"], weights, report["balance"] = _balance(tables["train"], labels, cfg.balance, seed)
     data = LabeledData(splits={name: in_memory_dataset(tables[name]) for name in SPLITS}, labels=labels,
                        source=cfg.source, report=report, class_weights=weights)
@@ -67,7 +72,7 @@ def _read_and_map(cfg: DataConfig) -> tuple[dict[str, pa.Table], list[str], dict
     problems: list[str] = []
     tables = {split: coerce_columns(r, problems) for split, r in raw.items()}
     _raise(problems)
-    default = EMBEDDED_LABELS if cfg.source == "embedded" else None
+    default = packaged_labels(cfg.source)
     labels, labels_from = choose_label_names(cfg, tables, raw, default, problems)
     problems += _alias_problems(cfg, labels)
     _raise(problems)
@@ -119,6 +124,19 @@ def _balance(train: pa.Table, labels: list[str], how: str, seed: int) -> tuple[p
         weights = split_ops.class_weights(train, labels)
         return train, weights, {"method": "class_weight", "class_weights": weights}
     return train, None, {"method": "none"}
+
+
+def imbalance(counts: dict[str, int], balance: str) -> dict:
+    """The training split's largest and smallest class and their ratio, measured before any balancing;
+    `flagged` when the ratio exceeds IMBALANCE_RATIO (a 3:1 split already lets a model ignore the small class)."""
+    present = {label: n for label, n in counts.items() if n}
+    if not present:
+        return {"flagged": False}
+    largest, smallest = max(present, key=present.get), min(present, key=present.get)
+    ratio = present[largest] / present[smallest]
+    return {"largest": {"label": largest, "rows": present[largest]},
+            "smallest": {"label": smallest, "rows": present[smallest]},
+            "ratio": round(ratio, 2), "flagged": ratio > IMBALANCE_RATIO, "balance": balance}
 
 
 def in_memory_dataset(table: pa.Table) -> Dataset:

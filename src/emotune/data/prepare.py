@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -20,7 +19,8 @@ from emotune.config import RunConfig
 from emotune.data.clean import token_lengths
 from emotune.data.load import LabeledData, in_memory_dataset, load_data
 from emotune.data.read import FORMATS
-from emotune.data.sources import HUB_PREFIXES, SPLITS, embedded_dataset_dir
+from emotune.data.sources import HUB_PREFIXES, SPLITS, embedded_dataset_dir, packaged_name
+from emotune.fonts import figure_fonts
 from emotune.models import load_tokenizer_only
 from emotune.rundir import RunDir, atomic_dir, read_json
 
@@ -55,7 +55,8 @@ def _source_stamp(source: str) -> list:
     """Path, size and modification time of every data file, so an edited file is never reused stale."""
     if source.startswith(HUB_PREFIXES):
         return [source]  # the snapshot is downloaded once per revision and never changes
-    path = embedded_dataset_dir() if source == "embedded" else Path(source).expanduser()
+    packaged = packaged_name(source)
+    path = embedded_dataset_dir(packaged) if packaged else Path(source).expanduser()
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
     return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files
             if f.suffix.lower() in FORMATS or f.suffix in (".arrow", ".json")]
@@ -131,11 +132,25 @@ def format_summary(data: LabeledData) -> str:
                 t = tokens[split]
                 lines.append(f"    {split:<10} p50 {t['p50']:g}  p90 {t['p90']:g}  p95 {t['p95']:g}  p99 {t['p99']:g}  "
                              f"max {t['max']}  ({t['rows_measured']} rows)")
+    lines.extend(format_imbalance(report.get("imbalance") or {}))
     if data.class_weights:
         lines.append("  class weights for the loss: " + ", ".join(f"{k} {v:.3f}" for k, v in data.class_weights.items()))
     if "balance" in report and report["balance"].get("method") == "oversample":
         lines.append(f"  oversampling added {report['balance']['rows_added']} training rows")
     return "\n".join(lines)
+
+
+def format_imbalance(imbalance: dict) -> list[str]:
+    """A warning with the counts and the key to set when the training classes are far from balanced."""
+    if not imbalance.get("flagged"):
+        return []
+    big, small = imbalance["largest"], imbalance["smallest"]
+    line = (f"  imbalanced: the largest training class ({big['label']}, {big['rows']} rows) has {imbalance['ratio']:g}x "
+            f"the rows of the smallest ({small['label']}, {small['rows']} rows)")
+    if imbalance.get("balance", "none") == "none":
+        return [line + "; small classes may never be predicted. Set data.balance=class_weight to weight the loss "
+                "by inverse class frequency (or data.balance=oversample to repeat their rows)."]
+    return [line + f"; data.balance={imbalance['balance']} compensates."]
 
 
 def format_cleaning(report: dict) -> str:
@@ -154,25 +169,19 @@ def format_cleaning(report: dict) -> str:
 
 
 def plot_label_distribution(data: LabeledData, path: Path) -> None:
-    from matplotlib import font_manager
     from matplotlib.figure import Figure
 
     counts = data.counts()
-    fig = Figure(figsize=(max(6.0, 1.2 * len(data.labels)), 4.0))
-    ax = fig.subplots()
-    width = 0.8 / len(counts)
-    x = np.arange(len(data.labels))
-    for i, (split, per_label) in enumerate(counts.items()):
-        ax.bar(x + i * width, [per_label[label] for label in data.labels], width, label=split)
-    ax.set_xticks(x + width * (len(counts) - 1) / 2, data.labels)
-    cjk = [f.name for f in font_manager.fontManager.ttflist if any(k in f.name for k in ("CJK", "WenQuanYi", "Hei", "Ming"))]
-    if cjk:
-        for tick in ax.get_xticklabels():
-            tick.set_fontfamily([cjk[0], "DejaVu Sans"])
-    ax.set_ylabel("rows")
-    ax.set_title(f"Label distribution: {data.source}")
-    ax.legend()
-    fig.tight_layout()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # glyphs missing from the font (e.g. CJK labels without a CJK font)
+    with figure_fonts():  # Chinese labels draw from a CJK font, Latin text from matplotlib's default
+        fig = Figure(figsize=(max(6.0, 1.2 * len(data.labels)), 4.0))
+        ax = fig.subplots()
+        width = 0.8 / len(counts)
+        x = np.arange(len(data.labels))
+        for i, (split, per_label) in enumerate(counts.items()):
+            ax.bar(x + i * width, [per_label[label] for label in data.labels], width, label=split)
+        ax.set_xticks(x + width * (len(counts) - 1) / 2, data.labels)
+        ax.set_ylabel("rows")
+        ax.set_title(f"Label distribution: {data.source}")
+        ax.legend()
+        fig.tight_layout()
         fig.savefig(path, dpi=100)

@@ -1,6 +1,8 @@
 """Where the rows come from: the packaged dataset, a file, a folder of split files, a `save_to_disk`
 folder, or a hub dataset whose Parquet snapshot is downloaded once and then read like a local folder.
 
+The packaged datasets are named `embedded:NAME` (`PACKAGED`); plain `embedded` is the English `emotion` set.
+
 Every source ends as raw splits: one Arrow table per split (`train`, `validation`, `test`, or `all`
 when the source is one file to be split) with the configured text and label columns.
 """
@@ -25,6 +27,9 @@ SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "v
 SPLIT_FILE = re.compile(r"^(?P<split>[a-z]+)(?:[-_.].*)?$")  # train.csv, train-00000-of-00001.parquet
 HUB_PREFIXES = ("hf:", "modelscope:")
 EMBEDDED_LABELS = ["sadness", "joy", "love", "anger", "fear", "surprise"]
+# The labelled datasets shipped in emotune/datasets/, with their label order (the order of reports).
+PACKAGED = {"emotion": EMBEDDED_LABELS, "emotion_zh": ["喜悦", "愤怒", "悲伤", "恐惧", "惊讶", "厌恶", "中性"]}
+EMBEDDED = "embedded"
 DOWNLOAD_DONE = ".emotune-download-complete"
 
 
@@ -36,8 +41,28 @@ class RawSplit:
     notes: list[str] = field(default_factory=list)  # worth a look, not errors (e.g. CSV fields that span lines)
 
 
-def embedded_dataset_dir() -> Path:
-    return Path(str(resources.files("emotune").joinpath("datasets", "emotion")))
+def embedded_dataset_dir(name: str = "emotion") -> Path:
+    return Path(str(resources.files("emotune").joinpath("datasets", name)))
+
+
+def packaged_name(source: str) -> str | None:
+    """The packaged dataset `source` names (`embedded` -> emotion, `embedded:emotion_zh` -> emotion_zh), None when
+    it names none; an `embedded:` name that is not packaged is a UserError listing those that are."""
+    if source == EMBEDDED:
+        return "emotion"
+    prefix, sep, name = source.partition(":")
+    if not sep or prefix != EMBEDDED:
+        return None
+    if name not in PACKAGED:
+        raise UserError(f"data.source `{source}`: emotune packages no dataset named {name!r}. Use one of "
+                        f"{', '.join(f'{EMBEDDED}:{n}' for n in PACKAGED)} (plain `{EMBEDDED}` is {EMBEDDED}:emotion).")
+    return name
+
+
+def packaged_labels(source: str) -> list[str] | None:
+    """The label order of the packaged dataset `source` names, None for any other source."""
+    name = packaged_name(source)
+    return list(PACKAGED[name]) if name else None
 
 
 def read_source(cfg: DataConfig) -> dict[str, RawSplit]:
@@ -60,8 +85,9 @@ def read_source(cfg: DataConfig) -> dict[str, RawSplit]:
 
 
 def _source_folder(cfg: DataConfig) -> Path | None:
-    if cfg.source == "embedded":
-        return embedded_dataset_dir()
+    packaged = packaged_name(cfg.source)
+    if packaged:
+        return embedded_dataset_dir(packaged)
     if cfg.source.startswith(HUB_PREFIXES):
         return download_hub_dataset(cfg)
     path = Path(cfg.source).expanduser()
@@ -69,7 +95,8 @@ def _source_folder(cfg: DataConfig) -> Path | None:
         return path
     if path.is_file():
         return None
-    raise UserError(f"data.source `{cfg.source}` does not exist. Give a file, a folder of split files, `embedded`, "
+    raise UserError(f"data.source `{cfg.source}` does not exist. Give a file, a folder of split files, `embedded` "
+                    f"(or {', '.join(f'{EMBEDDED}:{n}' for n in PACKAGED)}), "
                     "or a hub dataset such as hf:dair-ai/emotion or modelscope:AI-ModelScope/emotion.")
 
 

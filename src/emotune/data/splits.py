@@ -102,9 +102,15 @@ def oversample(table: pa.Table, seed: int) -> tuple[pa.Table, int]:
     return table.take(index), len(index) - len(table)
 
 
+def label_counts(table: pa.Table, labels: list[str]) -> dict[str, int]:
+    """Rows per label, in label order (0 for a label the table lacks)."""
+    values, counts = np.unique(table.column("label").to_numpy(zero_copy_only=False), return_counts=True)
+    found = dict(zip(values, counts.tolist()))
+    return {label: int(found.get(label, 0)) for label in labels}
+
+
 def class_weights(table: pa.Table, labels: list[str]) -> dict[str, float]:
     """n / (classes x n_class): the usual 'balanced' weights; a class weighs 1.0 when all are equal."""
-    values, counts = np.unique(table.column("label").to_numpy(zero_copy_only=False), return_counts=True)
-    count = dict(zip(values, counts))
+    count = label_counts(table, labels)
     total = len(table)
     return {label: round(total / (len(labels) * count[label]), 6) for label in labels if count.get(label)}

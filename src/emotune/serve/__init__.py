@@ -2,12 +2,14 @@
 
     GET  /v1/models                 the base model and every loaded adapter, with its task
     POST /v1/classify               {"model", "input": str | [str]} -> label + per-label probabilities (not sft)
-    POST /v1/chat/completions       OpenAI chat completions (stop, max_tokens), streaming (SSE) or not
+    POST /v1/chat/completions       OpenAI chat completions (stop, max_tokens), streaming (SSE) or not (not
+                                    classification-head models, which have no text to give)
     POST /v1/adapters               {"name", "path"} load an adapter (admin key; only from serve.adapter_dirs)
     DELETE /v1/adapters/{name}      unload it (admin key)
     GET  /health, GET /metrics      liveness; Prometheus text format
 
-Every model call runs on one worker thread holding `Engine.lock`, so an adapter switch never lands in
+Classification-head adapters (task classify_head) share the base with the others; a merged head model is
+served alone. Every model call runs on one worker thread holding `Engine.lock`, so an adapter switch never lands in
 the middle of a forward pass. Classify requests wait in a bounded queue and are scored together
 (micro-batching): one forward pass serves many requests, which is where the throughput comes from.
 

@@ -25,6 +25,11 @@ from emotune.serve.state import Server
 
 
 def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server) -> dict:
+    artifact = loaded.artifact
+    if artifact is not None and artifact.has_head:
+        raise APIError(422, f"`{loaded.name}` is a classification-head model (task {artifact.task}): it answers with "
+                            f"probabilities over its labels {artifact.labels}, not with text, so it has no chat "
+                            f"completions. Send its texts to /v1/classify with model `{loaded.name}`.")
     if body.n != 1:
         raise APIError(422, f"n={body.n}: this server returns one choice per request (n=1). For several different "
                             "replies send several requests with temperature > 0 and different seeds.")

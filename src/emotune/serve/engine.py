@@ -1,4 +1,14 @@
-"""The engine: one base model, adapters by name, every model call under one lock."""
+"""The engine: one base model, adapters by name, every model call under one lock.
+
+Every adapter's LoRA lives in one PEFT model over the base. A classification-head adapter's LoRA is loaded
+there too, renamed to the causal model's modules (emotune.head.causal_adapter), and its trained head sits on
+a classifier that reads the base's language model (`Loaded.head`), so heads, generative classifiers and sft
+models share one copy of the base weights.
+
+A merged model folder (`emotune export --merge`: a generative classifier, an sft model or a head model) is
+served alone, without a base, under the run's name with its own task, labels and prompt, loaded as
+`emotune predict` loads it.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +22,11 @@ from typing import Any
 import torch
 
 from emotune import device as device_mod
-from emotune.artifacts import Artifact, Fallback, find_artifact
+from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.config import ModelConfig, PromptConfig, RunConfig
 from emotune.errors import UserError
-from emotune.models import load_base, load_tokenizer
+from emotune.head import causal_adapter, classifier_from_causal, head_probabilities
+from emotune.models import load_base, load_tokenizer, weights_dtype
 from emotune.scoring import LabelScorer, score_label_probs
 
 BASE_MODEL = "base"
@@ -31,18 +42,27 @@ class Loaded:
     artifact: Artifact | None  # None for the base model
     tokenizer: Any
     created: int = field(default_factory=lambda: int(time.time()))
+    head: torch.nn.Module | None = None  # a head model's classifier (over the base's language model, or merged)
 
 
 class Engine:
-    def __init__(self, model_cfg: ModelConfig, device: str = "auto"):
+    def __init__(self, model_cfg: ModelConfig, device: str = "auto", merged: Artifact | None = None):
+        """The base model of `model_cfg`; or, given a merged model, that model alone (no base, no adapters)."""
         self.device = device_mod.resolve_device(device)
+        self.lock = threading.Lock()
+        self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
+        if merged is not None:
+            model, tokenizer = load_artifact_model(merged, weights_dtype(merged.model_cfg, self.device), self.device)
+            self.base_source, self.model, self.causal = str(merged.path), model, None
+            head = model if merged.has_head else None  # a generative model is scored and generated from as it is
+            self.models: dict[str, Loaded] = {merged.name: Loaded(merged.name, merged, tokenizer, head=head)}
+            return
         self.base_source = model_cfg.source
         base = load_base(model_cfg, self.device)  # model.dtype honoured, as in training and evaluation
         self.base_dir, self.dtype = base.model_dir, base.model.dtype
         self.model = base.model.eval()
-        self.models: dict[str, Loaded] = {BASE_MODEL: Loaded(BASE_MODEL, None, base.tokenizer)}
-        self.lock = threading.Lock()
-        self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
+        self.causal = base.model  # the same object once PEFT wraps `model`; head classifiers read its language model
+        self.models = {BASE_MODEL: Loaded(BASE_MODEL, None, base.tokenizer)}
 
     @property
     def is_peft(self) -> bool:
@@ -52,16 +72,25 @@ class Engine:
         """Load an adapter under its name (called on the worker thread). All or nothing: if PEFT fails half-way
         (it wraps layers before it reads the weights), what it registered is taken out again, so the models
         served before are unchanged and the name can be loaded again."""
+        self.check_loadable(artifact)
         tokenizer = load_tokenizer(artifact.path, ModelConfig())
         with self.lock:
             try:
-                self._attach(artifact)
+                head = self._attach_head(artifact) if artifact.has_head else self._attach(artifact)
             except BaseException:
                 self._detach(artifact.name)
                 raise
             finally:
                 self.scorers.clear()  # the first adapter wraps the model; start every scorer afresh
-            self.models[artifact.name] = Loaded(artifact.name, artifact, tokenizer)
+            self.models[artifact.name] = Loaded(artifact.name, artifact, tokenizer, head=head)
+
+    def check_loadable(self, artifact: Artifact) -> None:
+        """An adapter needs this server's base: refused on a server of a merged model, or of another base."""
+        if self.causal is None:
+            raise UserError(f"This server serves the merged model `{self.base_source}` alone, which has no base model "
+                            f"to put adapter `{artifact.name}` on. Serve adapters from a server started with their run "
+                            "folders (or with no target: the base model).")
+        check_base(artifact, self.base_source)
 
     def remove_adapter(self, name: str) -> None:
         with self.lock:
@@ -76,6 +105,26 @@ class Engine:
             self.model.load_adapter(artifact.path, adapter_name=artifact.name)
         else:
             self.model = PeftModel.from_pretrained(self.model, artifact.path, adapter_name=artifact.name).eval()
+
+    def _attach_head(self, artifact: Artifact) -> torch.nn.Module:
+        """The head adapter's LoRA beside the other adapters, and a classifier with its trained head over the base's
+        language model (which runs with whichever adapter `using` made active)."""
+        from peft import get_peft_model
+        from peft.utils import set_peft_model_state_dict
+
+        config, weights, head = causal_adapter(self.causal, artifact.path)
+        if self.is_peft:
+            self.model.add_adapter(artifact.name, config)
+        else:
+            self.model = get_peft_model(self.model, config, adapter_name=artifact.name).eval()
+        loaded = set_peft_model_state_dict(self.model, weights, adapter_name=artifact.name)
+        if loaded.unexpected_keys:
+            raise UserError(f"Adapter `{artifact.name}` holds weights this base model has no place for "
+                            f"({', '.join(loaded.unexpected_keys[:3])}, ...); was it trained on another base model?")
+        classifier = classifier_from_causal(self.causal, artifact.labels)
+        with torch.no_grad():
+            classifier.score.weight.copy_(head)
+        return classifier.eval()
 
     def _detach(self, name: str) -> None:
         """Take out adapter `name`, whole or half-loaded. Without adapters left the plain base model is served
@@ -94,16 +143,18 @@ class Engine:
         with self.lock:
             if name not in self.models:
                 raise ModelGone(f"The model `{name}` was unloaded before this request's turn came.")
-            if name == BASE_MODEL:
-                context = self.model.disable_adapter() if self.is_peft else nullcontext()
-            else:
+            context = nullcontext()  # the plain base, or a merged model served alone
+            if self.is_peft and name == BASE_MODEL:
+                context = self.model.disable_adapter()
+            elif self.is_peft:
                 self.model.set_adapter(name)
-                context = nullcontext()
             with context:
                 yield self.models[name]
 
     def classify(self, name: str, texts: list[str], prompt: PromptConfig, labels: list[str], batch_size: int) -> torch.Tensor:
         with self.using(name) as loaded:
+            if loaded.head is not None:  # the head reads the bare text: no prompt, labels from the head
+                return head_probabilities(loaded.head, loaded.tokenizer, texts, loaded.artifact.max_length, batch_size)
             if loaded.artifact is None:  # the base with request-chosen labels: nothing worth keeping
                 return score_label_probs(self.model, loaded.tokenizer, texts, prompt, labels, batch_size)
             # an adapter's scorer keeps the KV cache of its prompt head, so one request costs only its own text
@@ -145,10 +196,17 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
     if duplicates:
         raise UserError(f"Two adapters would both be named {duplicates}; the name is the run folder's name. "
                         "Serve one of them, or copy it to a folder with another name.")
-    merged = [a.name for a in artifacts if a.merged]
+    merged = [a for a in artifacts if a.merged]
+    if merged and len(artifacts) > 1:
+        raise UserError(f"{[a.name for a in merged]} {'is a merged model' if len(merged) == 1 else 'are merged models'}: "
+                        "a whole model of its own, which adapters trained on the original base do not fit. Serve a "
+                        "merged model alone (`emotune serve RUN/export/merged`), or the run folders' adapters together "
+                        "over their base.")
     if merged:
-        raise UserError(f"{merged} are merged models; `emotune serve` serves adapters over one base. Point at the run "
-                        "folders instead, or serve the merged model with vLLM (export --vllm writes serve_merged.sh).")
+        print(f"Loading merged model {merged[0].name} from {merged[0].path} ...", flush=True)
+        engine = Engine(cfg.model, cfg.device, merged=merged[0])
+        print(f"Serving merged model {merged[0].name} ({describe(merged[0])})", flush=True)
+        return engine, artifacts
     model_cfg = artifacts[0].model_cfg if artifacts else cfg.model
     for artifact in artifacts:
         check_base(artifact, model_cfg.source)
@@ -156,6 +214,11 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
     engine = Engine(model_cfg, cfg.device)
     for artifact in artifacts:
         engine.add_adapter(artifact)
-        what = f"{len(artifact.labels)} labels" if artifact.task == "classify" else f"{artifact.task}, free-text chat"
-        print(f"Loaded adapter {artifact.name} ({what}) from {artifact.path}", flush=True)
+        print(f"Loaded adapter {artifact.name} ({describe(artifact)}) from {artifact.path}", flush=True)
     return engine, artifacts
+
+
+def describe(artifact: Artifact) -> str:
+    if artifact.has_head:
+        return f"classification head, {len(artifact.labels)} labels"
+    return f"{len(artifact.labels)} labels" if artifact.task == "classify" else f"{artifact.task}, free-text chat"

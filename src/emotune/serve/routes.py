@@ -18,7 +18,7 @@ from emotune.artifacts import Artifact, check_adapter_files, find_artifact
 from emotune.config import PromptConfig, ServeConfig
 from emotune.errors import UserError
 from emotune.serve.chat import chat_job, generate_reply, stream_chat
-from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone, check_base
+from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.http import (
     APIError,
     BodyLimit,
@@ -111,8 +111,9 @@ async def health(state: ServerState):
 
 
 async def metrics(state: ServerState):
+    adapters = sum(loaded.artifact is not None and not loaded.artifact.merged for loaded in state.engine.models.values())
     gauges = {"emotune_queue_texts": state.batcher.pending, "emotune_requests_in_flight": state.in_flight,
-              "emotune_adapters_loaded": len(state.engine.models) - 1}
+              "emotune_adapters_loaded": adapters}
     return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
 
@@ -167,7 +168,9 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
 async def unload_adapter(name: str, state: ServerState):
     if name == BASE_MODEL:
         raise APIError(422, "The base model cannot be unloaded.")
-    state.loaded(name)
+    artifact = state.loaded(name).artifact
+    if artifact is not None and artifact.merged:
+        raise APIError(422, f"`{name}` is the merged model this server serves; it cannot be unloaded.")
     await asyncio.get_running_loop().run_in_executor(state.executor, state.engine.remove_adapter, name)
     return {"id": name, "object": "model", "deleted": True}
 
@@ -181,27 +184,31 @@ def model_gone_is_404():
 
 
 def _model_card(loaded: Loaded, engine: Engine) -> dict:
+    artifact = loaded.artifact
     card = {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "emotune",
-            "root": engine.base_source if loaded.artifact is None else str(loaded.artifact.path),
-            "parent": None if loaded.artifact is None else BASE_MODEL}
-    if loaded.artifact is not None:
-        card["task"] = loaded.artifact.task
-        if loaded.artifact.task == "classify":
-            card["labels"] = loaded.artifact.labels
+            "root": engine.base_source if artifact is None else str(artifact.path),
+            "parent": None if artifact is None or artifact.merged else BASE_MODEL}
+    if artifact is not None:
+        card["task"] = artifact.task
+        if artifact.task == "classify" or artifact.has_head:
+            card["labels"] = artifact.labels
+        card["merged"] = artifact.merged
     return card
 
 
 def _task(loaded: Loaded, labels: list[str] | None) -> tuple[PromptConfig, list[str]]:
-    """The prompt and label set to score with: the adapter's own, or (base model) the request's labels."""
-    if loaded.artifact is not None and loaded.artifact.task != "classify":
+    """The prompt and label set to score with: the adapter's own, or (base model) the request's labels. A head model
+    reads no prompt; its labels are its head's."""
+    if loaded.artifact is not None and loaded.artifact.task != "classify" and not loaded.artifact.has_head:
         raise APIError(422, f"`{loaded.name}` is an {loaded.artifact.task} model: it answers in free text and has no "
                             "label set to classify into. Send its requests to /v1/chat/completions; /v1/classify "
-                            f"serves classify adapters, and `{BASE_MODEL}` with a `labels` list.")
+                            f"serves classify and classify_head models, and `{BASE_MODEL}` with a `labels` list.")
     if loaded.artifact is not None:
         if labels is not None and labels != loaded.artifact.labels:
             raise APIError(422, f"`labels` can only be chosen for the base model; `{loaded.name}` classifies into "
                                 f"{loaded.artifact.labels}. Leave `labels` out.")
-        return loaded.artifact.prompt, loaded.artifact.labels
+        prompt = PromptConfig() if loaded.artifact.has_head else loaded.artifact.prompt  # a head reads no prompt
+        return prompt, loaded.artifact.labels
     if not labels or len(set(labels)) < 2:
         raise APIError(422, f"The `{BASE_MODEL}` model has no label set of its own: pass `labels`, two or more names.")
     return PromptConfig(), labels
@@ -212,11 +219,12 @@ def _adapter_artifact(state: Server, body: AdapterRequest) -> Artifact:
     try:
         artifact = find_artifact(folder, name=body.name)
         if artifact.merged:
-            raise UserError(f"`{body.path}` is a merged model, not an adapter; serve it on its own (vllm serve).")
+            raise UserError(f"`{body.path}` is a merged model, not an adapter; serve it on its own "
+                            "(`emotune serve FOLDER`).")
         if not (artifact.path / "adapter_model.safetensors").is_file():
             raise UserError(f"`{body.path}` has no adapter_model.safetensors; only safetensors adapters are loaded "
                             "(pickled .bin files can run code).")
-        check_base(artifact, state.engine.base_source)
+        state.engine.check_loadable(artifact)
         check_adapter_files(artifact.path)
     except UserError as err:
         raise APIError(422, str(err)) from None

@@ -146,9 +146,13 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str
     parent: str | None
-    task: Literal["classify", "sft"] | None = None
-    """An adapter's task: `classify` (/v1/classify and chat) or `sft` (free-text chat only). The base does both."""
+    task: Literal["classify", "sft", "classify_head"] | None = None
+    """A model's task: `classify` (/v1/classify and chat), `sft` (free-text chat only) or `classify_head` (/v1/classify
+    only, through its classification head). The base does both of the first two."""
     labels: list[str] | None = None
+    """The labels /v1/classify answers with (classify and classify_head models)."""
+    merged: bool | None = None
+    """Whether the model is a merged model folder (served in the base's place) rather than an adapter."""
 
 
 class ModelList(BaseModel):

@@ -23,6 +23,10 @@ def serve_with_vllm(cfg: RunConfig, targets: list[str], fallback: Fallback | Non
     artifacts = [find_artifact(t, fallback=fallback) for t in targets]
     if not artifacts or any(a.merged for a in artifacts):
         raise UserError("serve.engine=vllm serves run or adapter folders; for a merged model run its serve_merged.sh.")
+    heads = [a.name for a in artifacts if a.has_head]
+    if heads:
+        raise UserError(f"{heads} are classification-head models, which answer with label probabilities through "
+                        "emotune's own engine (/v1/classify). Use serve.engine=native for them.")
     for artifact in artifacts:
         blockers = vllm_blockers(adapter_config(artifact.path))
         if blockers:

@@ -18,14 +18,17 @@ from emotune.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_le
 from emotune.config import ClassifyConfig, PromptConfig
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
-from emotune.evaluate import auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_metrics, write_results
+from emotune.errors import UserError
+from emotune.evaluate import (EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation,
+                              write_results)
 from emotune.rundir import RunDir
 from emotune.tasks.classify_report import (baseline_notes, compare_methods, format_table, report_sections,
                                            write_comparison)
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload", "outputs",
-           "read_results", "report_sections", "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
+           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info", "save_data", "saved_fingerprint",
+           "training_rows", "training_setup", "write_comparison", "write_results"]
 
 # What `emotune plan` assumes where the config does not say: a label of up to 3 tokens plus the end of the turn,
 # and as many labels as the packaged emotion dataset has.
@@ -107,9 +110,18 @@ def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyConfig, desc: str
     return evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=desc)
 
 
-def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, dict] | None:
-    """{method: metrics} when every method's results are complete in `folder`, else None."""
-    return read_metrics(folder, eval_methods(cfg.eval))
+def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: ClassifyConfig, rows: int
+                       ) -> list[list[int]]:
+    """The first `rows` evaluated prompts as token ids, as both methods read them (chat template, generation prompt)."""
+    split = data.splits[cfg.eval.split]
+    texts = split.select(range(min(rows, len(split))))["text"]
+    return [tokenizer.apply_chat_template(prompt_messages(t, cfg.prompt, data.labels), tokenize=True,
+                                          add_generation_prompt=True, return_dict=False) for t in texts]
+
+
+def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, EvalResult] | None:
+    """{method: EvalResult} (metrics and predictions) when every method's results are complete in `folder`, else None."""
+    return read_evaluation(folder, eval_methods(cfg.eval))
 
 
 def has_results(folder: Path) -> bool:
@@ -122,11 +134,14 @@ def find_adapter(path: str, cfg: ClassifyConfig, data: LabeledData) -> Artifact:
     an emotune one must have been trained with them."""
     artifact = find_artifact(path, fallback=Fallback(labels=data.labels, prompt=cfg.prompt, base_model=None,
                                                      source="the config"))
+    if artifact.task != "classify":
+        raise UserError(f"`{artifact.path}` is a {artifact.task} adapter; `task: classify` measures generative "
+                        "classification adapters. Use that adapter's own config (its run folder's config.yaml).")
     check_matches(artifact, data.labels, system_prompt(cfg.prompt, data.labels))
     return artifact
 
 
-def compare(before: dict[str, dict], after: dict[str, dict], data: LabeledData) -> dict:
+def compare(before: dict[str, EvalResult], after: dict[str, EvalResult], data: LabeledData) -> dict:
     return compare_methods(before, after, data.labels)
 
 

@@ -24,15 +24,14 @@ from emotune.data import LabeledData, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.errors import UserError
 from emotune.evaluate import (EvalResult, auto_batch_cap, compute_metrics, evaluate as evaluate_method, probability_metrics,
-                              write_results)
-from emotune.head import classifier_from_causal, collate_rows, head_objective, is_classifier
+                              read_predictions, write_results)
+from emotune.head import classifier_from_causal, encode_texts, head_objective, head_probabilities, is_classifier
 from emotune.rundir import RunDir, read_json
-from emotune.scoring import run_in_batches
 from emotune.tasks.classify_head_report import compare, format_comparison, report_sections, write_comparison
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
-           "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload", "outputs", "read_results",
-           "report_sections",
+           "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload", "merge_check_inputs", "outputs",
+           "read_results", "report_sections",
            "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison",
            "write_results"]
 
@@ -66,12 +65,6 @@ def run_info(cfg: ClassifyHeadConfig, data: LabeledData) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # Training: the bare text, one class per row
-
-
-def encode_texts(texts: list[str], tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[list[int]]:
-    """The text's tokens (with the tokenizer's own special tokens, e.g. Gemma's <bos>), cut at `max_length`."""
-    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
-    return [ids or [tokenizer.eos_token_id] for ids in encoded]
 
 
 def training_rows(data: LabeledData, tokenizer: PreTrainedTokenizerBase, cfg: ClassifyHeadConfig
@@ -118,29 +111,6 @@ def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyHeadConfig, desc:
     return {METHOD: result}
 
 
-@torch.inference_mode()
-def head_probabilities(model, tokenizer, texts: list[str], max_length: int, batch_size: int,
-                       desc: str | None) -> torch.Tensor:
-    """[rows, labels] softmax of the head's logits; rows sorted by length to cut padding."""
-    device = next(model.parameters()).device
-    ids = encode_texts(texts, tokenizer, max_length)
-    probs = torch.zeros(len(texts), model.config.num_labels)
-
-    def step(batch: list[int]) -> None:
-        rows = [Example(ids[i], len(ids[i]) - 1, label=0) for i in batch]
-        encoded = collate_rows(rows, tokenizer.pad_token_id, device)
-        logits = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
-        probs[batch] = logits.float().softmax(-1).cpu()
-
-    was_training = model.training
-    model.eval()
-    try:
-        run_in_batches(sorted(range(len(texts)), key=lambda i: len(ids[i])), batch_size, step, desc)
-    finally:
-        model.train(was_training)
-    return probs
-
-
 def evaluate_head(model, tokenizer, texts: list[str], gold: list[str], labels: list[str], cfg: ClassifyHeadConfig,
                   desc: str) -> EvalResult:
     import time
@@ -158,9 +128,18 @@ def evaluate_head(model, tokenizer, texts: list[str], gold: list[str], labels: l
     return EvalResult(rows=rows, metrics=metrics)
 
 
-def read_results(folder: Path, cfg: ClassifyHeadConfig | None = None) -> dict[str, dict] | None:
+def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: ClassifyHeadConfig, rows: int
+                       ) -> list[list[int]]:
+    """The first `rows` evaluated texts as token ids, as the head reads them (the bare text, cut at max_length)."""
+    split = data.splits[cfg.eval.split]
+    return encode_texts(split.select(range(min(rows, len(split))))["text"], tokenizer, cfg.train.max_length)
+
+
+def read_results(folder: Path, cfg: ClassifyHeadConfig | None = None) -> dict[str, EvalResult] | None:
     metrics = read_json(folder / "metrics.json") if (folder / "predictions.csv").is_file() else None
-    return {METHOD: metrics} if isinstance(metrics, dict) and metrics.get("method") == METHOD else None
+    if not isinstance(metrics, dict) or metrics.get("method") != METHOD:
+        return None
+    return {METHOD: EvalResult(rows=read_predictions(folder), metrics=metrics)}
 
 
 def has_results(folder: Path) -> bool:
@@ -169,10 +148,14 @@ def has_results(folder: Path) -> bool:
 
 def find_adapter(path: str, cfg: ClassifyHeadConfig, data: LabeledData) -> Artifact:
     """A classify_head adapter trained on this config's labels (`emotune eval CONFIG adapter=PATH`)."""
-    artifact = find_artifact(path, heads=True)
+    artifact = find_artifact(path)
     if artifact.meta.get("task") != "classify_head":
         raise UserError(f"`{artifact.path}` is a {artifact.meta.get('task', 'classify')} adapter; `task: classify_head` "
                         "measures classification-head adapters. Use that adapter's own config.")
+    if artifact.merged:
+        raise UserError(f"`{artifact.path}` is a merged model; `emotune eval adapter=...` measures an adapter over the "
+                        "config's base model. Point at the run or export folder that holds adapter/, or classify with "
+                        f"`emotune predict {artifact.path} --file ...`.")
     check_matches(artifact, data.labels, "")
     return artifact
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 
 from emotune.data import LabeledData
+from emotune.evaluate import EvalResult
 from emotune.rundir import RunDir
 from emotune.tasks import classify_report
 from emotune.tasks.classify_report import baseline_notes, compare_methods, format_table, write_comparison
@@ -13,14 +14,14 @@ from emotune.tasks.classify_report import baseline_notes, compare_methods, forma
 __all__ = ["compare", "format_comparison", "report_sections", "write_comparison"]
 
 
-def compare(before: dict[str, dict], after: dict[str, dict], data: LabeledData) -> dict:
+def compare(before: dict[str, EvalResult], after: dict[str, EvalResult], data: LabeledData) -> dict:
     comparison = compare_methods(before, after, data.labels)
     comparison["measured_by"] = {"before": _measured_by(before), "after": _measured_by(after)}
     return comparison
 
 
-def _measured_by(results: dict[str, dict]) -> str | None:
-    return next(iter(results.values())).get("measured_by")
+def _measured_by(results: dict[str, EvalResult]) -> str | None:
+    return next(iter(results.values())).metrics.get("measured_by")
 
 
 def format_comparison(comparison: dict, data: LabeledData, cfg) -> str:

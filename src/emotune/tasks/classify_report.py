@@ -1,5 +1,6 @@
-"""Generative classification's comparison and report sections: before/after tables, confusion matrices,
-per-class F1, rows that changed, invalid outputs (emotune.report builds the page around them)."""
+"""Generative classification's comparison and report sections: before/after tables with 95 % intervals and the
+paired test, confusion matrices, per-class F1, rows that changed, invalid outputs (emotune.report builds the page
+around them)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from emotune.errors import UserError
+from emotune.evaluate import EvalResult
 from emotune.report import embed_figure
 from emotune.rundir import RunDir, atomic_file, write_json
+from emotune.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
 
 MAX_LISTED_ROWS = 30
 
@@ -37,15 +41,42 @@ def compare(before: dict, after: dict, labels: list[str]) -> dict:
         "method": {"before": before.get("method"), "after": after.get("method")},
         "rows": after.get("rows"),
         "metrics": metrics,
+        "never_predicted": {"before": never_predicted(before, labels), "after": never_predicted(after, labels)},
     }
 
 
-def compare_methods(before: dict[str, dict], after: dict[str, dict], labels: list[str]) -> dict:
+def never_predicted(metrics: dict, labels: list[str]) -> list[str]:
+    """Labels that occur in the split but that the model never answered (from the confusion matrix's columns)."""
+    confusion = metrics.get("confusion_matrix")
+    if not confusion:
+        return []
+    predicted = dict(zip(confusion["labels"], np.asarray(confusion["matrix"]).sum(axis=0).tolist()))
+    return [label for label in labels
+            if predicted.get(label, 0) == 0 and metrics["per_class"][label].get("support", 0) > 0]
+
+
+def compare_methods(before: dict[str, EvalResult], after: dict[str, EvalResult], labels: list[str]) -> dict:
     """The first method's comparison at the top level (the headline), every method's under "methods", and the
-    chance levels of the measured split under "chance" (the same split for every method)."""
-    methods = {m: compare(before[m], after[m], labels) for m in before if m in after}
-    first = next(iter(before.values()))
+    chance levels of the measured split under "chance" (the same split for every method).
+
+    Each method's comparison also holds `intervals` (95 % bootstrap intervals of accuracy and macro-F1 before and
+    after, and of their change) and `paired` (the exact McNemar test and the verdict), from the predictions."""
+    methods = {m: {**compare(before[m].metrics, after[m].metrics, labels), **uncertainty(before[m].rows, after[m].rows, labels)}
+               for m in before if m in after}
+    first = next(iter(before.values())).metrics
     return {**next(iter(methods.values())), "methods": methods, "chance": chance_levels(_support(first, labels))}
+
+
+def uncertainty(before_rows: list[dict], after_rows: list[dict], labels: list[str]) -> dict:
+    """{"intervals", "paired"} (emotune.stats.paired_comparison) of two measurements of the same rows, in order."""
+    if [(r["text"], r["gold"]) for r in before_rows] != [(r["text"], r["gold"]) for r in after_rows]:
+        raise UserError("The baseline and fine-tuned predictions.csv hold different rows, so they cannot be compared "
+                        "row by row. Measure both on the same data: delete the run's finetuned/ folder and re-run "
+                        "`emotune run` with the same config.")
+    if not before_rows:
+        return {}
+    return paired_comparison([r["gold"] for r in before_rows], [r["predicted"] for r in before_rows],
+                             [r["predicted"] for r in after_rows], labels)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,7 +162,8 @@ def write_comparison(comparison: dict, run: RunDir) -> None:
 def format_table(comparison: dict, labels: list[str], chance: dict | None = None) -> str:
     """The terminal table: headline metrics, then per-class F1; with `chance`, the split's chance levels beside
     accuracy and macro-F1, and whether the model beats them before and after."""
-    rows = [(TITLES[key], key) for key in HEADLINE] + [(f"F1 {label}", f"{label}/f1") for label in labels]
+    rows = ([(TITLES[key], key) for key in HEADLINE] + [(f"F1 {label}", f"{label}/f1") for label in labels]
+            + [(f"recall {label}", f"{label}/recall") for label in labels])
     width = max(len(title) for title, _ in rows) + 2
     guesses = CHANCE_GUESSES if chance else ()
     lines = [f"{'metric':<{width}}{'before':>10}{'after':>10}{'delta':>10}" + "".join(f"{g:>12}" for g in guesses),
@@ -150,7 +182,32 @@ def format_table(comparison: dict, labels: list[str], chance: dict | None = None
             f"{TITLES[m]} {'yes' if beats_chance(comparison['metrics'][m][stage], m, chance) else 'no'}"
             for m in CHANCE_METRICS if m in comparison["metrics"]) for stage in ("before", "after")]
         lines.append("above every chance level? " + " · ".join(verdicts))
+    missing = comparison.get("never_predicted", {}).get("after")
+    if missing:
+        lines.append(f"Warning: after training the model never predicted {', '.join(missing)}, though the split has "
+                     "rows of it; if the training data is imbalanced, data.balance=class_weight weights the loss toward "
+                     "small classes.")
+    if comparison.get("intervals"):  # absent from comparisons written before intervals existed
+        lines += ["", *format_uncertainty(comparison, width)]
     return "\n".join(lines)
+
+
+def format_uncertainty(comparison: dict, width: int) -> list[str]:
+    """The 95 % intervals of accuracy and macro-F1 and the paired test's verdict, as terminal lines."""
+    lines = [f"{'95% interval':<{width}}{'before':>17}{'after':>17}   delta (paired)"]
+    for key in CHANCE_METRICS:
+        one = comparison["intervals"][key]
+        delta = one["delta"]
+        lines.append(f"{TITLES[key]:<{width}}{format_interval(one['before']):>17}{format_interval(one['after']):>17}   "
+                     f"{delta['delta']:+.3f} {format_interval([delta['low'], delta['high']], signed=True)}")
+    lines.append(paired_sentence(comparison["paired"]))
+    return lines
+
+
+def paired_sentence(paired: dict) -> str:
+    test = paired["mcnemar"]
+    return (f"paired test on the same rows: {test['c']} wrong → right, {test['b']} right → wrong, exact McNemar "
+            f"p = {test['p_value']:.3g}.\nVerdict: {paired['verdict']} — {VERDICT_NOTES[paired['verdict']]}.")
 
 
 def report_sections(run: RunDir, info: dict) -> list[str]:
@@ -181,7 +238,8 @@ def _method_section(method: str, before: dict, after: dict | None, labels: list[
     title = {"generate": "generate — greedy decoding + regex (the reference method)",
              "score": "score — exact label probabilities (never invalid)"}.get(method, method)
     parts = [f"<section id='method-{method}'><h2>Method: {html.escape(title)}</h2>",
-             _metrics_table(method, before["metrics"], after and after["metrics"], labels, chance)]
+             _metrics_table(method, before["metrics"], after and after["metrics"], labels, chance),
+             _uncertainty_table(method, before["rows"], after and after["rows"], labels)]
     pictures = [("confusion", _confusion_figure(before["metrics"], after and after["metrics"], labels, method)),
                 ("per_class_f1", _f1_figure(before["metrics"], after and after["metrics"], labels, method))]
     for name, figure in pictures:
@@ -213,6 +271,35 @@ def _metrics_table(method: str, before: dict, after: dict | None, labels: list[s
     rows = before.get("rows")
     return (f"<table class='before-after' data-method='{method}'><caption>Before/after, method <b>{method}</b>, "
             f"{rows} rows</caption><tr><th>metric</th>{head}</tr>{''.join(body)}</table>")
+
+
+def _uncertainty_table(method: str, before: list[dict], after: list[dict] | None, labels: list[str]) -> str:
+    """95 % intervals of accuracy and macro-F1 (and of their change, with the paired test) from the predictions."""
+    if not before:
+        return ""
+    gold = [r["gold"] for r in before]
+    if after is None:
+        single = classification_intervals(gold, [r["predicted"] for r in before], labels)
+        body = "".join(f"<tr><th>{TITLES[k]}</th><td class=num>{format_interval(single[k]['interval'])}</td></tr>"
+                       for k in CHANCE_METRICS)
+        head, verdict = "<th>baseline</th>", ""
+    else:
+        found = uncertainty(before, after, labels)
+        body = ""
+        for key in CHANCE_METRICS:
+            one = found["intervals"][key]
+            delta = one["delta"]
+            tone = "good" if delta["low"] > 0 else ("bad" if delta["high"] < 0 else "")
+            body += (f"<tr><th>{TITLES[key]}</th><td class=num>{format_interval(one['before'])}</td>"
+                     f"<td class=num>{format_interval(one['after'])}</td><td class='num {tone}'>{delta['delta']:+.3f} "
+                     f"{format_interval([delta['low'], delta['high']], signed=True)}</td></tr>")
+        head = "<th>before</th><th>after</th><th>Δ (paired)</th>"
+        paired = found["paired"]
+        tone = {"better": "good", "worse": "bad"}.get(paired["verdict"], "")
+        verdict = f"<p class='verdict {tone}' data-method='{method}'>{html.escape(paired_sentence(paired))}</p>"
+    return (f"<table class=intervals data-method='{method}'><caption>95% intervals (percentile bootstrap, {RESAMPLES} "
+            f"resamples of the rows), method <b>{method}</b></caption><tr><th>metric</th>{head}</tr>{body}</table>"
+            + verdict)
 
 
 def _lookup(metrics: dict, key: str) -> float:

@@ -29,8 +29,8 @@ from emotune.tasks.sft_report import compare, format_comparison, report_sections
 from emotune.tasks.sft_rows import encode_all
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload", "outputs",
-           "read_results", "report_sections", "run_info",
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
+           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info",
            "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
 SHOWN_METRICS = ("rouge_l", "bleu", "exact_match", "perplexity", "probe_accuracy")  # printed by `emotune eval`
@@ -152,6 +152,14 @@ def adapter_meta(cfg: SftConfig, data: ConversationData) -> dict:
 
 def evaluate(model, tokenizer, data: ConversationData, cfg: SftConfig, desc: str) -> dict:
     return {"sft": sft_eval.measure(model, tokenizer, data.splits[cfg.eval.split], cfg, desc)}
+
+
+def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: ConversationData, cfg: SftConfig, rows: int
+                       ) -> list[list[int]]:
+    """The first `rows` evaluated conversations' prompts as token ids, as the generations read them."""
+    return [tokenizer.apply_chat_template(c.chat(cfg.prompt.system_prompt, c.prompt_turns), tokenize=True,
+                                          add_generation_prompt=True, return_dict=False)
+            for c in data.splits[cfg.eval.split][:rows]]
 
 
 def write_results(results: dict, folder: Path) -> None:

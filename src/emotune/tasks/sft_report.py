@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import html
 
-from emotune import textmetrics
+from emotune import stats
 from emotune.rundir import RunDir, write_json
 from emotune.tasks import sft_eval
 
@@ -29,7 +29,7 @@ def compare(before: dict, after: dict, data=None) -> dict:
     intervals = {}
     if before["rows"] and len(before["rows"]) == len(after["rows"]):
         for score in ROW_SCORES:
-            intervals[score] = textmetrics.paired_bootstrap_delta([float(r[score]) for r in before["rows"]],
+            intervals[score] = stats.paired_bootstrap_delta([float(r[score]) for r in before["rows"]],
                                                                   [float(r[score]) for r in after["rows"]])
     per_kind = {kind: {score: _row(one[score], a["per_kind"][kind][score]) for score in ("rouge_l", "bleu", "exact_match")}
                 for kind, one in b.get("per_kind", {}).items() if kind in a.get("per_kind", {})}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from emotune.batches import Example, common_prefix_length
+from emotune.batches import Example, common_prefix_length, truncated
 from emotune.data.conversations import Conversation
 from emotune.models import stop_token_ids
 
@@ -85,7 +85,4 @@ def encode_all(conversations: list[Conversation], tokenizer: PreTrainedTokenizer
     return out
 
 
-def truncate(example: Example, max_length: int) -> Example:
-    spans = tuple((start, min(end, max_length)) for start, end in example.loss_spans if start < max_length)
-    spans = spans or ((max_length, max_length),)
-    return Example(example.input_ids[:max_length], spans[0][0], example.weight, spans)
+truncate = truncated  # the one cut of a row at max_length, shared with training's out-of-memory recovery

@@ -1,0 +1,213 @@
+"""What a sweep varies: each key's values or range, the trials of a grid or an ablation, and their names.
+
+A sweep's keys are the dotted keys of `key=value` overrides; each trial is the base config with a few of
+them set (`lora.r=8 train.learning_rate=1e-4`), run by a normal `emotune run` (emotune.sweep). Values
+are kept as the override text the command line would carry, so a trial is exactly a command line.
+
+Ranges (`loguniform(1e-5,1e-3)`, `uniform(a,b)`, `int(a,b)`; `choice(a,b,c)` is a list) are only for
+the `random` and `tpe` searches (emotune.sweep_search). This module imports nothing heavy: config.py
+validates `sweep.grid` with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+SEARCH_MODES = ("random", "tpe")
+RANGE_KINDS = ("loguniform", "uniform", "int")
+SPEC = re.compile(r"\s*(?P<kind>[A-Za-z_]\w*)\s*\((?P<args>.*)\)\s*", re.S)
+DOTTED_KEY = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+# set by the sweep itself for every trial (its folder, and never replacing a finished trial)
+RESERVED_KEYS = ("name", "output_dir", "overwrite")
+# short names in trial folder names; any other key is named by its last part
+SHORT_NAMES = {"learning_rate": "lr", "batch_size": "bs", "gradient_accumulation_steps": "ga",
+               "gradient_checkpointing": "gc", "max_length": "len", "num_train_epochs": "ep", "max_steps": "steps",
+               "weight_decay": "wd", "warmup_ratio": "warmup", "lr_scheduler_type": "sched", "dropout": "drop",
+               "target_modules": "modules", "use_rslora": "rslora", "use_dora": "dora"}
+MAX_NAME = 100  # the longest run name (config.RUN_NAME)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One swept key: a list of override texts (`values`), or a range for the searches."""
+
+    key: str
+    values: tuple[str, ...] = ()
+    kind: str = "values"  # "values", or one of RANGE_KINDS
+    low: float = 0.0
+    high: float = 0.0
+
+    @property
+    def is_range(self) -> bool:
+        return self.kind != "values"
+
+
+def override_text(value: Any) -> str:
+    """A YAML value as the text of a `key=value` override that means the same value (`true`, `null`, `[a, b]`)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def split_values(text: str) -> list[str]:
+    """`8,16,32` → ['8', '16', '32']; commas inside brackets, braces, parentheses or quotes do not split."""
+    parts, depth, quote, current = [], 0, "", ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+            continue
+        current += char
+    parts.append(current.strip())
+    if not all(parts):
+        raise ValueError(f"`{text}` has an empty value between commas")
+    return parts
+
+
+def is_spec(text: str) -> bool:
+    return isinstance(text, str) and SPEC.fullmatch(text) is not None
+
+
+def parse_param(key: str, value: Any) -> Param:
+    """The values or range of one key, as written in `sweep.grid` (a list, one value, or a range spec)."""
+    if not isinstance(key, str) or not DOTTED_KEY.fullmatch(key):
+        raise ValueError(f"`{key}` is not a dotted config key such as lora.r")
+    if key in RESERVED_KEYS or key == "sweep" or key.startswith("sweep."):
+        raise ValueError(f"`{key}` is set by the sweep itself for every trial and cannot be swept")
+    if isinstance(value, dict):
+        raise ValueError(f"`{key}`: give a list of values or a range, not a mapping")
+    if isinstance(value, str) and is_spec(value):
+        return _parse_spec(key, value)
+    texts = [override_text(v) for v in (value if isinstance(value, list) else [value])]
+    if not texts:
+        raise ValueError(f"`{key}` has no values; give at least one, e.g. {key}=8,16")
+    repeated = sorted({t for t in texts if texts.count(t) > 1})
+    if repeated:
+        raise ValueError(f"`{key}` lists {', '.join(repeated)} more than once")
+    return Param(key, tuple(texts))
+
+
+def _parse_spec(key: str, text: str) -> Param:
+    match = SPEC.fullmatch(text)
+    kind, args = match["kind"], split_values(match["args"]) if match["args"].strip() else []
+    if kind == "choice":
+        return parse_param(key, args)
+    usage = "loguniform(low,high), uniform(low,high), int(low,high) or choice(a,b,...)"
+    if kind not in RANGE_KINDS:
+        raise ValueError(f"`{key}={text}`: `{kind}(...)` is not a range emotune knows; use {usage}")
+    if len(args) != 2:
+        raise ValueError(f"`{key}={text}`: {kind} takes two bounds, low and high, e.g. {kind}(1,4)")
+    try:
+        low, high = (int(a) for a in args) if kind == "int" else (float(a) for a in args)
+    except ValueError:
+        number = "integers" if kind == "int" else "numbers"
+        raise ValueError(f"`{key}={text}`: the bounds of {kind} must be {number}") from None
+    if not (math.isfinite(low) and math.isfinite(high)) or low >= high:
+        raise ValueError(f"`{key}={text}`: the low bound must be below the high bound, both finite")
+    if kind == "loguniform" and low <= 0:
+        raise ValueError(f"`{key}={text}`: loguniform needs a low bound above 0 (a log scale has no 0)")
+    return Param(key, kind=kind, low=low, high=high)
+
+
+def parse_grid(grid: dict[str, Any]) -> list[Param]:
+    """Every key of `sweep.grid` parsed; all problems at once in one ValueError."""
+    params, problems = [], []
+    for key, value in grid.items():
+        try:
+            params.append(parse_param(key, value))
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise ValueError("; ".join(problems))
+    return params
+
+
+# --------------------------------------------------------------------------------------------------
+# Trials
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One run of the sweep: its number, its folder name, and the overrides it adds to the base config."""
+
+    index: int
+    name: str
+    params: tuple[tuple[str, str], ...] = ()  # (key, override text), in the order of the grid
+    seed: int | None = None  # set when the sweep repeats trials over seeds
+    extra: dict = field(default_factory=dict, compare=False)  # ablation: {"factor": key, "value": text}
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{key}={text}" for key, text in self.params] + ([f"seed={self.seed}"] if self.seed is not None else [])
+
+    @property
+    def variant(self) -> tuple[tuple[str, str], ...]:
+        """What the trial changes apart from its seed: trials of one variant differ only in the seed."""
+        return self.params
+
+    def as_dict(self) -> dict:
+        return {"index": self.index, "name": self.name, "params": dict(self.params), "seed": self.seed, **self.extra}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Trial:
+        extra = {k: data[k] for k in ("factor", "value") if k in data}
+        return cls(data["index"], data["name"], tuple(data["params"].items()), data.get("seed"), extra)
+
+
+def trial_name(index: int, params: tuple[tuple[str, str], ...], seed: int | None = None, base: bool = False) -> str:
+    """`trial-003-r16-lr2e-4`: readable, and the same for the same trial every time the sweep is planned."""
+    keys = [key for key, _ in params]
+    parts = ["base"] if base else [_name_part(key, text, keys) for key, text in params]
+    parts += [f"seed{seed}"] if seed is not None else []
+    name = "-".join([f"trial-{index:03d}", *parts])
+    return name[:MAX_NAME].rstrip("-.")
+
+
+def _name_part(key: str, text: str, keys: list[str]) -> str:
+    last = key.rsplit(".", 1)[-1]
+    short = SHORT_NAMES.get(last, last)
+    if sum(SHORT_NAMES.get(k.rsplit(".", 1)[-1], k.rsplit(".", 1)[-1]) == short for k in keys) > 1:
+        short = key.replace(".", "_")  # train.batch_size and eval.batch_size both swept
+    if len(text) > 8:
+        try:
+            text = f"{float(text):.3g}"  # a sampled learning rate, 0.000123456789 → 0.000123
+        except ValueError:
+            pass
+    value = re.sub(r"[^\w.-]+", "-", text).strip("-.") or "x"
+    return f"{short}{value}" if value[0].isdigit() or value[0] in "-." else f"{short}-{value}"
+
+
+def _with_seeds(variants: list[tuple[tuple[tuple[str, str], ...], dict]], seeds: list[int] | None,
+                base_first: bool = False) -> list[Trial]:
+    trials = []
+    for n, (params, extra) in enumerate(variants):
+        for seed in seeds or [None]:
+            base = base_first and n == 0
+            trials.append(Trial(len(trials), trial_name(len(trials), params, seed, base), params, seed, extra))
+    return trials
+
+
+def grid_trials(params: list[Param], seeds: list[int] | None = None) -> list[Trial]:
+    """Every combination of the values (the first key varies slowest), each with every seed."""
+    combos = itertools.product(*[[(p.key, v) for v in p.values] for p in params])
+    return _with_seeds([(tuple(combo), {}) for combo in combos], seeds)
+
+
+def ablation_trials(params: list[Param], is_base: Callable[[str, str], bool], seeds: list[int] | None = None
+                    ) -> list[Trial]:
+    """The base config first, then one trial per listed value of each key with every other key at its base value;
+    a value equal to the base config's (`is_base`) is the base trial itself and is not repeated."""
+    variants = [((), {"factor": "", "value": "base"})]
+    variants += [(((p.key, v),), {"factor": p.key, "value": v}) for p in params for v in p.values if not is_base(p.key, v)]
+    return _with_seeds(variants, seeds, base_first=True)

@@ -1,0 +1,186 @@
+"""`emotune compare`: run folders written by the product's own writers (config, run.json, evaluations,
+comparison) from synthetic predictions, no model; the table's rows, the mismatch refusal, the CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from emotune import stats
+from emotune.cli import main
+from emotune.compare import compare_runs
+from emotune.config import dump_config, load_config
+from emotune.errors import UserError
+from emotune.evaluate import EvalResult, compute_metrics, write_results
+from emotune.rundir import RunLog, open_run, write_json
+from emotune.tasks import TASKS
+
+LABELS = ["sadness", "joy", "anger"]
+ROWS = 45
+GOLD = [LABELS[i % 3] for i in range(ROWS)]
+TEXTS = [f"text number {i}" for i in range(ROWS)]
+
+
+def _predictions(right: float, seed: int) -> list[str]:
+    """Right on about `right` of the rows, a wrong label elsewhere."""
+    rng = np.random.default_rng(seed)
+    return [g if rng.random() < right else LABELS[(LABELS.index(g) + 1) % 3] for g in GOLD]
+
+
+def make_run(root: Path, name: str, predicted: dict[str, list[str]], task: str = "classify", labels=LABELS,
+             texts=TEXTS, gold=GOLD, overrides: tuple[str, ...] = (), finish: bool = True) -> Path:
+    """A finished run folder: resolved config, run.json with a timed train stage, the training log, adapter
+    weights, both evaluations (written by emotune.evaluate) and the task's own comparison.json."""
+    cfg = load_config(None, [*([f"task={task}"] if task != "classify" else []), f"name={name}", f"output_dir={root}",
+                             *overrides])
+    run = open_run(root / name, dump_config(cfg), overwrite=False)
+    log = RunLog(run, {"task": task, "labels": labels, "rows": {"test": len(gold)}})
+    with log.stage("train"):
+        write_json(run.train / "log_history.json", [
+            {"step": 1, "loss": 1.5, "tokens_per_s": 100.0, "peak_memory_mb": 500.0},
+            {"step": 1, "eval_loss": 1.4},
+            {"step": 2, "loss": 1.2, "tokens_per_s": 300.0, "peak_memory_mb": 700.0}])
+        run.adapter.mkdir(parents=True)
+        (run.adapter / "adapter_model.safetensors").write_bytes(b"\0" * 3 * 2**20)
+
+    def results(stage_predictions: dict[str, list[str]]) -> dict[str, EvalResult]:
+        return {m: EvalResult([{"text": t, "gold": g, "predicted": p} for t, g, p in zip(texts, gold, preds)],
+                              {**compute_metrics(gold, preds, labels), "method": m, "rows_per_s": 12.5})
+                for m, preds in stage_predictions.items()}
+
+    before, after = results({m: [labels[0]] * len(gold) for m in predicted}), results(predicted)
+    write_results(before, run.baseline)
+    write_results(after, run.finetuned)
+    module = TASKS[task]
+    module.write_comparison(module.compare(before, after, SimpleNamespace(labels=labels)), run)
+    if finish:
+        log.finish([run.finetuned / "metrics.json", run.finetuned / "predictions.csv", run.comparison_json])
+    return run.root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    weak = _predictions(0.4, seed=1)
+    order = list(range(ROWS))[::-1]  # the same rows measured in another order
+    return {
+        "generative": make_run(root, "generative", {"generate": weak, "score": _predictions(0.5, seed=2)},
+                               overrides=("eval.method=both",)),
+        "head": make_run(root, "head", {"head": _predictions(0.95, seed=3)}, task="classify_head",
+                         overrides=("lora.r=32", "lora.alpha=64", "train.learning_rate=5e-4", "train.batch_size=4",
+                                    "train.gradient_accumulation_steps=2", "train.max_length=128")),
+        "reordered": make_run(root, "reordered", {"generate": [weak[i] for i in order]},
+                              texts=[TEXTS[i] for i in order], gold=[GOLD[i] for i in order]),
+        "other_rows": make_run(root, "other_rows", {"generate": weak}, texts=[t + "!" for t in TEXTS]),
+        "other_labels": make_run(root, "other_labels", {"generate": [g.replace("anger", "fear") for g in weak]},
+                                 labels=["sadness", "joy", "fear"], gold=[g.replace("anger", "fear") for g in GOLD]),
+        "unfinished": make_run(root, "unfinished", {"generate": weak}, finish=False),
+        "sft_a": make_sft_run(root, "sft_a", ["a cat sat", "the dog ran", "blue sky", "red sun"] * 3),
+        "sft_b": make_sft_run(root, "sft_b", ["a cat sat on", "the dog", "sky", "red sun"] * 3),
+    }
+
+
+def make_sft_run(root: Path, name: str, outputs: list[str]) -> Path:
+    from emotune.tasks.sft_eval import SftResult, write_result
+    from emotune.textmetrics import exact_match, rouge_l, sentence_bleu, summarize
+
+    references = ["a cat sat", "the dog ran", "blue sky", "red sun"] * 3
+    cfg = load_config(None, ["task=sft", f"name={name}", f"output_dir={root}"])
+    run = open_run(root / name, dump_config(cfg), overwrite=False)
+    log = RunLog(run, {"task": "sft"})
+    rows = [{"prompt": f"question {i}", "reference": ref, "output": out, "kind": ["qa", "chat"][i % 2], "rouge_l": score,
+             "bleu": sentence_bleu(out, ref), "exact_match": float(exact_match(out, ref))}
+            for i, (ref, out, score) in enumerate(zip(references, outputs, rouge_l(outputs, references)))]
+    summary = summarize([{**r, "prediction": r["output"]} for r in rows])
+    metrics = {"rows": len(rows), "loss": 1.0, "perplexity": 2.72, "rouge_l": summary["rouge_l"], "bleu": summary["corpus_bleu"],
+               "exact_match": summary["exact_match"], "per_kind": summary["per_kind"], "seconds": 2.0}
+    write_result(SftResult(rows, metrics), run.finetuned)
+    log.finish([run.finetuned / "metrics.json"])
+    return run.root
+
+
+def test_the_table_holds_setup_scores_intervals_and_the_paired_test(runs, tmp_path, capsys):
+    out = tmp_path / "table"
+    table = compare_runs([str(runs["generative"]), str(runs["head"]), str(runs["reordered"])], out=out)
+    rows = {(r["run"], r["method"]): r for r in table["rows"]}
+    assert list(rows) == [("generative", "generate"), ("generative", "score"), ("head", "head"), ("reordered", "generate")]
+    head = rows[("head", "head")]
+    assert head["name"] == "classify_head/head" and head["lora_r"] == 32 and head["lora_alpha"] == 64
+    assert head["learning_rate"] == 5e-4 and head["batch"] == 8 and head["max_length"] == 128
+    assert head["steps"] == 2 and head["tokens_per_s"] == 200.0 and head["peak_memory_mb"] == 700.0
+    assert head["adapter_mb"] == 3.0 and head["eval_rows_per_s"] == 12.5 and head["train_seconds"] is not None
+    # the after's intervals are comparison.json's, and the head, far better on the same rows, is "better"
+    saved = json.loads((runs["head"] / "comparison.json").read_text())
+    assert head["scores"]["macro_f1"]["interval"] == saved["intervals"]["macro_f1"]["after"]
+    assert head["scores"]["accuracy"]["value"] == pytest.approx(saved["metrics"]["accuracy"]["after"], abs=1e-6)
+    assert head["vs_first"]["verdict"] == "better" and head["vs_first"]["mcnemar"]["c"] > head["vs_first"]["mcnemar"]["b"]
+    # the same predictions in another row order: aligned by row, identical, within noise
+    reordered = rows[("reordered", "generate")]
+    assert reordered["fingerprint"] == rows[("generative", "generate")]["fingerprint"]
+    assert reordered["vs_first"]["mcnemar"] == {"b": 0, "c": 0, "p_value": 1.0}
+    assert reordered["vs_first"]["verdict"] == "within noise" and reordered["vs_first"]["macro_f1_delta"]["delta"] == 0
+    assert rows[("generative", "generate")]["vs_first"] is None
+
+    text = capsys.readouterr().out
+    assert "vs first run" in text and "reference" in text and "better (ΔF1 +" in text and "classify_head/head" in text
+    assert stats.format_interval(head["scores"]["macro_f1"]["interval"]) in text
+    with (out / "compare.csv").open(encoding="utf-8", newline="") as handle:
+        lines = list(csv.DictReader(handle))
+    assert [line["run"] for line in lines] == ["generative", "generative", "head", "reordered"]
+    assert float(lines[2]["macro_f1_low"]) == head["scores"]["macro_f1"]["interval"][0]
+    assert lines[2]["vs_first_verdict"] == "better" and float(lines[2]["f1/joy"]) == head["per_class"]["joy"]
+    assert "| head | classify_head/head |" in (out / "compare.md").read_text(encoding="utf-8")
+    page = (out / "compare.html").read_text(encoding="utf-8")
+    assert "F1 per class, side by side" in page and page.count("<th>anger</th>") == 1 and "<script" not in page
+    assert json.loads((out / "compare.json").read_text(encoding="utf-8")) == json.loads(json.dumps(table))
+
+
+def test_other_test_rows_or_labels_are_refused_or_marked_not_comparable(runs, tmp_path, capsys):
+    for other, why in (("other_rows", "other test rows"), ("other_labels", "labels ['sadness', 'joy', 'fear']")):
+        with pytest.raises(UserError, match="--allow-mismatch") as refused:
+            compare_runs([str(runs["generative"]), str(runs[other])], out=tmp_path / other)
+        assert why in str(refused.value) and not (tmp_path / other).exists()
+    table = compare_runs([str(runs["head"]), str(runs["other_rows"]), str(runs["other_labels"]), str(runs["generative"])],
+                         out=tmp_path / "allowed", allow_mismatch=True)
+    marks = [(r["run"], r["comparable"], (r["vs_first"] or {}).get("verdict")) for r in table["rows"]]
+    assert marks == [("head", True, None), ("other_rows", False, None), ("other_labels", False, None),
+                     ("generative", True, "worse"), ("generative", True, "worse")]
+    text = capsys.readouterr().out
+    assert text.count("not comparable") == 4  # two rows of the table, two notes under it
+
+
+def test_cli_exit_codes_and_messages(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", str(runs["generative"]), str(runs["head"])]) == 0  # default --out: ./compare
+    assert (tmp_path / "compare" / "compare.html").is_file() and "compare/compare.csv" in capsys.readouterr().out
+    assert main(["compare", str(runs["head"])]) == 0  # an earlier comparison is replaced
+    assert [r["run"] for r in json.loads((tmp_path / "compare" / "compare.json").read_text())["rows"]] == ["head"]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep me")
+    cases = [(["compare", str(runs["head"]), "--out", "notes"], "not a folder `emotune compare` wrote"),
+             (["compare", str(runs["head"]), str(runs["other_rows"])], "--allow-mismatch"),
+             (["compare", str(tmp_path / "nothing")], "is not a run folder"),
+             (["compare", str(runs["unfinished"])], "is not a finished run"),
+             (["compare", str(runs["head"]), str(runs["sft_a"])], "in its own `emotune compare` call")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("emotune: error: ") and message in err and "Traceback" not in err
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep me"
+
+
+def test_sft_runs_show_rouge_l_and_perplexity(runs, tmp_path, capsys):
+    table = compare_runs([str(runs["sft_a"]), str(runs["sft_b"])], out=tmp_path / "sft")
+    first, second = table["rows"]
+    assert table["kind"] == "sft" and first["scores"]["rouge_l"]["value"] == 1.0
+    assert first["scores"]["rouge_l"]["interval"] == [1.0, 1.0] and first["metrics"]["perplexity"] == 2.72
+    assert second["vs_first"]["verdict"] == "worse" and second["vs_first"]["rouge_l_delta"]["high"] < 0
+    assert set(first["per_class"]) == {"qa", "chat"}
+    text = capsys.readouterr().out
+    assert "ROUGE-L" in text and "perplexity" in text and "worse (ΔROUGE-L -" in text
+    assert "ROUGE-L per kind of instruction" in (tmp_path / "sft" / "compare.html").read_text(encoding="utf-8")

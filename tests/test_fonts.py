@@ -1,0 +1,97 @@
+"""Figures draw Chinese text with a font that has its glyphs: the packaged Noto Sans SC is registered with
+matplotlib, Latin text keeps DejaVu Sans, and the check itself fails where no CJK font is in the family list.
+
+Coverage is checked the way matplotlib resolves fonts, with public API only: every family of a Text's family list
+through `font_manager.findfont(..., fallback_to_default=False)`, then the file's cmap read with fontTools."""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+from importlib import metadata
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from fontTools.ttLib import TTFont  # noqa: E402
+from matplotlib.font_manager import FontProperties, findfont, font_family_aliases  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+
+from emotune import fonts  # noqa: E402
+
+LABELS = ["喜悦", "愤怒", "悲伤", "恐惧", "惊讶", "厌恶", "中性"]
+
+
+def glyph_sources(text: Text) -> dict[str, str | None]:
+    """For each character of a drawn Text: the file of the first family in its family list whose cmap has it (None:
+    no family has it, so it draws as a box). Generic names (`sans-serif`) stand for their rcParams list."""
+    files = []
+    for family in text.get_fontfamily():
+        for name in (matplotlib.rcParams[f"font.{family}"] if family in font_family_aliases else [family]):
+            try:
+                files.append(findfont(FontProperties(family=name), fallback_to_default=False))
+            except ValueError:
+                continue
+    return {ch: next((p for p in files if ord(ch) in cmap(p)), None) for ch in text.get_text() if not ch.isspace()}
+
+
+@lru_cache(maxsize=None)
+def cmap(path: str) -> dict[int, str]:
+    return TTFont(path, lazy=True).getBestCmap()
+
+
+def draw_chinese_figure():
+    fig, ax = plt.subplots()
+    ax.bar(range(len(LABELS)), [1, 2, 3, 4, 5, 6, 7])
+    ax.set_xticks(range(len(LABELS)), LABELS)
+    ax.set_title("Per-class F1 (score): 喜悦 vs 中性")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig.canvas.draw()
+    texts = [t for t in fig.findobj(Text) if t.get_text()]
+    return fig, texts, [str(w.message) for w in caught]
+
+
+def test_chinese_labels_draw_from_a_font_that_covers_every_glyph_and_latin_keeps_dejavu():
+    with fonts.figure_fonts() as chain:
+        fig, texts, warned = draw_chinese_figure()
+    plt.close(fig)
+    assert chain[0] == "DejaVu Sans" and "Noto Sans SC" in chain
+    drawn = "".join(t.get_text() for t in texts)
+    assert all(label in drawn for label in LABELS)
+    for text in texts:
+        sources = glyph_sources(text)
+        assert None not in sources.values(), (text.get_text(), sources)
+        for ch, path in sources.items():
+            expected = "NotoSansSC" if "\u4e00" <= ch <= "\u9fff" else "DejaVuSans"
+            assert expected in path, (ch, path)
+    assert not [w for w in warned if "missing from font" in w]
+
+
+def test_without_a_cjk_family_the_same_check_finds_the_missing_glyphs():
+    with matplotlib.rc_context({"font.family": ["DejaVu Sans"]}):
+        fig, texts, warned = draw_chinese_figure()
+    plt.close(fig)
+    missing = {ch for t in texts for ch, path in glyph_sources(t).items() if path is None}
+    assert set("喜悦中性") <= missing
+    assert any("missing from font" in w for w in warned)  # matplotlib agrees: these would be boxes
+    assert fonts.missing_glyphs("喜悦", FontProperties(family=["DejaVu Sans"])) == {"喜", "悦"}
+    assert fonts.missing_glyphs("F1 喜悦", FontProperties(family=fonts.families())) == set()
+
+
+def test_the_cjk_font_comes_from_an_installed_package_under_the_open_font_license():
+    path = fonts.packaged_cjk_font()
+    assert path is not None and path.suffix == ".otf"
+    licence = metadata.metadata("pylopdf-fonts-zh-cn")
+    assert "SIL Open Font License" in (licence.get("License") or "") + " ".join(licence.get_all("Classifier") or [])
+    assert set(map(ord, "".join(LABELS))) <= fonts.covered(path)
+
+
+def test_the_report_says_when_no_font_has_a_label_s_characters(capsys):
+    from emotune.report import _note_missing_glyphs
+
+    _note_missing_glyphs(["喜悦", "joy", "中性"])
+    assert capsys.readouterr().out == ""
+    _note_missing_glyphs(["喜悦", "\U00012000"])  # a cuneiform sign: in neither DejaVu Sans nor Noto Sans SC
+    assert "\U00012000" in capsys.readouterr().out
