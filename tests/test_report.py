@@ -61,8 +61,9 @@ def test_report_is_self_contained(both_run):
     assert page.count("class='before-after'") == 2
     assert "data-method='generate'" in page and "data-method='score'" in page
     assert "<script" not in page and "src='http" not in page and 'src="http' not in page
-    assert page.count("src='data:image/png;base64,") == 7  # 2 confusion + 2 F1, loss, gradient norm, B histogram
-    for name in ("confusion_generate", "confusion_score", "per_class_f1_generate", "per_class_f1_score", "loss"):
+    assert page.count("src='data:image/png;base64,") == 8  # 2 confusion + 2 F1, loss, gradient norm, B histogram, telemetry
+    for name in ("confusion_generate", "confusion_score", "per_class_f1_generate", "per_class_f1_score", "loss",
+                 "telemetry"):
         assert (run_dir / "report" / f"{name}.png").stat().st_size > 1000
     assert "Wrong → right" in page and "Right → wrong" in page and "Invalid outputs before" in page
 

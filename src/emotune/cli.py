@@ -66,6 +66,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from emotune.plan import format_plan, make_plan, plan_json
+
+    plan = make_plan(_load(args, announce=False), args.device_memory)
+    print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from emotune.config import dump_config, field_docs
 
@@ -174,6 +182,8 @@ COMMANDS = {
     "compare": (_cmd_compare, "finished runs side by side: scores with 95% intervals, paired test against the first, "
                               "setup and cost; terminal, CSV, Markdown, HTML"),
     "train": (_cmd_train, "LoRA fine-tune only, resumable; also under torchrun / accelerate launch"),
+    "plan": (_cmd_plan, "estimate training and evaluation memory from the model's config (no weights loaded) and say "
+                        "whether the config fits this device or --device-memory, and what to change if not"),
     "doctor": (_cmd_doctor, "report backend (ROCm/CUDA/MPS/CPU), devices, precision support, versions, hints"),
     "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts"),
     "predict": (_cmd_predict, ("classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or "
@@ -190,6 +200,7 @@ OVERRIDE_EXAMPLES = {
     "run": "train.max_steps=2",
     "train": "train.max_steps=2",
     "config": "train.max_steps=2",
+    "plan": "train.batch_size=8 train.max_length=512",
     "sweep": "train.max_steps=20, before --grid",
     "data": "data.test_limit=200 data.cleaning.duplicates=exact",
     "eval": "eval.method=score, plus this command's adapter=DIR and split=validation",
@@ -204,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("run", "train", "config", "data", "eval", "sweep"):
+        if name in ("run", "train", "config", "data", "eval", "plan", "sweep"):
             p.add_argument("config", nargs="?", help="YAML config file (optional; defaults are the embedded CPU recipe)")
             p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {OVERRIDE_EXAMPLES[name]}")
         if name == "config":
@@ -212,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--from-llamafactory", metavar="FILE",
                            help="print the emotune YAML (task: sft) a LLaMA-Factory training YAML translates to, with "
                                 "each key's equivalent and the ignored keys as comments; redirect it to save it")
+        if name == "plan":
+            p.add_argument("--device-memory", metavar="SIZE",
+                           help="plan for a device with this much memory (e.g. 24GB, 80GiB; GB means GiB) instead of this "
+                                "machine's; a GPU unless device=cpu")
+            p.add_argument("--json", action="store_true", help="print the plan as JSON")
         if name == "sweep":
             _sweep_options(p)
         if name == "export":
@@ -295,7 +311,13 @@ def process_defaults() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     process_defaults()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `emotune plan CONFIG --device-memory 24GB train.batch_size=8`: argparse ends the overrides at the first flag
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = COMMANDS[args.command][0]
     try:
         return handler(args)

@@ -350,6 +350,11 @@ class TrainConfig(Section):
     such step is skipped and counted)."""
     save_total_limit: Annotated[int, Range(1)] = 2
     """Keep this many most recent checkpoints (plus the best one)."""
+    telemetry_interval: Annotated[float, Range(0, also="0 = off")] = 1.0
+    """Seconds between telemetry samples while the baseline, training and fine-tuned stages run: the process's
+    memory and CPU use, and on a GPU PyTorch's allocated / reserved / peak memory, utilisation, temperature and
+    power (where the driver answers). Written to telemetry.jsonl in the run folder, summarised per stage in
+    run.json and plotted in report.html; 0 = off."""
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Experiment trackers that also receive the training log (each must be installed); [] = none. One name
     alone (`train.report_to=tensorboard`) is a one-item list."""

@@ -123,13 +123,18 @@ def choose_batch_size(model, tokenizer, texts: list[str], prompt: PromptConfig, 
     if cfg.batch_size != "auto":
         return cfg.batch_size
     device = next(model.parameters()).device
-    cap = (32 if method == "score" else 16) if device.type == "cpu" else (128 if method == "score" else 64)
+    cap = auto_batch_cap(method, device.type)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     longest = max((len(t) for t in texts), default=0) // 2 + len(system_prompt(prompt, labels)) // 2 + 64  # ≥ 1 token / 2 chars
     per_row = _bytes_per_row(config, longest, cfg.max_new_tokens, method, next(model.parameters()).element_size(), len(labels))
     free = _free_memory(device)
     fits = int(0.4 * free // per_row) if free else cap
     return max(1, min(cap, fits))
+
+
+def auto_batch_cap(method: str, device_type: str) -> int:
+    """The most rows `eval.batch_size: auto` puts in one batch of `method` (also `emotune plan`'s assumption)."""
+    return (32 if method == "score" else 16) if device_type == "cpu" else (128 if method == "score" else 64)
 
 
 def _bytes_per_row(config, tokens: int, new_tokens: int, method: str, element: int, n_labels: int) -> int:

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import torch
 from platformdirs import user_cache_dir
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from emotune.config import ModelConfig
 from emotune.device import Precision, choose_precision
@@ -322,6 +323,25 @@ def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
     if path.is_dir():
         return path, None
     return _download_tokenizer(cfg), None
+
+
+def load_model_config(cfg: ModelConfig) -> PreTrainedConfig:
+    """The model's config (config.json) without its weights, for `emotune plan`.
+
+    A local folder is read as it is and a hub model gets its config.json (with the tokenizer files) only. The
+    packaged model and .gguf files are read from their converted folder, made once as every command makes
+    it: transformers needs minutes to read a config out of a GGUF file, converting takes about one."""
+    path = Path(cfg.source).expanduser()
+    if cfg.source == EMBEDDED_MODEL or path.exists():
+        folder = resolve_model_dir(cfg)
+    else:
+        folder = _download_tokenizer(cfg)
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as err:  # an architecture this transformers does not know, a broken config.json
+        raise UserError(f"Could not read the config of model.source `{cfg.source}` ({type(err).__name__}: "
+                        f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). Check "
+                        "model.source, or upgrade transformers if the architecture is newer than it.") from None
 
 
 def _download_tokenizer(cfg: ModelConfig) -> Path:

@@ -50,6 +50,7 @@ class Context:
         self._base: Base | None = None
         self._adapted = None  # the model with its trained adapter, once there is one
         self.train_fault = None  # tests: called before every training forward pass (emotune.train.train's `fault`)
+        self._telemetry = None
 
     def validate(self, model_source: bool = True) -> None:
         """Data (and, for commands that load weights, the model source) before anything is written."""
@@ -80,6 +81,17 @@ class Context:
                 self._base = load_base(self.cfg.model, self.device, self.cfg.train.precision, self.tokenizer)
             self.tokenizer = self._base.tokenizer
         return self._base
+
+    @property
+    def telemetry(self):
+        """What telemetry can sample here, looked for once per command (and the note on what is missing, once)."""
+        if self._telemetry is None:
+            from emotune.telemetry import find_sources
+
+            self._telemetry = find_sources(self.device)
+            if self._telemetry.note():
+                print(self._telemetry.note(), flush=True)
+        return self._telemetry
 
     @property
     def adapted(self):
@@ -160,27 +172,37 @@ class Stage:
     run: Callable[[Context], None]
     done: Callable[[Context], bool]
     why_done: str
+    sampled: bool = False  # runs the model: telemetry samples it (train.telemetry_interval)
 
 
 DATA = Stage("data", data_stage, lambda ctx: ctx.task.saved_fingerprint(ctx.run) == ctx.fingerprint,
              "the same data is prepared in this run folder")
 BASELINE = Stage("baseline", baseline_stage, lambda ctx: ctx.task.read_results(ctx.run.baseline, ctx.cfg) is not None,
-                 "already measured in this run folder")
-TRAIN = Stage("train", train_stage, lambda ctx: is_adapter(ctx.run.adapter), "adapter already saved in this run folder")
+                 "already measured in this run folder", sampled=True)
+TRAIN = Stage("train", train_stage, lambda ctx: is_adapter(ctx.run.adapter), "adapter already saved in this run folder",
+              sampled=True)
 FINETUNED = Stage("finetuned", finetuned_stage, lambda ctx: ctx.task.read_results(ctx.run.finetuned, ctx.cfg) is not None,
-                  "already measured in this run folder")
+                  "already measured in this run folder", sampled=True)
 REPORT = Stage("report", report_stage, lambda ctx: ctx.run.comparison_json.is_file() and ctx.run.report_html.is_file(),
                "comparison and report already written")
 RUN = (DATA, BASELINE, TRAIN, FINETUNED, REPORT)
 
 
 def run_stages(ctx: Context, stages: tuple[Stage, ...]) -> None:
+    from emotune import telemetry
+
     for stage in stages:
         if stage.done(ctx):
             ctx.log.skip(stage.name, stage.why_done)
             continue
-        with ctx.log.stage(stage.name):
-            stage.run(ctx)
+        interval = ctx.cfg.train.telemetry_interval if stage.sampled else 0
+        with ctx.log.stage(stage.name) as entry:
+            entry.pop("telemetry", None)  # an earlier attempt's
+            with telemetry.recording(ctx.telemetry if interval else None, interval, ctx.run.telemetry, stage.name,
+                                     into=entry):
+                stage.run(ctx)
+        if "telemetry" in entry:
+            print(f"{stage.name} {telemetry.describe(entry['telemetry'])}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def write_report(run_dir: str | Path) -> Path:
     _note_missing_glyphs(info.get("labels") or [])
     with figure_fonts():  # labels and texts in any script: Chinese glyphs fall back to a CJK font
         sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run),
-                    training_section(run)]
+                    training_section(run), _telemetry_section(run, info)]
     return write_text(run.report_html, html_page(f"emotune report: {run.root.name}", sections))
 
 
@@ -115,6 +115,30 @@ def _loss_section(run: RunDir) -> str:
     fig.tight_layout()
     return ("<section id=loss><h2>Training and validation loss</h2>"
             + embed_figure(fig, run.figures / "loss.png", "training and validation loss") + "</section>")
+
+
+def _telemetry_section(run: RunDir, info: dict) -> str:
+    from emotune import telemetry
+
+    rows = telemetry.read_series(run.telemetry)
+    head = "<section id=telemetry><h2>Telemetry</h2>"
+    if not rows:
+        return head + "<p>No telemetry in this run folder (it is recorded when train.telemetry_interval > 0).</p></section>"
+    summaries = {name: stage["telemetry"] for name, stage in info.get("stages", {}).items() if "telemetry" in stage}
+    fields = list(dict.fromkeys(f for summary in summaries.values() for f in summary["fields"]))
+    header = "".join(f"<th>{html.escape(f)} ({html.escape(telemetry.UNITS[f])})</th>" for f in fields)
+    body = "".join(
+        f"<tr><td>{html.escape(name)}</td><td class=num>{summary['samples']}</td>"
+        + "".join(f"<td class=num>{_peak_mean(summary['fields'].get(f))}</td>" for f in fields) + "</tr>"
+        for name, summary in summaries.items())
+    interval = next((summary["interval_s"] for summary in summaries.values()), None)
+    table = (f"<table><caption>Peak / mean per stage (a sample every {interval} s; the series is in "
+             f"{run.telemetry.name})</caption><tr><th>stage</th><th>samples</th>{header}</tr>{body}</table>")
+    return head + table + embed_figure(telemetry.figure(rows), run.figures / "telemetry.png", "telemetry") + "</section>"
+
+
+def _peak_mean(values: dict | None) -> str:
+    return "—" if values is None else f"{values['peak']:g} / {values['mean']:g}"
 
 
 def embed_figure(fig, path: Path, alt: str) -> str:

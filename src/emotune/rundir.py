@@ -138,6 +138,8 @@ class RunDir:
     checkpoints = property(lambda self: self.root / "checkpoints")
     train = property(lambda self: self.root / "train")
     """Training log (log_history.jsonl while training, log_history.json after) and loss_curve.png."""
+    telemetry = property(lambda self: self.root / "telemetry.jsonl")
+    """Telemetry samples of the stages that run the model, one JSON line each (emotune.telemetry)."""
     comparison_json = property(lambda self: self.root / "comparison.json")
     comparison_csv = property(lambda self: self.root / "comparison.csv")
     report_html = property(lambda self: self.root / "report.html")
@@ -225,8 +227,8 @@ def _other_data(run: RunDir, fingerprint: str | None) -> bool:
 
 # Keys that change how a run is carried out, not what it computes: a run may resume with them changed
 # (e.g. FSDP under torchrun with train.fsdp=true, resumed by `accelerate launch --use_fsdp`; a run begun before
-# train.shared_prefix existed, or with it off).
-NOT_COMPARED = ("overwrite:", "  fsdp:", "  shared_prefix:")
+# train.shared_prefix or train.telemetry_interval existed, or with them changed).
+NOT_COMPARED = ("overwrite:", "  fsdp:", "  shared_prefix:", "  telemetry_interval:")
 
 
 def _comparable(config_yaml: str | None) -> str | None:

@@ -21,6 +21,7 @@ A task module provides, as plain functions (see classify.py, and docs/tasks.md f
     write_comparison(comparison, run) / format_comparison(comparison, data, cfg) -> str
     outputs(run, cfg) -> list[Path]                  what must exist before a run counts as finished
     report_sections(run, info) -> list[str]          the task's HTML sections of report.html
+    memory_workload(cfg, device_type) -> Workload    what `emotune plan` models of its training and evaluation
 
 The pipeline, the training loop and the evaluation stage call these and nothing task-specific, so a new
 task is a module here, a line in TASKS, and its config class in emotune.config.TASK_CONFIGS.

@@ -19,14 +19,21 @@ from emotune.config import ClassifyConfig, PromptConfig
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.errors import UserError
-from emotune.evaluate import EvalResult, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
+from emotune.evaluate import (EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation,
+                              write_results)
 from emotune.rundir import RunDir
 from emotune.tasks.classify_report import (baseline_notes, compare_methods, format_table, report_sections,
                                            write_comparison)
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "merge_check_inputs", "outputs", "read_results", "report_sections",
-           "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
+           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info", "save_data", "saved_fingerprint",
+           "training_rows", "training_setup", "write_comparison", "write_results"]
+
+# What `emotune plan` assumes where the config does not say: a label of up to 3 tokens plus the end of the turn,
+# and as many labels as the packaged emotion dataset has.
+LABEL_TOKENS = 4
+ASSUMED_LABELS = 6
 
 SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # `emotune eval`
 
@@ -170,3 +177,21 @@ def load_adapted(model, adapter_dir: Path, cfg, data):
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, adapter_dir)
+
+
+def memory_workload(cfg: ClassifyConfig, device_type: str):
+    """What `emotune plan` models: the loss on the label tokens of each row; `generate` decodes
+    `eval.max_new_tokens` after the prompt with the model's KV cache, `score` projects the end of the prompt and
+    every label-tree node with a cache that keeps every token. Prompts are taken as `train.max_length` long."""
+    from emotune.plan_memory import Evaluation, Workload
+
+    labels = len(cfg.data.label_names or []) or ASSUMED_LABELS
+    evaluations = {}
+    for method in eval_methods(cfg.eval):
+        auto = cfg.eval.batch_size == "auto"
+        rows = auto_batch_cap(method, device_type) if auto else cfg.eval.batch_size
+        evaluations[method] = (
+            Evaluation(rows, auto, cfg.train.max_length, cfg.eval.max_new_tokens, projected=1, cache="model")
+            if method == "generate" else
+            Evaluation(rows, auto, cfg.train.max_length + LABEL_TOKENS * labels, projected=labels + 1, cache="full"))
+    return Workload(loss_tokens_per_row=LABEL_TOKENS, evaluations=evaluations)

@@ -23,14 +23,15 @@ from emotune.config import ClassifyHeadConfig, EvalConfig
 from emotune.data import LabeledData, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.errors import UserError
-from emotune.evaluate import (EvalResult, compute_metrics, evaluate as evaluate_method, probability_metrics, read_predictions,
-                              write_results)
+from emotune.evaluate import (EvalResult, auto_batch_cap, compute_metrics, evaluate as evaluate_method, probability_metrics,
+                              read_predictions, write_results)
 from emotune.head import classifier_from_causal, encode_texts, head_objective, head_probabilities, is_classifier
 from emotune.rundir import RunDir, read_json
 from emotune.tasks.classify_head_report import compare, format_comparison, report_sections, write_comparison
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
-           "format_comparison", "has_results", "load_adapted", "load_data", "merge_check_inputs", "outputs", "read_results", "report_sections",
+           "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload", "merge_check_inputs", "outputs",
+           "read_results", "report_sections",
            "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison",
            "write_results"]
 
@@ -115,8 +116,8 @@ def evaluate_head(model, tokenizer, texts: list[str], gold: list[str], labels: l
     import time
 
     started = time.perf_counter()
-    cpu = next(model.parameters()).device.type == "cpu"
-    batch_size = cfg.eval.batch_size if cfg.eval.batch_size != "auto" else (32 if cpu else 128)
+    device_type = next(model.parameters()).device.type
+    batch_size = cfg.eval.batch_size if cfg.eval.batch_size != "auto" else auto_batch_cap("score", device_type)
     probs = head_probabilities(model, tokenizer, list(texts), cfg.train.max_length, batch_size, f"{desc} (head)")
     predicted = [labels[i] for i in probs.argmax(-1).tolist()]
     metrics = {**compute_metrics(list(gold), predicted, labels), **probability_metrics(list(gold), probs.numpy(), labels)}
@@ -163,3 +164,18 @@ def outputs(run: RunDir, cfg: ClassifyHeadConfig) -> list[Path]:
     results = [stage / name for stage in (run.baseline, run.finetuned) for name in ("metrics.json", "predictions.csv")]
     return [*results, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json, run.comparison_csv,
             run.report_html]
+
+
+def memory_workload(cfg: ClassifyHeadConfig, device_type: str):
+    """What `emotune plan` models: no vocabulary projection in training, a float32 head trained in full; the
+    baseline is zero-shot label scoring (the classify task's `score`), the fine-tuned measurement one forward pass."""
+    from emotune.plan_memory import Evaluation, Workload
+    from emotune.tasks.classify import ASSUMED_LABELS, LABEL_TOKENS
+
+    labels = len(cfg.data.label_names or []) or ASSUMED_LABELS
+    auto = cfg.eval.batch_size == "auto"
+    rows = auto_batch_cap("score", device_type) if auto else cfg.eval.batch_size
+    length = cfg.train.max_length
+    return Workload(loss_tokens_per_row=None, vocabulary_loss=False, head_outputs=labels, evaluations={
+        "zero-shot score": Evaluation(rows, auto, length + LABEL_TOKENS * labels, projected=labels + 1, cache="full"),
+        "head": Evaluation(rows, auto, length, projected=0)})

@@ -29,7 +29,8 @@ from emotune.tasks.sft_report import compare, format_comparison, report_sections
 from emotune.tasks.sft_rows import encode_all
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info",
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
+           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info",
            "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
 SHOWN_METRICS = ("rouge_l", "bleu", "exact_match", "perplexity", "probe_accuracy")  # printed by `emotune eval`
@@ -192,3 +193,16 @@ def load_adapted(model, adapter_dir: Path, cfg, data):
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, adapter_dir)
+
+
+def memory_workload(cfg: SftConfig, device_type: str):
+    """What `emotune plan` models: the loss on every token of a row at most (the assistant turns); the measurement's
+    response loss (a forward pass projecting the answers) and greedy generations of `eval.max_new_tokens`."""
+    from emotune.plan_memory import Evaluation, Workload
+
+    auto = cfg.eval.batch_size == "auto"
+    rows = sft_eval.auto_rows(device_type) if auto else cfg.eval.batch_size
+    length = cfg.train.max_length
+    return Workload(loss_tokens_per_row=None, evaluations={
+        "response loss": Evaluation(rows, auto, length, projected=length),
+        "generate": Evaluation(rows, auto, length, cfg.eval.max_new_tokens, projected=1, cache="model")})

@@ -46,7 +46,12 @@ class SftResult:
 def batch_size(model, cfg: SftConfig) -> int:
     if cfg.eval.batch_size != "auto":
         return cfg.eval.batch_size
-    return 8 if next(model.parameters()).device.type == "cpu" else 32
+    return auto_rows(next(model.parameters()).device.type)
+
+
+def auto_rows(device_type: str) -> int:
+    """The rows of one batch under `eval.batch_size: auto` (also `emotune plan`'s assumption)."""
+    return 8 if device_type == "cpu" else 32
 
 
 def measure(model, tokenizer, conversations: list[Conversation], cfg: SftConfig, desc: str) -> SftResult:

@@ -1,0 +1,145 @@
+"""`emotune plan`: the estimate's parts match the model PEFT builds, its total comes within ±30% of the peak that
+emotune's own training loop and generation really reach (tensors measured by plan_memory.TensorPeak, through
+bench/plan_accuracy.py), and the verdict and the changes it proposes follow the training's own order."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from emotune.cli import main
+from emotune.config import load_config
+from emotune.errors import UserError
+from emotune.plan import FITS, make_plan, parse_memory
+from emotune.plan_memory import training_parts
+from emotune.tasks import task_for
+
+BENCH = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "plan_accuracy.py"))
+TOLERANCE = 0.3  # docs/training.md states it: the estimate within ±30% of the measured peak
+
+
+def plan_json(capsys, *args) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def gpu(model_dir, *overrides) -> list[str]:
+    """A plan for a named GPU (no runtime term, no pass cap) in fp32, with one pass per batch of 4 rows."""
+    return [f"model.source={model_dir}", "train.precision=fp32", "train.batch_size=4", "train.max_length=64",
+            "train.gradient_checkpointing=false", "eval.batch_size=4", *overrides]
+
+
+def test_memory_amounts_read_as_gib_by_default():
+    assert parse_memory("24GB") == parse_memory("24GiB") == parse_memory("24g") == parse_memory("24") == 24 * 2**30
+    assert parse_memory("512MB") == 512 * 2**20 and parse_memory("1.5 TB") == int(1.5 * 2**40)
+    assert parse_memory("4096B") == parse_memory("4KiB") == 4096
+    for bad in ("lots", "-3GB", "0", "24 GBs"):
+        with pytest.raises(UserError, match="--device-memory"):
+            parse_memory(bad)
+
+
+def test_the_counts_are_those_of_the_model_training_builds(tiny_model_dir, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from emotune.lora import attach_lora
+
+    plan = plan_json(capsys, *gpu(tiny_model_dir), "--device-memory", "8GB")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    adapted = attach_lora(model, load_config(None, [f"model.source={tiny_model_dir}"]).lora)
+    trained = [p for p in adapted.parameters() if p.requires_grad]
+    assert plan["trainable_parameters"] == sum(p.numel() for p in trained)
+    assert plan["parameters"] == sum(p.numel() for p in adapted.parameters())
+    frozen = sum(p.numel() * 4 for p in adapted.parameters() if not p.requires_grad)
+    frozen += sum(b.numel() * b.element_size() for b in adapted.buffers())
+    training = plan["training"]
+    for parts in (training["checkpointing"], training["no_checkpointing"]):
+        assert parts["weights"] == frozen
+        assert parts["adapters"] == parts["gradients"] == 4 * sum(p.numel() for p in trained)
+        assert parts["optimizer state"] == 2 * parts["adapters"]  # AdamW: two float32 moments
+    assert training["checkpointing"]["activations"] < training["no_checkpointing"]["activations"]
+    assert plan["verdict"] == "fits" and plan["peak"]["bytes"] < 8 * 2**30
+    assert set(plan["evaluation"]) == {"generate"} and plan["evaluation"]["generate"]["rows"] == 4
+
+
+def test_what_to_change_comes_in_the_training_recovery_order(tiny_model_dir, capsys):
+    cfg = load_config(None, gpu(tiny_model_dir))
+    plan = make_plan(cfg, "8GB")
+    work = task_for(cfg).memory_workload(cfg, "cuda")
+
+    def need(rows: int, checkpointing: bool = False, length: int = 64) -> int:
+        return sum(training_parts(plan.arch, work, rows, length, checkpointing, False).values())
+
+    # fits 2 rows per pass but not 3: the same update in passes of 2 rows is the first change
+    memory = (need(2) + need(3)) / 2 / FITS
+    out = plan_json(capsys, *gpu(tiny_model_dir), "--device-memory", f"{memory / 2**20:.3f}MB")
+    assert out["verdict"] != "fits"
+    assert out["fixes"][0]["overrides"] == ["train.max_tokens_per_pass=128"]
+    assert out["fixes"][0]["peak"] <= FITS * memory
+    # not even one row per pass: gradient checkpointing next, with as many rows per pass as then fit
+    memory = (need(1) + need(1, checkpointing=True)) / 2 / FITS
+    rows = max(r for r in range(1, 5) if need(r, checkpointing=True) <= FITS * memory)
+    out = plan_json(capsys, *gpu(tiny_model_dir), "--device-memory", f"{memory / 2**20:.3f}MB")
+    assert out["fixes"][0]["overrides"] == ["train.gradient_checkpointing=true",
+                                            *([f"train.max_tokens_per_pass={64 * rows}"] if rows < 4 else [])]
+    # below the weights, nothing in the config helps
+    out = plan_json(capsys, *gpu(tiny_model_dir), "--device-memory", "16KB")
+    assert out["verdict"] == "does not fit" and out["fixes"][0]["overrides"] == []
+    assert "nothing in the config makes it fit" in out["fixes"][0]["note"]
+
+
+def test_the_table_names_every_part_and_the_verdict(tiny_model_dir, capsys):
+    assert main(["plan", *gpu(tiny_model_dir), "eval.method=both", "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    for text in ("checkpointing", "no checkpointing*", "generate", "score", "optimizer state", "KV cache", "total",
+                 "a GPU with 80.0 GiB (--device-memory)", "Verdict: fits"):
+        assert text in out, text
+
+
+def test_every_task_plans_its_own_evaluation(tiny_model_dir, capsys):
+    sft = plan_json(capsys, *gpu(tiny_model_dir), "--device-memory", "8GB", "task=sft")  # overrides after a flag too
+    assert set(sft["evaluation"]) == {"response loss", "generate"}
+    head = plan_json(capsys, *gpu(tiny_model_dir), "task=classify_head", "--device-memory", "8GB")
+    assert set(head["evaluation"]) == {"zero-shot score", "head"}
+    assert "backward: vocabulary projection" not in head["training"]["no_checkpointing"]
+
+
+def test_a_bad_memory_amount_is_a_clear_error(tiny_model_dir, capsys):
+    assert main(["plan", f"model.source={tiny_model_dir}", "--device-memory", "much"]) == 2
+    assert "--device-memory `much` is not an amount of memory" in capsys.readouterr().err
+
+
+def test_the_local_machine_is_the_default_target(tiny_model_dir, capsys):
+    plan = plan_json(capsys, f"model.source={tiny_model_dir}", "device=cpu")
+    assert plan["device"]["kind"] == "cpu" and "RAM" in plan["device"]["description"]
+    assert plan["device"]["runtime_bytes"] > 0  # the Python process itself counts on a CPU
+    assert plan["training"]["checkpointing"]["adapter copies (host)"] > 0
+
+
+def within(line: dict) -> bool:
+    return 1 - TOLERANCE <= line["ratio"] <= 1 + TOLERANCE
+
+
+def test_the_estimate_is_near_a_measured_tiny_training_step_and_generation():
+    config = BENCH["model_config"]("tiny")
+    line = BENCH["measure_training"](config, 32, 2, checkpointing=False, sft=False)
+    assert within(line), line
+    line = BENCH["measure_generation"](config, 32, 2)
+    assert within(line), line
+
+
+@pytest.mark.slow
+def test_the_estimate_is_near_a_measured_checkpointed_step_with_the_loss_on_every_token():
+    line = BENCH["measure_training"](BENCH["model_config"]("small"), 64, 4, checkpointing=True, sft=True)
+    assert within(line), line
+
+
+@pytest.mark.slow
+def test_the_estimate_is_near_a_measured_step_of_the_packaged_gemma_3_270m_architecture():
+    """The packaged model's architecture at its real size (zero weights: no conversion needed), checkpointing on as
+    in configs/cpu.yaml; its 262,144-entry vocabulary and fp32 weights are most of the memory."""
+    line = BENCH["measure_training"](BENCH["model_config"]("gemma-3-270m"), 32, 2, checkpointing=True, sft=False)
+    assert within(line), line
