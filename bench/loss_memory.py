@@ -47,7 +47,7 @@ def main() -> None:
         "full_logits_mb": round(args.positions * args.vocab * 4 / 2 ** 20),
         "full_peak_mb": full["peak_above_inputs_mb"], "chunked_peak_mb": chunked["peak_above_inputs_mb"],
         "mem_ratio": round(chunked["peak_above_inputs_mb"] / full["peak_above_inputs_mb"], 3),
-        "loss_rel_diff": abs(full["loss"] - chunked["loss"]) / abs(full["loss"]),
+        "loss_rel_diff": float(f"{abs(full['loss'] - chunked['loss']) / abs(full['loss']):.3g}"),
         "grad_max_abs_diff": max(abs(a - b) for a, b in zip(full["grad_sample"], chunked["grad_sample"])),
         "full_seconds": full["seconds"], "chunked_seconds": chunked["seconds"],
     }))
