@@ -6,15 +6,8 @@ the moment it prints `[emotune] stage NAME: start`. Nothing in the product knows
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,54 +16,21 @@ from emotune.cli import main
 from emotune.rundir import PARTIAL, PREVIOUS, STAGE_MARKER, RunDir
 
 from conftest import make_rows, write_jsonl
+from killable import Result, run_emotune, snapshot
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 TIMEOUT_S = 300
 
 pytestmark = pytest.mark.slow
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-    killed: bool
-
-
 def emotune(args: list[str], kill_at: str | None = None) -> Result:
     """Run `python -m emotune ARGS`; with `kill_at`, SIGKILL it as soon as that stage's start marker is printed."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     marker = f"{STAGE_MARKER} {kill_at}: start" if kill_at else None
-    with tempfile.TemporaryFile("w+", encoding="utf-8") as err:  # a file, so a full stderr pipe never blocks it
-        proc = subprocess.Popen([sys.executable, "-m", "emotune", *args], stdout=subprocess.PIPE, stderr=err,
-                                text=True, env=env)
-        watchdog = threading.Timer(TIMEOUT_S, proc.kill)
-        watchdog.start()
-        lines, killed = [], False
-        try:
-            for line in proc.stdout:
-                lines.append(line)
-                if marker and line.rstrip("\n") == marker:
-                    proc.send_signal(signal.SIGKILL)
-                    killed = True
-                    break
-            lines.append(proc.stdout.read())
-            returncode = proc.wait()
-        finally:
-            watchdog.cancel()
-            proc.stdout.close()
-        err.seek(0)
-        result = Result(returncode, "".join(lines), err.read(), killed)
+    result = run_emotune(args, (lambda line: line.rstrip("\n") == marker) if marker else None, TIMEOUT_S)
+    returncode = result.returncode
     if kill_at:
-        assert killed and returncode == -signal.SIGKILL, f"never reached {marker!r}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert result.killed and returncode == -signal.SIGKILL, f"never reached {marker!r}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under `folder` by relative path, with a hash of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def run_json(folder: Path) -> dict:

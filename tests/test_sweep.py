@@ -6,13 +6,10 @@ a 4-trial sweep on the tiny model killed in trial 3 and re-run, and the Ray back
 from __future__ import annotations
 
 import csv
-import hashlib
 import math
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,7 +26,8 @@ from emotune.sweep_search import ListSource, OptunaSource, Outcome
 from emotune.sweep_space import Param, Trial, ablation_trials, grid_trials, parse_grid, parse_param, trial_name
 from emotune.sweep_table import Result, ablation_table, format_markdown, format_text, read_result, trial_table, write_tables
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from killable import run_emotune, snapshot
+
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,34 +367,10 @@ TINY = ["device=cpu", "train.max_steps=1", "train.eval_steps=1", "train.save_ste
 def _sweep_process(args: list[str], kill_when=None) -> tuple[int, str]:
     """`python -m emotune sweep ARGS`; with `kill_when`, SIGKILL the sweep (and so its trial) at the first output line
     for which it is true (asserted to have happened: a watchdog's kill is not that)."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with tempfile.TemporaryFile("w+", encoding="utf-8") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "emotune", "sweep", *args], stdout=subprocess.PIPE, stderr=err,
-                                text=True, env=env)
-        watchdog = threading.Timer(TIMEOUT_S, proc.kill)
-        watchdog.start()
-        lines, killed = [], False
-        try:
-            for line in proc.stdout:
-                lines.append(line)
-                if kill_when is not None and kill_when(line):
-                    proc.send_signal(signal.SIGKILL)
-                    killed = True
-                    break
-            lines.append(proc.stdout.read())
-            code = proc.wait()
-        finally:
-            watchdog.cancel()
-            proc.stdout.close()
-        err.seek(0)
-        out = "".join(lines) + err.read()
-    assert kill_when is None or killed, f"the kill point never came:\n{out[-3000:]}"
-    return code, out
-
-
-def _snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    result = run_emotune(["sweep", *args], kill_when, TIMEOUT_S)
+    out = result.stdout + result.stderr
+    assert kill_when is None or result.killed, f"the kill point never came:\n{out[-3000:]}"
+    return result.returncode, out
 
 
 def _trial_processes(folder: Path) -> list:
@@ -430,7 +404,7 @@ def test_sweep_killed_in_trial_3_resumes_on_ray_with_trials_1_and_2_untouched(ti
     assert RunDir(folder / names[0]).is_finished() and RunDir(folder / names[1]).is_finished()
     assert not RunDir(folder / names[2]).is_finished() and not (folder / names[3]).exists()
     assert read_json(folder / "sweep.json")["trials"][2]["status"] == "running"
-    kept = {name: _snapshot(folder / name) for name in names[:2]}
+    kept = {name: snapshot(folder / name) for name in names[:2]}
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:  # the re-run is a Ray driver of this instance, as `emotune sweep` is of a cluster's
@@ -443,7 +417,7 @@ def test_sweep_killed_in_trial_3_resumes_on_ray_with_trials_1_and_2_untouched(ti
     resumed = (folder / "logs" / f"{names[2]}.log").read_text(encoding="utf-8")
     assert f"{STAGE_MARKER} baseline: skipped (already measured in this run folder)" in resumed, resumed[-3000:]
     assert sum(line.startswith("# ") and " $ " in line for line in resumed.splitlines()) == 2  # both attempts
-    assert {name: _snapshot(folder / name) for name in names[:2]} == kept  # byte for byte
+    assert {name: snapshot(folder / name) for name in names[:2]} == kept  # byte for byte
     assert all(RunDir(folder / name).is_finished() for name in names)
     manifest = read_json(folder / "sweep.json")
     assert manifest["status"] == "finished" and [t["status"] for t in manifest["trials"]] == ["finished"] * 4
