@@ -135,22 +135,13 @@ def _cost(run: RunDir, info: dict) -> dict:
     """Training time (the train stage's seconds in run.json), the training log's mean tokens/s over its log lines
     and highest peak memory, the optimizer steps taken, and the adapter's weights on disk (PEFT's weight file,
     which holds a head task's head too; not the tokenizer copied beside it)."""
-    history = read_json_list(run.train / "log_history.json")
-    training = [e for e in history if "tokens_per_s" in e]
+    training = [e for e in run.history() if "tokens_per_s" in e]
     weights = [p for p in run.adapter.glob("adapter_model.*") if p.is_file()] if run.adapter.is_dir() else []
     return {"train_seconds": info.get("stages", {}).get("train", {}).get("seconds"),
             "steps": max((e["step"] for e in training), default=None),
             "tokens_per_s": round(sum(e["tokens_per_s"] for e in training) / len(training), 1) if training else None,
             "peak_memory_mb": max((e["peak_memory_mb"] for e in training if "peak_memory_mb" in e), default=None),
             "adapter_mb": round(sum(p.stat().st_size for p in weights) / 2**20, 2) if weights else None}
-
-
-def read_json_list(path: Path) -> list[dict]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    return value if isinstance(value, list) else []
 
 
 def _rate(metrics: dict) -> float | None:

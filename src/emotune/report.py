@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import re
 from pathlib import Path
 
@@ -92,10 +91,9 @@ def _summary_section(run: dict, folder: RunDir) -> str:
 
 
 def _loss_section(run: RunDir) -> str:
-    path = run.train / "log_history.json"
-    if not path.is_file():
+    history = run.history()
+    if not history:
         return "<section id=loss><h2>Training and validation loss</h2><p>No training log in this run folder.</p></section>"
-    history = json.loads(path.read_text(encoding="utf-8"))
     train = [(e["step"], e["loss"]) for e in history if "loss" in e and "step" in e]
     val = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e and "step" in e]
 

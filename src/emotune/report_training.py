@@ -8,7 +8,6 @@ Like the rest of the page it reads the run folder only (train/log_history.json, 
 from __future__ import annotations
 
 import html
-import json
 import math
 
 import numpy as np
@@ -29,9 +28,7 @@ def training_section(run: RunDir) -> str:
 
 
 def _gradient_part(run: RunDir) -> str:
-    path = run.train / "log_history.json"
-    history = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
-    logged = [e for e in history if "grad_norm" in e and "step" in e and _finite(e["grad_norm"])]
+    logged = [e for e in run.history() if "grad_norm" in e and "step" in e and _finite(e["grad_norm"])]
     if not logged:
         return "<h3>Gradient norm</h3><p>No gradient norms in the training log.</p>"
     clip = _max_grad_norm(run)

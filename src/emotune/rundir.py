@@ -138,6 +138,15 @@ class RunDir:
     checkpoints = property(lambda self: self.root / "checkpoints")
     train = property(lambda self: self.root / "train")
     """Training log (log_history.jsonl while training, log_history.json after) and loss_curve.png."""
+    def history(self) -> list[dict]:
+        """The finished training log (train/log_history.json): one entry per logged step or validation; [] when the
+        run has none (not trained yet) or it is unreadable."""
+        try:
+            value = json.loads((self.train / "log_history.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return []
+        return [e for e in value if isinstance(e, dict)] if isinstance(value, list) else []
+
     telemetry = property(lambda self: self.root / "telemetry.jsonl")
     """Telemetry samples of the stages that run the model, one JSON line each (emotune.telemetry)."""
     comparison_json = property(lambda self: self.root / "comparison.json")

@@ -9,7 +9,6 @@ and Markdown; the best trial is the first row.
 from __future__ import annotations
 
 import csv
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,12 +75,7 @@ def _intervals(comparison: dict) -> dict[str, tuple[float, float]]:
 
 
 def _peak_memory(run: RunDir) -> float | None:
-    path = run.train / "log_history.json"
-    try:
-        history = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    peaks = [e["peak_memory_mb"] for e in history if isinstance(e, dict) and "peak_memory_mb" in e]
+    peaks = [e["peak_memory_mb"] for e in run.history() if "peak_memory_mb" in e]
     return max(peaks) if peaks else None
 
 
