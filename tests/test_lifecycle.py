@@ -53,7 +53,7 @@ def finished_run(tiny_overrides, tmp_path) -> tuple[Path, dict[str, str]]:
 # a. a run killed before it finished is not finished, and the same command completes it
 
 
-def test_run_killed_at_the_report_resumes_to_a_finished_run(tiny_overrides, tmp_path):
+def test_run_killed_at_the_report_resumes_to_a_finished_run(tiny_overrides, tmp_path, capsys):
     root = tmp_path / "runs" / "tiny"
     killed = emotune(["run", *tiny_overrides], kill_at="report")
     assert f"{STAGE_MARKER} finetuned: done" in killed.stdout
@@ -61,11 +61,11 @@ def test_run_killed_at_the_report_resumes_to_a_finished_run(tiny_overrides, tmp_
     assert not (root / "report.html").exists()
     adapter = snapshot(root / "adapter")
 
-    again = emotune(["run", *tiny_overrides])
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert main(["run", *tiny_overrides]) == 0  # the resume in-process: only the kill needs a subprocess
+    again = capsys.readouterr().out
     for stage in ("data", "baseline", "train", "finetuned"):
-        assert f"{STAGE_MARKER} {stage}: skipped" in again.stdout, stage
-    assert f"{STAGE_MARKER} report: start" in again.stdout and f"{STAGE_MARKER} report: done" in again.stdout
+        assert f"{STAGE_MARKER} {stage}: skipped" in again, stage
+    assert f"{STAGE_MARKER} report: start" in again and f"{STAGE_MARKER} report: done" in again
     assert run_json(root)["status"] == "finished" and RunDir(root).is_finished()
     assert (root / "report.html").is_file()
     assert snapshot(root / "adapter") == adapter  # resumed, not trained again
@@ -76,21 +76,23 @@ def test_run_killed_at_the_report_resumes_to_a_finished_run(tiny_overrides, tmp_
 # b. overwrite=true with a new run that does not validate leaves the finished run as it was
 
 
-def test_overwrite_with_an_invalid_new_run_keeps_the_finished_run(tiny_overrides, tmp_path):
+def test_overwrite_with_an_invalid_new_run_keeps_the_finished_run(tiny_overrides, tmp_path, capsys):
     root, before = finished_run(tiny_overrides, tmp_path)
+    capsys.readouterr()
     bad_data = write_jsonl(tmp_path / "bad.jsonl", [{"text": "so happy", "label": "joy"}, {"text": "meh", "label": "boredom"}] * 3)
     invalid = {
         "model source": [f"model.source={tmp_path / 'no-such-model'}"],
         "data": [f"data.source={bad_data}"],
     }
-    # a bad config value fails at load time, before torch is imported: in-process is just as real
+    # in-process (no kill here, so a subprocess would prove nothing more): main() is the console script's entry
     assert main(["run", *tiny_overrides, "overwrite=true", "train.learning_rate=5"]) == 2
     assert snapshot(root) == before and leftovers(tmp_path / "runs") == []
     for what, change in invalid.items():
-        result = emotune(["run", *tiny_overrides, "overwrite=true", *change])
-        assert result.returncode == 2, (what, result.stdout[-2000:], result.stderr[-2000:])
-        assert "emotune: error:" in result.stderr and "Traceback" not in result.stderr, what
-        assert STAGE_MARKER not in result.stdout, what  # nothing started
+        code = main(["run", *tiny_overrides, "overwrite=true", *change])
+        out, err = capsys.readouterr()
+        assert code == 2, (what, out[-2000:], err[-2000:])
+        assert "emotune: error:" in err and "Traceback" not in err, what
+        assert STAGE_MARKER not in out, what  # nothing started
         assert snapshot(root) == before, what  # adapter, metrics, report.html, run.json: byte for byte
         assert run_json(root)["status"] == "finished" and RunDir(root).is_finished(), what
         assert leftovers(tmp_path / "runs") == [], what  # no .previous, no .partial
@@ -114,8 +116,7 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_finishes(tiny_overrides, 
     emotune(command, kill_at="train")
     assert snapshot(previous) == before and RunDir(previous).is_finished()
 
-    done = emotune(command)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(command) == 0
     assert RunDir(root).is_finished()
     assert json.loads((root / "adapter" / "adapter_config.json").read_text())["r"] == 4  # the new run
     assert not previous.exists()  # dropped once the new run finished
@@ -138,11 +139,10 @@ def test_data_command_never_deletes_a_finished_run(tiny_overrides, tmp_path, cap
     assert "holds a finished run made with other data" in capsys.readouterr().err
     assert snapshot(root) == before
 
-    replaced = emotune(["data", *change, "overwrite=true"])
-    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert main(["data", *change, "overwrite=true"]) == 0
     # what the product does: it keeps the whole finished run aside as <name>.previous, and says so
     previous = root.with_name(root.name + PREVIOUS)
-    assert previous.name in replaced.stdout
+    assert previous.name in capsys.readouterr().out
     assert snapshot(previous) == before and RunDir(previous).is_finished()
     report = json.loads((root / "data" / "data_report.json").read_text(encoding="utf-8"))
     assert report["source"] == str(other) and report["rows"]["test"] == 12
@@ -152,20 +152,20 @@ def test_data_command_never_deletes_a_finished_run(tiny_overrides, tmp_path, cap
 # e. export never replaces an existing folder without --force
 
 
-def test_export_into_an_existing_folder_needs_force(tiny_run_dir, tmp_path):
+def test_export_into_an_existing_folder_needs_force(tiny_run_dir, tmp_path, capsys):
     out = tmp_path / "exported"
     assert main(["export", str(tiny_run_dir), "--out", str(out)]) == 0
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     (out / "notes.txt").write_text("the user's own file", encoding="utf-8")
     before = snapshot(out)
 
-    again = emotune(["export", str(tiny_run_dir), "--out", str(out)])
-    assert again.returncode == 2
-    assert "already exists" in again.stderr and "--force" in again.stderr and "Traceback" not in again.stderr
+    capsys.readouterr()
+    assert main(["export", str(tiny_run_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--force" in err and "Traceback" not in err
     assert snapshot(out) == before
 
-    forced = emotune(["export", str(tiny_run_dir), "--out", str(out), "--force"])
-    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert main(["export", str(tiny_run_dir), "--out", str(out), "--force"]) == 0
     assert not (out / "notes.txt").exists()  # replaced, not merged into
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "config.yaml").is_file()
     assert {k: v for k, v in before.items() if k != "notes.txt"} == snapshot(out)

@@ -225,20 +225,13 @@ def test_compare_probe_flags_a_clear_drop_only():
         compare_probe(before, letters)
 
 
-def packaged_model():
-    """The packaged Gemma 3 270M and its tokenizer (converted from the GGUF package once, then cached)."""
-    from emotune.config import load_config
-    from emotune.models import resolve_model_dir
-
-    folder = resolve_model_dir(load_config(None, []).model)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
-
-
 @pytest.mark.slow
-def test_real_gemma_tokenizer_and_model_agree_with_the_reference():
+@pytest.mark.xdist_group("packaged")
+def test_real_gemma_tokenizer_and_model_agree_with_the_reference(packaged_model):
     """The packaged Gemma 3 270M: letters are its single tokens A–D, and batched scoring of a few real probe
     questions equals the one-question reference, in both methods."""
-    model, tokenizer = packaged_model()
+    model = AutoModelForCausalLM.from_pretrained(packaged_model.folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model.folder)
     questions = load_probe(limit=4)
     ids = letter_token_ids(tokenizer, render_prompt(tokenizer, questions[0]))
     assert tokenizer.convert_ids_to_tokens(ids) == list("ABCD")

@@ -116,12 +116,13 @@ def test_score_label_probs_is_a_distribution_over_labels(tiny):
 
 
 @pytest.mark.slow
-def test_real_model_scores_equal_brute_force():
+@pytest.mark.xdist_group("packaged")
+def test_real_model_scores_equal_brute_force(packaged_model):
     """The packaged Gemma 3 270M and its tokenizer: `sadness` is two tokens, the vocabulary 262,144 wide."""
     from emotune.config import ModelConfig
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.models import load_model, load_tokenizer
 
-    model_dir = resolve_model_dir(ModelConfig())
+    model_dir = packaged_model.folder
     tokenizer = load_tokenizer(model_dir, ModelConfig())
     model = load_model(model_dir, torch.float32, torch.device("cpu")).eval()
     labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]

@@ -366,8 +366,7 @@ def _free_port() -> int:
 def test_two_processes_match_one_with_the_same_global_batch(tiny_overrides, tmp_path):
     common = ["train", *tiny_overrides, "train.max_steps=3", "train.save_steps=2", "train.eval_steps=3",
               "lora.dropout=0.0", "device=cpu"]
-    single = _emotune(common + ["name=single", "train.batch_size=8"])
-    assert single.returncode == 0, single.stderr[-2000:]
+    assert main(common + ["name=single", "train.batch_size=8"]) == 0  # in-process: one process needs no launcher
     ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(_free_port()), "-m", "emotune", *common, "name=ddp", "train.batch_size=4"],
                          capture_output=True, text=True, env=_env(), timeout=300)
@@ -395,8 +394,7 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(t
     `accelerate launch --use_fsdp` (the launcher's own switch); the result is the single-process run's."""
     common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=2", "train.eval_steps=2",
               "lora.dropout=0.0", "device=cpu", "train.gradient_checkpointing=true", "train.gradient_accumulation_steps=2"]
-    single = _emotune(common + ["name=single", "train.batch_size=4", "train.max_tokens_per_pass=0"])
-    assert single.returncode == 0, single.stderr[-2000:]
+    assert main(common + ["name=single", "train.batch_size=4", "train.max_tokens_per_pass=0"]) == 0
 
     killer = tmp_path / "killer.py"
     killer.write_text(KILLER)
