@@ -147,6 +147,74 @@ def test_dataset_info_mixes_two_datasets_and_takes_eval_dataset(tmp_path):
         _data(tmp_path, "data.datasets=[nope]")
 
 
+def _fake_hub(calls: list):
+    """A stand-in for huggingface_hub.snapshot_download over two repositories, writing only the files that
+    `allow_patterns` selects, as the real client does: acme/alpaca holds one alpaca JSON file (and the hub's
+    metadata JSON), acme/chat a sharegpt configuration `en` as Parquet train and test files."""
+    import fnmatch
+
+    def snapshot_download(repo_id, repo_type=None, revision=None, local_dir=None, allow_patterns=None):
+        calls.append((repo_id, tuple(allow_patterns)))
+        root = Path(local_dir)
+        if repo_id == "acme/alpaca":
+            files = {"alpaca_data_en.json": lambda path: path.write_text(json.dumps(_alpaca(24, prefix="hub")), encoding="utf-8"),
+                     "dataset_infos.json": lambda path: path.write_text('{"default": {"features": {}}}', encoding="utf-8")}
+        elif repo_id == "acme/chat":
+            def conversations(n, split):
+                rows = [{"conversations": [{"from": "human", "value": f"{split} chat {i}"}, {"from": "gpt", "value": f"reply {i}"}]}
+                        for i in range(n)]
+                return lambda path: pq.write_table(pa.Table.from_pylist(rows), path)
+            files = {"en/train-00000-of-00001.parquet": conversations(20, "train"),
+                     "en/test-00000-of-00001.parquet": conversations(6, "test")}
+        else:
+            raise ValueError(f"Repository Not Found for url: https://huggingface.co/api/datasets/{repo_id}")
+        for name, write in files.items():
+            if any(fnmatch.fnmatch(Path(name).name, pattern) for pattern in allow_patterns):
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                write(root / name)
+        return local_dir
+
+    return snapshot_download
+
+
+def test_dataset_info_hub_entries_download_once_with_their_subset_and_split(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _fake_hub(calls))
+    info = {"alp": {"hf_hub_url": "acme/alpaca"},
+            "chat": {"hf_hub_url": "acme/chat", "formatting": "sharegpt", "subset": "en"},
+            "chat_test": {"hf_hub_url": "acme/chat", "formatting": "sharegpt", "subset": "en", "split": "test"},
+            "wrong_subset": {"hf_hub_url": "acme/chat", "formatting": "sharegpt", "subset": "fr"},
+            "wrong_split": {"hf_hub_url": "acme/chat", "formatting": "sharegpt", "subset": "en", "split": "validation"},
+            "missing": {"hf_hub_url": "acme/missing"}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    data = _data(tmp_path, "data.datasets=[alp, chat]", "data.eval_datasets=[chat_test]", cache)
+    train_sources = [c.source for split in ("train", "validation") for c in data.splits[split]]
+    assert train_sources.count("alp") == 24 and train_sources.count("chat") == 20  # metadata JSON is not rows
+    assert sorted(c.messages[0][1] for c in data.splits["test"]) == [f"test chat {i}" for i in range(6)]
+    # Parquet first; JSON files only for the repository without Parquet; each downloaded once
+    assert calls == [("acme/alpaca", ("*.parquet", "*.md")), ("acme/alpaca", ("*.jsonl", "*.json", "*.csv", "*.tsv", "*.md")),
+                     ("acme/chat", ("*.parquet", "*.md"))]
+    _data(tmp_path, "data.datasets=[alp, chat]", "data.eval_datasets=[chat_test]", cache)
+    assert len(calls) == 3  # read from the cache
+
+    with pytest.raises(UserError, match=r"wrong_subset`: the hub dataset acme/chat has no folder `fr` \(its `subset`\); folders found: en"):
+        _data(tmp_path, "data.datasets=[wrong_subset]", cache)
+    with pytest.raises(UserError, match=r"wrong_split`: the hub dataset acme/chat has no `validation` split \(found: train, test\)"):
+        _data(tmp_path, "data.datasets=[wrong_split]", cache)
+    with pytest.raises(UserError, match=r"could not download from the hf hub \(ValueError: Repository Not Found.*set data.source to that folder"):
+        _data(tmp_path, "data.datasets=[missing]", cache)
+
+
+def test_dataset_info_hub_entry_offline_is_a_clear_error(tmp_path):
+    # HF_HUB_OFFLINE=1 (conftest): the real client refuses to connect, as it would with no network
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"alp": {"hf_hub_url": "acme/alpaca"}}), encoding="utf-8")
+    with pytest.raises(UserError, match=r"data.source `hf:acme/alpaca`: could not download from the hf hub.*hf download acme/alpaca"):
+        _data(tmp_path, "data.datasets=[alp]", f"data.cache_dir={tmp_path / 'cache'}")
+
+
 def test_embedded_instruct_dataset_and_limits():
     data = _data("embedded", "data.test_limit=30")
     assert [len(data.splits[s]) for s in ("train", "validation")] == [540, 60]

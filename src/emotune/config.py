@@ -195,8 +195,8 @@ class DataConfig(Section):
     `embedded:emotion_zh` (the packaged Chinese 7-class dataset: 喜悦 愤怒 悲伤 恐惧 惊讶 厌恶 中性); a folder of split files (`train.*`,
     `validation.*`/`val.*`/`dev.*`, `test.*`, shards like `train-00000-of-00002.parquet` too); a folder
     saved with `datasets`' `save_to_disk`; one file that is split by `validation_size`/`test_size`; or a hub
-    dataset, `hf:dair-ai/emotion` or `modelscope:AI-ModelScope/emotion` (its Parquet snapshot is downloaded
-    once into `cache_dir`). Files: CSV, TSV, JSONL, JSON, Parquet, or TXT with one `text;label` per line."""
+    dataset, `hf:dair-ai/emotion` or `modelscope:AI-ModelScope/emotion` (its Parquet files, else its JSON/JSONL/CSV/TSV
+    files, downloaded once into `cache_dir`). Files: CSV, TSV, JSONL, JSON, Parquet, or TXT with one `text;label` per line."""
     text_column: str = "text"
     """Column holding the text to classify."""
     label_column: str = "label"

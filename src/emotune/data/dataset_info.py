@@ -4,10 +4,12 @@ column and tag names, and sample count.
     {"my_data": {"file_name": "my_data.json", "formatting": "sharegpt",
                  "columns": {"messages": "conversations"}, "tags": {"role_tag": "from", ...},
                  "num_samples": 500},
-     "hub_data": {"hf_hub_url": "owner/name", "split": "train"}}
+     "hub_data": {"hf_hub_url": "owner/name", "split": "train", "subset": "en"}}
 
 Point data.source at the folder and name the entries in data.datasets (and data.eval_datasets for the
-test split). Hub entries are downloaded like every other hub source (emotune.data.sources). Preference
+test split). Hub entries are downloaded like every other hub source (emotune.data.sources); their `folder`
+and `subset` name a folder of the repository, where LLaMA-Factory's `load_dataset` takes a configuration by
+that name (the Hugging Face hub's Parquet conversion keeps each configuration in its own folder). Preference
 (`ranking`) and multimodal entries are refused: the sft task trains on one text answer per prompt.
 """
 
@@ -114,7 +116,16 @@ def _files(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
         return None
     source = SimpleNamespace(source=f"{hub[0]}:{hub[1]}", revision=raw.get("revision") or cfg.revision,
                              cache_dir=cfg.cache_dir)
-    found = split_files(download_hub_dataset(source))
+    snapshot = download_hub_dataset(source)
+    for key in ("folder", "subset"):  # LLaMA-Factory's data_dir and configuration name: folders of the repository
+        if raw.get(key):
+            inner = snapshot / str(raw[key])
+            if not inner.is_dir():
+                problems.append(f"{where}: the hub dataset {hub[1]} has no folder `{raw[key]}` (its `{key}`); "
+                                f"folders found: {', '.join(sorted(p.name for p in snapshot.iterdir() if p.is_dir() and not p.name.startswith('.'))) or 'none'}")
+                return None
+            snapshot = inner
+    found = split_files(snapshot, require_train=False)
     split = raw.get("split", "train")
     if split not in found and not (split == "train" and "all" in found):
         problems.append(f"{where}: the hub dataset {hub[1]} has no `{split}` split (found: {', '.join(found)})")

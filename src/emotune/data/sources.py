@@ -1,5 +1,6 @@
 """Where the rows come from: the packaged dataset, a file, a folder of split files, a `save_to_disk`
-folder, or a hub dataset whose Parquet snapshot is downloaded once and then read like a local folder.
+folder, or a hub dataset whose data files (Parquet, else JSON/JSONL/CSV/TSV) are downloaded once and then
+read like a local folder.
 
 The packaged datasets are named `embedded:NAME` (`PACKAGED`); plain `embedded` is the English `emotion` set.
 
@@ -26,6 +27,7 @@ SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev"), "test": ("test",)}
 SPLIT_FILE = re.compile(r"^(?P<split>[a-z]+)(?:[-_.].*)?$")  # train.csv, train-00000-of-00001.parquet
 HUB_PREFIXES = ("hf:", "modelscope:")
+METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # never rows
 EMBEDDED_LABELS = ["sadness", "joy", "love", "anger", "fear", "surprise"]
 # The labelled datasets shipped in emotune/datasets/, with their label order (the order of reports).
 PACKAGED = {"emotion": EMBEDDED_LABELS, "emotion_zh": ["喜悦", "愤怒", "悲伤", "恐惧", "惊讶", "厌恶", "中性"]}
@@ -100,8 +102,9 @@ def _source_folder(cfg: DataConfig) -> Path | None:
                     "or a hub dataset such as hf:dair-ai/emotion or modelscope:AI-ModelScope/emotion.")
 
 
-def split_files(folder: Path) -> dict[str, list[Path]]:
+def split_files(folder: Path, require_train: bool = True) -> dict[str, list[Path]]:
     """Split name -> data files, found anywhere under `folder`; one folder's set is used, never a mix.
+    `require_train=False` accepts a set without train files (a dataset_info entry may name a test split).
 
     Hub snapshots hold one folder per configuration (dair-ai/emotion: `split/` and `unsplit/`); the
     folder with the most splits wins, so the configuration with train/validation/test is chosen.
@@ -109,7 +112,7 @@ def split_files(folder: Path) -> dict[str, list[Path]]:
     groups: dict[Path, dict[str, list[Path]]] = {}
     loose: dict[Path, list[Path]] = {}
     for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS):
-        if any(part.startswith(".") for part in file.relative_to(folder).parts):
+        if file.name.lower() in METADATA_FILES or any(part.startswith(".") for part in file.relative_to(folder).parts):
             continue  # hidden folders: download caches, .git
         match = SPLIT_FILE.match(file.stem.lower())
         split = next((s for s, aliases in SPLIT_ALIASES.items() if match and match["split"] in aliases), None)
@@ -120,7 +123,7 @@ def split_files(folder: Path) -> dict[str, list[Path]]:
     if groups:
         best = max(groups, key=lambda parent: (len(groups[parent]), -len(parent.parts)))
         found = groups[best]
-        if "train" not in found:
+        if "train" not in found and require_train:
             raise UserError(f"data.source `{folder}` has {', '.join(sorted(found))} files but no train file. Name the "
                             f"files train.*, validation.* (or val./dev.) and test.* with one of the endings {', '.join(FORMATS)}.")
         return {split: found[split] for split in SPLITS if split in found}
@@ -202,7 +205,12 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Hub datasets: the Parquet snapshot is downloaded once, then read like any local folder.
+# Hub datasets: the data files are downloaded once, then read like any local folder. From the Hugging Face
+# hub the Parquet files only when the repository has them (the hub's own format; a repository may hold the
+# same rows in two formats), else its JSON/JSONL/CSV/TSV files (many instruction datasets are one JSON file).
+
+HF_PARQUET = ["*.parquet", "*.md"]
+HF_OTHER_FORMATS = ["*.jsonl", "*.json", "*.csv", "*.tsv", "*.md"]
 
 
 def cache_dir(cfg: DataConfig) -> Path:
@@ -228,19 +236,27 @@ def download_hub_dataset(cfg: DataConfig) -> Path:
         else:
             from huggingface_hub import snapshot_download
 
-            snapshot_download(repo_id, repo_type="dataset", revision=cfg.revision, local_dir=str(local),
-                              allow_patterns=["*.parquet", "*.md"])
+            for patterns in (HF_PARQUET, HF_OTHER_FORMATS):
+                snapshot_download(repo_id, repo_type="dataset", revision=cfg.revision, local_dir=str(local),
+                                  allow_patterns=patterns)
+                if _data_files(local):
+                    break
     except UserError as err:
         raise UserError(f"{err} {how}") from None
     except Exception as err:  # offline, auth, not found: all end the same way for the user
         detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else "no details"
         raise UserError(f"data.source `{cfg.source}`: could not download from the {hub} hub ({type(err).__name__}: "
                         f"{detail}). Check the name and the network. {how}") from None
-    if not any(local.rglob("*.parquet")):
-        raise UserError(f"data.source `{cfg.source}`: the download holds no Parquet files (looked in {local}). "
-                        f"Check the dataset name. {how}")
+    if not _data_files(local):
+        raise UserError(f"data.source `{cfg.source}`: the download holds no data files ({', '.join(FORMATS)}; looked "
+                        f"in {local}). Check the dataset name. {how}")
     (local / DOWNLOAD_DONE).write_text(cfg.source + "\n")
     return local
+
+
+def _data_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS
+            and p.name.lower() not in METADATA_FILES and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
 
 
 def _modelscope_download(repo_id: str, revision: str | None, local: Path) -> None:
