@@ -13,6 +13,7 @@ import io
 import json
 from pathlib import Path
 
+from emotune import terminal
 from emotune.errors import UserError
 from emotune.report import html_page as page
 from emotune.rundir import atomic_dir
@@ -86,9 +87,9 @@ def setup_table(table: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def _text(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
-    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+    widths = [max(terminal.width(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(terminal.ljust(cell, width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
+    return "\n".join([lines[0], "-" * terminal.width(lines[0]), *lines[1:]])
 
 
 def _markdown(header: list[str], rows: list[list[str]]) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from emotune import terminal
 from emotune.config import RunConfig
 from emotune.data.clean import token_lengths
 from emotune.data.load import LabeledData, in_memory_dataset, load_data
@@ -118,8 +119,8 @@ def format_summary(data: LabeledData) -> str:
     report, counts = data.report, data.counts()
     lines = [f"Data {data.source}: {len(data.labels)} labels from {report.get('labels_from', '?')}; split {report.get('split', '?')}",
              f"  rows read: {', '.join(f'{k} {v}' for k, v in report.get('rows_read', {}).items())}"]
-    width = max([len(label) for label in data.labels] + [8])
-    lines.append("  " + "split".ljust(11) + "rows".rjust(8) + "".join(label.rjust(width + 2) for label in data.labels))
+    width = max([terminal.width(label) for label in data.labels] + [8])
+    lines.append("  " + "split".ljust(11) + "rows".rjust(8) + "".join(terminal.rjust(label, width + 2) for label in data.labels))
     for split, per_label in counts.items():
         lines.append("  " + split.ljust(11) + str(sum(per_label.values())).rjust(8)
                      + "".join(str(per_label[label]).rjust(width + 2) for label in data.labels))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from emotune import terminal
 from emotune.errors import UserError
 from emotune.evaluate import EvalResult
 from emotune.report import embed_figure
@@ -164,7 +165,7 @@ def format_table(comparison: dict, labels: list[str], chance: dict | None = None
     accuracy and macro-F1, and whether the model beats them before and after."""
     rows = ([(TITLES[key], key) for key in HEADLINE] + [(f"F1 {label}", f"{label}/f1") for label in labels]
             + [(f"recall {label}", f"{label}/recall") for label in labels])
-    width = max(len(title) for title, _ in rows) + 2
+    width = max(terminal.width(title) for title, _ in rows) + 2
     guesses = CHANCE_GUESSES if chance else ()
     lines = [f"{'metric':<{width}}{'before':>10}{'after':>10}{'delta':>10}" + "".join(f"{g:>12}" for g in guesses),
              "-" * (width + 30 + 12 * len(guesses))]
@@ -173,10 +174,10 @@ def format_table(comparison: dict, labels: list[str], chance: dict | None = None
         if row is None:
             continue
         if key == "invalid":
-            lines.append(f"{title:<{width}}{row['before']:>10d}{row['after']:>10d}{row['delta']:>+10d}")
+            lines.append(f"{terminal.ljust(title, width)}{row['before']:>10d}{row['after']:>10d}{row['delta']:>+10d}")
             continue
         levels = "".join(f"{chance[g][key]:>12.3f}" for g in guesses) if key in CHANCE_METRICS else ""
-        lines.append(f"{title:<{width}}{row['before']:>10.3f}{row['after']:>10.3f}{row['delta']:>+10.3f}{levels}")
+        lines.append(f"{terminal.ljust(title, width)}{row['before']:>10.3f}{row['after']:>10.3f}{row['delta']:>+10.3f}{levels}")
     if chance:
         verdicts = [f"{stage}: " + ", ".join(
             f"{TITLES[m]} {'yes' if beats_chance(comparison['metrics'][m][stage], m, chance) else 'no'}"
