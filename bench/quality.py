@@ -69,10 +69,11 @@ def read_run(run_dir: Path, budget_s: float) -> dict:
     plan = run["stages"]["train"]["plan"]
     history = json.loads((run_dir / "train" / "log_history.json").read_text())
     rates = [e["tokens_per_s"] for e in history if "loss" in e]
-    score, generate = method_scores(comparison, "score"), method_scores(comparison, "generate")
+    score = method_scores(comparison, "score")
+    generate = method_scores(comparison, "generate") if "generate" in comparison["methods"] else None  # --set eval.method=score
     line = {"accuracy": score["accuracy"], "macro_f1": score["macro_f1"], "accuracy_ci": score["accuracy_ci"],
             "macro_f1_ci": score["macro_f1_ci"], "generate": generate,
-            "baseline": {"score": score.pop("before"), "generate": generate.pop("before")},
+            "baseline": {"score": score.pop("before"), "generate": generate.pop("before") if generate else None},
             "test_rows": comparison["rows"], "train_minutes": round(run["stages"]["train"]["seconds"] / 60, 2),
             "expected_minutes": round(plan["expected_seconds"] / 60, 2), "seconds_per_step": plan["seconds_per_step"],
             "steps": plan["steps"], "rows_trained": plan["rows_trained"], "train_rows": plan["rows"],
