@@ -278,6 +278,40 @@ class LoraSettings(Section):
     modules_to_save: list[str] | None = None
     """Modules trained in full and saved with the adapter (e.g. [lm_head]); null = none. Costly for
     Gemma's 262k-entry embedding tables."""
+    layers: list[int] | int | None = None
+    """Decoder layers that get adapters (PEFT's `layers_to_transform`, Axolotl's `peft_layers_to_transform`):
+    null = every layer; a list of layer indices, counted from 0 = the layer nearest the embeddings (e.g. [12, 13,
+    14]); or a count, as LLaMA-Factory's `freeze_trainable_layers` counts: N = the last N layers (the top ones,
+    nearest the output), -N = the first N (the bottom ones, nearest the embeddings). Checked against the model's
+    decoder layers (`num_hidden_layers`; the text model's for multimodal Gemma 3n / Gemma 4) before any weights
+    load. Frozen layers below the lowest adapted one get no backward pass, so adapting only the top layers makes
+    a training step cheaper. A classification head (task classify_head) is trained in full either way."""
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _layer_indices_or_count(cls, value: Any) -> Any:
+        """The model-free checks; the ones against the model's layer count are emotune.lora.resolve_layers'."""
+        fix = "give null (every layer), a list of layer indices such as [12, 13, 14], or a count: N = the last N layers, -N = the first N"
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, list)):
+            raise ValueError(f"must be null, a list of layer indices or a count; {fix}")
+        if isinstance(value, int):
+            if value == 0:
+                raise ValueError(f"0 layers would adapt nothing; {fix}")
+            return value
+        if not value:
+            raise ValueError(f"an empty list would adapt nothing; {fix}")
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+            raise ValueError(f"every entry must be a layer index (a whole number); {fix}")
+        if any(i < 0 for i in value):
+            raise ValueError("layer indices count from 0 (the layer nearest the embeddings); for the last N layers give "
+                             "the count N instead of a list, e.g. lora.layers=4")
+        repeated = sorted({i for i in value if value.count(i) > 1})
+        if repeated:
+            which = f"layers {', '.join(map(str, repeated))} are" if len(repeated) > 1 else f"layer {repeated[0]} is"
+            raise ValueError(f"{which} listed more than once; list each layer once")
+        return sorted(value)
 
 
 class TrainConfig(Section):

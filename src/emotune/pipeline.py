@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import set_seed
+from transformers import AutoConfig, set_seed
 
 from emotune import device as device_mod
 from emotune.artifacts import is_adapter
 from emotune.batches import describe_shared_prefix, share_prefix
 from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
+from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
 from emotune.models import (Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir,
                             weights_dtype)
@@ -61,6 +62,8 @@ class Context:
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
             check_attention(self.cfg.model, model_dir, self.device,
                             weights_dtype(self.cfg.model, self.device, self.cfg.train.precision))
+            if self.cfg.lora.layers is not None:  # against the model's layer count, from config.json alone
+                check_layers(self.cfg.lora, AutoConfig.from_pretrained(model_dir))
 
     def open(self) -> None:
         """Claim the run folder (resume, refuse, or move an old run aside) and start run.json."""

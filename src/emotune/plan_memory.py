@@ -275,7 +275,10 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = False
-    adapted = get_peft_model(model, lora_config(lora, model), autocast_adapter_dtype=True)
+    # The probe keeps one layer of each kind, so lora.layers' indices mean nothing here: every probe layer is adapted,
+    # which bounds what a frozen layer below the adapters keeps for backward (nothing) from above.
+    adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None}), model),
+                             autocast_adapter_dtype=True)
     layers = _decoder_layers(model, len(kinds))
     owned = {StorageWeakRef(t.untyped_storage()) for t in [*adapted.parameters(), *adapted.buffers()]}
     saved: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
