@@ -41,6 +41,7 @@ from emotune import checkpoints as ckpt
 from emotune.batches import Example, forward_passes, truncated
 from emotune.config import TrainConfig
 from emotune.errors import UserError, first_line
+from emotune.lora import checkpoint_activations
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
 MAX_ROWS_LOST = 0.01  # the share of training rows a shorter max_length may leave without any loss token
@@ -254,7 +255,7 @@ def apply(limits: MemoryLimits, model: torch.nn.Module, optimizer: torch.optim.O
     """Bring the model in line with `limits` (after a change, or on resume) and return the training rows as
     they are trained now. Forward-pass sizes need nothing here: the loop reads them from `limits`."""
     if limits.gradient_checkpointing and not model.is_activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     if limits.attention_only:
         _freeze_outside_attention(model, optimizer)
     return [truncated(r, limits.max_length) for r in rows] if limits.max_length else rows

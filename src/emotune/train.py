@@ -35,7 +35,7 @@ from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, compl
 from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
-from emotune.lora import attach_lora
+from emotune.lora import attach_lora, checkpoint_activations
 from emotune.parallel import (any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare,
                              refuse_tied_modules_to_save)
 from emotune.train_plan import (Plan, announce, best_word, calibration, describe_plan, fit_budget, global_batch, make_plan,
@@ -117,7 +117,7 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
         refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
     adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
     if t.gradient_checkpointing:
-        adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(adapted)  # the frozen layers below the adapters stay out of the backward pass
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
     autocast, scaler = _mixed_precision(precision, adapted)
     optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
