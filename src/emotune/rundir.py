@@ -238,12 +238,16 @@ def _other_data(run: RunDir, fingerprint: str | None) -> bool:
 # (e.g. FSDP under torchrun with train.fsdp=true, resumed by `accelerate launch --use_fsdp`; a run begun before
 # train.shared_prefix or train.telemetry_interval existed, or with them changed).
 NOT_COMPARED = ("overwrite:", "  fsdp:", "  shared_prefix:", "  telemetry_interval:")
+# Keys compared like any other, except at a default that computes what the config meant before the key existed: a
+# run begun before lora.layers resumes with it null (every layer), and not with any other value.
+SAME_AS_ABSENT = ("  layers: null",)
 
 
 def _comparable(config_yaml: str | None) -> str | None:
     if config_yaml is None:
         return None
-    return "\n".join(line for line in config_yaml.splitlines() if not line.startswith(NOT_COMPARED))
+    return "\n".join(line for line in config_yaml.splitlines()
+                     if not line.startswith(NOT_COMPARED) and line not in SAME_AS_ABSENT)
 
 
 class RunLog:
