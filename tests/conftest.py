@@ -154,13 +154,14 @@ def tiny_overrides(tiny_model_dir, data_dir, tmp_path) -> list[str]:
 
 
 def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4, task: str = "classify",
-                       overrides: tuple[str, ...] = (), **lora_kwargs) -> Path:
+                       overrides: tuple[str, ...] = (), layers: list[int] | None = None, **lora_kwargs) -> Path:
     """A run-like folder (config.yaml + adapter/ with emotune.json) holding a random, non-zero LoRA adapter;
     emotune.json is `task`'s own adapter_meta for a config with `overrides` (e.g. prompt.system_prompt=...).
 
     `init_lora_weights=False` gives B != 0, so the adapter really changes the logits (a fresh LoRA is a no-op).
     `task=classify_head`: the adapter of emotune's classifier (emotune.head), with LoRA on its language model and
     a head whose weights are large enough that the logits spread over several units.
+    `layers`: LoRA on those decoder layers only, attached as training attaches it (emotune.lora.lora_config).
     """
     import torch
     from peft import LoraConfig, get_peft_model
@@ -174,12 +175,20 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if task == "classify_head":
-        model = _random_head_adapter(base, r, seed, **lora_kwargs)
+        model = _random_head_adapter(base, r, seed, layers, **lora_kwargs)
+    elif layers is not None:
+        from emotune.config import LoraSettings
+        from emotune.lora import lora_config
+
+        lora = lora_config(LoraSettings(r=r, alpha=2 * r, layers=layers), base)
+        lora.init_lora_weights = False
+        model = get_peft_model(base, lora)
     else:
         lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False,
                           task_type="CAUSAL_LM", **lora_kwargs)
         model = get_peft_model(base, lora)
-    cfg = load_config(None, [*([f"task={task}"] if task != "classify" else []), f"model.source={model_dir}", *overrides])
+    cfg = load_config(None, [*([f"task={task}"] if task != "classify" else []), f"model.source={model_dir}", *overrides,
+                             *([f"lora.layers={layers}"] if layers is not None else [])])
     run = RunDir(run_dir)
     # the product's own writer and metadata, so these tests fail if the adapter format changes
     write_adapter(model, AutoTokenizer.from_pretrained(model_dir), run.adapter,
@@ -188,7 +197,7 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     return run_dir
 
 
-def _random_head_adapter(base, r: int, seed: int, **lora_kwargs):
+def _random_head_adapter(base, r: int, seed: int, layers: list[int] | None = None, **lora_kwargs):
     """The classifier over `base` with random LoRA (as training attaches it) and a random head of std 1.
 
     The LoRA B matrices are scaled to entries below 0.05 (about twice the base weights' std; PEFT's uninitialised
@@ -203,7 +212,8 @@ def _random_head_adapter(base, r: int, seed: int, **lora_kwargs):
 
     classifier = classifier_from_causal(base, LABELS, seed)
     objective = head_objective("macro_f1", len(LABELS))
-    lora = lora_config(LoraSettings(r=r, alpha=2 * r), classifier, objective.lora_task_type, objective.modules_to_save)
+    lora = lora_config(LoraSettings(r=r, alpha=2 * r, layers=layers), classifier, objective.lora_task_type,
+                       objective.modules_to_save)
     lora.init_lora_weights = False
     for key, value in lora_kwargs.items():
         setattr(lora, key, value)
