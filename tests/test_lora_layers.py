@@ -241,3 +241,25 @@ def test_merged_export_of_a_top_layer_adapter(task, tiny_model_dir, tmp_path):
     assert torch.equal(body[q.format(0)], base_body[q.format(0)])
     assert not torch.equal(body[q.format(1)], base_body[q.format(1)])
     assert merge_parity_gap(run, ["i am so happy today", "my friend was furious"], merged_dir=out / "merged") < 1e-4
+
+
+@pytest.mark.slow  # three training commands
+@pytest.mark.parametrize("task", ["classify", "sft", "classify_head"])
+def test_training_adapts_the_chosen_layers_in_every_task(task, tiny_overrides, tmp_path, capsys):
+    """`emotune train` with lora.layers=1 (the last layer) and gradient checkpointing on: the adapter holds layer 1's
+    LoRA only (and a head task's `score` in full), and the start says which layers are adapted."""
+    from safetensors.torch import load_file
+
+    from conftest import write_jsonl
+    from emotune.cli import main
+    from test_sft import _sft_rows
+
+    overrides = [*tiny_overrides, "lora.layers=1", "train.gradient_checkpointing=true", f"task={task}"]
+    if task == "sft":
+        write_jsonl(tmp_path / "sft.jsonl", _sft_rows(40, seed=1))
+        overrides = [o for o in overrides if not o.startswith(("data.", "eval."))] + [f"data.source={tmp_path / 'sft.jsonl'}"]
+    assert main(["train", *overrides]) == 0, capsys.readouterr().err
+    assert "on decoder layers 1 of 0-1" in capsys.readouterr().out
+    weights = load_file(tmp_path / "runs" / "tiny" / "adapter" / "adapter_model.safetensors")
+    assert _layers_of([k for k in weights if "lora_" in k]) == {1}
+    assert any(k.endswith("score.weight") for k in weights) == (task == "classify_head")
