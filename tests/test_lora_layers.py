@@ -181,6 +181,19 @@ def test_run_refuses_a_layer_past_the_model_before_loading_weights(tiny_override
     assert not (tmp_path / "runs" / "tiny").exists()
 
 
+def test_plan_counts_the_adapters_of_the_chosen_layers_and_refuses_missing_ones(tiny_model_dir):
+    """`emotune plan` builds the model from its config alone; its memory probe (one layer of each kind) adapts every
+    probe layer, an upper bound."""
+    from emotune.plan import make_plan
+
+    settings = [f"model.source={tiny_model_dir}", "train.precision=fp32", "train.max_length=32", "lora.layers=[1]"]
+    plan = make_plan(load_config(None, settings), "8GB")
+    adapted = attach_lora(_load(tiny_model_dir), LoraSettings(layers=[1]))
+    assert plan.arch.trainable == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    with pytest.raises(UserError, match="lora.layers lists layer 2"):
+        make_plan(load_config(None, [*settings, "lora.layers=[2]"]), "8GB")
+
+
 # --------------------------------------------------------------------------------------------------
 # Resume and export
 
