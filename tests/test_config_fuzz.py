@@ -85,8 +85,9 @@ def _check(key: str, text: str) -> None:
     assert math.isfinite(value), f"{key}={text}: a non-finite value was accepted"
     got = _loaded(cfg, key)
     assert got == value and (not integer or float(got).is_integer()), f"{key}={text}: accepted as {got!r}"
-    if value < 0:
-        assert f"{int(value)} =" in doc or f"{int(value)} to" in doc, f"{key}={text}: negative value accepted undocumented"
+    if value < 0:  # documented as itself (`-1 = ...`), or as a family (lora.layers' `-N = the first N`)
+        assert f"{int(value)} =" in doc or f"{int(value)} to" in doc or "-N =" in doc, \
+            f"{key}={text}: negative value accepted undocumented"
 
 
 def _loaded(cfg, key: str):

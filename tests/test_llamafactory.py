@@ -111,7 +111,7 @@ def test_a_lora_sft_file_translates_to_the_expected_config(lf_yaml, lf_folder, t
     assert cfg.data.datasets == ["emotion_alpaca", "emotion_chat"] and cfg.data.eval_datasets is None
     assert (cfg.data.max_samples, cfg.train.max_length) == (40, 128)
     assert cfg.lora.model_dump() == {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
-                                     "use_rslora": False, "use_dora": False, "modules_to_save": None}
+                                     "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers": None}
     train = cfg.train
     assert (train.batch_size, train.gradient_accumulation_steps, train.learning_rate) == (4, 1, 0.01)
     assert (train.max_steps, train.num_train_epochs, train.lr_scheduler_type) == (2, 3.0, "cosine")

@@ -145,7 +145,8 @@ def test_transformers_checkpointing_alone_would_run_backward_through_the_frozen_
 
 @pytest.mark.parametrize("value, message", [
     ("[]", "empty list"), ("0", "0 layers"), ("[1, 1, 2]", "layer 1 is listed more than once"),
-    ("[-1]", "count from 0"), ("true", "must be null"), ("1.5", "must be null"), ("[a]", "whole number"),
+    ("[-1]", "count from 0"), ("true", "true/false is not a number"), ("1.5", "an integer in [-1000, 1000], not 0"),
+    ("[a]", "whole number"), ("-1001", "an integer in [-1000, 1000]"),
 ])
 def test_config_values_that_can_never_be_right(value, message):
     with pytest.raises(UserError, match="lora.layers") as err:

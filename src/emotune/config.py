@@ -259,6 +259,11 @@ class PromptConfig(Section):
         return value
 
 
+# lora.layers as a count: any model's layers fit these bounds; the model's own count is checked before weights load.
+LAYER_COUNT = Range(-1000, 1000, also="not 0 (N = the last N layers, -N = the first N), or a list of layer indices, or "
+                    "null for every layer")
+
+
 class LoraSettings(Section):
     r: Annotated[int, Range(1)] = 16
     """LoRA rank."""
@@ -278,7 +283,7 @@ class LoraSettings(Section):
     modules_to_save: list[str] | None = None
     """Modules trained in full and saved with the adapter (e.g. [lm_head]); null = none. Costly for
     Gemma's 262k-entry embedding tables."""
-    layers: list[int] | int | None = None
+    layers: Annotated[list[int] | int | None, LAYER_COUNT] = None
     """Decoder layers that get adapters (PEFT's `layers_to_transform`, Axolotl's `peft_layers_to_transform`):
     null = every layer; a list of layer indices, counted from 0 = the layer nearest the embeddings (e.g. [12, 13,
     14]); or a count, as LLaMA-Factory's `freeze_trainable_layers` counts: N = the last N layers (the top ones,
@@ -290,20 +295,17 @@ class LoraSettings(Section):
     @field_validator("layers", mode="before")
     @classmethod
     def _layer_indices_or_count(cls, value: Any) -> Any:
-        """The model-free checks; the ones against the model's layer count are emotune.lora.resolve_layers'."""
-        fix = "give null (every layer), a list of layer indices such as [12, 13, 14], or a count: N = the last N layers, -N = the first N"
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, list)):
-            raise ValueError(f"must be null, a list of layer indices or a count; {fix}")
-        if isinstance(value, int):
-            if value == 0:
-                raise ValueError(f"0 layers would adapt nothing; {fix}")
+        """A list's checks, and a count's 0 (the Range's bounds and types are `Section`'s); the checks against the
+        model's own layer count are emotune.lora.resolve_layers'."""
+        if not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
+            raise ValueError(f"must be {LAYER_COUNT.describe(integer=True)}; 0 layers would adapt nothing")
+        if not isinstance(value, list):
             return value
         if not value:
-            raise ValueError(f"an empty list would adapt nothing; {fix}")
+            raise ValueError("an empty list would adapt nothing; list the layer indices (e.g. [12, 13, 14]), give a "
+                             "count (N = the last N layers, -N = the first N), or null for every layer")
         if any(isinstance(i, bool) or not isinstance(i, int) for i in value):
-            raise ValueError(f"every entry must be a layer index (a whole number); {fix}")
+            raise ValueError("every entry must be a layer index (a whole number from 0, the layer nearest the embeddings)")
         if any(i < 0 for i in value):
             raise ValueError("layer indices count from 0 (the layer nearest the embeddings); for the last N layers give "
                              "the count N instead of a list, e.g. lora.layers=4")
