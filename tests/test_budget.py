@@ -1,10 +1,12 @@
 """Training by time budget (train.time_budget): the planner's arithmetic, the speed measurement with an injected
 clock, tiny runs whose budget fits exactly two steps or whose epochs end first (with the update of an unmeasured
-run), a budget too short for one step, and a resumed run that keeps its plan instead of measuring again."""
+run), a budget too short for one step, a resumed run that keeps its plan instead of measuring again, and the
+re-plan at the real steps' pace (its arithmetic, and a run whose measured speed was far too slow)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from emotune.batches import epoch_batches, forward_passes
 from emotune.cli import main
 from emotune.config import TrainConfig
 from emotune.train_plan import (CALIBRATION_STEPS, PLAN_FILE, Calibration, Speed, expected_seconds, make_plan,
-                                steps_within, validations)
+                                replan, replan_step, steps_within, validations)
 
 
 def test_validations_are_every_eval_steps_and_after_the_last_step():
@@ -173,3 +175,66 @@ def test_a_resumed_run_keeps_its_plan(tiny_overrides, tmp_path, monkeypatch, cap
     assert (run_dir / "checkpoints" / PLAN_FILE).read_text() == saved
     assert max(e["step"] for e in json.loads((run_dir / "train" / "log_history.json").read_text())) == 4
     assert json.loads((run_dir / "run.json").read_text())["stages"]["train"]["plan"]["steps"] == 4
+
+
+class OneProcess:
+    num_processes, is_main_process = 1, True
+
+
+def test_the_replan_spends_what_is_left_of_the_budget_at_the_steps_own_pace(tmp_path):
+    t = TrainConfig(batch_size=4, gradient_accumulation_steps=1, time_budget="300s", eval_steps=50, num_train_epochs=100)
+    plan = replace(make_plan(t, 400, 1), steps=100, speed=Speed(per_step=2.0, per_validation=10.0, calibration=5.0))
+    assert replan_step(plan) == 10 and replan_step(replace(plan, steps=10)) == 0  # no re-plan at the last step
+    assert replan_step(replace(plan, steps=400)) == 40 and replan_step(replace(plan, speed=None)) == 0
+
+    # 10 steps took 10 s (1 s each, half the measured 2 s) and 15 s of the 300 s are gone: the rest, 285 s, holds
+    # steps 11..245 with validations at 50, 100, 150, 200 and after 245 (5 x 10 s): 235 + 50 = 285
+    faster = replan(plan, t, 400, done=10, step_seconds=10.0, validation_seconds=[], elapsed=15.0, warmup=5,
+                    folder=tmp_path, accelerator=OneProcess())
+    assert faster.steps == 245
+    assert faster.speed == Speed(per_step=1.0, per_validation=10.0, calibration=5.0)
+    assert faster.replanned == {"at_step": 10, "steps_before": 100, "warmup_steps": 5, "seconds_per_step_before": 2.0,
+                                "elapsed_seconds": 15.0}
+    saved = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert saved["steps"] == 245 and saved["replanned"] == faster.replanned and saved["speed"]["per_step"] == 1.0
+
+    # slower than measured (4 s a step, one validation of 20 s already made): fewer steps than planned
+    slower = replan(plan, t, 400, done=10, step_seconds=40.0, validation_seconds=[20.0], elapsed=65.0, warmup=5,
+                    folder=tmp_path, accelerator=OneProcess())
+    # 235 s left: (N - 10) x 4 + (N // 50 + (N % 50 > 0)) x 20 <= 235 holds for N = 58 (192 + 40), not 59 (196 + 40)
+    assert slower.steps == 58 and slower.speed.per_validation == 20.0
+    # the budget is already spent: one more step, so the run ends with its last validation
+    assert replan(plan, t, 400, 10, 40.0, [], 400.0, 5, tmp_path, OneProcess()).steps == 11
+    # the epochs' count stays the most: 400 rows / 4 = 100 steps an epoch, 1 epoch here
+    one_epoch = t.model_copy(update={"num_train_epochs": 1})
+    assert replan(plan, one_epoch, 400, 10, 1.0, [], 6.0, 5, tmp_path, OneProcess()).steps == 100
+
+
+def test_a_run_measured_too_slow_is_planned_again_and_its_schedule_ends_at_its_new_last_step(
+        tiny_overrides, tmp_path, monkeypatch, capsys):
+    """Measured at 1 s a step, a 20 s budget plans 20 steps; the real steps take milliseconds, so after 10 the plan is
+    made again and takes every step the epochs allow (27); the linear schedule reaches 0 at step 27, not 20."""
+    monkeypatch.setattr(Calibration, "measure", _measured_as(Speed(per_step=1.0, per_validation=0.0, calibration=0.0),
+                                                            []))
+    assert main(["train", *tiny_overrides, "train.max_steps=-1", "train.time_budget=20s", "train.num_train_epochs=3",
+                 "train.eval_steps=100", "train.save_steps=100", "train.warmup_ratio=0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "Time budget 20s: 20 optimizer steps" in out
+    assert "Time budget 20s, planned again after 10 steps at their own pace" in out
+    assert "; measured before training: 1.00): 20 -> 27 optimizer steps" in out
+    assert "train.num_train_epochs=3 ends it before the budget" in out
+    run_dir = tmp_path / "runs" / "tiny"
+    plan = json.loads((run_dir / "checkpoints" / PLAN_FILE).read_text())
+    assert plan["steps"] == 27 and plan["limited_by"] == "num_train_epochs"
+    assert plan["replanned"] == {"at_step": 10, "steps_before": 20, "warmup_steps": 2, "seconds_per_step_before": 1.0,
+                                 "elapsed_seconds": plan["replanned"]["elapsed_seconds"]}
+    assert 0 < plan["seconds_per_step"] < 1.0
+    assert json.loads((run_dir / "run.json").read_text())["stages"]["train"]["plan"] == {
+        k: v for k, v in plan.items() if k != "speed"}
+    history = [e for e in json.loads((run_dir / "train" / "log_history.json").read_text()) if "loss" in e]
+    assert [e["step"] for e in history] == list(range(1, 28))
+    rates = {e["step"]: e["learning_rate"] for e in history}
+    assert rates[1] == pytest.approx(0.005) and rates[2] == pytest.approx(0.01)  # the 2 warm-up steps, kept
+    # linear decay from 0.01 at step 2 to 0 at step 27: before the re-plan towards step 20, after it towards 27
+    assert rates[10] == pytest.approx(0.01 * (20 - 10) / (20 - 2))
+    assert rates[11] == pytest.approx(0.01 * (27 - 11) / (27 - 2)) and rates[27] == 0.0

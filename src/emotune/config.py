@@ -325,8 +325,9 @@ class TrainConfig(Section):
     """Train for about this long, e.g. `20m`, `1h30m`, `900s` (hours, minutes and seconds, in that order); null =
     off. Before the first step the speed is measured on this model and these rows (a few steps' forward and
     backward passes, whose gradients are discarded, and a validation of a few rows), and the number of optimizer
-    steps is set to what fits: steps plus the validations they make, measuring included. `num_train_epochs`
-    stays an upper bound, whichever ends first. The plan is printed, saved in `checkpoints/plan.json` and
+    steps is set to what fits: steps plus the validations they make, measuring included. After a tenth of the
+    steps the plan is made once more at the pace those steps kept (the schedule rebuilt for the new last step).
+    `num_train_epochs` stays an upper bound, whichever ends first. The plan is printed, saved in `checkpoints/plan.json` and
     run.json, and a resumed run keeps it. Set `max_steps` to -1 with it (a step count and a budget are refused
     together)."""
     batch_size: Annotated[int, Range(1)] = 4

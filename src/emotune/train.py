@@ -16,9 +16,11 @@ batch B x N and N processes with batch B compute the same gradient.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from time import perf_counter
 from typing import Callable
 
 import torch
@@ -39,6 +41,7 @@ from emotune.lora import attach_lora, checkpoint_activations
 from emotune.parallel import (any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare,
                              refuse_tied_modules_to_save)
 from emotune.train_plan import (Plan, announce, best_word, calibration, describe_plan, fit_budget, global_batch, make_plan,
+                                replan, replan_step, replan_words,
                                 pass_token_cap)
 from emotune.rundir import RunDir, remove_partial_writes
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
@@ -75,6 +78,7 @@ class Session:
     autocast: object
     upcast: dict[str, torch.dtype]  # FSDP: trainable weights upcast to fp32, saved in their own dtype
     objective: Objective  # the task's loss and the rule that picks the kept adapter
+    warmup: int = 0  # the schedule's warm-up steps
 
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows: list[Example], val_rows: list[Example],
@@ -96,7 +100,12 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
     recovery = _recovery(s, progress, train_rows, cfg.train, record, fault)
     log = TrainLog(run.train / "log_history.jsonl", progress.log_history, s.accelerator, cfg.train.report_to,
                    cfg.model_dump(mode="json"))
-    best = _loop(s, progress, best, log, recovery, val_rows, tokenizer.pad_token_id, cfg, precision, run.checkpoints)
+    def replanned(plan: Plan) -> None:
+        if record is not None:
+            record("plan", describe_plan(plan, cfg.train, len(train_rows)))
+
+    best = _loop(s, progress, best, log, recovery, val_rows, tokenizer.pad_token_id, cfg, precision, run.checkpoints,
+                 replanned)
     _finish(s, progress, best, tokenizer, run, adapter_meta, cfg.train)
     log.close()
     s.accelerator.wait_for_everyone()
@@ -127,10 +136,11 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
                               lambda some: validate(wrapped, some, _val_batch_size(cfg), pad_id, accelerator, autocast,
                                                     objective), _val_batch_size(cfg))
         plan = fit_budget(plan, t, len(rows), cfg.seed, run.checkpoints, measure, accelerator)
-    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps)  # steps win over the ratio, as in transformers
+    # steps win over the ratio, as in transformers; a re-planned run keeps the warm-up it started with
+    warmup = (plan.replanned["warmup_steps"] if plan.replanned else t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps))
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
     return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast,
-                   objective)
+                   objective, warmup)
 
 
 def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: TrainConfig, record, fault) -> oom.Recovery:
@@ -148,13 +158,16 @@ def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: Trai
 
 
 def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Recovery, val_rows: list[Example],
-          pad_id: int, cfg: RunConfig, precision: Precision, folder: Path):
+          pad_id: int, cfg: RunConfig, precision: Precision, folder: Path, replanned: Callable[[Plan], None]):
     """Optimizer steps until the plan's last (or early stopping); returns the best weights seen (None without
-    validation). Validation, logging and checkpoints follow their step counts."""
+    validation). Validation, logging and checkpoints follow their step counts. A time-budget plan is made again
+    once, early, at the pace the steps keep (emotune.train_plan.replan); a resumed run keeps the plan it had."""
     t, plan, main = cfg.train, s.plan, s.accelerator.is_main_process
     bar = tqdm(total=plan.steps, initial=progress.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
     window = Window()
     s.wrapped.train()
+    replan_at = replan_step(plan) if progress.step == 0 else 0
+    started, validation_seconds = perf_counter(), []
     while progress.step < plan.steps:
         globals_ = [global_batch(plan, t, recovery.encoded, cfg.seed, k)
                     for k in range(progress.step * plan.micro_per_step, (progress.step + 1) * plan.micro_per_step)]
@@ -175,7 +188,9 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
             window = Window()
         stop = False
         if val_rows and (progress.step % t.eval_steps == 0 or progress.step == plan.steps):
+            began = perf_counter()
             best, stop = _validate_and_track(s, progress, best, log, val_rows, pad_id, cfg, bar)
+            validation_seconds.append(perf_counter() - began)
         # No checkpoint inside a run of non-finite steps: the last one written stays the last good one.
         if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop and not progress.nonfinite_in_a_row:
             _save(folder, progress, s.adapted, s.optimizer, s.scheduler, s.scaler, best, s.accelerator, t.save_total_limit)
@@ -183,8 +198,29 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
             print(f"Early stopping at step {progress.step}: no better {s.objective.select} in "
                   f"{t.early_stopping_patience} validations.", flush=True)
             break
+        if progress.step == replan_at:
+            took = perf_counter() - started
+            plan = s.plan = replan(plan, t, len(recovery.rows), progress.step, took - sum(validation_seconds),
+                                   validation_seconds, plan.speed.calibration + took, s.warmup, folder, s.accelerator)
+            s.scheduler = _schedule(s.optimizer, t, s.warmup, plan.steps, progress.step)
+            bar.total = plan.steps
+            bar.refresh()
+            if main:
+                bar.write(replan_words(plan, t, len(recovery.rows)))
+            replanned(plan)
     bar.close()
     return best
+
+
+def _schedule(optimizer: torch.optim.Optimizer, t: TrainConfig, warmup: int, steps: int, done: int):
+    """The learning-rate schedule of a run of `steps` steps, `done` of them taken: what the scheduler built for
+    that many steps at the start would say now (its base rates are the optimizer groups' `initial_lr`)."""
+    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=steps)
+    with warnings.catch_warnings():  # stepping it without optimizer steps is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(done):
+            scheduler.step()
+    return scheduler
 
 
 def _validate_and_track(s: Session, progress: Progress, best, log: TrainLog, val_rows: list[Example], pad_id: int,

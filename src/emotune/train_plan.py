@@ -10,6 +10,12 @@ alone may all be short or long ones); `steps_within` then finds the most steps w
 validations they make and the measuring itself, fits the budget. The plan is written to
 `checkpoints/plan.json`, and a resumed run reads it back instead of measuring again: its schedule, and
 the data order after the checkpoint, depend on that step count.
+
+A few timed steps are not the run's pace: they meet every batch shape for the first time (oneDNN and
+allocator caches are cold for each), and on two CPU cores they came out 12 % (bf16) to 37 % (fp32) slower
+than the steps that followed (bench/quality.py). So the plan is made once more, early: after `REPLAN_AT` of its steps
+(at least `REPLAN_MIN_STEPS`), `replan` spends what is left of the budget at the pace the real steps kept,
+and the learning-rate schedule is rebuilt for the new last step (its warm-up steps unchanged).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ CALIBRATION_STEPS = 3
 """Steps whose passes are timed before training; the first warms up (kernel selection, allocator growth) and
 is not counted."""
 PLAN_FILE = "plan.json"
+REPLAN_AT = 0.1
+"""The share of a time-budget plan's steps after which it is made again at the real steps' pace."""
+REPLAN_MIN_STEPS = 10
+"""No re-plan before this many steps (fewer are too few to time), nor in a plan of no more steps."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,9 @@ class Plan:
     batches_per_epoch: int
     world_size: int
     speed: Speed | None = None
-    """What calibration measured, for a plan made by `train.time_budget`."""
+    """What calibration measured, for a plan made by `train.time_budget` (after a re-plan: the real steps' pace)."""
+    replanned: dict | None = None
+    """After a re-plan: the step it was made at, and the steps and seconds per step it replaced."""
 
 
 def make_plan(t: TrainConfig, rows: int, world_size: int) -> Plan:
@@ -234,7 +246,7 @@ def fit_budget(plan: Plan, t: TrainConfig, rows: int, seed: int, folder: Path, m
     now, or read back from `folder/plan.json` when this run started before, so a resumed run keeps its plan."""
     saved = _saved_plan(folder)
     if saved is not None:
-        plan = replace(plan, steps=saved["steps"], speed=Speed(**saved["speed"]))
+        plan = replace(plan, steps=saved["steps"], speed=Speed(**saved["speed"]), replanned=saved.get("replanned"))
         if accelerator.is_main_process:
             print(f"Time budget {t.time_budget}: the plan made when this run started is kept ({folder / PLAN_FILE}); "
                   + _plan_words(plan, t, rows), flush=True)
@@ -254,6 +266,51 @@ def fit_budget(plan: Plan, t: TrainConfig, rows: int, seed: int, folder: Path, m
         write_json(folder / PLAN_FILE, {**describe_plan(plan, t, rows), "speed": asdict(speed)})
         print(f"Time budget {t.time_budget}: " + _plan_words(plan, t, rows), flush=True)
     return plan
+
+
+def replan_step(plan: Plan) -> int:
+    """The step after which a time-budget plan is made again; 0 for none (no budget, or too few steps)."""
+    if plan.speed is None or plan.replanned is not None:
+        return 0
+    at = max(REPLAN_MIN_STEPS, math.ceil(REPLAN_AT * plan.steps))
+    return at if at < plan.steps else 0
+
+
+def replan(plan: Plan, t: TrainConfig, rows: int, done: int, step_seconds: float, validation_seconds: list[float],
+           elapsed: float, warmup: int, folder: Path, accelerator) -> Plan:
+    """`plan` with the steps that fit what is left of the budget: `done` steps took `step_seconds` (validations
+    left out; `validation_seconds` lists those made), and `elapsed` seconds of the budget are gone (measuring
+    included). The remaining steps run at the pace of those done, validations at the pace of those made (or as
+    measured, when none was); at least one more step, at most the epochs' count. `warmup`, the schedule's warm-up
+    steps, is kept with it: the rebuilt schedule (and a resumed one) keeps them. Written to plan.json."""
+    per_validation = (sum(validation_seconds) / len(validation_seconds) if validation_seconds
+                      else plan.speed.per_validation)
+    # the slowest process's pace, and its seconds gone (in the `calibration` slot), since every step waits for it
+    pace = _slowest(Speed(step_seconds / done, per_validation, elapsed), accelerator)
+    left, most = duration_seconds(t.time_budget) - pace.calibration, make_plan(t, rows, plan.world_size).steps
+
+    def more(steps: int) -> float:  # seconds from step `done` to step `steps`, with the validations between
+        checks = steps // t.eval_steps - done // t.eval_steps + (steps % t.eval_steps > 0)
+        return (steps - done) * pace.per_step + (checks * pace.per_validation if pace.per_validation else 0.0)
+
+    low, high = done + 1, max(most, done + 1)  # bisect, as steps_within does
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if more(middle) <= left else (low, middle - 1)
+    new = replace(plan, steps=low, speed=Speed(pace.per_step, pace.per_validation, plan.speed.calibration),
+                  replanned={"at_step": done, "steps_before": plan.steps, "warmup_steps": warmup,
+                             "seconds_per_step_before": round(plan.speed.per_step, 4),
+                             "elapsed_seconds": round(pace.calibration, 1)})
+    if accelerator.is_main_process:
+        write_json(folder / PLAN_FILE, {**describe_plan(new, t, rows), "speed": asdict(new.speed)})
+    return new
+
+
+def replan_words(plan: Plan, t: TrainConfig, rows: int) -> str:
+    r = plan.replanned
+    return (f"Time budget {t.time_budget}, planned again after {r['at_step']} steps at their own pace "
+            f"({plan.speed.per_step:.2f} s per step; measured before training: {r['seconds_per_step_before']:.2f}): "
+            f"{r['steps_before']} -> " + _plan_words(plan, t, rows))
 
 
 def _saved_plan(folder: Path) -> dict | None:
@@ -292,6 +349,8 @@ def describe_plan(plan: Plan, t: TrainConfig, rows: int) -> dict:
                    validations=validations(plan.steps, t.eval_steps) if plan.speed.per_validation else 0,
                    calibration_seconds=round(plan.speed.calibration, 2),
                    expected_seconds=round(expected_seconds(plan.steps, plan.speed, t.eval_steps), 1))
+    if plan.replanned is not None:
+        out["replanned"] = plan.replanned
     return out
 
 
