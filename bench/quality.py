@@ -74,7 +74,7 @@ def read_run(run_dir: Path, budget_s: float) -> dict:
     line = {"accuracy": score["accuracy"], "macro_f1": score["macro_f1"], "accuracy_ci": score["accuracy_ci"],
             "macro_f1_ci": score["macro_f1_ci"], "generate": generate,
             "baseline": {"score": score.pop("before"), "generate": generate.pop("before") if generate else None},
-            "test_rows": comparison["rows"], "train_minutes": round(run["stages"]["train"]["seconds"] / 60, 2),
+            "test_rows": comparison["rows"], "train_minutes": round(run["stages"]["train"]["seconds"] / 60, 3),
             "expected_minutes": round(plan["expected_seconds"] / 60, 2), "seconds_per_step": plan["seconds_per_step"],
             "steps": plan["steps"], "rows_trained": plan["rows_trained"], "train_rows": plan["rows"],
             "epochs": plan["epochs"], "limited_by": plan["limited_by"],
