@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-rows", type=int, default=240, help="test rows per evaluation measure")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     parser.add_argument("--dry-run", action="store_true", help="the same measures on the CPU with a tiny model")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override on top of the recipe's, e.g. train.batch_size=16 (repeatable)")
+    parser.add_argument("--oom-cap", type=float, default=1.1, metavar="FACTOR",
+                        help="oom_recovery's memory cap: this times the memory the checkpointed run reserved")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one training micro-batch: the top operators by CPU and GPU time")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.steps, args.eval_rows = min(args.steps, 2), min(args.eval_rows, 8)
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny = ["data.train_limit=16", "data.test_limit=8", "train.gradient_accumulation_steps=1"] if args.dry_run else []
     cfg = load_config(RECIPE, ["data.source=embedded", *tiny, "train.logging_steps=1",
                                f"train.max_steps={args.steps}", "train.max_nonfinite_steps=1000000",
-                               "train.save_steps=1000000", f"device={'cpu' if args.dry_run else 'cuda'}"])
+                               "train.save_steps=1000000", f"device={'cpu' if args.dry_run else 'cuda'}",
+                               *args.overrides])
     precision = choose_precision(device, cfg.train.precision)
     emit(device_line(device, doctor().as_dict()))
 
@@ -96,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     model.set_attn_implementation("eager")
     emit(measure_training(model, tokenizer, rows, cfg, precision, device, "train_eager"))
     model.set_attn_implementation("sdpa")
-    emit(forced_oom(model, tokenizer, rows, cfg, precision, device, sdpa))
+    emit(forced_oom(model, tokenizer, rows, cfg, precision, device, sdpa, args.oom_cap))
+    if args.profile:
+        emit(profile_step(model, tokenizer, rows, cfg, device))
     for method in ("score", "generate"):
         emit(measure_eval(model, tokenizer, data, cfg, device, method, args.eval_rows))
     return 0
@@ -201,17 +210,19 @@ def measure_training(model, tokenizer, rows, cfg, precision, device, name: str, 
             "oom_changes": recorded.get("oom_recovery", {}).get("changes", [])}
 
 
-def forced_oom(model, tokenizer, rows, cfg, precision, device, checkpointed: dict) -> dict:
-    """Training without gradient checkpointing under a memory cap that the checkpointed run fitted in: the first
-    step runs out of memory, and emotune's recovery has to find settings that fit."""
+def forced_oom(model, tokenizer, rows, cfg, precision, device, checkpointed: dict, factor: float = 1.1) -> dict:
+    """Training without gradient checkpointing under a memory cap of `factor` times what the checkpointed run
+    reserved: the first step runs out of memory, and emotune's recovery has to find settings that fit. The
+    headroom above 1.0 is for the allocator's fragmentation after the failed attempts."""
     from emotune.errors import UserError
 
     plain = {"gradient_checkpointing": False, "max_tokens_per_pass": 0, "oom_recovery": "same_update"}
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        limit = checkpointed["peak_reserved_gib"] * GIB
+        limit = factor * checkpointed["peak_reserved_gib"] * GIB
         torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has no index
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
         cap, fault = {"memory_cap_gib": round(limit / GIB, 2), "how": "torch.cuda.set_per_process_memory_fraction"}, None
     else:  # the dry run: a pass of more than two rows "does not fit"
         widest = 2 * max(len(r.input_ids) for r in rows)
@@ -223,9 +234,61 @@ def forced_oom(model, tokenizer, rows, cfg, precision, device, checkpointed: dic
         line = {"measure": "oom_recovery", "finished": False, "error": str(err)}
     finally:
         if device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
             torch.cuda.empty_cache()
     return {**line, **cap, "recovered": line.get("finished", False) and bool(line.get("oom_changes"))}
+
+
+def profile_step(model, tokenizer, rows, cfg, device, top: int = 12) -> dict:
+    """One forward and backward pass of a training micro-batch (the recipe's batch size, gradient checkpointing as
+    configured, LoRA adapters on) under torch.profiler: where the time goes, by operator. A GPU that waits on
+    the host shows it here as CPU time far above GPU time."""
+    from peft import LoraConfig, get_peft_model
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = rows[: cfg.train.batch_size]
+    width = max(len(r.input_ids) for r in batch)
+    ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(batch):
+        ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
+        mask[i, : len(r.input_ids)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    adapted = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules="all-linear"))
+    if cfg.train.gradient_checkpointing:
+        adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    adapted.train()
+
+    def step():
+        loss = adapted(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss
+
+    step()  # warm-up
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    seconds = time.perf_counter() - started
+    if cfg.train.gradient_checkpointing:
+        adapted.gradient_checkpointing_disable()
+    adapted.unload()
+    events = prof.key_averages()
+    gpu_attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {"measure": "profile_step", "rows": len(batch), "width": width, "seconds": round(seconds, 3),
+            "cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1000, 1),
+            "gpu_ms": round(sum(getattr(e, gpu_attr, 0) for e in events) / 1000, 1) if device.type == "cuda" else None,
+            "kernel_launches": sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))),
+            "top_cpu": [{"op": e.key[:60], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 1),
+                         "self_gpu_ms": round(getattr(e, gpu_attr, 0) / 1000, 1)} for e in by_cpu]}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def simulated_oom(max_tokens: int):
