@@ -187,7 +187,10 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
         lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False,
                           task_type="CAUSAL_LM", **lora_kwargs)
         model = get_peft_model(base, lora)
-    cfg = load_config(None, [*([f"task={task}"] if task != "classify" else []), f"model.source={model_dir}", *overrides,
+    # float32 weights, whatever the machine: `auto` is bf16 on CPUs with native bf16, and the tests compare
+    # predictions with fp32 references to 1e-5
+    cfg = load_config(None, [*([f"task={task}"] if task != "classify" else []), f"model.source={model_dir}",
+                             "model.dtype=float32", *overrides,
                              *([f"lora.layers={layers}"] if layers is not None else [])])
     run = RunDir(run_dir)
     # the product's own writer and metadata, so these tests fail if the adapter format changes

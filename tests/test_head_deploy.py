@@ -329,7 +329,7 @@ def test_the_engine_puts_a_head_adapter_on_a_multimodal_base(tmp_path):
     run = write_tiny_adapter(folder, tmp_path / "mm", seed=5, task="classify_head")
     saved = load_file(run / "adapter" / "adapter_model.safetensors")
     assert any(k.startswith("base_model.model.model.layers.") for k in saved)  # the classifier's names
-    engine = Engine(ModelConfig(source=str(folder)), "cpu")
+    engine = Engine(ModelConfig(source=str(folder), dtype="float32"), "cpu")  # as the fp32 reference
     engine.add_adapter(find_artifact(run))
     assert any(".language_model.layers." in name and "lora_A" in name for name, _ in engine.model.named_parameters())
     probs = engine.classify("mm", TEXTS, PromptConfig(), LABELS, batch_size=3)
