@@ -241,28 +241,22 @@ def forced_oom(model, tokenizer, rows, cfg, precision, device, checkpointed: dic
 
 def profile_step(model, tokenizer, rows, cfg, device, top: int = 12) -> dict:
     """One forward and backward pass of a training micro-batch (the recipe's batch size, gradient checkpointing as
-    configured, LoRA adapters on) under torch.profiler: where the time goes, by operator. A GPU that waits on
-    the host shows it here as CPU time far above GPU time."""
-    from peft import LoraConfig, get_peft_model
+    configured, LoRA adapters on), through emotune's own collate and completion loss, under torch.profiler: where
+    the time goes, by operator. A GPU that waits on the host shows it here as CPU time far above GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    batch = rows[: cfg.train.batch_size]
-    width = max(len(r.input_ids) for r in batch)
-    ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(batch):
-        ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
-        mask[i, : len(r.input_ids)] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    adapted = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules="all-linear"))
+    from emotune.batches import collate, completion_loss
+    from emotune.lora import attach_lora, checkpoint_activations
+
+    with contextlib.redirect_stdout(sys.stderr):
+        adapted = attach_lora(model, cfg.lora)
     if cfg.train.gradient_checkpointing:
-        adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(adapted)
     adapted.train()
+    batch = collate(rows[: cfg.train.batch_size], tokenizer.pad_token_id, device)
 
     def step():
-        loss = adapted(input_ids=ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
-        return loss
+        completion_loss(adapted, batch).loss_sum.backward()
 
     step()  # warm-up
     synchronize(device)
@@ -278,8 +272,8 @@ def profile_step(model, tokenizer, rows, cfg, device, top: int = 12) -> dict:
     events = prof.key_averages()
     gpu_attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return {"measure": "profile_step", "rows": len(batch), "width": width, "seconds": round(seconds, 3),
-            "cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1000, 1),
+    return {"measure": "profile_step", "rows": batch["input_ids"].shape[0], "width": batch["input_ids"].shape[1],
+            "seconds": round(seconds, 3), "cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1000, 1),
             "gpu_ms": round(sum(getattr(e, gpu_attr, 0) for e in events) / 1000, 1) if device.type == "cuda" else None,
             "kernel_launches": sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))),
             "top_cpu": [{"op": e.key[:60], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 1),
