@@ -202,7 +202,7 @@ def test_two_step_sft_run(tiny_model_dir, tmp_path):
     assert header == "prompt,reference,output,kind,rouge_l,bleu,exact_match"
     assert json.loads((folder / "run.json").read_text())["status"] == "finished"
     merge = json.loads((folder / "finetuned" / "metrics.json").read_text())["merge"]
-    assert merge["merged"] is True and merge["max_logit_diff"] < 1e-4 and merge["agreement"] == 1.0
+    assert merge["merged"] is True and merge["max_logit_diff"] < 1e-4 and merge["agreement"] == 1.0, merge
 
 
 def test_comparison_with_probe_and_intervals():

@@ -363,6 +363,13 @@ class TrainConfig(Section):
     (classify_head), an attention implementation other than sdpa/eager, or FSDP run whole. The choice is printed and
     recorded in run.json. `off`: always run whole rows. With a shared prefix `max_tokens_per_pass` counts the
     tokens after it."""
+    lean_lora: bool = True
+    """While training, run each plain LoRA linear layer's adapter branch as one autograd function (emotune.lean_lora)
+    instead of PEFT's separate ops: the same values (on a CPU the same dropout masks too), but what a layer keeps for
+    the backward pass is its input as it came, the dropout mask as booleans and the rank-r product, instead of a
+    float32 copy of the dropped input (and, on a CPU, a float32 mask) per layer: about half the activation memory of
+    Gemma 3 270M (docs/training.md). DoRA, quantized base layers, autocast and FSDP run PEFT's forward. `false`:
+    PEFT's forward everywhere."""
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = "adamw_torch"
     """Optimizer (adamw_torch avoids bitsandbytes, which ROCm builds lack)."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"

@@ -192,8 +192,9 @@ def auto_eval_rows(arch: Architecture, ev: Evaluation, free: int) -> int:
 
 
 def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: Workload,
-             attn_implementation: str | None = None) -> Architecture:
-    """The facts of `config` (a transformers config) trained with `lora` and `optim` in weights of `dtype`."""
+             attn_implementation: str | None = None, lean: bool = True) -> Architecture:
+    """The facts of `config` (a transformers config) trained with `lora` and `optim` in weights of `dtype`; `lean`:
+    the LoRA layers run emotune.lean_lora's forward, as training runs them with `train.lean_lora`."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -215,7 +216,7 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     trainable_bytes = sum(p.numel() * p.element_size() for p in trained) + 4 * head
     frozen = sum(p.numel() * p.element_size() for p in adapted.parameters() if not p.requires_grad)
     frozen += sum(b.numel() * b.element_size() for b in adapted.buffers())
-    probe = run_probe(text, lora, dtype, attn_implementation)
+    probe = run_probe(text, lora, dtype, attn_implementation, lean)
     kinds = _layer_kinds(text)
     shared_from = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
     window = getattr(text, "sliding_window", None)
@@ -263,7 +264,8 @@ class Probe:
     kv: dict[str, float]
 
 
-def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation: str | None = None) -> Probe:
+def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation: str | None = None,
+              lean: bool = True) -> Probe:
     """One layer of each kind, measured at `PROBE_LENGTHS` (see the module docstring)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -279,6 +281,10 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     # which bounds what a frozen layer below the adapters keeps for backward (nothing) from above.
     adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None}), model),
                              autocast_adapter_dtype=True)
+    if lean:
+        from emotune import lean_lora
+
+        lean_lora.install(adapted)
     layers = _decoder_layers(model, len(kinds))
     owned = {StorageWeakRef(t.untyped_storage()) for t in [*adapted.parameters(), *adapted.buffers()]}
     saved: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}

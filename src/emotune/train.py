@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from emotune import checkpoints as ckpt
-from emotune import oom
+from emotune import lean_lora, oom
 from emotune.artifacts import write_adapter
 from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.config import RunConfig, TrainConfig
@@ -125,6 +125,8 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     if fsdp:
         refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
     adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
+    if t.lean_lora and not fsdp:  # FSDP's sharded parameters stay with PEFT's own forward
+        lean_lora.install(adapted)
     if t.gradient_checkpointing:
         checkpoint_activations(adapted)  # the frozen layers below the adapters stay out of the backward pass
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
@@ -249,6 +251,7 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
             print(f"Adapter: step {progress.best_step}, the {best_word(s.objective)} {s.objective.select} "
                   f"({progress.best_loss:.4f}).", flush=True)
     adapted.config.use_cache = True  # training turned the KV cache off; generation wants it back
+    lean_lora.restore(adapted)
     if t.gradient_checkpointing or progress.memory["gradient_checkpointing"]:
         adapted.gradient_checkpointing_disable()
     if progress.memory["changes"] and main:
