@@ -14,13 +14,16 @@ all-linear), optimiser (AdamW, lr 3e-4, linear schedule, 5% warmup, clip 1.0), b
       length-grouped batches cut into forward passes of at most 512 padded tokens after that head
       (train.max_tokens_per_pass=auto on CPU), gradient
       checkpointing like the reference (--ours-no-gradient-checkpointing keeps activations instead:
-      faster steps, more memory), and the process settings the `emotune` command applies at start
+      faster steps, more memory), the LoRA branch as one autograd function (train.lean_lora, on by
+      default: PEFT's values, less kept memory), and the process settings the `emotune` command applies at start
       (emotune.cli.process_defaults: a bounded oneDNN kernel cache). --ref-process-defaults gives the
       reference those settings too, to show what they alone are worth.
-Each side runs in its own fresh subprocess, so each peak RSS is its own. Before training each side
-computes the loss of the same first 8 rows (adapters start as a no-op, so this is the base model's
-loss under each side's code; emotune's side through its shared-prefix batch when it trains with one):
-the objectives must agree. After training, the final training loss of
+Each side runs in its own fresh subprocess, so each peak RSS is its own. The objectives must agree: a third
+subprocess loads the model in float32 and computes the loss of the same first 8 rows under each side's code
+(adapters start as a no-op, so this is the base model's loss; TRL's SFTTrainer.compute_loss, and emotune's
+batch, through its shared prefix when it trains with one, and loss): `identical_batch_rel_diff`. Each
+training side computes the same in the precision it trains in too (`identical_batch_rel_diff_trained_precision`):
+in bf16 the prefix, run apart from the rows, rounds differently from whole rows. After training, the final training loss of
 each side is measured the same way on both: the completion-only loss of the trained model (eval mode)
 over all the training rows, by one function (emotune.batches.completion_loss, which the identical-batch
 check shows equals TRL's loss). The last-quarter mean of the logged step losses is printed too; it
@@ -61,7 +64,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42, help="the run's seed on both sides (row order, dropout); 42 is the config default")
     parser.add_argument("--ref-process-defaults", action="store_true",
                         help="run the reference with emotune.cli.process_defaults() too")
-    parser.add_argument("--side", choices=["ref", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["ref", "ours", "identical"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
         sys.exit("bench/train_speed.py runs the reference recipe with TRL's SFTTrainer, and TRL is not installed "
@@ -71,20 +74,23 @@ def main() -> None:
         overrides = [f"train.gradient_checkpointing={str(args.side == 'ref' or not args.ours_no_gradient_checkpointing).lower()}",
                      f"train.max_tokens_per_pass={args.ours_max_tokens_per_pass}", f"seed={args.seed}",
                      f"train.shared_prefix={args.ours_shared_prefix}", *([f"model.source={args.model}"] * bool(args.model))]
-        print("RESULT " + json.dumps(run_side(args.side, args.data, args.rows, overrides, defaults)), flush=True)
+        result = (identical_batch(args.data, args.rows, overrides) if args.side == "identical" else
+                  run_side(args.side, args.data, args.rows, overrides, defaults))
+        print("RESULT " + json.dumps(result), flush=True)
         return
     if not args.data.is_file():
         print(json.dumps({"skipped": f"{args.data} not found; this benchmark needs the emotion dataset there"}))
         return
-    results = {side: _subprocess(side, args) for side in ("ref", "ours")}
-    ref, ours = results["ref"], results["ours"]
+    results = {side: _subprocess(side, args) for side in ("ref", "ours", "identical")}
+    ref, ours, fp32 = results["ref"], results["ours"], results["identical"]
     print(json.dumps({
         "ref_tokens_per_s": ref["tokens_per_s"], "ours_tokens_per_s": ours["tokens_per_s"],
         "ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 2),
         "ref_peak_rss_mb": ref["peak_rss_mb"], "ours_peak_rss_mb": ours["peak_rss_mb"],
         "mem_ratio": round(ours["peak_rss_mb"] / ref["peak_rss_mb"], 2),
         "ref_losses": ref["losses"], "ours_losses": ours["losses"],
-        "identical_batch_rel_diff": _rel(ours["losses"]["identical_batch"], ref["losses"]["identical_batch"]),
+        "identical_batch_fp32": fp32, "identical_batch_rel_diff": _rel(fp32["ours"], fp32["ref"]),
+        "identical_batch_rel_diff_trained_precision": _rel(ours["losses"]["identical_batch"], ref["losses"]["identical_batch"]),
         "final_loss_rel_diff": _rel(ours["losses"]["final"], ref["losses"]["final"]),
         "last_quarter_rel_diff": _rel(ours["losses"]["last_quarter"], ref["losses"]["last_quarter"]),
         "rows": args.rows, "tokens": ours["tokens"], "steps": ours["steps"], "precision": ours["precision"],
@@ -117,21 +123,17 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
 # One side, in its own process
 
 
-def run_side(side: str, data_path: Path, rows: int, overrides: list[str], process_defaults: bool) -> dict:
-    if process_defaults:  # as the `emotune` command starts
-        from emotune.cli import process_defaults as emotune_process_defaults
-
-        emotune_process_defaults()
+def _load_side(data_path: Path, rows: int, overrides: list[str], precision_name: str):
+    """The config, rows, model and tokenizer one side trains (or checks) with, the model in `precision_name`."""
     import torch
     from datasets import Dataset, load_dataset
     from transformers import set_seed
 
     from emotune import device as device_mod
-    from emotune.batches import LANGUAGE_MODEL, completion_loss, share_prefix
-    from emotune.tasks.classify import encode_examples
     from emotune.config import load_config
     from emotune.data import LabeledData
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.tasks.classify import encode_examples
 
     cfg = load_config(None, [*LORA, *TRAIN, *overrides, "device=cpu"])
     set_seed(cfg.seed)
@@ -139,11 +141,50 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
     labels = sorted(set(train_rows["label"]), key=train_rows["label"].index)
     empty = Dataset.from_dict({"text": [], "label": []})
     data = LabeledData(splits={"train": train_rows, "validation": empty, "test": empty}, labels=labels, source=str(data_path))
-    precision = device_mod.choose_precision(torch.device("cpu"), "auto")
+    precision = device_mod.choose_precision(torch.device("cpu"), precision_name)
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir, cfg.model)
     model = load_model(model_dir, precision.dtype, torch.device("cpu"))
     examples = encode_examples(train_rows, tokenizer, cfg.prompt, labels, cfg.train.max_length)
+    return cfg, data, precision, model, tokenizer, examples
+
+
+def _ours_first_batch_loss(model, tokenizer, examples, cfg):
+    """emotune's loss of the first 8 rows, through the batch the train stage builds (shared prefix when it is
+    used) and its loss function; returns (loss per completion token, what share_prefix chose)."""
+    import torch
+
+    from emotune.batches import LANGUAGE_MODEL, completion_loss, share_prefix
+
+    objective, shared = share_prefix(LANGUAGE_MODEL, examples, cfg.train.shared_prefix, model)
+    with torch.no_grad():
+        parts = completion_loss(model, objective.collate(examples[:8], tokenizer.pad_token_id, torch.device("cpu")))
+    return float(parts.loss_sum) / parts.tokens, objective, shared
+
+
+def identical_batch(data_path: Path, rows: int, overrides: list[str]) -> dict:
+    """The first 8 rows' loss under each side's code in float32, in one process: TRL's SFTTrainer.compute_loss
+    and emotune's batch and loss. This checks that the objectives are the same; in bf16 the shared prefix, run
+    apart from the rows, is rounded differently from whole rows (other matrix shapes), which is not the objective."""
+    import torch
+
+    cfg, data, precision, model, tokenizer, examples = _load_side(data_path, rows, overrides, "fp32")
+    ours, _, _ = _ours_first_batch_loss(model, tokenizer, examples, cfg)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = _reference_trainer(model, tokenizer, data, cfg, precision, out)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+        trainer.model.eval()
+        with torch.no_grad(), trainer.compute_loss_context_manager():
+            ref = float(trainer.compute_loss(trainer.model, batch))
+    return {"ref": round(ref, 6), "ours": round(ours, 6)}
+
+
+def run_side(side: str, data_path: Path, rows: int, overrides: list[str], process_defaults: bool) -> dict:
+    if process_defaults:  # as the `emotune` command starts
+        from emotune.cli import process_defaults as emotune_process_defaults
+
+        emotune_process_defaults()
+    cfg, data, precision, model, tokenizer, examples = _load_side(data_path, rows, overrides, "auto")
     tokens = sum(len(e.input_ids) for e in examples)
     shared_tokens = 0
 
@@ -152,14 +193,11 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
         from emotune.train import train
 
         # as the pipeline's train stage chooses it; the identical batch goes through the same collate and loss
-        objective, shared = share_prefix(LANGUAGE_MODEL, examples, cfg.train.shared_prefix, model)
+        identical, objective, shared = _ours_first_batch_loss(model, tokenizer, examples, cfg)
         shared_tokens = shared["tokens"] if shared["used"] else 0
-        with torch.no_grad():
-            parts = completion_loss(model, objective.collate(examples[:8], tokenizer.pad_token_id, torch.device("cpu")))
-        identical = float(parts.loss_sum) / parts.tokens
         with tempfile.TemporaryDirectory() as run_dir:
             started = time.perf_counter()
-            trained = train(model, tokenizer, examples, [], cfg, precision, RunDir(run_dir), {"labels": labels},
+            trained = train(model, tokenizer, examples, [], cfg, precision, RunDir(run_dir), {"labels": data.labels},
                             objective)
             seconds = time.perf_counter() - started
             history = json.loads((Path(run_dir) / "train" / "log_history.json").read_text())
@@ -191,26 +229,31 @@ def _loss_over(model, examples, pad_id: int, batch_size: int = 8) -> float:
     return loss_sum / tokens
 
 
-def _reference(model, tokenizer, data, cfg, precision):
+def _reference_trainer(model, tokenizer, data, cfg, precision, out: str):
     """The reference recipe as the foundation ran it: plain TRL SFTTrainer with completion-only loss."""
-    import torch
     from trl import SFTConfig, SFTTrainer
 
     from emotune.data import to_prompt_completion
     from emotune.lora import lora_config
 
     t = cfg.train
+    args = SFTConfig(output_dir=out, num_train_epochs=1, per_device_train_batch_size=t.batch_size,
+                     learning_rate=t.learning_rate, lr_scheduler_type="linear", warmup_steps=t.warmup_ratio,
+                     max_length=t.max_length, completion_only_loss=True, gradient_checkpointing=True,
+                     bf16=precision.name == "bf16", logging_steps=1, save_strategy="no", report_to="none",
+                     seed=cfg.seed, data_seed=cfg.seed, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+                     optim="adamw_torch", max_grad_norm=t.max_grad_norm)
+    tokenizer.padding_side = "right"
+    rows = to_prompt_completion(data.splits["train"], cfg.prompt, data.labels)
+    return SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
+                      peft_config=lora_config(cfg.lora, model))
+
+
+def _reference(model, tokenizer, data, cfg, precision):
+    import torch
+
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(output_dir=out, num_train_epochs=1, per_device_train_batch_size=t.batch_size,
-                         learning_rate=t.learning_rate, lr_scheduler_type="linear", warmup_steps=t.warmup_ratio,
-                         max_length=t.max_length, completion_only_loss=True, gradient_checkpointing=True,
-                         bf16=precision.name == "bf16", logging_steps=1, save_strategy="no", report_to="none",
-                         seed=cfg.seed, data_seed=cfg.seed, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-                         optim="adamw_torch", max_grad_norm=t.max_grad_norm)
-        tokenizer.padding_side = "right"
-        rows = to_prompt_completion(data.splits["train"], cfg.prompt, data.labels)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
-                             peft_config=lora_config(cfg.lora, model))
+        trainer = _reference_trainer(model, tokenizer, data, cfg, precision, out)
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
         trainer.model.eval()  # no dropout: the same deterministic loss as the other side
         with torch.no_grad(), trainer.compute_loss_context_manager():

@@ -218,13 +218,14 @@ def test_training_with_a_shared_prefix_equals_whole_rows(tiny_overrides, tmp_pat
 
 @pytest.mark.slow  # TRL's trainer and emotune's, one step each
 def test_train_speed_bench_runs_tiny_with_the_shared_prefix(tiny_model_dir, data_dir, monkeypatch, capsys):
-    """bench/train_speed.py's two sides on the tiny model, in this process (the script runs each in a subprocess of
-    its own, only to measure its peak memory apart): emotune's side trains with the shared prefix, and its loss of
-    the identical batch (through the shared-prefix batch) is the reference's."""
+    """bench/train_speed.py's sides on the tiny model, in this process (the script runs each in a subprocess of its
+    own, only to measure its peak memory apart): emotune's side trains with the shared prefix, and its loss of the
+    identical batch (through the shared-prefix batch) is the reference's, in the trained precision and in the
+    float32 check."""
     pytest.importorskip("trl")
     bench = runpy.run_path(str(Path(__file__).resolve().parent.parent / "bench" / "train_speed.py"))
     results = {}
-    for side in ("ref", "ours"):
+    for side in ("ref", "ours", "identical"):
         monkeypatch.setattr(sys, "argv", ["train_speed.py", "--side", side, "--model", str(tiny_model_dir),
                                           "--data", str(data_dir / "train.jsonl"), "--rows", "8"])
         bench["main"]()
@@ -233,3 +234,5 @@ def test_train_speed_bench_runs_tiny_with_the_shared_prefix(tiny_model_dir, data
     ref, ours = results["ref"], results["ours"]
     assert ours["shared_prefix_tokens"] >= SHARED_PREFIX_MIN_TOKENS and ours["steps"] == ref["steps"] == 1
     assert bench["_rel"](ours["losses"]["identical_batch"], ref["losses"]["identical_batch"]) < 1e-3
+    fp32 = results["identical"]
+    assert bench["_rel"](fp32["ours"], fp32["ref"]) < 1e-5 and fp32["ours"] > 0
