@@ -370,6 +370,11 @@ class TrainConfig(Section):
     float32 copy of the dropped input (and, on a CPU, a float32 mask) per layer: about half the activation memory of
     Gemma 3 270M (docs/training.md). DoRA, quantized base layers, autocast and FSDP run PEFT's forward. `false`:
     PEFT's forward everywhere."""
+    lean_norm: bool = True
+    """While training, run Gemma's RMSNorm layers as one autograd function (emotune.lean_norm): the same values, but
+    each keeps its input as it came instead of a float32 copy. Only norms whose own forward gives exactly the same
+    output take it (checked when training starts); others, and every other model's norms, run their own forward.
+    `false`: the model's own norms everywhere."""
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = "adamw_torch"
     """Optimizer (adamw_torch avoids bitsandbytes, which ROCm builds lack)."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"

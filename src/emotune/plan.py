@@ -103,7 +103,7 @@ def make_plan(cfg: RunConfig, device_memory: str | None = None) -> Plan:
 def _describe(config, cfg: RunConfig, targets, dtype: torch.dtype, work: Workload) -> Architecture:
     lora = cfg.lora.model_copy(update={"target_modules": targets})
     return describe(config, lora, cfg.train.optim, dtype, work, getattr(cfg.model, "attn_implementation", None),
-                    cfg.train.lean_lora and not cfg.train.fsdp)
+                    (cfg.train.lean_lora and not cfg.train.fsdp, cfg.train.lean_norm and not cfg.train.fsdp))
 
 
 # --------------------------------------------------------------------------------------------------

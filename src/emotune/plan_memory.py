@@ -192,9 +192,10 @@ def auto_eval_rows(arch: Architecture, ev: Evaluation, free: int) -> int:
 
 
 def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: Workload,
-             attn_implementation: str | None = None, lean: bool = True) -> Architecture:
+             attn_implementation: str | None = None, lean: tuple[bool, bool] = (True, True)) -> Architecture:
     """The facts of `config` (a transformers config) trained with `lora` and `optim` in weights of `dtype`; `lean`:
-    the LoRA layers run emotune.lean_lora's forward, as training runs them with `train.lean_lora`."""
+    whether the LoRA layers and Gemma's norms run emotune.lean_lora's and lean_norm's forwards, as training runs
+    them with `train.lean_lora` and `train.lean_norm`."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -265,7 +266,7 @@ class Probe:
 
 
 def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation: str | None = None,
-              lean: bool = True) -> Probe:
+              lean: tuple[bool, bool] = (True, True)) -> Probe:
     """One layer of each kind, measured at `PROBE_LENGTHS` (see the module docstring)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -281,10 +282,12 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     # which bounds what a frozen layer below the adapters keeps for backward (nothing) from above.
     adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None}), model),
                              autocast_adapter_dtype=True)
-    if lean:
-        from emotune import lean_lora
+    from emotune import lean_lora, lean_norm
 
+    if lean[0]:
         lean_lora.install(adapted)
+    if lean[1]:
+        lean_norm.install(adapted)
     layers = _decoder_layers(model, len(kinds))
     owned = {StorageWeakRef(t.untyped_storage()) for t in [*adapted.parameters(), *adapted.buffers()]}
     saved: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from emotune import checkpoints as ckpt
-from emotune import lean_lora, oom
+from emotune import lean_lora, lean_norm, oom
 from emotune.artifacts import write_adapter
 from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.config import RunConfig, TrainConfig
@@ -127,6 +127,8 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
     if t.lean_lora and not fsdp:  # FSDP's sharded parameters stay with PEFT's own forward
         lean_lora.install(adapted)
+    if t.lean_norm and not fsdp:
+        lean_norm.install(adapted)
     if t.gradient_checkpointing:
         checkpoint_activations(adapted)  # the frozen layers below the adapters stay out of the backward pass
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
@@ -252,6 +254,7 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
                   f"({progress.best_loss:.4f}).", flush=True)
     adapted.config.use_cache = True  # training turned the KV cache off; generation wants it back
     lean_lora.restore(adapted)
+    lean_norm.restore(adapted)
     if t.gradient_checkpointing or progress.memory["gradient_checkpointing"]:
         adapted.gradient_checkpointing_disable()
     if progress.memory["changes"] and main:
