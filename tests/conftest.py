@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random Gemma-3-style model with a tokenizer built here, and small data files.
 
-Nothing touches the network: HF_HUB_OFFLINE is set before transformers is imported.
+Nothing touches the network: HF_HUB_OFFLINE is set before transformers is imported, and connections beyond this
+machine (and name lookups) raise NetworkCall in every test process.
 """
 
 from __future__ import annotations
@@ -18,7 +19,48 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per test worker, so that
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+import ipaddress  # noqa: E402
+import socket  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def _local(host) -> bool:
+    if host in (None, "", "localhost") or str(host).endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(str(host).split("%")[0])
+    except ValueError:
+        return False  # a name: resolving it is already a network call
+    return address.is_loopback or address.is_unspecified
+
+
+class NetworkCall(RuntimeError):
+    pass
+
+
+_getaddrinfo, _connect, _connect_ex = socket.getaddrinfo, socket.socket.connect, socket.socket.connect_ex
+
+
+def _guarded_getaddrinfo(host, *args, **kwargs):
+    if not _local(host):
+        raise NetworkCall(f"a test tried to resolve {host!r}: tests run offline, mock the client instead")
+    return _getaddrinfo(host, *args, **kwargs)
+
+
+def _guarded(connect):
+    def guarded(self, address, *args, **kwargs):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
+            raise NetworkCall(f"a test tried to connect to {address!r}: tests run offline, mock the client instead")
+        return connect(self, address, *args, **kwargs)
+    return guarded
+
+
+# Every test process refuses connections beyond this machine (loopback servers, as test_serve's, stay allowed), so
+# a test that reaches for a hub or any other host fails here, naming the host, instead of passing only online.
+socket.getaddrinfo = _guarded_getaddrinfo
+socket.socket.connect = _guarded(_connect)
+socket.socket.connect_ex = _guarded(_connect_ex)
 
 LABELS = ["sadness", "joy", "love", "anger", "fear", "surprise"]
 CUES = {
