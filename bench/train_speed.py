@@ -166,16 +166,10 @@ def identical_batch(data_path: Path, rows: int, overrides: list[str]) -> dict:
     """The first 8 rows' loss under each side's code in float32, in one process: TRL's SFTTrainer.compute_loss
     and emotune's batch and loss. This checks that the objectives are the same; in bf16 the shared prefix, run
     apart from the rows, is rounded differently from whole rows (other matrix shapes), which is not the objective."""
-    import torch
-
     cfg, data, precision, model, tokenizer, examples = _load_side(data_path, rows, overrides, "fp32")
     ours, _, _ = _ours_first_batch_loss(model, tokenizer, examples, cfg)
     with tempfile.TemporaryDirectory() as out:
-        trainer = _reference_trainer(model, tokenizer, data, cfg, precision, out)
-        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
-        trainer.model.eval()
-        with torch.no_grad(), trainer.compute_loss_context_manager():
-            ref = float(trainer.compute_loss(trainer.model, batch))
+        ref = _reference_first_batch_loss(_reference_trainer(model, tokenizer, data, cfg, precision, out))
     return {"ref": round(ref, 6), "ours": round(ours, 6)}
 
 
@@ -249,15 +243,20 @@ def _reference_trainer(model, tokenizer, data, cfg, precision, out: str):
                       peft_config=lora_config(cfg.lora, model))
 
 
-def _reference(model, tokenizer, data, cfg, precision):
+def _reference_first_batch_loss(trainer) -> float:
+    """TRL's loss of the first 8 rows, in eval mode (no dropout: the same deterministic loss as the other side)."""
     import torch
 
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    trainer.model.eval()
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        return float(trainer.compute_loss(trainer.model, batch))
+
+
+def _reference(model, tokenizer, data, cfg, precision):
     with tempfile.TemporaryDirectory() as out:
         trainer = _reference_trainer(model, tokenizer, data, cfg, precision, out)
-        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
-        trainer.model.eval()  # no dropout: the same deterministic loss as the other side
-        with torch.no_grad(), trainer.compute_loss_context_manager():
-            identical = float(trainer.compute_loss(trainer.model, batch))
+        identical = _reference_first_batch_loss(trainer)
         started = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - started

@@ -80,7 +80,7 @@ def _saved_bytes(model) -> int:
 
     ids = torch.randint(1, 64, (4, 32), generator=torch.Generator().manual_seed(1))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids).loss
+        model(input_ids=ids, labels=ids)
     return sum(seen.values())
 
 

@@ -30,6 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from emotune import lean_lora, lean_norm
 from emotune.batches import CHUNK_TOKENS
 from emotune.config import LoraSettings
 from emotune.errors import UserError
@@ -282,8 +283,6 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     # which bounds what a frozen layer below the adapters keeps for backward (nothing) from above.
     adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None}), model),
                              autocast_adapter_dtype=True)
-    from emotune import lean_lora, lean_norm
-
     if lean[0]:
         lean_lora.install(adapted)
     if lean[1]:
