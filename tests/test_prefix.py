@@ -236,3 +236,31 @@ def test_train_speed_bench_runs_tiny_with_the_shared_prefix(tiny_model_dir, data
     assert bench["_rel"](ours["losses"]["identical_batch"], ref["losses"]["identical_batch"]) < 1e-3
     fp32 = results["identical"]
     assert bench["_rel"](fp32["ours"], fp32["ref"]) < 1e-5 and fp32["ours"] > 0
+
+
+@pytest.mark.slow  # four emotune training runs, each in its own subprocess
+def test_prefix_dropout_bench_compares_shared_and_whole_rows_over_seeds(tiny_model_dir, data_dir, monkeypatch, capsys):
+    """bench/prefix_dropout.py on the tiny model: each seed trains with the head shared and with whole rows; the
+    shared runs really share a head, the whole-row runs train the same rows, and the summary's numbers are the
+    runs' own (paired differences, means, spread)."""
+    bench = runpy.run_path(str(Path(__file__).resolve().parent.parent / "bench" / "prefix_dropout.py"))
+    monkeypatch.setattr(sys, "argv", ["prefix_dropout.py", "--seeds", "1", "2", "--rows", "24", "--model", str(tiny_model_dir),
+                                      "--data", str(data_dir / "train.jsonl")])
+    bench["main"]()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    final = result["final_loss"]
+    assert set(final) == {"auto", "off"} and set(final["auto"]) == set(final["off"]) == {"1", "2"}
+    assert min(result["shared_prefix_tokens"]) >= SHARED_PREFIX_MIN_TOKENS and result["steps"] == 3
+    for seed in ("1", "2"):
+        assert result["paired_diff"][seed] == pytest.approx(final["auto"][seed] - final["off"][seed], abs=1e-5)
+    assert result["off_range"] == pytest.approx(abs(final["off"]["1"] - final["off"]["2"]), abs=1e-5)
+    assert result["mean"]["off"] == pytest.approx((final["off"]["1"] + final["off"]["2"]) / 2, abs=1e-5)
+    assert final["off"]["1"] != final["off"]["2"]  # the seed changes the run (the first step's learning rate is 0: warm-up)
+
+
+def test_prefix_dropout_bench_needs_two_seeds(monkeypatch):
+    bench = runpy.run_path(str(Path(__file__).resolve().parent.parent / "bench" / "prefix_dropout.py"))
+    monkeypatch.setattr(sys, "argv", ["prefix_dropout.py", "--seeds", "3"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench["main"]()
+    assert "--seeds" in str(exit_info.value.code)
