@@ -1,7 +1,8 @@
 """Shared fixtures: a tiny random Gemma-3-style model with a tokenizer built here, and small data files.
 
-Nothing touches the network: HF_HUB_OFFLINE is set before transformers is imported, and connections beyond this
-machine (and name lookups) raise NetworkCall in every test process.
+Nothing touches the network: HF_HUB_OFFLINE is set before transformers is imported, connections beyond this
+machine (and name lookups) raise NetworkCall in every test process, and the processes tests start send no DNS
+queries (RES_OPTIONS).
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from types import SimpleNamespace
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No DNS query leaves this machine from the processes tests start either (the socket guard below is only in the test
+# processes): glibc's resolver then tries no name server, and names in /etc/hosts still resolve. torch's c10d store,
+# for one, looks up the name of its peers' loopback address (::ffff:127.0.0.1, which /etc/hosts does not list).
+os.environ["RES_OPTIONS"] = "attempts:0"
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per test worker, so that two workers share two cores evenly
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")

@@ -130,7 +130,8 @@ def test_report_renders_in_headless_chromium(both_run, tmp_path):
     run_dir, _ = both_run
     shot = tmp_path / "report.png"
     common = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-              "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+              "--disable-component-update", "--disable-sync", "--host-resolver-rules=MAP * ~NOTFOUND",
+              f"--user-data-dir={tmp_path / 'profile'}"]  # the resolver rule: no name lookups (Chromium's own services)
     url = (run_dir / "report.html").resolve().as_uri()
     subprocess.run([*common, f"--screenshot={shot}", "--window-size=1280,2000", url], check=True, timeout=120,
                    capture_output=True)

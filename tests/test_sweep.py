@@ -9,6 +9,7 @@ import csv
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -373,6 +374,23 @@ def _sweep_process(args: list[str], kill_when=None) -> tuple[int, str]:
     return result.returncode, out
 
 
+def _ray_stays_on_this_machine(monkeypatch) -> None:
+    """For the Ray instance a test starts, and the drivers it runs (both inherit the environment; the conftest's socket
+    guard is only in this process): no usage statistics, and no HTTP beyond this machine. Ray's API server asks the
+    cloud metadata addresses (169.254.169.254, metadata.google.internal) which cloud it runs on at every start, with
+    `requests`, usage statistics or not; sent through a proxy at a closed loopback port, those requests fail at once
+    on this machine. Ray's own gRPC ignores HTTP proxies, and this machine's addresses are exempt."""
+    import psutil
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    own = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family in (socket.AF_INET, socket.AF_INET6)}
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, ",".join(["localhost", "127.0.0.1", "::1", *sorted(own)]))
+
+
 def _trial_processes(folder: Path) -> list:
     import psutil
 
@@ -384,7 +402,7 @@ def _trial_processes(folder: Path) -> list:
 
 
 @pytest.mark.slow
-def test_sweep_killed_in_trial_3_resumes_on_ray_with_trials_1_and_2_untouched(tiny_overrides, tmp_path):
+def test_sweep_killed_in_trial_3_resumes_on_ray_with_trials_1_and_2_untouched(tiny_overrides, tmp_path, monkeypatch):
     """The issue's acceptance test, and the Ray backend's: a 4-trial grid killed in the middle of trial 3 (its
     training), then re-run with `--backend ray` against a local Ray instance, which finishes trials 3 and 4
     through Ray Tune (one real trial on Ray, not a separate sweep: each trial costs a process start)."""
@@ -406,6 +424,7 @@ def test_sweep_killed_in_trial_3_resumes_on_ray_with_trials_1_and_2_untouched(ti
     assert read_json(folder / "sweep.json")["trials"][2]["status"] == "running"
     kept = {name: snapshot(folder / name) for name in names[:2]}
 
+    _ray_stays_on_this_machine(monkeypatch)
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:  # the re-run is a Ray driver of this instance, as `emotune sweep` is of a cluster's
         address = ray.get_runtime_context().gcs_address
