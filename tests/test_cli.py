@@ -64,3 +64,29 @@ def test_data_and_eval_help_show_overrides_of_their_own(command, capsys):
     examples = [item.rstrip(",") for item in OVERRIDE_EXAMPLES[command].split() if "=" in item]
     assert all(item.startswith(f"{command}.") or item.partition("=")[0] in ("adapter", "split") for item in examples)
     load_config(None, [item for item in examples if "." in item.partition("=")[0]])  # real keys, valid values
+
+
+def test_help_of_the_cli_and_of_every_command_exits_cleanly(capsys):
+    """`emotune --help` and each `emotune <command> --help` print their text and exit 0 (a literal % in a help
+    text once ended the top-level help in a TypeError)."""
+    from emotune.cli import COMMANDS
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    top = " ".join(capsys.readouterr().out.split())
+    assert "95% intervals" in top and all(name in top for name in COMMANDS)
+    for name, (_, help_text) in COMMANDS.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0, name
+        assert " ".join(help_text.split())[:40] in " ".join(capsys.readouterr().out.split()), name
+
+
+def test_help_runs_as_a_user_types_it():
+    import subprocess
+    import sys
+
+    for argv in (["--help"], ["compare", "--help"]):
+        done = subprocess.run([sys.executable, "-m", "emotune", *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr

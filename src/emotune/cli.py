@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"emotune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        # argparse %-formats help strings (for %(default)s); a literal % in ours must not reach it
+        p = sub.add_parser(name, help=help_text.replace("%", "%%"), description=help_text)
         if name in ("run", "train", "config", "data", "eval", "plan", "sweep"):
             p.add_argument("config", nargs="?", help="YAML config file (optional; defaults are the embedded CPU recipe)")
             p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {OVERRIDE_EXAMPLES[name]}")
