@@ -14,6 +14,7 @@ error says which pieces are missing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -60,6 +61,13 @@ class Artifact:
     @property
     def task(self) -> str:
         return self.meta.get("task", "classify")
+
+    @property
+    def peft_name(self) -> str:
+        """The name PEFT registers this adapter under. PEFT makes it a key of module dicts and an attribute of
+        the wrapped layers, so a run named like a module attribute (`cpu`, `to`, `eval`, `default`) or holding
+        a dot cannot be used as it is; the run's name stays the name users see."""
+        return peft_adapter_name(self.name)
 
     @property
     def labels(self) -> list[str]:
@@ -255,6 +263,13 @@ def fallback_from(cfg=None, labels: list[str] | None = None, source: str = "the 
                     source=source)
 
 
+def peft_adapter_name(name: str) -> str:
+    """A PEFT adapter name for a user-visible one: an identifier no torch module has as an attribute, distinct
+    for distinct names (a digest keeps `a.b` and `a_b` apart)."""
+    digest = hashlib.sha1(name.encode("utf-8")).hexdigest()[:8]
+    return f"emotune_{re.sub(r'[^A-Za-z0-9_]', '_', name)}_{digest}"
+
+
 def default_name(target: Path) -> str:
     """The run's name: RUN, RUN/adapter, RUN/export, RUN/export/adapter and RUN/export/merged are all `RUN`."""
     folder = target.resolve()
@@ -302,6 +317,6 @@ def load_artifact_model(artifact: Artifact, dtype, device):
     base = load_model(base_dir, dtype, device)
     if artifact.has_head:
         base = classifier_from_causal(base, artifact.labels)  # its fresh head is replaced by the adapter's trained one
-    model = PeftModel.from_pretrained(base, artifact.path, adapter_name=artifact.name)
+    model = PeftModel.from_pretrained(base, artifact.path, adapter_name=artifact.peft_name)
     tokenizer_dir = artifact.path if (artifact.path / "tokenizer_config.json").is_file() else base_dir
     return model.eval(), load_tokenizer(tokenizer_dir, artifact.model_cfg if tokenizer_dir == base_dir else ModelConfig())

@@ -78,7 +78,7 @@ class Engine:
             try:
                 head = self._attach_head(artifact) if artifact.has_head else self._attach(artifact)
             except BaseException:
-                self._detach(artifact.name)
+                self._detach(artifact.peft_name)
                 raise
             finally:
                 self.scorers.clear()  # the first adapter wraps the model; start every scorer afresh
@@ -94,17 +94,17 @@ class Engine:
 
     def remove_adapter(self, name: str) -> None:
         with self.lock:
-            self.models.pop(name)
+            loaded = self.models.pop(name)
             self.scorers.pop(name, None)
-            self._detach(name)
+            self._detach(loaded.artifact.peft_name)
 
     def _attach(self, artifact: Artifact) -> None:
         from peft import PeftModel
 
         if self.is_peft:
-            self.model.load_adapter(artifact.path, adapter_name=artifact.name)
+            self.model.load_adapter(artifact.path, adapter_name=artifact.peft_name)
         else:
-            self.model = PeftModel.from_pretrained(self.model, artifact.path, adapter_name=artifact.name).eval()
+            self.model = PeftModel.from_pretrained(self.model, artifact.path, adapter_name=artifact.peft_name).eval()
 
     def _attach_head(self, artifact: Artifact) -> torch.nn.Module:
         """The head adapter's LoRA beside the other adapters, and a classifier with its trained head over the base's
@@ -114,10 +114,10 @@ class Engine:
 
         config, weights, head = causal_adapter(self.causal, artifact.path)
         if self.is_peft:
-            self.model.add_adapter(artifact.name, config)
+            self.model.add_adapter(artifact.peft_name, config)
         else:
-            self.model = get_peft_model(self.model, config, adapter_name=artifact.name).eval()
-        loaded = set_peft_model_state_dict(self.model, weights, adapter_name=artifact.name)
+            self.model = get_peft_model(self.model, config, adapter_name=artifact.peft_name).eval()
+        loaded = set_peft_model_state_dict(self.model, weights, adapter_name=artifact.peft_name)
         if loaded.unexpected_keys:
             raise UserError(f"Adapter `{artifact.name}` holds weights this base model has no place for "
                             f"({', '.join(loaded.unexpected_keys[:3])}, ...); was it trained on another base model?")
@@ -126,12 +126,12 @@ class Engine:
             classifier.score.weight.copy_(head)
         return classifier.eval()
 
-    def _detach(self, name: str) -> None:
-        """Take out adapter `name`, whole or half-loaded. Without adapters left the plain base model is served
+    def _detach(self, peft_name: str) -> None:
+        """Take out the adapter PEFT holds as `peft_name`, whole or half-loaded. Without adapters left the plain base model is served
         again: a PeftModel with no adapter cannot run with its adapters disabled."""
         if self.is_peft:
-            if name in self.model.peft_config:
-                self.model.delete_adapter(name)
+            if peft_name in self.model.peft_config:
+                self.model.delete_adapter(peft_name)
             if self.model.peft_config:
                 return
             self.model = self.model.base_model.model  # get_base_model() needs an active adapter
@@ -147,7 +147,7 @@ class Engine:
             if self.is_peft and name == BASE_MODEL:
                 context = self.model.disable_adapter()
             elif self.is_peft:
-                self.model.set_adapter(name)
+                self.model.set_adapter(self.models[name].artifact.peft_name)
             with context:
                 yield self.models[name]
 
