@@ -150,7 +150,7 @@ def measure(model_dir: Path, records: list[dict], args) -> dict:
         merged_raw, merged_s = timed(lambda: generate_outputs(adapted, tokenizer, texts, prompt, labels, cfg, desc=None))
 
     def accuracy(predicted: list[str]) -> float:
-        return round(sum(p == g for p, g in zip(predicted, gold)) / len(gold), 4)
+        return round(sum(p == g for p, g in zip(predicted, gold, strict=False)) / len(gold), 4)
 
     n = len(texts)
     return {
@@ -169,7 +169,7 @@ def measure(model_dir: Path, records: list[dict], args) -> dict:
         "merge_max_logit_diff": merge.get("max_logit_diff"),
         "merge_agreement": merge.get("agreement"),
         "merged_same_outputs": merged_raw == unmerged_raw,
-        "agreement": round(sum(s == g for s, g in zip(scored, generated)) / n, 4),
+        "agreement": round(sum(s == g for s, g in zip(scored, generated, strict=False)) / n, 4),
         "invalid_reference": sum(p == INVALID for p in reference),
         "invalid_generate": sum(p == INVALID for p in generated),
         "invalid_score": sum(p not in labels for p in scored),

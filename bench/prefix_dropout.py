@@ -74,7 +74,7 @@ def summarise(runs: dict[str, dict[int, dict]], args: argparse.Namespace) -> dic
         "final_loss": {mode: {str(s): v for s, v in values.items()} for mode, values in final.items()},
         "mean": {m: round(v, 5) for m, v in mean.items()}, "std": {m: round(v, 5) for m, v in std.items()},
         "off_range": round(off_range, 5),
-        "paired_diff": {str(s): round(d, 5) for s, d in zip(seeds, paired)},
+        "paired_diff": {str(s): round(d, 5) for s, d in zip(seeds, paired, strict=False)},
         "max_abs_paired_diff": round(max(map(abs, paired)), 5),
         "mean_diff": round(mean["auto"] - mean["off"], 5),
         "within_spread": max(map(abs, paired)) <= off_range and abs(mean["auto"] - mean["off"]) <= std["off"],

@@ -183,7 +183,7 @@ def _reference(model, tokenizer, rows, examples, cfg, precision):
     t = cfg.train
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(output_dir=out, num_train_epochs=1, per_device_train_batch_size=t.batch_size,
-                         learning_rate=t.learning_rate, lr_scheduler_type="linear", warmup_steps=t.warmup_ratio,  # a float < 1 is a ratio in transformers 5
+                         learning_rate=t.learning_rate, lr_scheduler_type="linear", warmup_steps=t.warmup_ratio,  # a float < 1: a ratio
                          max_length=t.max_length, assistant_only_loss=True, packing=False,
                          gradient_checkpointing=t.gradient_checkpointing, bf16=precision.name == "bf16",
                          logging_steps=1, save_strategy="no", report_to="none", seed=cfg.seed, data_seed=cfg.seed,
@@ -205,7 +205,7 @@ def _reference(model, tokenizer, rows, examples, cfg, precision):
 
 def _same_tokens(tokenized, examples) -> bool:
     """TRL's ids and assistant mask equal emotune's ids and loss spans for every row, or the script stops."""
-    for i, (row, example) in enumerate(zip(tokenized, examples)):
+    for i, (row, example) in enumerate(zip(tokenized, examples, strict=False)):
         mask = [0] * len(example.input_ids)
         for start, end in example.loss_spans:
             mask[start:end] = [1] * (end - start)

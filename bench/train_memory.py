@@ -58,10 +58,10 @@ def main() -> None:
     from datasets import load_dataset
 
     from emotune.batches import collate, completion_loss
-    from emotune.tasks.classify import encode_examples
     from emotune.config import load_config
     from emotune.lora import attach_lora
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.tasks.classify import encode_examples
 
     cfg = load_config(None, ["lora.r=16", "lora.alpha=32", "lora.target_modules=all-linear", "device=cpu"])
     model_dir = resolve_model_dir(cfg.model)
@@ -96,7 +96,8 @@ def main() -> None:
             libc.malloc_trim(0)
     print(json.dumps({"seconds_per_step": round((time.perf_counter() - started) / 10, 3),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                      "load_peak_rss_mb": round(load_peak, 1), "trim": args.trim, "lru_cache_capacity": args.lru_cache_capacity, "micro_rows": args.micro_rows, "arena_max": args.arena_max,
+                      "load_peak_rss_mb": round(load_peak, 1), "trim": args.trim, "lru_cache_capacity": args.lru_cache_capacity,
+                      "micro_rows": args.micro_rows, "arena_max": args.arena_max,
                       "mmap_threshold": args.mmap_threshold, "pad_multiple": args.pad_multiple,
                       "gradient_checkpointing": not args.no_gradient_checkpointing}))
 

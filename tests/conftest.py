@@ -126,7 +126,7 @@ def data_dir(tmp_path_factory) -> Path:
 
 def build_tokenizer(folder: Path):
     """A word-level tokenizer over the fixture vocabulary with Gemma's special tokens and turn format."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from emotune.models import GEMMA_CHAT_TEMPLATE
@@ -194,7 +194,8 @@ def tiny_overrides(tiny_model_dir, data_dir, tmp_path) -> list[str]:
     """Overrides that point a run at the tiny model and fixture data, 2 training steps, fp32."""
     return [
         f"model.source={tiny_model_dir}", f"data.source={data_dir}", f"output_dir={tmp_path / 'runs'}",
-        "name=tiny", "data.label_names=[sadness, joy, love, anger, fear, surprise]", "train.max_steps=2", "train.batch_size=4", "train.gradient_accumulation_steps=1",
+        "name=tiny", "data.label_names=[sadness, joy, love, anger, fear, surprise]", "train.max_steps=2", "train.batch_size=4",
+        "train.gradient_accumulation_steps=1",
         "train.gradient_checkpointing=false", "train.precision=fp32", "train.eval_steps=1", "train.save_steps=1",
         "train.logging_steps=1", "train.learning_rate=0.01", "eval.batch_size=5", "model.cache_dir=" + str(tmp_path / "cache"),
     ]

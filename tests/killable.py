@@ -10,9 +10,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

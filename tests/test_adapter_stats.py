@@ -16,7 +16,6 @@ from emotune.train import _clip_gradients
 from emotune.train_log import Window
 
 
-
 def test_the_logged_gradient_norm_is_the_norm_before_clipping():
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])

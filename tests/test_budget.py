@@ -16,8 +16,18 @@ from emotune import checkpoints as ckpt
 from emotune.batches import epoch_batches, forward_passes
 from emotune.cli import main
 from emotune.config import TrainConfig
-from emotune.train_plan import (CALIBRATION_STEPS, PLAN_FILE, Calibration, Speed, expected_seconds, make_plan,
-                                replan, replan_step, steps_within, validations)
+from emotune.train_plan import (
+    CALIBRATION_STEPS,
+    PLAN_FILE,
+    Calibration,
+    Speed,
+    expected_seconds,
+    make_plan,
+    replan,
+    replan_step,
+    steps_within,
+    validations,
+)
 
 
 def test_validations_are_every_eval_steps_and_after_the_last_step():

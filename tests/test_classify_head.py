@@ -10,14 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from emotune import train as train_mod
 from emotune.batches import LANGUAGE_MODEL, Example, collate, completion_loss
 from emotune.cli import main
 from emotune.config import LoraSettings
 from emotune.errors import UserError
-from emotune.head import (class_metrics, classifier_from_causal, collate_rows, has_library_class, head_loss,
-                          head_objective, last_token_index)
+from emotune.head import class_metrics, classifier_from_causal, collate_rows, has_library_class, head_loss, head_objective, last_token_index
 from emotune.lora import lora_config
-from emotune import train as train_mod
 
 LABELS = ["sadness", "joy", "love"]
 
@@ -128,13 +127,13 @@ def test_class_weighted_loss_is_the_weighted_sum_of_per_row_losses():
     classifier = classifier_from_causal(_gemma3(), LABELS).eval()
     plain = [Example([2, 5, 6, 7], 3, label=0), Example([2, 8, 9], 2, label=1), Example([2, 10, 11, 12, 13], 4, label=2)]
     weights = [0.5, 2.0, 1.25]
-    weighted = [Example(e.input_ids, e.completion_start, w, label=e.label) for e, w in zip(plain, weights)]
+    weighted = [Example(e.input_ids, e.completion_start, w, label=e.label) for e, w in zip(plain, weights, strict=False)]
     with torch.no_grad():
         per_row = [torch.nn.functional.cross_entropy(
             classifier(input_ids=torch.tensor([e.input_ids])).logits.float(), torch.tensor([e.label])) for e in plain]
         parts = head_loss(classifier, collate_rows(weighted, 0, torch.device("cpu")))
     assert parts.tokens == 3 and sum(e.completion_tokens for e in weighted) == 3  # the loop normalises by rows
-    assert torch.allclose(parts.loss_sum, sum(w * loss for w, loss in zip(weights, per_row)), atol=1e-5)
+    assert torch.allclose(parts.loss_sum, sum(w * loss for w, loss in zip(weights, per_row, strict=False)), atol=1e-5)
 
 
 def test_the_kept_adapter_is_the_best_by_macro_f1_not_by_loss():

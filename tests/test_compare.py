@@ -49,7 +49,7 @@ def make_run(root: Path, name: str, predicted: dict[str, list[str]], task: str =
         (run.adapter / "adapter_model.safetensors").write_bytes(b"\0" * 3 * 2**20)
 
     def results(stage_predictions: dict[str, list[str]]) -> dict[str, EvalResult]:
-        return {m: EvalResult([{"text": t, "gold": g, "predicted": p} for t, g, p in zip(texts, gold, preds)],
+        return {m: EvalResult([{"text": t, "gold": g, "predicted": p} for t, g, p in zip(texts, gold, preds, strict=False)],
                               {**compute_metrics(gold, preds, labels), "method": m, "rows_per_s": 12.5})
                 for m, preds in stage_predictions.items()}
 
@@ -95,7 +95,7 @@ def make_sft_run(root: Path, name: str, outputs: list[str]) -> Path:
     log = RunLog(run, {"task": "sft"})
     rows = [{"prompt": f"question {i}", "reference": ref, "output": out, "kind": ["qa", "chat"][i % 2], "rouge_l": score,
              "bleu": sentence_bleu(out, ref), "exact_match": float(exact_match(out, ref))}
-            for i, (ref, out, score) in enumerate(zip(references, outputs, rouge_l(outputs, references)))]
+            for i, (ref, out, score) in enumerate(zip(references, outputs, rouge_l(outputs, references), strict=False))]
     summary = summarize([{**r, "prediction": r["output"]} for r in rows])
     metrics = {"rows": len(rows), "loss": 1.0, "perplexity": 2.72, "rouge_l": summary["rouge_l"], "bleu": summary["corpus_bleu"],
                "exact_match": summary["exact_match"], "per_kind": summary["per_kind"], "seconds": 2.0}

@@ -10,7 +10,6 @@ import json
 import pytest
 
 from emotune.rundir import STAGE_MARKER, RunDir
-
 from test_lifecycle import emotune, leftovers, run_json
 
 pytestmark = pytest.mark.slow

@@ -7,11 +7,10 @@ import re
 
 import pytest
 
+from conftest import LABELS, make_rows, write_jsonl
 from emotune.config import DataConfig, PromptConfig
 from emotune.data import EMBEDDED_LABELS, embedded_dataset_dir, load_data, prompt_messages, to_prompt_completion
 from emotune.errors import UserError
-
-from conftest import LABELS, make_rows, write_jsonl
 
 
 def test_embedded_dataset_is_large_clean_and_leak_free():
@@ -117,7 +116,7 @@ def test_prompt_completion_rows_match_the_reference_recipe():
 def test_imbalanced_training_classes_are_called_out_with_the_key_to_set(tmp_path):
     from emotune.data.prepare import format_summary
 
-    counts = dict(zip(LABELS, [40, 12, 12, 12, 12, 10]))
+    counts = dict(zip(LABELS, [40, 12, 12, 12, 12, 10], strict=False))
     rows = [{"text": f"{label} sample number {i} with some words", "label": label}
             for label, n in counts.items() for i in range(n)]
     write_jsonl(tmp_path / "train.jsonl", rows)

@@ -7,13 +7,13 @@ import unicodedata
 
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from conftest import LABELS, make_rows, write_jsonl
 from emotune.config import CleaningConfig, DataConfig
 from emotune.data import load_data
 from emotune.data.clean import clean_text, codes, conflicting_labels, first_occurrences, key_hashes, normalized_key, occurs_in
-
-from conftest import LABELS, make_rows, write_jsonl
 
 ALL_ON = CleaningConfig(urls="replace", mentions="replace", emoji="replace")
 texts_strategy = st.lists(st.text(max_size=40) | st.sampled_from(
@@ -57,7 +57,7 @@ def test_switched_off_steps_change_nothing(values):
 def test_change_counts_match_the_rows_changed(values):
     cfg = CleaningConfig(unicode_nfc=False, control_chars=False)
     cleaned, changed = clean_text(pa.array(values, pa.string()), cfg)
-    assert changed["whitespace"] == sum(a != b for a, b in zip(values, cleaned.to_pylist()))
+    assert changed["whitespace"] == sum(a != b for a, b in zip(values, cleaned.to_pylist(), strict=False))
 
 
 def test_urls_mentions_emoji_actions():
@@ -73,7 +73,7 @@ def test_urls_mentions_emoji_actions():
 def test_normalized_key_ignores_case_spacing_and_punctuation(values):
     keys = normalized_key(pa.array(values, pa.string())).to_pylist()
     variants = normalized_key(pa.array([f"  {v.upper()} !! " for v in values], pa.string())).to_pylist()
-    for value, key, variant in zip(values, keys, variants):
+    for value, key, variant in zip(values, keys, variants, strict=False):
         if value.upper().lower() == value.lower():  # case round-trips (not e.g. 'ß' -> 'SS')
             assert key == variant
         assert normalized_key(pa.array([key], pa.string())).to_pylist() == [key]
@@ -86,7 +86,7 @@ def test_first_occurrences_keep_exactly_one_row_per_key(values):
     kept = first_occurrences(key_hashes(pa.array(values, pa.string()), "normalized"))
     kept_keys = [keys[int(i)].as_py() for i in kept]
     assert sorted(set(kept_keys)) == sorted(kept_keys) == sorted(set(keys.to_pylist()))
-    assert list(kept) == sorted(kept) and all(keys.to_pylist().index(k) == i for k, i in zip(kept_keys, kept))
+    assert list(kept) == sorted(kept) and all(keys.to_pylist().index(k) == i for k, i in zip(kept_keys, kept, strict=False))
 
 
 @settings(max_examples=200, deadline=None)
@@ -158,7 +158,7 @@ def test_limits_are_stratified_reproducible_per_split(tmp_path):
                      train_limit=30, validation_limit=12, test_limit=18)
     data = load_data(cfg, seed=5)
     assert data.report["rows"] == {"train": 30, "validation": 12, "test": 18}
-    assert all(set(n.values()) == {v} for n, v in zip(data.counts().values(), (5, 2, 3)))
+    assert all(set(n.values()) == {v} for n, v in zip(data.counts().values(), (5, 2, 3), strict=False))
     assert load_data(cfg, seed=5).splits["test"]["text"] == data.splits["test"]["text"]
     assert load_data(cfg, seed=6).splits["test"]["text"] != data.splits["test"]["text"]
 
@@ -168,7 +168,7 @@ def test_single_file_is_split_80_10_10_stratified(tmp_path):
     data = load_data(DataConfig(source=str(tmp_path / "all.jsonl")), seed=0)
     assert data.report["rows"] == {"train": 96, "validation": 12, "test": 12}
     assert data.report["split"] == "stratified 80/10/10, seed 0"
-    assert all(set(n.values()) == {v} for n, v in zip(data.counts().values(), (16, 2, 2)))
+    assert all(set(n.values()) == {v} for n, v in zip(data.counts().values(), (16, 2, 2), strict=False))
 
 
 def _imbalanced(tmp_path):

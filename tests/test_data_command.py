@@ -10,10 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import LABELS, make_rows, write_jsonl
 from emotune.cli import main
 from emotune.config import DataConfig
-
-from conftest import LABELS, make_rows, write_jsonl
 
 # The research-only emotion dataset beside the checkout (../shared/datasets/emotion), or where
 # EMOTUNE_EMOTION_DATA points; never copied into the project.

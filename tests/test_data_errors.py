@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from conftest import LABELS, make_rows, write_jsonl
 from emotune.config import DataConfig
 from emotune.data import LabeledData, load_data
 from emotune.errors import UserError
-
-from conftest import LABELS, make_rows, write_jsonl
 
 
 def _load(path: Path, **kwargs) -> LabeledData:

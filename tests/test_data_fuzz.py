@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pyarrow.csv as pa_csv
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from conftest import LABELS
 from emotune.config import DataConfig
 from emotune.data import load_data
 from emotune.data.labels import MISSING_SPELLINGS
 from emotune.data.sources import RawSplit, read_source
 from emotune.errors import UserError
-
-from conftest import LABELS
 
 pytestmark = pytest.mark.slow
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -119,7 +119,7 @@ def test_generated_csv_and_tsv_read_like_pythons_csv_or_fail_clearly(tmp_path, c
     assert header.count("text") == 1 and header.count("label") == 1, "a repeated text/label column was read"
     table = raw.table.to_pydict()
     assert table["text"] == [r[header.index("text")] for r in rows]
-    assert all(_same_label(got, r[header.index("label")]) for got, r in zip(table["label"], rows))
+    assert all(_same_label(got, r[header.index("label")]) for got, r in zip(table["label"], rows, strict=False))
     if len(rows) != intended_rows:  # a quoted field joined lines: allowed only when it is reported
         assert raw.notes, "rows were merged without a word"
     _loads_or_refuses_clearly(path)
@@ -192,8 +192,8 @@ def test_generated_jsonl_reads_like_pythons_json_or_fails_clearly(tmp_path, body
     assert reference is not None, "read although Python's json finds a broken line"
     table = raw.table.to_pydict()
     assert len(table["text"]) == len(reference)
-    assert all(_same(got, row.get("text")) for got, row in zip(table["text"], reference))
-    assert all(_same(got, row.get("label")) for got, row in zip(table["label"], reference))
+    assert all(_same(got, row.get("text")) for got, row in zip(table["text"], reference, strict=False))
+    assert all(_same(got, row.get("label")) for got, row in zip(table["label"], reference, strict=False))
     _loads_or_refuses_clearly(path)
 
 

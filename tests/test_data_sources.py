@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LABELS, make_rows, write_jsonl
 from emotune.config import DataConfig, PromptConfig
 from emotune.data import load_data, prompt_messages
 from emotune.errors import UserError
 from emotune.replies import extract_label, label_pattern
 
-from conftest import LABELS, make_rows, write_jsonl
-
 
 def _write_splits(folder: Path, names=("train", "validation", "test"), n=(6, 2, 2)) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    for seed, (name, per_label) in enumerate(zip(names, n)):
+    for seed, (name, per_label) in enumerate(zip(names, n, strict=False)):
         write_jsonl(folder / f"{name}.jsonl", make_rows(per_label, seed=10 + seed))
     return folder
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import LABELS, write_tiny_adapter
-from emotune.cli import main
 from emotune.artifacts import find_artifact
+from emotune.cli import main
 from emotune.export import max_lora_rank, merge_parity_gap
 
 TEXTS = ["i am so happy today", "my friend was furious", "lonely and lost this morning"]
@@ -124,7 +124,7 @@ def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(out), "--batch-size", "2"]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [r["text"] for r in rows] == TEXTS and [r["id"] for r in rows] == ["0", "1", "2"]
-    for row, line in zip(rows, lines):  # file and argument paths agree
+    for row, line in zip(rows, lines, strict=False):  # file and argument paths agree
         assert row["label"] == line["label"]
         assert float(row["p_joy"]) == pytest.approx(line["probs"]["joy"], abs=1e-5)
 

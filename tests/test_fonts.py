@@ -7,7 +7,7 @@ through `font_manager.findfont(..., fallback_to_default=False)`, then the file's
 from __future__ import annotations
 
 import warnings
-from functools import lru_cache
+from functools import cache
 from importlib import metadata
 
 import matplotlib
@@ -36,7 +36,7 @@ def glyph_sources(text: Text) -> dict[str, str | None]:
     return {ch: next((p for p in files if ord(ch) in cmap(p)), None) for ch in text.get_text() if not ch.isspace()}
 
 
-@lru_cache(maxsize=None)
+@cache
 def cmap(path: str) -> dict[int, str]:
     return TTFont(path, lazy=True).getBestCmap()
 

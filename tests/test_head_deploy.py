@@ -13,16 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from conftest import LABELS, write_tiny_adapter
 from safetensors.torch import load_file
-from server_harness import running
 
+from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
 from emotune.config import PromptConfig, ServeConfig, load_config
 from emotune.errors import UserError
 from emotune.export import merge_parity_gap
 from emotune.head import classifier_from_causal
 from emotune.serve import build_engine, create_app
+from server_harness import running
 
 TEXTS = ["i am so happy today", "my friend was furious", "lonely and lost this morning", "wow"]
 USER, ADMIN = "user-key", "admin-key"
@@ -148,7 +148,7 @@ def test_predict_gives_the_head_label_and_probabilities(head_runs, arch, tmp_pat
     lines = _json_lines(capsys.readouterr().out)
     expected = reference_probs(run, TEXTS)
     assert [line["text"] for line in lines] == TEXTS
-    for line, want in zip(lines, expected.tolist()):
+    for line, want in zip(lines, expected.tolist(), strict=False):
         assert list(line["probs"]) == LABELS
         assert [line["probs"][label] for label in LABELS] == pytest.approx(want, abs=1e-5)
         assert line["label"] == LABELS[max(range(len(LABELS)), key=want.__getitem__)]
@@ -158,7 +158,7 @@ def test_predict_gives_the_head_label_and_probabilities(head_runs, arch, tmp_pat
     assert main(["predict", str(run), "--file", str(source), "--out", str(out), "--text-column", "body"]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [r["body"] for r in rows] == TEXTS and [r["id"] for r in rows] == ["0", "1", "2", "3"]
-    for row, line in zip(rows, lines):
+    for row, line in zip(rows, lines, strict=False):
         assert row["label"] == line["label"]
         assert [float(row[f"p_{label}"]) for label in LABELS] == pytest.approx(list(line["probs"].values()), abs=1e-5)
 
@@ -169,7 +169,7 @@ def test_predict_with_a_merged_head_folder_equals_the_adapter(head_runs, exports
     capsys.readouterr()
     assert main(["predict", str(out / "merged"), *TEXTS]) == 0
     merged = _json_lines(capsys.readouterr().out)
-    for line, want in zip(merged, reference_probs(run, TEXTS).tolist()):
+    for line, want in zip(merged, reference_probs(run, TEXTS).tolist(), strict=False):
         assert [line["probs"][label] for label in LABELS] == pytest.approx(want, abs=1e-5)
 
 
@@ -212,7 +212,7 @@ def test_classify_with_a_head_model_gives_its_probabilities(http, head_runs):
     assert cards["head3"]["task"] == "classify_head" and cards["head3"]["labels"] == LABELS
     assert cards["head3"]["parent"] == "base"
     data = classify(http, "head3", TEXTS)
-    for row, want in zip(data, reference_probs(head_runs["gemma3"], TEXTS).tolist()):
+    for row, want in zip(data, reference_probs(head_runs["gemma3"], TEXTS).tolist(), strict=False):
         assert [row["probs"][label] for label in LABELS] == pytest.approx(want, abs=1e-5)
         assert row["label"] == LABELS[max(range(len(LABELS)), key=want.__getitem__)]
     refused = http.post("/v1/classify", json={"model": "head3", "input": "x", "labels": ["a", "b"]})
@@ -259,7 +259,7 @@ def test_head_requests_are_micro_batched(server, http, head_runs):
         finally:
             engine.lock.release()
         results = [f.result()[0]["probs"] for f in futures]
-    for got, want in zip(results, expected):
+    for got, want in zip(results, expected, strict=False):
         assert [got[label] for label in LABELS] == pytest.approx(want, abs=1e-5)
     assert counters[("emotune_batches_total", ())] - batches_before < len(texts)
 
@@ -283,7 +283,7 @@ def test_a_head_adapter_hot_loads_and_unloads(http, head_runs):
     assert http.delete("/v1/adapters/again", headers=ADMIN_AUTH).status_code == 200
     assert http.post("/v1/classify", json={"model": "again", "input": "x"}).status_code == 404
     assert [r["probs"] for r in classify(http, "head3", TEXTS[:1])][0] == pytest.approx(
-        dict(zip(LABELS, reference_probs(head_runs["gemma3"], TEXTS[:1])[0].tolist())), abs=1e-5)
+        dict(zip(LABELS, reference_probs(head_runs["gemma3"], TEXTS[:1])[0].tolist(), strict=False)), abs=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def test_a_merged_head_folder_is_served_alone(head_runs, exports, tiny_run_dir):
         cards = http.get("/v1/models").json()["data"]
         name = out.parent.name  # OUT/merged is named after the folder holding the export, as RUN/export/merged after RUN
         assert [(c["id"], c["task"], c["parent"], c["merged"]) for c in cards] == [(name, "classify_head", None, True)]
-        for row, want in zip(classify(http, name, TEXTS), reference_probs(run, TEXTS).tolist()):
+        for row, want in zip(classify(http, name, TEXTS), reference_probs(run, TEXTS).tolist(), strict=False):
             assert [row["probs"][label] for label in LABELS] == pytest.approx(want, abs=1e-5)
         chat = http.post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "x"}]})
         assert chat.status_code == 422 and "classification-head model" in chat.text
@@ -317,11 +317,10 @@ def test_the_engine_puts_a_head_adapter_on_a_multimodal_base(tmp_path):
     """Gemma 4 as its checkpoints come (multimodal): the classifier holds the language model at `model`, the causal
     model at `model.language_model`, so the head adapter's LoRA is renamed to join the causal model's adapters."""
     from conftest import build_tokenizer
-    from test_lora import _tiny_gemma4_multimodal
-
     from emotune.artifacts import find_artifact
     from emotune.config import ModelConfig
     from emotune.serve.engine import Engine
+    from test_lora import _tiny_gemma4_multimodal
 
     folder = tmp_path / "gemma4-multimodal"
     build_tokenizer(folder)

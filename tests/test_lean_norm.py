@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lean_lora import _loss_and_grads, _model, _saved_bytes
 
 from emotune import lean_lora, lean_norm
+from test_lean_lora import _loss_and_grads, _model, _saved_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import make_rows, write_jsonl
 from emotune.cli import main
 from emotune.rundir import PARTIAL, PREVIOUS, STAGE_MARKER, RunDir
-
-from conftest import make_rows, write_jsonl
 from killable import Result, run_emotune, snapshot
 
 TIMEOUT_S = 300
@@ -29,7 +28,8 @@ def emotune(args: list[str], kill_at: str | None = None) -> Result:
     result = run_emotune(args, (lambda line: line.rstrip("\n") == marker) if marker else None, TIMEOUT_S)
     returncode = result.returncode
     if kill_at:
-        assert result.killed and returncode == -signal.SIGKILL, f"never reached {marker!r}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert result.killed and returncode == -signal.SIGKILL, f"never reached {marker!r}:\n{output}"
     return result
 
 

@@ -13,8 +13,8 @@ import re
 
 import pytest
 import yaml
-from conftest import CUES, FILLER, LABELS, write_jsonl
 
+from conftest import CUES, FILLER, LABELS, write_jsonl
 from emotune.cli import main
 from emotune.config import load_config
 from emotune.errors import UserError

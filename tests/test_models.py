@@ -12,8 +12,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from emotune.config import ModelConfig
 from emotune.errors import UserError
-from emotune.models import (GEMMA_CHAT_TEMPLATE, check_attention, load_model, load_tokenizer, resolve_model_dir,
-                            stop_token_ids)
+from emotune.models import GEMMA_CHAT_TEMPLATE, check_attention, load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 
 
 def test_hub_id_without_network_says_how_to_download(tmp_path):

@@ -4,6 +4,7 @@ loopback servers some tests start stay reachable."""
 import socket
 
 import pytest
+
 from conftest import NetworkCall
 
 

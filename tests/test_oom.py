@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import _env, _free_port
 
 from emotune import checkpoints as ckpt
 from emotune import oom
@@ -22,6 +21,7 @@ from emotune.config import load_config
 from emotune.errors import UserError
 from emotune.lora import attach_lora
 from emotune.pipeline import train_only
+from test_train import _env, _free_port
 
 
 class TransientOOM:

@@ -17,8 +17,16 @@ import torch
 from datasets import Dataset
 
 from conftest import LABELS, build_tokenizer, make_rows
-from emotune.batches import (CHUNK_TOKENS, LANGUAGE_MODEL, SHARED_PREFIX_MIN_TOKENS, collate, collate_after_prefix, completion_loss,
-                             share_prefix, shared_prefix_length)
+from emotune.batches import (
+    CHUNK_TOKENS,
+    LANGUAGE_MODEL,
+    SHARED_PREFIX_MIN_TOKENS,
+    collate,
+    collate_after_prefix,
+    completion_loss,
+    share_prefix,
+    shared_prefix_length,
+)
 from emotune.cli import main
 from emotune.config import PromptConfig
 from emotune.head import head_objective
@@ -95,7 +103,7 @@ def _left_padded(batch: dict) -> dict:
     out = dict(batch)
     shifts = (batch["attention_mask"] == 0).sum(1).tolist()
     for key in ("input_ids", "attention_mask", "predicts"):
-        out[key] = torch.stack([row.roll(shift) for row, shift in zip(batch[key], shifts)])
+        out[key] = torch.stack([row.roll(shift) for row, shift in zip(batch[key], shifts, strict=False)])
     return out
 
 
@@ -170,7 +178,7 @@ def test_the_choice_falls_back_to_whole_rows(tokenizer):
     # classify_head reads the bare text: its rows share only <bos>, and its loss reads whole rows anyway.
     texts = [row["text"] for row in make_rows(1, seed=5)]
     head_rows = [replace(r, input_ids=ids, completion_start=len(ids) - 1, label=0)
-                 for r, ids in zip(rows, encode_texts(texts, tokenizer, 256))]
+                 for r, ids in zip(rows, encode_texts(texts, tokenizer, 256), strict=False)]
     head = head_objective("macro_f1", len(LABELS))
     objective, choice = share_prefix(head, head_rows, "auto", model)
     assert objective is head and choice["reason"] == "the task's loss reads whole rows" and choice["tokens"] <= 1

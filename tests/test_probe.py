@@ -16,8 +16,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from emotune.errors import UserError
-from emotune.probe import (INSTRUCTIONS, LETTERS, PROBE_PATH, ProbeQuestion, ProbeResult, compare_probe,
-                           letter_token_ids, load_probe, option_token_ids, render_prompt, score_probe)
+from emotune.probe import (
+    INSTRUCTIONS,
+    LETTERS,
+    PROBE_PATH,
+    ProbeQuestion,
+    ProbeResult,
+    compare_probe,
+    letter_token_ids,
+    load_probe,
+    option_token_ids,
+    render_prompt,
+    score_probe,
+)
 
 RENAMED = ["sadness", "joy", "love", "anger"]  # label words the test questions do not use
 
@@ -30,7 +41,7 @@ def letter_tokenizer(tiny_model_dir, tmp_path_factory):
             shutil.copy(tiny_model_dir / name, folder / name)
     spec = json.loads((folder / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
-    for old, new in zip(RENAMED, LETTERS):
+    for old, new in zip(RENAMED, LETTERS, strict=False):
         vocab[new] = vocab.pop(old)
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     return AutoTokenizer.from_pretrained(folder)
@@ -58,7 +69,7 @@ def make_questions() -> list[ProbeQuestion]:
 
 def reference_logprobs(model, tokenizer, question: ProbeQuestion) -> list[float]:
     """The slow way: the prompt written out here, one question, a full forward, log-softmax over the vocabulary."""
-    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", question.choices))
+    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", question.choices, strict=False))
     content = f"{question.question}\n\n{options}\n\n{INSTRUCTIONS[question.lang]}"
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
@@ -136,7 +147,7 @@ def test_letter_scoring_equals_a_slow_one_question_reference(tiny_model, letter_
     expected = [reference_logprobs(tiny_model, letter_tokenizer, q) for q in questions]
     assert torch.allclose(torch.tensor(result.letter_logprobs), torch.tensor(expected), atol=1e-5, rtol=0)
     assert result.predicted == [max(range(4), key=row.__getitem__) for row in expected]
-    assert result.correct == [p == q.answer for p, q in zip(result.predicted, questions)]
+    assert result.correct == [p == q.answer for p, q in zip(result.predicted, questions, strict=False)]
     assert result.accuracy == sum(result.correct) / len(questions)
     assert result.ci[0] <= result.accuracy <= result.ci[1]
     assert result.per_lang["en"]["n"] == 4 and result.per_lang["zh"]["n"] == 2
@@ -170,7 +181,7 @@ def test_option_scoring_equals_a_slow_one_row_reference(tiny_model, word_tokeniz
     assert torch.allclose(torch.tensor(result.option_scores), torch.tensor(expected), atol=1e-5, rtol=0)
     assert result.letter_logprobs == result.option_scores  # the earlier name still reads the scores
     assert result.predicted == [max(range(4), key=row.__getitem__) for row in expected]
-    assert result.correct == [p == q.answer for p, q in zip(result.predicted, questions)]
+    assert result.correct == [p == q.answer for p, q in zip(result.predicted, questions, strict=False)]
     assert result.per_lang["en"]["n"] == 4 and result.per_lang["zh"]["n"] == 2
 
 
@@ -220,7 +231,7 @@ def test_compare_probe_flags_a_clear_drop_only():
         compare_probe(before, result_with([True] * 99))
     assert drop["method"] == "option"
     letters = ProbeResult.from_scores([ProbeQuestion(i, g, "t", "?", ("a", "b", "c", "d"), 0)
-                                       for i, g in zip(before.ids, before.langs)], before.option_scores, "letter")
+                                       for i, g in zip(before.ids, before.langs, strict=False)], before.option_scores, "letter")
     with pytest.raises(ValueError, match="scored the same way"):
         compare_probe(before, letters)
 

@@ -50,7 +50,7 @@ def test_predict_on_a_run_and_its_adapter_folder_named_like_a_module_attribute(n
         assert main(["predict", str(target), *TEXTS]) == 0, capsys.readouterr().err
         got = _predictions(capsys)
         assert [g["label"] for g in got] == [r["label"] for r in reference]
-        for g, r in zip(got, reference):
+        for g, r in zip(got, reference, strict=False):
             assert g["probs"] == pytest.approx(r["probs"], abs=1e-5)
 
 

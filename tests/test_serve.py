@@ -85,7 +85,7 @@ def test_classify_matches_direct_scoring(server, http):
     assert reply.status_code == 200
     data = reply.json()["data"]
     expected = expected_probs(engine, "tiny", texts)
-    for row, probs in zip(data, expected.tolist()):
+    for row, probs in zip(data, expected.tolist(), strict=False):
         assert list(row["probs"]) == LABELS
         assert [row["probs"][label] for label in LABELS] == pytest.approx(probs, abs=1e-5)
         assert row["label"] == LABELS[max(range(len(LABELS)), key=probs.__getitem__)]
@@ -112,7 +112,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, ht
         finally:
             engine.lock.release()
         results = [f.result() for f in futures]
-    for got, want in zip(results, expected.tolist()):
+    for got, want in zip(results, expected.tolist(), strict=False):
         assert [got[label] for label in LABELS] == pytest.approx(want, abs=1e-5)
     batches = app.state.server.metrics.counters[("emotune_batches_total", ())] - batches_before
     assert batches < len(texts)

@@ -12,7 +12,6 @@ import copy
 import httpx
 import pytest
 import schemathesis
-from conftest import write_tiny_adapter
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -20,11 +19,12 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from server_harness import running
-from test_serve import ADMIN_AUTH, AUTH, serve_config
 
+from conftest import write_tiny_adapter
 from emotune.config import load_config
 from emotune.serve import build_engine, create_app
+from server_harness import running
+from test_serve import ADMIN_AUTH, AUTH, serve_config
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from conftest import LABELS, write_tiny_adapter
-from server_harness import running
-from test_serve import ADMIN_AUTH, AUTH, _error, serve_config
 
+from conftest import LABELS, write_tiny_adapter
 from emotune.artifacts import find_artifact
 from emotune.config import load_config
 from emotune.serve import build_engine, create_app
+from server_harness import running
+from test_serve import ADMIN_AUTH, AUTH, _error, serve_config
 
 WORDS = ["happy", "furious", "scared", "lonely", "wow", "adore", "great", "rage", "dread", "tender"]
 GOOD_TEXTS = [f"{a} {b} today" for a in WORDS[:8] for b in WORDS[5:]][:40]
@@ -99,7 +99,7 @@ def test_micro_batch_poisoning_by_a_lone_surrogate_fails_only_the_bad_requests(s
     alone = {text: classify(http, text).json()["data"][0]["probs"] for text in GOOD_TEXTS}
     bad = ["\ud800", "happy \udfff today", "\ud83d"]
     texts = GOOD_TEXTS[:20] + bad + GOOD_TEXTS[20:]
-    replies = dict(zip(texts, flood(server, http, texts, queued=len(GOOD_TEXTS))))
+    replies = dict(zip(texts, flood(server, http, texts, queued=len(GOOD_TEXTS)), strict=False))
     for text in bad:
         assert "Unicode" in _error(replies[text], 422)
     for text in GOOD_TEXTS:
@@ -123,7 +123,7 @@ def test_a_failing_batch_is_retried_one_request_at_a_time_at_most_once(server, h
     retries = metrics.counters[("emotune_batch_retries_total", ())]
     poison = ["poison one", "poison two"]
     texts = GOOD_TEXTS[:20] + poison + GOOD_TEXTS[20:]
-    replies = dict(zip(texts, flood(server, http, texts, queued=len(texts))))
+    replies = dict(zip(texts, flood(server, http, texts, queued=len(texts)), strict=False))
     for text in poison:
         assert "ValueError" in _error(replies[text], 500)
     for text in GOOD_TEXTS:

@@ -7,15 +7,15 @@ import shutil
 
 import httpx
 import pytest
-from conftest import LABELS, write_tiny_adapter
-from server_harness import running
 
+from conftest import LABELS, write_tiny_adapter
 from emotune.artifacts import find_artifact
 from emotune.cli import main
 from emotune.config import ServeConfig, load_config
 from emotune.errors import UserError
 from emotune.predict import Classifier, Generator
 from emotune.serve import build_engine, create_app
+from server_harness import running
 
 TEXTS = ["i am so happy today", "my friend was furious"]
 ADMIN = "admin-key"
@@ -44,7 +44,7 @@ def test_a_merged_classifier_is_served_under_its_name_with_its_labels(tiny_run_d
             ("tiny", "classify", True, LABELS, None)]
         answer = http.post("/v1/classify", json={"model": "tiny", "input": TEXTS})
         assert answer.status_code == 200, answer.text
-        for row, probs in zip(answer.json()["data"], expected.tolist()):
+        for row, probs in zip(answer.json()["data"], expected.tolist(), strict=False):
             assert [row["probs"][label] for label in LABELS] == pytest.approx(probs, abs=1e-4)
             assert row["label"] == LABELS[max(range(len(LABELS)), key=probs.__getitem__)]
         assert http.post("/v1/classify", json={"model": "base", "input": "x", "labels": ["a", "b"]}).status_code == 404
@@ -67,7 +67,7 @@ def test_a_merged_sft_model_chats_under_its_system_prompt(tiny_model_dir, tmp_pa
             httpx.Client(base_url=url, timeout=60) as http:
         card = http.get("/v1/models").json()["data"]
         assert [(c["id"], c["task"], c["merged"]) for c in card] == [("chat", "sft", True)]
-        for text, reply in zip(TEXTS, expected):
+        for text, reply in zip(TEXTS, expected, strict=False):
             answer = http.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 6,
                                                              "messages": [{"role": "user", "content": text}]})
             assert answer.status_code == 200, answer.text

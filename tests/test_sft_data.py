@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import write_jsonl
 from emotune.config import load_config
 from emotune.data.conversation_data import load_conversations
 from emotune.errors import UserError
-from conftest import write_jsonl
 
 
 def _data(source: Path | str, *overrides: str):
@@ -204,7 +204,8 @@ def test_dataset_info_hub_entries_download_once_with_their_subset_and_split(tmp_
         _data(tmp_path, "data.datasets=[wrong_subset]", cache)
     with pytest.raises(UserError, match=r"wrong_split`: the hub dataset acme/chat has no `validation` split \(found: train, test\)"):
         _data(tmp_path, "data.datasets=[wrong_split]", cache)
-    with pytest.raises(UserError, match=r"could not download from the hf hub \(ValueError: Repository Not Found.*set data.source to that folder"):
+    with pytest.raises(UserError, match=r"could not download from the hf hub \(ValueError: Repository Not Found"
+                                        r".*set data.source to that folder"):
         _data(tmp_path, "data.datasets=[missing]", cache)
 
 

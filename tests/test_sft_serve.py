@@ -12,13 +12,13 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import LABELS, write_tiny_adapter
-from server_harness import running
 
+from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
 from emotune.config import ServeConfig, load_config
 from emotune.serve import build_engine, create_app
 from emotune.serve.chat import StopFilter
+from server_harness import running
 
 SYSTEM = "reply with one word"
 TEXTS = ["i am so happy today", "my friend was furious"]
@@ -72,7 +72,7 @@ def test_predict_answers_in_free_text_under_the_system_prompt(sft_run, tiny_mode
     assert main(["predict", str(sft_run), *TEXTS, "--max-new-tokens", "8"]) == 0
     longer = [line["output"] for line in _json_lines(capsys.readouterr().out)]
     assert longer == reference_replies(tiny_model_dir, sft_run / "adapter", TEXTS, 8)
-    assert any(len(a.split()) > len(b.split()) for a, b in zip(longer, expected))
+    assert any(len(a.split()) > len(b.split()) for a, b in zip(longer, expected, strict=False))
 
     source, out = tmp_path / "in.csv", tmp_path / "out.csv"
     source.write_text("id,prompt\n" + "".join(f"{i},{t}\n" for i, t in enumerate(TEXTS)), encoding="utf-8")

@@ -14,8 +14,16 @@ from emotune import stats
 from emotune.errors import UserError
 from emotune.evaluate import EvalResult, compute_metrics
 from emotune.rundir import RunDir
-from emotune.stats import (bootstrap_ci, classification_intervals, mcnemar, paired_bootstrap_delta,
-                           paired_classification, paired_comparison, resample_indices, verdict)
+from emotune.stats import (
+    bootstrap_ci,
+    classification_intervals,
+    mcnemar,
+    paired_bootstrap_delta,
+    paired_classification,
+    paired_comparison,
+    resample_indices,
+    verdict,
+)
 
 LABELS = ["a", "b", "c"]
 
@@ -165,7 +173,7 @@ def test_paired_bootstrap_delta_sees_a_clear_drop_and_no_change():
 def test_mean_intervals_use_the_same_draws_as_the_label_intervals():
     # accuracy is the mean of per-row 0/1 scores, so both routes give the same interval
     gold, _, after = _random_case(80, seed=3)
-    correct = [float(g == p) for g, p in zip(gold, after)]
+    correct = [float(g == p) for g, p in zip(gold, after, strict=False)]
     assert list(bootstrap_ci(correct)) == pytest.approx(
         classification_intervals(gold, after, LABELS)["accuracy"]["interval"], abs=1e-6)
 
@@ -176,7 +184,7 @@ def test_mean_intervals_use_the_same_draws_as_the_label_intervals():
 
 def _result(texts: list[str], gold: list[str], predicted: list[str], method: str) -> EvalResult:
     metrics = {**compute_metrics(gold, predicted, LABELS), "method": method}
-    return EvalResult(rows=[{"text": t, "gold": g, "predicted": p} for t, g, p in zip(texts, gold, predicted)],
+    return EvalResult(rows=[{"text": t, "gold": g, "predicted": p} for t, g, p in zip(texts, gold, predicted, strict=False)],
                       metrics=metrics)
 
 

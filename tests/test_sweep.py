@@ -26,10 +26,7 @@ from emotune.sweep_backends import Job, Slot, device_slots, run_local, run_logge
 from emotune.sweep_search import ListSource, OptunaSource, Outcome
 from emotune.sweep_space import Param, Trial, ablation_trials, grid_trials, parse_grid, parse_param, trial_name
 from emotune.sweep_table import Result, ablation_table, format_markdown, format_text, read_result, trial_table, write_tables
-
 from killable import run_emotune, snapshot
-
-
 
 # --------------------------------------------------------------------------------------------------
 # Grids, ablations and their names

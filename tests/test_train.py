@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from conftest import LABELS, make_rows
 from emotune import train as train_mod
 from emotune.batches import collate, completion_loss, epoch_batches, forward_passes, rank_share
-from emotune.tasks.classify import encode_examples
 from emotune.cli import main
 from emotune.config import PromptConfig
+from emotune.tasks.classify import encode_examples
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from conftest import write_jsonl
 from emotune.config import CleaningConfig, DataConfig, load_config
 from emotune.data import load_data
 from emotune.data.clean import clean_text
 from emotune.data.prepare import format_cleaning
-
-from conftest import write_jsonl
 
 ONLY_TEXT_STEPS = dict(control_chars=False, whitespace=False, unicode_nfc=False)
 WEIBO_STEPS = ("unicode_nfkc", "weibo_reposts", "weibo_topics", "weibo_emoticons")

@@ -15,7 +15,6 @@ from matplotlib.text import Text
 
 import emotune
 from emotune.cli import main
-
 from test_fonts import glyph_sources
 
 LABELS = ["喜悦", "愤怒", "悲伤", "恐惧", "惊讶", "厌恶", "中性"]

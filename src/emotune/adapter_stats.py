@@ -38,7 +38,7 @@ def adapter_stats(adapter_dir: Path) -> dict:
     modules = [_lora_module(name, a, b, alpha, rslora) for name, (a, b) in sorted(pairs.items())]
     modules += [_full_module(name, w) for name, w in sorted(full.items())]
     b_entries = {}
-    for name, (a, b) in pairs.items():
+    for name, (_a, b) in pairs.items():
         b_entries.setdefault(group_of(name), []).append(b.ravel())
     for name, w in full.items():
         b_entries.setdefault(group_of(name), []).append(w.ravel())

@@ -20,9 +20,9 @@ When every row starts with the same tokens (a classifier's system prompt and use
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -2,9 +2,9 @@
 
 A checkpoint is written into `step-NNNNNN.partial` and then renamed to `step-NNNNNN` (emotune.rundir's
 atomic_dir): a rename is atomic, so every `step-*` folder is complete and a crash leaves at most a
-`.partial` folder, which the next run deletes. It holds the trainable weights, optimizer, scheduler and grad-scaler state, every
-process's RNG state (dropout masks), the weights with the best validation loss so far, and the progress (step, best validation loss, log history); the
-data position is the step itself, because batch order is a pure function of the seed and the epoch.
+`.partial` folder, which the next run deletes. It holds the trainable weights, optimizer, scheduler and grad-scaler state,
+every process's RNG state (dropout masks), the weights with the best validation loss so far, and the progress (step, best
+validation loss, log history); the data position is the step itself, because batch order is a pure function of the seed and the epoch.
 
 Under FSDP2 every parameter is a DTensor holding this process's shard. The functions below gather
 the trainable weights and the optimizer state to full tensors (collectives: every process calls them,

@@ -198,7 +198,8 @@ def check_comparable(entries: list[Entry], allow_mismatch: bool) -> None:
             entry.comparable, entry.note = False, "; ".join(reasons)
             problems.append(f"{entry.run} ({entry.name}): {entry.note}")
     if problems and not allow_mismatch:
-        raise UserError(f"These runs were not measured on the same {'test rows' if first.kind == SFT else 'labels and test rows'} as {first.run}, so their "
+        measured_on = "test rows" if first.kind == SFT else "labels and test rows"
+        raise UserError(f"These runs were not measured on the same {measured_on} as {first.run}, so their "
                         f"numbers cannot be compared: {' · '.join(problems)}. Compare runs made with the same data "
                         "section and eval.split, or pass --allow-mismatch to show them marked not comparable.")
 

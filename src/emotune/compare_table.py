@@ -88,7 +88,7 @@ def setup_table(table: dict) -> tuple[list[str], list[list[str]]]:
 
 def _text(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(terminal.width(line[i]) for line in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(terminal.ljust(cell, width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
+    lines = ["  ".join(terminal.ljust(cell, width) for cell, width in zip(line, widths, strict=False)).rstrip() for line in [header, *rows]]
     return "\n".join([lines[0], "-" * terminal.width(lines[0]), *lines[1:]])
 
 
@@ -175,7 +175,8 @@ def _per_class_table(table: dict) -> str:
 
 def html_page(table: dict) -> str:
     sections = [f"<section id=quality><h2>Quality</h2>{_html_table(*quality_table(table), 'after fine-tuning')}</section>",
-                f"<section id=setup><h2>Setup and cost</h2>{_html_table(*setup_table(table), 'from config.yaml, run.json and the training log')}</section>",
+                f"<section id=setup><h2>Setup and cost</h2>"
+                f"{_html_table(*setup_table(table), 'from config.yaml, run.json and the training log')}</section>",
                 _per_class_table(table),
                 "<section id=notes><h2>Notes</h2>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes(table)) + "</section>"]
     return page("emotune compare", sections)

@@ -442,7 +442,7 @@ class TrainConfig(Section):
         return value.strip() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _steps_or_budget(self) -> "TrainConfig":
+    def _steps_or_budget(self) -> TrainConfig:
         if self.time_budget is not None and self.max_steps > 0:
             raise ValueError(f"`train.time_budget` ({self.time_budget}) and `train.max_steps` ({self.max_steps}) both say "
                              "how long to train; set one of them: train.max_steps=-1 to train by the budget, or "

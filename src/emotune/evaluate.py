@@ -20,15 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import Dataset
-from sklearn.metrics import (accuracy_score, confusion_matrix, f1_score, log_loss, precision_recall_fscore_support,
-                             top_k_accuracy_score)
+from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, log_loss, precision_recall_fscore_support, top_k_accuracy_score
 
 from emotune.config import EvalConfig, PromptConfig
 from emotune.data import prompt_messages, system_prompt
 from emotune.models import stop_token_ids
 from emotune.replies import INVALID, extract_label, label_pattern
-from emotune.scoring import LabelScorer, run_in_batches
 from emotune.rundir import atomic_file, write_json
+from emotune.scoring import LabelScorer, run_in_batches
 
 
 @dataclass
@@ -62,7 +61,7 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
                                    eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                    top_p=None, top_k=None, temperature=None)
         new_tokens = generated[:, enc["input_ids"].shape[1]:]
-        for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True)):
+        for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=False):
             outputs[i] = text.strip()
 
     was_training = model.training
@@ -92,14 +91,14 @@ def evaluate(model, tokenizer, dataset: Dataset, labels: list[str], prompt: Prom
         probs = log_probs.softmax(-1)
         predicted = [labels[i] for i in probs.argmax(-1).tolist()]
         metrics = {**compute_metrics(gold, predicted, labels), **probability_metrics(gold, probs.numpy(), labels)}
-        rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row)}}
-                for t, g, p, row in zip(texts, gold, predicted, probs.tolist())]
+        rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row, strict=False)}}
+                for t, g, p, row in zip(texts, gold, predicted, probs.tolist(), strict=False)]
     else:
         raw = generate_outputs(model, tokenizer, texts, prompt, labels, cfg, f"{desc} (generate)", batch_size)
         pattern = label_pattern(labels)
         predicted = [extract_label(output, labels, pattern) for output in raw]
         metrics = compute_metrics(gold, predicted, labels)
-        rows = [{"text": t, "gold": g, "raw_output": r, "predicted": p} for t, g, r, p in zip(texts, gold, raw, predicted)]
+        rows = [{"text": t, "gold": g, "raw_output": r, "predicted": p} for t, g, r, p in zip(texts, gold, raw, predicted, strict=False)]
     seconds = time.perf_counter() - started
     metrics.update(method=method, batch_size=batch_size, seconds=round(seconds, 2),
                    rows_per_s=round(len(texts) / seconds, 2) if seconds else None)
@@ -176,7 +175,7 @@ def compute_metrics(gold: list[str], predicted: list[str], labels: list[str]) ->
         "invalid": sum(p == INVALID for p in predicted),
         "per_class": {
             label: {"precision": float(p), "recall": float(r), "f1": float(s), "support": int(n)}
-            for label, p, r, s, n in zip(labels, precision, recall, f1, support)
+            for label, p, r, s, n in zip(labels, precision, recall, f1, support, strict=False)
         },
         "confusion_matrix": {
             "labels": matrix_labels,

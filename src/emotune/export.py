@@ -35,6 +35,7 @@ from emotune.errors import UserError
 from emotune.head import classifier_from_causal, encode_texts, load_classifier
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 from emotune.rundir import RunDir, atomic_dir
+
 # vLLM's --max-lora-rank only accepts these values (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

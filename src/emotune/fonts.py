@@ -11,10 +11,10 @@ characters DejaVu Sans lacks come from the CJK font. Without the package, CJK fo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 LATIN = "DejaVu Sans"  # matplotlib's default, shipped inside matplotlib itself
 # Families whose name says CJK, tried when the packaged font is missing (order: most common on Linux first).

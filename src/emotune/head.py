@@ -266,7 +266,7 @@ def class_metrics(predicted: torch.Tensor, gold: torch.Tensor, num_labels: int) 
     from sklearn.metrics import f1_score
 
     gold_, predicted_ = gold.tolist(), predicted.tolist()
-    return {"eval_accuracy": sum(g == p for g, p in zip(gold_, predicted_)) / max(len(gold_), 1),
+    return {"eval_accuracy": sum(g == p for g, p in zip(gold_, predicted_, strict=False)) / max(len(gold_), 1),
             "eval_macro_f1": float(f1_score(gold_, predicted_, labels=list(range(num_labels)), average="macro",
                                             zero_division=0))}
 

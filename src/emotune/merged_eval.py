@@ -25,8 +25,8 @@ and measured is returned as a record that goes into the evaluation's metrics.jso
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

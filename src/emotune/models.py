@@ -13,8 +13,7 @@ from typing import NamedTuple
 
 import torch
 from platformdirs import user_cache_dir
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from emotune.config import ModelConfig
 from emotune.device import Precision, choose_precision
@@ -148,7 +147,8 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
         return local_dir
     how = (f"Download it first where the hub is reachable (e.g. `hf download {repo_id} --local-dir models/{repo_id.split('/')[-1]}`"
            if hub == "hf" else
-           f"Download it first where ModelScope is reachable (e.g. `modelscope download --model {repo_id} --local_dir models/{repo_id.split('/')[-1]}`")
+           f"Download it first where ModelScope is reachable (e.g. `modelscope download --model {repo_id} "
+           f"--local_dir models/{repo_id.split('/')[-1]}`")
     how += ") and set model.source to that folder."
     try:
         if hub == "modelscope":

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin,
-                               parse_flag_from_env)
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
 from transformers import PreTrainedModel
 
 from emotune.config import TrainConfig
@@ -145,7 +144,7 @@ def average_gradients(params: list[torch.nn.Parameter], accelerator: Accelerator
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
         torch.distributed.all_reduce(flat)
         flat /= accelerator.num_processes
-        for p, piece in zip(group, flat.split([p.numel() for p in group])):
+        for p, piece in zip(group, flat.split([p.numel() for p in group]), strict=False):
             p.grad = piece.view_as(p)
 
 

@@ -14,9 +14,9 @@ is touched (`Context.validate`), so a bad input never costs a finished run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import AutoConfig, set_seed
@@ -28,8 +28,7 @@ from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
 from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
-from emotune.models import (Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir,
-                            weights_dtype)
+from emotune.models import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
 from emotune.tasks import task_for
 

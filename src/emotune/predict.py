@@ -17,12 +17,12 @@ import torch
 from tqdm.auto import tqdm
 
 from emotune import device as device_mod
+from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.errors import UserError
 from emotune.head import head_probabilities
+from emotune.models import weights_dtype
 from emotune.rundir import atomic_file
 from emotune.scoring import score_label_probs
-from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
-from emotune.models import weights_dtype
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
@@ -88,7 +88,7 @@ def predict_cli(target: str, texts: list[str], file: str | None, out: str | None
     classifier = Classifier(artifact, device)
     if rows is None:
         probs = classifier.probs(texts, batch_size)
-        for text, row in zip(texts, probs.tolist()):
+        for text, row in zip(texts, probs.tolist(), strict=False):
             print(json.dumps({"text": text, **labelled(row, artifact.labels)}, ensure_ascii=False))
         return 0
     probs = _probs_with_progress(classifier, rows[text_column].astype(str).tolist(), batch_size)
@@ -101,7 +101,7 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, t
             batch_size: int, max_new_tokens: int) -> int:
     """An sft model's replies: one JSON line per text, or the input columns plus `output` in `out`."""
     if rows is None:
-        for text, reply in zip(texts, generator.replies(texts, max_new_tokens, batch_size)):
+        for text, reply in zip(texts, generator.replies(texts, max_new_tokens, batch_size), strict=False):
             print(json.dumps({"text": text, "output": reply}, ensure_ascii=False))
         return 0
     result = rows.copy()
@@ -114,7 +114,7 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, t
 
 def labelled(probs: list[float], labels: list[str]) -> dict:
     best = max(range(len(labels)), key=probs.__getitem__)
-    return {"label": labels[best], "probs": {label: round(p, 6) for label, p in zip(labels, probs)}}
+    return {"label": labels[best], "probs": {label: round(p, 6) for label, p in zip(labels, probs, strict=False)}}
 
 
 def _probs_with_progress(classifier: Classifier, texts: list[str], batch_size: int) -> torch.Tensor:

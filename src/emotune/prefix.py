@@ -164,7 +164,7 @@ def _layers_set(layers: list[torch.nn.Module], name: str, value):
     try:
         yield
     finally:
-        for layer, before in zip(layers, own):
+        for layer, before in zip(layers, own, strict=False):
             if before is _CLASS_VALUE:
                 delattr(layer, name)
             else:

@@ -113,7 +113,7 @@ def render_prompt(tokenizer, question: ProbeQuestion, method: str = "letter") ->
     if method == "option":
         content = question.question
     else:
-        options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, question.choices))
+        options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, question.choices, strict=False))
         content = f"{question.question}\n\n{options}\n\n{INSTRUCTIONS[question.lang]}"
     return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
@@ -132,7 +132,7 @@ def option_token_ids(tokenizer, prompt: str, choices: tuple[str, ...]) -> tuple[
             options.append(full[len(prompt_ids):])
         else:
             options.append(tokenizer(choice, add_special_tokens=False)["input_ids"])
-    empty = [c for c, ids in zip(choices, options) if not ids]
+    empty = [c for c, ids in zip(choices, options, strict=False) if not ids]
     if empty:
         raise_problems("The tokenizer", [f"the option {c!r} tokenizes to no tokens" for c in empty])
     return prompt_ids, options
@@ -187,10 +187,10 @@ class ProbeResult:
                     method: str = "option") -> ProbeResult:
         """The result for these questions given each one's option scores (argmax = the answer)."""
         predicted = [max(range(len(row)), key=row.__getitem__) for row in option_scores]
-        correct = [p == q.answer for p, q in zip(predicted, questions)]
+        correct = [p == q.answer for p, q in zip(predicted, questions, strict=False)]
         per_lang = {}
         for lang in sorted({q.lang for q in questions}):
-            flags = [float(c) for c, q in zip(correct, questions) if q.lang == lang]
+            flags = [float(c) for c, q in zip(correct, questions, strict=False) if q.lang == lang]
             low, high = bootstrap_ci(flags)
             per_lang[lang] = {"n": len(flags), "accuracy": sum(flags) / len(flags), "low": low, "high": high}
         return cls(ids=[q.id for q in questions], langs=[q.lang for q in questions], predicted=predicted,
@@ -229,7 +229,7 @@ def _option_loglik(model, prompts: list[list[int]], options: list[list[int]], pa
     over its option tokens. Rows end together, so only the last `longest option` positions are projected onto
     the vocabulary (`logits_to_keep`)."""
     device = next(model.parameters()).device
-    input_ids, mask, positions = _left_padded([p + o for p, o in zip(prompts, options)], pad_id, device)
+    input_ids, mask, positions = _left_padded([p + o for p, o in zip(prompts, options, strict=False)], pad_id, device)
     keep = max(map(len, options))
     # the logits at the last keep + 1 positions but the very last predict the last `keep` tokens
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
@@ -266,10 +266,10 @@ def score_probe(model, tokenizer, questions: list[ProbeQuestion], batch_size: in
 
         def step(rows: list[int]) -> None:
             got = _letter_logprobs(model, [encoded[i] for i in rows], [letters[i] for i in rows], pad_id)
-            for i, row in zip(rows, got):
+            for i, row in zip(rows, got, strict=False):
                 scores[i] = row
     else:
-        pairs = [option_token_ids(tokenizer, p, q.choices) for p, q in zip(prompts, questions)]
+        pairs = [option_token_ids(tokenizer, p, q.choices) for p, q in zip(prompts, questions, strict=False)]
         rows_of = [(i, j) for i, q in enumerate(questions) for j in range(len(q.choices))]
         length = [len(pairs[i][0]) + len(pairs[i][1][j]) for i, j in rows_of]
         order = sorted(range(len(rows_of)), key=length.__getitem__)
@@ -278,7 +278,7 @@ def score_probe(model, tokenizer, questions: list[ProbeQuestion], batch_size: in
             picked = [rows_of[r] for r in rows]
             got = _option_loglik(model, [pairs[i][0] for i, _ in picked], [pairs[i][1][j] for i, j in picked],
                                  pad_id)
-            for (i, j), value in zip(picked, got):
+            for (i, j), value in zip(picked, got, strict=False):
                 scores[i][j] = value
 
     was_training = model.training
@@ -305,8 +305,8 @@ def compare_probe(before: ProbeResult, after: ProbeResult, confidence: float = 0
                          f"and {after.method!r}.")
 
     def paired(keep: list[bool]) -> dict:
-        b = [float(c) for c, k in zip(before.correct, keep) if k]
-        a = [float(c) for c, k in zip(after.correct, keep) if k]
+        b = [float(c) for c, k in zip(before.correct, keep, strict=False) if k]
+        a = [float(c) for c, k in zip(after.correct, keep, strict=False) if k]
         delta = paired_bootstrap_delta(b, a, confidence=confidence)
         return {"n": len(b), "accuracy_before": sum(b) / len(b), "accuracy_after": sum(a) / len(a), **delta}
 

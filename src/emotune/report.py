@@ -105,7 +105,7 @@ def _loss_section(run: RunDir) -> str:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for points, name, marker in ((train, "training", "."), (val, "validation", "o")):
         if points:
-            ax.plot(*zip(*points), marker=marker, label=name)
+            ax.plot(*zip(*points, strict=False), marker=marker, label=name)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title("Training and validation loss")
@@ -155,7 +155,8 @@ def embed_figure(fig, path: Path, alt: str) -> str:
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>
-body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; padding: 0 1rem; }}
+body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px; color: #222;
+       padding: 0 1rem; }}
 h1 {{ font-size: 1.6rem; }} h2 {{ border-bottom: 2px solid #ddd; padding-bottom: .3rem; margin-top: 2.5rem; }}
 table {{ border-collapse: collapse; margin: .8rem 0; }}
 td, th {{ border: 1px solid #ddd; padding: .3rem .6rem; text-align: left; vertical-align: top; }}

@@ -17,6 +17,7 @@ from emotune.adapter_stats import adapter_stats
 from emotune.report import embed_figure
 from emotune.rundir import RunDir, write_json
 
+
 def training_section(run: RunDir) -> str:
     parts = ["<section id=training><h2>What training did: gradient norms and adapter weights</h2>",
              _gradient_part(run), _adapter_part(run), "</section>"]

@@ -19,10 +19,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 from emotune.errors import UserError
 
@@ -196,7 +196,8 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
         if overwrite:
             move_aside(run)
         elif run.is_finished():
-            raise UserError(f"The run folder `{root}` holds a finished run{' made with other data' if other_data else ''}. Pass overwrite=true to replace it (the old "
+            raise UserError(f"The run folder `{root}` holds a finished run{' made with other data' if other_data else ''}. "
+                            "Pass overwrite=true to replace it (the old "
                             f"run is kept as `{run.previous.name}` until the new one finishes), or name=<new name> to keep both.")
         elif other_data or _comparable(run.saved_config()) != _comparable(config_text):
             raise UserError(f"The run folder `{root}` holds an unfinished run made with a different config or data, so it "

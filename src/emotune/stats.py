@@ -15,7 +15,7 @@ interval uses the same draws for both sides, so it measures the difference on th
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from scipy.stats import binomtest
@@ -188,8 +188,8 @@ def mcnemar(gold: list[str], before: list[str], after: list[str]) -> dict:
     continuity correction; 1.0 when no row changed)."""
     _same_length(gold, before, "gold and before labels")
     _same_length(gold, after, "gold and after labels")
-    b = sum(g == x and g != y for g, x, y in zip(gold, before, after))
-    c = sum(g != x and g == y for g, x, y in zip(gold, before, after))
+    b = sum(g == x and g != y for g, x, y in zip(gold, before, after, strict=False))
+    c = sum(g != x and g == y for g, x, y in zip(gold, before, after, strict=False))
     p_value = float(binomtest(b, b + c, 0.5).pvalue) if b + c else 1.0
     return {"b": b, "c": c, "p_value": min(p_value, 1.0)}
 

@@ -33,8 +33,16 @@ from emotune.rundir import PREVIOUS, RunDir, read_json, remove_partial_writes, w
 from emotune.sweep_backends import Job, device_slots, require_ray, run_local, run_ray
 from emotune.sweep_search import ListSource, OptunaSource, Outcome, require_optuna
 from emotune.sweep_space import SEARCH_MODES, Param, Trial, ablation_trials, grid_trials, is_spec, parse_grid, split_values
-from emotune.sweep_table import (DEFAULT_METRIC, TASK_METRICS, ablation_table, direction_of, format_text, read_result,
-                                 trial_table, write_tables)
+from emotune.sweep_table import (
+    DEFAULT_METRIC,
+    TASK_METRICS,
+    ablation_table,
+    direction_of,
+    format_text,
+    read_result,
+    trial_table,
+    write_tables,
+)
 
 MANIFEST = "sweep.json"
 JOURNAL = "optuna.journal"

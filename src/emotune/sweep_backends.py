@@ -20,10 +20,11 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 from emotune.errors import UserError
 from emotune.sweep_search import Outcome

@@ -15,8 +15,9 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 SEARCH_MODES = ("random", "tpe")
 RANGE_KINDS = ("loguniform", "uniform", "int")

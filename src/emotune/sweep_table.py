@@ -208,8 +208,8 @@ def _title(trials: int, metric: str, direction: str, variants: int | None = None
 
 
 def format_text(table: Table) -> str:
-    widths = [max(terminal.width(str(cell)) for cell in column) for column in zip(table.headers, *table.rows)]
-    line = lambda cells: "  ".join(terminal.ljust(str(c), w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    widths = [max(terminal.width(str(cell)) for cell in column) for column in zip(table.headers, *table.rows, strict=False)]
+    line = lambda cells: "  ".join(terminal.ljust(str(c), w) for c, w in zip(cells, widths, strict=False)).rstrip()  # noqa: E731
     return "\n".join([table.title, line(table.headers), "  ".join("-" * w for w in widths), *map(line, table.rows)])
 
 

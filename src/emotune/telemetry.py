@@ -24,10 +24,11 @@ import json
 import math
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 MiB = 2**20
 
@@ -347,10 +348,10 @@ def figure(rows: list[dict]):
             starts.append((offset + row["elapsed_s"], row["stage"]))
         x.append(offset + row["elapsed_s"])
         last = row
-    for ax, (title, names) in zip(axes[:, 0], panels):
+    for ax, (title, names) in zip(axes[:, 0], panels, strict=False):
         for name in names:
-            points = [(t, r[name]) for t, r in zip(x, rows) if name in r]
-            ax.plot(*zip(*points), label=name, linewidth=1.2)
+            points = [(t, r[name]) for t, r in zip(x, rows, strict=False) if name in r]
+            ax.plot(*zip(*points, strict=False), label=name, linewidth=1.2)
         for start, stage in starts:
             ax.axvline(start, color="#999", linewidth=0.8, linestyle=":")
             ax.annotate(stage, (start, 1), xycoords=("data", "axes fraction"), fontsize=7, va="top", color="#555")

@@ -47,7 +47,7 @@ def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
 
     A row whose prediction or reference has no tokens scores 0 (the `rouge_score` convention)."""
     _same_length(predictions, references)
-    return [_ROUGE.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references)]
+    return [_ROUGE.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references, strict=False)]
 
 
 def bleu_tokenize(references: list[str]) -> str:

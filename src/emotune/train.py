@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import perf_counter
-from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -38,13 +38,24 @@ from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
 from emotune.lora import attach_lora, checkpoint_activations
-from emotune.parallel import (any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare,
-                             refuse_tied_modules_to_save)
-from emotune.train_plan import (Plan, announce, best_word, calibration, describe_plan, fit_budget, global_batch, make_plan,
-                                replan, replan_step, replan_words,
-                                pass_token_cap)
+from emotune.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.rundir import RunDir, remove_partial_writes
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
+from emotune.train_plan import (
+    Plan,
+    announce,
+    best_word,
+    calibration,
+    describe_plan,
+    fit_budget,
+    global_batch,
+    make_plan,
+    pass_token_cap,
+    replan,
+    replan_step,
+    replan_words,
+)
+
 
 @dataclass
 class Progress:

@@ -87,7 +87,7 @@ def plot_losses(history: list[dict], path: Path) -> None:
     for key, label in (("loss", "training"), ("eval_loss", "validation")):
         points = [(e["step"], e[key]) for e in history if key in e]
         if points:
-            ax.plot(*zip(*points), marker="o" if key == "eval_loss" else None, label=label)
+            ax.plot(*zip(*points, strict=False), marker="o" if key == "eval_loss" else None, label=label)
     ax.set(xlabel="optimizer step", ylabel="loss per completion token", title="emotune training")
     ax.legend()
     fig.tight_layout()

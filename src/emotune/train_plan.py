@@ -21,10 +21,10 @@ and the learning-rate schedule is rebuilt for the new last step (its warm-up ste
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from time import perf_counter
-from typing import Callable
 
 import torch
 
@@ -361,7 +361,8 @@ def _plan_words(plan: Plan, t: TrainConfig, rows: int) -> str:
                   else "")
     ends = (f"; train.num_train_epochs={t.num_train_epochs:g} ends it before the budget"
             if d["limited_by"] == "num_train_epochs" else "")
-    return (f"{d['steps']} optimizer step{'s' if d['steps'] > 1 else ''} of {d['effective_batch']} rows ({d['rows_trained']} rows, {d['epochs']:.2f} "
+    return (f"{d['steps']} optimizer step{'s' if d['steps'] > 1 else ''} of {d['effective_batch']} rows "
+            f"({d['rows_trained']} rows, {d['epochs']:.2f} "
             f"epochs) at {d['seconds_per_step']:.2f} s per step (measured){validation}, measuring "
             f"{d['calibration_seconds']:.1f} s: expected {_duration(d['expected_seconds'])} of "
             f"{_duration(d['budget_seconds'])}{ends}.")

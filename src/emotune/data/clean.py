@@ -171,7 +171,7 @@ def truncate_to_tokens(texts: list[str], tokenizer, max_tokens: int) -> list[str
             continue
         enc = tokenizer(batch, add_special_tokens=False, truncation=True, max_length=max_tokens,
                         return_offsets_mapping=True)
-        for text, offsets in zip(batch, enc["offset_mapping"]):
+        for text, offsets in zip(batch, enc["offset_mapping"], strict=False):
             end = max((o[1] for o in offsets), default=0)
             out.append(text[:end].rstrip())
     return out

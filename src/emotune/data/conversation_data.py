@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from emotune.config import CleaningConfig, SftDataConfig
-from emotune.data import clean, splits as split_ops
+from emotune.data import clean
+from emotune.data import splits as split_ops
 from emotune.data.conversations import Conversation, detect_format, normalise, required_columns
 from emotune.data.dataset_info import Entry, has_dataset_info, read_entries
 from emotune.data.read import read_table
@@ -216,7 +217,7 @@ def _remove_leakage(pools: dict[str, list[Conversation]], how: str) -> tuple[dic
         if not pools[split]:
             continue
         leaked = clean.occurs_in(_hashes(pools[split], how), seen)
-        out[split] = [c for c, bad in zip(pools[split], leaked) if not bad]
+        out[split] = [c for c, bad in zip(pools[split], leaked, strict=False) if not bad]
         removed[split] = int(leaked.sum())
     return out, removed
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import csv
 import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc

@@ -121,8 +121,9 @@ def _files(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
         if raw.get(key):
             inner = snapshot / str(raw[key])
             if not inner.is_dir():
+                found = sorted(p.name for p in snapshot.iterdir() if p.is_dir() and not p.name.startswith("."))
                 problems.append(f"{where}: the hub dataset {hub[1]} has no folder `{raw[key]}` (its `{key}`); "
-                                f"folders found: {', '.join(sorted(p.name for p in snapshot.iterdir() if p.is_dir() and not p.name.startswith('.'))) or 'none'}")
+                                f"folders found: {', '.join(found) or 'none'}")
                 return None
             snapshot = inner
     found = split_files(snapshot, require_train=False)

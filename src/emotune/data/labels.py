@@ -118,7 +118,7 @@ def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, 
     ids = _ids_written_as_text(label) if not any(mapped) else None
     if ids is not None:
         return map_labels(table.set_column(1, "label", ids), names, cfg, origin, problems)
-    unknown = [value for value, name in zip(distinct, mapped) if name is None]
+    unknown = [value for value, name in zip(distinct, mapped, strict=False) if name is None]
     if unknown:
         problems.append(f"{origin}: column `{cfg.label_column}` has labels {sorted(unknown)[:10]} that are not in the label "
                         f"set {names} (e.g. {example_rows(table, unknown)}). Fix those rows, map them with data.label_aliases, "

@@ -15,7 +15,8 @@ import pyarrow.compute as pc
 from datasets import Dataset
 
 from emotune.config import CleaningConfig, DataConfig
-from emotune.data import clean, splits as split_ops
+from emotune.data import clean
+from emotune.data import splits as split_ops
 from emotune.data.labels import choose_label_names, coerce_columns, example_rows, label_key, map_labels
 from emotune.data.sources import SPLITS, packaged_labels, read_source
 from emotune.errors import UserError, raise_problems
@@ -202,7 +203,7 @@ def _long_rows(table: pa.Table, cfg: CleaningConfig, tokenizer) -> tuple[pa.Tabl
     if len(index) == 0:
         return table, 0, 0
     cut = clean.truncate_to_tokens([texts[i] for i in index], tokenizer, cfg.max_tokens)
-    for i, text in zip(index, cut):
+    for i, text in zip(index, cut, strict=False):
         texts[i] = text
     return table.set_column(0, "text", pa.array(texts, pa.string())), 0, len(index)
 

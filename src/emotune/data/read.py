@@ -10,8 +10,8 @@ from __future__ import annotations
 import codecs
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -160,7 +160,8 @@ def _read_json(path: Path, text: str) -> pa.Table:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""))  # many `.json` files are really JSON Lines
+            # many `.json` files are really JSON Lines
+            return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""))
         raise UserError(f"`{path}` is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}. "
                         "Fix the file there.") from None
     if isinstance(value, dict):

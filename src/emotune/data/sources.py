@@ -82,7 +82,8 @@ def read_source(cfg: DataConfig) -> dict[str, RawSplit]:
         except UserError as err:  # report every unreadable split file at once
             problems.append(str(err))
     if problems:
-        raise UserError(problems[0] if len(problems) == 1 else "\n".join(["The data files have problems:", *(f"  - {p}" for p in problems)]))
+        listed = "\n".join(["The data files have problems:", *(f"  - {p}" for p in problems)])
+        raise UserError(problems[0] if len(problems) == 1 else listed)
     return out
 
 
@@ -225,9 +226,10 @@ def download_hub_dataset(cfg: DataConfig) -> Path:
     local = cache_dir(cfg) / hub / (repo_id.replace("/", "--") + (f"@{cfg.revision}" if cfg.revision else ""))
     if (local / DOWNLOAD_DONE).is_file():
         return local
-    how = (f"Or download it where the hub is reachable (`hf download {repo_id} --repo-type dataset --local-dir data/{repo_id.split('/')[-1]}`"
+    folder = f"data/{repo_id.split('/')[-1]}"
+    how = (f"Or download it where the hub is reachable (`hf download {repo_id} --repo-type dataset --local-dir {folder}`"
            if hub == "hf" else
-           f"Or download it where ModelScope is reachable (`modelscope download --dataset {repo_id} --local_dir data/{repo_id.split('/')[-1]}`")
+           f"Or download it where ModelScope is reachable (`modelscope download --dataset {repo_id} --local_dir {folder}`")
     how += ", then copy the folder here) and set data.source to that folder."
     print(f"Downloading the {hub} dataset {repo_id} into {local} (once) ...", flush=True)
     try:

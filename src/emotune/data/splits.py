@@ -94,7 +94,7 @@ def oversample(table: pa.Table, seed: int) -> tuple[pa.Table, int]:
     names, counts = np.unique(labels, return_counts=True)
     rng = np.random.default_rng(seed)
     extra = [rng.choice(np.flatnonzero(labels == name), counts.max() - count, replace=True)
-             for name, count in zip(names, counts) if count < counts.max()]
+             for name, count in zip(names, counts, strict=False) if count < counts.max()]
     if not extra:
         return table, 0
     index = np.concatenate([np.arange(len(table)), *extra])
@@ -105,7 +105,7 @@ def oversample(table: pa.Table, seed: int) -> tuple[pa.Table, int]:
 def label_counts(table: pa.Table, labels: list[str]) -> dict[str, int]:
     """Rows per label, in label order (0 for a label the table lacks)."""
     values, counts = np.unique(table.column("label").to_numpy(zero_copy_only=False), return_counts=True)
-    found = dict(zip(values, counts.tolist()))
+    found = dict(zip(values, counts.tolist(), strict=False))
     return {label: int(found.get(label, 0)) for label in labels}
 
 

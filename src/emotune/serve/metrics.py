@@ -32,7 +32,7 @@ class Metrics:
         for (name, labels), value in sorted(self.counters.items()):
             lines.append(f"{name}{_labels(dict(labels))} {value:g}")
         for endpoint, counts in sorted(self.latency.items()):
-            for bound, count in zip(self.BUCKETS, counts):
+            for bound, count in zip(self.BUCKETS, counts, strict=False):
                 le = "+Inf" if bound == float("inf") else f"{bound:g}"
                 lines.append(f"emotune_request_seconds_bucket{_labels({'endpoint': endpoint, 'le': le})} {count}")
             lines.append(f"emotune_request_seconds_sum{_labels({'endpoint': endpoint})} {self.latency_sum[endpoint]:.6f}")

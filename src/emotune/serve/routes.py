@@ -134,7 +134,7 @@ async def classify(body: ClassifyRequest, state: ServerState):
     data = []
     for i, row in enumerate(probs.tolist()):
         best = max(range(len(labels)), key=row.__getitem__)
-        data.append({"index": i, "label": labels[best], "probs": dict(zip(labels, row))})
+        data.append({"index": i, "label": labels[best], "probs": dict(zip(labels, row, strict=False))})
     # a JSONResponse skips FastAPI's generic encoder, which costs more than the scoring for small batches
     return JSONResponse({"object": "list", "model": loaded.name, "data": data, "usage": {"texts": len(texts)}})
 

@@ -19,11 +19,9 @@ from emotune.config import ClassifyConfig, PromptConfig
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.errors import UserError
-from emotune.evaluate import (EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation,
-                              write_results)
+from emotune.evaluate import EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
 from emotune.rundir import RunDir
-from emotune.tasks.classify_report import (baseline_notes, compare_methods, format_table, report_sections,
-                                           write_comparison)
+from emotune.tasks.classify_report import baseline_notes, compare_methods, format_table, report_sections, write_comparison
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
            "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",

@@ -23,8 +23,8 @@ from emotune.config import ClassifyHeadConfig, EvalConfig
 from emotune.data import LabeledData, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.errors import UserError
-from emotune.evaluate import (EvalResult, auto_batch_cap, compute_metrics, evaluate as evaluate_method, probability_metrics,
-                              read_predictions, write_results)
+from emotune.evaluate import EvalResult, auto_batch_cap, compute_metrics, probability_metrics, read_predictions, write_results
+from emotune.evaluate import evaluate as evaluate_method
 from emotune.head import classifier_from_causal, encode_texts, head_objective, head_probabilities, is_classifier
 from emotune.rundir import RunDir, read_json
 from emotune.tasks.classify_head_report import compare, format_comparison, report_sections, write_comparison
@@ -76,7 +76,7 @@ def training_rows(data: LabeledData, tokenizer: PreTrainedTokenizerBase, cfg: Cl
         ids = encode_texts(ds["text"], tokenizer, cfg.train.max_length)
         # The loss "span" is the last token, where the head reads the row: each row counts once in the normalisation.
         out.append([Example(row_ids, len(row_ids) - 1, weights[label] if weights else 1.0, label=index[label])
-                    for row_ids, label in zip(ids, ds["label"])])
+                    for row_ids, label in zip(ids, ds["label"], strict=False)])
     return out[0], out[1]
 
 
@@ -123,8 +123,8 @@ def evaluate_head(model, tokenizer, texts: list[str], gold: list[str], labels: l
     metrics = {**compute_metrics(list(gold), predicted, labels), **probability_metrics(list(gold), probs.numpy(), labels)}
     seconds = time.perf_counter() - started
     metrics.update(batch_size=batch_size, seconds=round(seconds, 2), rows_per_s=round(len(texts) / seconds, 2) if seconds else None)
-    rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row)}}
-            for t, g, p, row in zip(texts, gold, predicted, probs.tolist())]
+    rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row, strict=False)}}
+            for t, g, p, row in zip(texts, gold, predicted, probs.tolist(), strict=False)]
     return EvalResult(rows=rows, metrics=metrics)
 
 

@@ -51,7 +51,7 @@ def never_predicted(metrics: dict, labels: list[str]) -> list[str]:
     confusion = metrics.get("confusion_matrix")
     if not confusion:
         return []
-    predicted = dict(zip(confusion["labels"], np.asarray(confusion["matrix"]).sum(axis=0).tolist()))
+    predicted = dict(zip(confusion["labels"], np.asarray(confusion["matrix"]).sum(axis=0).tolist(), strict=False))
     return [label for label in labels
             if predicted.get(label, 0) == 0 and metrics["per_class"][label].get("support", 0) > 0]
 
@@ -324,7 +324,7 @@ def _confusion_figure(before: dict, after: dict | None, labels: list[str], metho
 
     panels = [("before", before)] + ([("after", after)] if after else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), squeeze=False)
-    for ax, (name, metrics) in zip(axes[0], panels):
+    for ax, (name, metrics) in zip(axes[0], panels, strict=False):
         names = metrics["confusion_matrix"]["labels"]
         matrix = np.array(metrics["confusion_matrix"]["matrix"], dtype=float)[:len(labels)]  # gold rows
         if not matrix[:, -1].any():  # no INVALID predictions: drop the empty column
@@ -364,8 +364,8 @@ def _f1_figure(before: dict, after: dict | None, labels: list[str], method: str)
 
 
 def _changed_rows(before: list[dict], after: list[dict], method: str) -> str:
-    fixed = [(b, a) for b, a in zip(before, after) if b["predicted"] != b["gold"] and a["predicted"] == a["gold"]]
-    broken = [(b, a) for b, a in zip(before, after) if b["predicted"] == b["gold"] and a["predicted"] != a["gold"]]
+    fixed = [(b, a) for b, a in zip(before, after, strict=False) if b["predicted"] != b["gold"] and a["predicted"] == a["gold"]]
+    broken = [(b, a) for b, a in zip(before, after, strict=False) if b["predicted"] == b["gold"] and a["predicted"] != a["gold"]]
     parts = []
     for title, pairs in ((f"Wrong → right after fine-tuning ({method})", fixed),
                          (f"Right → wrong after fine-tuning ({method})", broken)):

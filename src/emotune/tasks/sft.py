@@ -17,11 +17,11 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, Fallback, find_artifact
-from emotune.errors import UserError
 from emotune.batches import LANGUAGE_MODEL, Example, Objective
 from emotune.config import SftConfig
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
 from emotune.data.sources import HUB_PREFIXES, SPLITS
+from emotune.errors import UserError
 from emotune.probe import load_probe
 from emotune.rundir import RunDir, atomic_dir, read_json
 from emotune.tasks import sft_eval

@@ -103,7 +103,7 @@ def score_rows(conversations: list[Conversation], outputs: list[str]) -> list[di
     return [{"prompt": c.messages[-2][1], "reference": ref, "output": out, "kind": c.kind or "",
              "rouge_l": round(r, 6), "bleu": round(textmetrics.sentence_bleu(out, ref), 6),
              "exact_match": float(textmetrics.exact_match(out, ref))}
-            for c, ref, out, r in zip(conversations, references, outputs, rouge)]
+            for c, ref, out, r in zip(conversations, references, outputs, rouge, strict=False)]
 
 
 def run_probe(model, tokenizer, cfg: SftConfig, rows: int) -> dict:

@@ -129,14 +129,14 @@ def _pairs_table(pairs: list[tuple[dict, dict]]) -> str:
 
 
 def _samples_section(before: list[dict], after: list[dict], count: int) -> str:
-    pairs = list(zip(before, after))
+    pairs = list(zip(before, after, strict=False))
     step = max(1, len(pairs) // max(count, 1))
     shown = pairs[::step][:count]
     return f"<section id=sft-samples><h2>Sample rows</h2>{_pairs_table(shown)}</section>" if shown else ""
 
 
 def _worse_section(before: list[dict], after: list[dict]) -> str:
-    worse = sorted(((b, a) for b, a in zip(before, after) if float(a["rouge_l"]) < float(b["rouge_l"])),
+    worse = sorted(((b, a) for b, a in zip(before, after, strict=False) if float(a["rouge_l"]) < float(b["rouge_l"])),
                    key=lambda p: float(p[1]["rouge_l"]) - float(p[0]["rouge_l"]))
     more = f"<p>… and {len(worse) - MAX_LISTED_ROWS} more (predictions.csv).</p>" if len(worse) > MAX_LISTED_ROWS else ""
     table = _pairs_table(worse[:MAX_LISTED_ROWS]) if worse else ""
