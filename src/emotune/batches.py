@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from emotune.model.text import soft_capped, softcap_suspended
 from emotune.prefix import cannot_share, model_inputs
 
 CHUNK_TOKENS = 1024  # loss positions per projection chunk: 1 GiB of fp32 logits for a 262,144-entry vocabulary
@@ -291,19 +292,15 @@ def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 def _chunked_completion_loss(model, head: torch.nn.Linear, inputs: dict, batch: dict[str, torch.Tensor],
                              chunk_tokens: int) -> LossParts:
     """The model's forward with the output projection passed through (it returns the kept hidden states),
-    then `chunked_loss`. Gemma's final logit soft-capping is applied inside the chunks instead."""
-    config = getattr(getattr(model, "module", model), "config", None)
-    softcap = getattr(config, "final_logit_softcapping", None)
+    then `chunked_loss`. The final logit soft-capping (Gemma 2-4, read from the text config, where a multimodal
+    wrapper keeps it) is suspended in the forward and applied inside the chunks instead."""
     original = head.forward
     head.forward = lambda hidden: hidden  # the model's forward returns the kept hidden states as its "logits"
     try:
-        if softcap is not None:
-            config.final_logit_softcapping = None
-        hidden = model(**inputs, logits_to_keep=batch["predicts"]).logits
+        with softcap_suspended(model) as softcap:
+            hidden = model(**inputs, logits_to_keep=batch["predicts"]).logits
     finally:
         head.forward = original
-        if softcap is not None:
-            config.final_logit_softcapping = softcap
     hidden = hidden.reshape(-1, hidden.shape[-1])
     return chunked_loss(hidden, head.weight, batch["targets"], batch.get("token_weights"), chunk_tokens, softcap)
 
@@ -328,9 +325,7 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor | None,
                 softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight).float()
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+    logits = soft_capped(F.linear(hidden, weight).float(), softcap)
     per_token = F.cross_entropy(logits, targets, reduction="none")
     loss = (per_token * token_weights).sum() if token_weights is not None else per_token.sum()
     return loss, (logits.detach().argmax(-1) == targets).sum()

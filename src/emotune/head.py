@@ -35,6 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICA
 
 from emotune.batches import Example, LossParts, Objective
 from emotune.errors import UserError
+from emotune.model.text import float32_logits
 from emotune.scoring import run_in_batches
 
 HEAD = "score"  # transformers' name for the head of decoder-only sequence classifiers
@@ -49,7 +50,8 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class MaskPooledHead:
-    """Mixin: the forward of a sequence classifier that pools by the attention mask. The head runs in float32."""
+    """Mixin: the forward of a sequence classifier that pools by the attention mask. The head runs in float32,
+    whatever the dtype of its weights (emotune.model.text.float32_logits)."""
 
     base_model_prefix = BODY
 
@@ -75,8 +77,7 @@ class MaskPooledHead:
                       use_cache=False).last_hidden_state
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         pooled = hidden[rows, last_token_index(attention_mask).to(hidden.device)]
-        head = getattr(self, HEAD)
-        logits = head(pooled.to(next(head.parameters()).dtype))
+        logits = float32_logits(getattr(self, HEAD), pooled)  # a merged head loaded in bf16 still scores in float32
         return SequenceClassifierOutputWithPast(logits=logits)
 
 

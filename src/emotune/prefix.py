@@ -44,6 +44,8 @@ def attention_masks(config, dtype: torch.dtype, allowed: torch.Tensor, query_pos
     """`allowed` [rows, queries, keys] in the form the model's attention takes: one mask per layer type, where a
     sliding-window layer also hides keys `sliding_window` or more positions behind the query (by position, not
     index, so rows padded in the middle are masked as if each stood alone); boolean for sdpa, additive for eager.
+    A config without `layer_types` but with a `sliding_window` (Mistral v0.1, Phi-3) slides every layer, as its
+    model does.
     Used by label scoring (emotune.scoring) and by shared-prefix training."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = sorted(set(getattr(text, "layer_types", None) or []))
@@ -56,8 +58,8 @@ def attention_masks(config, dtype: torch.dtype, allowed: torch.Tensor, query_pos
             return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
         return keep
 
-    if not layer_types:
-        return as_mask(allowed)
+    if not layer_types:  # one mask for every layer; Mistral v0.1 and Phi-3 slide it in every layer (sliding_window set)
+        return as_mask(allowed & (query_pos[:, :, None] - key_pos[:, None, :] < window) if window else allowed)
     masks = {}
     for kind in layer_types:
         keep = allowed

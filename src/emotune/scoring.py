@@ -17,6 +17,7 @@ from emotune.batches import common_prefix_length
 from emotune.config import PromptConfig
 from emotune.data import prompt_messages
 from emotune.errors import UserError
+from emotune.model.text import float32_logits, logit_softcap, soft_capped, unwrapped
 from emotune.models import END_OF_TURN
 from emotune.prefix import MASKED_ATTENTION, attention_masks
 
@@ -84,9 +85,10 @@ class LabelTrie:
 
 
 def _body_and_head(model):
-    """The transformer body (hidden states) and the output projection, looking through a PEFT wrapper."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings(), getattr(base.config, "final_logit_softcapping", None)
+    """The transformer body (hidden states), the output projection and the text model's final logit soft-cap (a
+    multimodal wrapper keeps it in its text config), looking through a PEFT wrapper."""
+    base = unwrapped(model)
+    return base.get_decoder(), base.get_output_embeddings(), logit_softcap(base)
 
 
 class LabelScorer:
@@ -98,7 +100,8 @@ class LabelScorer:
     the prompt and its own path only. Rows are padded in the middle (between the head and the suffix);
     padding is masked and positions are set explicitly, and sliding windows are applied by position, so
     a row scores as it would alone. The vocabulary projection runs only at the end of each prompt and at
-    the label-tree nodes.
+    the label-tree nodes, in float32 whatever the model's dtype (emotune.model.text.float32_logits), then
+    the model's own final soft-cap and the log-softmax, also in float32.
     """
 
     def __init__(self, model, tokenizer, prompt: PromptConfig, labels: list[str], padding_side: str = "left"):
@@ -201,10 +204,7 @@ class LabelScorer:
         last = torch.full_like(lengths, width - 1) if self.padding_side == "left" else lengths - 1
         columns = [last] + [torch.full_like(lengths, width + path_start[m] + j) for m, j in self.trie.node_at]
         node_hidden = hidden[torch.arange(rows, device=device)[:, None], torch.stack(columns, 1)]  # [rows, nodes, hidden]
-        logits = self.head(node_hidden).float()
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        node_logp = logits.log_softmax(-1)
+        node_logp = soft_capped(float32_logits(self.head, node_hidden), self.softcap).log_softmax(-1)
         scores = torch.zeros(rows, len(self.labels), device=device)
         for i, steps in enumerate(self.trie.steps):
             for node, token in steps:

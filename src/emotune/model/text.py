@@ -1,0 +1,90 @@
+"""The text model inside whatever class loaded: its config, its final logit soft-cap, and exact float32 logits.
+
+`AutoModelForCausalLM` loads Gemma 3 4B+, Gemma 3n and Gemma 4 as their multimodal wrappers
+(`Gemma4ForConditionalGeneration`), whose top-level config holds `text_config` and none of the text model's
+attributes: `final_logit_softcapping` (30 in every released Gemma 4 checkpoint) read from the top level is None.
+Every text-model attribute emotune reads goes through `text_config`, so the wrapper and the text class of the same
+weights compute the same (tests/test_equivalence.py).
+
+Label scores are read in float32 whatever the weights' dtype: a bf16 projection rounds every logit to 8 bits of
+mantissa, and labels then tie exactly at the top (issue 28: 1.9 % of rows of a fine-tuned Gemma 3 270M). Upcast,
+a bf16 hidden state and bf16 weight row multiply exactly in float32, so `float32_logits` gives the logits of the
+bf16 model as float32 arithmetic computes them; it runs only at the few positions a score reads.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+VOCAB_ROWS_PER_UPCAST = 16_384
+"""Weight rows upcast to float32 at a time: 16,384 x hidden 2,560 is 168 MB, where the whole Gemma 4 E4B
+vocabulary (262,144 rows) would be 2.7 GB held at once."""
+
+
+def text_config(config):
+    """The config of the text model: `config.text_config` of a multimodal wrapper, `config` itself otherwise."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def unwrapped(model):
+    """The transformers model under DDP (`module`) and PEFT (`get_base_model`) wrappers."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def logit_softcap(model) -> float | None:
+    """The text model's final logit soft-cap (`tanh(logits / cap) * cap`), None where it has none."""
+    return getattr(text_config(unwrapped(model).config), "final_logit_softcapping", None)
+
+
+@contextmanager
+def softcap_suspended(model):
+    """Within the block the model's own forward applies no final soft-cap; yields the cap to apply instead.
+
+    Gemma's forward reads the cap from its text config at every call (the wrapper's forward from
+    `config.get_text_config()`), so the attribute is set to None there and given back afterwards. Set past the
+    config's own `__setattr__`: Gemma 3n's strict config refuses None for the field, which its forward still reads
+    as "no cap"."""
+    config = text_config(unwrapped(model).config)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None:
+        yield None
+        return
+    object.__setattr__(config, "final_logit_softcapping", None)
+    try:
+        yield cap
+    finally:
+        object.__setattr__(config, "final_logit_softcapping", cap)
+
+
+def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def float32_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`head(hidden)` computed in float32 whatever the dtype of the head's weights, gradients kept.
+
+    A plain linear head (every causal LM's output layer, a classifier's `score`) multiplies the upcast hidden
+    states by its weight upcast `VOCAB_ROWS_PER_UPCAST` rows at a time. A wrapper with floating-point weights
+    (PEFT's LoRA or modules_to_save around the head) runs its own forward with every weight upcast. A quantized
+    head (integer weights) keeps its own arithmetic, upcast after: no float32 copy of its weights exists."""
+    hidden = hidden.float()
+    params = dict(head.named_parameters())
+    if all(p.dtype == torch.float32 for p in params.values()):
+        return head(hidden).float()
+    if type(head) is torch.nn.Linear:
+        return _linear_float32(hidden, head.weight, head.bias)
+    if all(p.is_floating_point() for p in params.values()):
+        upcast = {name: p.float() for name, p in params.items()}
+        return torch.func.functional_call(head, upcast, (hidden,), strict=False).float()
+    dtype = next((p.dtype for p in params.values() if p.is_floating_point()), torch.bfloat16)
+    return head(hidden.to(dtype)).float()
+
+
+def _linear_float32(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    pieces = [F.linear(hidden, rows.float()) for rows in weight.split(VOCAB_ROWS_PER_UPCAST)]
+    logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
+    return logits if bias is None else logits + bias.float()

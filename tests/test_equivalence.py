@@ -1,0 +1,324 @@
+"""The equivalence matrix: every path emotune computes a loss, a gradient, a score or a token on, against the model's
+own forward, over every tested family (tests/families.py), in float32.
+
+The reference is always the model itself: the training loss is the model's own loss with `labels` passed (the
+positions outside the loss spans at -100), its gradients the LoRA gradients of that loss; label scores are the
+log-softmax of the model's own logits, one unpadded row at a time; the classification head reads the language
+model's own last hidden state; generation is greedy argmax over the model's own logits, one row at a time, without
+a cache; merged weights give the adapted model's logits. Losses agree within 1e-5 relative, gradients within 1e-5
+absolute (scaled by the tensor's largest entry where that exceeds 1: the fixtures' logits are as sharp as a trained
+model's, and float32 rounding alone moves a gradient entry of 12 by 1e-6 relative); merged logits within 2e-5 of
+the logits' scale. A path a family cannot take exactly must say so (`cannot_share`) and fall back to the plain path.
+
+The quick loop runs every family on the plain path and on all of emotune's training paths at once (chunked loss with
+a small chunk, shared prefix, lean LoRA, lean norm, gradient checkpointing, two accumulated passes), plus scoring,
+the head, generation and merge on a few families; `slow` runs each path alone, and every path on every family.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+
+from conftest import LABELS, build_tokenizer, make_rows
+from emotune import lean_lora, lean_norm
+from emotune.batches import LANGUAGE_MODEL, Example, collate, completion_loss, share_prefix
+from emotune.config import LoraSettings, PromptConfig
+from emotune.data import prompt_messages
+from emotune.evaluate import generate_texts
+from emotune.head import classifier_from_causal, head_loss, head_probabilities
+from emotune.lora import attach_lora, checkpoint_activations
+from emotune.prefix import cannot_share
+from emotune.scoring import LabelScorer, label_token_ids
+from emotune.tasks.classify import encode_examples
+from families import FAMILIES, SOFT_CAPPED, build
+
+CPU = torch.device("cpu")
+SMALL_CHUNK = 5  # loss positions per projection chunk: every pass below has more, so the chunked path runs
+REFERENCE = "gemma4-e4b"
+TRIE_LABELS = ["sadness", "happy", "happy joy", "happy joy today", "love", "very scared"]  # shared token prefixes
+SHORT_PROMPT = PromptConfig(system_prompt="classify the emotion : {labels} .", user_template="{text}")
+TEXTS = ["i feel lonely today", "wow", "my friend was so happy this morning and i am delighted", "hate",
+         "the work was really very gloomy and my friend was so lost today"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("families-tokenizer")
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def classify_rows(tokenizer, n: int = 6) -> list[Example]:
+    """Rows of different lengths (padding happens), longer than the sliding windows, sharing their prompt head."""
+    rows = make_rows(1, seed=5)[:n]
+    for i, row in enumerate(rows):
+        row["text"] = " ".join([row["text"]] * (1 + i % 3))
+    return encode_examples(Dataset.from_list(rows), tokenizer, PromptConfig(), LABELS, max_length=256)
+
+
+def sft_rows(tokenizer) -> list[Example]:
+    """Rows with several loss spans (a conversation's assistant turns): the label and a stretch of the user text."""
+    rows = classify_rows(tokenizer)
+    return [replace(r, spans=((r.completion_start - 9, r.completion_start - 4), (r.completion_start, len(r.input_ids))))
+            for r in rows]
+
+
+def adapted(model, seed: int = 0):
+    """emotune's LoRA (all-linear on the language model, dropout 0) with B != 0, so every adapter has a gradient."""
+    model = attach_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
+    return model.train()
+
+
+def reference_update(model, rows: list[Example], pad_id: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """The model's own mean cross-entropy over the loss tokens of `rows` (labels passed to it) and its gradients."""
+    batch = collate(rows, pad_id, CPU)
+    labels = torch.full_like(batch["input_ids"], -100)
+    predicts = batch["predicts"]
+    labels[:, 1:][predicts[:, :-1]] = batch["input_ids"][:, 1:][predicts[:, :-1]]
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels, use_cache=False).loss
+    loss.backward()
+    return float(loss), _grads(model)
+
+
+def emotune_update(model, rows: list[Example], pad_id: int, paths: set[str]) -> tuple[float, dict[str, torch.Tensor], dict]:
+    """emotune's loss over `rows` on `paths` (the training loop's arithmetic: summed losses of the passes over the
+    step's loss tokens), its gradients, and the shared-prefix choice."""
+    objective, choice = (share_prefix(LANGUAGE_MODEL, rows, "auto", model) if "shared_prefix" in paths
+                         else (LANGUAGE_MODEL, {"used": False}))
+    if "lean_lora" in paths:
+        lean_lora.install(model)
+    if "lean_norm" in paths:
+        lean_norm.install(model)
+    if "checkpointing" in paths:
+        checkpoint_activations(model)
+    passes = [rows[:3], rows[3:]] if "accumulation" in paths else [rows]
+    chunk = SMALL_CHUNK if "chunked" in paths else 10 ** 6
+    model.zero_grad(set_to_none=True)
+    tokens = sum(r.completion_tokens for r in rows)
+    total = 0.0
+    for part in passes:
+        assert "chunked" not in paths or sum(r.completion_tokens for r in part) > SMALL_CHUNK  # several chunks run
+        parts = completion_loss(model, objective.collate(part, pad_id, CPU), chunk)
+        (parts.loss_sum / tokens).backward()
+        total += float(parts.loss_sum.detach())
+    lean_lora.restore(model)
+    lean_norm.restore(model)
+    return total / tokens, _grads(model), choice
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_update(reference, ours) -> None:
+    (loss, grads), (our_loss, our_grads) = reference, ours
+    assert our_loss == pytest.approx(loss, rel=1e-5)
+    assert grads.keys() == our_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():  # 1e-5 absolute on gradients of unit scale; the sharp logits make some larger
+        scale = max(1.0, float(grad.abs().max()))
+        torch.testing.assert_close(our_grads[name], grad, rtol=0, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def check_training(name: str, tokenizer, tokenizer_dir, paths: set[str], rows_of=classify_rows) -> dict:
+    model = adapted(build(name, tokenizer_dir))
+    rows = rows_of(tokenizer)
+    reference = reference_update(model, rows, tokenizer.pad_token_id)
+    loss, grads, choice = emotune_update(model, rows, tokenizer.pad_token_id, paths)
+    assert_same_update(reference, (loss, grads))
+    if "shared_prefix" in paths:  # used, or refused with the reason run.json records
+        assert choice["used"] or choice["reason"] == cannot_share(model), choice
+    return choice
+
+
+ALL_PATHS = {"chunked", "shared_prefix", "lean_lora", "lean_norm", "checkpointing", "accumulation"}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_training_loss_and_gradients_plain(name, tokenizer, tokenizer_dir):
+    check_training(name, tokenizer, tokenizer_dir, set())
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_training_loss_and_gradients_on_every_path_at_once(name, tokenizer, tokenizer_dir):
+    choice = check_training(name, tokenizer, tokenizer_dir, ALL_PATHS)
+    assert choice["used"], choice  # every tested family runs rows after a shared prefix
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", sorted(ALL_PATHS))
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_training_loss_and_gradients_per_path(name, path, tokenizer, tokenizer_dir):
+    check_training(name, tokenizer, tokenizer_dir, {path})
+
+
+@pytest.mark.parametrize("name", [REFERENCE, "gemma3n", "qwen3", "phi3"])
+def test_sft_loss_on_several_spans_chunked(name, tokenizer, tokenizer_dir):
+    check_training(name, tokenizer, tokenizer_dir, {"chunked", "shared_prefix"}, rows_of=sft_rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_sft_loss_on_several_spans_every_family(name, tokenizer, tokenizer_dir):
+    check_training(name, tokenizer, tokenizer_dir, ALL_PATHS, rows_of=sft_rows)
+
+
+def test_soft_capped_families_really_cap(tokenizer, tokenizer_dir):
+    """The fixtures' logits reach where a soft-cap of 30 changes them: an uncapped score would differ visibly."""
+    from emotune.model.text import logit_softcap, softcap_suspended
+
+    ids = torch.tensor([tokenizer("i feel lonely today my friend was so happy")["input_ids"]])
+    for name in SOFT_CAPPED:
+        model = build(name, tokenizer_dir)
+        assert logit_softcap(model) == 30.0, name
+        with torch.no_grad():
+            capped = model(input_ids=ids).logits.log_softmax(-1)
+            with softcap_suspended(model):
+                uncapped = model(input_ids=ids).logits.log_softmax(-1)
+        assert float((capped - uncapped).abs().max()) > 0.5, name
+
+
+# --------------------------------------------------------------------------------------------------
+# Label scoring, the classification head, generation, merge
+
+
+def brute_force_log_probs(model, tokenizer, texts, prompt, labels) -> torch.Tensor:
+    """Sum of the log-softmax of the model's own logits at every label token, one unpadded sequence at a time."""
+    sequences = label_token_ids(tokenizer, prompt, labels)
+    out = torch.zeros(len(texts), len(labels))
+    for r, text in enumerate(texts):
+        rendered = tokenizer.apply_chat_template(prompt_messages(text, prompt, labels), tokenize=False,
+                                                 add_generation_prompt=True)
+        prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        for i, label_ids in enumerate(sequences):
+            with torch.no_grad():
+                logp = model(input_ids=torch.tensor([prompt_ids + label_ids])).logits[0].float().log_softmax(-1)
+            out[r, i] = sum(logp[len(prompt_ids) - 1 + k, token] for k, token in enumerate(label_ids))
+    return out
+
+
+def check_scoring(name: str, tokenizer, tokenizer_dir, with_adapter: bool) -> None:
+    model = build(name, tokenizer_dir)
+    model = adapted(model).eval() if with_adapter else model
+    expected = brute_force_log_probs(model, tokenizer, TEXTS, SHORT_PROMPT, TRIE_LABELS)
+    got = LabelScorer(model, tokenizer, SHORT_PROMPT, TRIE_LABELS).log_probs(TEXTS, batch_size=3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [REFERENCE, "gemma4-text", "gemma3n", "phi3"])
+def test_label_scores_equal_the_models_own(name, tokenizer, tokenizer_dir):
+    check_scoring(name, tokenizer, tokenizer_dir, with_adapter=name == REFERENCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_label_scores_equal_the_models_own_every_family(name, tokenizer, tokenizer_dir):
+    check_scoring(name, tokenizer, tokenizer_dir, with_adapter=True)
+
+
+def check_head(name: str, tokenizer, tokenizer_dir) -> None:
+    causal = build(name, tokenizer_dir)
+    classifier = classifier_from_causal(causal, LABELS, seed=0, init_std=1.0)
+    probs = head_probabilities(classifier, tokenizer, TEXTS, max_length=64, batch_size=3)
+    body, score = causal.get_decoder(), classifier.score.weight
+    expected = []
+    for text in TEXTS:
+        ids = torch.tensor([tokenizer(text)["input_ids"]])
+        with torch.no_grad():
+            hidden = body(input_ids=ids).last_hidden_state[0, -1]
+        expected.append(F.linear(hidden.float(), score.float()))
+    expected = torch.stack(expected)
+    torch.testing.assert_close(probs, expected.softmax(-1), rtol=1e-5, atol=1e-5)
+    from emotune.head import collate_rows
+
+    rows = [Example(tokenizer(t)["input_ids"], 0, label=i % len(LABELS)) for i, t in enumerate(TEXTS)]
+    batch = collate_rows(rows, tokenizer.pad_token_id, CPU)
+    with torch.no_grad():
+        loss = head_loss(classifier, batch).loss_sum
+    own = F.cross_entropy(expected, batch["labels"], reduction="sum")
+    assert float(loss) == pytest.approx(float(own), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", [REFERENCE, "gemma3-4b", "qwen2.5"])
+def test_classification_head_reads_the_models_own_last_hidden_state(name, tokenizer, tokenizer_dir):
+    check_head(name, tokenizer, tokenizer_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_classification_head_every_family(name, tokenizer, tokenizer_dir):
+    check_head(name, tokenizer, tokenizer_dir)
+
+
+def greedy_by_hand(model, tokenizer, prompt: str, new_tokens: int) -> str:
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")}
+    out = []
+    for _ in range(new_tokens):
+        with torch.no_grad():
+            token = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+        if token in stops:
+            break
+        out.append(token)
+    return tokenizer.decode(out, skip_special_tokens=True).strip()
+
+
+def check_generation(name: str, tokenizer, tokenizer_dir) -> None:
+    model = build(name, tokenizer_dir)
+    prompts = [tokenizer.apply_chat_template(prompt_messages(t, SHORT_PROMPT, LABELS), tokenize=False,
+                                             add_generation_prompt=True) for t in TEXTS]
+    got = generate_texts(model, tokenizer, prompts, max_new_tokens=4, batch_size=3, desc=None)
+    assert got == [greedy_by_hand(model, tokenizer, p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("name", [REFERENCE, "llama3"])
+def test_generation_is_greedy_over_the_models_own_logits(name, tokenizer, tokenizer_dir):
+    check_generation(name, tokenizer, tokenizer_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_generation_every_family(name, tokenizer, tokenizer_dir):
+    check_generation(name, tokenizer, tokenizer_dir)
+
+
+def check_merge(name: str, tokenizer, tokenizer_dir) -> None:
+    model = adapted(build(name, tokenizer_dir)).eval()
+    ids = torch.tensor([tokenizer(" ".join(TEXTS))["input_ids"]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        merged = copy.deepcopy(model).merge_and_unload()
+        after = merged(input_ids=ids).logits
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    # float32 rounding of the folded weights, relative to the logits' scale (about 30 here, as a trained model's)
+    torch.testing.assert_close(after, before, rtol=0, atol=2e-5 * float(before.abs().max()))
+
+
+@pytest.mark.parametrize("name", [REFERENCE, "phi4"])
+def test_merged_weights_give_the_adapted_logits(name, tokenizer, tokenizer_dir):
+    check_merge(name, tokenizer, tokenizer_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_merge_every_family(name, tokenizer, tokenizer_dir):
+    check_merge(name, tokenizer, tokenizer_dir)
+
