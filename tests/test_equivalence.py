@@ -105,9 +105,12 @@ def emotune_update(model, rows: list[Example], pad_id: int, paths: set[str]) -> 
     objective, choice = (share_prefix(LANGUAGE_MODEL, rows, "auto", model) if "shared_prefix" in paths
                          else (LANGUAGE_MODEL, {"used": False}))
     if "lean_lora" in paths:
-        lean_lora.install(model)
+        assert lean_lora.install(model) > 0 and lean_lora.describe(model)["own_forward"] == 0
     if "lean_norm" in paths:
         lean_norm.install(model)
+        norms = lean_norm.describe(model)
+        # every Gemma norm takes the lean forward (Gemma 3n's and 4's too); other families have none it covers
+        assert norms["own_forward"] == {} and (norms["norms"] > 0) == ("gemma" in type(model.get_base_model()).__name__.lower())
     if "checkpointing" in paths:
         checkpoint_activations(model)
     passes = [rows[:3], rows[3:]] if "accumulation" in paths else [rows]

@@ -67,11 +67,15 @@ def _baseline_probabilities(run_dir) -> torch.Tensor:
 def test_baseline_label_probabilities_are_the_same_through_emotune_run(gemma4_pair, data_dir, tmp_path):
     overrides = [f"data.source={data_dir}", "data.label_names=[sadness, joy, love, anger, fear, surprise]",
                  "eval.method=score", "train.batch_size=4", "eval.batch_size=5"]
-    text, wrapped = (_baseline_probabilities(_run(overrides, folder, tmp_path, name))
-                     for folder, name in zip(gemma4_pair, ("text", "wrapped"), strict=True))
+    runs = [_run(overrides, folder, tmp_path, name) for folder, name in zip(gemma4_pair, ("text", "wrapped"), strict=True)]
+    text, wrapped = (_baseline_probabilities(run_dir) for run_dir in runs)
     assert text.shape == (12, len(LABELS))
     assert float(text.max(-1).values.min()) < 0.99  # probabilities a soft-cap moves, not one-hot
     torch.testing.assert_close(wrapped, text, rtol=0, atol=1e-3)
+    # run.json says which layers ran the lean forwards: on Gemma 4 every LoRA layer and every norm
+    lean = json.loads((runs[1] / "run.json").read_text())["stages"]["train"]["lean"]
+    assert lean["lora"]["layers"] > 0 and lean["lora"]["own_forward"] == 0
+    assert lean["norm"]["norms"] > 0 and lean["norm"]["own_forward"] == {}, lean
 
 
 def _long_sft_rows(n: int, seed: int) -> list[dict]:

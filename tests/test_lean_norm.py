@@ -26,20 +26,47 @@ def test_same_loss_and_gradients_within_rounding(dtype, checkpointing):
         assert torch.allclose(lean_grads[name], grad, rtol=tolerance, atol=tolerance * grad.abs().max()), name
 
 
-def test_weight_gradient_when_the_norm_trains():
+def _gemma3_norm():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    norm = Gemma3RMSNorm(16, eps=1e-6)
+    return Gemma3RMSNorm(16, eps=1e-6)
+
+
+def _gemma4_norm(with_scale: bool = True):
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    return Gemma4RMSNorm(16, eps=1e-6, with_scale=with_scale)
+
+
+def _gemma3n_norm():
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+
+    return Gemma3nRMSNorm(16, eps=1e-6)
+
+
+@pytest.mark.parametrize("make", [_gemma3_norm, _gemma4_norm, lambda: _gemma4_norm(with_scale=False), _gemma3n_norm],
+                         ids=["gemma3", "gemma4", "gemma4-without-scale", "gemma3n"])
+def test_weight_gradient_when_the_norm_trains(make):
+    """Gemma 1-3 multiply by (1 + weight) after rsqrt; Gemma 3n and 4 by the weight after pow(-0.5), or by nothing."""
+    norm = make()
+    params = list(norm.parameters())
     with torch.no_grad():
-        norm.weight.normal_()
+        for weight in params:
+            weight.normal_()
     x = torch.randn(2, 5, 16, requires_grad=True)
     upstream = torch.randn(2, 5, 16)
-    (norm(x) * upstream).sum().backward()
-    own = (x.grad.clone(), norm.weight.grad.clone())
-    x.grad = norm.weight.grad = None
+    own_out = norm(x)
+    (own_out * upstream).sum().backward()
+    own = [x.grad.clone()] + [w.grad.clone() for w in params]
+    x.grad = None
+    for weight in params:
+        weight.grad = None
     assert lean_norm.install(norm) == 1
-    (norm(x) * upstream).sum().backward()
-    assert torch.allclose(x.grad, own[0], atol=1e-5) and torch.allclose(norm.weight.grad, own[1], atol=1e-5)
+    out = norm(x)
+    assert torch.equal(out, own_out)
+    (out * upstream).sum().backward()
+    for lean, reference in zip([x.grad] + [w.grad for w in params], own, strict=True):
+        assert torch.allclose(lean, reference, atol=1e-5)
 
 
 def test_keeps_less_for_the_backward_pass_together_with_lean_lora():

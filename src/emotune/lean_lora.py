@@ -108,3 +108,13 @@ def restore(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), types.MethodType) and module.__dict__["forward"].__func__ is _forward:
             del module.forward
+
+
+def describe(model: torch.nn.Module) -> dict:
+    """What run.json records: how many LoRA layers run the lean forward, and how many PEFT's own."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    lean = sum(isinstance(m.__dict__.get("forward"), types.MethodType) and m.__dict__["forward"].__func__ is _forward
+               for m in layers)
+    return {"layers": lean, "own_forward": len(layers) - lean}

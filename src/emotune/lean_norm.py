@@ -1,6 +1,8 @@
 """Gemma's RMSNorm as one autograd function while training: the module's values, less kept memory.
 
-Gemma's RMSNorm computes in float32: `x.float() * rsqrt(mean(x.float()²) + eps) * (1 + w.float())`, cast back.
+Gemma's RMSNorm computes in float32: `x.float() * rsqrt(mean(x.float()²) + eps) * (1 + w.float())`, cast back;
+Gemma 3n's and 4's compute `x.float() * pow(mean(x.float()²) + eps, -0.5) * w.float()`, some without a weight
+(`with_scale=False`: Gemma 4's value norms and its embedding projection norm).
 Run op by op, autograd keeps the float32 copy of its input for the backward pass: 4 bytes per element, in the
 four norms of every decoder layer and the per-head query and key norms. `_GemmaRMSNorm` computes the same ops
 and keeps the input as it came (bf16: 2 bytes, and often a tensor kept anyway) and one float per row; its
@@ -19,15 +21,21 @@ import types
 import torch
 
 NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Gemma3nRMSNorm", "Gemma4RMSNorm"}
+SCALE_ONLY = {"Gemma3nRMSNorm", "Gemma4RMSNorm"}
+"""Norms that multiply by the weight itself (not 1 + weight) and take the root by `pow(·, -0.5)`."""
 
 
 class _GemmaRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, by_pow: bool) -> torch.Tensor:
         xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        out = (xf * rstd) * (1.0 + weight.float())
+        mean_squared = xf.pow(2).mean(-1, keepdim=True) + eps
+        rstd = torch.pow(mean_squared, -0.5) if by_pow else torch.rsqrt(mean_squared)
+        out = xf * rstd
+        if weight is not None:
+            out = out * (offset + weight.float()) if offset else out * weight.float()
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
         return out.type_as(x)
 
     @staticmethod
@@ -35,29 +43,45 @@ class _GemmaRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         normed = x.float() * rstd
         grad = grad.float()
-        scaled = grad * (1.0 + weight.float())
+        scaled = grad * (ctx.offset + weight.float()) if weight is not None else grad
         grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True)) if ctx.needs_input_grad[0] else None
         grad_w = None
-        if ctx.needs_input_grad[1]:
+        if weight is not None and ctx.needs_input_grad[1]:
             grad_w = (grad * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
-        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
+        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None, None, None
+
+
+def _arithmetic(module: torch.nn.Module) -> tuple[torch.Tensor | None, float, float, bool] | None:
+    """(weight or None, eps, weight offset, root by pow) of a Gemma norm; None for a module of another shape."""
+    scale_only = type(module).__name__ in SCALE_ONLY
+    eps = getattr(module, "variance_epsilon" if scale_only else "eps", None)
+    weight = getattr(module, "weight", None)
+    if not isinstance(eps, float) or (weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1)):
+        return None
+    if weight is None and not (scale_only and getattr(module, "with_scale", True) is False):
+        return None
+    return weight, eps, 0.0 if scale_only else 1.0, scale_only
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
         return type(self).forward(self, x)
-    return _GemmaRMSNorm.apply(x, self.weight, self.eps)
+    weight, eps, offset, by_pow = _arithmetic(self)
+    return _GemmaRMSNorm.apply(x, weight, eps, offset, by_pow)
 
 
 def _same_as_module(module: torch.nn.Module) -> bool:
     """Whether the module's own forward and `_GemmaRMSNorm` agree exactly on a probe input of its dtype."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(getattr(module, "eps", None), float):
+    arithmetic = _arithmetic(module)
+    if arithmetic is None:
         return False
-    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    weight, eps, offset, by_pow = arithmetic
+    width = weight.shape[0] if weight is not None else 8
+    anchor = weight if weight is not None else next(iter(module.buffers()), torch.empty(0))
+    probe = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(anchor.device, anchor.dtype)
     with torch.no_grad():
         try:
-            return torch.equal(type(module).forward(module, probe), _GemmaRMSNorm.apply(probe, weight, module.eps))
+            return torch.equal(type(module).forward(module, probe), _GemmaRMSNorm.apply(probe, weight, eps, offset, by_pow))
         except Exception:  # noqa: BLE001 (a norm of another shape or signature keeps its own forward)
             return False
 
@@ -77,3 +101,17 @@ def restore(model: torch.nn.Module) -> None:
         bound = module.__dict__.get("forward")
         if isinstance(bound, types.MethodType) and bound.__func__ is _forward:
             del module.forward
+
+
+def describe(model: torch.nn.Module) -> dict:
+    """What run.json records: how many Gemma norms run the lean forward, and those that keep their own (by class)."""
+    lean, own = 0, {}
+    for module in model.modules():
+        if type(module).__name__ not in NORMS:
+            continue
+        bound = module.__dict__.get("forward")
+        if isinstance(bound, types.MethodType) and bound.__func__ is _forward:
+            lean += 1
+        else:
+            own[type(module).__name__] = own.get(type(module).__name__, 0) + 1
+    return {"norms": lean, "own_forward": own}

@@ -107,6 +107,8 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
     s = _setup(model, cfg, precision, train_rows, val_rows, tokenizer.pad_token_id, run, objective)
     if record is not None:
         record("plan", describe_plan(s.plan, cfg.train, len(train_rows)))
+        # which layers run emotune's lean forwards; the rest (a norm of unknown arithmetic, DoRA, ...) run their own
+        record("lean", {"lora": lean_lora.describe(s.adapted), "norm": lean_norm.describe(s.adapted)})
     progress, best = _resume(run.checkpoints, s.adapted, s.optimizer, s.scheduler, s.scaler, s.accelerator)
     recovery = _recovery(s, progress, train_rows, cfg.train, record, fault)
     log = TrainLog(run.train / "log_history.jsonl", progress.log_history, s.accelerator, cfg.train.report_to,
