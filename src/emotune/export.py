@@ -33,7 +33,8 @@ from emotune.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
 from emotune.config import ModelConfig
 from emotune.errors import UserError
 from emotune.head import classifier_from_causal, encode_texts, load_classifier
-from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.model.turns import stop_token_ids
+from emotune.models import load_model, load_tokenizer, resolve_model_dir
 from emotune.rundir import RunDir, atomic_dir
 
 # vLLM's --max-lora-rank only accepts these values (vllm.config.lora.MaxLoRARanks).
@@ -115,8 +116,8 @@ def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path
     merged = _adapted(artifact, base_dir).merge_and_unload()
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
     if not artifact.has_head:
-        # vLLM and transformers stop on generation_config's eos ids; a chat turn ends with <end_of_turn>
-        merged.generation_config.eos_token_id = stop_token_ids(tokenizer)
+        # vLLM and transformers stop on generation_config's eos ids; a chat turn ends with the template's own token
+        merged.generation_config.eos_token_id = stop_token_ids(tokenizer, merged.generation_config)
         merged.generation_config.pad_token_id = tokenizer.pad_token_id
     merged.to(native)
     merged.save_pretrained(target, safe_serialization=True)

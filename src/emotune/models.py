@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from emotune.config import ModelConfig
 from emotune.device import Precision, choose_precision
 from emotune.errors import UserError, first_line
+from emotune.model.attention import flash_attention_problem
 from emotune.rundir import atomic_dir
 
 EMBEDDED_MODEL = "embedded"
@@ -48,7 +49,6 @@ GEMMA_CHAT_TEMPLATE = (
     "{{ '<start_of_turn>model\n' }}"
     "{%- endif -%}"
 )
-END_OF_TURN = "<end_of_turn>"
 
 
 def cache_root(cfg: ModelConfig) -> Path:
@@ -200,15 +200,6 @@ def _drop_build_lists(tokenizer: PreTrainedTokenizerBase) -> None:
                 setattr(tokenizer, name, type(getattr(tokenizer, name))())
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """EOS plus the end-of-turn token, so generation stops where a chat turn ends."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    eot = tokenizer.convert_tokens_to_ids(END_OF_TURN) if END_OF_TURN in tokenizer.get_vocab() else None
-    if eot is not None and eot not in ids:
-        ids.append(eot)
-    return ids
-
-
 class Base(NamedTuple):
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -252,11 +243,15 @@ def check_attention(cfg: ModelConfig, model_dir: Path, device: torch.device, dty
     if choice in ("auto", "eager"):  # eager is every model's own code; auto is transformers' fallback to it
         return
     problems = []
+    config = AutoConfig.from_pretrained(model_dir)
+    if choice == "flash_attention_2" and (too_wide := flash_attention_problem(config)):
+        problems.append(too_wide)  # first: transformers builds gemma4_text with it and fails in the first forward pass
     try:
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation=choice)
+            AutoModelForCausalLM.from_config(config, attn_implementation=choice)
     except ValueError as err:  # the model class does not implement it
-        problems.append(f"transformers says: {first_line(err).split(' Please request')[0]}")
+        if not problems:  # the head dim already says why, in words that name the fix
+            problems.append(f"transformers says: {first_line(err).split(' Please request')[0]}")
     except ImportError:
         pass  # the flash-attn package is missing: said below, with what to do
     if choice == "flash_attention_2":

@@ -1,0 +1,1 @@
+"""The model layer: sources and loading, chat turns, attention choices, LoRA, quantization, heads."""
