@@ -3,7 +3,8 @@
 `emotune export RUN_DIR [--merge] [--out DIR] [--vllm]` writes into OUT (default RUN_DIR/export):
 
     adapter/    adapter weights and config, tokenizer with chat template, emotune.json (task, labels, prompt)
-    merged/     (--merge) base + adapter folded into one Hugging Face model, tokenizer, generation config;
+    merged/     (--merge) base + adapter folded into one Hugging Face model, tokenizer, chat template, generation
+                config (stopping on the template's end-of-turn token), a multimodal base's processor files;
                 a classification-head model: its classifier (language model + `score`), see emotune.head
     config.yaml the run's resolved config, so OUT can itself be served or exported again
     vllm/       (--vllm) serve_lora.sh, serve_merged.sh, client.py (a classifier's output constrained to the
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from transformers.utils import FEATURE_EXTRACTOR_NAME, PROCESSOR_NAME, VIDEO_PROCESSOR_NAME
 
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
 from emotune.config import ModelConfig
@@ -40,6 +42,9 @@ from emotune.rundir import RunDir, atomic_dir
 # vLLM's --max-lora-rank only accepts these values (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a processor's own files; it also reads the tokenizer's files and chat_template.jinja, which the merged folder has
+# from the adapter (FEATURE_EXTRACTOR_NAME is also transformers' IMAGE_PROCESSOR_NAME)
+PROCESSOR_FILES = (PROCESSOR_NAME, FEATURE_EXTRACTOR_NAME, VIDEO_PROCESSOR_NAME)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,9 +126,22 @@ def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path
         merged.generation_config.pad_token_id = tokenizer.pad_token_id
     merged.to(native)
     merged.save_pretrained(target, safe_serialization=True)
-    tokenizer.save_pretrained(target)
+    copy_processor_files(base_dir, target)
+    tokenizer.save_pretrained(target)  # after the processor files: the trained chat template is the one that stays
     shutil.copy2(artifact.path / META, target / META)
     return target
+
+
+def copy_processor_files(base_dir: Path, target: Path) -> list[str]:
+    """The base's image, video and audio preprocessing next to the merged weights, so that a multimodal base's merged
+    folder loads with AutoProcessor and AutoModelForImageTextToText elsewhere. The files are copied as they are (building
+    the processor would need every modality's optional dependency, torchvision for Gemma 4's video processor)."""
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, target / name)
+            copied.append(name)
+    return copied
 
 
 def _adapted(artifact: Artifact, base_dir: Path):
