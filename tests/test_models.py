@@ -250,3 +250,25 @@ def test_head_dims_within_flash_attention_s_limit_are_not_refused_for_their_widt
     from transformers import LlamaConfig
 
     assert head_dims(LlamaConfig(hidden_size=4096, num_attention_heads=32, num_hidden_layers=2)) == {128: [0, 1]}
+
+
+def test_sdpa_refused_by_a_multimodal_class_names_auto_which_picks_per_part(tmp_path):
+    """Gemma 4 E4B's audio tower has no SDPA path, so transformers refuses sdpa for the whole multimodal class; auto
+    (transformers' choice per part: SDPA for the text model) is what works, and the message says so."""
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4TextConfig
+
+    text = Gemma4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, global_head_dim=32, vocab_size_per_layer_input=64,
+                            hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"])
+    audio = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                              output_proj_dims=16)
+    Gemma4Config(text_config=text.to_dict(), audio_config=audio.to_dict()).save_pretrained(tmp_path)
+    cfg = ModelConfig(source=str(tmp_path), attn_implementation="sdpa")
+    with pytest.raises(UserError) as refused:
+        check_attention(cfg, tmp_path, torch.device("cpu"), torch.float32)
+    assert "Gemma4AudioModel does not support" in str(refused.value)
+    assert "Set model.attn_implementation=auto (or eager) instead" in str(refused.value)
+    with pytest.raises(UserError, match=r"Set model.attn_implementation=auto \(or eager\)"):  # flash: not sdpa either
+        check_attention(cfg.model_copy(update={"attn_implementation": "flash_attention_2"}), tmp_path, torch.device("cuda"),
+                        torch.bfloat16)
+    check_attention(cfg.model_copy(update={"attn_implementation": "auto"}), tmp_path, torch.device("cpu"), torch.float32)

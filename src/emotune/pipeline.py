@@ -28,7 +28,8 @@ from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
 from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
-from emotune.models import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
+from emotune.model.attention import check_attention
+from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
 from emotune.tasks import task_for
 
