@@ -148,3 +148,19 @@ def test_the_merged_folder_loads_with_auto_processor_and_reads_an_image(merged_e
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=prompt, images=Image.new("RGB", (64, 48)), return_tensors="pt")
     assert (inputs["input_ids"] == processor.tokenizer.image_token_id).sum() > 0
+
+
+@pytest.mark.slow  # two evaluations of the tiny multimodal model, both methods, about 20 s
+def test_emotune_eval_measures_the_multimodal_merged_folder_like_its_adapter(merged_export, gemma4_multimodal_dir,
+                                                                             tiny_overrides, capsys):
+    from emotune.cli import main
+    from test_merged_folder_eval import _results, _same
+
+    run, merged = merged_export
+    overrides = [*tiny_overrides, f"model.source={gemma4_multimodal_dir}", "eval.method=both", "eval.max_new_tokens=2"]
+    assert main(["eval", *overrides, f"adapter={run}", "eval.merge_adapters=never"]) == 0
+    assert main(["eval", *overrides, f"adapter={merged}"]) == 0
+    assert f"Evaluating merged model {merged}" in capsys.readouterr().out
+    from_merged = _results(merged.parent / "eval" / "test-merged")
+    assert from_merged and "score/predictions.csv" in from_merged
+    _same(from_merged, _results(run / "eval" / "test-finetuned"))
