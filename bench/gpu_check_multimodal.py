@@ -15,8 +15,8 @@ the special-token ids set to the word tokenizer's. Nothing is downloaded. One JS
               of the model's own fp32 logits on prompt + label tokens; largest absolute gap, top-1 agreement
   mm_train    emotune's training for --steps steps: every logged loss, whether all are finite
   mm_export   (unless --no-export) the trained adapter exported merged (`emotune export --merge`) and reloaded with
-              AutoModelForCausalLM: its class and the largest logit gap against the adapter on its base, both in the
-              weights' dtype on the device; seconds
+              AutoModelForCausalLM: its class, what AutoProcessor loads from it (or why not), its files, and the
+              largest logit gap against the adapter on its base, both in the weights' dtype on the device; seconds
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def run(args, emit, tokenizer, rows, data, cfg, precision, device, text: dict, m
     emit(loss_gaps(model, tokenizer, rows[: cfg.train.batch_size], device))
     emit(score_gaps(model, tokenizer, data, cfg, args.eval_rows))
     with tempfile.TemporaryDirectory() as folder:
-        if not args.no_export:  # the base as built, before training puts LoRA layers into it
+        if not args.no_export:  # the base as built, before training puts LoRA layers into it, with E4B's processor
             model.save_pretrained(Path(folder) / "base")
             tokenizer.save_pretrained(Path(folder) / "base")
+            write_processor_config(Path(folder) / "base")
         line, adapted = train_steps(model, tokenizer, rows, cfg, precision, Path(folder))
         emit(line)
         if not args.no_export:
@@ -162,8 +163,39 @@ def export_and_reload(adapted, tokenizer, data, cfg, device, folder: Path) -> di
     adapted.eval()
     gap = float((merged(input_ids=ids).logits.float() - adapted(input_ids=ids).logits.float()).abs().max())
     files = sorted(p.name for p in (out / "merged").iterdir())
-    return {"measure": "mm_export", "class": type(merged).__name__, "max_logit_gap": gap,
+    return {"measure": "mm_export", "class": type(merged).__name__, "processor": _processor_class(out / "merged"),
+            "max_logit_gap": gap,
             "dtype": str(dtype).removeprefix("torch."), "files": files, "seconds": round(time.perf_counter() - started, 1)}
+
+
+# Gemma4VideoProcessor's settings (its class defaults in transformers 5.25), written out: building it needs torchvision.
+VIDEO_PROCESSOR = {"video_processor_type": "Gemma4VideoProcessor", "resample": 3, "image_mean": [0.0, 0.0, 0.0],
+                   "image_std": [1.0, 1.0, 1.0], "do_convert_rgb": True, "do_resize": True, "do_rescale": True,
+                   "rescale_factor": 1 / 255, "do_normalize": True, "num_frames": 32, "do_sample_frames": True,
+                   "patch_size": 16, "max_soft_tokens": 70, "pooling_kernel_size": 3}
+
+
+def write_processor_config(folder: Path) -> None:
+    """E4B's processor_config.json (image processor: patch 16, pooling 3, 280 soft tokens; audio feature extractor), in
+    transformers 5's one-file layout, written from the parts: Gemma4Processor itself needs torchvision to be built."""
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    image = json.loads(Gemma4ImageProcessorPil(patch_size=16, pooling_kernel_size=3, max_soft_tokens=280).to_json_string())
+    config = {"processor_class": "Gemma4Processor", "image_processor": image,
+              "feature_extractor": json.loads(Gemma4AudioFeatureExtractor().to_json_string()),
+              "video_processor": VIDEO_PROCESSOR, "image_seq_length": 280, "audio_seq_length": 750, "audio_ms_per_token": 40}
+    (folder / "processor_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _processor_class(folder: Path) -> str:
+    """What AutoProcessor loads from `folder`, or why it does not (its video processor needs torchvision)."""
+    from transformers import AutoProcessor
+
+    try:
+        return type(AutoProcessor.from_pretrained(folder)).__name__
+    except Exception as err:  # noqa: BLE001 (reported, not raised: the other measures stand)
+        return f"not loaded: {type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
 
 
 def _classify_meta(cfg, data) -> dict:

@@ -53,4 +53,5 @@ def test_the_multimodal_dry_run_checks_emotune_against_the_model_s_own_numbers(t
     assert lines["mm_train"]["steps"] == 2 and lines["mm_train"]["finite"]
     export = lines["mm_export"]
     assert export["class"] == "Gemma4ForConditionalGeneration" and export["max_logit_gap"] < 1e-4
-    assert {"chat_template.jinja", "generation_config.json", "tokenizer.json"} <= set(export["files"])
+    assert {"chat_template.jinja", "generation_config.json", "tokenizer.json", "processor_config.json"} <= set(export["files"])
+    assert export["processor"] == "Gemma4Processor" or "torchvision" in export["processor"].lower()

@@ -12,6 +12,7 @@ To be unified with tests/families.py (branch g4-scoring) at merge time."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,8 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel
 WORDS = ["i", "feel", "so", "happy", "sad", "angry", "today", "joy", "sadness", "love", "anger", "fear", "surprise",
          "classify", "the", "emotion", "of", "text", "reply", "with", "one", "word", ":", ".", ",", "\n", "\n\n"]
 TEXTS = ["i feel so happy today", "so sad today", "angry angry"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from gpu_check_multimodal import write_processor_config  # noqa: E402
 
 
 def _tokenizer(folder: Path):
@@ -47,26 +50,13 @@ def _tokenizer(folder: Path):
     return fast
 
 
-def _processor_config(folder: Path) -> None:
-    """E4B's processor_config.json in transformers 5's layout (one file: each part's settings under its name). Written
-    from the parts rather than by Gemma4Processor, whose video processor needs torchvision (absent beside CPU torch)."""
-    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    image = json.loads(Gemma4ImageProcessorPil(patch_size=16, pooling_kernel_size=3, max_soft_tokens=280).to_json_string())
-    audio = json.loads(Gemma4AudioFeatureExtractor().to_json_string())
-    config = {"processor_class": "Gemma4Processor", "image_processor": image, "feature_extractor": audio,
-              "image_seq_length": 280, "audio_seq_length": 750, "audio_ms_per_token": 40}
-    (folder / "processor_config.json").write_text(json.dumps(config, indent=2))
-
-
 @pytest.fixture(scope="module")
 def gemma4_multimodal_dir(tmp_path_factory) -> Path:
     from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
 
     folder = tmp_path_factory.mktemp("tiny-gemma4-mm")
     tokenizer = _tokenizer(folder)
-    _processor_config(folder)
+    write_processor_config(folder)  # E4B's, in transformers 5's one-file layout (bench/gpu_check_multimodal.py)
     text = Gemma4TextConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, global_head_dim=32, num_kv_shared_layers=1, sliding_window=64,
