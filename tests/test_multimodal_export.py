@@ -12,7 +12,7 @@ To be unified with tests/families.py (branch g4-scoring) at merge time."""
 from __future__ import annotations
 
 import json
-import sys
+import runpy
 from pathlib import Path
 
 import pytest
@@ -28,8 +28,9 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel
 WORDS = ["i", "feel", "so", "happy", "sad", "angry", "today", "joy", "sadness", "love", "anger", "fear", "surprise",
          "classify", "the", "emotion", "of", "text", "reply", "with", "one", "word", ":", ".", ",", "\n", "\n\n"]
 TEXTS = ["i feel so happy today", "so sad today", "angry angry"]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_check_multimodal import write_processor_config  # noqa: E402
+# E4B's processor_config.json, as the GPU check writes it (loaded by path: bench/ is not a package)
+write_processor_config = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "gpu_check_multimodal.py"))[
+    "write_processor_config"]
 
 
 def _tokenizer(folder: Path):
@@ -56,7 +57,7 @@ def gemma4_multimodal_dir(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("tiny-gemma4-mm")
     tokenizer = _tokenizer(folder)
-    write_processor_config(folder)  # E4B's, in transformers 5's one-file layout (bench/gpu_check_multimodal.py)
+    write_processor_config(folder)  # transformers 5's one-file layout
     text = Gemma4TextConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, global_head_dim=32, num_kv_shared_layers=1, sliding_window=64,
