@@ -43,7 +43,8 @@ from emotune.data import prompt_messages
 from emotune.evaluate import generate_outputs
 from emotune.lora import lora_config
 from emotune.merged_eval import CHECK_ROWS, merged_for_eval
-from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.model.turns import stop_token_ids
+from emotune.models import load_model, load_tokenizer, resolve_model_dir
 from emotune.replies import INVALID, extract_label, label_pattern
 from emotune.scoring import LabelScorer
 

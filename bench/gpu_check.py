@@ -4,6 +4,8 @@ one GPU, in a few minutes (well under 10 on a large one). For when a GPU machine
     PYTHONPATH=src python bench/gpu_check.py [--steps 12] [--eval-rows 240] [--out gpu_check.jsonl]
     PYTHONPATH=src python bench/gpu_check.py --dry-run      # the same code path on the CPU, tiny, in seconds
                                                             # (2 steps of 4 rows, 8 evaluation rows)
+    PYTHONPATH=src python bench/gpu_check.py --multimodal [--dry-run]   # Gemma 4 E4B as it really loads, the
+                                                            # multimodal class: see bench/gpu_check_multimodal.py
 
 Nothing is downloaded and the packaged GGUF is not needed: the model is built from Gemma 4 E4B's text
 configuration (E4B_TEXT below: the text_config of google/gemma-4-E4B-it; transformers' Gemma4TextConfig
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="oom_recovery's memory cap: this times the memory the checkpointed run reserved")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one training micro-batch: the top operators by CPU and GPU time")
+    parser.add_argument("--multimodal", action="store_true",
+                        help="instead, Gemma 4 E4B's multimodal class: loss, scores, training, export (gpu_check_multimodal.py)")
+    parser.add_argument("--no-export", action="store_true", help="--multimodal: leave out the merged export and reload")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.steps, args.eval_rows = min(args.steps, 2), min(args.eval_rows, 8)
@@ -95,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         data = load_data(cfg)
         tokenizer = word_tokenizer([t for split in data.splits.values() for t in split["text"]], cfg)
         rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, cfg.train.max_length)
+    if args.multimodal:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from gpu_check_multimodal import run
+
+        return run(args, emit, tokenizer, rows, data, cfg, precision, device, TINY_TEXT if args.dry_run else E4B_TEXT, memory)
     model, line = build_model(TINY_TEXT if args.dry_run else E4B_TEXT, tokenizer, precision.dtype, device)
     emit(line)
 

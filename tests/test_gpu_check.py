@@ -36,3 +36,22 @@ def test_the_gpu_check_dry_run_writes_one_line_per_measure(tmp_path, capsys):
     profile = measures["profile_step"]
     assert profile["rows"] == 4 and profile["cpu_ms"] > 0 and profile["gpu_ms"] is None  # no GPU timeline on a CPU
     assert any(op["op"] == "aten::mm" for op in profile["top_cpu"])  # the linear layers' matrix products
+
+
+@pytest.mark.slow  # a tiny Gemma 4 multimodal model: loss, scores, two training steps, export and reload, about 20 s
+def test_the_multimodal_dry_run_checks_emotune_against_the_model_s_own_numbers(tmp_path, capsys):
+    check = runpy.run_path(str(ROOT / "bench" / "gpu_check.py"))
+    assert check["main"](["--multimodal", "--dry-run", "--set", "train.precision=fp32"]) == 0
+    lines = {line["measure"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert list(lines) == ["device", "mm_model", "mm_loss", "mm_scores", "mm_train", "mm_export"]
+    model = lines["mm_model"]
+    assert model["class"] == "Gemma4ForConditionalGeneration" and model["softcap"] == 30.0 and model["dtype"] == "float32"
+    loss = lines["mm_loss"]
+    assert loss["chunked"]["chunk_tokens"] < loss["loss_tokens"]  # the chunked path really ran
+    assert loss["plain"]["relative_gap"] < 1e-6 and loss["chunked"]["relative_gap"] < 1e-3
+    assert lines["mm_scores"]["max_abs_gap"] < 1e-3 and lines["mm_scores"]["top1_agreement"] == 1.0
+    assert lines["mm_train"]["steps"] == 2 and lines["mm_train"]["finite"]
+    export = lines["mm_export"]
+    assert export["class"] == "Gemma4ForConditionalGeneration" and export["max_logit_gap"] < 1e-4
+    assert {"chat_template.jinja", "generation_config.json", "tokenizer.json", "processor_config.json"} <= set(export["files"])
+    assert export["processor"] == "Gemma4Processor" or "torchvision" in export["processor"].lower()

@@ -12,7 +12,8 @@ from transformers.utils import is_flash_attn_2_available
 
 from emotune.config import ModelConfig
 from emotune.errors import UserError
-from emotune.models import GEMMA_CHAT_TEMPLATE, check_attention, load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.model.turns import stop_token_ids
+from emotune.models import GEMMA_CHAT_TEMPLATE, check_attention, load_model, load_tokenizer, resolve_model_dir
 
 
 def test_hub_id_without_network_says_how_to_download(tmp_path):
@@ -208,3 +209,66 @@ def test_a_refused_attention_kernel_stops_the_run_before_it_starts(tiny_override
     assert main(["train", *tiny_overrides, "model.attn_implementation=flash_attention_2"]) == 2
     assert "model.attn_implementation=flash_attention_2 cannot be used here" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+# google/gemma-4-E4B-it's text_config: sliding-window layers of head dim 256, full-attention layers of 512; the rest
+# is shrunk, as only config.json is read
+E4B_HEAD_DIMS = dict(head_dim=256, global_head_dim=512, num_attention_heads=8, num_key_value_heads=2)
+
+
+def _gemma4_configs(folder, text_only: bool, **dims):
+    from transformers import Gemma4Config, Gemma4TextConfig
+
+    text = Gemma4TextConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=64,
+                            hidden_size_per_layer_input=8, **dims)
+    (text if text_only else Gemma4Config(text_config=text.to_dict())).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("text_only", [True, False], ids=["gemma4_text", "gemma4-multimodal"])
+def test_flash_attention_is_refused_for_gemma4_s_512_wide_heads_naming_what_works(tmp_path, text_only):
+    folder = _gemma4_configs(tmp_path, text_only, **E4B_HEAD_DIMS)  # config.json only: no weight is read
+    cfg = ModelConfig(source=str(folder), attn_implementation="flash_attention_2")
+    with pytest.raises(UserError) as refused:
+        check_attention(cfg, folder, torch.device("cuda"), torch.bfloat16)
+    message = str(refused.value)
+    assert "head dim 512 in 1 of its layers (layer 1 first)" in message and "up to 256" in message
+    assert "model.attn_implementation=sdpa" in message and "eager" in message
+    for ok in ("sdpa", "eager", "auto"):  # what the message names does pass the same check
+        check_attention(cfg.model_copy(update={"attn_implementation": ok}), folder, torch.device("cuda"), torch.bfloat16)
+
+
+def test_head_dims_within_flash_attention_s_limit_are_not_refused_for_their_width(tmp_path):
+    from transformers import AutoConfig
+
+    from emotune.model.attention import flash_attention_problem, head_dims
+
+    folder = _gemma4_configs(tmp_path, True, head_dim=128, global_head_dim=256, num_attention_heads=2, num_key_value_heads=1)
+    assert head_dims(AutoConfig.from_pretrained(folder)) == {128: [0], 256: [1]}
+    assert flash_attention_problem(AutoConfig.from_pretrained(folder)) is None
+    from transformers import LlamaConfig
+
+    assert head_dims(LlamaConfig(hidden_size=4096, num_attention_heads=32, num_hidden_layers=2)) == {128: [0, 1]}
+
+
+def test_sdpa_refused_by_a_multimodal_class_names_auto_which_picks_per_part(tmp_path):
+    """Gemma 4 E4B's audio tower has no SDPA path, so transformers refuses sdpa for the whole multimodal class; auto
+    (transformers' choice per part: SDPA for the text model) is what works, and the message says so."""
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4TextConfig
+
+    text = Gemma4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, global_head_dim=32, vocab_size_per_layer_input=64,
+                            hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"])
+    audio = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                              output_proj_dims=16)
+    Gemma4Config(text_config=text.to_dict(), audio_config=audio.to_dict()).save_pretrained(tmp_path)
+    cfg = ModelConfig(source=str(tmp_path), attn_implementation="sdpa")
+    with pytest.raises(UserError) as refused:
+        check_attention(cfg, tmp_path, torch.device("cpu"), torch.float32)
+    assert "Gemma4AudioModel does not support" in str(refused.value)
+    assert "Set model.attn_implementation=auto (or eager) instead" in str(refused.value)
+    with pytest.raises(UserError, match=r"Set model.attn_implementation=auto \(or eager\)"):  # flash: not sdpa either
+        check_attention(cfg.model_copy(update={"attn_implementation": "flash_attention_2"}), tmp_path, torch.device("cuda"),
+                        torch.bfloat16)
+    check_attention(cfg.model_copy(update={"attn_implementation": "auto"}), tmp_path, torch.device("cpu"), torch.float32)

@@ -24,7 +24,7 @@ from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, log_loss
 
 from emotune.config import EvalConfig, PromptConfig
 from emotune.data import prompt_messages, system_prompt
-from emotune.models import stop_token_ids
+from emotune.model.turns import stop_token_ids
 from emotune.replies import INVALID, extract_label, label_pattern
 from emotune.rundir import atomic_file, write_json
 from emotune.scoring import LabelScorer, run_in_batches
@@ -58,8 +58,8 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
         # the chat template already holds <bos>; adding special tokens again would double it
         enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         generated = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                   eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                   top_p=None, top_k=None, temperature=None)
+                                   eos_token_id=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
+                                   pad_token_id=tokenizer.pad_token_id, top_p=None, top_k=None, temperature=None)
         new_tokens = generated[:, enc["input_ids"].shape[1]:]
         for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=False):
             outputs[i] = text.strip()

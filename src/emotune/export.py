@@ -3,7 +3,8 @@
 `emotune export RUN_DIR [--merge] [--out DIR] [--vllm]` writes into OUT (default RUN_DIR/export):
 
     adapter/    adapter weights and config, tokenizer with chat template, emotune.json (task, labels, prompt)
-    merged/     (--merge) base + adapter folded into one Hugging Face model, tokenizer, generation config;
+    merged/     (--merge) base + adapter folded into one Hugging Face model, tokenizer, chat template, generation
+                config (stopping on the template's end-of-turn token), a multimodal base's processor files;
                 a classification-head model: its classifier (language model + `score`), see emotune.head
     config.yaml the run's resolved config, so OUT can itself be served or exported again
     vllm/       (--vllm) serve_lora.sh, serve_merged.sh, client.py (a classifier's output constrained to the
@@ -28,17 +29,22 @@ from pathlib import Path
 
 import torch
 import yaml
+from transformers.utils import FEATURE_EXTRACTOR_NAME, PROCESSOR_NAME, VIDEO_PROCESSOR_NAME
 
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
 from emotune.config import ModelConfig
 from emotune.errors import UserError
 from emotune.head import classifier_from_causal, encode_texts, load_classifier
-from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.model.turns import stop_token_ids
+from emotune.models import load_model, load_tokenizer, resolve_model_dir
 from emotune.rundir import RunDir, atomic_dir
 
 # vLLM's --max-lora-rank only accepts these values (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a processor's own files; it also reads the tokenizer's files and chat_template.jinja, which the merged folder has
+# from the adapter (FEATURE_EXTRACTOR_NAME is also transformers' IMAGE_PROCESSOR_NAME)
+PROCESSOR_FILES = (PROCESSOR_NAME, FEATURE_EXTRACTOR_NAME, VIDEO_PROCESSOR_NAME)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,14 +121,27 @@ def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path
     merged = _adapted(artifact, base_dir).merge_and_unload()
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
     if not artifact.has_head:
-        # vLLM and transformers stop on generation_config's eos ids; a chat turn ends with <end_of_turn>
-        merged.generation_config.eos_token_id = stop_token_ids(tokenizer)
+        # vLLM and transformers stop on generation_config's eos ids; a chat turn ends with the template's own token
+        merged.generation_config.eos_token_id = stop_token_ids(tokenizer, merged.generation_config)
         merged.generation_config.pad_token_id = tokenizer.pad_token_id
     merged.to(native)
     merged.save_pretrained(target, safe_serialization=True)
-    tokenizer.save_pretrained(target)
+    copy_processor_files(base_dir, target)
+    tokenizer.save_pretrained(target)  # after the processor files: the trained chat template is the one that stays
     shutil.copy2(artifact.path / META, target / META)
     return target
+
+
+def copy_processor_files(base_dir: Path, target: Path) -> list[str]:
+    """The base's image, video and audio preprocessing next to the merged weights, so that a multimodal base's merged
+    folder loads with AutoProcessor and AutoModelForImageTextToText elsewhere. The files are copied as they are (building
+    the processor would need every modality's optional dependency, torchvision for Gemma 4's video processor)."""
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, target / name)
+            copied.append(name)
+    return copied
 
 
 def _adapted(artifact: Artifact, base_dir: Path):

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from emotune.config import ModelConfig
 from emotune.device import Precision, choose_precision
-from emotune.errors import UserError, first_line
+from emotune.errors import UserError
+from emotune.model.attention import check_attention
 from emotune.rundir import atomic_dir
 
 EMBEDDED_MODEL = "embedded"
@@ -48,7 +49,6 @@ GEMMA_CHAT_TEMPLATE = (
     "{{ '<start_of_turn>model\n' }}"
     "{%- endif -%}"
 )
-END_OF_TURN = "<end_of_turn>"
 
 
 def cache_root(cfg: ModelConfig) -> Path:
@@ -200,15 +200,6 @@ def _drop_build_lists(tokenizer: PreTrainedTokenizerBase) -> None:
                 setattr(tokenizer, name, type(getattr(tokenizer, name))())
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """EOS plus the end-of-turn token, so generation stops where a chat turn ends."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    eot = tokenizer.convert_tokens_to_ids(END_OF_TURN) if END_OF_TURN in tokenizer.get_vocab() else None
-    if eot is not None and eot not in ids:
-        ids.append(eot)
-    return ids
-
-
 class Base(NamedTuple):
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -242,37 +233,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attent
     if head is not None:
         head.register_forward_pre_hook(_contiguous_input)
     return model.to(device)
-
-
-def check_attention(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse, before any weights load, a `model.attn_implementation` that this model, device or dtype cannot
-    run, with every reason at once. Whether the model class supports it is transformers' own check, run on an
-    empty (meta-device) copy built from config.json, so no weight is read."""
-    choice = cfg.attn_implementation
-    if choice in ("auto", "eager"):  # eager is every model's own code; auto is transformers' fallback to it
-        return
-    problems = []
-    try:
-        with torch.device("meta"):
-            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation=choice)
-    except ValueError as err:  # the model class does not implement it
-        problems.append(f"transformers says: {first_line(err).split(' Please request')[0]}")
-    except ImportError:
-        pass  # the flash-attn package is missing: said below, with what to do
-    if choice == "flash_attention_2":
-        from transformers.utils import is_flash_attn_2_available
-
-        if device.type != "cuda":
-            problems.append(f"FlashAttention-2 runs on CUDA and ROCm GPUs only, and this run is on {device.type}")
-        if dtype not in (torch.bfloat16, torch.float16):
-            problems.append(f"FlashAttention-2 computes in bf16 or fp16 only, and the weights load as {dtype} here "
-                            "(set model.dtype=bfloat16, or train.precision=bf16)")
-        if device.type == "cuda" and not is_flash_attn_2_available():
-            problems.append("the flash-attn package (2.3.3 or newer) is not installed: `pip install flash-attn "
-                            "--no-build-isolation` on CUDA; on ROCm, AMD's build of it (github.com/ROCm/flash-attention)")
-    if problems:
-        raise UserError(f"model.attn_implementation={choice} cannot be used here: {'; '.join(problems)}. Set "
-                        "model.attn_implementation=sdpa (or auto, or eager) instead.")
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple | None:

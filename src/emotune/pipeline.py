@@ -28,7 +28,8 @@ from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
 from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
-from emotune.models import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
+from emotune.model.attention import check_attention
+from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
 from emotune.tasks import task_for
 
@@ -287,14 +288,14 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
     ctx.validate()
     artifact = ctx.task.find_adapter(adapter, cfg, ctx.data) if adapter is not None else None
     out = _eval_folder(cfg, adapter, artifact)
-    model = ctx.base.model
-    if artifact is not None:
-        model = ctx.task.load_adapted(model, artifact.path, cfg, ctx.data)
-    print(f"Evaluating {'adapter ' + str(artifact.path) if artifact else 'the base model'} on the {cfg.eval.split} "
-          f"split, {ctx.precision.name} on {ctx.device}", flush=True)
+    what = "the base model" if artifact is None else f"{'merged model' if artifact.merged else 'adapter'} {artifact.path}"
+    print(f"Evaluating {what} on the {cfg.eval.split} split, {ctx.precision.name} on {ctx.device}", flush=True)
     if artifact is None:
-        results = ctx.task.evaluate(model, ctx.base.tokenizer, ctx.data, cfg, desc=cfg.eval.split)
+        results = ctx.task.evaluate(ctx.base.model, ctx.base.tokenizer, ctx.data, cfg, desc=cfg.eval.split)
+    elif artifact.merged:
+        results = _evaluate_merged(ctx, artifact)
     else:
+        model = ctx.task.load_adapted(ctx.base.model, artifact.path, cfg, ctx.data)
         results, _ = evaluate_adapted(ctx, model, desc=cfg.eval.split)
     ctx.task.write_results(results, out)
     for method, result in results.items():
@@ -302,6 +303,22 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
                                         for k, v in result.metrics.items() if k in ctx.task.SHOWN_METRICS))
     print(f"Results: {out}")
     return out
+
+
+def _evaluate_merged(ctx: Context, artifact) -> dict:
+    """A merged folder (`emotune export --merge`) is the fine-tuned model itself: it is loaded with its own tokenizer
+    in place of the base, which is never loaded, and measured as saved; there is no adapter to merge or check."""
+    from emotune.artifacts import load_artifact_model
+
+    dtype = weights_dtype(ctx.cfg.model, ctx.device, ctx.cfg.train.precision)
+    model, tokenizer = load_artifact_model(artifact, dtype, ctx.device)
+    ctx._base = Base(model, tokenizer, ctx.precision, artifact.path)
+    results = ctx.task.evaluate(model, tokenizer, ctx.data, ctx.cfg, desc=ctx.cfg.eval.split)
+    record = {"mode": ctx.cfg.eval.merge_adapters, "merged": True,
+              "note": f"a merged model folder, evaluated as saved in {str(dtype).removeprefix('torch.')}"}
+    for result in results.values():
+        result.metrics["merge"] = record
+    return results
 
 
 def _eval_folder(cfg: RunConfig, adapter: str | None, artifact) -> Path:

@@ -18,14 +18,15 @@ from emotune.config import PromptConfig
 from emotune.data import prompt_messages
 from emotune.errors import UserError
 from emotune.model.text import float32_logits, logit_softcap, soft_capped, unwrapped
-from emotune.models import END_OF_TURN
+from emotune.model.turns import end_of_turn_text
 from emotune.prefix import MASKED_ATTENTION, attention_masks
 
 
 def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:
     """Each label's completion tokens as the model sees them right after the generation prompt.
 
-    Training teaches the completion `label<end_of_turn>`. When no label's tokens are a prefix of another's,
+    Training teaches the completion `label` + the template's end-of-turn token (Gemma 3: `<end_of_turn>`, Gemma 4:
+    `<turn|>`; emotune.model.turns). When no label's tokens are a prefix of another's,
     the events "the answer starts with label i" are disjoint and each is scored by the label's own tokens.
     When one is a prefix of another (`joy` / `joyful` tokenized as `joy` + `ful`), every label is scored with
     its end-of-turn token, so `joy` means "joy, then stop". The end-of-turn token costs one more vocabulary
@@ -34,7 +35,7 @@ def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[
     """
     probe = tokenizer.apply_chat_template(prompt_messages("x", prompt, labels), tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    end = END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else (tokenizer.eos_token or "")
+    end = end_of_turn_text(tokenizer)  # what the chat template closes the answer with, as training saw it
 
     def completion(text: str) -> list[int]:
         full = tokenizer(probe + text, add_special_tokens=False)["input_ids"]

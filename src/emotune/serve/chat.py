@@ -17,7 +17,7 @@ import torch
 from transformers import StoppingCriteria
 
 from emotune.config import ServeConfig
-from emotune.models import stop_token_ids
+from emotune.model.turns import stop_token_ids
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError
 from emotune.serve.schemas import ChatRequest
@@ -66,10 +66,11 @@ def generate_reply(engine: Engine, job: dict, streamer) -> tuple[str, str, dict]
                 torch.manual_seed(job["seed"])
             prompt_length = enc["input_ids"].shape[1]
             criteria = [StopAtText(tokenizer, job["stop"], prompt_length)] if job["stop"] else None
+            stops = stop_token_ids(tokenizer, getattr(engine.model, "generation_config", None))
             output = engine.model.generate(
                 **enc, max_new_tokens=job["max_tokens"], do_sample=sampling, streamer=streamer,
                 temperature=job["temperature"] if sampling else None, top_p=job["top_p"] if sampling else None,
-                top_k=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                top_k=None, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id,
                 stopping_criteria=criteria)
     except BaseException:
         if streamer is not None:
@@ -77,7 +78,7 @@ def generate_reply(engine: Engine, job: dict, streamer) -> tuple[str, str, dict]
         raise
     new = output[0, prompt_length:]
     text, stopped = cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), job["stop"])
-    finish = "stop" if stopped or (len(new) and int(new[-1]) in stop_token_ids(tokenizer)) else "length"
+    finish = "stop" if stopped or (len(new) and int(new[-1]) in stops) else "length"
     usage = {"prompt_tokens": prompt_length, "completion_tokens": len(new), "total_tokens": prompt_length + len(new)}
     return text.strip(), finish, usage
 

@@ -147,15 +147,12 @@ def has_results(folder: Path) -> bool:
 
 
 def find_adapter(path: str, cfg: ClassifyHeadConfig, data: LabeledData) -> Artifact:
-    """A classify_head adapter trained on this config's labels (`emotune eval CONFIG adapter=PATH`)."""
+    """A classify_head adapter, or its merged classifier, trained on this config's labels (`emotune eval CONFIG
+    adapter=PATH`)."""
     artifact = find_artifact(path)
     if artifact.meta.get("task") != "classify_head":
         raise UserError(f"`{artifact.path}` is a {artifact.meta.get('task', 'classify')} adapter; `task: classify_head` "
                         "measures classification-head adapters. Use that adapter's own config.")
-    if artifact.merged:
-        raise UserError(f"`{artifact.path}` is a merged model; `emotune eval adapter=...` measures an adapter over the "
-                        "config's base model. Point at the run or export folder that holds adapter/, or classify with "
-                        f"`emotune predict {artifact.path} --file ...`.")
     check_matches(artifact, data.labels, "")
     return artifact
 

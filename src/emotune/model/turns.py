@@ -1,0 +1,77 @@
+"""Where an assistant turn ends, read from the tokenizer's own chat template instead of one family's strings.
+
+Every family closes an assistant turn its own way: Gemma 3 with `<end_of_turn>`, Gemma 4 with `<turn|>`,
+Qwen and Phi-4 with `<|im_end|>`, Llama 3 with `<|eot_id|>`, Phi-3 with `<|end|>`, Mistral with the EOS
+token `</s>`. Training learns whatever the template writes after the answer, so the same closing is what
+label scoring appends to a label, what generation stops on and what an exported model's generation
+config lists. `turn_end` renders a one-exchange conversation whose answer is a marker and reads the text
+after the marker; its first token, when the tokenizer treats it as a single special or added token, is the
+end-of-turn token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# An answer no template trims or rewrites (no whitespace, no thinking tags), found again in the rendering.
+MARKER = "emotuneAnswerMarker"
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """How the chat template closes an assistant turn."""
+
+    suffix: str
+    """Everything the template writes after the assistant's content (`<turn|>\\n`, `<|im_end|>\\n`, `</s>`);
+    empty when the tokenizer has no chat template or it could not be rendered."""
+    token: str | None
+    """The token that ends the turn (the suffix's first token), None when that is not one special or added
+    token of the vocabulary (a template that closes turns with plain text, or none at all)."""
+    token_id: int | None
+    """`token`'s id, None with it."""
+
+
+def turn_end(tokenizer) -> TurnEnd:
+    """How `tokenizer`'s chat template ends an assistant turn (see the module docstring)."""
+    suffix = _rendered_suffix(tokenizer)
+    ids = tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else []
+    first = next((i for i in ids if tokenizer.decode([i]).strip()), None)
+    if first is None or not _is_single_special(tokenizer, first):
+        return TurnEnd(suffix, None, None)
+    return TurnEnd(suffix, tokenizer.convert_ids_to_tokens(first), first)
+
+
+def end_of_turn_text(tokenizer) -> str:
+    """The text a completion ends with, as training saw it: the end-of-turn token, else the EOS token, else ''."""
+    return turn_end(tokenizer).token or tokenizer.eos_token or ""
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The ids generation stops on: the tokenizer's EOS, the chat template's end-of-turn token, and the
+    model's generation config EOS ids (Llama 3 lists `<|end_of_text|>`, `<|eom_id|>` and `<|eot_id|>`)."""
+    ids: list[int] = []
+    configured = getattr(generation_config, "eos_token_id", None)
+    configured = configured if isinstance(configured, (list, tuple)) else [configured]
+    for token_id in (tokenizer.eos_token_id, turn_end(tokenizer).token_id, *configured):
+        if token_id is not None and int(token_id) not in ids:
+            ids.append(int(token_id))
+    return ids
+
+
+def _rendered_suffix(tokenizer) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": MARKER}]
+    try:
+        rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 (jinja2 and the template's own raise_exception: a template that cannot render a
+        return ""      # plain exchange has no turn end to read, and the EOS token remains the stop)
+    at = rendered.rfind(MARKER) if isinstance(rendered, str) else -1
+    return rendered[at + len(MARKER):] if at >= 0 else ""
+
+
+def _is_single_special(tokenizer, token_id: int) -> bool:
+    """Whether `token_id` is a token the tokenizer never splits: a special token or an added token."""
+    if token_id in set(tokenizer.all_special_ids):
+        return True
+    return token_id in getattr(tokenizer, "added_tokens_decoder", {})
