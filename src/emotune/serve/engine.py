@@ -50,6 +50,7 @@ class Engine:
         """The base model of `model_cfg`; or, given a merged model, that model alone (no base, no adapters)."""
         self.device = device_mod.resolve_device(device)
         self.lock = threading.Lock()
+        self.busy_since: float | None = None  # time.monotonic() when the model call running now began
         self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
         if merged is not None:
             model, tokenizer = load_artifact_model(merged, weights_dtype(merged.model_cfg, self.device), self.device)
@@ -94,6 +95,8 @@ class Engine:
 
     def remove_adapter(self, name: str) -> None:
         with self.lock:
+            if name not in self.models:
+                raise ModelGone(f"The model `{name}` was unloaded already.")
             loaded = self.models.pop(name)
             self.scorers.pop(name, None)
             self._detach(loaded.artifact.peft_name)
@@ -140,7 +143,7 @@ class Engine:
     @contextmanager
     def using(self, name: str):
         """Hold the lock with `name` active: the base runs with every adapter disabled."""
-        with self.lock:
+        with self.lock, self._busy():
             if name not in self.models:
                 raise ModelGone(f"The model `{name}` was unloaded before this request's turn came.")
             context = nullcontext()  # the plain base, or a merged model served alone
@@ -150,6 +153,14 @@ class Engine:
                 self.model.set_adapter(self.models[name].artifact.peft_name)
             with context:
                 yield self.models[name]
+
+    @contextmanager
+    def _busy(self):
+        self.busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.busy_since = None
 
     def classify(self, name: str, texts: list[str], prompt: PromptConfig, labels: list[str], batch_size: int) -> torch.Tensor:
         with self.using(name) as loaded:
