@@ -128,7 +128,7 @@ def test_serve_prints_the_resolved_config_first(layered, tiny_run_dir, monkeypat
     served = {}
     monkeypatch.setattr(emotune.serve, "run_server", lambda app, cfg: served.update(port=cfg.port))  # no socket here
     path, overrides, _ = layered
-    assert main(["serve", path, *overrides, "serve.port=8123", "--no-auth", str(tiny_run_dir)]) == 0
+    assert main(["serve", "--no-auth", path, *overrides, "serve.port=8123", str(tiny_run_dir)]) == 0
     assert served["port"] == 8123
     expected = dump_config(load_config(path, [*overrides, "serve.port=8123", "serve.no_auth=true"]))
     _assert_printed_first(capsys.readouterr().out, expected)

@@ -76,7 +76,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     admin = [Security(bearer)]
     route = partial(app.add_api_route, responses=ERRORS, response_model_exclude_unset=True)
     route("/health", health, methods=["GET"], response_model=Health,
-          responses={503: {"model": Health, "description": "The classify worker is restarting, or the server stopping."}})
+          responses={**ERRORS, 503: {"model": Health, "description": "The worker is restarting, or the server stopping."}})
     route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse, dependencies=user,
           responses=TEXT_ROUTE_ERRORS)
     route("/v1/models", list_models, methods=["GET"], response_model=ModelList, dependencies=user)

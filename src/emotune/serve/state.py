@@ -34,7 +34,7 @@ class Server:
         self.metrics = Metrics()
         self.admission = Admission(cfg, self.metrics)
         self.batcher = MicroBatcher(engine, self.executor, self.metrics, cfg, self.admission)
-        self.context = context_length(engine.model)  # prompt + reply must fit it
+        self.context = context_length(getattr(engine, "model", None))  # prompt + reply must fit it
         self.in_flight = 0
         self.stopping = threading.Event()  # set at shutdown: generation stops at its next token
         self.name_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # adapter loads and unloads
