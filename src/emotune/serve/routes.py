@@ -152,7 +152,8 @@ async def classify(body: ClassifyRequest, state: ServerState, request: Request):
 
 async def chat(body: ChatRequest, state: ServerState, request: Request):
     loaded = state.loaded(body.model)
-    job = chat_job(body, loaded, state.cfg, state)
+    # rendering and counting a long conversation takes a while: off the event loop, which other clients need
+    job = await asyncio.to_thread(chat_job, body, loaded, state.cfg, state)
     ticket = state.admission.take(chats=1)  # 503 now, before a stream's 200 is sent
     if body.stream:
         return StreamingResponse(stream_chat(job, state.engine, state, ticket, request.state),
