@@ -152,3 +152,17 @@ def test_the_packaged_models_conversion_into_the_cache_waits_for_another_process
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_export_is_refused_while_another_process_works_in_the_run_folder(tiny_run_dir, tmp_path, capsys):
+    from emotune.cli import main
+
+    holder = hold_in_another_process(run_lock(tiny_run_dir))
+    try:
+        assert main(["export", str(tiny_run_dir), "--out", str(tmp_path / "export")]) == 2
+        assert f"pid {holder.pid} on " in capsys.readouterr().err
+        assert not (tmp_path / "export").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["export", str(tiny_run_dir), "--out", str(tmp_path / "export")]) == 0

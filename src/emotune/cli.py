@@ -7,6 +7,8 @@ import json
 import os
 import re
 import sys
+from contextlib import nullcontext
+from pathlib import Path
 
 from emotune.errors import UserError
 
@@ -92,9 +94,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from emotune.core.locks import locked
     from emotune.export import export
+    from emotune.rundir import RunDir, run_lock
 
-    export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype, force=args.force)
+    # a run folder is exported while no other process (a resumed `emotune run`, another export) works in it
+    folder = Path(args.run_dir).expanduser()
+    guard = locked(run_lock(folder), f"the run folder {folder}") if RunDir(folder).has_run() else nullcontext()
+    with guard:
+        export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype, force=args.force)
     return 0
 
 
