@@ -33,7 +33,8 @@ from test_serve_hardening import adapters_root, start  # noqa: F401 (a fixture, 
 def served(tiny_model_dir, adapters_root):  # noqa: F811
     """The real uvicorn settings (slow-client guard included) with short timeouts."""
     engine, app = start(tiny_model_dir, adapters_root, max_chats=1, header_timeout_s=0.5, body_timeout_s=0.5,
-                        max_input_chars=500, max_new_tokens=64, max_body_bytes=1_000_000)
+                        max_input_chars=500, max_new_tokens=64, max_body_bytes=1_000_000,
+                        max_prompt_chars=10_000)
     config = uvicorn_config(app, app.state.server.cfg, port=0, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -87,6 +88,9 @@ def test_too_many_messages_and_a_prompt_beyond_the_context_are_refused(http):
     long = [{"role": "user" if i % 2 == 0 else "assistant", "content": " ".join(["happy"] * 80)} for i in range(9)]
     assert "context of 512 tokens" in error(http.post("/v1/chat/completions", headers=AUTH,
                                                       json=chat_body(messages=long)), 422)
+    many_chars = [{"role": "user" if i % 2 == 0 else "assistant", "content": "happy " * 80} for i in range(25)]
+    assert "serve.max_prompt_chars=10000" in error(http.post("/v1/chat/completions", headers=AUTH,
+                                                            json=chat_body(messages=many_chars)), 422)
     assert "serve.max_new_tokens=64" in error(http.post("/v1/chat/completions", headers=AUTH,
                                                         json=chat_body(max_tokens=65)), 422)
 

@@ -45,6 +45,10 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
                             f"{cfg.max_messages}. Send a shorter conversation.")
     for i, message in enumerate(body.messages):
         state.check_text(message.content, f"messages[{i}].content")
+    total = sum(len(message.content) for message in body.messages)
+    if total > cfg.max_prompt_chars:
+        raise APIError(422, f"The messages hold {total} characters together; the limit is serve.max_prompt_chars="
+                            f"{cfg.max_prompt_chars}. Send a shorter conversation.")
     # the schema holds each field's own range (max_tokens ≥ 1, 0 < top_p ≤ 1, ...); the server's limit is checked here
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = asked if asked is not None else min(64, cfg.max_new_tokens)

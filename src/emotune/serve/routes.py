@@ -202,8 +202,9 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
         if body.name in engine.models:
             raise APIError(409, f"An adapter named `{body.name}` is already loaded. DELETE /v1/adapters/{body.name} "
                                 "first.", "conflict_error")
-        artifact = _adapter_artifact(state, body)
-        await asyncio.get_running_loop().run_in_executor(state.executor, engine.add_adapter, artifact)
+        artifact = await asyncio.to_thread(_adapter_artifact, state, body)  # reads files: off the event loop
+        tokenizer = await asyncio.to_thread(engine.tokenizer_for, artifact)  # off the model thread too
+        await asyncio.get_running_loop().run_in_executor(state.executor, engine.add_adapter, artifact, tokenizer)
     return _model_card(engine.models[artifact.name], engine)
 
 
