@@ -1,10 +1,11 @@
 """`emotune serve` under abuse: 8 well-behaved classify clients, with and without an abuser beside them.
 
-    python bench/serve_abuse.py [--seconds 20] [--rate 20] [--model embedded|small|FOLDER]
+    python bench/serve_abuse.py [--seconds 10] [--rounds 3] [--rate 20] [--model embedded|small|FOLDER]
 
 Starts `emotune serve` on 127.0.0.1 (a subprocess, the packaged model by default, with an API and an admin
-key from its environment) over one adapter. Phase 1: 8 clients send one-text /v1/classify requests back to
-back for `--seconds`. Phase 2: the same clients again, while an abuser in its own process fires every case of
+key from its environment) over one adapter. 8 clients send one-text /v1/classify requests back to back in
+windows of `--seconds`, `--rounds` times without and with the abuse, alternating (so that a load change on a
+shared machine falls on both): during the second of each pair an abuser in its own process fires every case of
 issue 34 in turn at about `--rate` requests/s for the same time: 5,000 labels, labels with too many tokens, too
 many messages, a 230,000-character conversation (on the packaged model's 32k context serve.max_prompt_chars
 refuses it before its tokens are counted; the context check itself is tested on the tiny model), a huge
@@ -104,9 +105,15 @@ async def good_clients(url: str, seconds: float) -> dict:
         connection.close()
 
     await asyncio.gather(*(client(i) for i in range(CLIENTS)))
-    latencies.sort()
+    return {**counts, "latencies": latencies}
+
+
+def merged(windows: list[dict]) -> dict:
+    """The windows of one condition together: counts summed, p99 over every latency."""
+    latencies = sorted(t for w in windows for t in w["latencies"])
+    total = {key: sum(w[key] for w in windows) for key in ("requests", "ok", "5xx", "other")}
     p99 = 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else None
-    return {**counts, "p99_ms": p99}
+    return {**total, "p99_ms": p99}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,9 +242,11 @@ async def adapter_race(url: str, note) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each window")
+    parser.add_argument("--rounds", type=int, default=3, help="windows without and with the abuse, alternating")
     parser.add_argument("--rate", type=float, default=20.0, help="abuser requests per second")
     parser.add_argument("--model", default="embedded", help="embedded (the packaged model), small, or a model folder")
+    parser.add_argument("--log", help="keep the server's log in this file")
     parser.add_argument("--cases", help="comma-separated case names to fire (default: every case)")
     parser.add_argument("--abuser", help=argparse.SUPPRESS)  # the abuser process: the server's URL
     args = parser.parse_args()
@@ -247,27 +256,44 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = build_run(args.model, Path(tmp))
-        process, url = start_server(run_dir, Path(tmp) / "server.log")
+        process, url = start_server(run_dir, Path(args.log) if args.log else Path(tmp) / "server.log")
         try:
             asyncio.run(good_clients(url, 3))  # warm-up
-            calm = asyncio.run(good_clients(url, args.seconds))
-            abuser = subprocess.Popen([sys.executable, __file__, "--abuser", url, "--seconds", str(args.seconds),
-                                       "--rate", str(args.rate), *(["--cases", args.cases] if args.cases else [])],
-                                      stdout=subprocess.PIPE, text=True)
-            busy = asyncio.run(good_clients(url, args.seconds))
-            abused = json.loads(abuser.communicate(timeout=args.seconds + 120)[0])
+            calm, busy, abused = measure(url, args)
         finally:
             stop_server(process)
+    calm, busy = merged(calm), merged(busy)
     ratio = busy["p99_ms"] / calm["p99_ms"] if busy["p99_ms"] and calm["p99_ms"] else None
-    print(json.dumps({"bench": "serve_abuse", "model": args.model, "seconds": args.seconds, "rate": args.rate,
-                      "requests": calm["requests"] + busy["requests"] + abused["requests"],
-                      "5xx": calm["5xx"] + busy["5xx"] + abused["5xx"], "wrong_acceptances": abused["wrong_acceptances"],
+    counted = ("requests", "5xx", "wrong_acceptances", "unexpected", "unanswered_after_60s")
+    abuse_total = {key: sum(a[key] for a in abused) for key in counted}
+    by_case: dict[str, dict[str, int]] = {}
+    for a in abused:
+        for case, answers in a["by_case"].items():
+            for answer, n in answers.items():
+                by_case.setdefault(case, {})[answer] = by_case.get(case, {}).get(answer, 0) + n
+    print(json.dumps({"bench": "serve_abuse", "model": args.model, "seconds": args.seconds, "rounds": args.rounds,
+                      "rate": args.rate, "requests": calm["requests"] + busy["requests"] + abuse_total["requests"],
+                      "5xx": calm["5xx"] + busy["5xx"] + abuse_total["5xx"],
+                      "wrong_acceptances": abuse_total["wrong_acceptances"],
                       "good_p99_ms_without_abuse": round(calm["p99_ms"], 1), "good_p99_ms_with_abuse": round(busy["p99_ms"], 1),
                       "p99_ratio": round(ratio, 2) if ratio else None, "good_ok": [calm["ok"], busy["ok"]],
-                      "good_other": calm["other"] + busy["other"], "abuse_unexpected": abused["unexpected"],
-                      "abuse_unanswered_after_60s": abused["unanswered_after_60s"],
-                      "abuse_requests": abused["requests"], "abuse_by_case": abused["by_case"]}))
+                      "good_other": calm["other"] + busy["other"], "abuse_unexpected": abuse_total["unexpected"],
+                      "abuse_unanswered_after_60s": abuse_total["unanswered_after_60s"],
+                      "abuse_requests": abuse_total["requests"], "abuse_by_case": by_case}))
 
+
+def measure(url: str, args) -> tuple[list[dict], list[dict], list[dict]]:
+    """Windows without and with the abuser, alternating, so that a load change on a shared machine falls on both."""
+    calm, busy, abused = [], [], []
+    for _ in range(args.rounds):
+        calm.append(asyncio.run(good_clients(url, args.seconds)))
+        abuser = subprocess.Popen([sys.executable, __file__, "--abuser", url, "--seconds", str(args.seconds),
+                                   "--rate", str(args.rate), *(["--cases", args.cases] if args.cases else [])],
+                                  stdout=subprocess.PIPE, text=True)
+        time.sleep(1)  # the abuser's interpreter starting
+        busy.append(asyncio.run(good_clients(url, args.seconds)))
+        abused.append(json.loads(abuser.communicate(timeout=args.seconds + 120)[0]))
+    return calm, busy, abused
 
 if __name__ == "__main__":
     main()

@@ -311,3 +311,33 @@ def test_docs_serving_lists_the_new_limits():
     text = (Path(__file__).parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
     for key in ("max_labels", "max_messages", "max_chats", "header_timeout_s", "--no-auth", "allowed_hosts"):
         assert key in text, key
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_generation_whose_client_leaves_stops_at_its_next_token(served, monkeypatch, stream):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    url, engine = served[0], served[1]
+    generate, produced = engine.model.generate, []
+
+    class Slow(LogitsProcessor):  # 50 ms a token: 40 tokens would take 2 s
+        def __call__(self, input_ids, scores):
+            time.sleep(0.05)
+            return scores
+
+    def slow_generate(**kwargs):
+        output = generate(**kwargs, logits_processor=LogitsProcessorList([Slow()]), min_new_tokens=40)
+        produced.append(output.shape[1] - kwargs["input_ids"].shape[1])
+        return output
+
+    monkeypatch.setattr(engine.model, "generate", slow_generate)
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=0.4)) as client:
+            response = client.post("/v1/chat/completions", headers=AUTH, json=chat_body(max_tokens=40, stream=stream))
+            response.read() if stream else None
+            for _ in response.iter_bytes():  # a stream's first event comes at once: read on until the timeout
+                pass
+    deadline = time.time() + 10
+    while not produced and time.time() < deadline:
+        time.sleep(0.05)
+    assert produced and produced[0] < 20, produced
