@@ -341,3 +341,33 @@ def test_a_generation_whose_client_leaves_stops_at_its_next_token(served, monkey
     while not produced and time.time() < deadline:
         time.sleep(0.05)
     assert produced and produced[0] < 20, produced
+
+
+def test_a_chat_whose_client_leaves_before_it_is_admitted_never_generates_in_full(served, monkeypatch):
+    url, engine = served[0], served[1]
+    generate, produced = engine.model.generate, []
+
+    def slow_generate(**kwargs):
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class Slow(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                time.sleep(0.05)
+                return scores
+
+        output = generate(**kwargs, logits_processor=LogitsProcessorList([Slow()]), min_new_tokens=40)
+        produced.append(output.shape[1] - kwargs["input_ids"].shape[1])
+        return output
+
+    monkeypatch.setattr(engine.model, "generate", slow_generate)
+    body = json.dumps(chat_body(max_tokens=40)).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as leaving:
+        leaving.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer user-key\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+                        + body)
+        time.sleep(0.02)
+    deadline = time.time() + 10
+    while not produced and time.time() < deadline:
+        time.sleep(0.05)
+    assert not produced or produced[0] < 20, produced
