@@ -142,5 +142,5 @@ def test_predict_errors(tiny_run_dir, tmp_path, capsys):
 def test_serve_with_vllm_engine_needs_vllm(tiny_run_dir, capsys):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    assert main(["serve", str(tiny_run_dir), "--engine", "vllm"]) == 2
+    assert main(["serve", "--no-auth", str(tiny_run_dir), "--engine", "vllm"]) == 2
     assert "needs the `vllm` package" in capsys.readouterr().err
