@@ -123,12 +123,12 @@ def test_config_command_prints_the_same_resolution(layered, capsys):
 
 
 def test_serve_prints_the_resolved_config_first(layered, tiny_run_dir, monkeypatch, capsys):
-    import uvicorn
+    import emotune.serve
 
     served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.update(kwargs))  # no socket in a unit test
+    monkeypatch.setattr(emotune.serve, "run_server", lambda app, cfg: served.update(port=cfg.port))  # no socket here
     path, overrides, _ = layered
-    assert main(["serve", path, *overrides, "serve.port=8123", str(tiny_run_dir)]) == 0
+    assert main(["serve", "--no-auth", path, *overrides, "serve.port=8123", str(tiny_run_dir)]) == 0
     assert served["port"] == 8123
-    expected = dump_config(load_config(path, [*overrides, "serve.port=8123"]))
+    expected = dump_config(load_config(path, [*overrides, "serve.port=8123", "serve.no_auth=true"]))
     _assert_printed_first(capsys.readouterr().out, expected)

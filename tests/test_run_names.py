@@ -80,3 +80,14 @@ def test_export_merge_of_runs_named_like_module_attributes(named_runs, name, tmp
     out = tmp_path / "export"
     assert main(["export", str(named_runs / name), "--merge", "--dtype", "float32", "--out", str(out)]) == 0
     assert (out / "merged" / "config.json").is_file() and (out / "adapter" / "adapter_config.json").is_file()
+
+
+def test_compare_on_runs_named_like_module_attributes(tmp_path, capsys):
+    from test_compare import _predictions, make_run
+
+    targets = [str(make_run(tmp_path / "runs", name, {"score": _predictions(0.5 + 0.1 * i, seed=i)}))
+               for i, name in enumerate(NAMES)]
+    out = tmp_path / "compare"
+    assert main(["compare", *targets, "--out", str(out)]) == 0, capsys.readouterr().err
+    compared = (out / "compare.json").read_text(encoding="utf-8")
+    assert all(f'"{name}"' in compared for name in NAMES)  # each run by its folder name

@@ -15,6 +15,7 @@ resume every process reads the files and keeps its own shard.
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import re
 import shutil
@@ -27,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from emotune.errors import UserError
+from emotune.errors import UserError, first_line
 from emotune.rundir import atomic_dir
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
@@ -114,7 +115,11 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state in types `torch.load(weights_only=True)` reads: numpy's as a tensor and plain values."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {**numpy_state, "state": {"key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                                                "pos": int(numpy_state["state"]["pos"])}}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -122,10 +127,43 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):  # written as above
+        key = numpy_state["state"]["key"].numpy().astype(np.uint32)
+        numpy_state = {**numpy_state, "state": {"key": key, "pos": numpy_state["state"]["pos"]}}
+    np.random.set_state(numpy_state)  # or the legacy tuple of checkpoints written before, its array allow-listed
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_array_globals() -> list:
+    """What a pickled numpy array needs (checkpoints before the safe format held numpy's RNG state as one)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def safe_load(path: str | Path) -> Any:
+    """A checkpoint's .pt file, read without running code from it (`weights_only=True`: tensors, numbers, strings
+    and containers; numpy arrays allow-listed for checkpoints written by earlier versions). Anything else is refused
+    with how to start over."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpoint(f"The checkpoint file {path} holds objects other than tensors and plain values, which "
+                               "emotune does not load: unpickling them could run code from the file "
+                               f"({first_line(err)[:200]}). If you wrote it yourself with an older emotune, "
+                               f"restart training: delete the checkpoints folder {path.parent.parent} and run the same "
+                               "command again, or pass overwrite=true to start the run over.") from None
+
+
+class UnsafeCheckpoint(UserError):
+    """A checkpoint file that `weights_only=True` cannot read: refused, never set aside as merely damaged."""
 
 
 def write_checkpoint(folder: Path, step: int, weights: dict[str, torch.Tensor], optimizer: dict[str, Any], scheduler,
@@ -172,7 +210,9 @@ def checkpoint_problem(path: Path) -> str | None:
                 return f"{name} is unreadable ({err})"
     for name in ("optimizer.pt", "rng.pt"):
         try:
-            torch.load(path / name, weights_only=False, map_location="cpu")
+            safe_load(path / name)
+        except UnsafeCheckpoint:
+            raise
         except Exception as err:  # noqa: BLE001 (a cut pickle or zip fails in many ways)
             return f"{name} is unreadable ({type(err).__name__}: {err})"
     try:
@@ -203,12 +243,12 @@ def read_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sc
     """Restore everything `write_checkpoint` saved into the live objects; return the progress and the
     best weights so far."""
     load_trainable_state(model, load_file(path / "trainable.safetensors"))
-    states = torch.load(path / "optimizer.pt", weights_only=False)
+    states = safe_load(path / "optimizer.pt")
     load_optimizer_state(model, optimizer, states["optimizer"], path)
     scheduler.load_state_dict(states["scheduler"])
     if scaler is not None and states["scaler"] is not None:
         scaler.load_state_dict(states["scaler"])
-    rng_states = torch.load(path / "rng.pt", weights_only=False)
+    rng_states = safe_load(path / "rng.pt")
     # A run resumed on a different number of processes cannot replay every dropout mask; rank 0's
     # state is the closest start.
     set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])

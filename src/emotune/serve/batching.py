@@ -15,7 +15,7 @@ import torch
 
 from emotune.config import PromptConfig, ServeConfig
 from emotune.serve.engine import Engine
-from emotune.serve.http import APIError
+from emotune.serve.limits import Admission
 from emotune.serve.metrics import Metrics
 
 
@@ -35,23 +35,25 @@ class Job:
 class MicroBatcher:
     """Bounded queue of classify jobs; the worker scores every job that arrived together in one call."""
 
-    def __init__(self, engine: Engine, executor: ThreadPoolExecutor, metrics: Metrics, cfg: ServeConfig):
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor, metrics: Metrics, cfg: ServeConfig,
+                 admission: Admission | None = None):
         self.engine, self.executor, self.metrics, self.cfg = engine, executor, metrics, cfg
+        self.admission = admission or Admission(cfg, metrics)
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
-        self.pending = 0  # texts queued or being scored
+
+    @property
+    def pending(self) -> int:
+        """Texts (and chats) admitted and not finished."""
+        return self.admission.pending
 
     async def submit(self, model: str, texts: list[str], prompt: PromptConfig, labels: list[str]) -> torch.Tensor:
-        if self.pending + len(texts) > self.cfg.max_queue:
-            self.metrics.inc("emotune_rejected_total", {"reason": "queue_full"})
-            raise APIError(503, f"The classify queue is full ({self.pending} texts waiting, serve.max_queue="
-                                f"{self.cfg.max_queue}). Retry shortly.", "server_overloaded")
-        job = Job(model, texts, prompt, labels, asyncio.get_running_loop().create_future())
-        self.pending += len(texts)
-        try:
+        async with self.admission.admit(texts=len(texts)):
+            job = Job(model, texts, prompt, labels, asyncio.get_running_loop().create_future())
             self.queue.put_nowait(job)
-            return await job.future
-        finally:
-            self.pending -= len(texts)
+            try:
+                return await job.future
+            finally:
+                job.future.cancel()  # a caller cancelled (its client went away): the batch leaves this job out
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ served alone, without a base, under the run's name with its own task, labels and
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -30,6 +31,8 @@ from emotune.models import load_base, load_tokenizer, weights_dtype
 from emotune.scoring import LabelScorer, score_label_probs
 
 BASE_MODEL = "base"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
 class ModelGone(LookupError):
@@ -50,7 +53,9 @@ class Engine:
         """The base model of `model_cfg`; or, given a merged model, that model alone (no base, no adapters)."""
         self.device = device_mod.resolve_device(device)
         self.lock = threading.Lock()
+        self.busy_since: float | None = None  # time.monotonic() when the model call running now began
         self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
+        self.tokenizers: dict[str, Any] = {}  # by the fingerprint of their files (tokenizer_for)
         if merged is not None:
             model, tokenizer = load_artifact_model(merged, weights_dtype(merged.model_cfg, self.device), self.device)
             self.base_source, self.model, self.causal = str(merged.path), model, None
@@ -68,21 +73,32 @@ class Engine:
     def is_peft(self) -> bool:
         return hasattr(self.model, "peft_config") and hasattr(self.model, "get_base_model")  # a PeftModel
 
-    def add_adapter(self, artifact: Artifact) -> None:
-        """Load an adapter under its name (called on the worker thread). All or nothing: if PEFT fails half-way
-        (it wraps layers before it reads the weights), what it registered is taken out again, so the models
-        served before are unchanged and the name can be loaded again."""
+    def add_adapter(self, artifact: Artifact, tokenizer: Any = None) -> None:
+        """Load an adapter under its name (called on the worker thread; `tokenizer` from `tokenizer_for`, which
+        need not run there). All or nothing: if PEFT fails half-way (it wraps layers before it reads the weights),
+        what it registered is taken out again, so the models served before are unchanged and the name can be
+        loaded again."""
         self.check_loadable(artifact)
-        tokenizer = load_tokenizer(artifact.path, ModelConfig())
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer_for(artifact)
         with self.lock:
+            served = self.model
             try:
                 head = self._attach_head(artifact) if artifact.has_head else self._attach(artifact)
             except BaseException:
                 self._detach(artifact.peft_name)
                 raise
             finally:
-                self.scorers.clear()  # the first adapter wraps the model; start every scorer afresh
+                if self.model is not served:  # the first adapter wrapped the model: every scorer starts afresh
+                    self.scorers.clear()
             self.models[artifact.name] = Loaded(artifact.name, artifact, tokenizer, head=head)
+
+    def tokenizer_for(self, artifact: Artifact) -> Any:
+        """The adapter folder's tokenizer; one already loaded from identical files is shared (a tokenizer of a
+        large vocabulary takes seconds to load, and adapters of one base usually carry the same files)."""
+        key = _tokenizer_fingerprint(artifact.path)
+        if key not in self.tokenizers:
+            self.tokenizers[key] = load_tokenizer(artifact.path, ModelConfig())
+        return self.tokenizers[key]
 
     def check_loadable(self, artifact: Artifact) -> None:
         """An adapter needs this server's base: refused on a server of a merged model, or of another base."""
@@ -94,9 +110,13 @@ class Engine:
 
     def remove_adapter(self, name: str) -> None:
         with self.lock:
-            loaded = self.models.pop(name)
+            if name not in self.models:
+                raise ModelGone(f"The model `{name}` was unloaded already.")
+            loaded, served = self.models.pop(name), self.model
             self.scorers.pop(name, None)
             self._detach(loaded.artifact.peft_name)
+            if self.model is not served:  # the last adapter left: the plain base again
+                self.scorers.clear()
 
     def _attach(self, artifact: Artifact) -> None:
         from peft import PeftModel
@@ -140,7 +160,7 @@ class Engine:
     @contextmanager
     def using(self, name: str):
         """Hold the lock with `name` active: the base runs with every adapter disabled."""
-        with self.lock:
+        with self.lock, self._busy():
             if name not in self.models:
                 raise ModelGone(f"The model `{name}` was unloaded before this request's turn came.")
             context = nullcontext()  # the plain base, or a merged model served alone
@@ -150,6 +170,14 @@ class Engine:
                 self.model.set_adapter(self.models[name].artifact.peft_name)
             with context:
                 yield self.models[name]
+
+    @contextmanager
+    def _busy(self):
+        self.busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.busy_since = None
 
     def classify(self, name: str, texts: list[str], prompt: PromptConfig, labels: list[str], batch_size: int) -> torch.Tensor:
         with self.using(name) as loaded:
@@ -177,6 +205,14 @@ def _strip_adapter_layers(model: torch.nn.Module) -> None:
             elif isinstance(child, BaseTunerLayer):
                 setattr(parent, child_name, child.get_base_layer())
     model.__dict__.pop("peft_config", None)  # PEFT notes its config on the model it wraps
+
+
+def _tokenizer_fingerprint(folder: Path) -> str:
+    digest = hashlib.sha1()
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def check_base(artifact: Artifact, engine_source: str) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -28,6 +30,7 @@ class APIError(Exception):
 
 
 log = logging.getLogger("emotune.serve")
+STREAM_FAILED = "emotune_stream_failed"  # set in scope["state"] by a stream that ended in an error event
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -57,13 +60,27 @@ async def server_error(request: Request, err: Exception):
 
 
 def resolve_key(value: str | None, field_name: str) -> str | None:
-    if value is None or not value.startswith("env:"):
-        return value
-    variable = value.removeprefix("env:")
-    if not os.environ.get(variable):
-        raise UserError(f"serve.{field_name}=env:{variable}, but the environment variable {variable} is unset or empty. "
-                        "Export it before starting the server, or give the key directly.")
-    return os.environ[variable]
+    """The key itself from `env:NAME`, `file:PATH` or a key written in the config; an empty one is refused."""
+    if value is None:
+        return None
+    if value.startswith("env:"):
+        variable = value.removeprefix("env:")
+        key = os.environ.get(variable, "").strip()
+        where = f"the environment variable {variable} is unset or empty. Export it before starting the server"
+    elif value.startswith("file:"):
+        path = Path(value.removeprefix("file:")).expanduser()
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"serve.{field_name}=file:{path}, but the file cannot be read ({err}). Write the key into "
+                            "it (one line, readable by this user only: chmod 600).") from None
+        where = f"the file {path} is empty. Write the key into it"
+    else:
+        key = value.strip()
+        where = "the key is empty. Give one"
+    if not key:
+        raise UserError(f"serve.{field_name}={value}, but {where}; an empty key would let anyone in.")
+    return key
 
 
 class RequireKey:
@@ -100,10 +117,11 @@ class RequireKey:
 
 
 class BodyLimit:
-    """Pure ASGI middleware: a body above `limit` bytes is answered 413 before the app parses it."""
+    """Pure ASGI middleware: a body above `limit` bytes is answered 413, and one not sent whole within `timeout_s`
+    408, before the app parses it."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout_s: float = 30.0):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -112,8 +130,14 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._reject(scope, receive, send)
         chunks, size, more = [], 0, True
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                response = error_response(408, f"The request body did not arrive within serve.body_timeout_s="
+                                               f"{self.timeout_s:g} s. Send it at once.", "request_timeout")
+                return await response(scope, receive, send)
             if message["type"] != "http.request":
                 return await self.app(scope, _replay([message]), send)
             chunks.append(message.get("body", b""))
@@ -152,7 +176,9 @@ class Observe:
         finally:
             self.server.in_flight -= 1
             route = getattr(scope.get("route"), "path", "unmatched")  # the router fills scope["route"]
-            self.server.metrics.observe_request(route, status[0], time.perf_counter() - started)
+            # a stream that failed after its 200 was sent said so in-band; count it as the error it was
+            failed = (scope.get("state") or {}).get(STREAM_FAILED)
+            self.server.metrics.observe_request(route, 500 if failed else status[0], time.perf_counter() - started)
 
 
 def _replay(messages: list[dict], then=None):

@@ -6,12 +6,14 @@ import asyncio
 import re
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPBearer
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from emotune.artifacts import Artifact, check_adapter_files, find_artifact
@@ -19,6 +21,7 @@ from emotune.config import PromptConfig, ServeConfig
 from emotune.errors import UserError
 from emotune.serve.chat import chat_job, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
+from emotune.serve.guards import TrustedHosts
 from emotune.serve.http import (
     APIError,
     BodyLimit,
@@ -29,6 +32,7 @@ from emotune.serve.http import (
     invalid_request,
     server_error,
 )
+from emotune.serve.limits import check_labels
 from emotune.serve.schemas import (
     AdapterRequest,
     ChatCompletion,
@@ -71,7 +75,8 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     user = [Security(bearer)] if state.api_key is not None else []
     admin = [Security(bearer)]
     route = partial(app.add_api_route, responses=ERRORS, response_model_exclude_unset=True)
-    route("/health", health, methods=["GET"], response_model=Health)
+    route("/health", health, methods=["GET"], response_model=Health,
+          responses={**ERRORS, 503: {"model": Health, "description": "The worker is restarting, or the server stopping."}})
     route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse, dependencies=user,
           responses=TEXT_ROUTE_ERRORS)
     route("/v1/models", list_models, methods=["GET"], response_model=ModelList, dependencies=user)
@@ -80,10 +85,12 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
           responses={**ERRORS, **SSE})
     route(ADMIN_PREFIX, load_adapter, methods=["POST"], status_code=201, response_model=ModelCard, dependencies=admin)
     route(ADMIN_PREFIX + "/{name}", unload_adapter, methods=["DELETE"], response_model=Deleted, dependencies=admin)
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)  # oversized bodies never reach the app
     # before the body is read: a caller without the key gets 401 whatever it sent (/docs, /openapi.json too)
     app.add_middleware(RequireKey, api_key=state.api_key, admin_key=state.admin_key, admin_prefix=ADMIN_PREFIX,
                        open_paths=("/health",))
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)  # before any parsing
+    # before the key: a page of a foreign site (DNS rebinding) learns nothing, not even whether a key is set
+    app.add_middleware(TrustedHosts, bound=cfg.host, allowed=cfg.allowed_hosts)
     app.add_middleware(Observe, server=state)  # outermost: every answer is counted, refusals too
     return app
 
@@ -91,11 +98,14 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     state: Server = app.state.server
-    worker = asyncio.create_task(state.batcher.run())
+    supervisor = asyncio.create_task(state.supervise())
     yield
-    # uvicorn has stopped accepting and waited for requests in flight; now the worker may go
-    worker.cancel()
-    state.executor.shutdown(wait=True)
+    # uvicorn has stopped accepting and waited up to its shutdown timeout for requests in flight; whatever still
+    # runs is stopped: generation at its next token, queued model calls never start, and nothing waits for the
+    # model call running now (emotune.serve.run_server ends the process if it outlives the server)
+    state.stopping.set()
+    supervisor.cancel()
+    state.executor.shutdown(wait=False, cancel_futures=True)
 
 
 async def current_server(request: Request) -> Server:
@@ -107,7 +117,8 @@ ServerState = Annotated[Server, Depends(current_server)]
 
 
 async def health(state: ServerState):
-    return {"status": "ok", "models": list(state.engine.models), "queue": state.batcher.pending}
+    status, body = state.health()
+    return JSONResponse(body, status_code=status)
 
 
 async def metrics(state: ServerState):
@@ -121,16 +132,16 @@ async def list_models(state: ServerState):
     return {"object": "list", "data": [_model_card(m, state.engine) for m in state.engine.models.values()]}
 
 
-async def classify(body: ClassifyRequest, state: ServerState):
+async def classify(body: ClassifyRequest, state: ServerState, request: Request):
     loaded = state.loaded(body.model)
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts or len(texts) > state.cfg.max_inputs:
         raise APIError(422, f"`input` holds {len(texts)} texts; give 1 to serve.max_inputs={state.cfg.max_inputs}.")
     for i, text in enumerate(texts):
         state.check_text(text, f"input[{i}]")
-    prompt, labels = _task(loaded, body.labels)
+    prompt, labels = _task(loaded, body.labels, state)
     with model_gone_is_404():
-        probs = await state.batcher.submit(loaded.name, texts, prompt, labels)
+        probs = await unless_client_leaves(request, state.batcher.submit(loaded.name, texts, prompt, labels))
     data = []
     for i, row in enumerate(probs.tolist()):
         best = max(range(len(labels)), key=row.__getitem__)
@@ -139,17 +150,47 @@ async def classify(body: ClassifyRequest, state: ServerState):
     return JSONResponse({"object": "list", "model": loaded.name, "data": data, "usage": {"texts": len(texts)}})
 
 
-async def chat(body: ChatRequest, state: ServerState):
+async def chat(body: ChatRequest, state: ServerState, request: Request):
     loaded = state.loaded(body.model)
-    job = chat_job(body, loaded, state.cfg, state)
+    # rendering and counting a long conversation takes a while: off the event loop, which other clients need
+    job = await asyncio.to_thread(chat_job, body, loaded, state.cfg, state)
+    ticket = state.admission.take(chats=1)  # 503 now, before a stream's 200 is sent
     if body.stream:
-        return StreamingResponse(stream_chat(job, state.engine, state), media_type="text/event-stream")
+        return StreamingResponse(stream_chat(job, state.engine, state, ticket, request.state),
+                                 media_type="text/event-stream", background=BackgroundTask(ticket.release))
     loop = asyncio.get_running_loop()
-    with model_gone_is_404():
-        text, finish, usage = await loop.run_in_executor(state.executor, generate_reply, state.engine, job, None)
+    try:
+        with model_gone_is_404():
+            reply = loop.run_in_executor(state.executor, generate_reply, state.engine, job, None)
+            text, finish, usage = await unless_client_leaves(request, reply, job["cancel"].set)
+    finally:
+        ticket.release()
     return {"id": job["id"], "object": "chat.completion", "created": job["created"], "model": loaded.name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
             "usage": usage}
+
+
+async def unless_client_leaves(request: Request, work, on_leave=None):
+    """Await `work`; if the client disconnects first, cancel it (and call `on_leave`, which stops what cancelling
+    cannot: a generation already running) and answer 499, which nobody reads."""
+    work = asyncio.ensure_future(work)
+    left = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    if on_leave is not None:
+        on_leave()
+    raise APIError(499, "The client closed the connection; its work was cancelled.", "client_closed_request")
+
+
+async def _disconnected(request: Request) -> None:
+    # the body is read already: the next message the server sends is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def load_adapter(body: AdapterRequest, state: ServerState):
@@ -157,21 +198,26 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
     if not NAME_PATTERN.match(body.name) or body.name == BASE_MODEL:
         raise APIError(422, f"Adapter name `{body.name}` must be 1-64 letters, digits, `.`, `_` or `-` and not "
                             f"`{BASE_MODEL}`.")
-    if body.name in engine.models:
-        raise APIError(409, f"An adapter named `{body.name}` is already loaded. DELETE /v1/adapters/{body.name} first.",
-                       "conflict_error")
-    artifact = _adapter_artifact(state, body)
-    await asyncio.get_running_loop().run_in_executor(state.executor, engine.add_adapter, artifact)
+    async with state.name_locks[body.name]:  # a second load of the same name waits, then finds it loaded
+        if body.name in engine.models:
+            raise APIError(409, f"An adapter named `{body.name}` is already loaded. DELETE /v1/adapters/{body.name} "
+                                "first.", "conflict_error")
+        artifact = await asyncio.to_thread(_adapter_artifact, state, body)  # reads files: off the event loop
+        tokenizer = await asyncio.to_thread(engine.tokenizer_for, artifact)  # off the model thread too
+        await asyncio.get_running_loop().run_in_executor(state.executor, engine.add_adapter, artifact, tokenizer)
     return _model_card(engine.models[artifact.name], engine)
 
 
 async def unload_adapter(name: str, state: ServerState):
     if name == BASE_MODEL:
         raise APIError(422, "The base model cannot be unloaded.")
-    artifact = state.loaded(name).artifact
-    if artifact is not None and artifact.merged:
-        raise APIError(422, f"`{name}` is the merged model this server serves; it cannot be unloaded.")
-    await asyncio.get_running_loop().run_in_executor(state.executor, state.engine.remove_adapter, name)
+    async with state.name_locks[name]:  # a second unload of the same name waits, then finds it gone (404)
+        artifact = state.loaded(name).artifact
+        if artifact is not None and artifact.merged:
+            raise APIError(422, f"`{name}` is the merged model this server serves; it cannot be unloaded.")
+        with model_gone_is_404():
+            await asyncio.get_running_loop().run_in_executor(state.executor, state.engine.remove_adapter, name)
+    state.name_locks.pop(name, None)
     return {"id": name, "object": "model", "deleted": True}
 
 
@@ -186,7 +232,7 @@ def model_gone_is_404():
 def _model_card(loaded: Loaded, engine: Engine) -> dict:
     artifact = loaded.artifact
     card = {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "emotune",
-            "root": engine.base_source if artifact is None else str(artifact.path),
+            "root": _source_name(engine.base_source) if artifact is None else loaded.name,
             "parent": None if artifact is None or artifact.merged else BASE_MODEL}
     if artifact is not None:
         card["task"] = artifact.task
@@ -196,7 +242,13 @@ def _model_card(loaded: Loaded, engine: Engine) -> dict:
     return card
 
 
-def _task(loaded: Loaded, labels: list[str] | None) -> tuple[PromptConfig, list[str]]:
+def _source_name(source: str) -> str:
+    """A base model by name (a hub id, `embedded`, a folder's name): never a path of the server's disk."""
+    path = Path(source).expanduser()
+    return path.name if path.is_absolute() or path.exists() or len(path.parts) > 2 else source
+
+
+def _task(loaded: Loaded, labels: list[str] | None, state: Server) -> tuple[PromptConfig, list[str]]:
     """The prompt and label set to score with: the adapter's own, or (base model) the request's labels. A head model
     reads no prompt; its labels are its head's."""
     if loaded.artifact is not None and loaded.artifact.task != "classify" and not loaded.artifact.has_head:
@@ -211,6 +263,7 @@ def _task(loaded: Loaded, labels: list[str] | None) -> tuple[PromptConfig, list[
         return prompt, loaded.artifact.labels
     if not labels or len(set(labels)) < 2:
         raise APIError(422, f"The `{BASE_MODEL}` model has no label set of its own: pass `labels`, two or more names.")
+    check_labels(labels, loaded.tokenizer, state.cfg)
     return PromptConfig(), labels
 
 

@@ -6,6 +6,7 @@ model thread or a micro-batch (where it would fail other people's requests too).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -55,7 +56,7 @@ class ClassifyRequest(BaseModel):
             return None
         if any(not label.strip() for label in labels):
             raise ValueError("every label needs a name; an empty label would be scored like any other and could win")
-        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        duplicates = sorted(label for label, count in Counter(labels).items() if count > 1)  # linear: 10^5 labels fit a body
         if duplicates:
             raise ValueError(f"labels {duplicates} appear more than once; give each label once")
         return labels
@@ -134,9 +135,18 @@ class ErrorBody(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"]
+    """200 with status ok, or 503 with status unavailable while the classify worker is being restarted or the
+    server is stopping."""
+    status: Literal["ok", "unavailable"]
     models: list[str]
     queue: int
+    """Texts and chats admitted and not finished."""
+    worker: Literal["running", "restarting"]
+    """The classify worker (micro-batcher); restarted whenever it dies."""
+    worker_restarts: int
+    model_thread: Literal["idle", "busy", "stopping"]
+    busy_s: float
+    """How long the model call running now has run (0 when idle)."""
 
 
 class ModelCard(BaseModel):

@@ -4,6 +4,11 @@ The keys themselves are checked by the `RequireKey` middleware (emotune.serve.ht
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,7 +16,11 @@ from emotune.config import ServeConfig
 from emotune.serve.batching import MicroBatcher
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError, resolve_key
+from emotune.serve.limits import Admission, context_length
 from emotune.serve.metrics import Metrics
+
+log = logging.getLogger("emotune.serve")
+RESTART_DELAY_S = 0.5
 
 
 class Server:
@@ -23,8 +32,42 @@ class Server:
         self.admin_key = resolve_key(cfg.admin_key, "admin_key")
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emotune-model")
         self.metrics = Metrics()
-        self.batcher = MicroBatcher(engine, self.executor, self.metrics, cfg)
+        self.admission = Admission(cfg, self.metrics)
+        self.batcher = MicroBatcher(engine, self.executor, self.metrics, cfg, self.admission)
+        self.context = context_length(getattr(engine, "model", None))  # prompt + reply must fit it
         self.in_flight = 0
+        self.stopping = threading.Event()  # set at shutdown: generation stops at its next token
+        self.name_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # adapter loads and unloads
+        self.worker: asyncio.Task | None = None
+        self.restarts = 0
+
+    # ---- the batcher's worker, supervised ----
+
+    async def supervise(self) -> None:
+        """Run the batcher's worker and start it again whenever it dies (until shutdown cancels this)."""
+        while True:
+            self.worker = asyncio.create_task(self.batcher.run())
+            try:
+                await asyncio.shield(self.worker)
+            except asyncio.CancelledError:
+                self.worker.cancel()
+                raise
+            except Exception:  # noqa: BLE001 (whatever killed it is logged; the queue must keep moving)
+                log.exception("the classify worker died; starting it again")
+            self.restarts += 1
+            self.metrics.inc("emotune_worker_restarts_total")
+            await asyncio.sleep(RESTART_DELAY_S)
+
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) for /health: 503 while the worker is down or the server is stopping."""
+        worker = "running" if self.worker is not None and not self.worker.done() else "restarting"
+        busy_since = self.engine.busy_since
+        model_thread = "stopping" if self.stopping.is_set() else "busy" if busy_since is not None else "idle"
+        ok = worker == "running" and model_thread != "stopping"
+        body = {"status": "ok" if ok else "unavailable", "models": list(self.engine.models), "queue": self.batcher.pending,
+                "worker": worker, "worker_restarts": self.restarts, "model_thread": model_thread,
+                "busy_s": round(time.monotonic() - busy_since, 3) if busy_since is not None else 0.0}
+        return (200 if ok else 503), body
 
     # ---- checks ----
 

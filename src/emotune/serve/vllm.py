@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -40,5 +41,11 @@ def serve_with_vllm(cfg: RunConfig, targets: list[str], fallback: Fallback | Non
             "--host", cfg.serve.host, "--port", str(cfg.serve.port), "--generation-config", "auto"]
     api_key = resolve_key(cfg.serve.api_key, "api_key")
     executable = shutil.which("vllm", path=str(Path(sys.executable).parent)) or shutil.which("vllm") or "vllm"
-    print(f"Starting: vllm {' '.join(args)}" + (" --api-key ***" if api_key else ""), flush=True)
-    subprocess.run([executable, *args, *(["--api-key", api_key] if api_key else [])], check=False)
+    print(f"Starting: vllm {' '.join(args)}" + (" (API key in VLLM_API_KEY)" if api_key else ""), flush=True)
+    subprocess.run([executable, *args], env=vllm_environment(api_key), check=False)
+
+
+def vllm_environment(api_key: str | None) -> dict[str, str]:
+    """vLLM reads its key from VLLM_API_KEY: an `--api-key` argument would show in the process list."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    return {**env, "VLLM_API_KEY": api_key} if api_key else env

@@ -1,0 +1,1 @@
+"""The bottom layer: errors, the run folder, locks, config."""
