@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from emotune.config import ModelConfig
 from emotune.device import Precision, choose_precision
 from emotune.errors import UserError, first_line
+from emotune.model import quantization
 from emotune.rundir import atomic_dir
 
 EMBEDDED_MODEL = "embedded"
@@ -225,7 +226,11 @@ def load_base(cfg: ModelConfig, device: torch.device, precision: str = "auto",
     tokenizer = tokenizer or load_tokenizer(model_dir, cfg)
     dtype = chosen.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     check_attention(cfg, model_dir, device, dtype)
-    return Base(load_model(model_dir, dtype, device, cfg.attn_implementation), tokenizer, chosen, model_dir)
+    quantization.check(cfg, model_dir, device, dtype)
+    if quantization.bits(cfg):
+        print(f"Base model: {quantization.describe(cfg, dtype)}", flush=True)
+    model = load_model(model_dir, dtype, device, cfg.attn_implementation, quantization.bnb_config(cfg, dtype))
+    return Base(model, tokenizer, chosen, model_dir)
 
 
 def weights_dtype(cfg: ModelConfig, device: torch.device, precision: str = "auto") -> torch.dtype:
@@ -233,15 +238,18 @@ def weights_dtype(cfg: ModelConfig, device: torch.device, precision: str = "auto
     return choose_precision(device, precision).dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attention: str = "auto") -> PreTrainedModel:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attention: str = "auto",
+               quantized=None) -> PreTrainedModel:
     """The weights of `model_dir` in `dtype` on `device`, with `attention` (model.attn_implementation; `auto` =
-    transformers' own choice)."""
+    transformers' own choice); `quantized`: a BitsAndBytesConfig (emotune.model.quantization), whose weights are
+    quantized as they load, straight onto `device` (a quantized model cannot be moved afterwards)."""
+    placed = {"quantization_config": quantized, "device_map": {"": device}} if quantized is not None else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                 attn_implementation=None if attention == "auto" else attention)
+                                                 attn_implementation=None if attention == "auto" else attention, **placed)
     head = model.get_output_embeddings()
     if head is not None:
         head.register_forward_pre_hook(_contiguous_input)
-    return model.to(device)
+    return model if quantized is not None else model.to(device)
 
 
 def check_attention(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:

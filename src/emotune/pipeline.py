@@ -22,12 +22,14 @@ import torch
 from transformers import AutoConfig, set_seed
 
 from emotune import device as device_mod
+from emotune import optim
 from emotune.artifacts import is_adapter
 from emotune.batches import describe_shared_prefix, share_prefix
 from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
 from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
+from emotune.model import quantization
 from emotune.models import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
 from emotune.tasks import task_for
@@ -59,8 +61,10 @@ class Context:
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
-            check_attention(self.cfg.model, model_dir, self.device,
-                            weights_dtype(self.cfg.model, self.device, self.cfg.train.precision))
+            dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
+            check_attention(self.cfg.model, model_dir, self.device, dtype)
+            quantization.check(self.cfg.model, model_dir, self.device, dtype)
+            optim.check(self.cfg.train, self.device)
             if self.cfg.lora.layers is not None:  # against the model's layer count, from config.json alone
                 check_layers(self.cfg.lora, AutoConfig.from_pretrained(model_dir))
 
@@ -73,6 +77,8 @@ class Context:
             "task": self.cfg.task, "emotune": report.versions.get("emotune"), "versions": report.versions,
             "hardware": report.as_dict(), "device": str(self.device),
             "precision": {"name": self.precision.name, "reason": self.precision.reason},
+            "quantization": quantization.describe(self.cfg.model, weights_dtype(self.cfg.model, self.device,
+                                                                                 self.cfg.train.precision)),
         })
 
     @property

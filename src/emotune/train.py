@@ -38,6 +38,8 @@ from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
 from emotune.lora import attach_lora, checkpoint_activations
+from emotune.model import quantization
+from emotune.optim import build_optimizer
 from emotune.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.rundir import RunDir, remove_partial_writes
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
@@ -133,6 +135,8 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     announce(plan, t, len(rows), len(val_rows), cap, objective)
 
     model.config.use_cache = False
+    if quantization.is_quantized(model):  # before the adapters, which then stay fp32 beside the quantized weights
+        print(quantization.describe_preparation(quantization.prepare_for_training(model)), flush=True)
     if fsdp:
         refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
     adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
@@ -144,7 +148,7 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
         checkpoint_activations(adapted)  # the frozen layers below the adapters stay out of the backward pass
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
     autocast, scaler = _mixed_precision(precision, adapted)
-    optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
+    optimizer = build_optimizer(t, adapted)
     wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
     if t.time_budget:  # the steps that fit, measured on the prepared model before the schedule needs them
         measure = calibration(wrapped, optimizer, objective, rows, val_rows, pad_id, cap, accelerator, autocast,
@@ -291,18 +295,10 @@ def _mixed_precision(precision: Precision, model: torch.nn.Module):
     if precision.name == "fp32":
         return nullcontext(), None
     device = next(model.parameters()).device.type
-    frozen = next(p for p in model.parameters() if not p.requires_grad)
+    frozen = next(p for p in model.parameters() if not p.requires_grad and p.is_floating_point())  # not 4/8-bit packed
     autocast = nullcontext() if frozen.dtype == precision.dtype else torch.autocast(device, dtype=precision.dtype)
     scaler = torch.amp.GradScaler(device) if precision.name == "fp16" else None
     return autocast, scaler
-
-
-def _optimizer(t: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if t.optim == "sgd":
-        return torch.optim.SGD(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    if t.optim == "adafactor":
-        return torch.optim.Adafactor(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, fused=t.optim == "adamw_torch_fused")
 
 
 def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Accelerator):
