@@ -63,7 +63,7 @@ class Context:
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
             dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
             check_attention(self.cfg.model, model_dir, self.device, dtype)
-            quantization.check(self.cfg.model, model_dir, self.device, dtype)
+            quantization.check(self.cfg.model, model_dir, self.device, dtype, self.cfg.lora.use_dora)
             optim.check(self.cfg.train, self.device)
             if self.cfg.lora.layers is not None:  # against the model's layer count, from config.json alone
                 check_layers(self.cfg.lora, AutoConfig.from_pretrained(model_dir))

@@ -91,12 +91,18 @@ def describe(cfg: ModelConfig, compute_dtype: torch.dtype) -> str:
             "embeddings and output layer unquantized, norms in fp32 while training")
 
 
-def check(cfg: ModelConfig, model_dir: Path | None, device: torch.device, compute_dtype: torch.dtype) -> None:
+def check(cfg: ModelConfig, model_dir: Path | None, device: torch.device, compute_dtype: torch.dtype,
+          use_dora: bool = False) -> None:
     """Refuse, before any weight loads, a quantized base that cannot run here, with every reason and what to do."""
     if bits(cfg) is None:
         return
     problems = []
     what = f"model.quantization={cfg.quantization}"
+    if use_dora and bits(cfg) == 8 and device.type == "cpu":
+        # PEFT's DoRA dequantizes the weight, after which bitsandbytes' CPU int8 product finds no scales
+        # (AttributeError in MatMul8bitFp.forward, bitsandbytes 0.50.2)
+        problems.append("DoRA (lora.use_dora=true) over 8-bit layers fails on the CPU in bitsandbytes 0.50.2; use "
+                        "model.quantization=4bit with DoRA, or plain LoRA over 8 bits")
     if device.type == "mps":
         problems.append("bitsandbytes has no Apple MPS backend: train on a CUDA or ROCm GPU or on the CPU "
                         "(device=cpu), or set model.quantization=none")

@@ -1,0 +1,179 @@
+"""QLoRA: a base quantized to 4 or 8 bits by bitsandbytes (on this CPU), LoRA and DoRA on top, k-bit preparation that
+keeps embeddings in the compute dtype, refusals before any weight loads, LLaMA-Factory's quantization keys, and the
+export that merges onto the unquantized base. Tiny random Gemma 3 models (conftest: tiny_model_dir)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from emotune.cli import main
+from emotune.config import LoraSettings, ModelConfig
+from emotune.errors import UserError
+from emotune.lora import attach_lora, checkpoint_activations
+from emotune.model import quantization
+from emotune.models import load_base
+
+pytest.importorskip("bitsandbytes")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """conftest's 2-layer Gemma 3 text model with widths a multiple of 64, bitsandbytes' 4-bit block: its CPU
+    inference path repacks the weights per block of input features (Linear4bit.forward on AVX512-BF16 CPUs), which
+    conftest's 32-wide model has less than one of. Gemma 3 270M: hidden 640, head_dim 256, intermediate 2048."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from conftest import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3-64")
+    tokenizer = build_tokenizer(folder)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, sliding_window=64,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def tiny_overrides(tiny_overrides, tiny_model_dir):
+    return [*tiny_overrides, f"model.source={tiny_model_dir}"]
+
+
+def _losses(model, steps: int = 12, lr: float = 1e-2, optimizer=None) -> list[float]:
+    """Train on one fixed batch; the losses of every step."""
+    optimizer = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    torch.manual_seed(0)
+    ids = torch.randint(6, 40, (4, 12))
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _quantized(tiny_model_dir, precision: str = "fp32", **model):
+    base = load_base(ModelConfig(source=str(tiny_model_dir), **model), CPU, precision)
+    quantization.prepare_for_training(base.model)
+    return base.model
+
+
+def test_bitsandbytes_config_follows_the_model_section():
+    q = quantization.bnb_config(ModelConfig(quantization="4bit", quant_type="fp4", double_quant=False), torch.bfloat16)
+    assert (q.load_in_4bit, q.bnb_4bit_quant_type, q.bnb_4bit_use_double_quant, q.bnb_4bit_compute_dtype) == (
+        True, "fp4", False, torch.bfloat16)
+    assert quantization.bnb_config(ModelConfig(quantization="8bit"), torch.float32).load_in_8bit
+    assert quantization.bnb_config(ModelConfig(), torch.float32) is None
+
+
+@pytest.mark.parametrize("setting", [{"quantization": "4bit"}, {"quantization": "4bit", "quant_type": "fp4"},
+                                     {"quantization": "8bit"}])
+@pytest.mark.parametrize("dora", [False, True])
+def test_lora_and_dora_train_on_a_quantized_base(tiny_model_dir, setting, dora):
+    import bitsandbytes as bnb
+
+    if dora and setting["quantization"] == "8bit":  # refused on the CPU, before loading
+        with pytest.raises(UserError, match="DoRA .* over 8-bit layers fails on the CPU"):
+            quantization.check(ModelConfig(**setting), tiny_model_dir, CPU, torch.float32, use_dora=True)
+        return
+    model = _quantized(tiny_model_dir, **setting)
+    layer = bnb.nn.Linear4bit if setting["quantization"] == "4bit" else bnb.nn.Linear8bitLt
+    assert sum(isinstance(m, layer) for m in model.modules()) == 14  # 7 projections x 2 layers
+    adapted = attach_lora(model, LoraSettings(r=4, use_dora=dora))
+    checkpoint_activations(adapted)
+    losses = _losses(adapted)
+    assert losses[-1] < losses[0] - 0.05
+
+
+def test_kbit_preparation_keeps_embeddings_in_the_compute_dtype_and_norms_in_fp32(tiny_model_dir):
+    model = _quantized(tiny_model_dir, "bf16", quantization="4bit")
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16  # PEFT's preparation would make it fp32
+    norms = [p for name, p in model.named_parameters() if "norm" in name]
+    assert norms and all(p.dtype == torch.float32 for p in norms)
+    assert not any(p.requires_grad for p in model.parameters())
+    quantized = [p for p in model.parameters() if not p.is_floating_point()]
+    assert quantized and all(p.dtype == torch.uint8 for p in quantized)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refused before loading
+
+
+def test_missing_bitsandbytes_is_refused_with_what_to_install(tiny_model_dir, monkeypatch):
+    real = quantization.importlib.util.find_spec
+    monkeypatch.setattr(quantization.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(UserError, match=r"model.quantization=4bit cannot be used here: the bitsandbytes package is not "
+                                        r"installed: pip install 'bitsandbytes>=0.50.2'"):
+        quantization.check(ModelConfig(quantization="4bit"), tiny_model_dir, CPU, torch.float32)
+
+
+def test_a_device_the_library_does_not_cover_is_refused(tiny_model_dir, monkeypatch):
+    import bitsandbytes.functional as F
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("HIP error: invalid device function")
+
+    monkeypatch.setattr(F, "quantize_4bit", no_kernel)
+    with pytest.raises(UserError, match=r"cannot run 4-bit kernels on CPU \(RuntimeError: HIP error: invalid device "
+                                        r"function\).*upgrade bitsandbytes"):
+        quantization.check(ModelConfig(quantization="4bit"), tiny_model_dir, CPU, torch.float32)
+
+
+def test_mps_and_an_already_quantized_folder_are_refused_together(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(UserError) as err:
+        quantization.check(ModelConfig(quantization="8bit"), tmp_path, torch.device("mps"), torch.float32)
+    assert "no Apple MPS backend" in str(err.value) and "quantized already (gptq)" in str(err.value)
+
+
+def test_run_is_refused_before_the_run_folder_exists(tiny_overrides, tmp_path, monkeypatch, capsys):
+    real = quantization.importlib.util.find_spec
+    monkeypatch.setattr(quantization.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert main(["run", *tiny_overrides, "model.quantization=4bit"]) == 2
+    assert "bitsandbytes package is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "tiny").exists()
+
+
+def test_quantization_values_are_checked_by_the_config():
+    from emotune.config import load_config
+
+    with pytest.raises(UserError, match="model.quantization"):
+        load_config(None, ["model.quantization=3bit"])
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end: run, evaluate unmerged, export merged onto the unquantized base
+
+
+@pytest.mark.slow
+def test_a_4bit_run_trains_evaluates_and_exports_merged_onto_the_unquantized_base(tiny_overrides, tmp_path, capsys):
+    overrides = [*tiny_overrides, "model.quantization=4bit", "train.gradient_checkpointing=true", "train.max_steps=6"]
+    assert main(["run", *overrides]) == 0
+    run = tmp_path / "runs" / "tiny"
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["quantization"].startswith("4-bit NF4 + double quantization")
+    history = json.loads((run / "train" / "log_history.json").read_text())
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    assert losses[-1] < losses[0]
+    merge = json.loads((run / "finetuned" / "metrics.json").read_text()).get("merge", {})
+    assert merge.get("merged") is False and "quantized" in merge.get("note", "")
+
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--merge", "--out", str(out), "--dtype", "float32"]) == 0
+    record = json.loads((out / "merged" / "emotune_merge.json").read_text())
+    assert record["parity_max_abs_logit_diff"] < 1e-4  # merged == adapter on the unquantized base
+    assert record["quantized_base_max_abs_logit_diff"] > 1e-4  # the 4-bit base differs, and it is said
+    assert "Merged onto the unquantized base" in capsys.readouterr().out
+    config = json.loads((out / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain full-precision model
