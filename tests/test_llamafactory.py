@@ -148,12 +148,12 @@ def test_yaml_spellings_and_older_key_names(lf_yaml):
 
 
 def test_refusals_name_their_keys_all_at_once(lf_yaml):
-    path = lf_yaml(stage="dpo", quantization_bit=4, finetuning_type="full", dataset="emotion_alpaca,emotion_prefs")
+    path = lf_yaml(stage="dpo", quantization_bit=3, finetuning_type="full", dataset="emotion_alpaca,emotion_prefs")
     with pytest.raises(UserError) as err:
         load_config(path)
     message = str(err.value)
     assert "4 problems" in message
-    for expected in ("`stage: dpo` is not supported", "`quantization_bit: 4` is not supported",
+    for expected in ("`stage: dpo` is not supported", "`quantization_bit: 3` is not supported",
                      "`finetuning_type: full` is not supported", "`dataset`: `emotion_prefs` is a ranking"):
         assert expected in message
 

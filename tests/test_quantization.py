@@ -15,6 +15,7 @@ from emotune.errors import UserError
 from emotune.lora import attach_lora, checkpoint_activations
 from emotune.model import quantization
 from emotune.models import load_base
+from test_llamafactory import lf_folder, lf_yaml  # noqa: F401 (fixtures)
 
 pytest.importorskip("bitsandbytes")
 CPU = torch.device("cpu")
@@ -177,3 +178,87 @@ def test_a_4bit_run_trains_evaluates_and_exports_merged_onto_the_unquantized_bas
     assert "Merged onto the unquantized base" in capsys.readouterr().out
     config = json.loads((out / "merged" / "config.json").read_text())
     assert "quantization_config" not in config  # a plain full-precision model
+
+
+# --------------------------------------------------------------------------------------------------
+# LLaMA-Factory's QLoRA keys
+
+
+QLORA_KEYS = {"quantization_bit": 4, "quantization_method": "bnb", "quantization_type": "fp4",
+              "double_quantization": "false", "optim": "adamw_bnb_8bit", "loraplus_lr_ratio": 16.0}
+
+
+def test_a_llamafactory_qlora_file_translates_as_it_is(lf_yaml):
+    from emotune.config import load_config
+
+    cfg = load_config(lf_yaml(**QLORA_KEYS))
+    assert (cfg.model.quantization, cfg.model.quant_type, cfg.model.double_quant) == ("4bit", "fp4", False)
+    assert (cfg.train.optim, cfg.train.loraplus_lr_ratio, cfg.train.loraplus_lr_embedding) == ("adamw_8bit", 16.0, 1e-6)
+    defaults = load_config(lf_yaml(quantization_bit=4))  # LLaMA-Factory's defaults: NF4 with double quantization
+    assert (defaults.model.quantization, defaults.model.quant_type, defaults.model.double_quant) == ("4bit", "nf4", True)
+    assert load_config(lf_yaml(quantization_bit=8)).model.quantization == "8bit"
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"quantization_bit": 4, "quantization_method": "hqq"}, "`quantization_method: hqq` is not supported"),
+    ({"quantization_bit": 2}, "`quantization_bit: 2` is not supported: bitsandbytes quantizes to 4 or 8 bits"),
+])
+def test_llamafactory_quantization_emotune_cannot_run_is_refused(lf_yaml, change, expected):
+    from emotune.config import load_config
+
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(**change))
+    assert expected in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_llamafactory_qlora_file_runs_as_it_is(lf_yaml, tiny_model_dir, tmp_path):
+    path = lf_yaml(model_name_or_path=str(tiny_model_dir), quantization_bit=4, optim="adamw_bnb_8bit", max_steps=4)
+    assert main(["run", str(path), "train.precision=fp32", "eval.max_new_tokens=3", "eval.probe=false",
+                 "data.test_limit=4", f"model.cache_dir={tmp_path / 'cache'}"]) == 0
+    folder = tmp_path / "saves" / "tiny-gemma" / "lora" / "sft"
+    info = json.loads((folder / "run.json").read_text())
+    assert info["status"] == "finished" and info["quantization"].startswith("4-bit NF4")
+    losses = [e["loss"] for e in json.loads((folder / "train" / "log_history.json").read_text()) if "loss" in e]
+    assert losses[-1] < losses[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizers: 8-bit AdamW, paged (GPU only), LoRA+
+
+
+def test_adamw_8bit_keeps_8bit_state_and_trains_on_the_cpu(tiny_model_dir):
+    from emotune.config import TrainConfig
+    from emotune.optim import build_optimizer
+
+    adapted = attach_lora(_quantized(tiny_model_dir, quantization="4bit"), LoraSettings(r=64))  # 4,096-entry A matrices
+    optimizer = build_optimizer(TrainConfig(optim="adamw_8bit", learning_rate=1e-2), adapted)
+    assert type(optimizer).__name__ == "AdamW8bit"
+    losses = _losses(adapted, optimizer=optimizer)
+    assert losses[-1] < losses[0] - 0.05
+    states = [s for s in optimizer.state.values() if "state1" in s]
+    assert any(s["state1"].dtype == torch.uint8 for s in states)  # bitsandbytes' blockwise 8-bit moments
+
+
+def test_paged_adamw_8bit_is_refused_off_the_gpu():
+    from emotune.config import TrainConfig
+    from emotune.optim import check
+
+    with pytest.raises(UserError, match="paged_adamw_8bit pages optimizer state .* set train.optim=adamw_8bit"):
+        check(TrainConfig(optim="paged_adamw_8bit"), CPU)
+    check(TrainConfig(optim="adamw_8bit"), CPU)
+
+
+def test_loraplus_gives_the_b_matrices_the_ratio(tiny_model_dir, capsys):
+    from emotune.config import TrainConfig
+    from emotune.optim import build_optimizer
+
+    adapted = attach_lora(_quantized(tiny_model_dir, quantization="4bit"), LoraSettings(r=4))
+    optimizer = build_optimizer(TrainConfig(learning_rate=1e-3, loraplus_lr_ratio=16), adapted)
+    rate = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    for name, param in adapted.named_parameters():
+        if param.requires_grad:
+            assert rate[id(param)] == pytest.approx(1.6e-2 if "lora_B" in name else 1e-3), name
+    assert "LoRA+: learning rate 0.001 for the A matrices, 0.016 (x16)" in capsys.readouterr().out
+    losses = _losses(adapted, optimizer=optimizer)
+    assert losses[-1] < losses[0] - 0.05
