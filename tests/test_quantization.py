@@ -15,30 +15,14 @@ from emotune.errors import UserError
 from emotune.lora import attach_lora, checkpoint_activations
 from emotune.model import quantization
 from emotune.models import load_base
-from test_llamafactory import lf_folder, lf_yaml  # noqa: F401 (fixtures)
 
 pytest.importorskip("bitsandbytes")
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """conftest's 2-layer Gemma 3 text model with widths a multiple of 64, bitsandbytes' 4-bit block: its CPU
-    inference path repacks the weights per block of input features (Linear4bit.forward on AVX512-BF16 CPUs), which
-    conftest's 32-wide model has less than one of. Gemma 3 270M: hidden 640, head_dim 256, intermediate 2048."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    from conftest import build_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-gemma3-64")
-    tokenizer = build_tokenizer(folder)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, sliding_window=64,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(config).save_pretrained(folder)
-    return folder
+@pytest.fixture
+def tiny_model_dir(tiny_gemma3_64_dir):
+    return tiny_gemma3_64_dir
 
 
 @pytest.fixture
@@ -178,49 +162,6 @@ def test_a_4bit_run_trains_evaluates_and_exports_merged_onto_the_unquantized_bas
     assert "Merged onto the unquantized base" in capsys.readouterr().out
     config = json.loads((out / "merged" / "config.json").read_text())
     assert "quantization_config" not in config  # a plain full-precision model
-
-
-# --------------------------------------------------------------------------------------------------
-# LLaMA-Factory's QLoRA keys
-
-
-QLORA_KEYS = {"quantization_bit": 4, "quantization_method": "bnb", "quantization_type": "fp4",
-              "double_quantization": "false", "optim": "adamw_bnb_8bit", "loraplus_lr_ratio": 16.0}
-
-
-def test_a_llamafactory_qlora_file_translates_as_it_is(lf_yaml):
-    from emotune.config import load_config
-
-    cfg = load_config(lf_yaml(**QLORA_KEYS))
-    assert (cfg.model.quantization, cfg.model.quant_type, cfg.model.double_quant) == ("4bit", "fp4", False)
-    assert (cfg.train.optim, cfg.train.loraplus_lr_ratio, cfg.train.loraplus_lr_embedding) == ("adamw_8bit", 16.0, 1e-6)
-    defaults = load_config(lf_yaml(quantization_bit=4))  # LLaMA-Factory's defaults: NF4 with double quantization
-    assert (defaults.model.quantization, defaults.model.quant_type, defaults.model.double_quant) == ("4bit", "nf4", True)
-    assert load_config(lf_yaml(quantization_bit=8)).model.quantization == "8bit"
-
-
-@pytest.mark.parametrize(("change", "expected"), [
-    ({"quantization_bit": 4, "quantization_method": "hqq"}, "`quantization_method: hqq` is not supported"),
-    ({"quantization_bit": 2}, "`quantization_bit: 2` is not supported: bitsandbytes quantizes to 4 or 8 bits"),
-])
-def test_llamafactory_quantization_emotune_cannot_run_is_refused(lf_yaml, change, expected):
-    from emotune.config import load_config
-
-    with pytest.raises(UserError, match="1 problem") as err:
-        load_config(lf_yaml(**change))
-    assert expected in str(err.value)
-
-
-@pytest.mark.slow
-def test_a_llamafactory_qlora_file_runs_as_it_is(lf_yaml, tiny_model_dir, tmp_path):
-    path = lf_yaml(model_name_or_path=str(tiny_model_dir), quantization_bit=4, optim="adamw_bnb_8bit", max_steps=4)
-    assert main(["run", str(path), "train.precision=fp32", "eval.max_new_tokens=3", "eval.probe=false",
-                 "data.test_limit=4", f"model.cache_dir={tmp_path / 'cache'}"]) == 0
-    folder = tmp_path / "saves" / "tiny-gemma" / "lora" / "sft"
-    info = json.loads((folder / "run.json").read_text())
-    assert info["status"] == "finished" and info["quantization"].startswith("4-bit NF4")
-    losses = [e["loss"] for e in json.loads((folder / "train" / "log_history.json").read_text()) if "loss" in e]
-    assert losses[-1] < losses[0]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -295,6 +295,14 @@ class LoraSettings(Section):
     modules_to_save: list[str] | None = None
     """Modules trained in full and saved with the adapter (e.g. [lm_head]); null = none. Costly for
     Gemma's 262k-entry embedding tables."""
+    init: Literal["default", "pissa", "olora", "loftq"] = "default"
+    """How the adapters start: `default` = B at zero (the model starts as the base); `pissa` = the top-r singular
+    vectors of each weight (PiSSA), `olora` = its QR factors (OLoRA), `loftq` = what makes up for 4-bit rounding
+    (LoftQ, CUDA/XPU GPUs only); those three subtract their start from the base weights, and the saved adapter is
+    converted back onto the original base (rank 2r), so export and serving use the checkpoint as it is
+    (emotune.model.init_methods)."""
+    pissa_iter: Annotated[int, Range(-1, also="-1 = the exact SVD")] = 16
+    """PiSSA: iterations of the fast randomized SVD (LLaMA-Factory's `pissa_iter`); -1 = the exact (slow) SVD."""
     layers: Annotated[list[int] | int | None, LAYER_COUNT] = None
     """Decoder layers that get adapters (PEFT's `layers_to_transform`, Axolotl's `peft_layers_to_transform`):
     null = every layer; a list of layer indices, counted from 0 = the layer nearest the embeddings (e.g. [12, 13,

@@ -56,6 +56,9 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "use_rslora": (False, FINETUNING),
     "plot_loss": (False, FINETUNING),
     "loraplus_lr_ratio": (None, FINETUNING),
+    "pissa_init": (False, FINETUNING),
+    "pissa_iter": (16, FINETUNING),
+    "pissa_convert": (False, FINETUNING),
     "loraplus_lr_embedding": (1e-6, FINETUNING),
     "dataset": (None, DATA),
     "eval_dataset": (None, DATA),
@@ -100,7 +103,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "neat_packing": (False, "emotune does not pack rows together; remove neat_packing"),
     "adapter_name_or_path": (None, "emotune starts from a fresh adapter; merge the old one into the base first "
                                    "(`emotune export --merge`) and point model_name_or_path at the result"),
-    "pissa_init": (False, "emotune initialises LoRA the standard way; remove pissa_init"),
     "use_galore": (False, "GaLore is not a LoRA method emotune has; use finetuning_type: lora"),
     "use_apollo": (False, "APOLLO is not a LoRA method emotune has; use finetuning_type: lora"),
     "use_badam": (False, "BAdam is not a LoRA method emotune has; use finetuning_type: lora"),
@@ -276,6 +278,12 @@ def _method(t: Translation) -> None:
     if s["additional_target"]:
         t.set("lora.modules_to_save", _names(s["additional_target"]), "additional_target")
     t.set("lora.use_dora", s["use_dora"], "use_dora")
+    if s["pissa_init"]:
+        t.set("lora.init", "pissa", "pissa_init")
+        t.set("lora.pissa_iter", s["pissa_iter"], "pissa_iter")
+        if not s["pissa_convert"]:
+            t.notes.append("pissa_convert: false: emotune always saves the PiSSA adapter converted onto the original base "
+                           "(rank 2 x lora_rank), so that export and serving load the checkpoint as it is.")
     t.set("lora.use_rslora", s["use_rslora"], "use_rslora")
 
 

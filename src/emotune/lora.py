@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from emotune.config import LoraSettings
 from emotune.errors import UserError
+from emotune.model import init_methods
 
 
 def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str:
@@ -131,6 +132,7 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAU
         modules_to_save=modules_to_save,
         task_type=task_type,
         **by_index,
+        **init_methods.peft_init(cfg),
     )
 
 

@@ -29,7 +29,7 @@ from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
 from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
-from emotune.model import quantization
+from emotune.model import init_methods, quantization
 from emotune.models import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.rundir import RunDir, RunLog, drop_previous, open_run, read_json
 from emotune.tasks import task_for
@@ -65,6 +65,7 @@ class Context:
             check_attention(self.cfg.model, model_dir, self.device, dtype)
             quantization.check(self.cfg.model, model_dir, self.device, dtype, self.cfg.lora.use_dora)
             optim.check(self.cfg.train, self.device)
+            init_methods.check(self.cfg.lora, self.cfg.model, self.device)
             if self.cfg.lora.layers is not None:  # against the model's layer count, from config.json alone
                 check_layers(self.cfg.lora, AutoConfig.from_pretrained(model_dir))
 

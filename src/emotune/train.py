@@ -38,7 +38,7 @@ from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
 from emotune.lora import attach_lora, checkpoint_activations
-from emotune.model import quantization
+from emotune.model import init_methods, quantization
 from emotune.optim import build_optimizer
 from emotune.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.rundir import RunDir, remove_partial_writes
@@ -92,6 +92,7 @@ class Session:
     upcast: dict[str, torch.dtype]  # FSDP: trainable weights upcast to fp32, saved in their own dtype
     objective: Objective  # the task's loss and the rule that picks the kept adapter
     warmup: int = 0  # the schedule's warm-up steps
+    initial: Path | None = None  # PiSSA/OLoRA/LoftQ: the starting adapter, for the conversion when saving
 
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows: list[Example], val_rows: list[Example],
@@ -140,6 +141,10 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     if fsdp:
         refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
     adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
+    initial = None
+    if cfg.lora.init in init_methods.CONVERTED:  # before any step changes the adapters
+        print(init_methods.describe(cfg.lora), flush=True)
+        initial = init_methods.save_initial(adapted, run.train / "initial_adapter") if accelerator.is_main_process else None
     if t.lean_lora and not fsdp:  # FSDP's sharded parameters stay with PEFT's own forward
         lean_lora.install(adapted)
     if t.lean_norm and not fsdp:
@@ -159,7 +164,7 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     warmup = (plan.replanned["warmup_steps"] if plan.replanned else t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps))
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
     return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast,
-                   objective, warmup)
+                   objective, warmup, initial)
 
 
 def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: TrainConfig, record, fault) -> oom.Recovery:
@@ -279,7 +284,7 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     weights = ({k: v.to(s.upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()}
                if s.fsdp else None)
     if main:
-        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights)
+        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights, convert_from=s.initial)
         write_history(progress.log_history, run.train)
 
 
