@@ -205,3 +205,44 @@ def _logical_numel(param: torch.Tensor) -> int:
 def describe_preparation(counts: dict[str, int]) -> str:
     return (f"Quantized base prepared for training: {counts['quantized']:,} weights quantized, {counts['unquantized']:,} "
             f"unquantized (embeddings and the rest, in the compute dtype), {counts['fp32 norms']:,} norm weights in fp32")
+
+
+# --------------------------------------------------------------------------------------------------
+# What a quantized base holds, for `emotune plan` (on a model built on the meta device, adapters attached)
+
+
+def _quantized_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linear layers transformers quantizes: every frozen one but the output layer (the adapters' own A and B
+    are linear layers too, and stay as they are)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    output = inner.get_output_embeddings()
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output
+            and not m.weight.requires_grad]
+
+
+def stored_weight_bytes(model: torch.nn.Module, cfg: ModelConfig) -> int:
+    """Bytes of `model`'s frozen weights and buffers as they are held while training with `cfg.quantization`:
+    4-bit = half a byte per weight plus one scale per block of 64 (fp32, or 8 bits with double quantization plus
+    an fp32 scale per 256 of those); 8-bit = one byte plus an fp32 scale per output row; norms in fp32."""
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    frozen += sum(b.numel() * b.element_size() for b in model.buffers())
+    if bits(cfg) is None:
+        return frozen
+    for layer in _quantized_linears(model):
+        n = layer.weight.numel()
+        if bits(cfg) == 4:
+            scales = n / 64 * (1 + 4 / 256) if cfg.double_quant else n / 64 * 4
+            stored = n / 2 + scales
+        else:
+            stored = n + 4 * layer.weight.shape[0]
+        frozen += int(stored) - n * layer.weight.element_size()
+    norms = [p for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False) if not p.requires_grad]
+    return frozen + sum(p.numel() * (4 - p.element_size()) for p in norms)
+
+
+def dequantized_layer_bytes(model: torch.nn.Module, cfg: ModelConfig) -> int:
+    """The largest quantized layer's weight dequantized into the compute dtype: bitsandbytes builds it for each
+    product (forward and backward), one layer at a time."""
+    if bits(cfg) is None:
+        return 0
+    return max((m.weight.numel() * m.weight.element_size() for m in _quantized_linears(model)), default=0)
