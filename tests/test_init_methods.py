@@ -81,3 +81,31 @@ def test_a_pissa_run_exports_and_its_merge_matches_the_adapter(tiny_overrides, t
     assert json.loads((run / "adapter" / "adapter_config.json").read_text())["r"] == 8
     assert main(["export", str(run), "--merge", "--out", str(tmp_path / "export"), "--dtype", "float32"]) == 0
     assert merge_parity_gap(run, ["i am so happy today"], merged_dir=tmp_path / "export" / "merged") < 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# Training on from an existing adapter (lora.adapter)
+
+
+@pytest.mark.slow
+def test_training_on_from_an_adapter_measures_it_as_the_before(tiny_overrides, tmp_path):
+    assert main(["run", *tiny_overrides, "eval.method=score"]) == 0
+    first = tmp_path / "runs" / "tiny"
+    assert main(["run", *tiny_overrides, "eval.method=score", "name=tiny-on", f"lora.adapter={first}"]) == 0
+    second = tmp_path / "runs" / "tiny-on"
+    after_first = json.loads((first / "finetuned" / "metrics.json").read_text())
+    before_second = json.loads((second / "baseline" / "metrics.json").read_text())
+    assert before_second["log_loss"] == pytest.approx(after_first["log_loss"], abs=1e-4)  # its before = that adapter
+    assert json.loads((second / "run.json").read_text())["before"].startswith(f"the adapter {first / 'adapter'}")
+    from safetensors.torch import load_file
+
+    old, new = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (first, second))
+    assert old.keys() == new.keys() and any(not torch.equal(old[k], new[k]) for k in old)  # trained on
+
+
+def test_a_start_adapter_with_a_fresh_initialisation_is_refused(tiny_model_dir, tiny_overrides, tmp_path, capsys):
+    from conftest import write_tiny_adapter
+
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "old")
+    assert main(["run", *tiny_overrides, f"lora.adapter={run}", "lora.init=pissa"]) == 2
+    assert "lora.init=pissa initialises fresh adapters, and lora.adapter starts from trained ones" in capsys.readouterr().err

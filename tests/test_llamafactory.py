@@ -112,7 +112,7 @@ def test_a_lora_sft_file_translates_to_the_expected_config(lf_yaml, lf_folder, t
     assert (cfg.data.max_samples, cfg.train.max_length) == (40, 128)
     assert cfg.lora.model_dump() == {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
                                      "use_rslora": False, "use_dora": False, "modules_to_save": None, "init": "default",
-                                     "pissa_iter": 16, "layers": None}
+                                     "pissa_iter": 16, "adapter": None, "layers": None}
     train = cfg.train
     assert (train.batch_size, train.gradient_accumulation_steps, train.learning_rate) == (4, 1, 0.01)
     assert (train.max_steps, train.num_train_epochs, train.lr_scheduler_type) == (2, 3.0, "cosine")
@@ -269,3 +269,11 @@ def test_a_llamafactory_qlora_file_runs_as_it_is(lf_yaml, tiny_gemma3_64_dir, tm
 def test_llamafactory_pissa_keys_translate(lf_yaml):
     cfg = load_config(lf_yaml(pissa_init="true", pissa_iter=4, pissa_convert="true"))
     assert (cfg.lora.init, cfg.lora.pissa_iter) == ("pissa", 4)
+
+
+def test_llamafactory_adapter_name_or_path_trains_on_from_one_adapter(lf_yaml, tmp_path):
+    assert load_config(lf_yaml(adapter_name_or_path=str(tmp_path / "old"))).lora.adapter == str(tmp_path / "old")
+    with pytest.raises(UserError, match="`adapter_name_or_path` lists several adapters"):
+        load_config(lf_yaml(adapter_name_or_path="a,b"))
+    with pytest.raises(UserError, match="`create_new_adapter: true` is not supported"):
+        load_config(lf_yaml(create_new_adapter="true"))

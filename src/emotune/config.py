@@ -303,6 +303,11 @@ class LoraSettings(Section):
     (emotune.model.init_methods)."""
     pissa_iter: Annotated[int, Range(-1, also="-1 = the exact SVD")] = 16
     """PiSSA: iterations of the fast randomized SVD (LLaMA-Factory's `pissa_iter`); -1 = the exact (slow) SVD."""
+    adapter: str | None = None
+    """Train on from this adapter (a run folder, an export or an adapter folder trained with the same labels and
+    prompt; LLaMA-Factory's `adapter_name_or_path`) instead of fresh adapters: its weights and LoRA settings (r,
+    alpha, targets) are the start, and the run's "before" is that adapter's score, not the bare base's (run.json's
+    `before` says which). null = fresh adapters."""
     layers: Annotated[list[int] | int | None, LAYER_COUNT] = None
     """Decoder layers that get adapters (PEFT's `layers_to_transform`, Axolotl's `peft_layers_to_transform`):
     null = every layer; a list of layer indices, counted from 0 = the layer nearest the embeddings (e.g. [12, 13,

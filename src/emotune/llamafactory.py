@@ -57,6 +57,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "plot_loss": (False, FINETUNING),
     "loraplus_lr_ratio": (None, FINETUNING),
     "pissa_init": (False, FINETUNING),
+    "adapter_name_or_path": (None, MODEL),
     "pissa_iter": (16, FINETUNING),
     "pissa_convert": (False, FINETUNING),
     "loraplus_lr_embedding": (1e-6, FINETUNING),
@@ -101,8 +102,8 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "train_on_prompt": (False, "emotune's loss is on the assistant turns only; remove train_on_prompt"),
     "packing": (None, "emotune does not pack rows together; remove packing"),
     "neat_packing": (False, "emotune does not pack rows together; remove neat_packing"),
-    "adapter_name_or_path": (None, "emotune starts from a fresh adapter; merge the old one into the base first "
-                                   "(`emotune export --merge`) and point model_name_or_path at the result"),
+    "create_new_adapter": (False, "emotune trains on from the adapter itself; to train a new adapter over a merged "
+                                  "one, merge it first (`emotune export --merge`) and point model_name_or_path at it"),
     "use_galore": (False, "GaLore is not a LoRA method emotune has; use finetuning_type: lora"),
     "use_apollo": (False, "APOLLO is not a LoRA method emotune has; use finetuning_type: lora"),
     "use_badam": (False, "BAdam is not a LoRA method emotune has; use finetuning_type: lora"),
@@ -278,6 +279,13 @@ def _method(t: Translation) -> None:
     if s["additional_target"]:
         t.set("lora.modules_to_save", _names(s["additional_target"]), "additional_target")
     t.set("lora.use_dora", s["use_dora"], "use_dora")
+    if s["adapter_name_or_path"]:
+        names = _names(s["adapter_name_or_path"])
+        if len(names) > 1:
+            t.problems.append("`adapter_name_or_path` lists several adapters; emotune trains on from one: merge the "
+                              "others into the base first (`emotune export --merge`)")
+        else:
+            t.set("lora.adapter", names[0], "adapter_name_or_path", note="its score is the run's before")
     if s["pissa_init"]:
         t.set("lora.init", "pissa", "pissa_init")
         t.set("lora.pissa_iter", s["pissa_iter"], "pissa_iter")

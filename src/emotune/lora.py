@@ -138,7 +138,13 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAU
 
 def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAUSAL_LM",
                 extra_modules_to_save: tuple[str, ...] = ()) -> PeftModel:
-    """Wrap `model` with fresh adapters and print what is trained; fail clearly when nothing is."""
+    """Wrap `model` with fresh adapters and print what is trained; fail clearly when nothing is. A model that has
+    its adapter already (lora.adapter: training on from it) keeps it."""
+    if isinstance(model, PeftModel):
+        init_methods.mark_adapters_trainable(model)
+        trainable, total = count_parameters(model)
+        print(f"Adapter {model.active_adapter} kept; trainable parameters: {trainable:,} / {total:,}", flush=True)
+        return model
     try:
         adapted = get_peft_model(model, lora_config(cfg, model, task_type, extra_modules_to_save))
     except ValueError as err:  # PEFT names the module it could not find

@@ -72,3 +72,40 @@ def save_initial(model, folder: Path) -> Path:
 def describe(lora: LoraSettings) -> str:
     return (f"LoRA initialised by {lora.init} (the base weights minus its start); the adapter is saved converted onto "
             "the original base (rank 2 x lora.r), as PEFT's path_initial_model_for_weight_conversion does")
+
+
+# --------------------------------------------------------------------------------------------------
+# Training on from an existing adapter (lora.adapter)
+
+
+def check_start(lora: LoraSettings, artifact) -> None:
+    """Refuse a starting adapter this run cannot train on from (found and label-checked by the task already)."""
+    problems = []
+    if artifact.merged:
+        problems.append(f"`{lora.adapter}` holds a merged model, not an adapter; set model.source to it instead")
+    if artifact.has_head:
+        problems.append("training on from a classification-head adapter is not supported yet; start fresh adapters")
+    if lora.init != "default":
+        problems.append(f"lora.init={lora.init} initialises fresh adapters, and lora.adapter starts from trained ones; "
+                        "set one of them")
+    if problems:
+        raise UserError(f"lora.adapter cannot be used: {'; '.join(problems)}.")
+
+
+def train_on_from(model, artifact):
+    """`model` with the adapter of `artifact` attached as trainable: what the run measures "before" and trains on."""
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(model, artifact.path, is_trainable=True)
+    config = adapted.peft_config[adapted.active_adapter]
+    print(f"Training on from the adapter {artifact.path} (lora.adapter): its settings (r={config.r}, "
+          f"alpha={config.lora_alpha}, use_dora={config.use_dora}) replace the lora section's; the \"before\" "
+          "measured is this adapter's score, not the bare base's.", flush=True)
+    return adapted
+
+
+def mark_adapters_trainable(model) -> None:
+    """After k-bit preparation froze everything: the adapters (and modules saved with them) train again."""
+    for name, param in model.named_parameters():
+        if ".lora_" in name or ".modules_to_save." in name:
+            param.requires_grad_(True)
