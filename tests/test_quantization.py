@@ -203,3 +203,41 @@ def test_loraplus_gives_the_b_matrices_the_ratio(tiny_model_dir, capsys):
     assert "LoRA+: learning rate 0.001 for the A matrices, 0.016 (x16)" in capsys.readouterr().out
     losses = _losses(adapted, optimizer=optimizer)
     assert losses[-1] < losses[0] - 0.05
+
+
+def _gradients(tiny_model_dir, evaluate_first: bool, keep_layout: bool) -> dict[str, torch.Tensor]:
+    from emotune.models import load_model
+
+    cfg = ModelConfig(source=str(tiny_model_dir), quantization="4bit")
+    model = load_model(tiny_model_dir, torch.bfloat16, CPU, quantized=quantization.bnb_config(cfg, torch.bfloat16))
+    if keep_layout:
+        quantization.keep_trainable_layout(model)  # what load_base does
+    torch.manual_seed(1)
+    ids = torch.randint(6, 40, (2, 12))
+    if evaluate_first:  # an evaluation (eval mode, no grad) before training, as a run's baseline
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    torch.manual_seed(0)
+    adapted = attach_lora(model, LoraSettings(r=4, dropout=0.0))
+    for name, param in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)  # non-zero, so the lower layers' A matrices get gradients too
+    adapted.train()
+    adapted(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.float() for n, p in adapted.named_parameters() if p.grad is not None}
+
+
+def test_gradients_after_an_evaluation_are_those_of_a_fresh_model(tiny_model_dir):
+    """bitsandbytes repacks 4-bit weights for a faster CPU inference kernel (AVX512-BF16 CPUs) at the first eval-mode
+    forward, and that kernel has no backward: training after the baseline evaluation got wrong gradients."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    reference = _gradients(tiny_model_dir, evaluate_first=False, keep_layout=True)
+    after_eval = _gradients(tiny_model_dir, evaluate_first=True, keep_layout=True)
+    assert max((after_eval[k] - reference[k]).abs().max().item() for k in reference) == 0
+    if has_avx512bf16():  # where bitsandbytes repacks, the layout is what made the difference
+        unguarded = _gradients(tiny_model_dir, evaluate_first=True, keep_layout=False)
+        assert max((unguarded[k] - reference[k]).abs().max().item() for k in reference) > 1e-2

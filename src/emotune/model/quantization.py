@@ -168,6 +168,29 @@ def _device_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)}" + (f" ({arch})" if arch else "")
 
 
+def keep_trainable_layout(model: torch.nn.Module) -> int:
+    """Keep bitsandbytes' 4-bit layers in the layout its autograd functions differentiate; returns how many were
+    repacked back.
+
+    On CPUs with AVX512-BF16, `Linear4bit.forward` repacks its weight for a faster inference kernel the first time
+    it runs in eval mode without gradients (an evaluation, a validation), and from then on every product, in
+    training too, goes through that kernel, which has no backward (`bitsandbytes::gemv_4bit: an autograd kernel
+    was not registered`): the gradients below it would be silently wrong. So the repacking is switched off, and a
+    weight repacked already is converted back."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    repacked = 0
+    for module in model.modules():
+        if not hasattr(module, "support_avx512bf16_for_cpu"):
+            continue
+        module.support_avx512bf16_for_cpu = False
+        weight = module.weight
+        if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+            repacked += 1
+    return repacked
+
+
 def is_quantized(model: torch.nn.Module) -> bool:
     """Whether `model` (or the model a PEFT model wraps) was loaded with quantized weights."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -183,6 +206,7 @@ def prepare_for_training(model: torch.nn.Module) -> dict[str, int]:
 
     Returns the parameter counts by how they are stored, for the message printed at start."""
     counts = {"quantized": 0, "fp32 norms": 0, "unquantized": 0}
+    keep_trainable_layout(model)
     for module in model.modules():
         for param in module.parameters(recurse=False):
             param.requires_grad_(False)
