@@ -36,7 +36,7 @@ SETTINGS = {
 def run_setting(name: str, overrides: list[str], args: argparse.Namespace, out: Path) -> dict:
     command = [sys.executable, "-m", "emotune", "run", str(ROOT / "configs" / "cpu.yaml"), f"name={name}",
                f"output_dir={out}", f"train.max_steps={args.steps}", f"data.test_limit={args.test_limit}",
-               f"train.logging_steps={args.steps}", "eval.probe=false", *overrides]
+               f"train.logging_steps={args.steps}", *overrides]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         return {"setting": name, "overrides": overrides, "error": done.stderr.strip().splitlines()[-1:]}
