@@ -241,3 +241,30 @@ def test_gradients_after_an_evaluation_are_those_of_a_fresh_model(tiny_model_dir
     if has_avx512bf16():  # where bitsandbytes repacks, the layout is what made the difference
         unguarded = _gradients(tiny_model_dir, evaluate_first=True, keep_layout=False)
         assert max((unguarded[k] - reference[k]).abs().max().item() for k in reference) > 1e-2
+
+
+@pytest.mark.slow
+def test_importing_bitsandbytes_asks_no_hub_for_kernels(tmp_path):
+    """bitsandbytes 0.50 asks the hub for a compiled CPU kernel at import (AVX512-BF16 CPUs), and PEFT imports it
+    whenever it is installed; emotune's commands import it first with the hub offline."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import socket
+asked = []
+def record(host, *args, **kwargs):
+    asked.append(host)
+    raise OSError("no network in this test")
+socket.getaddrinfo = record
+from emotune.cli import process_defaults
+process_defaults()
+import huggingface_hub.constants as hub
+import peft  # imports bitsandbytes
+print(asked, hub.HF_HUB_OFFLINE)
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "0"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["[]", "False"]  # no lookup, and the hub is online again for model downloads
