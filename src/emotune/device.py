@@ -153,7 +153,7 @@ def choose_precision(device: torch.device, requested: str = "auto") -> Precision
 
 
 def package_versions() -> dict[str, str]:
-    names = ["torch", "transformers", "peft", "trl", "datasets", "accelerate", "scikit-learn", "emotune"]
+    names = ["torch", "transformers", "peft", "trl", "datasets", "accelerate", "scikit-learn", "bitsandbytes", "emotune"]
     versions = {}
     for name in names:
         try:

@@ -207,8 +207,12 @@ def prepare_for_training(model: torch.nn.Module) -> dict[str, int]:
     Returns the parameter counts by how they are stored, for the message printed at start."""
     counts = {"quantized": 0, "fp32 norms": 0, "unquantized": 0}
     keep_trainable_layout(model)
+    seen: set[int] = set()  # tied weights (Gemma's embeddings and output layer) are one parameter
     for module in model.modules():
         for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             param.requires_grad_(False)
             if not param.is_floating_point():  # Params4bit / Int8Params: packed integers
                 counts["quantized"] += _logical_numel(param)
