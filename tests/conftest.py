@@ -169,6 +169,25 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_64_dir(tmp_path_factory) -> Path:
+    """tiny_model_dir's 2-layer Gemma 3 text model with widths a multiple of 64, bitsandbytes' 4-bit block: its CPU
+    inference path repacks the weights per block of input features (Linear4bit.forward on AVX512-BF16 CPUs), which
+    conftest's 32-wide model has less than one of. Gemma 3 270M: hidden 640, head_dim 256, intermediate 2048."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3-64")
+    tokenizer = build_tokenizer(folder)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, sliding_window=64,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma4_dir(tmp_path_factory) -> Path:
     """A 2-layer random Gemma 4 text model (transformers has no sequence-classification class for it) with the
     same tokenizer, saved as a Hugging Face folder."""

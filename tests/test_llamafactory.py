@@ -111,7 +111,8 @@ def test_a_lora_sft_file_translates_to_the_expected_config(lf_yaml, lf_folder, t
     assert cfg.data.datasets == ["emotion_alpaca", "emotion_chat"] and cfg.data.eval_datasets is None
     assert (cfg.data.max_samples, cfg.train.max_length) == (40, 128)
     assert cfg.lora.model_dump() == {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
-                                     "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers": None}
+                                     "use_rslora": False, "use_dora": False, "modules_to_save": None, "init": "default",
+                                     "pissa_iter": 16, "adapter": None, "layers": None}
     train = cfg.train
     assert (train.batch_size, train.gradient_accumulation_steps, train.learning_rate) == (4, 1, 0.01)
     assert (train.max_steps, train.num_train_epochs, train.lr_scheduler_type) == (2, 3.0, "cosine")
@@ -148,12 +149,12 @@ def test_yaml_spellings_and_older_key_names(lf_yaml):
 
 
 def test_refusals_name_their_keys_all_at_once(lf_yaml):
-    path = lf_yaml(stage="dpo", quantization_bit=4, finetuning_type="full", dataset="emotion_alpaca,emotion_prefs")
+    path = lf_yaml(stage="dpo", quantization_bit=3, finetuning_type="full", dataset="emotion_alpaca,emotion_prefs")
     with pytest.raises(UserError) as err:
         load_config(path)
     message = str(err.value)
     assert "4 problems" in message
-    for expected in ("`stage: dpo` is not supported", "`quantization_bit: 4` is not supported",
+    for expected in ("`stage: dpo` is not supported", "`quantization_bit: 3` is not supported",
                      "`finetuning_type: full` is not supported", "`dataset`: `emotion_prefs` is a ranking"):
         assert expected in message
 
@@ -223,3 +224,56 @@ def test_emotune_run_on_a_llamafactory_file(lf_yaml, tmp_path):
     assert first["learning_rate"] == pytest.approx(0.01)  # warmup_steps: 1 took effect: full rate after step 1
     train_rows = [json.loads(line) for line in (folder / "data" / "train.jsonl").read_text().splitlines()]
     assert {row["source"] for row in train_rows} == {"emotion_alpaca", "emotion_chat"}  # both datasets, mixed
+
+
+# --------------------------------------------------------------------------------------------------
+# LLaMA-Factory's QLoRA keys
+
+
+QLORA_KEYS = {"quantization_bit": 4, "quantization_method": "bnb", "quantization_type": "fp4",
+              "double_quantization": "false", "optim": "adamw_bnb_8bit", "loraplus_lr_ratio": 16.0}
+
+
+def test_a_llamafactory_qlora_file_translates_as_it_is(lf_yaml):
+    cfg = load_config(lf_yaml(**QLORA_KEYS))
+    assert (cfg.model.quantization, cfg.model.quant_type, cfg.model.double_quant) == ("4bit", "fp4", False)
+    assert (cfg.train.optim, cfg.train.loraplus_lr_ratio, cfg.train.loraplus_lr_embedding) == ("adamw_8bit", 16.0, 1e-6)
+    defaults = load_config(lf_yaml(quantization_bit=4))  # LLaMA-Factory's defaults: NF4 with double quantization
+    assert (defaults.model.quantization, defaults.model.quant_type, defaults.model.double_quant) == ("4bit", "nf4", True)
+    assert load_config(lf_yaml(quantization_bit=8)).model.quantization == "8bit"
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"quantization_bit": 4, "quantization_method": "hqq"}, "`quantization_method: hqq` is not supported"),
+    ({"quantization_bit": 2}, "`quantization_bit: 2` is not supported: bitsandbytes quantizes to 4 or 8 bits"),
+])
+def test_llamafactory_quantization_emotune_cannot_run_is_refused(lf_yaml, change, expected):
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(**change))
+    assert expected in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_llamafactory_qlora_file_runs_as_it_is(lf_yaml, tiny_gemma3_64_dir, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    path = lf_yaml(model_name_or_path=str(tiny_gemma3_64_dir), quantization_bit=4, optim="adamw_bnb_8bit", max_steps=4)
+    assert main(["run", str(path), "train.precision=fp32", "eval.max_new_tokens=3", "eval.probe=false",
+                 "data.test_limit=4", f"model.cache_dir={tmp_path / 'cache'}"]) == 0
+    folder = tmp_path / "saves" / "tiny-gemma" / "lora" / "sft"
+    info = json.loads((folder / "run.json").read_text())
+    assert info["status"] == "finished" and info["quantization"].startswith("4-bit NF4")
+    losses = [e["loss"] for e in json.loads((folder / "train" / "log_history.json").read_text()) if "loss" in e]
+    assert losses[-1] < losses[0]
+
+
+def test_llamafactory_pissa_keys_translate(lf_yaml):
+    cfg = load_config(lf_yaml(pissa_init="true", pissa_iter=4, pissa_convert="true"))
+    assert (cfg.lora.init, cfg.lora.pissa_iter) == ("pissa", 4)
+
+
+def test_llamafactory_adapter_name_or_path_trains_on_from_one_adapter(lf_yaml, tmp_path):
+    assert load_config(lf_yaml(adapter_name_or_path=str(tmp_path / "old"))).lora.adapter == str(tmp_path / "old")
+    with pytest.raises(UserError, match="`adapter_name_or_path` lists several adapters"):
+        load_config(lf_yaml(adapter_name_or_path="a,b"))
+    with pytest.raises(UserError, match="`create_new_adapter: true` is not supported"):
+        load_config(lf_yaml(create_new_adapter="true"))

@@ -143,3 +143,26 @@ def test_the_estimate_is_near_a_measured_step_of_the_packaged_gemma_3_270m_archi
     in configs/cpu.yaml; its 262,144-entry vocabulary and fp32 weights are most of the memory."""
     line = BENCH["measure_training"](BENCH["model_config"]("gemma-3-270m"), 32, 2, checkpointing=True, sft=False)
     assert within(line), line
+
+
+def test_a_quantized_base_is_planned_at_its_bits_and_proposed_when_the_weights_do_not_fit(tiny_gemma3_64_dir, capsys):
+    """4/8-bit linear layers (embeddings and the output layer unquantized) and 8-bit AdamW state; when even one
+    checkpointed row per pass does not fit, quantization is the change proposed, before cutting rows."""
+    def plan_for(quantized: str, optim: str = "adamw_torch") -> dict:
+        return plan_json(capsys, *gpu(tiny_gemma3_64_dir, "train.gradient_checkpointing=true", "train.batch_size=1",
+                                      f"model.quantization={quantized}", f"train.optim={optim}", "lora.r=64"),
+                         "--device-memory", "8GB")
+
+    none, q8, q4 = plan_for("none"), plan_for("8bit", "adamw_8bit"), plan_for("4bit", "adamw_8bit")
+    weights = [p["training"]["checkpointing"]["weights"] for p in (none, q8, q4)]
+    assert weights[0] > 2 * weights[1] > 0 and weights[1] > 1.5 * weights[2]  # fp32 -> 8 -> 4 bits (+ embeddings)
+    assert "one layer dequantized (4/8-bit base)" in q4["training"]["checkpointing"]
+    # lora.r=64: 4,096-entry A matrices get 8-bit moments (smaller tensors keep fp32 ones)
+    assert q8["training"]["checkpointing"]["optimizer state"] < none["training"]["checkpointing"]["optimizer state"] / 2
+    need = {name: p["training"]["checkpointing"] for name, p in (("none", none), ("8bit", q8))}
+    memory = (sum(need["8bit"].values()) + sum(need["none"].values())) / 2 / FITS
+    out = plan_json(capsys, *gpu(tiny_gemma3_64_dir, "train.gradient_checkpointing=true", "train.batch_size=1",
+                                 "lora.r=64"), "--device-memory", f"{memory / 2**20:.3f}MB")
+    assert out["verdict"] != "fits"
+    assert out["fixes"][0]["overrides"] == ["model.quantization=8bit", "train.optim=adamw_8bit"]
+    assert out["fixes"][0]["peak"] <= FITS * memory

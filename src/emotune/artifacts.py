@@ -114,11 +114,16 @@ class Artifact:
 # Writer
 
 
-def write_adapter(model, tokenizer, target: Path, meta: dict, state_dict: dict | None = None) -> Path:
+def write_adapter(model, tokenizer, target: Path, meta: dict, state_dict: dict | None = None,
+                  convert_from: Path | None = None) -> Path:
     """Adapter weights + config, tokenizer (with its chat template) and `meta` as emotune.json, atomically.
-    `state_dict`: the full trainable weights when the model's own are sharded (FSDP)."""
+    `state_dict`: the full trainable weights when the model's own are sharded (FSDP). `convert_from`: the starting
+    adapter of a PiSSA/OLoRA/LoftQ run, to save the adapter converted onto the original base (emotune.model.init_methods)."""
+    extra = {"state_dict": state_dict} if state_dict is not None else {}
+    if convert_from is not None:
+        extra["path_initial_model_for_weight_conversion"] = str(convert_from)
     with atomic_dir(target) as partial:
-        model.save_pretrained(partial, **({"state_dict": state_dict} if state_dict is not None else {}))
+        model.save_pretrained(partial, **extra)
         tokenizer.save_pretrained(partial)
         (partial / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
     return target

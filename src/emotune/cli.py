@@ -330,6 +330,9 @@ def process_defaults() -> None:
     # bench/train_speed.py).
     os.environ.setdefault("LRU_CACHE_CAPACITY", "16")
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+    from emotune.model.quantization import import_bitsandbytes_offline
+
+    import_bitsandbytes_offline()  # before PEFT imports it: no kernel download from the hub (see there)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,6 +141,18 @@ class ModelConfig(Section):
     numerics, slowest, most memory); `flash_attention_2` = the flash-attn package (CUDA or ROCm GPUs only,
     bf16/fp16 weights, and a model class that supports it). A choice the model, device or dtype cannot
     use is refused before any weights load."""
+    quantization: Literal["none", "4bit", "8bit"] = "none"
+    """Store the base model's linear layers quantized while training LoRA on top (QLoRA), through bitsandbytes
+    (CUDA, ROCm and CPU: `pip install emotune[qlora]`): `4bit` = NF4 or FP4 (`quant_type`), about a quarter of the
+    bf16 memory; `8bit` = LLM.int8(), about half; `none` = as `dtype` says. Products run in the training dtype;
+    embeddings and the output layer stay unquantized. Where bitsandbytes cannot run it is refused before any weights
+    load. Export merges the adapter into the unquantized base (emotune.model.quantization)."""
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    """4-bit data type (LLaMA-Factory's `quantization_type`): `nf4` = NormalFloat4, the QLoRA paper's choice for
+    normally distributed weights; `fp4` = a plain 4-bit float."""
+    double_quant: bool = True
+    """Quantize the 4-bit weights' per-block scales again (LLaMA-Factory's `double_quantization`): about 0.4 bits
+    less per weight, at no measurable cost to quality (QLoRA paper)."""
 
 
 TextAction = Literal["keep", "replace", "drop"]
@@ -291,6 +303,19 @@ class LoraSettings(Section):
     modules_to_save: list[str] | None = None
     """Modules trained in full and saved with the adapter (e.g. [lm_head]); null = none. Costly for
     Gemma's 262k-entry embedding tables."""
+    init: Literal["default", "pissa", "olora", "loftq"] = "default"
+    """How the adapters start: `default` = B at zero (the model starts as the base); `pissa` = the top-r singular
+    vectors of each weight (PiSSA), `olora` = its QR factors (OLoRA), `loftq` = what makes up for 4-bit rounding
+    (LoftQ, CUDA/XPU GPUs only); those three subtract their start from the base weights, and the saved adapter is
+    converted back onto the original base (rank 2r), so export and serving use the checkpoint as it is
+    (emotune.model.init_methods)."""
+    pissa_iter: Annotated[int, Range(-1, also="-1 = the exact SVD")] = 16
+    """PiSSA: iterations of the fast randomized SVD (LLaMA-Factory's `pissa_iter`); -1 = the exact (slow) SVD."""
+    adapter: str | None = None
+    """Train on from this adapter (a run folder, an export or an adapter folder trained with the same labels and
+    prompt; LLaMA-Factory's `adapter_name_or_path`) instead of fresh adapters: its weights and LoRA settings (r,
+    alpha, targets) are the start, and the run's "before" is that adapter's score, not the bare base's (run.json's
+    `before` says which). null = fresh adapters."""
     layers: Annotated[list[int] | int | None, LAYER_COUNT] = None
     """Decoder layers that get adapters (PEFT's `layers_to_transform`, Axolotl's `peft_layers_to_transform`):
     null = every layer; a list of layer indices, counted from 0 = the layer nearest the embeddings (e.g. [12, 13,
@@ -383,8 +408,15 @@ class TrainConfig(Section):
     each keeps its input as it came instead of a float32 copy. Only norms whose own forward gives exactly the same
     output take it (checked when training starts); others, and every other model's norms, run their own forward.
     `false`: the model's own norms everywhere."""
-    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = "adamw_torch"
-    """Optimizer (adamw_torch avoids bitsandbytes, which ROCm builds lack)."""
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    """Optimizer: PyTorch's AdamW (`adamw_torch_fused`: in one kernel), SGD or Adafactor; `adamw_8bit` =
+    bitsandbytes' AdamW with 8-bit moments (a quarter of AdamW's state memory; CPU, CUDA and ROCm);
+    `paged_adamw_8bit` = the same in paged GPU memory (GPU only). emotune.optim."""
+    loraplus_lr_ratio: Annotated[float | None, Range(0, low_open=True, also="or null for off, e.g. 16")] = None
+    """LoRA+: the LoRA B matrices learn at this many times `learning_rate` (the A matrices at `learning_rate`);
+    null = off. The LoRA+ paper (and LLaMA-Factory's `loraplus_lr_ratio`) suggests 16."""
+    loraplus_lr_embedding: Annotated[float, Range(0, low_open=True)] = 1e-6
+    """LoRA+: the learning rate of LoRA adapters on embedding layers (PEFT's default)."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Training precision; `auto` = bf16 where the device supports it, fp16 on GPUs without bf16,
     fp32 otherwise."""

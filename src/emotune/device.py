@@ -153,7 +153,7 @@ def choose_precision(device: torch.device, requested: str = "auto") -> Precision
 
 
 def package_versions() -> dict[str, str]:
-    names = ["torch", "transformers", "peft", "trl", "datasets", "accelerate", "scikit-learn", "emotune"]
+    names = ["torch", "transformers", "peft", "trl", "datasets", "accelerate", "scikit-learn", "bitsandbytes", "emotune"]
     versions = {}
     for name in names:
         try:
@@ -234,7 +234,8 @@ def _hints(report: DoctorReport) -> list[str]:
             if override and not os.environ.get("HSA_OVERRIDE_GFX_VERSION"):
                 hints.append(f"GPU {gpu.index} ({gpu.name}, {gpu.arch}) is a consumer Radeon that ROCm does not list; "
                              f"if kernels fail to load, export HSA_OVERRIDE_GFX_VERSION={override} before running.")
-        hints.append("ROCm: emotune trains bf16 LoRA with adamw_torch; QLoRA / bitsandbytes 4-bit are not used on ROCm.")
+        hints.append("ROCm: QLoRA (model.quantization=4bit) and the 8-bit optimizers run through bitsandbytes, whose PyPI "
+                     "wheel (0.50.2 or newer) carries ROCm 6.4-7.2 libraries: pip install emotune[qlora].")
     if report.backend in ("cuda", "rocm") and not report.bf16:
         hints.append("This GPU has no bf16: emotune trains in fp16 with loss scaling; Gemma is known to overflow in fp16, "
                      "so watch for non-finite losses.")

@@ -33,8 +33,10 @@ from transformers.utils import FEATURE_EXTRACTOR_NAME, PROCESSOR_NAME, VIDEO_PRO
 
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
 from emotune.config import ModelConfig
+from emotune.deploy.quantized_merge import merge_report
 from emotune.errors import UserError
 from emotune.head import classifier_from_causal, encode_texts, load_classifier
+from emotune.model import quantization
 from emotune.model.turns import stop_token_ids
 from emotune.models import load_model, load_tokenizer, resolve_model_dir
 from emotune.rundir import RunDir, atomic_dir
@@ -107,6 +109,8 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
         exported.config.write_text(yaml.safe_dump({"model": artifact.model_cfg.model_dump(mode="json")}, sort_keys=False))
         if merge:
             merge_adapter(artifact, partial / "merged", dtype)
+            if quantization.bits(artifact.model_cfg):  # trained on a quantized base: say what the merge changes
+                merge_report(artifact, run_dir, partial / "merged")
         if vllm:
             write_vllm_handoff(artifact, partial, out, merged=merge, lora_route=not blockers)
     print(f"Exported {artifact.name} to {out}" + (" (adapter + merged model)" if merge else " (adapter)"), flush=True)

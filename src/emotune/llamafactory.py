@@ -3,7 +3,7 @@
 `emotune run X.yaml` accepts a file written for `llamafactory-cli train X.yaml` (flat keys: `stage`,
 `model_name_or_path`, `lora_rank`, `dataset`, ...). Each key becomes its emotune equivalent; a key the file
 leaves out takes LLaMA-Factory's default, not emotune's, so the same file trains the same way in both tools.
-What emotune cannot do the same way (another stage, full fine-tuning, quantization, preference data, ...)
+What emotune cannot do the same way (another stage, full fine-tuning, GPTQ-style quantization, preference data, ...)
 is refused with the key named; keys that change nothing emotune measures are listed as ignored, with why.
 `key=value` overrides apply on top: dotted emotune keys (`train.max_steps=2`), or LLaMA-Factory keys
 (`max_steps=2`) for any key emotune's own top level lacks.
@@ -41,6 +41,10 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "model_name_or_path": (None, MODEL),
     "model_revision": ("main", MODEL),
     "disable_gradient_checkpointing": (False, MODEL),  # LLaMA-Factory turns checkpointing on unless this is true
+    "quantization_bit": (None, MODEL),  # QuantizationArguments (model_args.py): None = not quantized
+    "quantization_method": ("bnb", MODEL),
+    "quantization_type": ("nf4", MODEL),
+    "double_quantization": (True, MODEL),
     "stage": ("sft", FINETUNING),
     "finetuning_type": ("lora", FINETUNING),
     "lora_rank": (8, FINETUNING),
@@ -51,6 +55,12 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "use_dora": (False, FINETUNING),
     "use_rslora": (False, FINETUNING),
     "plot_loss": (False, FINETUNING),
+    "loraplus_lr_ratio": (None, FINETUNING),
+    "pissa_init": (False, FINETUNING),
+    "adapter_name_or_path": (None, MODEL),
+    "pissa_iter": (16, FINETUNING),
+    "pissa_convert": (False, FINETUNING),
+    "loraplus_lr_embedding": (1e-6, FINETUNING),
     "dataset": (None, DATA),
     "eval_dataset": (None, DATA),
     "dataset_dir": ("data", DATA),
@@ -89,15 +99,11 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
 
 # Keys that would make LLaMA-Factory train differently from anything emotune does, and their harmless values.
 REFUSED: dict[str, tuple[Any, str]] = {
-    "quantization_bit": (None, "emotune trains LoRA on unquantized weights (no QLoRA: bitsandbytes is missing on "
-                               "ROCm builds); remove quantization_bit"),
     "train_on_prompt": (False, "emotune's loss is on the assistant turns only; remove train_on_prompt"),
     "packing": (None, "emotune does not pack rows together; remove packing"),
     "neat_packing": (False, "emotune does not pack rows together; remove neat_packing"),
-    "adapter_name_or_path": (None, "emotune starts from a fresh adapter; merge the old one into the base first "
-                                   "(`emotune export --merge`) and point model_name_or_path at the result"),
-    "pissa_init": (False, "emotune initialises LoRA the standard way; remove pissa_init"),
-    "loraplus_lr_ratio": (None, "emotune uses one learning rate for all LoRA weights; remove loraplus_lr_ratio"),
+    "create_new_adapter": (False, "emotune trains on from the adapter itself; to train a new adapter over a merged "
+                                  "one, merge it first (`emotune export --merge`) and point model_name_or_path at it"),
     "use_galore": (False, "GaLore is not a LoRA method emotune has; use finetuning_type: lora"),
     "use_apollo": (False, "APOLLO is not a LoRA method emotune has; use finetuning_type: lora"),
     "use_badam": (False, "BAdam is not a LoRA method emotune has; use finetuning_type: lora"),
@@ -134,7 +140,9 @@ IGNORED: dict[str, str] = {
 }
 
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit")
+# transformers' other names for the same optimizers (OptimizerNames)
+OPTIMIZER_ALIASES = {"adamw_bnb_8bit": "adamw_8bit"}
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 
@@ -234,7 +242,30 @@ def _model(t: Translation) -> None:
         t.set("model.source", str(s["model_name_or_path"]), "model_name_or_path")
     if "model_revision" in t.given:
         t.set("model.revision", str(s["model_revision"]), "model_revision")
+    _quantization(t)
     t.template = s["template"]  # checked once the overrides are in (template_check)
+
+
+def _quantization(t: Translation) -> None:
+    """QLoRA: `quantization_bit: 4 | 8` with bitsandbytes, LLaMA-Factory's on-the-fly quantization of the base."""
+    s = t.settings
+    bit = s["quantization_bit"]
+    if bit is None:
+        return
+    if s["quantization_method"] != "bnb":
+        t.problems.append(f"`quantization_method: {s['quantization_method']}` is not supported: emotune quantizes with "
+                          "bitsandbytes only; use quantization_method: bnb")
+    if bit not in (4, 8):
+        t.problems.append(f"`quantization_bit: {bit}` is not supported: bitsandbytes quantizes to 4 or 8 bits; use "
+                          "quantization_bit: 4 (QLoRA) or 8")
+        return
+    t.set("model.quantization", f"{bit}bit", "quantization_bit", "quantization_method")
+    if bit == 4:
+        if s["quantization_type"] not in ("nf4", "fp4"):
+            t.problems.append(f"`quantization_type: {s['quantization_type']}` is not supported; use nf4 or fp4")
+        else:
+            t.set("model.quant_type", s["quantization_type"], "quantization_type")
+        t.set("model.double_quant", bool(s["double_quantization"]), "double_quantization")
 
 
 def _method(t: Translation) -> None:
@@ -248,6 +279,19 @@ def _method(t: Translation) -> None:
     if s["additional_target"]:
         t.set("lora.modules_to_save", _names(s["additional_target"]), "additional_target")
     t.set("lora.use_dora", s["use_dora"], "use_dora")
+    if s["adapter_name_or_path"]:
+        names = _names(s["adapter_name_or_path"])
+        if len(names) > 1:
+            t.problems.append("`adapter_name_or_path` lists several adapters; emotune trains on from one: merge the "
+                              "others into the base first (`emotune export --merge`)")
+        else:
+            t.set("lora.adapter", names[0], "adapter_name_or_path", note="its score is the run's before")
+    if s["pissa_init"]:
+        t.set("lora.init", "pissa", "pissa_init")
+        t.set("lora.pissa_iter", s["pissa_iter"], "pissa_iter")
+        if not s["pissa_convert"]:
+            t.notes.append("pissa_convert: false: emotune always saves the PiSSA adapter converted onto the original base "
+                           "(rank 2 x lora_rank), so that export and serving load the checkpoint as it is.")
     t.set("lora.use_rslora", s["use_rslora"], "use_rslora")
 
 
@@ -320,11 +364,14 @@ def _schedule(t: Translation) -> None:
     t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps", note="when above 0 it replaces warmup_ratio")
     t.set("train.weight_decay", s["weight_decay"], "weight_decay")
     t.set("train.max_grad_norm", s["max_grad_norm"], "max_grad_norm")
-    if s["optim"] in OPTIMIZERS:
-        t.set("train.optim", s["optim"], "optim")
+    if s["optim"] in OPTIMIZERS or s["optim"] in OPTIMIZER_ALIASES:
+        t.set("train.optim", OPTIMIZER_ALIASES.get(s["optim"], s["optim"]), "optim")
     else:
         t.problems.append(f"`optim: {s['optim']}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
     t.set("eval.batch_size", s["per_device_eval_batch_size"], "per_device_eval_batch_size")
+    if s["loraplus_lr_ratio"] is not None:
+        t.set("train.loraplus_lr_ratio", s["loraplus_lr_ratio"], "loraplus_lr_ratio")
+        t.set("train.loraplus_lr_embedding", s["loraplus_lr_embedding"], "loraplus_lr_embedding")
 
 
 def _precision(t: Translation) -> None:

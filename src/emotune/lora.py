@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from emotune.config import LoraSettings
 from emotune.errors import UserError
+from emotune.model import init_methods
 
 
 def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str:
@@ -131,12 +132,19 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAU
         modules_to_save=modules_to_save,
         task_type=task_type,
         **by_index,
+        **init_methods.peft_init(cfg),
     )
 
 
 def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAUSAL_LM",
                 extra_modules_to_save: tuple[str, ...] = ()) -> PeftModel:
-    """Wrap `model` with fresh adapters and print what is trained; fail clearly when nothing is."""
+    """Wrap `model` with fresh adapters and print what is trained; fail clearly when nothing is. A model that has
+    its adapter already (lora.adapter: training on from it) keeps it."""
+    if isinstance(model, PeftModel):
+        init_methods.mark_adapters_trainable(model)
+        trainable, total = count_parameters(model)
+        print(f"Adapter {model.active_adapter} kept; trainable parameters: {trainable:,} / {total:,}", flush=True)
+        return model
     try:
         adapted = get_peft_model(model, lora_config(cfg, model, task_type, extra_modules_to_save))
     except ValueError as err:  # PEFT names the module it could not find

@@ -50,8 +50,12 @@ def merged_for_eval(model, sample: list[list[int]], mode: str, tolerance: float)
 
     `sample`: token ids of evaluated rows, as the model reads them. The model is unmerged and its weights
     restored bit for bit when the body ends, also when it fails."""
-    if mode == "never" or not has_adapter(model):
-        why = "eval.merge_adapters=never" if mode == "never" else "the model has no adapter layers to merge"
+    from emotune.model.quantization import is_quantized
+
+    if mode == "never" or not has_adapter(model) or is_quantized(model):
+        why = ("eval.merge_adapters=never" if mode == "never" else "the model has no adapter layers to merge"
+               if not has_adapter(model) else "the base is quantized (model.quantization), and a merge into its "
+               "weights would round the sum back to 4 or 8 bits; evaluated as trained")
         yield {"mode": mode, "merged": False, "note": f"evaluated unmerged: {why}"}
         return
     unmerged = last_logits(model, sample)

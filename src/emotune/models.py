@@ -19,6 +19,7 @@ from emotune.config import ModelConfig
 from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.device import Precision, choose_precision
 from emotune.errors import UserError
+from emotune.model import quantization
 from emotune.model.attention import check_attention
 from emotune.rundir import atomic_dir
 
@@ -229,7 +230,13 @@ def load_base(cfg: ModelConfig, device: torch.device, precision: str = "auto",
     tokenizer = tokenizer or load_tokenizer(model_dir, cfg)
     dtype = chosen.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     check_attention(cfg, model_dir, device, dtype)
-    return Base(load_model(model_dir, dtype, device, cfg.attn_implementation), tokenizer, chosen, model_dir)
+    quantization.check(cfg, model_dir, device, dtype)
+    if quantization.bits(cfg):
+        print(f"Base model: {quantization.describe(cfg, dtype)}", flush=True)
+    model = load_model(model_dir, dtype, device, cfg.attn_implementation, quantization.bnb_config(cfg, dtype))
+    if quantization.bits(cfg) == 4:  # evaluated first, trained afterwards: never in the layout training cannot use
+        quantization.keep_trainable_layout(model)
+    return Base(model, tokenizer, chosen, model_dir)
 
 
 def weights_dtype(cfg: ModelConfig, device: torch.device, precision: str = "auto") -> torch.dtype:
@@ -237,15 +244,18 @@ def weights_dtype(cfg: ModelConfig, device: torch.device, precision: str = "auto
     return choose_precision(device, precision).dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attention: str = "auto") -> PreTrainedModel:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attention: str = "auto",
+               quantized=None) -> PreTrainedModel:
     """The weights of `model_dir` in `dtype` on `device`, with `attention` (model.attn_implementation; `auto` =
-    transformers' own choice)."""
+    transformers' own choice); `quantized`: a BitsAndBytesConfig (emotune.model.quantization), whose weights are
+    quantized as they load, straight onto `device` (a quantized model cannot be moved afterwards)."""
+    placed = {"quantization_config": quantized, "device_map": {"": device}} if quantized is not None else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                 attn_implementation=None if attention == "auto" else attention)
+                                                 attn_implementation=None if attention == "auto" else attention, **placed)
     head = model.get_output_embeddings()
     if head is not None:
         head.register_forward_pre_hook(_contiguous_input)
-    return model.to(device)
+    return model if quantized is not None else model.to(device)
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple | None:

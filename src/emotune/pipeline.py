@@ -22,12 +22,14 @@ import torch
 from transformers import AutoConfig, set_seed
 
 from emotune import device as device_mod
+from emotune import optim
 from emotune.artifacts import is_adapter
 from emotune.batches import describe_shared_prefix, share_prefix
 from emotune.config import RunConfig, dump_config
 from emotune.errors import UserError
 from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
+from emotune.model import init_methods, quantization
 from emotune.model.attention import check_attention
 from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.rundir import RunDir, RunLog, drop_previous, holds_run_lock, open_run, read_json
@@ -50,6 +52,7 @@ class Context:
         self.log: RunLog | None = None
         self._base: Base | None = None
         self._adapted = None  # the model with its trained adapter, once there is one
+        self.start = None  # lora.adapter: the adapter training starts from (its score is the "before")
         self.train_fault = None  # tests: called before every training forward pass (emotune.train.train's `fault`)
         self._telemetry = None
 
@@ -60,8 +63,14 @@ class Context:
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
-            check_attention(self.cfg.model, model_dir, self.device,
-                            weights_dtype(self.cfg.model, self.device, self.cfg.train.precision))
+            dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
+            check_attention(self.cfg.model, model_dir, self.device, dtype)
+            quantization.check(self.cfg.model, model_dir, self.device, dtype, self.cfg.lora.use_dora)
+            optim.check(self.cfg.train, self.device)
+            init_methods.check(self.cfg.lora, self.cfg.model, self.device)
+            if self.cfg.lora.adapter:
+                self.start = self.task.find_adapter(self.cfg.lora.adapter, self.cfg, self.data)
+                init_methods.check_start(self.cfg.lora, self.start)
             if self.cfg.lora.layers is not None:  # against the model's layer count, from config.json alone
                 check_layers(self.cfg.lora, AutoConfig.from_pretrained(model_dir))
 
@@ -74,6 +83,10 @@ class Context:
             "task": self.cfg.task, "emotune": report.versions.get("emotune"), "versions": report.versions,
             "hardware": report.as_dict(), "device": str(self.device),
             "precision": {"name": self.precision.name, "reason": self.precision.reason},
+            "before": (f"the adapter {self.start.path} (lora.adapter), which training starts from" if self.start
+                       else "the base model"),
+            "quantization": quantization.describe(self.cfg.model, weights_dtype(self.cfg.model, self.device,
+                                                                                 self.cfg.train.precision)),
         })
 
     @property
@@ -83,6 +96,8 @@ class Context:
             with with_log:
                 self._base = load_base(self.cfg.model, self.device, self.cfg.train.precision, self.tokenizer)
             self.tokenizer = self._base.tokenizer
+            if self.start is not None and not is_adapter(self.run.adapter):  # before and during training: base + it
+                self._base = self._base._replace(model=init_methods.train_on_from(self._base.model, self.start))
         return self._base
 
     @property

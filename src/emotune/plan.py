@@ -100,10 +100,13 @@ def make_plan(cfg: RunConfig, device_memory: str | None = None) -> Plan:
     return plan
 
 
-def _describe(config, cfg: RunConfig, targets, dtype: torch.dtype, work: Workload) -> Architecture:
+def _describe(config, cfg: RunConfig, targets, dtype: torch.dtype, work: Workload, quantized: str | None = None,
+              optim: str | None = None) -> Architecture:
+    """The architecture facts of this config, or of it with other adapter targets, `model.quantization` or optimizer."""
     lora = cfg.lora.model_copy(update={"target_modules": targets})
-    return describe(config, lora, cfg.train.optim, dtype, work, getattr(cfg.model, "attn_implementation", None),
-                    (cfg.train.lean_lora and not cfg.train.fsdp, cfg.train.lean_norm and not cfg.train.fsdp))
+    model = cfg.model.model_copy(update={"quantization": quantized}) if quantized else cfg.model
+    return describe(config, lora, optim or cfg.train.optim, dtype, work, getattr(cfg.model, "attn_implementation", None),
+                    (cfg.train.lean_lora and not cfg.train.fsdp, cfg.train.lean_norm and not cfg.train.fsdp), model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,6 +191,9 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
         if gc and peak(arch, rows, plan.length, True) <= limit:
             return _fix(gc + passes(rows, plan.length), peak(arch, rows, plan.length, True),
                         f"gradient checkpointing (about 30% slower), passes of {_rows(rows)}")
+    quantized = _quantized_fix(plan, cfg, config, dtype, work, limit, gc)
+    if quantized is not None:
+        return quantized
     length = plan.length // 2
     while length >= 16:
         if peak(arch, 1, length, True) <= limit:
@@ -204,6 +210,25 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
     return {"for": "training", "overrides": [], "peak": None,
             "note": f"nothing in the config makes it fit: the weights alone take {_size(arch.frozen_bytes)}; use a "
                     "device with more memory or a smaller model"}
+
+
+def _quantized_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: Workload, limit: float,
+                   gc: list[str]) -> dict | None:
+    """The base stored in 8, then 4 bits (QLoRA), with 8-bit AdamW where AdamW is used: what the weights need
+    when the configured passes do not fit. Before cutting rows, which changes what is learned more."""
+    host = plan.target.kind == "cpu"
+    optim = "adamw_8bit" if cfg.train.optim.startswith("adamw") and "8bit" not in cfg.train.optim else None
+    steps = {"none": ("8bit", "4bit"), "8bit": ("4bit",)}.get(cfg.model.quantization, ())
+    for bits in steps:
+        arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work, bits, optim)
+        for rows in range(plan.pass_rows, 0, -1):
+            peak = _total(training_parts(arch, work, rows, plan.length, True, host), plan.target)
+            if peak <= limit:
+                passes = [f"train.max_tokens_per_pass={rows * plan.length}"] if rows < cfg.train.batch_size else []
+                return _fix([*gc, f"model.quantization={bits}", *([f"train.optim={optim}"] if optim else []), *passes],
+                            peak, f"the base's linear layers in {bits[0]} bits (bitsandbytes; embeddings unquantized)"
+                            + (", 8-bit optimizer state" if optim else "") + f", passes of {_rows(rows)}")
+    return None
 
 
 def _rows(n: int) -> str:

@@ -32,8 +32,9 @@ from torch.utils._pytree import tree_leaves
 
 from emotune import lean_lora, lean_norm
 from emotune.batches import CHUNK_TOKENS
-from emotune.config import LoraSettings
+from emotune.config import LoraSettings, ModelConfig
 from emotune.errors import UserError
+from emotune.model import quantization
 
 PROBE_ROWS = 2
 PROBE_LENGTHS = (16, 32, 64)
@@ -108,6 +109,8 @@ class Architecture:
     """Per decoder layer: KV-cache bytes per token, and its sliding window (None: every token)."""
     plain_head: bool
     softcap: float | None
+    dequantized_bytes: int = 0
+    """A quantized base (model.quantization): the largest layer's weight dequantized for its product."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,6 +135,8 @@ def training_parts(arch: Architecture, work: Workload, rows: int, length: int, c
     parts = {"weights": arch.frozen_bytes, "adapters": arch.trainable_bytes, "gradients": arch.trainable_bytes,
              "optimizer state": arch.optimizer_bytes, "activations": int(kept + rows * arch.outside(length)),
              **({LOSS: loss} if loss >= layer_backward else {LAYER_BACKWARD: int(layer_backward)})}
+    if arch.dequantized_bytes:
+        parts[DEQUANTIZED] = arch.dequantized_bytes
     if host_copies:  # the best adapter so far, and the copy a checkpoint writes (both in host memory)
         parts["adapter copies (host)"] = 2 * arch.trainable_bytes
     return parts
@@ -140,6 +145,7 @@ def training_parts(arch: Architecture, work: Workload, rows: int, length: int, c
 # The gradients a layer's backward pass holds at once, as a share of what the layer saved in its forward pass:
 # 0.46 measured on Gemma 3 layers (tests/test_plan.py measures the whole estimate against real steps).
 BACKWARD_SHARE = 0.5
+DEQUANTIZED = "one layer dequantized (4/8-bit base)"
 LOSS = "backward: vocabulary projection"
 LAYER_BACKWARD = "backward: one layer"
 
@@ -168,7 +174,8 @@ def evaluation_parts(arch: Architecture, ev: Evaluation, rows: int | None = None
               if arch.plain_head and projected > CHUNK_TOKENS else projected * per_position)
     return {"weights": arch.frozen_bytes, "adapters": arch.trainable_bytes,
             "KV cache": int(rows * kv_bytes(arch, total, ev.cache)),
-            "working memory": int(rows * arch.working(ev.prompt_tokens)), "vocabulary projection": int(logits)}
+            "working memory": int(rows * arch.working(ev.prompt_tokens)), "vocabulary projection": int(logits),
+            **({DEQUANTIZED: arch.dequantized_bytes} if arch.dequantized_bytes else {})}
 
 
 def kv_bytes(arch: Architecture, tokens: int, cache: str) -> float:
@@ -193,10 +200,11 @@ def auto_eval_rows(arch: Architecture, ev: Evaluation, free: int) -> int:
 
 
 def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: Workload,
-             attn_implementation: str | None = None, lean: tuple[bool, bool] = (True, True)) -> Architecture:
+             attn_implementation: str | None = None, lean: tuple[bool, bool] = (True, True),
+             model_cfg: ModelConfig | None = None) -> Architecture:
     """The facts of `config` (a transformers config) trained with `lora` and `optim` in weights of `dtype`; `lean`:
     whether the LoRA layers and Gemma's norms run emotune.lean_lora's and lean_norm's forwards, as training runs
-    them with `train.lean_lora` and `train.lean_norm`."""
+    them with `train.lean_lora` and `train.lean_norm`; `model_cfg`: its `quantization` (the weights' storage)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -216,8 +224,8 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     trained = [p for p in adapted.parameters() if p.requires_grad]
     head = work.head_outputs * text.hidden_size  # a classification head, float32
     trainable_bytes = sum(p.numel() * p.element_size() for p in trained) + 4 * head
-    frozen = sum(p.numel() * p.element_size() for p in adapted.parameters() if not p.requires_grad)
-    frozen += sum(b.numel() * b.element_size() for b in adapted.buffers())
+    model_cfg = model_cfg or ModelConfig()
+    frozen = quantization.stored_weight_bytes(adapted, model_cfg)
     probe = run_probe(text, lora, dtype, attn_implementation, lean)
     kinds = _layer_kinds(text)
     shared_from = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
@@ -233,7 +241,8 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
         working=probe.working,
         kv_per_token=[(probe.kv[kind] if i < shared_from else 0.0, window if kind.startswith("sliding") else None)
                       for i, kind in enumerate(kinds)],
-        plain_head=_plain_head(adapted), softcap=getattr(text, "final_logit_softcapping", None))
+        plain_head=_plain_head(adapted), softcap=getattr(text, "final_logit_softcapping", None),
+        dequantized_bytes=quantization.dequantized_layer_bytes(adapted, model_cfg))
 
 
 def _optimizer_bytes(optim: str, params: list[torch.nn.Parameter]) -> int:
@@ -244,6 +253,9 @@ def _optimizer_bytes(optim: str, params: list[torch.nn.Parameter]) -> int:
     if optim == "adafactor":
         return sum((p.shape[-2] + p.shape[-1]) * p.element_size() if p.dim() >= 2 else p.numel() * p.element_size()
                    for p in params)
+    if optim in ("adamw_8bit", "paged_adamw_8bit"):  # bitsandbytes: two uint8 moments with an fp32 scale per 256
+        # entries; tensors under 4,096 entries (min_8bit_size) keep fp32 moments
+        return sum(int(2 * p.numel() * (1 + 4 / 256)) if p.numel() >= 4096 else 8 * p.numel() for p in params)
     return sum(2 * p.numel() * p.element_size() for p in params)
 
 

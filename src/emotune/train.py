@@ -38,6 +38,8 @@ from emotune.config import RunConfig, TrainConfig
 from emotune.device import Precision
 from emotune.errors import UserError
 from emotune.lora import attach_lora, checkpoint_activations
+from emotune.model import init_methods, quantization
+from emotune.optim import build_optimizer
 from emotune.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.rundir import RunDir, remove_partial_writes
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
@@ -90,6 +92,7 @@ class Session:
     upcast: dict[str, torch.dtype]  # FSDP: trainable weights upcast to fp32, saved in their own dtype
     objective: Objective  # the task's loss and the rule that picks the kept adapter
     warmup: int = 0  # the schedule's warm-up steps
+    initial: Path | None = None  # PiSSA/OLoRA/LoftQ: the starting adapter, for the conversion when saving
 
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows: list[Example], val_rows: list[Example],
@@ -135,9 +138,15 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     announce(plan, t, len(rows), len(val_rows), cap, objective)
 
     model.config.use_cache = False
+    if quantization.is_quantized(model):  # before the adapters, which then stay fp32 beside the quantized weights
+        print(quantization.describe_preparation(quantization.prepare_for_training(model)), flush=True)
     if fsdp:
         refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
     adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
+    initial = None
+    if cfg.lora.init in init_methods.CONVERTED:  # before any step changes the adapters
+        print(init_methods.describe(cfg.lora), flush=True)
+        initial = init_methods.save_initial(adapted, run.train / "initial_adapter") if accelerator.is_main_process else None
     if t.lean_lora and not fsdp:  # FSDP's sharded parameters stay with PEFT's own forward
         lean_lora.install(adapted)
     if t.lean_norm and not fsdp:
@@ -146,7 +155,7 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
         checkpoint_activations(adapted)  # the frozen layers below the adapters stay out of the backward pass
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
     autocast, scaler = _mixed_precision(precision, adapted)
-    optimizer = _optimizer(t, [p for p in adapted.parameters() if p.requires_grad])
+    optimizer = build_optimizer(t, adapted)
     wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
     if t.time_budget:  # the steps that fit, measured on the prepared model before the schedule needs them
         measure = calibration(wrapped, optimizer, objective, rows, val_rows, pad_id, cap, accelerator, autocast,
@@ -157,7 +166,7 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     warmup = (plan.replanned["warmup_steps"] if plan.replanned else t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps))
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
     return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast,
-                   objective, warmup)
+                   objective, warmup, initial)
 
 
 def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: TrainConfig, record, fault) -> oom.Recovery:
@@ -277,7 +286,7 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     weights = ({k: v.to(s.upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()}
                if s.fsdp else None)
     if main:
-        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights)
+        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights, convert_from=s.initial)
         write_history(progress.log_history, run.train)
 
 
@@ -293,18 +302,10 @@ def _mixed_precision(precision: Precision, model: torch.nn.Module):
     if precision.name == "fp32":
         return nullcontext(), None
     device = next(model.parameters()).device.type
-    frozen = next(p for p in model.parameters() if not p.requires_grad)
+    frozen = next(p for p in model.parameters() if not p.requires_grad and p.is_floating_point())  # not 4/8-bit packed
     autocast = nullcontext() if frozen.dtype == precision.dtype else torch.autocast(device, dtype=precision.dtype)
     scaler = torch.amp.GradScaler(device) if precision.name == "fp16" else None
     return autocast, scaler
-
-
-def _optimizer(t: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if t.optim == "sgd":
-        return torch.optim.SGD(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    if t.optim == "adafactor":
-        return torch.optim.Adafactor(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, fused=t.optim == "adamw_torch_fused")
 
 
 def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Accelerator):

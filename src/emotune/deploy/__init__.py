@@ -1,0 +1,1 @@
+"""Deploy layer: export, merge, GGUF, hub."""

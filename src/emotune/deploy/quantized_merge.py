@@ -1,0 +1,85 @@
+"""Export from a QLoRA run (`model.quantization: 4bit | 8bit`): merged onto the unquantized base, and what that changes.
+
+The adapter was trained over the base's quantized weights, but what users deploy is a full-precision model. So
+the merge is PEFT's merge onto the base loaded unquantized (in fp32 on the CPU, as every export merges, then saved
+in the export dtype), never onto the 4-bit weights, where the sum would be rounded back to 4 bits. Two numbers
+say what that gives, both printed and written to `merged/emotune_merge.json`:
+
+    parity        the merged folder (read back in fp32) vs the adapter on that unquantized base: the merge itself
+    quantization  the adapter on the unquantized base vs the adapter on the quantized base it was trained and
+                  evaluated on: what leaving the quantized weights changes (the run's before/after numbers were
+                  measured on the quantized base)
+
+Both are the largest |logit difference| over a few prompts, built the way the model is used (a classifier's chat
+prompt with its labels, an sft model's user turn, a head model's text).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from emotune.artifacts import Artifact
+from emotune.config import ModelConfig
+from emotune.model import quantization
+
+REPORT = "emotune_merge.json"
+SAMPLE_TEXTS = ("i feel so lonely today", "what a wonderful surprise this morning", "my friend was furious with me",
+                "i am scared of the dark")
+
+
+@torch.inference_mode()
+def merge_report(artifact: Artifact, run_dir: str | Path, merged_dir: Path, texts: tuple[str, ...] = SAMPLE_TEXTS) -> dict:
+    """Measure parity and the quantization gap of a merged QLoRA export, print them and write them next to it."""
+    from emotune.export import _adapted, merge_parity_gap
+    from emotune.models import load_model, resolve_model_dir
+
+    parity = merge_parity_gap(run_dir, list(texts), merged_dir=merged_dir)
+    base_dir = resolve_model_dir(artifact.model_cfg)
+    cpu = torch.device("cpu")
+    full = _adapted(artifact, base_dir).eval()
+    quantized_base = load_model(base_dir, torch.float32, cpu, quantized=quantization.bnb_config(artifact.model_cfg, torch.float32))
+    on_quantized = _with_adapter(artifact, quantized_base).eval()
+    gap = max((_logits(full, ids) - _logits(on_quantized, ids)).abs().max().item() for ids in _inputs(artifact, texts))
+    record = {
+        "quantization": artifact.model_cfg.quantization,
+        "merged_onto": "the unquantized base (fp32 merge), saved in the export dtype",
+        "parity_max_abs_logit_diff": parity,
+        "quantized_base_max_abs_logit_diff": gap,
+        "texts": len(texts),
+        "note": "parity: merged folder vs adapter on the unquantized base; quantized_base: adapter on the unquantized "
+                "base vs adapter on the quantized base it was trained and evaluated on",
+    }
+    (merged_dir / REPORT).write_text(json.dumps(record, indent=2), encoding="utf-8")
+    print(f"Merged onto the unquantized base (the run trained on a {artifact.model_cfg.quantization} base): largest "
+          f"logit difference to the adapter on that base {parity:.2e} (the merge), to the adapter on the "
+          f"{artifact.model_cfg.quantization} base it was trained on {gap:.2e} (leaving the quantized weights); "
+          f"in {merged_dir.name}/{REPORT}", flush=True)
+    return record
+
+
+def _with_adapter(artifact: Artifact, base):
+    from peft import PeftModel
+
+    from emotune.head import classifier_from_causal
+
+    if artifact.has_head:
+        base = classifier_from_causal(base, artifact.labels)
+    return PeftModel.from_pretrained(base, artifact.path)
+
+
+def _inputs(artifact: Artifact, texts: tuple[str, ...]) -> list[torch.Tensor]:
+    from emotune.head import encode_texts
+    from emotune.models import load_tokenizer
+
+    tokenizer = load_tokenizer(artifact.path, ModelConfig())
+    if artifact.has_head:
+        return [torch.tensor([ids]) for ids in encode_texts(list(texts), tokenizer, artifact.max_length)]
+    return [tokenizer(artifact.chat_prompt(tokenizer, t), return_tensors="pt", add_special_tokens=False)["input_ids"]
+            for t in texts]
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits.float()
