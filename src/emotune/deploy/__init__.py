@@ -1,0 +1,1 @@
+"""Deployment formats: GGUF for llama.cpp and Ollama, hub publishing with a model card."""
