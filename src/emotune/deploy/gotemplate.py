@@ -4,7 +4,7 @@ against the model's chat template without Ollama.
 Covered, with Go's semantics: text; `{{ expr }}` output; trim markers `{{-` and `-}}` (all whitespace on that side);
 `range PIPELINE` (dot becomes each element); `if` / `else if` / `else` / `end` (false, 0, "" and empty lists are
 false); variables declared with `:=` (scoped to their block) and assigned with `=`; `.Field`, `$.Field`, `$var`;
-string literals, true/false; the functions eq, and, or, not, len. Anything else raises ValueError, so a template
+string, integer and boolean literals; the functions eq, and, or, not, len. Anything else raises ValueError, so a template
 that needs more than this fails its test instead of being rendered wrongly.
 """
 
@@ -157,6 +157,8 @@ def _operand(text: str, dot, scopes: list[dict]):
         return bytes(text[1:-1], "utf-8").decode("unicode_escape")
     if text in ("true", "false"):
         return text == "true"
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
     if text == ".":
         return dot
     if text.startswith("$"):
