@@ -34,12 +34,13 @@ from emotune.replies import extract_label, label_pattern
 from emotune.rundir import RunDir
 
 
-def emotune_labels(model_dir: Path, cfg, dataset, labels: list[str]) -> list[str]:
+def emotune_answers(model_dir: Path, cfg, dataset, labels: list[str]) -> list[tuple[str, str]]:
+    """(label, raw reply) per row, as `emotune eval` gets them (generate, greedy)."""
     model = load_model(model_dir, torch.float32, torch.device("cpu")).eval()
     tokenizer = load_tokenizer(model_dir, ModelConfig())
     eval_cfg = cfg.eval.model_copy(update={"method": "generate"})
     result = evaluate(model, tokenizer, dataset, labels, cfg.prompt, eval_cfg, desc=model_dir.name)
-    return [row["predicted"] for row in result.rows]
+    return [(row["predicted"], row["raw_output"]) for row in result.rows]
 
 
 def llama_cpp_labels(gguf_file: Path, tokenizer, cfg, labels: list[str], texts: list[str], lora: Path | None = None) -> list[str]:
@@ -57,11 +58,18 @@ def llama_cpp_labels(gguf_file: Path, tokenizer, cfg, labels: list[str], texts: 
     return predicted
 
 
-def line(engine: str, model: str, predicted: list[str], reference: list[str], gold: list[str], labels: list[str]) -> None:
+def line(engine: str, model: str, predicted: list[str], reference: list[str], gold: list[str], labels: list[str],
+         replies: tuple[list[str], list[str]] | None = None) -> None:
+    """`agreement`: equal labels; `reply_agreement` (emotune engine): equal raw replies, which also counts two
+    different invalid answers as a disagreement."""
     agreement = sum(p == r for p, r in zip(predicted, reference, strict=True)) / len(reference)
-    print(json.dumps({"engine": engine, "model": model, "rows": len(reference), "agreement": round(agreement, 4),
-                      "macro_f1": round(compute_metrics(gold, predicted, labels)["macro_f1"], 4),
-                      "reference_macro_f1": round(compute_metrics(gold, reference, labels)["macro_f1"], 4)}), flush=True)
+    found = {"engine": engine, "model": model, "rows": len(reference), "agreement": round(agreement, 4),
+             "macro_f1": round(compute_metrics(gold, predicted, labels)["macro_f1"], 4),
+             "reference_macro_f1": round(compute_metrics(gold, reference, labels)["macro_f1"], 4),
+             "reference_invalid": sum(r not in labels for r in reference)}
+    if replies:
+        found["reply_agreement"] = round(sum(a == b for a, b in zip(*replies, strict=True)) / len(reference), 4)
+    print(json.dumps(found), flush=True)
 
 
 def main() -> int:
@@ -90,12 +98,15 @@ def main() -> int:
     if args.limit:
         dataset = dataset.select(range(min(args.limit, len(dataset))))
     gold, texts = list(dataset["label"]), list(dataset["text"])
-    reference = emotune_labels(run.export / "merged", cfg, dataset, labels)
+    merged_answers = emotune_answers(run.export / "merged", cfg, dataset, labels)
+    reference = [label for label, _ in merged_answers]
     if "emotune" in args.engines:
         with tempfile.TemporaryDirectory() as cache:
             for quant, path in files.items():
                 converted = resolve_model_dir(ModelConfig(source=str(path), cache_dir=cache))
-                line("emotune", quant, emotune_labels(converted, cfg, dataset, labels), reference, gold, labels)
+                answers = emotune_answers(converted, cfg, dataset, labels)
+                line("emotune", quant, [label for label, _ in answers], reference, gold, labels,
+                     ([reply for _, reply in answers], [reply for _, reply in merged_answers]))
     if "llama.cpp" in args.engines:
         try:
             import llama_cpp  # noqa: F401
