@@ -101,3 +101,29 @@ def _gemma_template() -> str:
     from emotune.models import GEMMA_CHAT_TEMPLATE
 
     return GEMMA_CHAT_TEMPLATE
+
+
+def tiny_gemma3_multimodal(folder: Path):
+    """google/gemma-3-4b-it's layout (Gemma3ForConditionalGeneration: SigLIP tower, projector, language model) at
+    the text size of tiny_gemma3 and a 1-layer 16-wide vision tower."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = byte_level_tokenizer(folder, ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
+                                     "<bos>", "<eos>", _gemma_template())
+    text = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                            max_position_embeddings=512, sliding_window=64)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=len(tokenizer) - 1)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "language_model" in name and "norm" in name:
+                weight.copy_(torch.randn_like(weight) * 0.3)
+    model.save_pretrained(folder)
+    return folder

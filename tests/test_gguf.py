@@ -13,7 +13,7 @@ from emotune.cli import main
 from emotune.deploy.gguf_lora import write_lora_gguf
 from emotune.deploy.gguf_write import read_emotune_keys, write_gguf
 from emotune.errors import UserError
-from gguf_models import tiny_gemma3, tiny_llama
+from gguf_models import tiny_gemma3, tiny_gemma3_multimodal, tiny_llama
 
 META = {"name": "tiny", "task": "classify", "labels": LABELS, "system_prompt": "Classify.", "user_template": "Text: {text}"}
 IDS = [[1, 40, 41, 42, 60, 61, 62, 80, 81, 100, 120, 7]]
@@ -103,6 +103,22 @@ def test_gemma3_norms_get_the_offset_and_the_model_loads_back(gemma3_dir, tmp_pa
                           ("model.norm.weight", "output_norm.weight")):
         assert np.allclose(stored[name], hf[hf_name].numpy() + 1.0), name
     assert _logits_gap(gemma3_dir, target) < 2e-2
+
+
+def test_multimodal_gemma3_exports_its_text_model(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    folder = tiny_gemma3_multimodal(tmp_path / "mm")
+    target = write_gguf(folder, tmp_path / "mm-f16.gguf", "f16", META)
+    names = {t.name for t in GGUFReader(target).tensors}
+    assert "blk.1.ffn_down.weight" in names and not any(n.startswith(("v.", "mm.")) for n in names)
+    reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=target.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        gap = (reference(input_ids=torch.tensor(IDS)).logits - loaded(torch.tensor(IDS)).logits).abs().max().item()
+    assert gap < 2e-2
 
 
 @pytest.mark.parametrize("quant,bound", [("q8_0", 0.1), ("q4_0", 1.0), ("bf16", 0.1)])
