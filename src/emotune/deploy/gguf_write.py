@@ -227,8 +227,11 @@ def make_k_quant(f16_file: Path, target: Path, quant: str) -> bool:
         print("K-quants need llama.cpp's quantizer, which is not installed here. From the f16 file, run:\n  "
               + shlex.join(k_quant_command(f16_file, target, quant)), flush=True)
         return False
+    import ctypes
+
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(getattr(LlamaFileType, f"MOSTLY_{quant.upper()}"))
-    if llama_cpp.llama_model_quantize(str(f16_file).encode(), str(target).encode(), params) != 0:
+    print(f"Quantizing {f16_file.name} to {quant} with llama.cpp ...", flush=True)
+    if llama_cpp.llama_model_quantize(str(f16_file).encode(), str(target).encode(), ctypes.byref(params)) != 0:
         raise UserError(f"llama.cpp's quantizer failed to write {target} from {f16_file}.")
     return True
