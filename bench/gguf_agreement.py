@@ -34,12 +34,15 @@ from emotune.replies import extract_label, label_pattern
 from emotune.rundir import RunDir
 
 
-def emotune_answers(model_dir: Path, cfg, dataset, labels: list[str]) -> list[tuple[str, str]]:
-    """(label, raw reply) per row, as `emotune eval` gets them (generate, greedy)."""
+def emotune_answers(model_dir: Path, cfg, dataset, labels: list[str], method: str) -> list[tuple[str, str]]:
+    """(label, raw reply) per row, as `emotune eval` gets them: generate (greedy; the reply is the generated text) or
+    score (the label of highest probability; the reply is the rounded probabilities)."""
     model = load_model(model_dir, torch.float32, torch.device("cpu")).eval()
     tokenizer = load_tokenizer(model_dir, ModelConfig())
-    eval_cfg = cfg.eval.model_copy(update={"method": "generate"})
+    eval_cfg = cfg.eval.model_copy(update={"method": method})
     result = evaluate(model, tokenizer, dataset, labels, cfg.prompt, eval_cfg, desc=model_dir.name)
+    if method == "score":
+        return [(row["predicted"], "") for row in result.rows]
     return [(row["predicted"], row["raw_output"]) for row in result.rows]
 
 
@@ -77,6 +80,8 @@ def main() -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--quants", nargs="+", default=["f16", "q8_0"])
     parser.add_argument("--limit", type=int, help="the first N test rows only")
+    parser.add_argument("--method", default="generate", choices=["generate", "score"],
+                        help="emotune's path: greedy answers (the reference recipe) or label probabilities")
     parser.add_argument("--engines", nargs="+", default=["emotune", "llama.cpp"], choices=["emotune", "llama.cpp"])
     args = parser.parse_args()
     run = RunDir(args.run_dir)
@@ -98,15 +103,15 @@ def main() -> int:
     if args.limit:
         dataset = dataset.select(range(min(args.limit, len(dataset))))
     gold, texts = list(dataset["label"]), list(dataset["text"])
-    merged_answers = emotune_answers(run.export / "merged", cfg, dataset, labels)
+    merged_answers = emotune_answers(run.export / "merged", cfg, dataset, labels, args.method)
     reference = [label for label, _ in merged_answers]
     if "emotune" in args.engines:
         with tempfile.TemporaryDirectory() as cache:
             for quant, path in files.items():
                 converted = resolve_model_dir(ModelConfig(source=str(path), cache_dir=cache))
-                answers = emotune_answers(converted, cfg, dataset, labels)
-                line("emotune", quant, [label for label, _ in answers], reference, gold, labels,
-                     ([reply for _, reply in answers], [reply for _, reply in merged_answers]))
+                answers = emotune_answers(converted, cfg, dataset, labels, args.method)
+                line(f"emotune ({args.method})", quant, [label for label, _ in answers], reference, gold, labels,
+                     ([reply for _, reply in answers], [reply for _, reply in merged_answers]) if args.method == "generate" else None)
     if "llama.cpp" in args.engines:
         try:
             import llama_cpp  # noqa: F401
