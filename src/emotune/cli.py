@@ -95,14 +95,28 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from emotune.core.locks import locked
-    from emotune.export import export
     from emotune.rundir import RunDir, run_lock
 
     # a run folder is exported while no other process (a resumed `emotune run`, another export) works in it
     folder = Path(args.run_dir).expanduser()
     guard = locked(run_lock(folder), f"the run folder {folder}") if RunDir(folder).has_run() else nullcontext()
     with guard:
+        if args.format in ("gguf", "ollama"):
+            from emotune.deploy.gguf_export import export_gguf
+
+            export_gguf(args.run_dir, out=args.out, quant=args.quant, ollama=args.format == "ollama", force=args.force,
+                        vllm=args.vllm)
+            return 0
+        from emotune.export import export
+
         export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype, force=args.force)
+    return 0
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from emotune.deploy.hub import push
+
+    push(args.run_dir, args.to, merged=args.merged, private=args.private, dry_run=args.dry_run)
     return 0
 
 
@@ -205,7 +219,9 @@ COMMANDS = {
     "plan": (_cmd_plan, "estimate training and evaluation memory from the model's config (no weights loaded) and say "
                         "whether the config fits this device or --device-memory, and what to change if not"),
     "doctor": (_cmd_doctor, "report backend (ROCm/CUDA/MPS/CPU), devices, precision support, versions, hints"),
-    "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts"),
+    "export": (_cmd_export, "copy the adapter with its labels and prompt; --merge: a merged full model; --vllm: launch scripts; "
+                            "--format gguf|ollama: llama.cpp / Ollama files"),
+    "push": (_cmd_push, "upload the adapter (or --merged model) with a model card to the Hugging Face hub or ModelScope"),
     "predict": (_cmd_predict, ("classify texts (arguments or --file in.csv --out out.csv) with a run's adapter or "
                                "merged model; an sft model answers them in free text")),
     "serve": (_cmd_serve, "OpenAI-compatible HTTP server: /v1/classify, /v1/chat/completions, hot-swappable adapters"),
@@ -260,6 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
                            help="dtype of the merged weights (auto: the base model's own)")
             p.add_argument("--force", action="store_true",
                            help="replace an existing --out folder (only once the new export is complete)")
+            p.add_argument("--format", default="hf", choices=["hf", "gguf", "ollama"],
+                           help="hf: PEFT adapter (+ merged folder with --merge); gguf: also the merged model as one GGUF "
+                                "file and the LoRA as a llama.cpp adapter GGUF; ollama: gguf plus a Modelfile")
+            p.add_argument("--quant", default="f16", metavar="{f16,bf16,q8_0,q4_0,q4_k_m,...}",
+                           help="GGUF weight type (default f16); k-quants are made by llama.cpp's quantizer when installed, "
+                                "else the command is printed")
+        if name == "push":
+            p.add_argument("run_dir", help="run folder (runs/<name>)")
+            p.add_argument("--to", required=True, metavar="hf:ORG/NAME|modelscope:ORG/NAME",
+                           help="where to upload (the repository is created if missing)")
+            p.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter")
+            p.add_argument("--private", action="store_true", help="create the repository as private")
+            p.add_argument("--dry-run", metavar="DIR", help="write the folder that would be uploaded to DIR; upload nothing")
         if name == "predict":
             p.add_argument("target", help="run folder, export folder, adapter folder or merged model folder")
             p.add_argument("texts", nargs="*", help="texts to classify (sft models: prompts to answer)")

@@ -66,7 +66,9 @@ def vllm_blockers(config: dict) -> list[str]:
         blockers.append(f"it trains whole modules besides LoRA (modules_to_save={config['modules_to_save']})")
     if config.get("peft_type", "LORA") != "LORA":
         blockers.append(f"it is a {config['peft_type']} adapter, not LoRA")
-    return blockers
+    from emotune.deploy.vllm_ready import lora_blockers
+
+    return blockers + lora_blockers(config)
 
 
 def max_lora_rank(config: dict) -> int:
@@ -205,12 +207,17 @@ def vllm_base_reference(model_cfg: ModelConfig) -> tuple[str, list[str]]:
 
 def vllm_lora_args(artifact: Artifact, adapter_path: str, base: str, extra: list[str]) -> list[str]:
     rank = max_lora_rank(adapter_config(artifact.path))
+    from emotune.deploy.vllm_ready import max_model_len_args
+
     return ["serve", base, *extra, "--enable-lora", "--lora-modules", f"{artifact.name}={adapter_path}",
-            "--max-lora-rank", str(rank), "--max-loras", "4", "--generation-config", "auto"]
+            "--max-lora-rank", str(rank), "--max-loras", "4", "--generation-config", "auto", *max_model_len_args(artifact)]
 
 
 def vllm_merged_args(artifact: Artifact, merged_path: str) -> list[str]:
-    return ["serve", merged_path, "--served-model-name", artifact.name, "--generation-config", "auto"]
+    from emotune.deploy.vllm_ready import max_model_len_args
+
+    return ["serve", merged_path, "--served-model-name", artifact.name, "--generation-config", "auto",
+            *max_model_len_args(artifact)]
 
 
 def write_vllm_handoff(artifact: Artifact, folder: Path, final: Path, merged: bool, lora_route: bool) -> None:

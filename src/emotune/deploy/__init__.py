@@ -1,1 +1,1 @@
-"""Deploy layer: export, merge, GGUF, hub."""
+"""Deploy layer: export, merge, GGUF for llama.cpp and Ollama, hub publishing with a model card."""

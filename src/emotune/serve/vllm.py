@@ -11,6 +11,7 @@ from pathlib import Path
 
 from emotune.artifacts import Fallback, find_artifact
 from emotune.config import RunConfig
+from emotune.deploy.vllm_ready import max_model_len_args
 from emotune.errors import UserError
 from emotune.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
 from emotune.serve.engine import check_base
@@ -38,7 +39,8 @@ def serve_with_vllm(cfg: RunConfig, targets: list[str], fallback: Fallback | Non
     rank = max(max_lora_rank(adapter_config(a.path)) for a in artifacts)
     args = ["serve", base, *extra, "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(len(artifacts)),
             "--lora-modules", *(f"{a.name}={a.path.resolve()}" for a in artifacts),
-            "--host", cfg.serve.host, "--port", str(cfg.serve.port), "--generation-config", "auto"]
+            "--host", cfg.serve.host, "--port", str(cfg.serve.port), "--generation-config", "auto",
+            *max_model_len_args(*artifacts)]
     api_key = resolve_key(cfg.serve.api_key, "api_key")
     executable = shutil.which("vllm", path=str(Path(sys.executable).parent)) or shutil.which("vllm") or "vllm"
     print(f"Starting: vllm {' '.join(args)}" + (" (API key in VLLM_API_KEY)" if api_key else ""), flush=True)

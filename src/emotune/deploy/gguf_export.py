@@ -1,0 +1,90 @@
+"""`emotune export RUN --format gguf|ollama --quant Q`: the merged model as GGUF, the LoRA as an adapter GGUF,
+and for Ollama a Modelfile.
+
+The export folder gets, beside what `emotune export --merge` writes (adapter/, merged/, config.yaml):
+
+    gguf/<name>-<quant>.gguf   the merged model (emotune.deploy.gguf_write); k-quants made from <name>-f16.gguf
+    gguf/<name>-lora.gguf      the LoRA alone, for llama.cpp's --lora over the base model's GGUF (plain LoRA only)
+    ollama/Modelfile           (--format ollama) FROM the merged GGUF, with the chat template, stop tokens, system
+                               prompt and parameters; `ollama create` is printed
+
+The merged folder is made by emotune.export (one merge for every format), then converted.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from emotune.errors import UserError
+
+FORMATS = ("hf", "gguf", "ollama")
+
+
+def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama: bool, force: bool,
+                vllm: bool = False) -> Path:
+    from transformers import AutoConfig
+
+    from emotune.artifacts import find_artifact
+    from emotune.deploy import gguf_arch, gguf_write
+    from emotune.export import export
+    from emotune.models import resolve_model_dir
+
+    gguf_write.check_quant(quant)
+    artifact = find_artifact(run_dir)
+    if artifact.has_head:
+        raise UserError(f"`{run_dir}` holds a classification-head model (task {artifact.task}): it answers with label "
+                        "probabilities from a trained head that llama.cpp has no place for. Export it with --merge "
+                        "(transformers) and serve it with `emotune serve`.")
+    base_dir = resolve_model_dir(artifact.model_cfg)
+    base_config = AutoConfig.from_pretrained(base_dir)
+    model_type, _, text_config = gguf_arch.family_of(base_config)  # refuse before merging anything
+    gguf_arch.check_layout(model_type, text_config)
+
+    out = export(run_dir, out=out, merge=True, vllm=vllm, force=force)
+    folder = out / "gguf"
+    folder.mkdir(exist_ok=True)
+    meta = gguf_meta(artifact)
+    written_quant = "f16" if quant in gguf_write.K_QUANTS else quant
+    model_file = folder / f"{artifact.name}-{written_quant}.gguf"
+    print(f"Writing {model_file} ...", flush=True)
+    gguf_write.write_gguf(out / "merged", model_file, written_quant, meta, vocab_dir=base_dir)
+    if quant in gguf_write.K_QUANTS:
+        k_file = folder / f"{artifact.name}-{quant}.gguf"
+        if gguf_write.make_k_quant(model_file, k_file, quant):
+            model_file = k_file
+    _write_lora(artifact, base_config, folder)
+    if ollama:
+        from emotune.deploy.ollama import write_modelfile
+
+        modelfile = write_modelfile(artifact, model_type, model_file, out / "ollama")
+        print("Create the Ollama model with:\n  " + shlex.join(["ollama", "create", artifact.name, "-f", str(modelfile)]),
+              flush=True)
+    print(f"GGUF: {model_file}", flush=True)
+    return out
+
+
+def _write_lora(artifact, base_config, folder: Path) -> Path | None:
+    from emotune.deploy.gguf_lora import write_lora_gguf
+
+    target = folder / f"{artifact.name}-lora.gguf"
+    try:
+        write_lora_gguf(artifact.path, base_config, target, artifact.name)
+    except UserError as err:  # the merged GGUF is the product; the adapter file is a bonus some adapters cannot be
+        print(f"No LoRA adapter GGUF: {err}", flush=True)
+        return None
+    print(f"LoRA adapter GGUF: {target} (apply over the base model's GGUF with llama.cpp's --lora)", flush=True)
+    return target
+
+
+def gguf_meta(artifact) -> dict:
+    """emotune's keys for the GGUF file: what the model was trained to answer and how it is asked."""
+    meta = {"name": artifact.name, "task": artifact.task, "base_model": artifact.meta.get("base_model")}
+    if artifact.task == "sft":
+        meta["system_prompt"] = artifact.sft_system_prompt
+    else:
+        from emotune.data import system_prompt
+
+        meta.update(labels=artifact.labels, system_prompt=system_prompt(artifact.prompt, artifact.labels),
+                    user_template=artifact.prompt.user_template)
+    return meta

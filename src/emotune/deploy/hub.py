@@ -1,0 +1,129 @@
+"""`emotune push RUN --to hf:ORG/NAME | modelscope:ORG/NAME [--merged] [--private] [--dry-run DIR]`.
+
+The folder uploaded is the adapter (PEFT files, tokenizer, emotune.json) or, with --merged, the merged model
+(`emotune export --merge`'s merged/, made here when the run has none), plus README.md (the model card,
+emotune.deploy.model_card) and emotune_config.yaml (the run's resolved config). The token comes from HF_TOKEN or
+the hub's stored login (`hf auth login`), or from MODELSCOPE_API_TOKEN; it is handed to the client and never
+printed or written. `hub_client` is the one place a real HfApi / ModelScope HubApi is made.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from emotune.errors import UserError
+
+HUBS = {"hf": "the Hugging Face hub", "modelscope": "ModelScope"}
+
+
+def parse_destination(to: str) -> tuple[str, str]:
+    hub, _, repo_id = to.partition(":")
+    if hub not in HUBS or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise UserError(f"--to `{to}` is not a destination. Write hf:ORG/NAME (Hugging Face) or modelscope:ORG/NAME.")
+    return hub, repo_id
+
+
+def hub_token(hub: str) -> str | None:
+    if hub == "modelscope":
+        return os.environ.get("MODELSCOPE_API_TOKEN") or None
+    if os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"]
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+class _ModelScopeClient:
+    """ModelScope's HubApi behind the two calls push makes."""
+
+    def __init__(self, token: str):
+        try:
+            from modelscope.hub.api import HubApi
+        except ImportError:
+            raise UserError("Pushing to ModelScope needs the `modelscope` package: pip install 'emotune[modelscope]'.") from None
+        self.api = HubApi()
+        self.api.login(token)
+
+    def create_repo(self, repo_id: str, private: bool, exist_ok: bool = True) -> None:
+        self.api.create_repo(repo_id, visibility="private" if private else "public", exist_ok=exist_ok)
+
+    def upload_folder(self, folder_path: str, repo_id: str, commit_message: str) -> None:
+        self.api.upload_folder(repo_id=repo_id, folder_path=folder_path, commit_message=commit_message)
+
+
+class _HfClient:
+    def __init__(self, token: str):
+        from huggingface_hub import HfApi
+
+        self.api = HfApi(token=token)
+
+    def create_repo(self, repo_id: str, private: bool, exist_ok: bool = True) -> None:
+        self.api.create_repo(repo_id, private=private, exist_ok=exist_ok, repo_type="model")
+
+    def upload_folder(self, folder_path: str, repo_id: str, commit_message: str) -> None:
+        self.api.upload_folder(folder_path=folder_path, repo_id=repo_id, commit_message=commit_message, repo_type="model")
+
+
+def hub_client(hub: str, token: str):
+    """The client that uploads: create_repo(repo_id, private, exist_ok) and upload_folder(folder_path, repo_id,
+    commit_message). Tests replace this function with a fake."""
+    return _ModelScopeClient(token) if hub == "modelscope" else _HfClient(token)
+
+
+def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = False, dry_run: str | None = None) -> Path | None:
+    from emotune.artifacts import find_artifact
+
+    hub, repo_id = parse_destination(to)
+    artifact = find_artifact(run_dir)
+    if artifact.merged:
+        raise UserError(f"`{run_dir}` is a merged model folder; push reads the run folder (its adapter, config and "
+                        "comparison.json). Point at runs/<name> and add --merged to upload the merged model.")
+    token = None
+    if dry_run is None:
+        token = hub_token(hub)
+        if not token:
+            where = "MODELSCOPE_API_TOKEN" if hub == "modelscope" else "HF_TOKEN, or log in with `hf auth login`"
+            raise UserError(f"No token for {HUBS[hub]}: set {where}. Nothing was uploaded. `--dry-run DIR` writes the "
+                            "folder that would be uploaded without a token.")
+    if dry_run is not None:
+        target = Path(dry_run).expanduser()
+        if target.exists() and any(target.iterdir()):
+            raise UserError(f"--dry-run folder `{target}` is not empty. Give a new or empty folder.")
+        _assemble(artifact, Path(run_dir), target, hub, repo_id, merged)
+        print(f"Dry run: the folder that would be uploaded to {HUBS[hub]} as {repo_id} is {target}", flush=True)
+        return target
+    with tempfile.TemporaryDirectory(prefix="emotune-push-") as staging:
+        folder = _assemble(artifact, Path(run_dir), Path(staging) / "upload", hub, repo_id, merged)
+        client = hub_client(hub, token)
+        client.create_repo(repo_id, private=private, exist_ok=True)
+        what = "merged model" if merged else "LoRA adapter"
+        client.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=f"emotune: {artifact.name} ({what})")
+    print(f"Uploaded {artifact.name} ({'merged model' if merged else 'adapter'}) to {HUBS[hub]}: {repo_id}", flush=True)
+    return None
+
+
+def _assemble(artifact, run_dir: Path, target: Path, hub: str, repo_id: str, merged: bool) -> Path:
+    from emotune.deploy.model_card import model_card
+    from emotune.rundir import RunDir
+
+    run = RunDir(run_dir)
+    if merged:
+        source = run.export / "merged"
+        if (source / "config.json").is_file():
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        else:
+            from emotune.export import merge_adapter
+
+            print("No merged model in the run's export/; merging the adapter into the base (once) ...", flush=True)
+            merge_adapter(artifact, target)
+    else:
+        shutil.copytree(artifact.path, target, dirs_exist_ok=True)
+    config_text = run.config.read_text(encoding="utf-8") if run.config.is_file() else None
+    if config_text:
+        (target / "emotune_config.yaml").write_text(config_text, encoding="utf-8")
+    card = model_card(artifact, run, hub, repo_id, merged, config_text)
+    (target / "README.md").write_text(card, encoding="utf-8")
+    return target

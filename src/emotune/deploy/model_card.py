@@ -1,0 +1,126 @@
+"""The model card (README.md) of a pushed adapter or merged model.
+
+YAML header as the hubs read it (base_model, license, library_name, pipeline_tag, tags, datasets, metrics), then
+what the model does, the before/after table with 95 % bootstrap intervals from the run's comparison.json, the
+exact resolved config, and how to load it with transformers + PEFT, vLLM and Ollama.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from emotune.rundir import read_json
+
+EMBEDDED_BASE = "google/gemma-3-270m"  # the packaged GGUF is a conversion of it (its NOTICE names the source)
+# the licence of each family's released weights, as the hub names it; "other" where it differs by model
+LICENSES = {"gemma": "gemma", "llama": "llama3", "qwen": "apache-2.0", "mistral": "apache-2.0"}
+
+
+def base_model_id(source: str | None) -> str | None:
+    """The hub id of the base model, None for a local folder or file."""
+    from emotune.models import looks_like_hub_id
+
+    if not source:
+        return None
+    if source == "embedded":
+        return EMBEDDED_BASE
+    if source.startswith(("hf:", "modelscope:")):
+        return source.split(":", 1)[1]
+    return source if looks_like_hub_id(source) else None
+
+
+def license_of(base_id: str | None, model_type: str | None) -> str:
+    text = f"{base_id or ''} {model_type or ''}".lower()
+    return next((value for key, value in LICENSES.items() if key in text), "other")
+
+
+def header(artifact, base_id: str | None, model_type: str | None, merged: bool, dataset: str | None) -> dict:
+    classify = artifact.task != "sft"
+    data = {"license": license_of(base_id, model_type), "library_name": "transformers" if merged else "peft",
+            "pipeline_tag": "text-generation",
+            "tags": ["emotune", "lora", *(["text-classification"] if classify else ["sft"]), *(["merged"] if merged else [])],
+            "metrics": ["accuracy", "f1"] if classify else ["rouge"]}
+    if base_id:
+        data["base_model"] = base_id
+    if dataset:
+        data["datasets"] = [dataset]
+    return data
+
+
+def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text: str | None) -> str:
+    config = yaml.safe_load(config_text) if config_text else {}
+    source = (config.get("model") or {}).get("source") or artifact.meta.get("base_model")
+    base_id = base_model_id(source)
+    data_source = str((config.get("data") or {}).get("source") or "")
+    dataset = data_source.split(":", 1)[1] if data_source.startswith(("hf:", "modelscope:")) else None
+    model_type = _model_type(artifact)
+    lines = ["---", yaml.safe_dump(header(artifact, base_id, model_type, merged, dataset), sort_keys=False).strip(), "---", "",
+             f"# {repo_id.split('/')[-1]}", ""]
+    what = "merged model (base + LoRA folded in)" if merged else "LoRA adapter"
+    lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on `{base_id or source}`"
+                 f" ({'a classifier that answers with one label' if artifact.task != 'sft' else 'instruction tuning'}).")
+    if artifact.task != "sft":
+        lines += ["", f"Labels: {', '.join(artifact.labels)}.", "", "Prompt (system, then the user template):", "",
+                  "```text", _system_prompt(artifact), "", artifact.prompt.user_template, "```"]
+    lines += ["", f"License: the base model's terms ({header(artifact, base_id, model_type, merged, dataset)['license']}); "
+              "check them on the base model's page before use.", ""]
+    lines += results_table(read_json(run.comparison_json))
+    if config_text:
+        lines += ["## Training config (exact, resolved)", "", "```yaml", config_text.strip(), "```", ""]
+    lines += usage(artifact, hub, repo_id, base_id or str(source), merged)
+    return "\n".join(lines) + "\n"
+
+
+def _system_prompt(artifact) -> str:
+    from emotune.data import system_prompt
+
+    return system_prompt(artifact.prompt, artifact.labels)
+
+
+def _model_type(artifact) -> str | None:
+    try:
+        from emotune.models import resolve_model_dir
+
+        return read_json(resolve_model_dir(artifact.model_cfg) / "config.json").get("model_type")
+    except Exception:  # the base is not on this machine: the card goes without it, the upload is unaffected
+        return None
+
+
+def results_table(comparison: dict | None) -> list[str]:
+    """Before/after per metric with the 95 % intervals of comparison.json (absent: said so)."""
+    if not comparison or "metrics" not in comparison:
+        return ["## Results", "", "No comparison.json in the run folder: the run was not measured before and after.", ""]
+    intervals = comparison.get("intervals") or {}
+    rows = ["## Results (test split, before vs after fine-tuning)", "",
+            "| metric | before | after | change | 95 % interval of the change |", "|---|---|---|---|---|"]
+    for name, row in comparison["metrics"].items():
+        if not isinstance(row, dict) or "after" not in row:
+            continue
+        band = intervals.get(name) or {}
+        before, after = _with_interval(row.get("before"), band.get("before")), _with_interval(row.get("after"), band.get("after"))
+        delta = band.get("delta") or {}
+        change = f"[{delta['low']:.3f}, {delta['high']:.3f}]" if "low" in delta else ""
+        rows.append(f"| {name} | {before} | {after} | {row.get('delta', 0):+.3f} | {change} |")
+    rows += ["", f"Rows: {comparison.get('rows', '?')}; intervals: seeded percentile bootstrap over the test rows.", ""]
+    return rows
+
+
+def _with_interval(value, band) -> str:
+    if not isinstance(value, (int, float)):
+        return "" if value is None else str(value)
+    return f"{value:.3f} [{band[0]:.3f}, {band[1]:.3f}]" if isinstance(band, (list, tuple)) and len(band) == 2 else f"{value:.3f}"
+
+
+def usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str]:
+    prefix = "modelscope:" if hub == "modelscope" else ""
+    load = (f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")' if merged else
+            f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{repo_id}")')
+    vllm = (f"vllm serve {repo_id} --generation-config auto" if merged else
+            f"vllm serve {base} --enable-lora --lora-modules {artifact.name}={repo_id} --generation-config auto")
+    return ["## How to use", "", "transformers" + ("" if merged else " + PEFT") + ":", "", "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer" + ("" if merged else "\nfrom peft import PeftModel"),
+            load, f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", "",
+            f"emotune: `emotune predict` / `emotune serve` on a downloaded copy (`{prefix}{repo_id}`).", "",
+            "vLLM:", "", "```bash", vllm, "```", "",
+            "llama.cpp / Ollama: `emotune export RUN --format ollama --quant q8_0` writes the GGUF file and a Modelfile "
+            "(system prompt, stop tokens, temperature 0); then `ollama create NAME -f Modelfile`.", ""]

@@ -1,0 +1,66 @@
+"""What the vLLM hand-off checks beyond the adapter type: the modules LoRA trains and its rank, and how long a
+sequence vLLM must hold (`--max-model-len`), so it neither refuses the adapter at start nor reserves KV cache for
+the base's whole context (Gemma 3: 32,768 tokens per sequence) when a classifier's prompts are a few hundred.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+# vLLM applies LoRA to the attention and MLP projections (it packs q/k/v and gate/up and splits the LoRA with them);
+# LoRA on norms, embeddings or the output head is not served (extra-vocabulary embedding LoRA was removed in 0.11).
+VLLM_LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"}
+VLLM_MAX_LORA_RANK = 512
+DEFAULT_MAX_LENGTH = 512  # train.max_length's default when the run's config is not beside the adapter
+
+
+def lora_blockers(config: dict) -> list[str]:
+    """Why vLLM cannot serve this LoRA (target modules, rank), empty when it can."""
+    blockers = []
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [] if targets == "all-linear" else [targets]  # a regex PEFT resolved at training; names are checked below
+    unsupported = sorted({t.rsplit(".", 1)[-1] for t in targets} - VLLM_LORA_MODULES)
+    if unsupported:
+        blockers.append(f"it trains modules vLLM's LoRA does not cover ({', '.join(unsupported)}; vLLM covers "
+                        f"{', '.join(sorted(VLLM_LORA_MODULES))})")
+    ranks = [int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())]
+    if max(ranks) > VLLM_MAX_LORA_RANK:
+        blockers.append(f"its rank {max(ranks)} is above vLLM's largest --max-lora-rank ({VLLM_MAX_LORA_RANK})")
+    return blockers
+
+
+def max_model_len(adapter_dir: Path, base_context: int | None) -> int:
+    """Tokens per sequence for vLLM: the run's train.max_length plus eval.max_new_tokens (the longest prompt it
+    was trained and measured on, and its answer), rounded up to a multiple of 256, at most the base's context."""
+    config = _run_config(adapter_dir)
+    train, evaluation = config.get("train") or {}, config.get("eval") or {}
+    needed = int(train.get("max_length") or DEFAULT_MAX_LENGTH) + int(evaluation.get("max_new_tokens") or 16)
+    rounded = -(-needed // 256) * 256
+    return min(rounded, base_context) if base_context else rounded
+
+
+def _run_config(adapter_dir: Path) -> dict:
+    for candidate in (adapter_dir.parent / "config.yaml", adapter_dir / "config.yaml"):
+        if candidate.is_file():
+            return yaml.safe_load(candidate.read_text(encoding="utf-8")) or {}
+    return {}
+
+
+def base_context(model_dir: Path) -> int | None:
+    """The base model's context length (max_position_embeddings of its text config), None if it says none."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    value = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def max_model_len_args(*artifacts) -> list[str]:
+    """`--max-model-len N` for serving these adapters (or merged models) together: the longest any of them needs."""
+    from emotune.models import resolve_model_dir
+
+    lengths = [max_model_len(a.path, base_context(a.path if a.merged else resolve_model_dir(a.model_cfg))) for a in artifacts]
+    return ["--max-model-len", str(max(lengths))]

@@ -1,0 +1,55 @@
+"""llama.cpp itself (llama-cpp-python, the optional `[gguf]` extra) runs the exported files: the merged GGUF gives
+the Hugging Face model's logits, and the adapter GGUF over the base GGUF gives the merged model's. Skipped where
+llama-cpp-python is not installed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_tiny_adapter
+from emotune.deploy.gguf_lora import write_lora_gguf
+from emotune.deploy.gguf_write import write_gguf
+from gguf_models import tiny_gemma3, tiny_llama
+
+pytestmark = pytest.mark.slow
+llama_cpp = pytest.importorskip("llama_cpp")
+IDS = [1, 40, 41, 42, 60, 61, 62, 80, 81, 100, 120, 7]
+
+
+def _llama_cpp_logits(gguf_file, lora=None) -> np.ndarray:
+    llm = llama_cpp.Llama(model_path=str(gguf_file), lora_path=str(lora) if lora else None, n_ctx=64, logits_all=True,
+                          verbose=False, n_threads=1)
+    llm.eval(IDS)
+    return np.array(llm.scores[: len(IDS)])
+
+
+def _hf_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_llama_cpp_matches_transformers(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_llama(tmp_path / "m") if family == "llama" else tiny_gemma3(tmp_path / "m")
+    target = write_gguf(folder, tmp_path / "m-f16.gguf", "f16", {"name": "tiny"})
+    reference = _hf_logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+    assert np.abs(_llama_cpp_logits(target) - reference).max() < 5e-2
+
+
+def test_adapter_gguf_over_base_equals_merged(tmp_path):
+    from transformers import AutoConfig
+
+    folder = tiny_llama(tmp_path / "base")
+    run = write_tiny_adapter(folder, tmp_path / "run", r=4)
+    from emotune.cli import main
+
+    assert main(["export", str(run), "--format", "gguf", "--out", str(tmp_path / "export")]) == 0
+    base = write_gguf(folder, tmp_path / "base-f16.gguf", "f16", {"name": "base"})
+    lora = write_lora_gguf(run / "adapter", AutoConfig.from_pretrained(folder), tmp_path / "lora.gguf", "run")
+    merged = _llama_cpp_logits(tmp_path / "export" / "gguf" / "run-f16.gguf")
+    assert np.abs(_llama_cpp_logits(base, lora) - merged).max() < 5e-2
+    assert np.abs(_llama_cpp_logits(base) - merged).max() > 5e-2  # the adapter matters

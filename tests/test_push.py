@@ -1,0 +1,118 @@
+"""`emotune push`: the folder and model card it uploads, a fake hub client in place of HfApi / HubApi (nothing
+leaves the machine), and a refused upload without a token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import LABELS
+from emotune.cli import main
+from emotune.deploy import hub
+
+COMPARISON = {"rows": 12, "metrics": {"accuracy": {"before": 0.25, "after": 0.75, "delta": 0.5},
+                                      "macro_f1": {"before": 0.2, "after": 0.7, "delta": 0.5}},
+              "intervals": {"accuracy": {"before": [0.1, 0.4], "after": [0.5, 0.9], "delta": {"delta": 0.5, "low": 0.2, "high": 0.8}},
+                            "macro_f1": {"before": [0.1, 0.3], "after": [0.5, 0.85], "delta": {"delta": 0.5, "low": 0.2, "high": 0.7}}}}
+
+
+class FakeClient:
+    """Records what push asks of the hub; copies the folder, which is deleted after the upload."""
+
+    calls: list = []
+
+    def __init__(self, hub_name: str, token: str):
+        self.calls.append(("init", hub_name, token))
+
+    def create_repo(self, repo_id, private, exist_ok=True):
+        self.calls.append(("create_repo", repo_id, private))
+
+    def upload_folder(self, folder_path, repo_id, commit_message):
+        files = sorted(p.name for p in Path(folder_path).iterdir())
+        readme = (Path(folder_path) / "README.md").read_text()
+        self.calls.append(("upload_folder", repo_id, files, readme, commit_message))
+
+
+@pytest.fixture
+def run_dir(tiny_run_dir, tmp_path):
+    import shutil
+
+    run = tmp_path / "tiny"
+    shutil.copytree(tiny_run_dir, run)
+    (run / "comparison.json").write_text(json.dumps(COMPARISON))
+    return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    FakeClient.calls = []
+    monkeypatch.setattr(hub, "hub_client", FakeClient)
+    return FakeClient
+
+
+def _card(text: str) -> tuple[dict, str]:
+    _, header, body = text.split("---", 2)
+    return yaml.safe_load(header), body
+
+
+def test_dry_run_writes_the_folder_with_a_model_card(run_dir, tmp_path, fake, capsys):
+    out = tmp_path / "upload"
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny-emotion", "--dry-run", str(out)]) == 0
+    assert (out / "adapter_model.safetensors").is_file() and (out / "emotune.json").is_file()
+    assert (out / "emotune_config.yaml").read_text() == (run_dir / "config.yaml").read_text()
+    header, body = _card((out / "README.md").read_text())
+    assert header["library_name"] == "peft" and header["pipeline_tag"] == "text-generation"
+    assert "emotune" in header["tags"] and header["metrics"] == ["accuracy", "f1"] and header["license"] == "gemma"
+    assert "base_model" not in header  # a local folder has no hub id to name
+    assert "| accuracy | 0.250 [0.100, 0.400] | 0.750 [0.500, 0.900] | +0.500 | [0.200, 0.800] |" in body
+    assert ", ".join(LABELS) in body and "PeftModel.from_pretrained" in body and "vllm serve" in body
+    assert "ollama create" in body and "```yaml" in body
+    assert fake.calls == []  # a dry run makes no client
+
+
+def test_push_uploads_through_the_client_with_the_token(run_dir, fake, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny-emotion", "--private"]) == 0
+    assert fake.calls[0] == ("init", "hf", "hf_secret_value")
+    assert fake.calls[1] == ("create_repo", "me/tiny-emotion", True)
+    _, repo_id, files, readme, message = fake.calls[2]
+    assert repo_id == "me/tiny-emotion" and "README.md" in files and "adapter_config.json" in files
+    assert "hf_secret_value" not in readme and "hf_secret_value" not in capsys.readouterr().out
+
+
+def test_push_merged_to_modelscope(run_dir, fake, monkeypatch):
+    monkeypatch.setenv("MODELSCOPE_API_TOKEN", "ms-token")
+    assert main(["push", str(run_dir), "--to", "modelscope:me/tiny", "--merged"]) == 0
+    assert fake.calls[0] == ("init", "modelscope", "ms-token")
+    _, _, files, readme, _ = fake.calls[2]
+    assert "config.json" in files and "model.safetensors" in files and "adapter_config.json" not in files
+    assert _card(readme)[0]["library_name"] == "transformers"
+
+
+def test_push_without_a_token_is_refused(run_dir, fake, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "No token" in err and "HF_TOKEN" in err and "Nothing was uploaded" in err
+    monkeypatch.delenv("MODELSCOPE_API_TOKEN", raising=False)
+    assert main(["push", str(run_dir), "--to", "modelscope:me/tiny"]) == 2
+    assert "MODELSCOPE_API_TOKEN" in capsys.readouterr().err
+    assert fake.calls == []
+
+
+def test_bad_destination(run_dir, capsys):
+    assert main(["push", str(run_dir), "--to", "github:me/tiny", "--dry-run", "x"]) == 2
+    assert "hf:ORG/NAME" in capsys.readouterr().err
+
+
+def test_embedded_base_names_the_released_model():
+    from emotune.deploy.model_card import base_model_id, license_of
+
+    assert base_model_id("embedded") == "google/gemma-3-270m"
+    assert base_model_id("hf:Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert base_model_id("/no/such/folder") is None
+    assert license_of("Qwen/Qwen2.5-0.5B-Instruct", "qwen2") == "apache-2.0"
