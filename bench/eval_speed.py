@@ -38,13 +38,13 @@ from pathlib import Path
 import torch
 from peft import PeftModel, get_peft_model
 
-from emotune.config import EvalConfig, LoraSettings, ModelConfig, PromptConfig
+from emotune.core.config import EvalConfig, LoraSettings, ModelConfig, PromptConfig
+from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.data import prompt_messages
 from emotune.evaluate import generate_outputs
 from emotune.lora import lora_config
 from emotune.merged_eval import CHECK_ROWS, merged_for_eval
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
-from emotune.replies import INVALID, extract_label, label_pattern
 from emotune.scoring import LabelScorer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.eval_rows = min(args.steps, 2), min(args.eval_rows, 8)
     emit = Emitter(args.out)
 
-    from emotune.config import load_config
+    from emotune.core.config import load_config
     from emotune.device import choose_precision, doctor, resolve_device
     from emotune.tasks.classify import encode_examples, load_data
 
@@ -186,7 +186,7 @@ def build_model(text: dict, tokenizer, dtype: torch.dtype, device: torch.device)
 def measure_training(model, tokenizer, rows, cfg, precision, device, name: str, overrides: dict | None = None,
                      fault=None) -> dict:
     """emotune.train.train for the configured steps (no validation), then the adapters taken off again."""
-    from emotune.rundir import RunDir
+    from emotune.core.rundir import RunDir
     from emotune.train import train
 
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=overrides or {})})
@@ -214,7 +214,7 @@ def forced_oom(model, tokenizer, rows, cfg, precision, device, checkpointed: dic
     """Training without gradient checkpointing under a memory cap of `factor` times what the checkpointed run
     reserved: the first step runs out of memory, and emotune's recovery has to find settings that fit. The
     headroom above 1.0 is for the allocator's fragmentation after the failed attempts."""
-    from emotune.errors import UserError
+    from emotune.core.errors import UserError
 
     plain = {"gradient_checkpointing": False, "max_tokens_per_pass": 0, "oom_recovery": "same_update"}
     if device.type == "cuda":
@@ -385,7 +385,7 @@ class Telemetry:
 
 
 if __name__ == "__main__":
-    from emotune.errors import UserError
+    from emotune.core.errors import UserError
 
     try:
         sys.exit(main())

@@ -22,10 +22,10 @@ import tempfile
 import torch
 
 from emotune.batches import Example
-from emotune.config import load_config
+from emotune.core.config import load_config
+from emotune.core.rundir import RunDir
 from emotune.device import Precision
 from emotune.plan_memory import Evaluation, TensorPeak, Workload, describe, evaluation_parts, training_parts
-from emotune.rundir import RunDir
 
 # The packaged model's architecture (its config.json after conversion), so no weights need converting.
 GEMMA_3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
@@ -105,7 +105,7 @@ def measure_training(config, length: int, rows: int, checkpointing: bool, sft: b
 @torch.inference_mode()
 def measure_generation(config, length: int, rows: int, new_tokens: int = 4, dtype: torch.dtype = torch.float32) -> dict:
     """The estimate of one batch of greedy generation and its measured peak."""
-    from emotune.config import LoraSettings
+    from emotune.core.config import LoraSettings
 
     evaluation = Evaluation(rows, False, length, new_tokens, projected=1, cache="model")
     arch = describe(config, LoraSettings(), "adamw_torch", dtype, Workload(CLASSIFY_LOSS_TOKENS))

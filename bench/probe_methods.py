@@ -27,7 +27,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emotune.config import load_config
+    from emotune.core.config import load_config
     from emotune.models import resolve_model_dir
     from emotune.probe import load_probe, score_probe
 

@@ -101,7 +101,7 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
 
 def conversations(rows: int, turns: int, seed: int):
     """`rows` conversations of `turns` answered turns, chained from the packaged training rows in file order."""
-    from emotune.config import SftDataConfig
+    from emotune.core.config import SftDataConfig
     from emotune.data.conversation_data import load_conversations
     from emotune.data.conversations import Conversation
 
@@ -122,7 +122,7 @@ def run_side(args: argparse.Namespace) -> dict:
 
     from emotune import device as device_mod
     from emotune.batches import collate, completion_loss
-    from emotune.config import load_config
+    from emotune.core.config import load_config
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
     from emotune.tasks.sft_rows import encode_all
 
@@ -145,7 +145,7 @@ def run_side(args: argparse.Namespace) -> dict:
     first = examples[:args.batch_size]
 
     if args.side == "ours":
-        from emotune.rundir import RunDir
+        from emotune.core.rundir import RunDir
         from emotune.train import train
 
         model.eval()

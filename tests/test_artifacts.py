@@ -12,8 +12,8 @@ import torch
 from conftest import LABELS
 from emotune.artifacts import META, Fallback, find_artifact, load_artifact_model
 from emotune.cli import main
-from emotune.config import PromptConfig
-from emotune.errors import UserError
+from emotune.core.config import PromptConfig
+from emotune.core.errors import UserError
 
 
 def _foreign_adapter(model_dir: Path, folder: Path, safetensors: bool) -> Path:

@@ -7,8 +7,8 @@ import torch
 
 from emotune import evaluate as ev
 from emotune import scoring
-from emotune.config import EvalConfig, ModelConfig, PromptConfig
-from emotune.errors import UserError
+from emotune.core.config import EvalConfig, ModelConfig, PromptConfig
+from emotune.core.errors import UserError
 
 
 def test_out_of_memory_halves_and_retries(capsys):

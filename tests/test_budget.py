@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from emotune import checkpoints as ckpt
 from emotune.batches import epoch_batches, forward_passes
 from emotune.cli import main
-from emotune.config import TrainConfig
+from emotune.core.config import TrainConfig
 from emotune.train_plan import (
     CALIBRATION_STEPS,
     PLAN_FILE,

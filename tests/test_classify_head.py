@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from emotune import train as train_mod
 from emotune.batches import LANGUAGE_MODEL, Example, collate, completion_loss
 from emotune.cli import main
-from emotune.config import LoraSettings
-from emotune.errors import UserError
+from emotune.core.config import LoraSettings
+from emotune.core.errors import UserError
 from emotune.head import class_metrics, classifier_from_causal, collate_rows, has_library_class, head_loss, head_objective, last_token_index
 from emotune.lora import lora_config
 

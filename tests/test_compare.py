@@ -14,10 +14,10 @@ import pytest
 from emotune import stats
 from emotune.cli import main
 from emotune.compare import compare_runs
-from emotune.config import dump_config, load_config
-from emotune.errors import UserError
+from emotune.core.config import dump_config, load_config
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunLog, open_run, write_json
 from emotune.evaluate import EvalResult, compute_metrics, write_results
-from emotune.rundir import RunLog, open_run, write_json
 from emotune.tasks import TASKS
 
 LABELS = ["sadness", "joy", "anger"]

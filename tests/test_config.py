@@ -7,8 +7,8 @@ from typing import Literal
 
 import pytest
 
-from emotune.config import RunConfig, dump_config, duration_seconds, field_docs, load_config
-from emotune.errors import UserError
+from emotune.core.config import RunConfig, dump_config, duration_seconds, field_docs, load_config
+from emotune.core.errors import UserError
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -141,7 +141,7 @@ def test_unknown_task_is_named_with_the_known_ones(capsys):
 
 def test_each_task_accepts_only_its_own_sections(monkeypatch):
     """The config is a union keyed on `task`: a key that means nothing for the chosen task is refused."""
-    from emotune import config as config_mod
+    from emotune.core import config as config_mod
 
     class TextOnly(config_mod.Section):
         source: str = "embedded"

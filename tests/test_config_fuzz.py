@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from emotune import config
-from emotune.config import Range, load_config
-from emotune.errors import UserError
+from emotune.core import config
+from emotune.core.config import Range, load_config
+from emotune.core.errors import UserError
 
 
 def _number_fields(model: type[BaseModel], prefix: str = "") -> dict[str, tuple[Range | None, bool, str]]:

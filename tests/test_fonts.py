@@ -18,7 +18,7 @@ from fontTools.ttLib import TTFont  # noqa: E402
 from matplotlib.font_manager import FontProperties, findfont, font_family_aliases  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from emotune import fonts  # noqa: E402
+from emotune.core import figures as fonts  # noqa: E402
 
 LABELS = ["喜悦", "愤怒", "悲伤", "恐惧", "惊讶", "厌恶", "中性"]
 

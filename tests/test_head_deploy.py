@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
-from emotune.config import PromptConfig, ServeConfig, load_config
-from emotune.errors import UserError
+from emotune.core.config import PromptConfig, ServeConfig, load_config
+from emotune.core.errors import UserError
 from emotune.export import merge_parity_gap
 from emotune.head import classifier_from_causal
 from emotune.serve import build_engine, create_app
@@ -318,7 +318,7 @@ def test_the_engine_puts_a_head_adapter_on_a_multimodal_base(tmp_path):
     model at `model.language_model`, so the head adapter's LoRA is renamed to join the causal model's adapters."""
     from conftest import build_tokenizer
     from emotune.artifacts import find_artifact
-    from emotune.config import ModelConfig
+    from emotune.core.config import ModelConfig
     from emotune.serve.engine import Engine
     from test_lora import _tiny_gemma4_multimodal
 

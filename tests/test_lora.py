@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune.config import LoraSettings
-from emotune.errors import UserError
+from emotune.core.config import LoraSettings
+from emotune.core.errors import UserError
 from emotune.lora import attach_lora, language_model_linear_targets
 
 

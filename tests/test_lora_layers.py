@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import write_tiny_adapter
-from emotune.config import LoraSettings, dump_config, load_config
-from emotune.errors import UserError
+from emotune.core.config import LoraSettings, dump_config, load_config
+from emotune.core.errors import UserError
 from emotune.lora import attach_lora, check_layers, checkpoint_activations, resolve_layers
 from test_lora import _tiny_gemma3n_multimodal, _tiny_gemma4_multimodal
 
@@ -204,7 +204,7 @@ def _config_text(*overrides: str) -> str:
 
 
 def _unfinished_run(root, config_text: str):
-    from emotune.rundir import RunDir, write_json, write_text
+    from emotune.core.rundir import RunDir, write_json, write_text
 
     run = RunDir(root)
     write_text(run.config, config_text)
@@ -212,7 +212,7 @@ def _unfinished_run(root, config_text: str):
 
 
 def test_resume_with_other_layers_is_refused_like_another_rank(tmp_path):
-    from emotune.rundir import open_run
+    from emotune.core.rundir import open_run
 
     _unfinished_run(tmp_path / "run", _config_text("lora.layers=[1]"))
     for other in (_config_text("lora.layers=[0]"), _config_text(), _config_text("lora.layers=1", "lora.r=4")):
@@ -222,7 +222,7 @@ def test_resume_with_other_layers_is_refused_like_another_rank(tmp_path):
 
 
 def test_a_run_begun_before_the_key_existed_resumes_with_every_layer_only(tmp_path):
-    from emotune.rundir import open_run
+    from emotune.core.rundir import open_run
 
     older = "\n".join(line for line in _config_text().splitlines() if line != "  layers: null")
     assert older != _config_text()

@@ -24,7 +24,7 @@ def load_adapted(model_dir, run_dir, dtype):
 
 
 def sample_ids(model_dir, rows: int = 6) -> list[list[int]]:
-    from emotune.config import ModelConfig, PromptConfig
+    from emotune.core.config import ModelConfig, PromptConfig
     from emotune.data import prompt_messages
     from emotune.models import load_tokenizer
 

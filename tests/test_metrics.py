@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from emotune.core.replies import INVALID
 from emotune.evaluate import compute_metrics, expected_calibration_error, probability_metrics
-from emotune.replies import INVALID
 
 
 def test_classification_metrics_by_hand():

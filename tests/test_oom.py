@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from emotune import checkpoints as ckpt
 from emotune import oom
 from emotune.batches import Example
-from emotune.config import load_config
-from emotune.errors import UserError
+from emotune.core.config import load_config
+from emotune.core.errors import UserError
 from emotune.lora import attach_lora
 from emotune.pipeline import train_only
 from test_train import _env, _free_port
@@ -101,7 +101,7 @@ def test_any_shortens_rows_then_narrows_the_adapters_and_frozen_adapters_stay_sa
     then stops the adapters outside attention; they stay in the trained state that checkpoints save."""
     from transformers import AutoModelForCausalLM
 
-    from emotune.config import LoraSettings
+    from emotune.core.config import LoraSettings
 
     model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), LoraSettings(r=2))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
@@ -131,7 +131,7 @@ def test_any_shortens_rows_then_narrows_the_adapters_and_frozen_adapters_stay_sa
 TWO_PROCESS_FAULT = """
 import os, sys
 import torch
-from emotune.config import load_config
+from emotune.core.config import load_config
 from emotune.pipeline import train_only
 
 seen = []

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from emotune.cli import main
-from emotune.config import load_config
-from emotune.errors import UserError
+from emotune.core.config import load_config
+from emotune.core.errors import UserError
 from emotune.plan import FITS, make_plan, parse_memory
 from emotune.plan_memory import training_parts
 from emotune.tasks import task_for

@@ -28,7 +28,7 @@ from emotune.batches import (
     shared_prefix_length,
 )
 from emotune.cli import main
-from emotune.config import PromptConfig
+from emotune.core.config import PromptConfig
 from emotune.head import head_objective
 from emotune.tasks.classify import encode_examples
 from emotune.tasks.classify_head import encode_texts

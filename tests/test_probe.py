@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 from emotune.probe import (
     INSTRUCTIONS,
     LETTERS,

@@ -11,9 +11,9 @@ import pytest
 from sklearn.metrics import f1_score
 
 from emotune import stats
-from emotune.errors import UserError
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir
 from emotune.evaluate import EvalResult, compute_metrics
-from emotune.rundir import RunDir
 from emotune.stats import (
     bootstrap_ci,
     classification_intervals,

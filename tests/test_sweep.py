@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from emotune.cli import main
-from emotune.config import load_config
-from emotune.errors import UserError
-from emotune.rundir import PREVIOUS, STAGE_MARKER, RunDir, read_json, write_json
+from emotune.core.config import load_config
+from emotune.core.errors import UserError
+from emotune.core.rundir import PREVIOUS, STAGE_MARKER, RunDir, read_json, write_json
 from emotune.sweep import Plan, load_sweep_config, make_plan, open_sweep, parse_cli_grid
 from emotune.sweep_backends import Job, Slot, device_slots, run_local, run_logged
 from emotune.sweep_search import ListSource, OptunaSource, Outcome

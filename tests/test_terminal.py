@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from emotune import terminal
 from emotune.compare_table import _text
+from emotune.core import terminal
 from emotune.tasks.classify_report import format_table
 
 

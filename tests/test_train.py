@@ -20,7 +20,7 @@ from conftest import LABELS, make_rows
 from emotune import train as train_mod
 from emotune.batches import collate, completion_loss, epoch_batches, forward_passes, rank_share
 from emotune.cli import main
-from emotune.config import PromptConfig
+from emotune.core.config import PromptConfig
 from emotune.tasks.classify import encode_examples
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -257,7 +257,7 @@ def test_fsdp_on_one_process_is_a_plain_run(tiny_overrides, tmp_path, capsys):
 def test_a_checkpoint_resumes_only_the_way_it_was_written(tiny_model_dir, tmp_path):
     """An FSDP checkpoint names its parameters; a plain run refuses it with a clear message, not a KeyError."""
     from emotune import checkpoints as ckpt
-    from emotune.errors import UserError
+    from emotune.core.errors import UserError
 
     model = _tiny_model(tiny_model_dir)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -268,7 +268,7 @@ def test_a_checkpoint_resumes_only_the_way_it_was_written(tiny_model_dir, tmp_pa
 
 
 def test_fsdp_refuses_a_modules_to_save_copy_of_a_tied_embedding(tiny_model_dir):
-    from emotune.errors import UserError
+    from emotune.core.errors import UserError
     from emotune.parallel import refuse_tied_modules_to_save
 
     model = _tiny_model(tiny_model_dir)  # Gemma ties lm_head to embed_tokens

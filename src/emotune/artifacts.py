@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from emotune.config import ModelConfig, PromptConfig
-from emotune.errors import UserError
-from emotune.rundir import RunDir, atomic_dir, read_json
+from emotune.core.config import ModelConfig, PromptConfig
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir, atomic_dir, read_json
 
 META = "emotune.json"
 PEFT_CONFIG = "adapter_config.json"

@@ -1,6 +1,6 @@
 """Checkpoints that survive `kill -9` at any moment, and exact resumption from them.
 
-A checkpoint is written into `step-NNNNNN.partial` and then renamed to `step-NNNNNN` (emotune.rundir's
+A checkpoint is written into `step-NNNNNN.partial` and then renamed to `step-NNNNNN` (emotune.core.rundir's
 atomic_dir): a rename is atomic, so every `step-*` folder is complete and a crash leaves at most a
 `.partial` folder, which the next run deletes. It holds the trainable weights, optimizer, scheduler and grad-scaler state,
 every process's RNG state (dropout masks), the weights with the best validation loss so far, and the progress (step, best
@@ -27,8 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from emotune.errors import UserError
-from emotune.rundir import atomic_dir
+from emotune.core.errors import UserError
+from emotune.core.rundir import atomic_dir
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 BEST_FILE = "best.safetensors"

@@ -27,8 +27,8 @@ import yaml
 
 from emotune import stats
 from emotune.compare_table import check_out, render, write_outputs
-from emotune.errors import UserError
-from emotune.rundir import RunDir, read_json
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir, read_json
 from emotune.tasks import TASKS, classify_report, sft_eval
 
 DEFAULT_OUT = Path("compare")

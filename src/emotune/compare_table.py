@@ -13,10 +13,10 @@ import io
 import json
 from pathlib import Path
 
-from emotune import terminal
-from emotune.errors import UserError
+from emotune.core import terminal
+from emotune.core.errors import UserError
+from emotune.core.rundir import atomic_dir
 from emotune.report import html_page as page
-from emotune.rundir import atomic_dir
 from emotune.stats import RESAMPLES, VERDICT_NOTES, format_interval
 
 SCORES = {"classification": (("accuracy", "accuracy"), ("macro_f1", "macro-F1")),

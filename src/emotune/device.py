@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 # Consumer Radeon cards that ROCm does not officially list but that run with a gfx override.
 # (gfx arch prefix -> HSA_OVERRIDE_GFX_VERSION value that users report working)

@@ -30,11 +30,11 @@ import torch
 import yaml
 
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
-from emotune.config import ModelConfig
-from emotune.errors import UserError
+from emotune.core.config import ModelConfig
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir, atomic_dir
 from emotune.head import classifier_from_causal, encode_texts, load_classifier
 from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
-from emotune.rundir import RunDir, atomic_dir
 
 # vLLM's --max-lora-rank only accepts these values (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -27,8 +27,8 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
-from emotune.config import LoraSettings
-from emotune.errors import UserError
+from emotune.core.config import LoraSettings
+from emotune.core.errors import UserError
 
 
 def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str:

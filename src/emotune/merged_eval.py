@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 CHECK_ROWS = 8  # evaluated rows compared merged vs unmerged before the evaluation
 

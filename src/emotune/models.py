@@ -15,10 +15,10 @@ import torch
 from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from emotune.config import ModelConfig
+from emotune.core.config import ModelConfig
+from emotune.core.errors import UserError, first_line
+from emotune.core.rundir import atomic_dir
 from emotune.device import Precision, choose_precision
-from emotune.errors import UserError, first_line
-from emotune.rundir import atomic_dir
 
 EMBEDDED_MODEL = "embedded"
 EMBEDDED_FOLDER = "gemma-3-270m-q4_k_m"  # the converted packaged model, under <cache>/models/

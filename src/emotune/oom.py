@@ -39,8 +39,8 @@ import torch
 
 from emotune import checkpoints as ckpt
 from emotune.batches import Example, forward_passes, truncated
-from emotune.config import TrainConfig
-from emotune.errors import UserError, first_line
+from emotune.core.config import TrainConfig
+from emotune.core.errors import UserError, first_line
 from emotune.lora import checkpoint_activations
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory"

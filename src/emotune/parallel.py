@@ -13,8 +13,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
 from transformers import PreTrainedModel
 
-from emotune.config import TrainConfig
-from emotune.errors import UserError
+from emotune.core.config import TrainConfig
+from emotune.core.errors import UserError
 
 FSDP1_REFUSED = ("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass --fsdp_version 2 "
                  "(or fsdp_version: 2 in the accelerate config), or set train.fsdp=true and launch with torchrun.")

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emotune.config import RunConfig
+from emotune.core.config import RunConfig
+from emotune.core.errors import UserError
 from emotune.device import Precision, choose_precision, resolve_device
-from emotune.errors import UserError
 from emotune.plan_memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, training_parts
 
 FITS = 0.8  # the estimate is checked to within about ±30% of measured peaks (tests/test_plan.py): keep that room

@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_leaves
 
 from emotune import lean_lora, lean_norm
 from emotune.batches import CHUNK_TOKENS
-from emotune.config import LoraSettings
-from emotune.errors import UserError
+from emotune.core.config import LoraSettings
+from emotune.core.errors import UserError
 
 PROBE_ROWS = 2
 PROBE_LENGTHS = (16, 32, 64)

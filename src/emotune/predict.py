@@ -18,10 +18,10 @@ from tqdm.auto import tqdm
 
 from emotune import device as device_mod
 from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
-from emotune.errors import UserError
+from emotune.core.errors import UserError
+from emotune.core.rundir import atomic_file
 from emotune.head import head_probabilities
 from emotune.models import weights_dtype
-from emotune.rundir import atomic_file
 from emotune.scoring import score_label_probs
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from emotune.errors import raise_problems
+from emotune.core.errors import raise_problems
 from emotune.scoring import run_in_batches
 from emotune.stats import bootstrap_ci, paired_bootstrap_delta
 

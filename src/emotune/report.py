@@ -16,10 +16,10 @@ import io
 import re
 from pathlib import Path
 
-from emotune.errors import UserError
-from emotune.fonts import families, figure_fonts, missing_glyphs
+from emotune.core.errors import UserError
+from emotune.core.figures import families, figure_fonts, missing_glyphs
+from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
 from emotune.merged_eval import describe
-from emotune.rundir import RunDir, atomic_file, read_json, write_text
 
 # --------------------------------------------------------------------------------------------------
 # The HTML report

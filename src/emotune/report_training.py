@@ -14,8 +14,8 @@ import numpy as np
 import yaml
 
 from emotune.adapter_stats import adapter_stats
+from emotune.core.rundir import RunDir, write_json
 from emotune.report import embed_figure
-from emotune.rundir import RunDir, write_json
 
 
 def training_section(run: RunDir) -> str:

@@ -14,9 +14,9 @@ import torch
 from tqdm.auto import tqdm
 
 from emotune.batches import common_prefix_length
-from emotune.config import PromptConfig
+from emotune.core.config import PromptConfig
+from emotune.core.errors import UserError
 from emotune.data import prompt_messages
-from emotune.errors import UserError
 from emotune.models import END_OF_TURN
 from emotune.prefix import MASKED_ATTENTION, attention_masks
 

@@ -12,7 +12,7 @@ own run folder inside the sweep folder `<output_dir>/<name>-sweep/`:
     trials.csv, ablation.csv, table.md, best.yaml   written at the end
 
 Re-running the same command skips the finished trials (their folders are not touched) and resumes an
-unfinished one in its own folder through the run folder's own life cycle (emotune.rundir). A sweep
+unfinished one in its own folder through the run folder's own life cycle (emotune.core.rundir). A sweep
 folder made with another plan (grid, mode, metric, seeds, or base config) is refused unless
 `overwrite=true`, which keeps the old sweep as `<folder>.previous` until the new one finishes.
 """
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from emotune.config import RunConfig, dump_config, load_config
-from emotune.errors import UserError, raise_problems
-from emotune.rundir import PREVIOUS, RunDir, read_json, remove_partial_writes, write_json, write_text
+from emotune.core.config import RunConfig, dump_config, load_config
+from emotune.core.errors import UserError, raise_problems
+from emotune.core.rundir import PREVIOUS, RunDir, read_json, remove_partial_writes, write_json, write_text
 from emotune.sweep_backends import Job, device_slots, require_ray, run_local, run_ray
 from emotune.sweep_search import ListSource, OptunaSource, Outcome, require_optuna
 from emotune.sweep_space import SEARCH_MODES, Param, Trial, ablation_trials, grid_trials, is_spec, parse_grid, split_values
@@ -217,7 +217,7 @@ def _lock(folder: Path):
 
 def _move_aside(folder: Path, manifest: dict | None) -> None:
     """Keep the old sweep as `<folder>.previous` until the new one finishes; an unfinished replacement of an
-    earlier overwrite is discarded instead (as emotune.rundir.move_aside does for runs)."""
+    earlier overwrite is discarded instead (as emotune.core.rundir.move_aside does for runs)."""
     previous = folder.with_name(folder.name + PREVIOUS)
     if previous.exists():
         if (manifest or {}).get("status") != "finished":

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 from emotune.sweep_search import Outcome
 from emotune.sweep_space import Trial
 from emotune.sweep_table import read_result

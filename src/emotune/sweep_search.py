@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 from emotune.sweep_space import Param, Trial, trial_name
 
 STUDY_NAME = "emotune-sweep"

@@ -13,8 +13,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from emotune import terminal
-from emotune.rundir import RunDir, atomic_file, read_json, write_text
+from emotune.core import terminal
+from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
 from emotune.sweep_space import Trial
 
 # The after-training metrics each task's comparison.json holds (emotune.tasks.*_report), and which way is better.

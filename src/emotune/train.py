@@ -34,12 +34,12 @@ from emotune import checkpoints as ckpt
 from emotune import lean_lora, lean_norm, oom
 from emotune.artifacts import write_adapter
 from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
-from emotune.config import RunConfig, TrainConfig
+from emotune.core.config import RunConfig, TrainConfig
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir, remove_partial_writes
 from emotune.device import Precision
-from emotune.errors import UserError
 from emotune.lora import attach_lora, checkpoint_activations
 from emotune.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
-from emotune.rundir import RunDir, remove_partial_writes
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
 from emotune.train_plan import (
     Plan,

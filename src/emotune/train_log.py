@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from emotune.rundir import atomic_file, write_json
+from emotune.core.rundir import atomic_file, write_json
 
 
 class TrainLog:

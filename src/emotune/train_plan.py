@@ -30,9 +30,9 @@ import torch
 
 from emotune import checkpoints as ckpt
 from emotune.batches import Example, Objective, completion_loss, epoch_batches, forward_passes
-from emotune.config import TrainConfig, duration_seconds
-from emotune.errors import UserError
-from emotune.rundir import read_json, write_json
+from emotune.core.config import TrainConfig, duration_seconds
+from emotune.core.errors import UserError
+from emotune.core.rundir import read_json, write_json
 
 CALIBRATION_STEPS = 3
 """Steps whose passes are timed before training; the first warms up (kernel selection, allocator growth) and

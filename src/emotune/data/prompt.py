@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datasets import Dataset
 
-from emotune.config import PromptConfig
+from emotune.core.config import PromptConfig
 
 
 def system_prompt(prompt: PromptConfig, labels: list[str]) -> str:

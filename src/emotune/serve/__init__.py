@@ -27,7 +27,7 @@ the middle of a forward pass. Classify requests wait in a bounded queue and are 
 from __future__ import annotations
 
 from emotune.artifacts import Fallback
-from emotune.config import RunConfig
+from emotune.core.config import RunConfig
 from emotune.serve.engine import build_engine
 from emotune.serve.http import resolve_key
 from emotune.serve.routes import create_app

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from emotune.config import PromptConfig, ServeConfig
+from emotune.core.config import PromptConfig, ServeConfig
 from emotune.serve.engine import Engine
 from emotune.serve.http import APIError
 from emotune.serve.metrics import Metrics

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 if TYPE_CHECKING:
     from emotune.serve.state import Server

@@ -24,7 +24,7 @@ A task module provides, as plain functions (see classify.py, and docs/tasks.md f
     memory_workload(cfg, device_type) -> Workload    what `emotune plan` models of its training and evaluation
 
 The pipeline, the training loop and the evaluation stage call these and nothing task-specific, so a new
-task is a module here, a line in TASKS, and its config class in emotune.config.TASK_CONFIGS.
+task is a module here, a line in TASKS, and its config class in emotune.core.config.TASK_CONFIGS.
 """
 
 from __future__ import annotations

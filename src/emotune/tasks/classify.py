@@ -15,12 +15,12 @@ from transformers import PreTrainedTokenizerBase
 
 from emotune.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
 from emotune.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
-from emotune.config import ClassifyConfig, PromptConfig
+from emotune.core.config import ClassifyConfig, PromptConfig
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
-from emotune.errors import UserError
 from emotune.evaluate import EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
-from emotune.rundir import RunDir
 from emotune.tasks.classify_report import baseline_notes, compare_methods, format_table, report_sections, write_comparison
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",

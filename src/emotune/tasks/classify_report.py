@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from emotune import terminal
-from emotune.errors import UserError
+from emotune.core import terminal
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir, atomic_file, write_json
 from emotune.evaluate import EvalResult
 from emotune.report import embed_figure
-from emotune.rundir import RunDir, atomic_file, write_json
 from emotune.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
 
 MAX_LISTED_ROWS = 30

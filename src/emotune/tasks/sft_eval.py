@@ -25,10 +25,10 @@ import torch
 
 from emotune import textmetrics
 from emotune.batches import collate, completion_loss
-from emotune.config import SftConfig
+from emotune.core.config import SftConfig
+from emotune.core.rundir import atomic_file, read_json, write_json
 from emotune.data.conversations import Conversation
 from emotune.evaluate import generate_texts
-from emotune.rundir import atomic_file, read_json, write_json
 from emotune.scoring import run_in_batches
 from emotune.tasks.sft_rows import encode
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 
 from emotune import stats
-from emotune.rundir import RunDir, write_json
+from emotune.core.rundir import RunDir, write_json
 from emotune.tasks import sft_eval
 
 MAX_LISTED_ROWS = 30
@@ -69,7 +69,7 @@ def format_comparison(comparison: dict, data=None, cfg=None) -> str:
 
 
 def report_sections(run: RunDir, info: dict) -> list[str]:
-    from emotune.rundir import read_json
+    from emotune.core.rundir import read_json
 
     before, after = sft_eval.read_result(run.baseline), sft_eval.read_result(run.finetuned)
     comparison = read_json(run.comparison_json) or (compare(before, after) if before and after else None)

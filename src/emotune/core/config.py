@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
-from emotune.errors import UserError, raise_problems
+from emotune.core.errors import UserError, raise_problems
 from emotune.sweep_space import SEARCH_MODES, parse_grid
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -846,11 +846,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Build the resolved config, or raise one UserError listing every problem.
 
     A LLaMA-Factory training YAML (flat keys such as `model_name_or_path` and `stage`) is translated into a
-    `task: sft` config first (emotune.llamafactory); the overrides then apply on top of the translation."""
+    `task: sft` config first (emotune.core.llamafactory); the overrides then apply on top of the translation."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_yaml(Path(path))
-        from emotune import llamafactory  # imported here: it builds on this module's classes
+        from emotune.core import llamafactory  # imported here: it builds on this module's classes
 
         if llamafactory.is_llamafactory(raw):
             return llamafactory.load(raw, Path(path), overrides)

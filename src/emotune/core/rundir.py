@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 PARTIAL = ".partial"  # suffix of a file or folder while it is being written
 PREVIOUS = ".previous"  # suffix of a run folder moved aside by overwrite=true until the new run finishes
