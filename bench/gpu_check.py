@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     emit = Emitter(args.out)
 
     from emotune.core.config import load_config
-    from emotune.device import choose_precision, doctor, resolve_device
+    from emotune.runtime.device import choose_precision, doctor, resolve_device
     from emotune.tasks.classify import encode_examples, load_data
 
     device = torch.device("cpu") if args.dry_run else resolve_device("cuda")

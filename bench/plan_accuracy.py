@@ -24,8 +24,8 @@ import torch
 from emotune.batches import Example
 from emotune.core.config import load_config
 from emotune.core.rundir import RunDir
-from emotune.device import Precision
 from emotune.plan_memory import Evaluation, TensorPeak, Workload, describe, evaluation_parts, training_parts
+from emotune.runtime.device import Precision
 
 # The packaged model's architecture (its config.json after conversion), so no weights need converting.
 GEMMA_3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,

@@ -120,10 +120,10 @@ def run_side(args: argparse.Namespace) -> dict:
     import torch
     from transformers import set_seed
 
-    from emotune import device as device_mod
     from emotune.batches import collate, completion_loss
     from emotune.core.config import load_config
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.runtime import device as device_mod
     from emotune.tasks.sft_rows import encode_all
 
     checkpointing = str(not args.no_gradient_checkpointing).lower()

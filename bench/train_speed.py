@@ -129,10 +129,10 @@ def _load_side(data_path: Path, rows: int, overrides: list[str], precision_name:
     from datasets import Dataset, load_dataset
     from transformers import set_seed
 
-    from emotune import device as device_mod
     from emotune.core.config import load_config
     from emotune.data import LabeledData
     from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.runtime import device as device_mod
     from emotune.tasks.classify import encode_examples
 
     cfg = load_config(None, [*LORA, *TRAIN, *overrides, "device=cpu"])

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from emotune import device
 from emotune.core.errors import UserError
+from emotune.runtime import device
 
 
 def fake_gpu(monkeypatch, *, hip=None, cuda="12.8", bf16=True, name="GPU", arch="gfx942", major=9, minor=0):

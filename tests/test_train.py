@@ -269,7 +269,7 @@ def test_a_checkpoint_resumes_only_the_way_it_was_written(tiny_model_dir, tmp_pa
 
 def test_fsdp_refuses_a_modules_to_save_copy_of_a_tied_embedding(tiny_model_dir):
     from emotune.core.errors import UserError
-    from emotune.parallel import refuse_tied_modules_to_save
+    from emotune.runtime.parallel import refuse_tied_modules_to_save
 
     model = _tiny_model(tiny_model_dir)  # Gemma ties lm_head to embed_tokens
     for tied in (["lm_head"], ["model.embed_tokens"]):

@@ -59,7 +59,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from emotune.device import doctor, format_report
+    from emotune.runtime.device import doctor, format_report
 
     report = doctor()
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from emotune.core.config import ModelConfig
 from emotune.core.errors import UserError, first_line
 from emotune.core.rundir import atomic_dir
-from emotune.device import Precision, choose_precision
+from emotune.runtime.device import Precision, choose_precision
 
 EMBEDDED_MODEL = "embedded"
 EMBEDDED_FOLDER = "gemma-3-270m-q4_k_m"  # the converted packaged model, under <cache>/models/

@@ -21,7 +21,7 @@ same in distribution), and are all that `train.oom_recovery=same_update`, the de
 
 Several processes must take the same decision, or one would wait forever in a collective that the others
 never join. Under DDP no gradient is exchanged until every process has finished its passes: each one then
-says whether it ran out of memory (one all-reduce of a flag, emotune.parallel.any_process), and only then
+says whether it ran out of memory (one all-reduce of a flag, emotune.runtime.parallel.any_process), and only then
 are the gradients averaged, or the step thrown away on every process alike, each making the same change
 from the same inputs. FSDP gathers weights inside every pass, where no such agreement is possible: there an
 out-of-memory error stops the run with advice, and the launcher (torchrun, accelerate launch) stops the

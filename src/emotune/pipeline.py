@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, set_seed
 
-from emotune import device as device_mod
 from emotune.artifacts import is_adapter
 from emotune.batches import describe_shared_prefix, share_prefix
 from emotune.core.config import RunConfig, dump_config
@@ -30,6 +29,7 @@ from emotune.core.rundir import RunDir, RunLog, drop_previous, open_run, read_js
 from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
 from emotune.models import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
+from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
 
 
@@ -88,7 +88,7 @@ class Context:
     def telemetry(self):
         """What telemetry can sample here, looked for once per command (and the note on what is missing, once)."""
         if self._telemetry is None:
-            from emotune.telemetry import find_sources
+            from emotune.runtime.telemetry import find_sources
 
             self._telemetry = find_sources(self.device)
             if self._telemetry.note():
@@ -125,7 +125,7 @@ def baseline_stage(ctx: Context) -> None:
 
 
 def train_stage(ctx: Context) -> None:
-    from emotune.parallel import fsdp_requested
+    from emotune.runtime.parallel import fsdp_requested
     from emotune.train import train
 
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
@@ -191,7 +191,7 @@ RUN = (DATA, BASELINE, TRAIN, FINETUNED, REPORT)
 
 
 def run_stages(ctx: Context, stages: tuple[Stage, ...]) -> None:
-    from emotune import telemetry
+    from emotune.runtime import telemetry
 
     for stage in stages:
         if stage.done(ctx):

@@ -19,8 +19,8 @@ import torch
 
 from emotune.core.config import RunConfig
 from emotune.core.errors import UserError
-from emotune.device import Precision, choose_precision, resolve_device
 from emotune.plan_memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, training_parts
+from emotune.runtime.device import Precision, choose_precision, resolve_device
 
 FITS = 0.8  # the estimate is checked to within about ±30% of measured peaks (tests/test_plan.py): keep that room
 GiB = 2**30

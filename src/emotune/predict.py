@@ -16,12 +16,12 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from emotune import device as device_mod
 from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file
 from emotune.head import head_probabilities
 from emotune.models import weights_dtype
+from emotune.runtime import device as device_mod
 from emotune.scoring import score_label_probs
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),

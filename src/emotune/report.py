@@ -116,7 +116,7 @@ def _loss_section(run: RunDir) -> str:
 
 
 def _telemetry_section(run: RunDir, info: dict) -> str:
-    from emotune import telemetry
+    from emotune.runtime import telemetry
 
     rows = telemetry.read_series(run.telemetry)
     head = "<section id=telemetry><h2>Telemetry</h2>"

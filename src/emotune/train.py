@@ -37,9 +37,9 @@ from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, compl
 from emotune.core.config import RunConfig, TrainConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, remove_partial_writes
-from emotune.device import Precision
 from emotune.lora import attach_lora, checkpoint_activations
-from emotune.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
+from emotune.runtime.device import Precision
+from emotune.runtime.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
 from emotune.train_plan import (
     Plan,

@@ -148,7 +148,7 @@ class RunDir:
         return [e for e in value if isinstance(e, dict)] if isinstance(value, list) else []
 
     telemetry = property(lambda self: self.root / "telemetry.jsonl")
-    """Telemetry samples of the stages that run the model, one JSON line each (emotune.telemetry)."""
+    """Telemetry samples of the stages that run the model, one JSON line each (emotune.runtime.telemetry)."""
     comparison_json = property(lambda self: self.root / "comparison.json")
     comparison_csv = property(lambda self: self.root / "comparison.csv")
     report_html = property(lambda self: self.root / "report.html")

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from emotune import device as device_mod
 from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.core.config import ModelConfig, PromptConfig, RunConfig
 from emotune.core.errors import UserError
 from emotune.head import causal_adapter, classifier_from_causal, head_probabilities
 from emotune.models import load_base, load_tokenizer, weights_dtype
+from emotune.runtime import device as device_mod
 from emotune.scoring import LabelScorer, score_label_probs
 
 BASE_MODEL = "base"
