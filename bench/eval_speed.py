@@ -42,9 +42,9 @@ from emotune.core.config import EvalConfig, LoraSettings, ModelConfig, PromptCon
 from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.data import prompt_messages
 from emotune.evaluate import generate_outputs
-from emotune.lora import lora_config
 from emotune.merged_eval import CHECK_ROWS, merged_for_eval
-from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.model.lora import lora_config
 from emotune.scoring import LabelScorer
 
 ROOT = Path(__file__).resolve().parents[1]

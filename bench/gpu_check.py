@@ -146,8 +146,8 @@ def word_tokenizer(texts: list[str], cfg):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from emotune.data.prompt import system_prompt
-    from emotune.models import GEMMA_CHAT_TEMPLATE
+    from emotune.model.loading import GEMMA_CHAT_TEMPLATE
+    from emotune.model.prompt import system_prompt
 
     split = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     prompt = system_prompt(cfg.prompt, cfg.data.label_names or []) + " " + cfg.prompt.user_template
@@ -246,7 +246,7 @@ def profile_step(model, tokenizer, rows, cfg, device, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from emotune.batches import collate, completion_loss
-    from emotune.lora import attach_lora, checkpoint_activations
+    from emotune.model.lora import attach_lora, checkpoint_activations
 
     with contextlib.redirect_stdout(sys.stderr):
         adapted = attach_lora(model, cfg.lora)

@@ -28,7 +28,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from emotune.core.config import load_config
-    from emotune.models import resolve_model_dir
+    from emotune.model.loading import resolve_model_dir
     from emotune.probe import load_probe, score_probe
 
     folder = resolve_model_dir(load_config(None, []).model)

@@ -48,7 +48,7 @@ def build_run(model: str, folder: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     from emotune.core.config import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE, ModelConfig
-    from emotune.models import load_tokenizer, resolve_model_dir
+    from emotune.model.loading import load_tokenizer, resolve_model_dir
 
     torch.manual_seed(0)
     if model == "small":

@@ -122,7 +122,7 @@ def run_side(args: argparse.Namespace) -> dict:
 
     from emotune.batches import collate, completion_loss
     from emotune.core.config import load_config
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
     from emotune.runtime import device as device_mod
     from emotune.tasks.sft_rows import encode_all
 
@@ -174,7 +174,7 @@ def _reference(model, tokenizer, rows, examples, cfg, precision):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from emotune.lora import lora_config
+    from emotune.model.lora import lora_config
 
     if TURN_BODY not in tokenizer.chat_template:
         sys.exit("The tokenizer's chat template is not emotune's Gemma turn format, so the reference's marked copy "

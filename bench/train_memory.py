@@ -59,8 +59,8 @@ def main() -> None:
 
     from emotune.batches import collate, completion_loss
     from emotune.core.config import load_config
-    from emotune.lora import attach_lora
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
+    from emotune.model.lora import attach_lora
     from emotune.tasks.classify import encode_examples
 
     cfg = load_config(None, ["lora.r=16", "lora.alpha=32", "lora.target_modules=all-linear", "device=cpu"])

@@ -131,7 +131,7 @@ def _load_side(data_path: Path, rows: int, overrides: list[str], precision_name:
 
     from emotune.core.config import load_config
     from emotune.data import LabeledData
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
     from emotune.runtime import device as device_mod
     from emotune.tasks.classify import encode_examples
 
@@ -228,7 +228,7 @@ def _reference_trainer(model, tokenizer, data, cfg, precision, out: str):
     from trl import SFTConfig, SFTTrainer
 
     from emotune.data import to_prompt_completion
-    from emotune.lora import lora_config
+    from emotune.model.lora import lora_config
 
     t = cfg.train
     args = SFTConfig(output_dir=out, num_train_epochs=1, per_device_train_batch_size=t.batch_size,

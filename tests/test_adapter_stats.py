@@ -1,5 +1,5 @@
 """Training observability on small cases: the gradient norm the log records (before clipping; the window's mean and
-largest step), and emotune.adapter_stats against PEFT's own weight change (rsLoRA scaling) and a head trained in full."""
+largest step), and emotune.model.adapter_stats against PEFT's own weight change (rsLoRA scaling) and a head trained in full."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emotune.adapter_stats import adapter_stats, group_of, layer_of
+from emotune.model.adapter_stats import adapter_stats, group_of, layer_of
 from emotune.train import _clip_gradients
 from emotune.train_log import Window
 
@@ -61,8 +61,8 @@ def test_a_head_trained_in_full_is_reported_by_its_weights(tmp_path):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from emotune.core.config import LoraSettings
-    from emotune.head import classifier_from_causal, head_objective
-    from emotune.lora import lora_config
+    from emotune.model.head import classifier_from_causal, head_objective
+    from emotune.model.lora import lora_config
 
     config = Gemma3TextConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,

@@ -52,7 +52,7 @@ def test_out_of_memory_at_one_row_is_a_user_error_and_other_errors_pass_through(
 
 
 def test_auto_batch_size_follows_free_memory(tiny_model_dir, monkeypatch):
-    from emotune.models import load_model, load_tokenizer
+    from emotune.model.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))

@@ -15,8 +15,16 @@ from emotune.batches import LANGUAGE_MODEL, Example, collate, completion_loss
 from emotune.cli import main
 from emotune.core.config import LoraSettings
 from emotune.core.errors import UserError
-from emotune.head import class_metrics, classifier_from_causal, collate_rows, has_library_class, head_loss, head_objective, last_token_index
-from emotune.lora import lora_config
+from emotune.model.head import (
+    class_metrics,
+    classifier_from_causal,
+    collate_rows,
+    has_library_class,
+    head_loss,
+    head_objective,
+    last_token_index,
+)
+from emotune.model.lora import lora_config
 
 LABELS = ["sadness", "joy", "love"]
 
@@ -226,8 +234,8 @@ def test_emotune_run_with_the_head_task(tiny_overrides, tmp_path, capsys):
 def test_a_head_adapter_is_found_and_one_without_its_head_is_refused_clearly(tmp_path):
     from peft import get_peft_model
 
-    from emotune.artifacts import find_artifact
-    from emotune.head import causal_adapter
+    from emotune.model.artifacts import find_artifact
+    from emotune.model.head import causal_adapter
 
     causal = _gemma3()
     classifier = classifier_from_causal(causal, LABELS)

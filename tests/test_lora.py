@@ -8,7 +8,7 @@ import torch
 
 from emotune.core.config import LoraSettings
 from emotune.core.errors import UserError
-from emotune.lora import attach_lora, language_model_linear_targets
+from emotune.model.lora import attach_lora, language_model_linear_targets
 
 
 def _tiny_gemma3(tiny_model_dir):

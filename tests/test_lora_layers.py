@@ -11,7 +11,7 @@ import torch
 from conftest import write_tiny_adapter
 from emotune.core.config import LoraSettings, dump_config, load_config
 from emotune.core.errors import UserError
-from emotune.lora import attach_lora, check_layers, checkpoint_activations, resolve_layers
+from emotune.model.lora import attach_lora, check_layers, checkpoint_activations, resolve_layers
 from test_lora import _tiny_gemma3n_multimodal, _tiny_gemma4_multimodal
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -57,7 +57,7 @@ def test_adapters_sit_on_exactly_the_chosen_layers(layers, expected, targets):
 
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_gemma4_dir"])
 def test_gemma3_and_gemma4_text_models_and_their_head_classifier(fixture, request):
-    from emotune.head import classifier_from_causal, head_objective
+    from emotune.model.head import classifier_from_causal, head_objective
 
     folder = request.getfixturevalue(fixture)
     names = _adapted(attach_lora(_load(folder), LoraSettings(layers=[1])))
@@ -133,7 +133,7 @@ def test_frozen_layers_below_the_adapters_get_no_backward_pass(fixture, checkpoi
 
 
 def test_transformers_checkpointing_alone_would_run_backward_through_the_frozen_layers(tiny_model_dir):
-    """Why emotune.lora.checkpoint_activations removes transformers' input-embeddings hook: with it, the embeddings'
+    """Why emotune.model.lora.checkpoint_activations removes transformers' input-embeddings hook: with it, the embeddings'
     output requires grad and every frozen layer below the adapters joins the backward pass."""
     requires, embedded = _layer_outputs_and_grads(_adapted_with_nonzero_b(tiny_model_dir, [1]), "transformers")
     assert requires == [True, True] and embedded.grad is not None

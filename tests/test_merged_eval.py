@@ -18,7 +18,7 @@ from emotune.merged_eval import describe, last_logits, merged_for_eval
 def load_adapted(model_dir, run_dir, dtype):
     from peft import PeftModel
 
-    from emotune.models import load_model
+    from emotune.model.loading import load_model
 
     return PeftModel.from_pretrained(load_model(model_dir, dtype, torch.device("cpu")), run_dir / "adapter").eval()
 
@@ -26,7 +26,7 @@ def load_adapted(model_dir, run_dir, dtype):
 def sample_ids(model_dir, rows: int = 6) -> list[list[int]]:
     from emotune.core.config import ModelConfig, PromptConfig
     from emotune.data import prompt_messages
-    from emotune.models import load_tokenizer
+    from emotune.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir, ModelConfig())
     labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]
@@ -113,7 +113,7 @@ def test_model_and_adapter_are_exactly_as_trained_afterwards(tiny_model_dir, tin
 
 
 def test_a_model_without_adapter_is_evaluated_as_it_is(tiny_model_dir):
-    from emotune.models import load_model
+    from emotune.model.loading import load_model
 
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
     with merged_for_eval(model, sample_ids(tiny_model_dir), "auto", 0.5) as record:

@@ -19,7 +19,7 @@ from emotune import oom
 from emotune.batches import Example
 from emotune.core.config import load_config
 from emotune.core.errors import UserError
-from emotune.lora import attach_lora
+from emotune.model.lora import attach_lora
 from emotune.pipeline import train_only
 from test_train import _env, _free_port
 

@@ -45,7 +45,7 @@ def test_memory_amounts_read_as_gib_by_default():
 def test_the_counts_are_those_of_the_model_training_builds(tiny_model_dir, capsys):
     from transformers import AutoModelForCausalLM
 
-    from emotune.lora import attach_lora
+    from emotune.model.lora import attach_lora
 
     plan = plan_json(capsys, *gpu(tiny_model_dir), "--device-memory", "8GB")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

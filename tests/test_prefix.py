@@ -1,4 +1,4 @@
-"""Shared-prefix training (emotune.prefix, batches.collate_after_prefix): the prompt head run once per forward pass
+"""Shared-prefix training (emotune.model.prefix, batches.collate_after_prefix): the prompt head run once per forward pass
 gives whole rows' loss and LoRA gradients (padding on either side, sliding-window layers crossed by prefix + row,
 gradient accumulation, gradient checkpointing, Gemma 4's shared keys and values, several loss spans); the
 automatic choice and its fallbacks; and the training command end to end, with its choice in run.json."""
@@ -29,7 +29,7 @@ from emotune.batches import (
 )
 from emotune.cli import main
 from emotune.core.config import PromptConfig
-from emotune.head import head_objective
+from emotune.model.head import head_objective
 from emotune.tasks.classify import encode_examples
 from emotune.tasks.classify_head import encode_texts
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import LABELS
-from emotune.artifacts import find_artifact, peft_adapter_name
 from emotune.cli import main
+from emotune.model.artifacts import find_artifact, peft_adapter_name
 
 NAMES = ["cpu", "cuda", "to", "eval", "default"]
 TEXTS = ["i am so happy today", "my friend was furious"]

@@ -19,7 +19,7 @@ TEXTS = ["i feel lonely today", "wow", "my friend was so happy this morning and 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     from emotune.core.config import ModelConfig
-    from emotune.models import load_model, load_tokenizer
+    from emotune.model.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
@@ -97,7 +97,7 @@ def test_eager_attention(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from emotune.core.config import ModelConfig
-    from emotune.models import load_tokenizer
+    from emotune.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -120,7 +120,7 @@ def test_score_label_probs_is_a_distribution_over_labels(tiny):
 def test_real_model_scores_equal_brute_force(packaged_model):
     """The packaged Gemma 3 270M and its tokenizer: `sadness` is two tokens, the vocabulary 262,144 wide."""
     from emotune.core.config import ModelConfig
-    from emotune.models import load_model, load_tokenizer
+    from emotune.model.loading import load_model, load_tokenizer
 
     model_dir = packaged_model.folder
     tokenizer = load_tokenizer(model_dir, ModelConfig())

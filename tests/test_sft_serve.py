@@ -118,7 +118,7 @@ def test_a_foreign_adapter_served_with_an_sft_config_is_an_sft_model(tiny_model_
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from emotune.artifacts import fallback_from, find_artifact
+    from emotune.model.artifacts import fallback_from, find_artifact
 
     folder = tmp_path / "lf-sft"
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -394,7 +394,7 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(t
     `accelerate launch --use_fsdp` (the launcher's own switch); the result is the single-process run's."""
     common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=2", "train.eval_steps=2",
               "lora.dropout=0.0", "device=cpu", "train.gradient_checkpointing=true", "train.gradient_accumulation_steps=2"]
-    # FSDP runs PEFT's LoRA forward and the model's own norms (emotune.lean_lora / lean_norm stay off under it), so
+    # FSDP runs PEFT's LoRA forward and the model's own norms (emotune.model.lean_lora / lean_norm stay off under it), so
     # the single process does too: the same ops, and Adam's steps stay within the tolerance below
     assert main(common + ["name=single", "train.batch_size=4", "train.max_tokens_per_pass=0", "train.lean_lora=false",
                           "train.lean_norm=false"]) == 0

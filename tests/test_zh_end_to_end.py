@@ -28,7 +28,7 @@ def build_chinese_tokenizer(folder: Path):
     from transformers import PreTrainedTokenizerFast
 
     from emotune.core.config import load_config
-    from emotune.models import GEMMA_CHAT_TEMPLATE
+    from emotune.model.loading import GEMMA_CHAT_TEMPLATE
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     normalizer = normalizers.BertNormalizer(clean_text=False, handle_chinese_chars=True, strip_accents=False,

@@ -15,7 +15,7 @@ so the [positions, vocabulary] logits never exist at once; at or below it, one p
 When every row starts with the same tokens (a classifier's system prompt and user-template head, about 55 of its
 85 tokens), `share_prefix` switches the objective to batches that carry those tokens once
 (`collate_after_prefix`): the model runs them once per forward pass and every row attends to them
-(emotune.prefix). The loss and the update are the same (`train.shared_prefix`).
+(emotune.model.prefix). The loss and the update are the same (`train.shared_prefix`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from emotune.prefix import cannot_share, model_inputs
+from emotune.model.prefix import cannot_share, model_inputs
 
 CHUNK_TOKENS = 1024  # loss positions per projection chunk: 1 GiB of fp32 logits for a 262,144-entry vocabulary
 SHARED_PREFIX_MIN_TOKENS = 16  # a shorter shared head is not worth a forward pass of its own
@@ -168,7 +168,7 @@ def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[
 def collate_after_prefix(examples: list[Example], pad_id: int, device: torch.device,
                          prefix: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """`collate` of the rows without their shared `prefix`, plus the prefix's ids (`prefix_ids`, [1, n]), which the
-    model runs once for the whole batch (emotune.prefix). A batch with a row that does not start with the prefix, or
+    model runs once for the whole batch (emotune.model.prefix). A batch with a row that does not start with the prefix, or
     would predict a loss token inside it, is collated whole."""
     n = len(prefix)
     if not all(shared_prefix_length([e]) >= n and tuple(e.input_ids[:n]) == prefix for e in examples):

@@ -99,8 +99,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from emotune.artifacts import fallback_from
     from emotune.core.config import load_config
+    from emotune.model.artifacts import fallback_from
     from emotune.predict import predict_cli
 
     cfg = load_config(args.config, []) if args.config else None
@@ -116,8 +116,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from emotune.artifacts import fallback_from
     from emotune.core.config import load_config
+    from emotune.model.artifacts import fallback_from
     from emotune.serve import serve
 
     config = next((a for a in args.items if a.endswith((".yaml", ".yml"))), None)

@@ -4,7 +4,7 @@
 
     adapter/    adapter weights and config, tokenizer with chat template, emotune.json (task, labels, prompt)
     merged/     (--merge) base + adapter folded into one Hugging Face model, tokenizer, generation config;
-                a classification-head model: its classifier (language model + `score`), see emotune.head
+                a classification-head model: its classifier (language model + `score`), see emotune.model.head
     config.yaml the run's resolved config, so OUT can itself be served or exported again
     vllm/       (--vllm) serve_lora.sh, serve_merged.sh, client.py (a classifier's output constrained to the
                 label set; an sft model's a free-text chat reply under its system prompt)
@@ -12,11 +12,11 @@
 A head model (task classify_head) has no vLLM hand-off: it answers with label probabilities, which
 `emotune serve` and `emotune predict` give. Its merged folder loads with transformers'
 `AutoModelForSequenceClassification` where the architecture has a sequence-classification class (Gemma 1–3)
-and with `emotune.head.load_classifier` for every architecture (Gemma 3n and Gemma 4 need it).
+and with `emotune.model.head.load_classifier` for every architecture (Gemma 3n and Gemma 4 need it).
 
 The whole folder is written under a temporary name and renamed into place, so a failed export never
 replaces a good one; an existing OUT is replaced only with --force. What a run produced is found and
-loaded by emotune.artifacts.
+loaded by emotune.model.artifacts.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from emotune.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
 from emotune.core.config import ModelConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir
-from emotune.head import classifier_from_causal, encode_texts, load_classifier
-from emotune.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
+from emotune.model.head import classifier_from_causal, encode_texts, load_classifier
+from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 
 # vLLM's --max-lora-rank only accepts these values (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -171,7 +171,7 @@ def merge_parity_gap(target: str | Path, texts: list[str], merged_dir: str | Pat
 
 def vllm_base_reference(model_cfg: ModelConfig) -> tuple[str, list[str]]:
     """What `vllm serve` should load as the base: a hub id as is, everything else as its local folder."""
-    from emotune.models import HUB_PREFIXES, looks_like_hub_id
+    from emotune.model.loading import HUB_PREFIXES, looks_like_hub_id
 
     source = model_cfg.source
     if source.startswith("hf:") or (not source.startswith(HUB_PREFIXES) and looks_like_hub_id(source)):

@@ -41,7 +41,7 @@ from emotune import checkpoints as ckpt
 from emotune.batches import Example, forward_passes, truncated
 from emotune.core.config import TrainConfig
 from emotune.core.errors import UserError, first_line
-from emotune.lora import checkpoint_activations
+from emotune.model.lora import checkpoint_activations
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
 MAX_ROWS_LOST = 0.01  # the share of training rows a shorter max_length may leave without any loss token

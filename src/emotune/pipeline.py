@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, set_seed
 
-from emotune.artifacts import is_adapter
 from emotune.batches import describe_shared_prefix, share_prefix
 from emotune.core.config import RunConfig, dump_config
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, RunLog, drop_previous, open_run, read_json
-from emotune.lora import check_layers
 from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
-from emotune.models import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
+from emotune.model.artifacts import is_adapter
+from emotune.model.loading import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
+from emotune.model.lora import check_layers
 from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
 

@@ -75,7 +75,7 @@ def _total(parts: dict[str, int], target: Target) -> int:
 
 
 def make_plan(cfg: RunConfig, device_memory: str | None = None) -> Plan:
-    from emotune.models import load_model_config
+    from emotune.model.loading import load_model_config
     from emotune.tasks import task_for
     from emotune.train_plan import pass_token_cap
 

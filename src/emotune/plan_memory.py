@@ -30,10 +30,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from emotune import lean_lora, lean_norm
 from emotune.batches import CHUNK_TOKENS
 from emotune.core.config import LoraSettings
 from emotune.core.errors import UserError
+from emotune.model import lean_lora, lean_norm
 
 PROBE_ROWS = 2
 PROBE_LENGTHS = (16, 32, 64)
@@ -195,12 +195,12 @@ def auto_eval_rows(arch: Architecture, ev: Evaluation, free: int) -> int:
 def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: Workload,
              attn_implementation: str | None = None, lean: tuple[bool, bool] = (True, True)) -> Architecture:
     """The facts of `config` (a transformers config) trained with `lora` and `optim` in weights of `dtype`; `lean`:
-    whether the LoRA layers and Gemma's norms run emotune.lean_lora's and lean_norm's forwards, as training runs
+    whether the LoRA layers and Gemma's norms run emotune.model.lean_lora's and lean_norm's forwards, as training runs
     them with `train.lean_lora` and `train.lean_norm`."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from emotune.lora import lora_config
+    from emotune.model.lora import lora_config
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     try:
@@ -272,7 +272,7 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from emotune.lora import lora_config
+    from emotune.model.lora import lora_config
 
     small, kinds = _one_layer_of_each_kind(text)
     attn = attn_implementation if attn_implementation in ("sdpa", "eager") else None  # flash kernels need a GPU

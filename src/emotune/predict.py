@@ -2,7 +2,7 @@
 
 A classifier's labels come from the scoring method (the probability of each label as the model's reply,
 over the label set), with its own system prompt, user template and chat template; a classification-head
-model's from its `score` head over the bare text (emotune.head), with the token limit it was trained with.
+model's from its `score` head over the bare text (emotune.model.head), with the token limit it was trained with.
 An sft model answers in free text: a greedy generation with its own system prompt and chat template, each
 text the user turn.
 """
@@ -16,11 +16,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file
-from emotune.head import head_probabilities
-from emotune.models import weights_dtype
+from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
+from emotune.model.head import head_probabilities
+from emotune.model.loading import weights_dtype
 from emotune.runtime import device as device_mod
 from emotune.scoring import score_label_probs
 

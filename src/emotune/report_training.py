@@ -1,6 +1,6 @@
 """The report's "What training did" section, for every task that trains LoRA: the gradient-norm curve from the
 training log, and per target module group the adapter's weight norms and the histogram of its LoRA B entries
-(emotune.adapter_stats, also written to report/adapter_stats.json).
+(emotune.model.adapter_stats, also written to report/adapter_stats.json).
 
 Like the rest of the page it reads the run folder only (train/log_history.json, config.yaml, adapter/).
 """
@@ -13,8 +13,8 @@ import math
 import numpy as np
 import yaml
 
-from emotune.adapter_stats import adapter_stats
 from emotune.core.rundir import RunDir, write_json
+from emotune.model.adapter_stats import adapter_stats
 from emotune.report import embed_figure
 
 

@@ -17,8 +17,8 @@ from emotune.batches import common_prefix_length
 from emotune.core.config import PromptConfig
 from emotune.core.errors import UserError
 from emotune.data import prompt_messages
-from emotune.models import END_OF_TURN
-from emotune.prefix import MASKED_ATTENTION, attention_masks
+from emotune.model.loading import END_OF_TURN
+from emotune.model.prefix import MASKED_ATTENTION, attention_masks
 
 
 def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:

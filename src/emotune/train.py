@@ -31,13 +31,14 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from emotune import checkpoints as ckpt
-from emotune import lean_lora, lean_norm, oom
-from emotune.artifacts import write_adapter
+from emotune import oom
 from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.core.config import RunConfig, TrainConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, remove_partial_writes
-from emotune.lora import attach_lora, checkpoint_activations
+from emotune.model import lean_lora, lean_norm
+from emotune.model.artifacts import write_adapter
+from emotune.model.lora import attach_lora, checkpoint_activations
 from emotune.runtime.device import Precision
 from emotune.runtime.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history

@@ -296,7 +296,7 @@ class LoraSettings(Section):
     @classmethod
     def _layer_indices_or_count(cls, value: Any) -> Any:
         """A list's checks, and a count's 0 (the Range's bounds and types are `Section`'s); the checks against the
-        model's own layer count are emotune.lora.resolve_layers'."""
+        model's own layer count are emotune.model.lora.resolve_layers'."""
         if not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
             raise ValueError(f"must be {LAYER_COUNT.describe(integer=True)}; 0 layers would adapt nothing")
         if not isinstance(value, list):
@@ -364,14 +364,14 @@ class TrainConfig(Section):
     recorded in run.json. `off`: always run whole rows. With a shared prefix `max_tokens_per_pass` counts the
     tokens after it."""
     lean_lora: bool = True
-    """While training, run each plain LoRA linear layer's adapter branch as one autograd function (emotune.lean_lora)
+    """While training, run each plain LoRA linear layer's adapter branch as one autograd function (emotune.model.lean_lora)
     instead of PEFT's separate ops: the same values (on a CPU the same dropout masks too), but what a layer keeps for
     the backward pass is its input as it came, the dropout mask as booleans and the rank-r product, instead of a
     float32 copy of the dropped input (and, on a CPU, a float32 mask) per layer: about half the activation memory of
     Gemma 3 270M (docs/training.md). DoRA, quantized base layers, autocast and FSDP run PEFT's forward. `false`:
     PEFT's forward everywhere."""
     lean_norm: bool = True
-    """While training, run Gemma's RMSNorm layers as one autograd function (emotune.lean_norm): the same values, but
+    """While training, run Gemma's RMSNorm layers as one autograd function (emotune.model.lean_norm): the same values, but
     each keeps its input as it came instead of a float32 copy. Only norms whose own forward gives exactly the same
     output take it (checked when training starts); others, and every other model's norms, run their own forward.
     `false`: the model's own norms everywhere."""

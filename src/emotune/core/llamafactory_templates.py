@@ -1,7 +1,7 @@
 """LLaMA-Factory's `template` key, checked against the chat template an emotune run will use.
 
 emotune renders turns with the model's own chat template (Gemma's turn format when the tokenizer has none,
-emotune.models), never with LLaMA-Factory's templates. So a file's `template` is checked: its name must be one
+emotune.model.loading), never with LLaMA-Factory's templates. So a file's `template` is checked: its name must be one
 of LLaMA-Factory's, and where emotune knows the token that opens a user turn in that template family, the
 model's own template must use it too; otherwise the two tools would train on different text.
 """

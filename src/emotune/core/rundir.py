@@ -134,7 +134,7 @@ class RunDir:
     finetuned = property(lambda self: self.root / "finetuned")
     """The fine-tuned model's evaluation, in the same layout as baseline/."""
     adapter = property(lambda self: self.root / "adapter")
-    """The trained adapter (see emotune.artifacts)."""
+    """The trained adapter (see emotune.model.artifacts)."""
     checkpoints = property(lambda self: self.root / "checkpoints")
     train = property(lambda self: self.root / "train")
     """Training log (log_history.jsonl while training, log_history.json after) and loss_curve.png."""
@@ -155,7 +155,7 @@ class RunDir:
     figures = property(lambda self: self.root / "report")
     """The report's figures as PNGs."""
     adapter_stats = property(lambda self: self.root / "report" / "adapter_stats.json")
-    """The adapter's weight norms and B histograms per target module group (emotune.adapter_stats), with the report."""
+    """The adapter's weight norms and B histograms per target module group (emotune.model.adapter_stats), with the report."""
     evals = property(lambda self: self.root / "eval")
     """Results of `emotune eval` on its own."""
     export = property(lambda self: self.root / "export")

@@ -14,8 +14,8 @@ set is fixed here once and shared by the prompt, training and both evaluations.
 """
 
 from emotune.data.load import LabeledData, load_data
-from emotune.data.prompt import prompt_messages, system_prompt, to_prompt_completion
 from emotune.data.sources import EMBEDDED_LABELS, SPLITS, embedded_dataset_dir
+from emotune.model.prompt import prompt_messages, system_prompt, to_prompt_completion
 
 __all__ = ["EMBEDDED_LABELS", "SPLITS", "LabeledData", "embedded_dataset_dir", "load_data", "prompt_messages",
            "system_prompt", "to_prompt_completion"]

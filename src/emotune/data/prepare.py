@@ -23,7 +23,7 @@ from emotune.data.clean import token_lengths
 from emotune.data.load import LabeledData, in_memory_dataset, load_data
 from emotune.data.read import FORMATS
 from emotune.data.sources import HUB_PREFIXES, SPLITS, embedded_dataset_dir, packaged_name
-from emotune.models import load_tokenizer_only
+from emotune.model.loading import load_tokenizer_only
 
 TOKEN_SAMPLE_ROWS = 20_000  # per split: percentiles of a seeded sample are stable and fast on any size
 

@@ -26,8 +26,8 @@ the middle of a forward pass. Classify requests wait in a bounded queue and are 
 
 from __future__ import annotations
 
-from emotune.artifacts import Fallback
 from emotune.core.config import RunConfig
+from emotune.model.artifacts import Fallback
 from emotune.serve.engine import build_engine
 from emotune.serve.http import resolve_key
 from emotune.serve.routes import create_app

@@ -17,7 +17,7 @@ import torch
 from transformers import StoppingCriteria
 
 from emotune.core.config import ServeConfig
-from emotune.models import stop_token_ids
+from emotune.model.loading import stop_token_ids
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError
 from emotune.serve.schemas import ChatRequest

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from emotune.artifacts import Artifact, check_adapter_files, find_artifact
 from emotune.core.config import PromptConfig, ServeConfig
 from emotune.core.errors import UserError
+from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
 from emotune.serve.chat import chat_job, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.http import (

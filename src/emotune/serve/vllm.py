@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from emotune.artifacts import Fallback, find_artifact
 from emotune.core.config import RunConfig
 from emotune.core.errors import UserError
 from emotune.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
+from emotune.model.artifacts import Fallback, find_artifact
 from emotune.serve.engine import check_base
 from emotune.serve.http import resolve_key
 

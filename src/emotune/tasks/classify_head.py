@@ -1,7 +1,7 @@
 """`task: classify_head`: a linear classification head on the last token, trained with LoRA.
 
 Rows are classify's (text, label), through the same data pipeline and run folder. The head (`score`,
-emotune.head) reads the bare text, pooled at the last real token; the loss is the class-weighted
+emotune.model.head) reads the bare text, pooled at the last real token; the loss is the class-weighted
 cross-entropy of its logits, and the adapter kept is the best by `head.select` (macro-F1 by default).
 
 The honest "before": an untrained head is chance, so the baseline is the base causal model's zero-shot
@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from emotune.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
 from emotune.batches import Example, Objective
 from emotune.core.config import ClassifyHeadConfig, EvalConfig
 from emotune.core.errors import UserError
@@ -26,7 +25,8 @@ from emotune.data import LabeledData, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.evaluate import EvalResult, auto_batch_cap, compute_metrics, probability_metrics, read_predictions, write_results
 from emotune.evaluate import evaluate as evaluate_method
-from emotune.head import classifier_from_causal, encode_texts, head_objective, head_probabilities, is_classifier
+from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
+from emotune.model.head import classifier_from_causal, encode_texts, head_objective, head_probabilities, is_classifier
 from emotune.tasks.classify_head_report import compare, format_comparison, report_sections, write_comparison
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from emotune.artifacts import META, PEFT_CONFIG, Artifact, Fallback, find_artifact
 from emotune.batches import LANGUAGE_MODEL, Example, Objective
 from emotune.core.config import SftConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
 from emotune.data.sources import HUB_PREFIXES, SPLITS
+from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, find_artifact
 from emotune.probe import load_probe
 from emotune.tasks import sft_eval
 from emotune.tasks.sft_report import compare, format_comparison, report_sections, write_comparison

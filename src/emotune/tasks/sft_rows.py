@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from emotune.batches import Example, common_prefix_length, truncated
 from emotune.data.conversations import Conversation
-from emotune.models import stop_token_ids
+from emotune.model.loading import stop_token_ids
 
 
 @dataclass

@@ -58,7 +58,7 @@ class MaskPooledHead:
         # transformers 5 has no public switch for this. `PreTrainedModel.__init__` asks this classmethod whether
         # the fused MoE experts kernel (grouped_mm) may be used, and the default answer scans the source of the
         # class's *module* for `@use_experts_implementation` (transformers PR #42697). Our classes live in
-        # emotune.head, so the scan would say no and a MoE body (Gemma 4 26B-A4B) loaded through `load_classifier`
+        # emotune.model.head, so the scan would say no and a MoE body (Gemma 4 26B-A4B) loaded through `load_classifier`
         # would fall back to the eager experts loop. The answer belongs to the architecture: ask the transformers
         # class we derive from. Overriding this hook is the only way the library offers to classes defined
         # outside its own modules.

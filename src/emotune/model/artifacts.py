@@ -31,7 +31,7 @@ PEFT_CONFIG = "adapter_config.json"
 # What emotune.json must hold, by the `task` it names (written by that task's adapter_meta; no `task`: classify).
 REQUIRED_META = {"classify": ("labels", "system_prompt_template", "user_template", "base_model"),
                  "sft": ("task", "base_model"), "classify_head": ("task", "labels", "base_model")}
-HEAD_TASKS = ("classify_head",)  # models that answer through a classification head (emotune.head), not with text
+HEAD_TASKS = ("classify_head",)  # models that answer through a classification head (emotune.model.head), not with text
 DEFAULT_HEAD_MAX_LENGTH = 256  # train.max_length's default, for a head adapter whose emotune.json records none
 
 
@@ -99,7 +99,7 @@ class Artifact:
             system = self.sft_system_prompt
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         else:
-            from emotune.data import prompt_messages
+            from emotune.model.prompt import prompt_messages
 
             messages = prompt_messages(text, self.prompt, self.labels)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -304,9 +304,9 @@ def check_matches(artifact: Artifact, labels: list[str], system_prompt_text: str
 
 def load_artifact_model(artifact: Artifact, dtype, device):
     """The model (PEFT-wrapped for adapters) and tokenizer, ready for inference. A head model is its classifier
-    (emotune.head): a merged one through emotune's loader, an adapter over the base's language model."""
-    from emotune.head import classifier_from_causal, load_classifier
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
+    (emotune.model.head): a merged one through emotune's loader, an adapter over the base's language model."""
+    from emotune.model.head import classifier_from_causal, load_classifier
+    from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
 
     if artifact.merged:
         load = load_classifier if artifact.has_head else load_model
