@@ -185,9 +185,9 @@ def build_model(text: dict, tokenizer, dtype: torch.dtype, device: torch.device)
 
 def measure_training(model, tokenizer, rows, cfg, precision, device, name: str, overrides: dict | None = None,
                      fault=None) -> dict:
-    """emotune.train.train for the configured steps (no validation), then the adapters taken off again."""
+    """emotune.train.loop.train for the configured steps (no validation), then the adapters taken off again."""
     from emotune.core.rundir import RunDir
-    from emotune.train import train
+    from emotune.train.loop import train
 
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=overrides or {})})
     recorded: dict = {}
@@ -245,8 +245,8 @@ def profile_step(model, tokenizer, rows, cfg, device, top: int = 12) -> dict:
     the time goes, by operator. A GPU that waits on the host shows it here as CPU time far above GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from emotune.batches import collate, completion_loss
     from emotune.model.lora import attach_lora, checkpoint_activations
+    from emotune.train.batches import collate, completion_loss
 
     with contextlib.redirect_stdout(sys.stderr):
         adapted = attach_lora(model, cfg.lora)

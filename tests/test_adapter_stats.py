@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from emotune.model.adapter_stats import adapter_stats, group_of, layer_of
-from emotune.train import _clip_gradients
-from emotune.train_log import Window
+from emotune.train.log import Window
+from emotune.train.loop import _clip_gradients
 
 
 def test_the_logged_gradient_norm_is_the_norm_before_clipping():

@@ -10,8 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emotune import train as train_mod
-from emotune.batches import LANGUAGE_MODEL, Example, collate, completion_loss
 from emotune.cli import main
 from emotune.core.config import LoraSettings
 from emotune.core.errors import UserError
@@ -25,6 +23,8 @@ from emotune.model.head import (
     last_token_index,
 )
 from emotune.model.lora import lora_config
+from emotune.train import loop as train_mod
+from emotune.train.batches import LANGUAGE_MODEL, Example, collate, completion_loss
 
 LABELS = ["sadness", "joy", "love"]
 

@@ -185,7 +185,7 @@ def test_run_refuses_a_layer_past_the_model_before_loading_weights(tiny_override
 def test_plan_counts_the_adapters_of_the_chosen_layers_and_refuses_missing_ones(tiny_model_dir):
     """`emotune plan` builds the model from its config alone; its memory probe (one layer of each kind) adapts every
     probe layer, an upper bound."""
-    from emotune.plan import make_plan
+    from emotune.train.plan import make_plan
 
     settings = [f"model.source={tiny_model_dir}", "train.precision=fp32", "train.max_length=32", "lora.layers=[1]"]
     plan = make_plan(load_config(None, settings), "8GB")

@@ -1,4 +1,4 @@
-"""Out-of-memory recovery in training (emotune.oom), with the error injected on CPU through training's fault hook:
+"""Out-of-memory recovery in training (emotune.train.recovery), with the error injected on CPU through training's fault hook:
 a step that fails is redone from its first micro-batch with the same rows and random state, so the result is
 the one the fitting settings give without any failure; what is changed, and when nothing is left; two processes
 that must take the same decision."""
@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emotune import checkpoints as ckpt
-from emotune import oom
-from emotune.batches import Example
 from emotune.core.config import load_config
 from emotune.core.errors import UserError
 from emotune.model.lora import attach_lora
 from emotune.pipeline import train_only
+from emotune.train import checkpoints as ckpt
+from emotune.train import recovery as oom
+from emotune.train.batches import Example
 from test_train import _env, _free_port
 
 

@@ -14,9 +14,9 @@ import torch
 from emotune.cli import main
 from emotune.core.config import load_config
 from emotune.core.errors import UserError
-from emotune.plan import FITS, make_plan, parse_memory
-from emotune.plan_memory import training_parts
 from emotune.tasks import task_for
+from emotune.train.memory import training_parts
+from emotune.train.plan import FITS, make_plan, parse_memory
 
 BENCH = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "plan_accuracy.py"))
 TOLERANCE = 0.3  # docs/training.md states it: the estimate within ±30% of the measured peak

@@ -17,7 +17,12 @@ import torch
 from datasets import Dataset
 
 from conftest import LABELS, build_tokenizer, make_rows
-from emotune.batches import (
+from emotune.cli import main
+from emotune.core.config import PromptConfig
+from emotune.model.head import head_objective
+from emotune.tasks.classify import encode_examples
+from emotune.tasks.classify_head import encode_texts
+from emotune.train.batches import (
     CHUNK_TOKENS,
     LANGUAGE_MODEL,
     SHARED_PREFIX_MIN_TOKENS,
@@ -27,11 +32,6 @@ from emotune.batches import (
     share_prefix,
     shared_prefix_length,
 )
-from emotune.cli import main
-from emotune.core.config import PromptConfig
-from emotune.model.head import head_objective
-from emotune.tasks.classify import encode_examples
-from emotune.tasks.classify_head import encode_texts
 
 WINDOW = 12  # far below the ~50-token prefix: sliding-window layers hide prefix keys from the rows' later tokens
 CPU = torch.device("cpu")

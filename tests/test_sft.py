@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import CUES, FILLER, LABELS, write_jsonl
-from emotune.batches import Example, chunked_loss, collate, completion_loss
 from emotune.data.conversations import Conversation
 from emotune.tasks.sft_rows import encode, loss_spans, truncate
+from emotune.train.batches import Example, chunked_loss, collate, completion_loss
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from emotune.plan import format_plan, make_plan, plan_json
+    from emotune.train.plan import format_plan, make_plan, plan_json
 
     plan = make_plan(_load(args, announce=False), args.device_memory)
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))

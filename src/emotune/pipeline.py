@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, set_seed
 
-from emotune.batches import describe_shared_prefix, share_prefix
 from emotune.core.config import RunConfig, dump_config
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, RunLog, drop_previous, open_run, read_json
@@ -31,6 +30,7 @@ from emotune.model.loading import Base, check_attention, load_base, load_tokeniz
 from emotune.model.lora import check_layers
 from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
+from emotune.train.batches import describe_shared_prefix, share_prefix
 
 
 class Context:
@@ -49,7 +49,7 @@ class Context:
         self.log: RunLog | None = None
         self._base: Base | None = None
         self._adapted = None  # the model with its trained adapter, once there is one
-        self.train_fault = None  # tests: called before every training forward pass (emotune.train.train's `fault`)
+        self.train_fault = None  # tests: called before every training forward pass (emotune.train.loop.train's `fault`)
         self._telemetry = None
 
     def validate(self, model_source: bool = True) -> None:
@@ -126,7 +126,7 @@ def baseline_stage(ctx: Context) -> None:
 
 def train_stage(ctx: Context) -> None:
     from emotune.runtime.parallel import fsdp_requested
-    from emotune.train import train
+    from emotune.train.loop import train
 
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
     model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
@@ -247,7 +247,7 @@ def train_only(cfg: RunConfig, fault=None) -> Path:
 
     Safe under `torchrun` / `accelerate launch`: every process loads data and model, only the main
     process writes; `emotune run` on the same folder later picks up the saved adapter. `fault` is for tests
-    (see emotune.train.train)."""
+    (see emotune.train.loop.train)."""
     from accelerate import PartialState
 
     set_seed(cfg.seed)

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from emotune.batches import common_prefix_length
 from emotune.core.config import PromptConfig
 from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.loading import END_OF_TURN
 from emotune.model.prefix import MASKED_ATTENTION, attention_masks
+from emotune.train.batches import common_prefix_length
 
 
 def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:

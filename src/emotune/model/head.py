@@ -33,9 +33,9 @@ from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-from emotune.batches import Example, LossParts, Objective
 from emotune.core.errors import UserError
 from emotune.scoring import run_in_batches
+from emotune.train.batches import Example, LossParts, Objective
 
 HEAD = "score"  # transformers' name for the head of decoder-only sequence classifiers
 BODY = "model"  # where both kinds of classifier hold the language model (GenericForSequenceClassification.base_model_prefix)

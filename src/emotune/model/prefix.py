@@ -2,7 +2,7 @@
 
 A classification row is about 85 tokens, about 55 of which (the system prompt and the user template up to the
 text; Gemma folds the system prompt into the first user turn) are the same in every row. Run whole, a batch of 8
-rows computes those 55 tokens 8 times. A shared-prefix batch (emotune.batches.collate_after_prefix) carries them
+rows computes those 55 tokens 8 times. A shared-prefix batch (emotune.train.batches.collate_after_prefix) carries them
 once (`prefix_ids`) and each row's remainder, and the model sees it in two steps:
 
 1. The prefix runs alone, with gradients, since LoRA on the attention and MLP layers changes its keys and values.
@@ -18,7 +18,7 @@ prefix draws one dropout mask for the whole forward pass instead of one per row 
 
 Both passes go through the model's own forward (PEFT's adapters, DDP's hooks, Gemma's logit soft-capping as usual);
 the prefix pass projects no position onto the vocabulary. The one copy of the prefix's keys and values per row is
-the concatenation attention needs, as whole rows would have them. FSDP2 is left out (emotune.batches.share_prefix).
+the concatenation attention needs, as whole rows would have them. FSDP2 is left out (emotune.train.batches.share_prefix).
 
 Gradient checkpointing: transformers' checkpointed layers drop the cache (`GradientCheckpointingLayer`), because a
 cache that appends would be appended to again when the backward pass replays the layer. The rows' cache only reads,

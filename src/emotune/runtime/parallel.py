@@ -1,7 +1,7 @@
 """How training spreads over processes: the Accelerator, FSDP2 settings and the wrapped model.
 
 One process, DDP (`torchrun` / `accelerate launch`) or FSDP2 (`train.fsdp=true`, or `accelerate launch
---use_fsdp --fsdp_version 2`). The training loop (emotune.train) calls these once, before its first step.
+--use_fsdp --fsdp_version 2`). The training loop (emotune.train.loop) calls these once, before its first step.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def make_accelerator(t: TrainConfig, model: PreTrainedModel, tracker_dir: Path
     # Mixed precision is handled in this module (autocast only where needed, see _mixed_precision), so
     # Accelerate keeps its default; it would otherwise refuse a second training in the same process.
     # DDP keeps every gradient local (no_sync) and emotune averages them once all processes finished the step's
-    # passes (`average_gradients`), so an out-of-memory error on one process can be agreed on first (emotune.oom).
+    # passes (`average_gradients`), so an out-of-memory error on one process can be agreed on first (emotune.train.recovery).
     # Buffer broadcasting is off for the same reason: it is a collective at the start of every forward pass,
     # and a language model's buffers (rotary frequencies, scales) are constants anyway.
     accelerator = Accelerator(cpu=cpu, log_with=list(t.report_to) or None, project_dir=str(tracker_dir),

@@ -13,7 +13,6 @@ from pathlib import Path
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from emotune.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
 from emotune.core.config import ClassifyConfig, PromptConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
@@ -22,6 +21,7 @@ from emotune.data.prepare import data_fingerprint, format_summary, prepare_data,
 from emotune.evaluate import EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
 from emotune.tasks.classify_report import baseline_notes, compare_methods, format_table, report_sections, write_comparison
+from emotune.train.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
            "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
@@ -181,7 +181,7 @@ def memory_workload(cfg: ClassifyConfig, device_type: str):
     """What `emotune plan` models: the loss on the label tokens of each row; `generate` decodes
     `eval.max_new_tokens` after the prompt with the model's KV cache, `score` projects the end of the prompt and
     every label-tree node with a cache that keeps every token. Prompts are taken as `train.max_length` long."""
-    from emotune.plan_memory import Evaluation, Workload
+    from emotune.train.memory import Evaluation, Workload
 
     labels = len(cfg.data.label_names or []) or ASSUMED_LABELS
     evaluations = {}

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from emotune.batches import Example, Objective
 from emotune.core.config import ClassifyHeadConfig, EvalConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
@@ -28,6 +27,7 @@ from emotune.evaluate import evaluate as evaluate_method
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
 from emotune.model.head import classifier_from_causal, encode_texts, head_objective, head_probabilities, is_classifier
 from emotune.tasks.classify_head_report import compare, format_comparison, report_sections, write_comparison
+from emotune.train.batches import Example, Objective
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
            "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload", "merge_check_inputs", "outputs",
@@ -169,8 +169,8 @@ def outputs(run: RunDir, cfg: ClassifyHeadConfig) -> list[Path]:
 def memory_workload(cfg: ClassifyHeadConfig, device_type: str):
     """What `emotune plan` models: no vocabulary projection in training, a float32 head trained in full; the
     baseline is zero-shot label scoring (the classify task's `score`), the fine-tuned measurement one forward pass."""
-    from emotune.plan_memory import Evaluation, Workload
     from emotune.tasks.classify import ASSUMED_LABELS, LABEL_TOKENS
+    from emotune.train.memory import Evaluation, Workload
 
     labels = len(cfg.data.label_names or []) or ASSUMED_LABELS
     auto = cfg.eval.batch_size == "auto"

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from emotune.batches import LANGUAGE_MODEL, Example, Objective
 from emotune.core.config import SftConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, read_json
@@ -27,6 +26,7 @@ from emotune.probe import load_probe
 from emotune.tasks import sft_eval
 from emotune.tasks.sft_report import compare, format_comparison, report_sections, write_comparison
 from emotune.tasks.sft_rows import encode_all
+from emotune.train.batches import LANGUAGE_MODEL, Example, Objective
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate",
            "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
@@ -198,7 +198,7 @@ def load_adapted(model, adapter_dir: Path, cfg, data):
 def memory_workload(cfg: SftConfig, device_type: str):
     """What `emotune plan` models: the loss on every token of a row at most (the assistant turns); the measurement's
     response loss (a forward pass projecting the answers) and greedy generations of `eval.max_new_tokens`."""
-    from emotune.plan_memory import Evaluation, Workload
+    from emotune.train.memory import Evaluation, Workload
 
     auto = cfg.eval.batch_size == "auto"
     rows = sft_eval.auto_rows(device_type) if auto else cfg.eval.batch_size

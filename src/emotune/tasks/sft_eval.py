@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 from emotune import textmetrics
-from emotune.batches import collate, completion_loss
 from emotune.core.config import SftConfig
 from emotune.core.rundir import atomic_file, read_json, write_json
 from emotune.data.conversations import Conversation
 from emotune.evaluate import generate_texts
 from emotune.scoring import run_in_batches
 from emotune.tasks.sft_rows import encode
+from emotune.train.batches import collate, completion_loss
 
 METRICS, PREDICTIONS, PROBE = "metrics.json", "predictions.csv", "probe.json"
 COLUMNS = ["prompt", "reference", "output", "kind", "rouge_l", "bleu", "exact_match"]

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from emotune.batches import Example, common_prefix_length, truncated
 from emotune.data.conversations import Conversation
 from emotune.model.loading import stop_token_ids
+from emotune.train.batches import Example, common_prefix_length, truncated
 
 
 @dataclass

@@ -30,9 +30,6 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from emotune import checkpoints as ckpt
-from emotune import oom
-from emotune.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.core.config import RunConfig, TrainConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, remove_partial_writes
@@ -41,8 +38,11 @@ from emotune.model.artifacts import write_adapter
 from emotune.model.lora import attach_lora, checkpoint_activations
 from emotune.runtime.device import Precision
 from emotune.runtime.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
-from emotune.train_log import TrainLog, Window, peak_memory_mb, write_history
-from emotune.train_plan import (
+from emotune.train import checkpoints as ckpt
+from emotune.train import recovery as oom
+from emotune.train.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
+from emotune.train.log import TrainLog, Window, peak_memory_mb, write_history
+from emotune.train.passes import (
     Plan,
     announce,
     best_word,
@@ -70,7 +70,7 @@ class Progress:
     nonfinite_total: int = 0
     log_history: list[dict] = field(default_factory=list)
     memory: dict | None = None
-    """Out-of-memory recovery's limits (emotune.oom.MemoryLimits), kept so a resumed run carries on with what fitted."""
+    """Out-of-memory recovery's limits (emotune.train.recovery.MemoryLimits), kept so a resumed run carries on with what fitted."""
 
 
 @dataclass
@@ -177,7 +177,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
           pad_id: int, cfg: RunConfig, precision: Precision, folder: Path, replanned: Callable[[Plan], None]):
     """Optimizer steps until the plan's last (or early stopping); returns the best weights seen (None without
     validation). Validation, logging and checkpoints follow their step counts. A time-budget plan is made again
-    once, early, at the pace the steps keep (emotune.train_plan.replan); a resumed run keeps the plan it had."""
+    once, early, at the pace the steps keep (emotune.train.passes.replan); a resumed run keeps the plan it had."""
     t, plan, main = cfg.train, s.plan, s.accelerator.is_main_process
     bar = tqdm(total=plan.steps, initial=progress.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
     window = Window()
@@ -341,7 +341,7 @@ def _optimizer_step(s: Session, passes: list[list[list[int]]], rows: list[Exampl
     # DDP and FSDP average gradients over processes, so each one scales its share up by the process count.
     scale = accelerator.num_processes / max(step_tokens, 1)
     # FSDP2 reduce-scatters after every pass (each process keeps only its shard of the gradient); DDP's stay local
-    # until every process has finished, so that an out-of-memory error can be agreed on first (emotune.oom).
+    # until every process has finished, so that an out-of-memory error can be agreed on first (emotune.train.recovery).
     sharded = ckpt.is_sharded(model)
     failure = None
     try:

@@ -16,7 +16,7 @@ No weights are loaded. Two weightless views of the model answer what a formula w
 What our loop adds on top is modelled from its code: the gradients and AdamW's two moments of the trained
 parameters only; one forward pass at a time (`train.max_tokens_per_pass` cuts a batch into passes, the
 gradient is summed across them); the vocabulary projection only at the loss positions, in checkpointed
-chunks of `batches.CHUNK_TOKENS` beyond that many (emotune.batches.completion_loss); with gradient
+chunks of `batches.CHUNK_TOKENS` beyond that many (emotune.train.batches.completion_loss); with gradient
 checkpointing, each layer's input kept and one layer recomputed at a time.
 """
 
@@ -30,10 +30,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from emotune.batches import CHUNK_TOKENS
 from emotune.core.config import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model import lean_lora, lean_norm
+from emotune.train.batches import CHUNK_TOKENS
 
 PROBE_ROWS = 2
 PROBE_LENGTHS = (16, 32, 64)
@@ -237,7 +237,7 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
 
 
 def _optimizer_bytes(optim: str, params: list[torch.nn.Parameter]) -> int:
-    """The optimizer's state for `params` (emotune.train._optimizer): AdamW keeps two moments in each parameter's
+    """The optimizer's state for `params` (emotune.train.loop._optimizer): AdamW keeps two moments in each parameter's
     dtype, Adafactor a row and a column factor per matrix, SGD without momentum nothing."""
     if optim == "sgd":
         return 0

@@ -2,7 +2,7 @@
 
     emotune plan configs/gemma4-e4b-emotion.yaml --device-memory 24GB
 
-From the model's config alone (emotune.plan_memory: the model on the `meta` device and a one-layer-per-kind
+From the model's config alone (emotune.train.memory: the model on the `meta` device and a one-layer-per-kind
 probe), the peak memory of a training step, with and without gradient checkpointing, and of each evaluation
 method at its batch; compared with this machine's device (free GPU memory, or available RAM on a CPU) or
 the memory named by `--device-memory`; and, when it does not fit, the changes that make it fit in the order
@@ -19,8 +19,8 @@ import torch
 
 from emotune.core.config import RunConfig
 from emotune.core.errors import UserError
-from emotune.plan_memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, training_parts
 from emotune.runtime.device import Precision, choose_precision, resolve_device
+from emotune.train.memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, training_parts
 
 FITS = 0.8  # the estimate is checked to within about ±30% of measured peaks (tests/test_plan.py): keep that room
 GiB = 2**30
@@ -77,7 +77,7 @@ def _total(parts: dict[str, int], target: Target) -> int:
 def make_plan(cfg: RunConfig, device_memory: str | None = None) -> Plan:
     from emotune.model.loading import load_model_config
     from emotune.tasks import task_for
-    from emotune.train_plan import pass_token_cap
+    from emotune.train.passes import pass_token_cap
 
     target = _target(cfg, device_memory)
     dtype = target.precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)

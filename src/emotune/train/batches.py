@@ -208,7 +208,7 @@ class Objective:
     rows' spans, the adapter with the lowest validation loss kept, PEFT's CAUSAL_LM adapters."""
     collate: Callable[[list[Example], int, torch.device], dict] = collate
     loss: Callable[[torch.nn.Module, dict], LossParts] | None = None
-    """None = `completion_loss` (looked up in emotune.train when called)."""
+    """None = `completion_loss` (looked up in emotune.train.loop when called)."""
     select: str = "eval_loss"
     """The validation metric that picks the kept adapter and drives early stopping."""
     higher_is_better: bool = False

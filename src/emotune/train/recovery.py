@@ -37,11 +37,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from emotune import checkpoints as ckpt
-from emotune.batches import Example, forward_passes, truncated
 from emotune.core.config import TrainConfig
 from emotune.core.errors import UserError, first_line
 from emotune.model.lora import checkpoint_activations
+from emotune.train import checkpoints as ckpt
+from emotune.train.batches import Example, forward_passes, truncated
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
 MAX_ROWS_LOST = 0.01  # the share of training rows a shorter max_length may leave without any loss token

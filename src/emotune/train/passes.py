@@ -1,5 +1,5 @@
 """The plan of a training run: how many optimizer steps, which rows each one sees, and how big a forward
-pass may be. Printed before the first step; the same on one process or N (emotune.train runs it).
+pass may be. Printed before the first step; the same on one process or N (emotune.train.loop runs it).
 
 With `train.time_budget` the number of steps is measured rather than configured: before the scheduler is
 built (its schedule needs the last step), `Calibration` runs the first few steps' forward and backward
@@ -28,11 +28,11 @@ from time import perf_counter
 
 import torch
 
-from emotune import checkpoints as ckpt
-from emotune.batches import Example, Objective, completion_loss, epoch_batches, forward_passes
 from emotune.core.config import TrainConfig, duration_seconds
 from emotune.core.errors import UserError
 from emotune.core.rundir import read_json, write_json
+from emotune.train import checkpoints as ckpt
+from emotune.train.batches import Example, Objective, completion_loss, epoch_batches, forward_passes
 
 CALIBRATION_STEPS = 3
 """Steps whose passes are timed before training; the first warms up (kernel selection, allocator growth) and
@@ -204,7 +204,7 @@ def _padded(rows: list[int], lengths: list[int]) -> int:
 
 
 def _validation_work(rows, lengths: list[int], batch_size: int) -> int:
-    """Padded tokens of a validation of `rows`: sorted by length and cut into batches, as emotune.train.validate does."""
+    """Padded tokens of a validation of `rows`: sorted by length and cut into batches, as emotune.train.loop.validate does."""
     order = sorted(rows, key=lambda i: lengths[i])
     return sum(_padded(order[s:s + batch_size], lengths) for s in range(0, len(order), batch_size))
 

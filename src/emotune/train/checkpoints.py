@@ -35,7 +35,7 @@ BEST_FILE = "best.safetensors"
 FILES = ("trainable.safetensors", "optimizer.pt", "rng.pt", "progress.json")  # every checkpoint has these
 SET_ASIDE = ".unreadable"
 FROZEN = "emotune_frozen"
-"""Set on an adapter weight that out-of-memory recovery stopped training (emotune.oom): it is still part of the
+"""Set on an adapter weight that out-of-memory recovery stopped training (emotune.train.recovery): it is still part of the
 trained state, saved in checkpoints and the kept best weights and restored from them, as if it still trained."""
 
 
