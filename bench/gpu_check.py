@@ -294,7 +294,7 @@ def simulated_oom(max_tokens: int):
 
 
 def measure_eval(model, tokenizer, data, cfg, device, method: str, rows: int) -> dict:
-    from emotune.evaluate import evaluate
+    from emotune.eval.evaluate import evaluate
 
     split = data.splits["test"].select(range(min(rows, len(data.splits["test"]))))
     reset_peaks(device)

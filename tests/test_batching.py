@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune import evaluate as ev
-from emotune import scoring
 from emotune.core.config import EvalConfig, ModelConfig, PromptConfig
 from emotune.core.errors import UserError
+from emotune.eval import evaluate as ev
+from emotune.eval import scoring
 
 
 def test_out_of_memory_halves_and_retries(capsys):

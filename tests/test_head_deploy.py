@@ -224,8 +224,8 @@ def test_the_head_adapter_leaves_the_other_models_as_they_were(http, tiny_run_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from emotune.eval.scoring import score_label_probs
     from emotune.model.artifacts import find_artifact
-    from emotune.scoring import score_label_probs
 
     artifact = find_artifact(tiny_run_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_run_dir / "adapter")

@@ -1,4 +1,4 @@
-"""The fine-tuned evaluation with the adapter merged into the weights (emotune.merged_eval), on the tiny model
+"""The fine-tuned evaluation with the adapter merged into the weights (emotune.eval.merged), on the tiny model
 with a random non-zero adapter: the merge matches the unmerged model in fp32, the bf16 difference is measured
 and reported, `auto` falls back above the tolerance, and afterwards the model is exactly the trained one."""
 
@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_rows
 from emotune.cli import main
-from emotune.merged_eval import describe, last_logits, merged_for_eval
+from emotune.eval.merged import describe, last_logits, merged_for_eval
 
 
 def load_adapted(model_dir, run_dir, dtype):

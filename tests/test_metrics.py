@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from emotune.core.replies import INVALID
-from emotune.evaluate import compute_metrics, expected_calibration_error, probability_metrics
+from emotune.eval.evaluate import compute_metrics, expected_calibration_error, probability_metrics
 
 
 def test_classification_metrics_by_hand():

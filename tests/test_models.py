@@ -135,7 +135,7 @@ def test_generation_under_lora_projects_the_last_position_with_one_matmul(tiny_m
     from torch.profiler import ProfilerActivity, profile
 
     from emotune.core.config import EvalConfig, LoraSettings, PromptConfig
-    from emotune.evaluate import generate_outputs
+    from emotune.eval.evaluate import generate_outputs
     from emotune.model.lora import attach_lora
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig(source=str(tiny_model_dir)))

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from emotune.core.errors import UserError
-from emotune.probe import (
+from emotune.eval.probe import (
     INSTRUCTIONS,
     LETTERS,
     PROBE_PATH,

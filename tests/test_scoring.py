@@ -7,7 +7,7 @@ import torch
 
 from emotune.core.config import PromptConfig
 from emotune.data import prompt_messages
-from emotune.scoring import LabelScorer, LabelTrie, label_token_ids, score_label_probs
+from emotune.eval.scoring import LabelScorer, LabelTrie, label_token_ids, score_label_probs
 
 # Multi-token labels and labels that share a prefix ("happy" / "happy joy" / "happy joy today").
 TRIE_LABELS = ["sadness", "happy", "happy joy", "happy joy today", "love", "very scared"]

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.core.config import ServeConfig, load_config
-from emotune.scoring import score_label_probs
+from emotune.eval.scoring import score_label_probs
 from emotune.serve import build_engine, create_app
 from server_harness import running
 

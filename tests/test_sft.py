@@ -208,7 +208,7 @@ def test_two_step_sft_run(tiny_model_dir, tmp_path):
 def test_comparison_with_probe_and_intervals():
     import dataclasses
 
-    from emotune.probe import ProbeResult, load_probe
+    from emotune.eval.probe import ProbeResult, load_probe
     from emotune.tasks.sft_report import _probe_section, compare, format_comparison
 
     questions = load_probe(limit=40)

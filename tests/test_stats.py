@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from sklearn.metrics import f1_score
 
-from emotune import stats
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
-from emotune.evaluate import EvalResult, compute_metrics
-from emotune.stats import (
+from emotune.eval import stats
+from emotune.eval.evaluate import EvalResult, compute_metrics
+from emotune.eval.stats import (
     bootstrap_ci,
     classification_intervals,
     mcnemar,

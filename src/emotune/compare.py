@@ -12,7 +12,7 @@ sorted (text, gold label) pairs (sft: (prompt, reference)). That is independent 
 task, data path and training settings, and changes with anything that changes what was measured: another
 `eval.split`, limit, seed-dependent split, cleaning setting or data file. Runs that differ are refused
 (or, with `--allow-mismatch`, shown and marked not comparable). Comparable rows after the first are
-tested against the first on the same rows, paired (emotune.stats; sft: ROUGE-L's paired bootstrap).
+tested against the first on the same rows, paired (emotune.eval.stats; sft: ROUGE-L's paired bootstrap).
 Classification and sft runs never share a table: they have no metric in common.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import yaml
 
-from emotune import stats
 from emotune.compare_table import check_out, render, write_outputs
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
+from emotune.eval import stats
 from emotune.tasks import TASKS, classify_report, sft_eval
 
 DEFAULT_OUT = Path("compare")

@@ -16,8 +16,8 @@ from pathlib import Path
 from emotune.core import terminal
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_dir
+from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, format_interval
 from emotune.report import html_page as page
-from emotune.stats import RESAMPLES, VERDICT_NOTES, format_interval
 
 SCORES = {"classification": (("accuracy", "accuracy"), ("macro_f1", "macro-F1")),
           "sft": (("rouge_l", "ROUGE-L"), ("exact_match", "exact match"))}

@@ -24,7 +24,7 @@ from transformers import AutoConfig, set_seed
 from emotune.core.config import RunConfig, dump_config
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, RunLog, drop_previous, open_run, read_json
-from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
+from emotune.eval.merged import CHECK_ROWS, describe, merged_for_eval
 from emotune.model.artifacts import is_adapter
 from emotune.model.loading import Base, check_attention, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.model.lora import check_layers
@@ -149,7 +149,7 @@ def finetuned_stage(ctx: Context) -> None:
 
 def evaluate_adapted(ctx: Context, model, desc: str) -> tuple[dict, dict]:
     """The task's evaluation of a model with an adapter, merged for it as `eval.merge_adapters` and the check
-    decide (emotune.merged_eval); every result's metrics record how (`merge`). The adapter is unmerged after."""
+    decide (emotune.eval.merged); every result's metrics record how (`merge`). The adapter is unmerged after."""
     sample = ctx.task.merge_check_inputs(ctx.base.tokenizer, ctx.data, ctx.cfg, CHECK_ROWS)
     with merged_for_eval(model, sample, ctx.cfg.eval.merge_adapters, ctx.cfg.eval.merge_tolerance) as merge:
         print(describe(merge), flush=True)

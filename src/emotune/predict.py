@@ -18,11 +18,11 @@ from tqdm.auto import tqdm
 
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file
+from emotune.eval.scoring import score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
 from emotune.model.loading import weights_dtype
 from emotune.runtime import device as device_mod
-from emotune.scoring import score_label_probs
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
@@ -53,7 +53,7 @@ class Generator(Loaded):
     """A loaded sft model: texts in (each the user turn), greedy replies out."""
 
     def replies(self, texts: list[str], max_new_tokens: int, batch_size: int = 16, desc: str | None = None) -> list[str]:
-        from emotune.evaluate import generate_texts
+        from emotune.eval.evaluate import generate_texts
 
         prompts = [self.artifact.chat_prompt(self.tokenizer, text) for text in texts]
         return generate_texts(self.model, self.tokenizer, prompts, max_new_tokens, batch_size, desc)

@@ -19,7 +19,7 @@ from pathlib import Path
 from emotune.core.errors import UserError
 from emotune.core.figures import families, figure_fonts, missing_glyphs
 from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
-from emotune.merged_eval import describe
+from emotune.eval.merged import describe
 
 # --------------------------------------------------------------------------------------------------
 # The HTML report

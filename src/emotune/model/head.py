@@ -34,7 +34,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from emotune.core.errors import UserError
-from emotune.scoring import run_in_batches
+from emotune.eval.scoring import run_in_batches
 from emotune.train.batches import Example, LossParts, Objective
 
 HEAD = "score"  # transformers' name for the head of decoder-only sequence classifiers

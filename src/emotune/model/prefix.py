@@ -44,7 +44,7 @@ def attention_masks(config, dtype: torch.dtype, allowed: torch.Tensor, query_pos
     """`allowed` [rows, queries, keys] in the form the model's attention takes: one mask per layer type, where a
     sliding-window layer also hides keys `sliding_window` or more positions behind the query (by position, not
     index, so rows padded in the middle are masked as if each stood alone); boolean for sdpa, additive for eager.
-    Used by label scoring (emotune.scoring) and by shared-prefix training."""
+    Used by label scoring (emotune.eval.scoring) and by shared-prefix training."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = sorted(set(getattr(text, "layer_types", None) or []))
     window = getattr(text, "sliding_window", None)

@@ -23,11 +23,11 @@ import torch
 
 from emotune.core.config import ModelConfig, PromptConfig, RunConfig
 from emotune.core.errors import UserError
+from emotune.eval.scoring import LabelScorer, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import causal_adapter, classifier_from_causal, head_probabilities
 from emotune.model.loading import load_base, load_tokenizer, weights_dtype
 from emotune.runtime import device as device_mod
-from emotune.scoring import LabelScorer, score_label_probs
 
 BASE_MODEL = "base"
 

@@ -7,7 +7,7 @@ import html
 
 from emotune.core.rundir import RunDir
 from emotune.data import LabeledData
-from emotune.evaluate import EvalResult
+from emotune.eval.evaluate import EvalResult
 from emotune.tasks import classify_report
 from emotune.tasks.classify_report import baseline_notes, compare_methods, format_table, write_comparison
 

@@ -14,9 +14,9 @@ import numpy as np
 from emotune.core import terminal
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_file, write_json
-from emotune.evaluate import EvalResult
+from emotune.eval.evaluate import EvalResult
+from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
 from emotune.report import embed_figure
-from emotune.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
 
 MAX_LISTED_ROWS = 30
 
@@ -69,7 +69,7 @@ def compare_methods(before: dict[str, EvalResult], after: dict[str, EvalResult],
 
 
 def uncertainty(before_rows: list[dict], after_rows: list[dict], labels: list[str]) -> dict:
-    """{"intervals", "paired"} (emotune.stats.paired_comparison) of two measurements of the same rows, in order."""
+    """{"intervals", "paired"} (emotune.eval.stats.paired_comparison) of two measurements of the same rows, in order."""
     if [(r["text"], r["gold"]) for r in before_rows] != [(r["text"], r["gold"]) for r in after_rows]:
         raise UserError("The baseline and fine-tuned predictions.csv hold different rows, so they cannot be compared "
                         "row by row. Measure both on the same data: delete the run's finetuned/ folder and re-run "

@@ -21,8 +21,8 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
 from emotune.data.sources import HUB_PREFIXES, SPLITS
+from emotune.eval.probe import load_probe
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, find_artifact
-from emotune.probe import load_probe
 from emotune.tasks import sft_eval
 from emotune.tasks.sft_report import compare, format_comparison, report_sections, write_comparison
 from emotune.tasks.sft_rows import encode_all

@@ -3,9 +3,9 @@
 1. response loss and perplexity: the cross-entropy of the reference answer (the last assistant turn,
    end-of-turn token included) given the conversation before it, the training loss's own code path;
 2. greedy generations (`eval.max_new_tokens`, stopping at the end of the turn, batched with left
-   padding) scored against the reference with ROUGE-L, BLEU and exact match (emotune.textmetrics),
+   padding) scored against the reference with ROUGE-L, BLEU and exact match (emotune.eval.textmetrics),
    overall and per kind;
-3. the forgetting probe (emotune.probe), when `eval.probe` is on.
+3. the forgetting probe (emotune.eval.probe), when `eval.probe` is on.
 
 Files in a stage folder: predictions.csv (prompt, reference, output, kind, scores), probe.json, and
 metrics.json last (it marks the folder complete).
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from emotune import textmetrics
 from emotune.core.config import SftConfig
 from emotune.core.rundir import atomic_file, read_json, write_json
 from emotune.data.conversations import Conversation
-from emotune.evaluate import generate_texts
-from emotune.scoring import run_in_batches
+from emotune.eval import textmetrics
+from emotune.eval.evaluate import generate_texts
+from emotune.eval.scoring import run_in_batches
 from emotune.tasks.sft_rows import encode
 from emotune.train.batches import collate, completion_loss
 
@@ -108,7 +108,7 @@ def score_rows(conversations: list[Conversation], outputs: list[str]) -> list[di
 
 def run_probe(model, tokenizer, cfg: SftConfig, rows: int) -> dict:
     """The forgetting probe's result as JSON: `accuracy` and per-question outcomes."""
-    from emotune.probe import load_probe, score_probe
+    from emotune.eval.probe import load_probe, score_probe
 
     result = score_probe(model, tokenizer, load_probe(limit=cfg.eval.probe_limit), rows)
     return {**dataclasses.asdict(result), "accuracy": float(result.accuracy)}

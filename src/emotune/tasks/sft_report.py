@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import html
 
-from emotune import stats
 from emotune.core.rundir import RunDir, write_json
+from emotune.eval import stats
 from emotune.tasks import sft_eval
 
 MAX_LISTED_ROWS = 30
@@ -42,7 +42,7 @@ def compare(before: dict, after: dict, data=None) -> dict:
 def _compare_probe(before: dict, after: dict) -> dict:
     from dataclasses import fields
 
-    from emotune.probe import ProbeResult, compare_probe
+    from emotune.eval.probe import ProbeResult, compare_probe
 
     names = {f.name for f in fields(ProbeResult)}
     return compare_probe(ProbeResult(**{k: v for k, v in before.items() if k in names}),

@@ -59,7 +59,7 @@ class Example:
 
 def common_prefix_length(*sequences: list[int]) -> int:
     """How many leading tokens all `sequences` share (a prompt and its completed row; every rendered prompt of an
-    evaluation, emotune.scoring; every training row, `shared_prefix_length`)."""
+    evaluation, emotune.eval.scoring; every training row, `shared_prefix_length`)."""
     shortest = min(sequences, key=len)
     for i, token in enumerate(shortest):
         if any(seq[i] != token for seq in sequences):

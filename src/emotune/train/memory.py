@@ -180,7 +180,7 @@ def kv_bytes(arch: Architecture, tokens: int, cache: str) -> float:
 
 def auto_eval_rows(arch: Architecture, ev: Evaluation, free: int) -> int:
     """The batch `eval.batch_size: auto` takes: the cap, or fewer when 40% of the memory left after the weights
-    does not hold them (as emotune.evaluate.choose_batch_size decides)."""
+    does not hold them (as emotune.eval.evaluate.choose_batch_size decides)."""
     if not ev.auto:
         return ev.rows
     one = sum(evaluation_parts(arch, ev, rows=1).values()) - arch.frozen_bytes - arch.trainable_bytes

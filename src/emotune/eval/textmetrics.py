@@ -3,7 +3,7 @@
 The scoring itself is the `rouge_score` and `sacrebleu` packages'; this module chooses how text is split into
 tokens. `rouge_score`'s default tokenizer keeps only `[a-z0-9]`, so every CJK character is dropped and a Chinese
 answer scores 0 against any reference; here CJK characters are single tokens. Every score is a 0–1 fraction.
-Intervals over these per-row scores come from `emotune.stats` (`bootstrap_ci`, `paired_bootstrap_delta`).
+Intervals over these per-row scores come from `emotune.eval.stats` (`bootstrap_ci`, `paired_bootstrap_delta`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from emotune.core.errors import raise_problems
-from emotune.scoring import run_in_batches
-from emotune.stats import bootstrap_ci, paired_bootstrap_delta
+from emotune.eval.scoring import run_in_batches
+from emotune.eval.stats import bootstrap_ci, paired_bootstrap_delta
 
 PROBE_PATH = Path(__file__).parent / "datasets" / "probe" / "probe.jsonl"
 LETTERS = ("A", "B", "C", "D")
