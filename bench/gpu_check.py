@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from emotune.core.config import load_config
     from emotune.runtime.device import choose_precision, doctor, resolve_device
-    from emotune.tasks.classify import encode_examples, load_data
+    from emotune.tasks.classify.task import encode_examples, load_data
 
     device = torch.device("cpu") if args.dry_run else resolve_device("cuda")
     tiny = ["data.train_limit=16", "data.test_limit=8", "train.gradient_accumulation_steps=1"] if args.dry_run else []

@@ -16,7 +16,7 @@ turns it off for both) and seed:
       format has no need for: TRL gets a marked copy of the same template. Before training, the reference
       side checks that TRL's tokenized rows and emotune's encoding have identical token ids and identical
       loss masks, row by row (the JSON says so, or the script stops).
-  (b) emotune.train.loop.train on the rows emotune.tasks.sft_rows encodes: the vocabulary projection only at
+  (b) emotune.train.loop.train on the rows emotune.tasks.sft.rows encodes: the vocabulary projection only at
       answer positions, in chunks for long answers, forward passes of at most train.max_tokens_per_pass
       padded tokens (auto: 512 on a CPU), and the `emotune` command's process settings.
 Each side runs in its own fresh subprocess, so each peak RSS is its own. Before training, each side computes
@@ -123,7 +123,7 @@ def run_side(args: argparse.Namespace) -> dict:
     from emotune.core.config import load_config
     from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
     from emotune.runtime import device as device_mod
-    from emotune.tasks.sft_rows import encode_all
+    from emotune.tasks.sft.rows import encode_all
     from emotune.train.batches import collate, completion_loss
 
     checkpointing = str(not args.no_gradient_checkpointing).lower()

@@ -60,7 +60,7 @@ def main() -> None:
     from emotune.core.config import load_config
     from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
     from emotune.model.lora import attach_lora
-    from emotune.tasks.classify import encode_examples
+    from emotune.tasks.classify.task import encode_examples
     from emotune.train.batches import collate, completion_loss
 
     cfg = load_config(None, ["lora.r=16", "lora.alpha=32", "lora.target_modules=all-linear", "device=cpu"])

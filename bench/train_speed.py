@@ -133,7 +133,7 @@ def _load_side(data_path: Path, rows: int, overrides: list[str], precision_name:
     from emotune.data import LabeledData
     from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
     from emotune.runtime import device as device_mod
-    from emotune.tasks.classify import encode_examples
+    from emotune.tasks.classify.task import encode_examples
 
     cfg = load_config(None, [*LORA, *TRAIN, *overrides, "device=cpu"])
     set_seed(cfg.seed)

@@ -87,7 +87,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 def make_sft_run(root: Path, name: str, outputs: list[str]) -> Path:
     from emotune.eval.textmetrics import exact_match, rouge_l, sentence_bleu, summarize
-    from emotune.tasks.sft_eval import SftResult, write_result
+    from emotune.tasks.sft.eval import SftResult, write_result
 
     references = ["a cat sat", "the dog ran", "blue sky", "red sun"] * 3
     cfg = load_config(None, ["task=sft", f"name={name}", f"output_dir={root}"])

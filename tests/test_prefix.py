@@ -20,8 +20,8 @@ from conftest import LABELS, build_tokenizer, make_rows
 from emotune.cli import main
 from emotune.core.config import PromptConfig
 from emotune.model.head import head_objective
-from emotune.tasks.classify import encode_examples
-from emotune.tasks.classify_head import encode_texts
+from emotune.tasks.classify.task import encode_examples
+from emotune.tasks.classify_head.task import encode_texts
 from emotune.train.batches import (
     CHUNK_TOKENS,
     LANGUAGE_MODEL,

@@ -148,7 +148,7 @@ def test_comparison_terminal_and_report_show_the_chance_levels(both_run):
     from types import SimpleNamespace
 
     from emotune.core.config import load_config
-    from emotune.tasks.classify import format_comparison
+    from emotune.tasks.classify.task import format_comparison
 
     run_dir, overrides = both_run
     labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from conftest import CUES, FILLER, LABELS, write_jsonl
 from emotune.data.conversations import Conversation
-from emotune.tasks.sft_rows import encode, loss_spans, truncate
+from emotune.tasks.sft.rows import encode, loss_spans, truncate
 from emotune.train.batches import Example, chunked_loss, collate, completion_loss
 
 
@@ -114,7 +114,7 @@ def _grads(model):
 def test_classification_loss_and_gradients_unchanged(model, tokenizer, tiny_model_dir, data_dir):
     from emotune.core.config import load_config
     from emotune.data import load_data
-    from emotune.tasks.classify import encode_examples
+    from emotune.tasks.classify.task import encode_examples
 
     cfg = load_config(None, [f"data.source={data_dir}", f"data.label_names=[{', '.join(LABELS)}]"])
     data = load_data(cfg.data, cfg.seed)
@@ -209,7 +209,7 @@ def test_comparison_with_probe_and_intervals():
     import dataclasses
 
     from emotune.eval.probe import ProbeResult, load_probe
-    from emotune.tasks.sft_report import _probe_section, compare, format_comparison
+    from emotune.tasks.sft.report import _probe_section, compare, format_comparison
 
     questions = load_probe(limit=40)
     def probe(right: int) -> dict:  # the first `right` questions answered correctly

@@ -189,7 +189,7 @@ def _result(texts: list[str], gold: list[str], predicted: list[str], method: str
 
 
 def test_classify_comparison_json_gains_intervals_and_the_paired_test(tmp_path):
-    from emotune.tasks.classify import compare, format_comparison, write_comparison
+    from emotune.tasks.classify.task import compare, format_comparison, write_comparison
 
     gold, before, after = _random_case(90, seed=11)
     texts = [f"row {i}" for i in range(len(gold))]
@@ -221,7 +221,7 @@ def test_classify_comparison_json_gains_intervals_and_the_paired_test(tmp_path):
 
 
 def test_head_comparison_carries_the_same_blocks():
-    from emotune.tasks.classify_head_report import compare, format_comparison
+    from emotune.tasks.classify_head.report import compare, format_comparison
 
     gold, before, after = _random_case(40, seed=2)
     texts = [f"t{i}" for i in range(40)]

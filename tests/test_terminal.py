@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from emotune.compare_table import _text
 from emotune.core import terminal
-from emotune.tasks.classify_report import format_table
+from emotune.tasks.classify.report import format_table
 
 
 def test_width_counts_wide_and_zero_width_characters():

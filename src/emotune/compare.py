@@ -29,7 +29,9 @@ from emotune.compare_table import check_out, render, write_outputs
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
 from emotune.eval import stats
-from emotune.tasks import TASKS, classify_report, sft_eval
+from emotune.tasks import TASKS
+from emotune.tasks.classify import report as classify_report
+from emotune.tasks.sft import eval as sft_eval
 
 DEFAULT_OUT = Path("compare")
 FILES = ("compare.csv", "compare.md", "compare.html", "compare.json")

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from emotune.tasks import classify, classify_head, sft
+from emotune.tasks.classify import task as classify
+from emotune.tasks.classify_head import task as classify_head
+from emotune.tasks.sft import task as sft
 
 TASKS: dict[str, ModuleType] = {
     "classify": classify,

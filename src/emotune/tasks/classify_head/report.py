@@ -8,8 +8,8 @@ import html
 from emotune.core.rundir import RunDir
 from emotune.data import LabeledData
 from emotune.eval.evaluate import EvalResult
-from emotune.tasks import classify_report
-from emotune.tasks.classify_report import baseline_notes, compare_methods, format_table, write_comparison
+from emotune.tasks.classify import report as classify_report
+from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, write_comparison
 
 __all__ = ["compare", "format_comparison", "report_sections", "write_comparison"]
 

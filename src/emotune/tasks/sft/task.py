@@ -23,9 +23,9 @@ from emotune.data.conversation_data import ConversationData, embedded_instruct_d
 from emotune.data.sources import HUB_PREFIXES, SPLITS
 from emotune.eval.probe import load_probe
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, find_artifact
-from emotune.tasks import sft_eval
-from emotune.tasks.sft_report import compare, format_comparison, report_sections, write_comparison
-from emotune.tasks.sft_rows import encode_all
+from emotune.tasks.sft import eval as sft_eval
+from emotune.tasks.sft.report import compare, format_comparison, report_sections, write_comparison
+from emotune.tasks.sft.rows import encode_all
 from emotune.train.batches import LANGUAGE_MODEL, Example, Objective
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate",

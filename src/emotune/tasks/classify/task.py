@@ -20,7 +20,7 @@ from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.eval.evaluate import EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
-from emotune.tasks.classify_report import baseline_notes, compare_methods, format_table, report_sections, write_comparison
+from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, report_sections, write_comparison
 from emotune.train.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",

@@ -26,7 +26,7 @@ from emotune.eval.evaluate import EvalResult, auto_batch_cap, compute_metrics, p
 from emotune.eval.evaluate import evaluate as evaluate_method
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
 from emotune.model.head import classifier_from_causal, encode_texts, head_objective, head_probabilities, is_classifier
-from emotune.tasks.classify_head_report import compare, format_comparison, report_sections, write_comparison
+from emotune.tasks.classify_head.report import compare, format_comparison, report_sections, write_comparison
 from emotune.train.batches import Example, Objective
 
 __all__ = ["SHOWN_METRICS", "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
@@ -169,7 +169,7 @@ def outputs(run: RunDir, cfg: ClassifyHeadConfig) -> list[Path]:
 def memory_workload(cfg: ClassifyHeadConfig, device_type: str):
     """What `emotune plan` models: no vocabulary projection in training, a float32 head trained in full; the
     baseline is zero-shot label scoring (the classify task's `score`), the fine-tuned measurement one forward pass."""
-    from emotune.tasks.classify import ASSUMED_LABELS, LABEL_TOKENS
+    from emotune.tasks.classify.task import ASSUMED_LABELS, LABEL_TOKENS
     from emotune.train.memory import Evaluation, Workload
 
     labels = len(cfg.data.label_names or []) or ASSUMED_LABELS

@@ -29,7 +29,7 @@ from emotune.data.conversations import Conversation
 from emotune.eval import textmetrics
 from emotune.eval.evaluate import generate_texts
 from emotune.eval.scoring import run_in_batches
-from emotune.tasks.sft_rows import encode
+from emotune.tasks.sft.rows import encode
 from emotune.train.batches import collate, completion_loss
 
 METRICS, PREDICTIONS, PROBE = "metrics.json", "predictions.csv", "probe.json"

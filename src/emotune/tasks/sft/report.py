@@ -8,7 +8,7 @@ import html
 
 from emotune.core.rundir import RunDir, write_json
 from emotune.eval import stats
-from emotune.tasks import sft_eval
+from emotune.tasks.sft import eval as sft_eval
 
 MAX_LISTED_ROWS = 30
 TITLES = {"rouge_l": "ROUGE-L", "bleu": "BLEU (corpus)", "sentence_bleu": "BLEU (mean per row)",
