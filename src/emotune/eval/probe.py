@@ -22,7 +22,7 @@ from emotune.core.errors import raise_problems
 from emotune.eval.scoring import run_in_batches
 from emotune.eval.stats import bootstrap_ci, paired_bootstrap_delta
 
-PROBE_PATH = Path(__file__).parent / "datasets" / "probe" / "probe.jsonl"
+PROBE_PATH = Path(__file__).parents[1] / "datasets" / "probe" / "probe.jsonl"  # emotune/datasets, one folder up
 LETTERS = ("A", "B", "C", "D")
 INSTRUCTIONS = {
     "en": "Answer with the letter of the correct option (A, B, C or D) only.",
