@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from emotune.cli import main
-from emotune.compare import compare_runs
 from emotune.core.config import dump_config, load_config
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunLog, open_run, write_json
 from emotune.eval import stats
 from emotune.eval.evaluate import EvalResult, compute_metrics, write_results
+from emotune.report.compare import compare_runs
 from emotune.tasks import TASKS
 
 LABELS = ["sadness", "joy", "anger"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from emotune.compare_table import _text
 from emotune.core import terminal
+from emotune.report.table import _text
 from emotune.tasks.classify.report import format_table
 
 

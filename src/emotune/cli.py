@@ -38,14 +38,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from emotune.report import write_report
+    from emotune.report.page import write_report
 
     print(f"Report: {write_report(args.run_dir)}")
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from emotune.compare import compare_runs
+    from emotune.report.compare import compare_runs
 
     compare_runs(args.run_dirs, out=args.out, allow_mismatch=args.allow_mismatch)
     return 0

@@ -160,7 +160,7 @@ def evaluate_adapted(ctx: Context, model, desc: str) -> tuple[dict, dict]:
 
 
 def report_stage(ctx: Context) -> None:
-    from emotune.report import write_report
+    from emotune.report.page import write_report
 
     before = ctx.task.read_results(ctx.run.baseline, ctx.cfg)
     after = ctx.task.read_results(ctx.run.finetuned, ctx.cfg)

@@ -1,5 +1,5 @@
 """Generative classification's comparison and report sections: before/after tables with 95 % intervals and the
-paired test, confusion matrices, per-class F1, rows that changed, invalid outputs (emotune.report builds the page
+paired test, confusion matrices, per-class F1, rows that changed, invalid outputs (emotune.report.page builds the page
 around them)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_file, write_json
 from emotune.eval.evaluate import EvalResult
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
-from emotune.report import embed_figure
+from emotune.report.page import embed_figure
 
 MAX_LISTED_ROWS = 30
 

@@ -1,6 +1,6 @@
 """sft's comparison and report sections: the before/after metric table (with a paired bootstrap interval
 for the per-row scores), scores per kind, sample rows side by side, the rows that got worse, and the
-forgetting probe with its interval and flag (emotune.report builds the page around them)."""
+forgetting probe with its interval and flag (emotune.report.page builds the page around them)."""
 
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import yaml
 
-from emotune.compare_table import check_out, render, write_outputs
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
 from emotune.eval import stats
+from emotune.report.table import check_out, render, write_outputs
 from emotune.tasks import TASKS
 from emotune.tasks.classify import report as classify_report
 from emotune.tasks.sft import eval as sft_eval

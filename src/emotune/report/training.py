@@ -15,7 +15,7 @@ import yaml
 
 from emotune.core.rundir import RunDir, write_json
 from emotune.model.adapter_stats import adapter_stats
-from emotune.report import embed_figure
+from emotune.report.page import embed_figure
 
 
 def training_section(run: RunDir) -> str:

@@ -1,4 +1,4 @@
-"""`emotune compare`'s table as text, Markdown, CSV and HTML, from the summary emotune.compare builds.
+"""`emotune compare`'s table as text, Markdown, CSV and HTML, from the summary emotune.report.compare builds.
 
 Two tables: quality (the fine-tuned scores with 95 % intervals, the paired test against the first row)
 and setup and cost (model, hyper-parameters, time, speed, memory, adapter size). The HTML page shows both
@@ -17,7 +17,7 @@ from emotune.core import terminal
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_dir
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, format_interval
-from emotune.report import html_page as page
+from emotune.report.page import html_page as page
 
 SCORES = {"classification": (("accuracy", "accuracy"), ("macro_f1", "macro-F1")),
           "sft": (("rouge_l", "ROUGE-L"), ("exact_match", "exact match"))}

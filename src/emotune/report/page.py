@@ -1,5 +1,5 @@
 """The HTML report of a run folder: the run summary, the task's own sections, the loss curves, and what training did
-(gradient norms, adapter weights: emotune.report_training).
+(gradient norms, adapter weights: emotune.report.training).
 
 `write_report(run_dir)` reads only the run folder (run.json, config.yaml, the evaluations,
 train/log_history.json), so `emotune report RUN_DIR` can rebuild it at any time. The page is one
@@ -26,7 +26,7 @@ from emotune.eval.merged import describe
 
 def write_report(run_dir: str | Path) -> Path:
     """report.html (self-contained) and report/*.png from whatever the run folder holds; returns the page's path."""
-    from emotune.report_training import training_section  # it embeds its figures with this module's embed_figure
+    from emotune.report.training import training_section  # it embeds its figures with this module's embed_figure
     from emotune.tasks import TASKS
 
     run = RunDir(run_dir)
