@@ -133,7 +133,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from emotune.sweep import load_sweep_config, sweep
+    from emotune.sweep.runner import load_sweep_config, sweep
 
     config, overrides = _config_and_overrides(args)
     flags = [f"sweep.{key}={value}" for key, value in (("mode", "ablation" if args.ablation else args.search),

@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from emotune.core.errors import UserError, raise_problems
-from emotune.sweep_space import SEARCH_MODES, parse_grid
+from emotune.sweep.space import SEARCH_MODES, parse_grid
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an emotion classification assistant. Read the text and reply with exactly one word, "

@@ -2,7 +2,7 @@
 
     plan (validate every value) → claim the sweep folder → run the trials → table, best.yaml
 
-A trial is a normal `emotune run` of the base config with its overrides (emotune.sweep_backends), in its
+A trial is a normal `emotune run` of the base config with its overrides (emotune.sweep.backends), in its
 own run folder inside the sweep folder `<output_dir>/<name>-sweep/`:
 
     sweep.json            the plan and every trial with its overrides and status (written atomically)
@@ -30,10 +30,10 @@ from pathlib import Path
 from emotune.core.config import RunConfig, dump_config, load_config
 from emotune.core.errors import UserError, raise_problems
 from emotune.core.rundir import PREVIOUS, RunDir, read_json, remove_partial_writes, write_json, write_text
-from emotune.sweep_backends import Job, device_slots, require_ray, run_local, run_ray
-from emotune.sweep_search import ListSource, OptunaSource, Outcome, require_optuna
-from emotune.sweep_space import SEARCH_MODES, Param, Trial, ablation_trials, grid_trials, is_spec, parse_grid, split_values
-from emotune.sweep_table import (
+from emotune.sweep.backends import Job, device_slots, require_ray, run_local, run_ray
+from emotune.sweep.search import ListSource, OptunaSource, Outcome, require_optuna
+from emotune.sweep.space import SEARCH_MODES, Param, Trial, ablation_trials, grid_trials, is_spec, parse_grid, split_values
+from emotune.sweep.table import (
     DEFAULT_METRIC,
     TASK_METRICS,
     ablation_table,

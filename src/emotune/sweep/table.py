@@ -15,7 +15,7 @@ from pathlib import Path
 
 from emotune.core import terminal
 from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
-from emotune.sweep_space import Trial
+from emotune.sweep.space import Trial
 
 # The after-training metrics each task's comparison.json holds (emotune.tasks.*_report), and which way is better.
 TASK_METRICS = {

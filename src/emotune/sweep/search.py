@@ -1,7 +1,7 @@
 """Where a sweep's trials come from: a fixed list (grid, ablation) or an Optuna study (random, TPE).
 
 Both hand out trials one at a time (`next`, safe from several threads) and hear how each ended (`finish`),
-so the place that runs them (emotune.sweep_backends) does not care which it is.
+so the place that runs them (emotune.sweep.backends) does not care which it is.
 
 The Optuna study lives in a journal file in the sweep folder (`optuna.journal`, Optuna's JournalStorage):
 every ask and tell is appended as it happens, so it survives a crash. A trial the journal still shows
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emotune.core.errors import UserError
-from emotune.sweep_space import Param, Trial, trial_name
+from emotune.sweep.space import Param, Trial, trial_name
 
 STUDY_NAME = "emotune-sweep"
 

@@ -1,11 +1,11 @@
 """What a sweep varies: each key's values or range, the trials of a grid or an ablation, and their names.
 
 A sweep's keys are the dotted keys of `key=value` overrides; each trial is the base config with a few of
-them set (`lora.r=8 train.learning_rate=1e-4`), run by a normal `emotune run` (emotune.sweep). Values
+them set (`lora.r=8 train.learning_rate=1e-4`), run by a normal `emotune run` (emotune.sweep.runner). Values
 are kept as the override text the command line would carry, so a trial is exactly a command line.
 
 Ranges (`loguniform(1e-5,1e-3)`, `uniform(a,b)`, `int(a,b)`; `choice(a,b,c)` is a list) are only for
-the `random` and `tpe` searches (emotune.sweep_search). This module imports nothing heavy: config.py
+the `random` and `tpe` searches (emotune.sweep.search). This module imports nothing heavy: config.py
 validates `sweep.grid` with it.
 """
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Protocol
 
 from emotune.core.errors import UserError
-from emotune.sweep_search import Outcome
-from emotune.sweep_space import Trial
-from emotune.sweep_table import read_result
+from emotune.sweep.search import Outcome
+from emotune.sweep.space import Trial
+from emotune.sweep.table import read_result
 
 
 @dataclass(frozen=True)
