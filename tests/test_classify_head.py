@@ -253,7 +253,7 @@ def test_a_head_adapter_is_found_and_one_without_its_head_is_refused_clearly(tmp
 def test_two_training_steps_on_a_tiny_gemma4_text_model(tiny_gemma4_dir, tiny_overrides, tmp_path, capsys):
     """emotune's training loop on the architecture without a library class (emotune's own head), then the trained
     adapter merged: the merged model gives the adapter's logits."""
-    from emotune.export import merge_parity_gap
+    from emotune.deploy.export import merge_parity_gap
 
     overrides = [o for o in tiny_overrides if not o.startswith("model.source=")]
     assert main(["train", "task=classify_head", f"model.source={tiny_gemma4_dir}", *overrides,

@@ -13,7 +13,7 @@ import torch
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
-from emotune.export import max_lora_rank, merge_parity_gap
+from emotune.deploy.export import max_lora_rank, merge_parity_gap
 from emotune.model.artifacts import find_artifact
 
 TEXTS = ["i am so happy today", "my friend was furious", "lonely and lost this morning"]

@@ -19,7 +19,7 @@ from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
 from emotune.core.config import PromptConfig, ServeConfig, load_config
 from emotune.core.errors import UserError
-from emotune.export import merge_parity_gap
+from emotune.deploy.export import merge_parity_gap
 from emotune.model.head import classifier_from_causal
 from emotune.serve import build_engine, create_app
 from server_harness import running

@@ -239,7 +239,7 @@ def test_merged_export_of_a_top_layer_adapter(task, tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
     from emotune.cli import main
-    from emotune.export import merge_parity_gap
+    from emotune.deploy.export import merge_parity_gap
 
     run = write_tiny_adapter(tiny_model_dir, tmp_path / "run", task=task, layers=[1])
     saved = [k for k in load_file(run / "adapter" / "adapter_model.safetensors") if "lora_" in k]

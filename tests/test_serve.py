@@ -150,7 +150,7 @@ def test_vllm_client_example_runs_against_this_server(server, tiny_run_dir, tmp_
     """The exported client.py speaks plain OpenAI chat; here it talks to emotune's server (extra_body is ignored)."""
     import importlib.util
 
-    from emotune.export import export
+    from emotune.deploy.export import export
 
     out = export(tiny_run_dir, out=tmp_path / "export", vllm=True)
     spec = importlib.util.spec_from_file_location("client_example", out / "vllm" / "client.py")

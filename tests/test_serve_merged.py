@@ -12,8 +12,8 @@ from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
 from emotune.core.config import ServeConfig, load_config
 from emotune.core.errors import UserError
+from emotune.deploy.predict import Classifier, Generator
 from emotune.model.artifacts import find_artifact
-from emotune.predict import Classifier, Generator
 from emotune.serve import build_engine, create_app
 from server_harness import running
 

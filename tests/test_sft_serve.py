@@ -90,7 +90,7 @@ def test_predict_refuses_max_new_tokens_for_a_classifier(tiny_run_dir, sft_run, 
 
 
 def test_export_merges_an_sft_adapter_and_writes_a_free_text_client(sft_run, tmp_path, capsys):
-    from emotune.export import merge_parity_gap
+    from emotune.deploy.export import merge_parity_gap
 
     out = tmp_path / "export"
     assert main(["export", str(sft_run), "--merge", "--vllm", "--dtype", "float32", "--out", str(out)]) == 0
@@ -238,7 +238,7 @@ def test_n_and_stop_limits_are_refused_clearly(http, client):
 
 
 def test_exported_chat_client_runs_against_this_server(client, sft_run, tmp_path):
-    from emotune.export import export
+    from emotune.deploy.export import export
 
     out = export(sft_run, out=tmp_path / "export", vllm=True)
     spec = importlib.util.spec_from_file_location("chat_client_example", out / "vllm" / "client.py")

@@ -92,7 +92,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from emotune.export import export
+    from emotune.deploy.export import export
 
     export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype, force=args.force)
     return 0
@@ -100,8 +100,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _cmd_predict(args: argparse.Namespace) -> int:
     from emotune.core.config import load_config
+    from emotune.deploy.predict import predict_cli
     from emotune.model.artifacts import fallback_from
-    from emotune.predict import predict_cli
 
     cfg = load_config(args.config, []) if args.config else None
     if cfg is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from emotune.core.config import RunConfig
 from emotune.core.errors import UserError
-from emotune.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
+from emotune.deploy.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
 from emotune.model.artifacts import Fallback, find_artifact
 from emotune.serve.engine import check_base
 from emotune.serve.http import resolve_key

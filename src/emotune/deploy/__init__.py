@@ -1,0 +1,1 @@
+"""Deployment: export (merged model, adapter) and prediction with a trained artifact."""
