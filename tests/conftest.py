@@ -258,8 +258,9 @@ def _random_head_adapter(base, r: int, seed: int, layers: list[int] | None = Non
     from peft import get_peft_model
 
     from emotune.core.config import LoraSettings
-    from emotune.model.head import classifier_from_causal, head_objective
+    from emotune.model.head import classifier_from_causal
     from emotune.model.lora import lora_config
+    from emotune.tasks.classify_head.objective import head_objective
 
     classifier = classifier_from_causal(base, LABELS, seed)
     objective = head_objective("macro_f1", len(LABELS))

@@ -61,8 +61,9 @@ def test_a_head_trained_in_full_is_reported_by_its_weights(tmp_path):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from emotune.core.config import LoraSettings
-    from emotune.model.head import classifier_from_causal, head_objective
+    from emotune.model.head import classifier_from_causal
     from emotune.model.lora import lora_config
+    from emotune.tasks.classify_head.objective import head_objective
 
     config = Gemma3TextConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,

@@ -13,16 +13,9 @@ from safetensors.torch import load_file
 from emotune.cli import main
 from emotune.core.config import LoraSettings
 from emotune.core.errors import UserError
-from emotune.model.head import (
-    class_metrics,
-    classifier_from_causal,
-    collate_rows,
-    has_library_class,
-    head_loss,
-    head_objective,
-    last_token_index,
-)
+from emotune.model.head import classifier_from_causal, has_library_class, last_token_index
 from emotune.model.lora import lora_config
+from emotune.tasks.classify_head.objective import class_metrics, collate_rows, head_loss, head_objective
 from emotune.train import loop as train_mod
 from emotune.train.batches import LANGUAGE_MODEL, Example, collate, completion_loss
 

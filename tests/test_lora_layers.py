@@ -57,7 +57,8 @@ def test_adapters_sit_on_exactly_the_chosen_layers(layers, expected, targets):
 
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_gemma4_dir"])
 def test_gemma3_and_gemma4_text_models_and_their_head_classifier(fixture, request):
-    from emotune.model.head import classifier_from_causal, head_objective
+    from emotune.model.head import classifier_from_causal
+    from emotune.tasks.classify_head.objective import head_objective
 
     folder = request.getfixturevalue(fixture)
     names = _adapted(attach_lora(_load(folder), LoraSettings(layers=[1])))
@@ -185,14 +186,16 @@ def test_run_refuses_a_layer_past_the_model_before_loading_weights(tiny_override
 def test_plan_counts_the_adapters_of_the_chosen_layers_and_refuses_missing_ones(tiny_model_dir):
     """`emotune plan` builds the model from its config alone; its memory probe (one layer of each kind) adapts every
     probe layer, an upper bound."""
+    from emotune.tasks import task_for
     from emotune.train.plan import make_plan
 
     settings = [f"model.source={tiny_model_dir}", "train.precision=fp32", "train.max_length=32", "lora.layers=[1]"]
-    plan = make_plan(load_config(None, settings), "8GB")
+    cfg = load_config(None, settings)
+    plan = make_plan(cfg, task_for(cfg), "8GB")
     adapted = attach_lora(_load(tiny_model_dir), LoraSettings(layers=[1]))
     assert plan.arch.trainable == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     with pytest.raises(UserError, match="lora.layers lists layer 2"):
-        make_plan(load_config(None, [*settings, "lora.layers=[2]"]), "8GB")
+        make_plan(load_config(None, [*settings, "lora.layers=[2]"]), task_for(cfg), "8GB")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_the_counts_are_those_of_the_model_training_builds(tiny_model_dir, capsy
 
 def test_what_to_change_comes_in_the_training_recovery_order(tiny_model_dir, capsys):
     cfg = load_config(None, gpu(tiny_model_dir))
-    plan = make_plan(cfg, "8GB")
+    plan = make_plan(cfg, task_for(cfg), "8GB")
     work = task_for(cfg).memory_workload(cfg, "cuda")
 
     def need(rows: int, checkpointing: bool = False, length: int = 64) -> int:

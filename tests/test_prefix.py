@@ -19,8 +19,8 @@ from datasets import Dataset
 from conftest import LABELS, build_tokenizer, make_rows
 from emotune.cli import main
 from emotune.core.config import PromptConfig
-from emotune.model.head import head_objective
 from emotune.tasks.classify.task import encode_examples
+from emotune.tasks.classify_head.objective import head_objective
 from emotune.tasks.classify_head.task import encode_texts
 from emotune.train.batches import (
     CHUNK_TOKENS,

@@ -67,9 +67,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from emotune.tasks import task_for
     from emotune.train.plan import format_plan, make_plan, plan_json
 
-    plan = make_plan(_load(args, announce=False), args.device_memory)
+    cfg = _load(args, announce=False)
+    plan = make_plan(cfg, task_for(cfg), args.device_memory)
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
     return 0
 

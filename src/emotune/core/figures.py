@@ -1,4 +1,5 @@
-"""Fonts for figures: Latin text in matplotlib's own DejaVu Sans, Chinese (and other CJK) text in Noto Sans SC.
+"""Figures: fonts (Latin text in matplotlib's own DejaVu Sans, Chinese and other CJK text in Noto Sans SC), and
+a figure embedded in an HTML page as an inline PNG (report.html and the tasks' report sections).
 
 matplotlib ships no CJK font and a bare machine has none, so a figure with Chinese labels would draw empty
 boxes. emotune depends on the PyPI package `pylopdf-fonts-zh-cn`, which holds Noto Sans SC (the Simplified-
@@ -11,10 +12,15 @@ characters DejaVu Sans lacks come from the CJK font. Without the package, CJK fo
 
 from __future__ import annotations
 
+import base64
+import html
+import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+
+from emotune.core.rundir import atomic_file
 
 LATIN = "DejaVu Sans"  # matplotlib's default, shipped inside matplotlib itself
 # Families whose name says CJK, tried when the packaged font is missing (order: most common on Linux first).
@@ -96,3 +102,16 @@ def missing_glyphs(text: str, prop) -> set[str]:
     boxes."""
     files = font_files(prop)
     return {ch for ch in text if not ch.isspace() and not any(ord(ch) in covered(f) for f in files)}
+
+
+def embed_figure(fig, path: Path, alt: str) -> str:
+    """The figure as an inline <img> (saved as a PNG at `path` too)."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    data = buffer.getvalue()
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+    return f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(data).decode()}'></figure>"

@@ -26,8 +26,9 @@ from emotune.core.config import EvalConfig, PromptConfig
 from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.core.rundir import atomic_file, write_json
 from emotune.data import prompt_messages, system_prompt
-from emotune.eval.scoring import LabelScorer, run_in_batches
+from emotune.eval.scoring import LabelScorer
 from emotune.model.loading import stop_token_ids
+from emotune.runtime.oom import run_in_batches
 
 
 @dataclass

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from emotune.core.errors import raise_problems
-from emotune.eval.scoring import run_in_batches
 from emotune.eval.stats import bootstrap_ci, paired_bootstrap_delta
+from emotune.runtime.oom import run_in_batches
 
 PROBE_PATH = Path(__file__).parents[1] / "datasets" / "probe" / "probe.jsonl"  # emotune/datasets, one folder up
 LETTERS = ("A", "B", "C", "D")

@@ -2,7 +2,7 @@
 
 `LabelScorer` reads log P(label | chat prompt) for every label in one forward pass per batch: labels share
 their token prefixes (`LabelTrie`) and the prompt's shared head is computed once and its KV cache reused.
-`run_in_batches` is the batching both scoring and generation use: out of memory halves the batch.
+`run_in_batches` (emotune.runtime.oom) is the batching both scoring and generation use: out of memory halves the batch.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from emotune.core.config import PromptConfig
 from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.loading import END_OF_TURN
 from emotune.model.prefix import MASKED_ATTENTION, attention_masks
+from emotune.runtime.oom import run_in_batches
 from emotune.train.batches import common_prefix_length
 
 
@@ -221,35 +221,3 @@ def score_label_probs(model, tokenizer, texts: list[str], prompt: PromptConfig, 
     `label_token_ids`).
     """
     return LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size).softmax(-1)
-
-
-# --------------------------------------------------------------------------------------------------
-# Batching, shared with generation (`evaluate.generate_outputs`)
-
-
-def _is_out_of_memory(err: BaseException) -> bool:
-    text = str(err).lower()
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
-
-
-def run_in_batches(order: list[int], batch_size: int, step, desc: str | None = None) -> None:
-    """Call `step(rows)` on consecutive batches of `order`; out of memory halves the batch and retries it."""
-    with tqdm(total=len(order), desc=desc, unit="row", disable=desc is None) as bar:
-        start = 0
-        while start < len(order):
-            batch = order[start:start + batch_size]
-            try:
-                step(batch)
-            except (torch.OutOfMemoryError, RuntimeError) as err:
-                if not _is_out_of_memory(err):
-                    raise
-                if batch_size == 1:
-                    raise UserError("Evaluation ran out of memory with one row per batch. Use a smaller model, "
-                                    "model.dtype=bfloat16, or a device with more memory.") from None
-                batch_size = max(1, batch_size // 2)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                print(f"Out of memory: retrying with eval batch size {batch_size}", flush=True)
-                continue
-            start += len(batch)
-            bar.update(len(batch))

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import copy
 import re
-from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import transformers
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GenericForSequenceClassification
@@ -34,8 +32,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from emotune.core.errors import UserError
-from emotune.eval.scoring import run_in_batches
-from emotune.train.batches import Example, LossParts, Objective
+from emotune.runtime.oom import run_in_batches
 
 HEAD = "score"  # transformers' name for the head of decoder-only sequence classifiers
 BODY = "model"  # where both kinds of classifier hold the language model (GenericForSequenceClassification.base_model_prefix)
@@ -169,6 +166,17 @@ def encode_texts(texts: list[str], tokenizer: PreTrainedTokenizerBase, max_lengt
     return [ids or [tokenizer.eos_token_id] for ids in encoded]
 
 
+def pad_right(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and the attention mask the head pools by (the last real token of each row)."""
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        attention_mask[i, :len(ids)] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
 @torch.inference_mode()
 def head_probabilities(model, tokenizer, texts: list[str], max_length: int, batch_size: int,
                        desc: str | None = None) -> torch.Tensor:
@@ -178,9 +186,8 @@ def head_probabilities(model, tokenizer, texts: list[str], max_length: int, batc
     probs = torch.zeros(len(texts), model.config.num_labels)
 
     def step(batch: list[int]) -> None:
-        rows = [Example(ids[i], len(ids[i]) - 1, label=0) for i in batch]
-        encoded = collate_rows(rows, tokenizer.pad_token_id, device)
-        logits = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+        input_ids, attention_mask = pad_right([ids[i] for i in batch], tokenizer.pad_token_id, device)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         probs[batch] = logits.float().softmax(-1).cpu()
 
     was_training = model.training
@@ -231,51 +238,3 @@ def causal_adapter(causal: PreTrainedModel, adapter_dir: Path):
     causal_config.task_type = "CAUSAL_LM"
     causal_config.inference_mode = True
     return causal_config, weights, head
-
-
-# --------------------------------------------------------------------------------------------------
-# The training objective: class-weighted cross-entropy on the head's logits, one "token" per row
-
-
-def collate_rows(examples: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded ids, the attention mask (which the head pools by), each row's class and loss weight."""
-    width = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
-        attention_mask[i, :len(e.input_ids)] = 1
-    labels = torch.tensor([e.label for e in examples], dtype=torch.long)
-    weights = torch.tensor([e.weight for e in examples], dtype=torch.float32)
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device), "labels": labels.to(device),
-            "row_weights": weights.to(device)}
-
-
-def head_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossParts:
-    """Σ_rows weight(class) · cross-entropy; the loop divides by the rows of the global step (each row counts one
-    loss token), as the completion loss weighs each label token (data.balance=class_weight)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-    per_row = F.cross_entropy(logits, batch["labels"], reduction="none")
-    predicted = logits.detach().argmax(-1)
-    return LossParts((per_row * batch["row_weights"]).sum(), int(batch["labels"].numel()),
-                     (predicted == batch["labels"]).sum(), predicted, batch["labels"])
-
-
-def class_metrics(predicted: torch.Tensor, gold: torch.Tensor, num_labels: int) -> dict[str, float]:
-    """Validation accuracy and macro-F1 over the whole label set (a class never predicted scores 0), as evaluation."""
-    from sklearn.metrics import f1_score
-
-    gold_, predicted_ = gold.tolist(), predicted.tolist()
-    return {"eval_accuracy": sum(g == p for g, p in zip(gold_, predicted_, strict=False)) / max(len(gold_), 1),
-            "eval_macro_f1": float(f1_score(gold_, predicted_, labels=list(range(num_labels)), average="macro",
-                                            zero_division=0))}
-
-
-SELECT = {"macro_f1": "eval_macro_f1", "accuracy": "eval_accuracy", "loss": "eval_loss"}
-
-
-def head_objective(select: str, num_labels: int) -> Objective:
-    """The head's loss, SEQ_CLS adapters with `score` trained in full, and the adapter kept by `select`."""
-    return Objective(collate=collate_rows, loss=head_loss, select=SELECT[select], higher_is_better=select != "loss",
-                     row_metrics=partial(class_metrics, num_labels=num_labels), lora_task_type="SEQ_CLS",
-                     modules_to_save=(HEAD,))

@@ -10,15 +10,13 @@ emotune.tasks.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import re
 from pathlib import Path
 
 from emotune.core.errors import UserError
-from emotune.core.figures import families, figure_fonts, missing_glyphs
-from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
+from emotune.core.figures import embed_figure, families, figure_fonts, missing_glyphs
+from emotune.core.rundir import RunDir, read_json, write_text
 from emotune.eval.merged import describe
 
 # --------------------------------------------------------------------------------------------------
@@ -26,7 +24,7 @@ from emotune.eval.merged import describe
 
 def write_report(run_dir: str | Path) -> Path:
     """report.html (self-contained) and report/*.png from whatever the run folder holds; returns the page's path."""
-    from emotune.report.training import training_section  # it embeds its figures with this module's embed_figure
+    from emotune.report.training import training_section
     from emotune.tasks import TASKS
 
     run = RunDir(run_dir)
@@ -137,19 +135,6 @@ def _telemetry_section(run: RunDir, info: dict) -> str:
 
 def _peak_mean(values: dict | None) -> str:
     return "—" if values is None else f"{values['peak']:g} / {values['mean']:g}"
-
-
-def embed_figure(fig, path: Path, alt: str) -> str:
-    """The figure as an inline <img> (saved as a PNG at `path` too)."""
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    data = buffer.getvalue()
-    with atomic_file(path) as tmp:
-        tmp.write_bytes(data)
-    return f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(data).decode()}'></figure>"
 
 
 _PAGE = """<!DOCTYPE html>

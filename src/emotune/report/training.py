@@ -13,9 +13,9 @@ import math
 import numpy as np
 import yaml
 
+from emotune.core.figures import embed_figure
 from emotune.core.rundir import RunDir, write_json
 from emotune.model.adapter_stats import adapter_stats
-from emotune.report.page import embed_figure
 
 
 def training_section(run: RunDir) -> str:

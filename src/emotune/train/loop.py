@@ -37,6 +37,7 @@ from emotune.model import lean_lora, lean_norm
 from emotune.model.artifacts import write_adapter
 from emotune.model.lora import attach_lora, checkpoint_activations
 from emotune.runtime.device import Precision
+from emotune.runtime.oom import free_memory, is_out_of_memory
 from emotune.runtime.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.train import checkpoints as ckpt
 from emotune.train import recovery as oom
@@ -356,14 +357,14 @@ def _optimizer_step(s: Session, passes: list[list[list[int]]], rows: list[Exampl
                 (s.scaler.scale(loss) if s.scaler is not None else loss).backward()
             loss_sum += parts.loss_sum.detach().float()
     except Exception as err:  # noqa: BLE001 (only out-of-memory errors are kept; the rest re-raised)
-        if not oom.is_out_of_memory(err):
+        if not is_out_of_memory(err):
             raise
         if sharded:
             raise oom.sharded_failure(step, oom.describe(err)) from None
         failure = oom.describe(err)  # a string: the error's frames, and the activations they hold, go with it
     batch = parts = loss = None
     if any_process(failure is not None, accelerator):
-        oom.free_memory(s.optimizer)
+        free_memory(s.optimizer)
         from accelerate.utils import gather_object
 
         return oom.OutOfMemory(gather_object([failure]) if accelerator.num_processes > 1 else [failure])
@@ -382,7 +383,7 @@ def _optimizer_step(s: Session, passes: list[list[list[int]]], rows: list[Exampl
         elif finite:
             s.optimizer.step()
     except Exception as err:  # noqa: BLE001
-        if oom.is_out_of_memory(err):
+        if is_out_of_memory(err):
             raise oom.optimizer_failure(step, oom.describe(err)) from None
         raise
     s.optimizer.zero_grad(set_to_none=True)

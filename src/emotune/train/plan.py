@@ -74,15 +74,16 @@ def _total(parts: dict[str, int], target: Target) -> int:
     return sum(parts.values()) + target.runtime
 
 
-def make_plan(cfg: RunConfig, device_memory: str | None = None) -> Plan:
+def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
+    """The memory plan of `cfg`'s run; `task` (emotune.tasks.task_for(cfg)) says what its training and evaluation
+    hold (`memory_workload`), so this layer never looks tasks up itself."""
     from emotune.model.loading import load_model_config
-    from emotune.tasks import task_for
     from emotune.train.passes import pass_token_cap
 
     target = _target(cfg, device_memory)
     dtype = target.precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     config = load_model_config(cfg.model)
-    work = task_for(cfg).memory_workload(cfg, target.kind)
+    work = task.memory_workload(cfg, target.kind)
     arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work)
     t = cfg.train
     cap = pass_token_cap(t, torch.device(target.kind))

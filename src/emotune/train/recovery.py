@@ -30,7 +30,6 @@ other processes.
 
 from __future__ import annotations
 
-import gc
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -43,7 +42,6 @@ from emotune.model.lora import checkpoint_activations
 from emotune.train import checkpoints as ckpt
 from emotune.train.batches import Example, forward_passes, truncated
 
-CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
 MAX_ROWS_LOST = 0.01  # the share of training rows a shorter max_length may leave without any loss token
 ATTENTION = re.compile(r"attn|attention")  # module paths of attention projections (self_attn, c_attn, attention)
 ROWS, ADAPTERS = "rows per forward pass", "LoRA adapters training"  # the settings without a config key of their own
@@ -57,22 +55,6 @@ class OutOfMemory:
     @property
     def first(self) -> str:
         return next(m for m in self.messages if m is not None)
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """A GPU allocator's OutOfMemoryError (CUDA, ROCm), or the CPU allocator's failure to allocate."""
-    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(err, RuntimeError) and (CPU_OOM in str(err) or "out of memory" in str(err))
-
-
-def free_memory(optimizer: torch.optim.Optimizer) -> None:
-    """What a failed step left: its partial gradients, its activations (unreachable once the error is gone),
-    and the cached blocks the GPU allocator keeps."""
-    optimizer.zero_grad(set_to_none=True)
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 @dataclass

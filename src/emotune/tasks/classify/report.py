@@ -13,10 +13,10 @@ import numpy as np
 
 from emotune.core import terminal
 from emotune.core.errors import UserError
+from emotune.core.figures import embed_figure
 from emotune.core.rundir import RunDir, atomic_file, write_json
 from emotune.eval.evaluate import EvalResult
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
-from emotune.report.page import embed_figure
 
 MAX_LISTED_ROWS = 30
 

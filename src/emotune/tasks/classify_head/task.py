@@ -25,7 +25,8 @@ from emotune.data.prepare import data_fingerprint, format_summary, prepare_data,
 from emotune.eval.evaluate import EvalResult, auto_batch_cap, compute_metrics, probability_metrics, read_predictions, write_results
 from emotune.eval.evaluate import evaluate as evaluate_method
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
-from emotune.model.head import classifier_from_causal, encode_texts, head_objective, head_probabilities, is_classifier
+from emotune.model.head import classifier_from_causal, encode_texts, head_probabilities, is_classifier
+from emotune.tasks.classify_head.objective import head_objective
 from emotune.tasks.classify_head.report import compare, format_comparison, report_sections, write_comparison
 from emotune.train.batches import Example, Objective
 

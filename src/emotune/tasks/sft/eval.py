@@ -28,7 +28,7 @@ from emotune.core.rundir import atomic_file, read_json, write_json
 from emotune.data.conversations import Conversation
 from emotune.eval import textmetrics
 from emotune.eval.evaluate import generate_texts
-from emotune.eval.scoring import run_in_batches
+from emotune.runtime.oom import run_in_batches
 from emotune.tasks.sft.rows import encode
 from emotune.train.batches import collate, completion_loss
 
