@@ -38,7 +38,10 @@ from pathlib import Path
 import torch
 from peft import PeftModel, get_peft_model
 
-from emotune.core.config import EvalConfig, LoraSettings, ModelConfig, PromptConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import EvalConfig
+from emotune.core.config.model import ModelConfig
+from emotune.core.config.train import LoraSettings
 from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.data import prompt_messages
 from emotune.eval.evaluate import generate_outputs

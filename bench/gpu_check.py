@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.eval_rows = min(args.steps, 2), min(args.eval_rows, 8)
     emit = Emitter(args.out)
 
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.runtime.device import choose_precision, doctor, resolve_device
     from emotune.tasks.classify.task import encode_examples, load_data
 

@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from emotune.core.config import load_config
+from emotune.core.config.load import load_config
 from emotune.core.rundir import RunDir
 from emotune.runtime.device import Precision
 from emotune.train.batches import Example
@@ -105,7 +105,7 @@ def measure_training(config, length: int, rows: int, checkpointing: bool, sft: b
 @torch.inference_mode()
 def measure_generation(config, length: int, rows: int, new_tokens: int = 4, dtype: torch.dtype = torch.float32) -> dict:
     """The estimate of one batch of greedy generation and its measured peak."""
-    from emotune.core.config import LoraSettings
+    from emotune.core.config.train import LoraSettings
 
     evaluation = Evaluation(rows, False, length, new_tokens, projected=1, cache="model")
     arch = describe(config, LoraSettings(), "adamw_torch", dtype, Workload(CLASSIFY_LOSS_TOKENS))

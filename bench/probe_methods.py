@@ -27,7 +27,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.eval.probe import load_probe, score_probe
     from emotune.model.loading import resolve_model_dir
 

@@ -101,7 +101,7 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
 
 def conversations(rows: int, turns: int, seed: int):
     """`rows` conversations of `turns` answered turns, chained from the packaged training rows in file order."""
-    from emotune.core.config import SftDataConfig
+    from emotune.core.config.sft import SftDataConfig
     from emotune.data.conversation_data import load_conversations
     from emotune.data.conversations import Conversation
 
@@ -120,7 +120,7 @@ def run_side(args: argparse.Namespace) -> dict:
     import torch
     from transformers import set_seed
 
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
     from emotune.runtime import device as device_mod
     from emotune.tasks.sft.rows import encode_all

@@ -57,7 +57,7 @@ def main() -> None:
         os.environ["LRU_CACHE_CAPACITY"] = str(args.lru_cache_capacity)
     from datasets import load_dataset
 
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
     from emotune.model.lora import attach_lora
     from emotune.tasks.classify.task import encode_examples

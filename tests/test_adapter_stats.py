@@ -60,7 +60,7 @@ def test_a_head_trained_in_full_is_reported_by_its_weights(tmp_path):
     from peft import get_peft_model
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from emotune.core.config import LoraSettings
+    from emotune.core.config.train import LoraSettings
     from emotune.model.head import classifier_from_causal
     from emotune.model.lora import lora_config
     from emotune.tasks.classify_head.objective import head_objective

@@ -11,7 +11,7 @@ import torch
 
 from conftest import LABELS
 from emotune.cli import main
-from emotune.core.config import PromptConfig
+from emotune.core.config.data import PromptConfig
 from emotune.core.errors import UserError
 from emotune.model.artifacts import META, Fallback, find_artifact, load_artifact_model
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune.core.config import EvalConfig, ModelConfig, PromptConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import EvalConfig
+from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.eval import evaluate as ev
 from emotune.runtime.oom import run_in_batches

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from emotune.cli import main
-from emotune.core.config import TrainConfig
+from emotune.core.config.train import TrainConfig
 from emotune.train import checkpoints as ckpt
 from emotune.train.batches import epoch_batches, forward_passes
 from emotune.train.passes import (

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from emotune.cli import main
-from emotune.core.config import LoraSettings
+from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model.head import classifier_from_causal, has_library_class, last_token_index
 from emotune.model.lora import lora_config

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from emotune.cli import main
-from emotune.core.config import dump_config, load_config
+from emotune.core.config.build import dump_config
+from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunLog, open_run, write_json
 from emotune.eval import stats

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from conftest import LABELS, make_rows, write_jsonl
-from emotune.core.config import DataConfig, PromptConfig
+from emotune.core.config.data import DataConfig, PromptConfig
 from emotune.core.errors import UserError
 from emotune.data import EMBEDDED_LABELS, embedded_dataset_dir, load_data, prompt_messages, to_prompt_completion
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import LABELS
-from emotune.core.config import DataConfig
+from emotune.core.config.data import DataConfig
 from emotune.core.errors import UserError
 from emotune.data import load_data
 from emotune.data.labels import MISSING_SPELLINGS

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LABELS, make_rows, write_jsonl
-from emotune.core.config import DataConfig, PromptConfig
+from emotune.core.config.data import DataConfig, PromptConfig
 from emotune.core.errors import UserError
 from emotune.core.replies import extract_label, label_pattern
 from emotune.data import load_data, prompt_messages

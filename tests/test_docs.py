@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from emotune.cli import COMMANDS, build_parser
-from emotune.core.config import TASK_CONFIGS, field_docs
+from emotune.core.config.build import TASK_CONFIGS, field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

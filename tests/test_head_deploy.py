@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
-from emotune.core.config import PromptConfig, ServeConfig, load_config
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.deploy.export import merge_parity_gap
 from emotune.model.head import classifier_from_causal
@@ -317,7 +319,7 @@ def test_the_engine_puts_a_head_adapter_on_a_multimodal_base(tmp_path):
     """Gemma 4 as its checkpoints come (multimodal): the classifier holds the language model at `model`, the causal
     model at `model.language_model`, so the head adapter's LoRA is renamed to join the causal model's adapters."""
     from conftest import build_tokenizer
-    from emotune.core.config import ModelConfig
+    from emotune.core.config.model import ModelConfig
     from emotune.model.artifacts import find_artifact
     from emotune.serve.engine import Engine
     from test_lora import _tiny_gemma4_multimodal

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune.core.config import LoraSettings
+from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model.lora import attach_lora, language_model_linear_targets
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from conftest import write_tiny_adapter
-from emotune.core.config import LoraSettings, dump_config, load_config
+from emotune.core.config.build import dump_config
+from emotune.core.config.load import load_config
+from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model.lora import attach_lora, check_layers, checkpoint_activations, resolve_layers
 from test_lora import _tiny_gemma3n_multimodal, _tiny_gemma4_multimodal

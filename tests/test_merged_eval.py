@@ -24,7 +24,8 @@ def load_adapted(model_dir, run_dir, dtype):
 
 
 def sample_ids(model_dir, rows: int = 6) -> list[list[int]]:
-    from emotune.core.config import ModelConfig, PromptConfig
+    from emotune.core.config.data import PromptConfig
+    from emotune.core.config.model import ModelConfig
     from emotune.data import prompt_messages
     from emotune.model.loading import load_tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.utils import is_flash_attn_2_available
 
-from emotune.core.config import ModelConfig
+from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.model.loading import GEMMA_CHAT_TEMPLATE, check_attention, load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 
@@ -134,7 +134,9 @@ def test_generation_under_lora_projects_the_last_position_with_one_matmul(tiny_m
     for Gemma's vocabulary on a CPU, the fine-tuned evaluation's 9x slowdown)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from emotune.core.config import EvalConfig, LoraSettings, PromptConfig
+    from emotune.core.config.data import PromptConfig
+    from emotune.core.config.eval import EvalConfig
+    from emotune.core.config.train import LoraSettings
     from emotune.eval.evaluate import generate_outputs
     from emotune.model.lora import attach_lora
 

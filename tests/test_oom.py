@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emotune.core.config import load_config
+from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.model.lora import attach_lora
 from emotune.pipeline import train_only
@@ -101,7 +101,7 @@ def test_any_shortens_rows_then_narrows_the_adapters_and_frozen_adapters_stay_sa
     then stops the adapters outside attention; they stay in the trained state that checkpoints save."""
     from transformers import AutoModelForCausalLM
 
-    from emotune.core.config import LoraSettings
+    from emotune.core.config.train import LoraSettings
 
     model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), LoraSettings(r=2))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
@@ -131,7 +131,7 @@ def test_any_shortens_rows_then_narrows_the_adapters_and_frozen_adapters_stay_sa
 TWO_PROCESS_FAULT = """
 import os, sys
 import torch
-from emotune.core.config import load_config
+from emotune.core.config.load import load_config
 from emotune.pipeline import train_only
 
 seen = []

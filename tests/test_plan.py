@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from emotune.cli import main
-from emotune.core.config import load_config
+from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.tasks import task_for
 from emotune.train.memory import training_parts

@@ -18,7 +18,7 @@ from datasets import Dataset
 
 from conftest import LABELS, build_tokenizer, make_rows
 from emotune.cli import main
-from emotune.core.config import PromptConfig
+from emotune.core.config.data import PromptConfig
 from emotune.tasks.classify.task import encode_examples
 from emotune.tasks.classify_head.objective import head_objective
 from emotune.tasks.classify_head.task import encode_texts

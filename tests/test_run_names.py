@@ -55,7 +55,7 @@ def test_predict_on_a_run_and_its_adapter_folder_named_like_a_module_attribute(n
 
 
 def test_serve_engine_holds_adapters_named_like_module_attributes(named_runs):
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.serve.engine import build_engine
 
     cfg = load_config(None, ["model.dtype=float32"])

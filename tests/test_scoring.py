@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune.core.config import PromptConfig
+from emotune.core.config.data import PromptConfig
 from emotune.data import prompt_messages
 from emotune.eval.scoring import LabelScorer, LabelTrie, label_token_ids, score_label_probs
 
@@ -18,7 +18,7 @@ TEXTS = ["i feel lonely today", "wow", "my friend was so happy this morning and 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from emotune.core.config import ModelConfig
+    from emotune.core.config.model import ModelConfig
     from emotune.model.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
@@ -96,7 +96,7 @@ def test_rows_longer_than_the_sliding_window(tiny):
 def test_eager_attention(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from emotune.core.config import ModelConfig
+    from emotune.core.config.model import ModelConfig
     from emotune.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
@@ -119,7 +119,7 @@ def test_score_label_probs_is_a_distribution_over_labels(tiny):
 @pytest.mark.xdist_group("packaged")
 def test_real_model_scores_equal_brute_force(packaged_model):
     """The packaged Gemma 3 270M and its tokenizer: `sadness` is two tokens, the vocabulary 262,144 wide."""
-    from emotune.core.config import ModelConfig
+    from emotune.core.config.model import ModelConfig
     from emotune.model.loading import load_model, load_tokenizer
 
     model_dir = packaged_model.folder

@@ -11,7 +11,8 @@ import openai
 import pytest
 
 from conftest import LABELS, write_tiny_adapter
-from emotune.core.config import ServeConfig, load_config
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
 from emotune.eval.scoring import score_label_probs
 from emotune.serve import build_engine, create_app
 from server_harness import running

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import LABELS, write_tiny_adapter
-from emotune.core.config import load_config
+from emotune.core.config.load import load_config
 from emotune.model.artifacts import find_artifact
 from emotune.serve import build_engine, create_app
 from server_harness import running

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
-from emotune.core.config import ServeConfig, load_config
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.deploy.predict import Classifier, Generator
 from emotune.model.artifacts import find_artifact

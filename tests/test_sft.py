@@ -112,7 +112,7 @@ def _grads(model):
 
 
 def test_classification_loss_and_gradients_unchanged(model, tokenizer, tiny_model_dir, data_dir):
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.data import load_data
     from emotune.tasks.classify.task import encode_examples
 
@@ -177,7 +177,7 @@ def _sft_rows(n: int, seed: int) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_step_sft_run(tiny_model_dir, tmp_path):
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.pipeline import run
 
     write_jsonl(tmp_path / "sft.jsonl", _sft_rows(60, seed=1))

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_jsonl
-from emotune.core.config import load_config
+from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.data.conversation_data import load_conversations
 

@@ -15,7 +15,8 @@ import torch
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
-from emotune.core.config import ServeConfig, load_config
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
 from emotune.serve import build_engine, create_app
 from emotune.serve.chat import StopFilter
 from server_harness import running

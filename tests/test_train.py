@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import LABELS, make_rows
 from emotune.cli import main
-from emotune.core.config import PromptConfig
+from emotune.core.config.data import PromptConfig
 from emotune.tasks.classify.task import encode_examples
 from emotune.train import loop as train_mod
 from emotune.train.batches import collate, completion_loss, epoch_batches, forward_passes, rank_share

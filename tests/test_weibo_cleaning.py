@@ -8,7 +8,8 @@ import pyarrow as pa
 import pytest
 
 from conftest import write_jsonl
-from emotune.core.config import CleaningConfig, DataConfig, load_config
+from emotune.core.config.data import CleaningConfig, DataConfig
+from emotune.core.config.load import load_config
 from emotune.data import load_data
 from emotune.data.clean import clean_text
 from emotune.data.prepare import format_cleaning

@@ -27,7 +27,7 @@ def build_chinese_tokenizer(folder: Path):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.model.loading import GEMMA_CHAT_TEMPLATE
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]

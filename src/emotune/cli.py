@@ -77,14 +77,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from emotune.core.config import dump_config, field_docs
+    from emotune.core.config.build import dump_config, field_docs
 
     if args.fields:
         for key, default, doc in field_docs():
             print(f"{key} = {default}\n    {doc}")
         return 0
     if args.from_llamafactory:
-        from emotune.core.llamafactory import translated_yaml
+        from emotune.core.config.llamafactory import translated_yaml
 
         overrides = [args.config, *args.overrides] if args.config else list(args.overrides)
         print(translated_yaml(args.from_llamafactory, overrides), end="")
@@ -101,7 +101,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.deploy.predict import predict_cli
     from emotune.model.artifacts import fallback_from
 
@@ -118,7 +118,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.model.artifacts import fallback_from
     from emotune.serve import serve
 
@@ -156,11 +156,11 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[st
 
 
 def _load(args: argparse.Namespace, announce: bool = True):
-    from emotune.core.config import load_config
+    from emotune.core.config.load import load_config
 
     config, overrides = _config_and_overrides(args)
     if announce and config is not None:
-        from emotune.core.llamafactory import announce as announce_llamafactory
+        from emotune.core.config.llamafactory import announce as announce_llamafactory
 
         announce_llamafactory(config, overrides)  # a LLaMA-Factory file: each key's emotune equivalent first
     cfg = load_config(config, overrides)
@@ -171,7 +171,7 @@ def _load(args: argparse.Namespace, announce: bool = True):
 
 def _announce(cfg) -> None:
     """Every command that takes a config prints it resolved first, so a log always says what ran."""
-    from emotune.core.config import dump_config
+    from emotune.core.config.build import dump_config
 
     print("Resolved config (defaults < YAML < key=value):\n" + dump_config(cfg), flush=True)
 

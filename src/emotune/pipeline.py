@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, set_seed
 
-from emotune.core.config import RunConfig, dump_config
+from emotune.core.config.build import dump_config
+from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, RunLog, drop_previous, open_run, read_json
 from emotune.eval.merged import CHECK_ROWS, describe, merged_for_eval

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from emotune.core.config import CleaningConfig, SftDataConfig
+from emotune.core.config.data import CleaningConfig
+from emotune.core.config.sft import SftDataConfig
 from emotune.core.errors import UserError, listed, raise_problems
 from emotune.data import clean
 from emotune.data import splits as split_ops
@@ -72,7 +73,7 @@ def load_conversations(cfg: SftDataConfig, seed: int) -> ConversationData:
 
 
 def _entries(cfg: SftDataConfig) -> list[tuple[str, Entry]]:
-    from emotune.core.config import SftColumns, SftTags
+    from emotune.core.config.sft import SftColumns, SftTags
 
     def plain(name: str, files: list[Path]) -> Entry:
         return Entry(name, files, cfg.format, cfg.columns, cfg.tags)

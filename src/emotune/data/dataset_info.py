@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from emotune.core.config import SftColumns, SftDataConfig, SftTags
+from emotune.core.config.sft import SftColumns, SftDataConfig, SftTags
 from emotune.core.errors import UserError
 
 INFO_FILE = "dataset_info.json"

@@ -12,7 +12,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from emotune.core.config import DataConfig
+from emotune.core.config.data import DataConfig
 from emotune.core.errors import listed
 from emotune.data.sources import RawSplit
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Dataset
 
-from emotune.core.config import CleaningConfig, DataConfig
+from emotune.core.config.data import CleaningConfig, DataConfig
 from emotune.core.errors import UserError, raise_problems
 from emotune.data import clean
 from emotune.data import splits as split_ops

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from emotune.core import terminal
-from emotune.core.config import RunConfig
+from emotune.core.config.run import RunConfig
 from emotune.core.figures import figure_fonts
 from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.clean import token_lengths

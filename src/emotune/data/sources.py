@@ -19,7 +19,7 @@ import pyarrow as pa
 from datasets import ClassLabel, Features
 from platformdirs import user_cache_dir
 
-from emotune.core.config import DataConfig
+from emotune.core.config.data import DataConfig
 from emotune.core.errors import UserError
 from emotune.data.read import FORMATS, read_table
 

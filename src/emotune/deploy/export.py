@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from emotune.core.config import ModelConfig
+from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, find_artifact

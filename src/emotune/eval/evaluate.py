@@ -22,7 +22,8 @@ import torch
 from datasets import Dataset
 from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, log_loss, precision_recall_fscore_support, top_k_accuracy_score
 
-from emotune.core.config import EvalConfig, PromptConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import EvalConfig
 from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.core.rundir import atomic_file, write_json
 from emotune.data import prompt_messages, system_prompt

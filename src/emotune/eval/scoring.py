@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from emotune.core.config import PromptConfig
+from emotune.core.config.data import PromptConfig
 from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.loading import END_OF_TURN

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from emotune.core.config import ModelConfig, PromptConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, read_json
 

@@ -15,7 +15,7 @@ import torch
 from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from emotune.core.config import ModelConfig
+from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError, first_line
 from emotune.core.rundir import atomic_dir
 from emotune.runtime.device import Precision, choose_precision

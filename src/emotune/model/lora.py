@@ -27,7 +27,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
-from emotune.core.config import LoraSettings
+from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datasets import Dataset
 
-from emotune.core.config import PromptConfig
+from emotune.core.config.data import PromptConfig
 
 
 def system_prompt(prompt: PromptConfig, labels: list[str]) -> str:

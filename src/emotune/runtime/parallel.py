@@ -13,7 +13,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
 from transformers import PreTrainedModel
 
-from emotune.core.config import TrainConfig
+from emotune.core.config.train import TrainConfig
 from emotune.core.errors import UserError
 
 FSDP1_REFUSED = ("accelerate launch asks for FSDP version 1; emotune trains with FSDP2 only. Pass --fsdp_version 2 "

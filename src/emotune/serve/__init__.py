@@ -26,7 +26,7 @@ the middle of a forward pass. Classify requests wait in a bounded queue and are 
 
 from __future__ import annotations
 
-from emotune.core.config import RunConfig
+from emotune.core.config.run import RunConfig
 from emotune.model.artifacts import Fallback
 from emotune.serve.engine import build_engine
 from emotune.serve.http import resolve_key

@@ -16,7 +16,7 @@ import uuid
 import torch
 from transformers import StoppingCriteria
 
-from emotune.core.config import ServeConfig
+from emotune.core.config.eval import ServeConfig
 from emotune.model.loading import stop_token_ids
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from emotune.core.config import ModelConfig, PromptConfig, RunConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.model import ModelConfig
+from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
 from emotune.eval.scoring import LabelScorer, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from emotune.core.config import PromptConfig, ServeConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import ServeConfig
 from emotune.core.errors import UserError
 from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
 from emotune.serve.chat import chat_job, generate_reply, stream_chat

@@ -7,7 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from emotune.core.config import ServeConfig
+from emotune.core.config.eval import ServeConfig
 from emotune.serve.batching import MicroBatcher
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError, resolve_key

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from emotune.core.config import RunConfig
+from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
 from emotune.deploy.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
 from emotune.model.artifacts import Fallback, find_artifact

@@ -27,12 +27,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from emotune.core.config import RunConfig, dump_config, load_config
+from emotune.core.config.build import dump_config
+from emotune.core.config.load import load_config
+from emotune.core.config.run import RunConfig
+from emotune.core.config.sweep import SEARCH_MODES, Param, is_spec, parse_grid, split_values
 from emotune.core.errors import UserError, raise_problems
 from emotune.core.rundir import PREVIOUS, RunDir, read_json, remove_partial_writes, write_json, write_text
 from emotune.sweep.backends import Job, device_slots, require_ray, run_local, run_ray
 from emotune.sweep.search import ListSource, OptunaSource, Outcome, require_optuna
-from emotune.sweep.space import SEARCH_MODES, Param, Trial, ablation_trials, grid_trials, is_spec, parse_grid, split_values
+from emotune.sweep.space import Trial, ablation_trials, grid_trials
 from emotune.sweep.table import (
     DEFAULT_METRIC,
     TASK_METRICS,

@@ -16,8 +16,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from emotune.core.config.sweep import Param
 from emotune.core.errors import UserError
-from emotune.sweep.space import Param, Trial, trial_name
+from emotune.sweep.space import Trial, trial_name
 
 STUDY_NAME = "emotune-sweep"
 

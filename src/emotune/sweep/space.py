@@ -5,133 +5,25 @@ them set (`lora.r=8 train.learning_rate=1e-4`), run by a normal `emotune run` (e
 are kept as the override text the command line would carry, so a trial is exactly a command line.
 
 Ranges (`loguniform(1e-5,1e-3)`, `uniform(a,b)`, `int(a,b)`; `choice(a,b,c)` is a list) are only for
-the `random` and `tpe` searches (emotune.sweep.search). This module imports nothing heavy: config.py
-validates `sweep.grid` with it.
+the `random` and `tpe` searches (emotune.sweep.search). The grammar of a key's
+values and ranges lives with the sweep section of the config (emotune.core.config.sweep), which validates it.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-SEARCH_MODES = ("random", "tpe")
-RANGE_KINDS = ("loguniform", "uniform", "int")
-SPEC = re.compile(r"\s*(?P<kind>[A-Za-z_]\w*)\s*\((?P<args>.*)\)\s*", re.S)
-DOTTED_KEY = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
-# set by the sweep itself for every trial (its folder, and never replacing a finished trial)
-RESERVED_KEYS = ("name", "output_dir", "overwrite")
+from emotune.core.config.sweep import Param  # the grammar of sweep.grid
+
 # short names in trial folder names; any other key is named by its last part
 SHORT_NAMES = {"learning_rate": "lr", "batch_size": "bs", "gradient_accumulation_steps": "ga",
                "gradient_checkpointing": "gc", "max_length": "len", "num_train_epochs": "ep", "max_steps": "steps",
                "weight_decay": "wd", "warmup_ratio": "warmup", "lr_scheduler_type": "sched", "dropout": "drop",
                "target_modules": "modules", "use_rslora": "rslora", "use_dora": "dora"}
 MAX_NAME = 100  # the longest run name (config.RUN_NAME)
-
-
-@dataclass(frozen=True)
-class Param:
-    """One swept key: a list of override texts (`values`), or a range for the searches."""
-
-    key: str
-    values: tuple[str, ...] = ()
-    kind: str = "values"  # "values", or one of RANGE_KINDS
-    low: float = 0.0
-    high: float = 0.0
-
-    @property
-    def is_range(self) -> bool:
-        return self.kind != "values"
-
-
-def override_text(value: Any) -> str:
-    """A YAML value as the text of a `key=value` override that means the same value (`true`, `null`, `[a, b]`)."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-def split_values(text: str) -> list[str]:
-    """`8,16,32` → ['8', '16', '32']; commas inside brackets, braces, parentheses or quotes do not split."""
-    parts, depth, quote, current = [], 0, "", ""
-    for char in text:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-            continue
-        current += char
-    parts.append(current.strip())
-    if not all(parts):
-        raise ValueError(f"`{text}` has an empty value between commas")
-    return parts
-
-
-def is_spec(text: str) -> bool:
-    return isinstance(text, str) and SPEC.fullmatch(text) is not None
-
-
-def parse_param(key: str, value: Any) -> Param:
-    """The values or range of one key, as written in `sweep.grid` (a list, one value, or a range spec)."""
-    if not isinstance(key, str) or not DOTTED_KEY.fullmatch(key):
-        raise ValueError(f"`{key}` is not a dotted config key such as lora.r")
-    if key in RESERVED_KEYS or key == "sweep" or key.startswith("sweep."):
-        raise ValueError(f"`{key}` is set by the sweep itself for every trial and cannot be swept")
-    if isinstance(value, dict):
-        raise ValueError(f"`{key}`: give a list of values or a range, not a mapping")
-    if isinstance(value, str) and is_spec(value):
-        return _parse_spec(key, value)
-    texts = [override_text(v) for v in (value if isinstance(value, list) else [value])]
-    if not texts:
-        raise ValueError(f"`{key}` has no values; give at least one, e.g. {key}=8,16")
-    repeated = sorted({t for t in texts if texts.count(t) > 1})
-    if repeated:
-        raise ValueError(f"`{key}` lists {', '.join(repeated)} more than once")
-    return Param(key, tuple(texts))
-
-
-def _parse_spec(key: str, text: str) -> Param:
-    match = SPEC.fullmatch(text)
-    kind, args = match["kind"], split_values(match["args"]) if match["args"].strip() else []
-    if kind == "choice":
-        return parse_param(key, args)
-    usage = "loguniform(low,high), uniform(low,high), int(low,high) or choice(a,b,...)"
-    if kind not in RANGE_KINDS:
-        raise ValueError(f"`{key}={text}`: `{kind}(...)` is not a range emotune knows; use {usage}")
-    if len(args) != 2:
-        raise ValueError(f"`{key}={text}`: {kind} takes two bounds, low and high, e.g. {kind}(1,4)")
-    try:
-        low, high = (int(a) for a in args) if kind == "int" else (float(a) for a in args)
-    except ValueError:
-        number = "integers" if kind == "int" else "numbers"
-        raise ValueError(f"`{key}={text}`: the bounds of {kind} must be {number}") from None
-    if not (math.isfinite(low) and math.isfinite(high)) or low >= high:
-        raise ValueError(f"`{key}={text}`: the low bound must be below the high bound, both finite")
-    if kind == "loguniform" and low <= 0:
-        raise ValueError(f"`{key}={text}`: loguniform needs a low bound above 0 (a log scale has no 0)")
-    return Param(key, kind=kind, low=low, high=high)
-
-
-def parse_grid(grid: dict[str, Any]) -> list[Param]:
-    """Every key of `sweep.grid` parsed; all problems at once in one ValueError."""
-    params, problems = [], []
-    for key, value in grid.items():
-        try:
-            params.append(parse_param(key, value))
-        except ValueError as err:
-            problems.append(str(err))
-    if problems:
-        raise ValueError("; ".join(problems))
-    return params
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from emotune.core.config import RunConfig, TrainConfig
+from emotune.core.config.run import RunConfig
+from emotune.core.config.train import TrainConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, remove_partial_writes
 from emotune.model import lean_lora, lean_norm

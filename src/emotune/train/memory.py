@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from emotune.core.config import LoraSettings
+from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model import lean_lora, lean_norm
 from emotune.train.batches import CHUNK_TOKENS

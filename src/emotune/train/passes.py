@@ -28,7 +28,7 @@ from time import perf_counter
 
 import torch
 
-from emotune.core.config import TrainConfig, duration_seconds
+from emotune.core.config.train import TrainConfig, duration_seconds
 from emotune.core.errors import UserError
 from emotune.core.rundir import read_json, write_json
 from emotune.train import checkpoints as ckpt

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emotune.core.config import RunConfig
+from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
 from emotune.runtime.device import Precision, choose_precision, resolve_device
 from emotune.train.memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, training_parts

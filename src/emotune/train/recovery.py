@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from emotune.core.config import TrainConfig
+from emotune.core.config.train import TrainConfig
 from emotune.core.errors import UserError, first_line
 from emotune.model.lora import checkpoint_activations
 from emotune.train import checkpoints as ckpt

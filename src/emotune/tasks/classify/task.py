@@ -13,7 +13,8 @@ from pathlib import Path
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from emotune.core.config import ClassifyConfig, PromptConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.run import ClassifyConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
 from emotune.data import LabeledData, prompt_messages, system_prompt

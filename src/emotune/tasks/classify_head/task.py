@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from emotune.core.config import ClassifyHeadConfig, EvalConfig
+from emotune.core.config.eval import EvalConfig
+from emotune.core.config.head import ClassifyHeadConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
 from emotune.data import LabeledData, system_prompt

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from emotune.core.config import SftConfig
+from emotune.core.config.sft import SftConfig
 from emotune.core.rundir import atomic_file, read_json, write_json
 from emotune.data.conversations import Conversation
 from emotune.eval import textmetrics

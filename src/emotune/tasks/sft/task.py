@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from emotune.core.config import SftConfig
+from emotune.core.config.sft import SftConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations

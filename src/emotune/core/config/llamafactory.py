@@ -22,14 +22,10 @@ from typing import Any
 
 import yaml
 
-from emotune.core.config import (
-    RUN_NAME,
-    RunConfigBase,
-    _parse_value,
-    _set_dotted,
-    build_config,
-)
-from emotune.core.llamafactory_templates import template_check
+from emotune.core.config.base import RUN_NAME
+from emotune.core.config.build import _parse_value, _set_dotted, build_config
+from emotune.core.config.llamafactory_templates import template_check
+from emotune.core.config.run import RunConfigBase
 
 FINETUNING = "LLaMA-Factory FinetuningArguments"
 DATA = "LLaMA-Factory DataArguments"
@@ -407,7 +403,7 @@ def describe(t: Translation, path: Path) -> str:
 
 def announce(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> None:
     """Print the translation when `path` is a LLaMA-Factory file; nothing otherwise."""
-    from emotune.core.config import read_yaml
+    from emotune.core.config.build import read_yaml
 
     file = read_yaml(Path(path))
     if is_llamafactory(file):
@@ -417,7 +413,7 @@ def announce(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> N
 def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """`emotune config --from-llamafactory FILE`: the emotune YAML the file means (overrides applied), with the
     translation as comments. The file need not look like one; every problem is reported at once, as by `run`."""
-    from emotune.core.config import read_yaml
+    from emotune.core.config.build import read_yaml
 
     t = translate(read_yaml(Path(path)), overrides)
     raw = _with_overrides(t)
