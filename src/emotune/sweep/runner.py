@@ -37,8 +37,6 @@ from emotune.sweep.backends import Job, device_slots, require_ray, run_local, ru
 from emotune.sweep.search import ListSource, OptunaSource, Outcome, require_optuna
 from emotune.sweep.space import Trial, ablation_trials, grid_trials
 from emotune.sweep.table import (
-    DEFAULT_METRIC,
-    TASK_METRICS,
     ablation_table,
     direction_of,
     format_text,
@@ -46,6 +44,7 @@ from emotune.sweep.table import (
     trial_table,
     write_tables,
 )
+from emotune.tasks import task_for
 
 MANIFEST = "sweep.json"
 JOURNAL = "optuna.journal"
@@ -110,11 +109,12 @@ def make_plan(cfg: RunConfig, config: str | None, overrides: list[str]) -> Plan:
     """The trials, metric and direction; every value of every key is validated as the config it makes."""
     sweep = cfg.sweep
     params = parse_grid(sweep.grid)
-    metric = sweep.metric or DEFAULT_METRIC[cfg.task]
+    task = task_for(cfg)
+    metric = sweep.metric or task.DEFAULT_METRIC
     problems = []
-    if metric not in TASK_METRICS[cfg.task]:
+    if metric not in task.COMPARED_METRICS:
         problems.append(f"`sweep.metric`: {metric!r} is not a metric of task {cfg.task}; choose one of "
-                        + ", ".join(TASK_METRICS[cfg.task]))
+                        + ", ".join(task.COMPARED_METRICS))
     if not params:
         problems.append("nothing to sweep: give --grid key=value1,value2 (e.g. --grid lora.r=8,16) or sweep.grid in "
                         "the config")

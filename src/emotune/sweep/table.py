@@ -16,16 +16,8 @@ from pathlib import Path
 from emotune.core import terminal
 from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
 from emotune.sweep.space import Trial
+from emotune.tasks import task_named
 
-# The after-training metrics each task's comparison.json holds (emotune.tasks.*_report), and which way is better.
-TASK_METRICS = {
-    "classify": ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece"),
-    "classify_head": ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece"),
-    "sft": ("rouge_l", "bleu", "sentence_bleu", "exact_match", "perplexity", "loss", "probe_accuracy"),
-}
-DEFAULT_METRIC = {"classify": "macro_f1", "classify_head": "macro_f1", "sft": "rouge_l"}
-SHOWN_METRICS = {"classify": ("macro_f1", "accuracy"), "classify_head": ("macro_f1", "accuracy"),
-                 "sft": ("rouge_l", "perplexity")}
 LOWER_IS_BETTER = {"invalid", "log_loss", "ece", "perplexity", "loss"}
 TITLES = {"macro_f1": "macro-F1", "accuracy": "accuracy", "weighted_f1": "weighted-F1", "top2_accuracy": "top-2 acc.",
           "log_loss": "log-loss", "ece": "ECE", "rouge_l": "ROUGE-L", "perplexity": "perplexity"}
@@ -108,7 +100,7 @@ def _ci(interval: tuple[float, float] | None) -> str:
 
 
 def _shown(metric: str, task: str) -> list[str]:
-    return list(dict.fromkeys([metric, *SHOWN_METRICS.get(task, ())]))
+    return list(dict.fromkeys([metric, *task_named(task).SWEEP_COLUMNS]))
 
 
 def trial_table(trials: list[Trial], results: dict[str, Result], keys: list[str], metric: str, direction: str,
