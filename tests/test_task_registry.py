@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from emotune.core.config.build import TASK_CONFIGS
 from emotune.core.errors import UserError
-from emotune.tasks import TASKS, register, task_named
+from emotune.tasks import TASKS, register, task_named, unregister
 from emotune.tasks.protocol import Task, missing_hooks
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "emotune"
@@ -33,17 +34,21 @@ def test_every_registered_task_implements_the_protocol():
         assert task.DEFAULT_METRIC in task.COMPARED_METRICS and set(task.SWEEP_COLUMNS) <= set(task.COMPARED_METRICS)
 
 
-def test_register_adds_a_complete_task_and_refuses_an_incomplete_one(monkeypatch):
-    monkeypatch.setattr("emotune.tasks.TASKS", dict(TASKS))
-    toy = types.ModuleType("toy")
+def test_register_adds_a_complete_task_and_refuses_an_incomplete_one():
+    complete = types.ModuleType("complete")
     for hook in Task.__annotations__:
-        setattr(toy, hook, getattr(TASKS["classify"], hook))
-    register("toy", toy)
-    assert task_named("toy") is toy
+        setattr(complete, hook, getattr(TASKS["classify"], hook))
+    register("complete", complete)
+    try:
+        assert task_named("complete") is complete and TASK_CONFIGS["complete"] is complete.CONFIG
+    finally:
+        unregister("complete")
+    assert "complete" not in TASKS and "complete" not in TASK_CONFIGS
     incomplete = types.ModuleType("incomplete")
-    incomplete.load_data = toy.load_data
-    with pytest.raises(ValueError, match="lacks data_fingerprint"):
+    incomplete.load_data = complete.load_data
+    with pytest.raises(ValueError, match="lacks CONFIG, data_fingerprint, saved_fingerprint"):
         register("incomplete", incomplete)
+    assert "incomplete" not in TASKS
 
 
 def test_an_unknown_task_is_a_user_error():

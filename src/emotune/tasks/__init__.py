@@ -3,14 +3,15 @@
 Each task is one folder here (`classify/`, `classify_head/`, `sft/`) whose `task.py` implements the Task protocol
 (emotune.tasks.protocol: data, training batches, evaluation, comparison, report sections). Generic code asks
 `task_for(cfg)` or `task_named(name)` and nothing task-specific; a new task is a new folder, a line in TASKS and
-its config class in emotune.core.config.build.TASK_CONFIGS. Tests may add a task with `register` (never done by
-importing a module).
+its config class in emotune.core.config.build.TASK_CONFIGS. Tests may add a task with `register` (its config
+class too), never by importing a module.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
+from emotune.core.config.build import TASK_CONFIGS
 from emotune.core.errors import UserError
 from emotune.tasks.classify import task as classify
 from emotune.tasks.classify_head import task as classify_head
@@ -37,8 +38,15 @@ def task_for(cfg) -> ModuleType:
 
 
 def register(name: str, task: ModuleType) -> None:
-    """Add a task under `name` (tests add their own toy task this way), after checking it implements the protocol."""
+    """Add a task under `name` with its config class (tests add their own tasks this way, explicitly), after
+    checking it implements the protocol; `unregister` takes it away again."""
     missing = missing_hooks(task)
     if missing:
         raise ValueError(f"task `{name}` ({task.__name__}) lacks {', '.join(missing)} of the Task protocol")
     TASKS[name] = task
+    TASK_CONFIGS[name] = task.CONFIG
+
+
+def unregister(name: str) -> None:
+    TASKS.pop(name, None)
+    TASK_CONFIGS.pop(name, None)

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 class Task(Protocol):
     """One task's hooks, grouped by the stage that calls them."""
 
+    CONFIG: type  # its config class (a RunConfigBase subclass with `task: Literal["<name>"]`)
     # data: validated before any weights load, saved into run/data/, described, recorded in run.json
     load_data: Callable[..., Any]
     data_fingerprint: Callable[..., str]

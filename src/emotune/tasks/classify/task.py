@@ -24,7 +24,7 @@ from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check
 from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, report_sections, write_comparison
 from emotune.train.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
 
-__all__ = ["COMPARED_METRICS", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
+__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
            "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
            "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
            "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info", "save_data", "saved_fingerprint",
@@ -35,6 +35,7 @@ __all__ = ["COMPARED_METRICS", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS
 LABEL_TOKENS = 4
 ASSUMED_LABELS = 6
 
+CONFIG = ClassifyConfig  # the config class of this task (emotune.core.config.build.TASK_CONFIGS)
 SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # `emotune eval`
 COMPARED_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # in comparison.json
 DEFAULT_METRIC = "macro_f1"  # what a sweep ranks by

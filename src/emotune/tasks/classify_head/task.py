@@ -31,13 +31,14 @@ from emotune.tasks.classify_head.objective import head_objective
 from emotune.tasks.classify_head.report import compare, format_comparison, report_sections, write_comparison
 from emotune.train.batches import Example, Objective
 
-__all__ = ["COMPARED_METRICS", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
+__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
            "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
            "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload", "merge_check_inputs", "outputs",
            "read_results", "report_sections",
            "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison",
            "write_results"]
 
+CONFIG = ClassifyHeadConfig  # the config class of this task (emotune.core.config.build.TASK_CONFIGS)
 SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "top2_accuracy", "log_loss", "ece")
 COMPARED_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # in comparison.json
 DEFAULT_METRIC = "macro_f1"  # what a sweep ranks by

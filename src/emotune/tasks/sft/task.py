@@ -28,12 +28,13 @@ from emotune.tasks.sft.report import compare, format_comparison, report_sections
 from emotune.tasks.sft.rows import encode_all
 from emotune.train.batches import LANGUAGE_MODEL, Example, Objective
 
-__all__ = ["COMPARED_METRICS", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
+__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
            "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate",
            "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
            "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info",
            "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
+CONFIG = SftConfig  # the config class of this task (emotune.core.config.build.TASK_CONFIGS)
 SHOWN_METRICS = ("rouge_l", "bleu", "exact_match", "perplexity", "probe_accuracy")  # printed by `emotune eval`
 COMPARED_METRICS = ("rouge_l", "bleu", "sentence_bleu", "exact_match", "perplexity", "loss", "probe_accuracy")
 DEFAULT_METRIC = "rouge_l"  # what a sweep ranks by
