@@ -2,9 +2,9 @@
 
 Rows are conversations (Alpaca, ShareGPT, OpenAI messages, LLaMA-Factory's dataset_info.json;
 emotune.data.conversation_data); the training loss falls on every assistant turn, end-of-turn token
-included (only the last with prompt.mask_history; tasks/sft_rows.py); the measurement is response
+included (only the last with prompt.mask_history; tasks/sft/rows.py); the measurement is response
 perplexity, ROUGE-L / BLEU / exact match of greedy generations per kind, and the forgetting probe
-(tasks/sft_eval.py); comparison and report sections are in tasks/sft_report.py.
+(tasks/sft/eval.py); comparison and report sections are in tasks/sft/report.py.
 """
 
 from __future__ import annotations
