@@ -51,7 +51,7 @@ def generate_csv(path: Path, rows: int, seed: int = 0) -> None:
 
 def prepare(csv_path: str, out_dir: str) -> None:
     """The child: prepare the file and print its own timing."""
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.data.load import load_data
     from emotune.data.prepare import data_fingerprint, save_prepared
 

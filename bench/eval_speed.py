@@ -11,7 +11,7 @@ same prompts. The fine-tuned model is the base with a trained-size LoRA adapter:
 all-linear) with every B matrix drawn from a seeded normal of standard deviation 0.002, the size the
 default run's trained adapters have (a fresh adapter has B = 0 and would change nothing, merged or not).
 Its `generate` runs unmerged, then merged exactly as the fine-tuned evaluation merges it
-(`emotune.merged_eval`, eval.merge_adapters=auto with the default tolerance).
+(`emotune.eval.merged`, eval.merge_adapters=auto with the default tolerance).
 
 `--smoke`: a 2-layer random model and 12 synthetic rows in a temporary folder, to check the script runs
 (its speeds mean nothing).
@@ -38,15 +38,18 @@ from pathlib import Path
 import torch
 from peft import PeftModel, get_peft_model
 
-from emotune.config import EvalConfig, LoraSettings, ModelConfig, PromptConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import EvalConfig
+from emotune.core.config.model import ModelConfig
+from emotune.core.config.train import LoraSettings
+from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.data import prompt_messages
-from emotune.evaluate import generate_outputs
-from emotune.lora import lora_config
-from emotune.merged_eval import CHECK_ROWS, merged_for_eval
+from emotune.eval.evaluate import generate_outputs
+from emotune.eval.merged import CHECK_ROWS, merged_for_eval
+from emotune.eval.scoring import LabelScorer
+from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
+from emotune.model.lora import lora_config
 from emotune.model.turns import stop_token_ids
-from emotune.models import load_model, load_tokenizer, resolve_model_dir
-from emotune.replies import INVALID, extract_label, label_pattern
-from emotune.scoring import LabelScorer
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "datasets" / "emotion" / "test.jsonl"

@@ -23,15 +23,16 @@ from pathlib import Path
 
 import torch
 
-from emotune.config import ModelConfig, load_config
+from emotune.core.config.load import load_config
+from emotune.core.config.model import ModelConfig
+from emotune.core.replies import extract_label, label_pattern
+from emotune.core.rundir import RunDir
 from emotune.data import prompt_messages
 from emotune.data.prepare import prepare_data
-from emotune.deploy.gguf_export import export_gguf, gguf_meta
-from emotune.deploy.gguf_write import write_gguf
-from emotune.evaluate import compute_metrics, evaluate
-from emotune.models import load_model, load_tokenizer, resolve_model_dir
-from emotune.replies import extract_label, label_pattern
-from emotune.rundir import RunDir
+from emotune.deploy.gguf_export import export_gguf
+from emotune.deploy.gguf_write import gguf_meta, write_gguf
+from emotune.eval.evaluate import compute_metrics, evaluate
+from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
 
 
 def emotune_answers(model_dir: Path, cfg, dataset, labels: list[str], method: str) -> list[tuple[str, str]]:
@@ -86,7 +87,7 @@ def main() -> int:
     args = parser.parse_args()
     run = RunDir(args.run_dir)
     cfg = load_config(str(run.config), [])
-    from emotune.artifacts import find_artifact
+    from emotune.model.artifacts import find_artifact
 
     artifact = find_artifact(run.root)
     if not (run.export / "merged" / "config.json").is_file():

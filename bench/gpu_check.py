@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.eval_rows = min(args.steps, 2), min(args.eval_rows, 8)
     emit = Emitter(args.out)
 
-    from emotune.config import load_config
-    from emotune.device import choose_precision, doctor, resolve_device
-    from emotune.tasks.classify import encode_examples, load_data
+    from emotune.core.config.load import load_config
+    from emotune.runtime.device import choose_precision, doctor, resolve_device
+    from emotune.tasks.classify.task import encode_examples, load_data
 
     device = torch.device("cpu") if args.dry_run else resolve_device("cuda")
     tiny = ["data.train_limit=16", "data.test_limit=8", "train.gradient_accumulation_steps=1"] if args.dry_run else []
@@ -156,8 +156,8 @@ def word_tokenizer(texts: list[str], cfg):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from emotune.data.prompt import system_prompt
-    from emotune.models import GEMMA_CHAT_TEMPLATE
+    from emotune.model.loading import GEMMA_CHAT_TEMPLATE
+    from emotune.model.prompt import system_prompt
 
     split = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     prompt = system_prompt(cfg.prompt, cfg.data.label_names or []) + " " + cfg.prompt.user_template
@@ -195,9 +195,9 @@ def build_model(text: dict, tokenizer, dtype: torch.dtype, device: torch.device)
 
 def measure_training(model, tokenizer, rows, cfg, precision, device, name: str, overrides: dict | None = None,
                      fault=None) -> dict:
-    """emotune.train.train for the configured steps (no validation), then the adapters taken off again."""
-    from emotune.rundir import RunDir
-    from emotune.train import train
+    """emotune.train.loop.train for the configured steps (no validation), then the adapters taken off again."""
+    from emotune.core.rundir import RunDir
+    from emotune.train.loop import train
 
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=overrides or {})})
     recorded: dict = {}
@@ -224,7 +224,7 @@ def forced_oom(model, tokenizer, rows, cfg, precision, device, checkpointed: dic
     """Training without gradient checkpointing under a memory cap of `factor` times what the checkpointed run
     reserved: the first step runs out of memory, and emotune's recovery has to find settings that fit. The
     headroom above 1.0 is for the allocator's fragmentation after the failed attempts."""
-    from emotune.errors import UserError
+    from emotune.core.errors import UserError
 
     plain = {"gradient_checkpointing": False, "max_tokens_per_pass": 0, "oom_recovery": "same_update"}
     if device.type == "cuda":
@@ -255,8 +255,8 @@ def profile_step(model, tokenizer, rows, cfg, device, top: int = 12) -> dict:
     the time goes, by operator. A GPU that waits on the host shows it here as CPU time far above GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from emotune.batches import collate, completion_loss
-    from emotune.lora import attach_lora, checkpoint_activations
+    from emotune.model.lora import attach_lora, checkpoint_activations
+    from emotune.train.batches import collate, completion_loss
 
     with contextlib.redirect_stdout(sys.stderr):
         adapted = attach_lora(model, cfg.lora)
@@ -304,7 +304,7 @@ def simulated_oom(max_tokens: int):
 
 
 def measure_eval(model, tokenizer, data, cfg, device, method: str, rows: int) -> dict:
-    from emotune.evaluate import evaluate
+    from emotune.eval.evaluate import evaluate
 
     split = data.splits["test"].select(range(min(rows, len(data.splits["test"]))))
     reset_peaks(device)
@@ -395,7 +395,7 @@ class Telemetry:
 
 
 if __name__ == "__main__":
-    from emotune.errors import UserError
+    from emotune.core.errors import UserError
 
     try:
         sys.exit(main())

@@ -8,10 +8,10 @@ The config is google/gemma-4-E4B-it's: gpu_check.E4B_TEXT for the text model (so
 released file), transformers' Gemma4VisionConfig and Gemma4AudioConfig defaults for the towers (the E2B/E4B towers),
 the special-token ids set to the word tokenizer's. Nothing is downloaded. One JSON line per measure:
   mm_model    class, parameters, seconds to build, memory
-  mm_loss     emotune's completion loss (emotune.batches.completion_loss) against the model's own (labels passed to
+  mm_loss     emotune's completion loss (emotune.train.batches.completion_loss) against the model's own (labels passed to
               its forward), on one batch of the recipe's rows: the plain path and the chunked one (CHUNK_TOKENS made
               smaller than the batch's loss positions); relative gaps
-  mm_scores   emotune's label probabilities (emotune.scoring) against softmax over labels of the summed log_softmax
+  mm_scores   emotune's label probabilities (emotune.eval.scoring) against softmax over labels of the summed log_softmax
               of the model's own fp32 logits on prompt + label tokens; largest absolute gap, top-1 agreement
   mm_train    emotune's training for --steps steps: every logged loss, whether all are finite
   mm_export   (unless --no-export) the trained adapter exported merged (`emotune export --merge`) and reloaded with
@@ -84,7 +84,7 @@ def build_multimodal(text: dict, tiny: bool, tokenizer, dtype: torch.dtype, devi
 @torch.no_grad()
 def loss_gaps(model, tokenizer, rows, device) -> dict:
     """emotune's summed completion loss over its token count against the model's own mean loss on the same labels."""
-    from emotune.batches import collate, completion_loss
+    from emotune.train.batches import collate, completion_loss
 
     model.eval()
     batch = collate(rows, tokenizer.pad_token_id, device)
@@ -103,7 +103,7 @@ def loss_gaps(model, tokenizer, rows, device) -> dict:
 @torch.no_grad()
 def score_gaps(model, tokenizer, data, cfg, rows: int) -> dict:
     from emotune.data import prompt_messages
-    from emotune.scoring import label_token_ids, score_label_probs
+    from emotune.eval.scoring import label_token_ids, score_label_probs
 
     texts = list(data.splits["test"]["text"][:min(rows, 8)])
     model.eval()
@@ -127,7 +127,7 @@ def score_gaps(model, tokenizer, data, cfg, rows: int) -> dict:
 
 
 def train_steps(model, tokenizer, rows, cfg, precision, folder: Path) -> tuple[dict, object]:
-    from emotune.rundir import RunDir
+    from emotune.core.rundir import RunDir
     from emotune.train import train
 
     started = time.perf_counter()
@@ -148,7 +148,7 @@ def export_and_reload(adapted, tokenizer, data, cfg, device, folder: Path) -> di
     import yaml
     from transformers import AutoModelForCausalLM
 
-    from emotune.export import export
+    from emotune.deploy.export import export
 
     started = time.perf_counter()
     dtype = next(adapted.parameters()).dtype

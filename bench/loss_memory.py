@@ -7,7 +7,7 @@ size of Gemma 3's (262,144 entries, hidden size 640 for the 270M model; Gemma 4 
 hidden states at the answer positions (requires grad), the frozen output embedding, forward and backward.
   full:    logits = hidden @ W.T for every position at once (what a trainer that projects the whole batch
            keeps, before it even counts the prompt positions emotune skips), then cross-entropy;
-  chunked: emotune.batches.chunked_loss, CHUNK_TOKENS positions at a time, each chunk recomputed in backward.
+  chunked: emotune.train.batches.chunked_loss, CHUNK_TOKENS positions at a time, each chunk recomputed in backward.
 Each mode runs in its own subprocess; its peak RSS above the RSS after building the inputs is its own. The
 two losses and the gradients of the hidden states are compared (they must agree). Prints one JSON line.
 """
@@ -40,7 +40,7 @@ def main() -> None:
             sys.exit(f"{mode} failed:\n{done.stderr[-3000:]}")
         results[mode] = json.loads(lines[-1].removeprefix("RESULT "))
     full, chunked = results["full"], results["chunked"]
-    from emotune.batches import CHUNK_TOKENS
+    from emotune.train.batches import CHUNK_TOKENS
 
     print(json.dumps({
         "positions": args.positions, "vocab": args.vocab, "hidden": args.hidden, "chunk_tokens": CHUNK_TOKENS,
@@ -59,7 +59,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from emotune.batches import chunked_loss
+    from emotune.train.batches import chunked_loss
 
     torch.manual_seed(0)
     hidden = torch.randn(args.positions, args.hidden, requires_grad=True)

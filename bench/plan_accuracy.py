@@ -5,9 +5,9 @@
 
 For each setting (gradient checkpointing on/off x a classification row, whose loss is on 3 tokens, or an
 sft row, whose loss is on every token) it builds the model from its config with zero weights (no
-download: `gemma-3-270m` is the packaged model's architecture), estimates with emotune.plan_memory, trains
-2 steps with emotune's own loop (emotune.train.train) on rows of exactly `--length` tokens while
-emotune.plan_memory.TensorPeak records the peak of the tensors alive, and prints one JSON line per setting:
+download: `gemma-3-270m` is the packaged model's architecture), estimates with emotune.train.memory, trains
+2 steps with emotune's own loop (emotune.train.loop.train) on rows of exactly `--length` tokens while
+emotune.train.memory.TensorPeak records the peak of the tensors alive, and prints one JSON line per setting:
 estimate, measured (weights + peak), their ratio. Then the same for one batch of greedy generation. Only
 tensors are compared: neither number holds the allocator's cached blocks or the Python process.
 `--smoke`: the tiny model, short rows, one setting of each (what tests/test_plan.py runs).
@@ -21,11 +21,11 @@ import tempfile
 
 import torch
 
-from emotune.batches import Example
-from emotune.config import load_config
-from emotune.device import Precision
-from emotune.plan_memory import Evaluation, TensorPeak, Workload, describe, evaluation_parts, training_parts
-from emotune.rundir import RunDir
+from emotune.core.config.load import load_config
+from emotune.core.rundir import RunDir
+from emotune.runtime.device import Precision
+from emotune.train.batches import Example
+from emotune.train.memory import Evaluation, TensorPeak, Workload, describe, evaluation_parts, training_parts
 
 # The packaged model's architecture (its config.json after conversion), so no weights need converting.
 GEMMA_3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
@@ -80,7 +80,7 @@ class _NoTokenizer:
 def measure_training(config, length: int, rows: int, checkpointing: bool, sft: bool,
                      dtype: torch.dtype = torch.float32) -> dict:
     """The estimate of one training setting and the measured peak of 2 steps of emotune's loop on it."""
-    from emotune.train import train
+    from emotune.train.loop import train
 
     folder = tempfile.mkdtemp(prefix="plan-accuracy-")
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
@@ -105,7 +105,7 @@ def measure_training(config, length: int, rows: int, checkpointing: bool, sft: b
 @torch.inference_mode()
 def measure_generation(config, length: int, rows: int, new_tokens: int = 4, dtype: torch.dtype = torch.float32) -> dict:
     """The estimate of one batch of greedy generation and its measured peak."""
-    from emotune.config import LoraSettings
+    from emotune.core.config.train import LoraSettings
 
     evaluation = Evaluation(rows, False, length, new_tokens, projected=1, cache="model")
     arch = describe(config, LoraSettings(), "adamw_torch", dtype, Workload(CLASSIFY_LOSS_TOKENS))

@@ -2,7 +2,7 @@
 
     python bench/probe_methods.py [--questions 40] [--batch-size 16]
 
-Scores the same stratified probe subset (emotune.probe.load_probe(limit=N)) with `option` (each choice's
+Scores the same stratified probe subset (emotune.eval.probe.load_probe(limit=N)) with `option` (each choice's
 own text, mean log-likelihood per token) and `letter` (the letter A-D after a listing of the choices),
 and prints one JSON line: accuracy with its 95 % bootstrap interval and seconds per method, and their
 ratios. Run it with nothing else on the machine: the seconds are only comparable within one run.
@@ -27,9 +27,9 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emotune.config import load_config
-    from emotune.models import resolve_model_dir
-    from emotune.probe import load_probe, score_probe
+    from emotune.core.config.load import load_config
+    from emotune.eval.probe import load_probe, score_probe
+    from emotune.model.loading import resolve_model_dir
 
     folder = resolve_model_dir(load_config(None, []).model)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from emotune.config import duration_seconds  # noqa: E402
+from emotune.core.config.train import duration_seconds  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "datasets" / "emotion"
 CONFIG = ROOT / "configs" / "cpu-own-data.yaml"

@@ -31,11 +31,12 @@ from unittest import mock
 
 import torch
 
-from emotune import scoring
-from emotune.config import ModelConfig, PromptConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.model import ModelConfig
 from emotune.data.sources import PACKAGED, embedded_dataset_dir
-from emotune.models import load_model, load_tokenizer, resolve_model_dir
-from emotune.scoring import LabelScorer
+from emotune.eval import scoring
+from emotune.eval.scoring import LabelScorer
+from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
 
 
 def tied_rows(probs: torch.Tensor) -> set[int]:

@@ -47,8 +47,9 @@ def build_run(model: str, folder: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from emotune.config import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE, ModelConfig
-    from emotune.models import load_tokenizer, resolve_model_dir
+    from emotune.core.config.base import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
+    from emotune.core.config.model import ModelConfig
+    from emotune.model.loading import load_tokenizer, resolve_model_dir
 
     torch.manual_seed(0)
     if model == "small":

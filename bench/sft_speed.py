@@ -16,7 +16,7 @@ turns it off for both) and seed:
       format has no need for: TRL gets a marked copy of the same template. Before training, the reference
       side checks that TRL's tokenized rows and emotune's encoding have identical token ids and identical
       loss masks, row by row (the JSON says so, or the script stops).
-  (b) emotune.train.train on the rows emotune.tasks.sft_rows encodes: the vocabulary projection only at
+  (b) emotune.train.loop.train on the rows emotune.tasks.sft.rows encodes: the vocabulary projection only at
       answer positions, in chunks for long answers, forward passes of at most train.max_tokens_per_pass
       padded tokens (auto: 512 on a CPU), and the `emotune` command's process settings.
 Each side runs in its own fresh subprocess, so each peak RSS is its own. Before training, each side computes
@@ -101,7 +101,7 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
 
 def conversations(rows: int, turns: int, seed: int):
     """`rows` conversations of `turns` answered turns, chained from the packaged training rows in file order."""
-    from emotune.config import SftDataConfig
+    from emotune.core.config.sft import SftDataConfig
     from emotune.data.conversation_data import load_conversations
     from emotune.data.conversations import Conversation
 
@@ -120,11 +120,11 @@ def run_side(args: argparse.Namespace) -> dict:
     import torch
     from transformers import set_seed
 
-    from emotune import device as device_mod
-    from emotune.batches import collate, completion_loss
-    from emotune.config import load_config
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
-    from emotune.tasks.sft_rows import encode_all
+    from emotune.core.config.load import load_config
+    from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
+    from emotune.runtime import device as device_mod
+    from emotune.tasks.sft.rows import encode_all
+    from emotune.train.batches import collate, completion_loss
 
     checkpointing = str(not args.no_gradient_checkpointing).lower()
     cfg = load_config(None, ["task=sft", f"model.source={args.model}", *LORA, *TRAIN, f"seed={args.seed}",
@@ -145,8 +145,8 @@ def run_side(args: argparse.Namespace) -> dict:
     first = examples[:args.batch_size]
 
     if args.side == "ours":
-        from emotune.rundir import RunDir
-        from emotune.train import train
+        from emotune.core.rundir import RunDir
+        from emotune.train.loop import train
 
         model.eval()
         with torch.no_grad():
@@ -174,7 +174,7 @@ def _reference(model, tokenizer, rows, examples, cfg, precision):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from emotune.lora import lora_config
+    from emotune.model.lora import lora_config
 
     if TURN_BODY not in tokenizer.chat_template:
         sys.exit("The tokenizer's chat template is not emotune's Gemma turn format, so the reference's marked copy "

@@ -57,11 +57,11 @@ def main() -> None:
         os.environ["LRU_CACHE_CAPACITY"] = str(args.lru_cache_capacity)
     from datasets import load_dataset
 
-    from emotune.batches import collate, completion_loss
-    from emotune.config import load_config
-    from emotune.lora import attach_lora
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
-    from emotune.tasks.classify import encode_examples
+    from emotune.core.config.load import load_config
+    from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
+    from emotune.model.lora import attach_lora
+    from emotune.tasks.classify.task import encode_examples
+    from emotune.train.batches import collate, completion_loss
 
     cfg = load_config(None, ["lora.r=16", "lora.alpha=32", "lora.target_modules=all-linear", "device=cpu"])
     model_dir = resolve_model_dir(cfg.model)

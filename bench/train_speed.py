@@ -9,7 +9,7 @@ Both sides train the packaged Gemma 3 270M for one epoch on the same first `--ro
 all-linear), optimiser (AdamW, lr 3e-4, linear schedule, 5% warmup, clip 1.0), batch 8 and dtype
 (bf16 where the CPU has it, else fp32):
   (a) the reference recipe: plain TRL SFTTrainer, completion_only_loss, gradient checkpointing;
-  (b) emotune.train.train: completion-only projection, the prompt head all rows share run once per
+  (b) emotune.train.loop.train: completion-only projection, the prompt head all rows share run once per
       forward pass (train.shared_prefix=auto; --ours-shared-prefix off runs whole rows),
       length-grouped batches cut into forward passes of at most 512 padded tokens after that head
       (train.max_tokens_per_pass=auto on CPU), gradient
@@ -25,7 +25,7 @@ batch, through its shared prefix when it trains with one, and loss): `identical_
 training side computes the same in the precision it trains in too (`identical_batch_rel_diff_trained_precision`):
 in bf16 the prefix, run apart from the rows, rounds differently from whole rows. After training, the final training loss of
 each side is measured the same way on both: the completion-only loss of the trained model (eval mode)
-over all the training rows, by one function (emotune.batches.completion_loss, which the identical-batch
+over all the training rows, by one function (emotune.train.batches.completion_loss, which the identical-batch
 check shows equals TRL's loss). The last-quarter mean of the logged step losses is printed too; it
 depends on which rows fell in those steps, and the two sides order rows differently.
 `--model` trains another model folder than the packaged one (the tests run it with a tiny random model).
@@ -129,11 +129,11 @@ def _load_side(data_path: Path, rows: int, overrides: list[str], precision_name:
     from datasets import Dataset, load_dataset
     from transformers import set_seed
 
-    from emotune import device as device_mod
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.data import LabeledData
-    from emotune.models import load_model, load_tokenizer, resolve_model_dir
-    from emotune.tasks.classify import encode_examples
+    from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
+    from emotune.runtime import device as device_mod
+    from emotune.tasks.classify.task import encode_examples
 
     cfg = load_config(None, [*LORA, *TRAIN, *overrides, "device=cpu"])
     set_seed(cfg.seed)
@@ -154,7 +154,7 @@ def _ours_first_batch_loss(model, tokenizer, examples, cfg):
     used) and its loss function; returns (loss per completion token, what share_prefix chose)."""
     import torch
 
-    from emotune.batches import LANGUAGE_MODEL, completion_loss, share_prefix
+    from emotune.train.batches import LANGUAGE_MODEL, completion_loss, share_prefix
 
     objective, shared = share_prefix(LANGUAGE_MODEL, examples, cfg.train.shared_prefix, model)
     with torch.no_grad():
@@ -183,8 +183,8 @@ def run_side(side: str, data_path: Path, rows: int, overrides: list[str], proces
     shared_tokens = 0
 
     if side == "ours":
-        from emotune.rundir import RunDir
-        from emotune.train import train
+        from emotune.core.rundir import RunDir
+        from emotune.train.loop import train
 
         # as the pipeline's train stage chooses it; the identical batch goes through the same collate and loss
         identical, objective, shared = _ours_first_batch_loss(model, tokenizer, examples, cfg)
@@ -212,7 +212,7 @@ def _loss_over(model, examples, pad_id: int, batch_size: int = 8) -> float:
     """Completion-only loss per token of `model` over all `examples`, in eval mode (no dropout)."""
     import torch
 
-    from emotune.batches import collate, completion_loss
+    from emotune.train.batches import collate, completion_loss
 
     model.eval()
     loss_sum = tokens = 0.0
@@ -228,7 +228,7 @@ def _reference_trainer(model, tokenizer, data, cfg, precision, out: str):
     from trl import SFTConfig, SFTTrainer
 
     from emotune.data import to_prompt_completion
-    from emotune.lora import lora_config
+    from emotune.model.lora import lora_config
 
     t = cfg.train
     args = SFTConfig(output_dir=out, num_train_epochs=1, per_device_train_batch_size=t.batch_size,

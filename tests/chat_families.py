@@ -135,7 +135,7 @@ class ChatFamily:
 
 
 def _gemma3_template() -> str:
-    from emotune.models import GEMMA_CHAT_TEMPLATE
+    from emotune.model.loading import GEMMA_CHAT_TEMPLATE
 
     return GEMMA_CHAT_TEMPLATE
 

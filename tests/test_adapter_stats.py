@@ -1,5 +1,5 @@
 """Training observability on small cases: the gradient norm the log records (before clipping; the window's mean and
-largest step), and emotune.adapter_stats against PEFT's own weight change (rsLoRA scaling) and a head trained in full."""
+largest step), and emotune.model.adapter_stats against PEFT's own weight change (rsLoRA scaling) and a head trained in full."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emotune.adapter_stats import adapter_stats, group_of, layer_of
-from emotune.train import _clip_gradients
-from emotune.train_log import Window
+from emotune.model.adapter_stats import adapter_stats, group_of, layer_of
+from emotune.train.log import Window
+from emotune.train.loop import _clip_gradients
 
 
 def test_the_logged_gradient_norm_is_the_norm_before_clipping():
@@ -60,9 +60,10 @@ def test_a_head_trained_in_full_is_reported_by_its_weights(tmp_path):
     from peft import get_peft_model
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from emotune.config import LoraSettings
-    from emotune.head import classifier_from_causal, head_objective
-    from emotune.lora import lora_config
+    from emotune.core.config.train import LoraSettings
+    from emotune.model.head import classifier_from_causal
+    from emotune.model.lora import lora_config
+    from emotune.tasks.classify_head.objective import head_objective
 
     config = Gemma3TextConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,

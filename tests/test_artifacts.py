@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import LABELS
-from emotune.artifacts import META, Fallback, find_artifact, load_artifact_model
 from emotune.cli import main
-from emotune.config import PromptConfig
-from emotune.errors import UserError
+from emotune.core.config.data import PromptConfig
+from emotune.core.errors import UserError
+from emotune.model.artifacts import META, Fallback, find_artifact, load_artifact_model
 
 
 def _foreign_adapter(model_dir: Path, folder: Path, safetensors: bool) -> Path:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune import evaluate as ev
-from emotune import scoring
-from emotune.config import EvalConfig, ModelConfig, PromptConfig
-from emotune.errors import UserError
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import EvalConfig
+from emotune.core.config.model import ModelConfig
+from emotune.core.errors import UserError
+from emotune.eval import evaluate as ev
+from emotune.runtime.oom import run_in_batches
 
 
 def test_out_of_memory_halves_and_retries(capsys):
@@ -19,7 +21,7 @@ def test_out_of_memory_halves_and_retries(capsys):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         seen.append(batch)
 
-    scoring.run_in_batches(list(range(20)), 16, step)
+    run_in_batches(list(range(20)), 16, step)
     assert [row for batch in seen for row in batch] == list(range(20))
     assert max(len(b) for b in seen) == 2  # 16 → 8 → 4 → 2, then kept
     assert "retrying with eval batch size 2" in capsys.readouterr().out
@@ -33,7 +35,7 @@ def test_cpu_allocator_failure_counts_as_out_of_memory():
         if len(batch) > 1:
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
 
-    scoring.run_in_batches([0, 1, 2], 4, step)
+    run_in_batches([0, 1, 2], 4, step)
     assert calls == [3, 2, 1, 1, 1]
 
 
@@ -42,17 +44,17 @@ def test_out_of_memory_at_one_row_is_a_user_error_and_other_errors_pass_through(
         raise torch.OutOfMemoryError("out of memory")
 
     with pytest.raises(UserError, match="one row per batch"):
-        scoring.run_in_batches([0, 1], 2, always_oom)
+        run_in_batches([0, 1], 2, always_oom)
 
     def broken(batch):
         raise RuntimeError("shape mismatch")
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        scoring.run_in_batches([0, 1], 2, broken)
+        run_in_batches([0, 1], 2, broken)
 
 
 def test_auto_batch_size_follows_free_memory(tiny_model_dir, monkeypatch):
-    from emotune.models import load_model, load_tokenizer
+    from emotune.model.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))

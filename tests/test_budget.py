@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emotune import checkpoints as ckpt
-from emotune.batches import epoch_batches, forward_passes
 from emotune.cli import main
-from emotune.config import TrainConfig
-from emotune.train_plan import (
+from emotune.core.config.train import TrainConfig
+from emotune.train import checkpoints as ckpt
+from emotune.train.batches import epoch_batches, forward_passes
+from emotune.train.passes import (
     CALIBRATION_STEPS,
     PLAN_FILE,
     Calibration,

@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emotune import train as train_mod
-from emotune.batches import LANGUAGE_MODEL, Example, collate, completion_loss
 from emotune.cli import main
-from emotune.config import LoraSettings
-from emotune.errors import UserError
-from emotune.head import class_metrics, classifier_from_causal, collate_rows, has_library_class, head_loss, head_objective, last_token_index
-from emotune.lora import lora_config
+from emotune.core.config.train import LoraSettings
+from emotune.core.errors import UserError
+from emotune.model.head import classifier_from_causal, has_library_class, last_token_index
+from emotune.model.lora import lora_config
+from emotune.tasks.classify_head.objective import class_metrics, collate_rows, head_loss, head_objective
+from emotune.train import loop as train_mod
+from emotune.train.batches import LANGUAGE_MODEL, Example, collate, completion_loss
 
 LABELS = ["sadness", "joy", "love"]
 
@@ -226,8 +227,8 @@ def test_emotune_run_with_the_head_task(tiny_overrides, tmp_path, capsys):
 def test_a_head_adapter_is_found_and_one_without_its_head_is_refused_clearly(tmp_path):
     from peft import get_peft_model
 
-    from emotune.artifacts import find_artifact
-    from emotune.head import causal_adapter
+    from emotune.model.artifacts import find_artifact
+    from emotune.model.head import causal_adapter
 
     causal = _gemma3()
     classifier = classifier_from_causal(causal, LABELS)
@@ -245,7 +246,7 @@ def test_a_head_adapter_is_found_and_one_without_its_head_is_refused_clearly(tmp
 def test_two_training_steps_on_a_tiny_gemma4_text_model(tiny_gemma4_dir, tiny_overrides, tmp_path, capsys):
     """emotune's training loop on the architecture without a library class (emotune's own head), then the trained
     adapter merged: the merged model gives the adapter's logits."""
-    from emotune.export import merge_parity_gap
+    from emotune.deploy.export import merge_parity_gap
 
     overrides = [o for o in tiny_overrides if not o.startswith("model.source=")]
     assert main(["train", "task=classify_head", f"model.source={tiny_gemma4_dir}", *overrides,

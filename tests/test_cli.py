@@ -55,7 +55,7 @@ def test_predict_device_help_says_rocm_is_cuda_and_takes_a_gpu_number(capsys):
 @pytest.mark.parametrize("command", ["data", "eval"])
 def test_data_and_eval_help_show_overrides_of_their_own(command, capsys):
     from emotune.cli import OVERRIDE_EXAMPLES
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
 
     with pytest.raises(SystemExit):
         main([command, "--help"])

@@ -11,13 +11,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from emotune import stats
 from emotune.cli import main
-from emotune.compare import compare_runs
-from emotune.config import dump_config, load_config
-from emotune.errors import UserError
-from emotune.evaluate import EvalResult, compute_metrics, write_results
-from emotune.rundir import RunLog, open_run, write_json
+from emotune.core.config.build import dump_config
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunLog, open_run, write_json
+from emotune.eval import stats
+from emotune.eval.evaluate import EvalResult, compute_metrics, write_results
+from emotune.report.compare import compare_runs
 from emotune.tasks import TASKS
 
 LABELS = ["sadness", "joy", "anger"]
@@ -35,7 +36,7 @@ def _predictions(right: float, seed: int) -> list[str]:
 def make_run(root: Path, name: str, predicted: dict[str, list[str]], task: str = "classify", labels=LABELS,
              texts=TEXTS, gold=GOLD, overrides: tuple[str, ...] = (), finish: bool = True) -> Path:
     """A finished run folder: resolved config, run.json with a timed train stage, the training log, adapter
-    weights, both evaluations (written by emotune.evaluate) and the task's own comparison.json."""
+    weights, both evaluations (written by emotune.eval.evaluate) and the task's own comparison.json."""
     cfg = load_config(None, [*([f"task={task}"] if task != "classify" else []), f"name={name}", f"output_dir={root}",
                              *overrides])
     run = open_run(root / name, dump_config(cfg), overwrite=False)
@@ -86,8 +87,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def make_sft_run(root: Path, name: str, outputs: list[str]) -> Path:
-    from emotune.tasks.sft_eval import SftResult, write_result
-    from emotune.textmetrics import exact_match, rouge_l, sentence_bleu, summarize
+    from emotune.eval.textmetrics import exact_match, rouge_l, sentence_bleu, summarize
+    from emotune.tasks.sft.eval import SftResult, write_result
 
     references = ["a cat sat", "the dog ran", "blue sky", "red sun"] * 3
     cfg = load_config(None, ["task=sft", f"name={name}", f"output_dir={root}"])

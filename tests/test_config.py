@@ -7,8 +7,11 @@ from typing import Literal
 
 import pytest
 
-from emotune.config import RunConfig, dump_config, duration_seconds, field_docs, load_config
-from emotune.errors import UserError
+from emotune.core.config.build import dump_config, field_docs
+from emotune.core.config.load import load_config
+from emotune.core.config.run import RunConfig
+from emotune.core.config.train import duration_seconds
+from emotune.core.errors import UserError
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -141,17 +144,17 @@ def test_unknown_task_is_named_with_the_known_ones(capsys):
 
 def test_each_task_accepts_only_its_own_sections(monkeypatch):
     """The config is a union keyed on `task`: a key that means nothing for the chosen task is refused."""
-    from emotune import config as config_mod
+    from emotune.core.config import base, build, run
 
-    class TextOnly(config_mod.Section):
+    class TextOnly(base.Section):
         source: str = "embedded"
         """Where the rows come from."""
 
-    class OtherTask(config_mod.RunConfigBase):
+    class OtherTask(run.RunConfigBase):
         task: Literal["other"] = "other"
         data: TextOnly = TextOnly()
 
-    monkeypatch.setitem(config_mod.TASK_CONFIGS, "other", OtherTask)
+    monkeypatch.setitem(build.TASK_CONFIGS, "other", OtherTask)
     cfg = load_config(None, ["task=other", "data.source=x"])
     assert isinstance(cfg, OtherTask) and cfg.data.source == "x"
     with pytest.raises(UserError, match="prompt"):

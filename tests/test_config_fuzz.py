@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from emotune import config
-from emotune.config import Range, load_config
-from emotune.errors import UserError
+from emotune.core.config import base, build, run
+from emotune.core.config.base import Range
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
 
 
 def _number_fields(model: type[BaseModel], prefix: str = "") -> dict[str, tuple[Range | None, bool, str]]:
@@ -27,7 +28,7 @@ def _number_fields(model: type[BaseModel], prefix: str = "") -> dict[str, tuple[
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             out.update(_number_fields(annotation, f"{prefix}{name}."))
             continue
-        types = config._number_types(annotation)
+        types = base._number_types(annotation)
         if types:
             allowed = next((m for m in info.metadata if isinstance(m, Range)), None)
             out[f"{prefix}{name}"] = (allowed, float not in types, info.description or "")
@@ -35,7 +36,7 @@ def _number_fields(model: type[BaseModel], prefix: str = "") -> dict[str, tuple[
 
 
 # every task's sections too; a key is loaded under the first task whose config has it
-SCHEMAS = {"classify": config.RunConfig, **config.TASK_CONFIGS}
+SCHEMAS = {"classify": run.RunConfig, **build.TASK_CONFIGS}
 TASK_OF = {}
 FIELDS = {}
 for _task, _schema in SCHEMAS.items():
@@ -80,7 +81,7 @@ def _check(key: str, text: str) -> None:
         assert f"`{key}`: must be {allowed.describe(integer)}" in message, message
         assert re.search(r"\d", allowed.describe(integer)), "the range names no bound"
         return
-    value = config._parse_value(text)
+    value = build._parse_value(text)
     assert not isinstance(value, bool), f"{key}={text}: a bool was accepted as a number"
     value = value if isinstance(value, int) else float(value)  # ints beyond 2**53 stay exact
     assert math.isfinite(value), f"{key}={text}: a non-finite value was accepted"

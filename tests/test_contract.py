@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 from emotune.cli import main
-from emotune.config import RunConfig, dump_config, load_config
+from emotune.core.config.build import dump_config
+from emotune.core.config.load import load_config
+from emotune.core.config.run import RunConfig
 
 HEADER = "Resolved config (defaults < YAML < key=value):\n"
 TIME_KEYS = {"created"}  # the keys of data_report.json that hold a wall-clock time

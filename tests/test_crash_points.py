@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from emotune.rundir import STAGE_MARKER, RunDir
+from emotune.core.rundir import STAGE_MARKER, RunDir
 from test_lifecycle import emotune, leftovers, run_json
 
 pytestmark = pytest.mark.slow

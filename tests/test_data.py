@@ -8,9 +8,9 @@ import re
 import pytest
 
 from conftest import LABELS, make_rows, write_jsonl
-from emotune.config import DataConfig, PromptConfig
+from emotune.core.config.data import DataConfig, PromptConfig
+from emotune.core.errors import UserError
 from emotune.data import EMBEDDED_LABELS, embedded_dataset_dir, load_data, prompt_messages, to_prompt_completion
-from emotune.errors import UserError
 
 
 def test_embedded_dataset_is_large_clean_and_leak_free():

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LABELS, make_rows, write_jsonl
-from emotune.config import CleaningConfig, DataConfig
+from emotune.core.config.data import CleaningConfig, DataConfig
 from emotune.data import load_data
 from emotune.data.clean import clean_text, codes, conflicting_labels, first_occurrences, key_hashes, normalized_key, occurs_in
 

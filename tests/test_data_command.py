@@ -12,7 +12,7 @@ import pytest
 
 from conftest import LABELS, make_rows, write_jsonl
 from emotune.cli import main
-from emotune.config import DataConfig
+from emotune.core.config.data import DataConfig
 
 # The research-only emotion dataset beside the checkout (../shared/datasets/emotion), or where
 # EMOTUNE_EMOTION_DATA points; never copied into the project.
@@ -130,7 +130,7 @@ def test_token_length_percentiles_are_rounded_in_the_report():
 
     from datasets import Dataset
 
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.data.prepare import token_length_stats
 
     def words(texts, add_special_tokens):  # one token per word

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import LABELS, make_rows, write_jsonl
-from emotune.config import DataConfig
+from emotune.core.config.data import DataConfig
+from emotune.core.errors import UserError
 from emotune.data import LabeledData, load_data
-from emotune.errors import UserError
 
 
 def _load(path: Path, **kwargs) -> LabeledData:

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import LABELS
-from emotune.config import DataConfig
+from emotune.core.config.data import DataConfig
+from emotune.core.errors import UserError
 from emotune.data import load_data
 from emotune.data.labels import MISSING_SPELLINGS
 from emotune.data.sources import RawSplit, read_source
-from emotune.errors import UserError
 
 pytestmark = pytest.mark.slow
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

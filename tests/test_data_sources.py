@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from conftest import LABELS, make_rows, write_jsonl
-from emotune.config import DataConfig, PromptConfig
+from emotune.core.config.data import DataConfig, PromptConfig
+from emotune.core.errors import UserError
+from emotune.core.replies import extract_label, label_pattern
 from emotune.data import load_data, prompt_messages
-from emotune.errors import UserError
-from emotune.replies import extract_label, label_pattern
 
 
 def _write_splits(folder: Path, names=("train", "validation", "test"), n=(6, 2, 2)) -> Path:

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from emotune import device
-from emotune.errors import UserError
+from emotune.core.errors import UserError
+from emotune.runtime import device
 
 
 def fake_gpu(monkeypatch, *, hip=None, cuda="12.8", bf16=True, name="GPU", arch="gfx942", major=9, minor=0):
@@ -106,7 +106,7 @@ def test_a_gpu_number_is_checked_against_the_visible_count_and_names_the_visibil
 
 def test_device_cuda_n_is_a_config_value_refused_before_any_weights_load(tiny_overrides, tmp_path, monkeypatch, capsys):
     from emotune.cli import main
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
 
     assert load_config(None, ["device=cuda:1"]).device == "cuda:1"
     for wrong in ("cuda1", "rocm", "gpu:0"):

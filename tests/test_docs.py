@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from emotune.cli import COMMANDS, build_parser
-from emotune.config import TASK_CONFIGS, field_docs
+from emotune.core.config.build import TASK_CONFIGS, field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -232,7 +232,7 @@ GOOD = """\
 
 Run `emotune run configs/cpu.yaml train.max_steps=10 name=smoke` or
 `emotune eval configs/cpu.yaml adapter=runs/cpu split=validation eval.method=score`; see
-`data.cleaning.*`, `train.jsonl`, `src/emotune/train.py`, `model.to("cuda")` and [above](#a-heading).
+`data.cleaning.*`, `train.jsonl`, `src/emotune/train/loop.py`, `model.to("cuda")` and [above](#a-heading).
 emotune's loop, `emotune.cli`, `emotune: error: ...`, `emotune COMMAND --help` are not commands.
 
 ```bash

@@ -26,16 +26,18 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 from conftest import LABELS, build_tokenizer, make_rows
-from emotune import lean_lora, lean_norm
-from emotune.batches import LANGUAGE_MODEL, Example, collate, completion_loss, share_prefix
-from emotune.config import LoraSettings, PromptConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.train import LoraSettings
 from emotune.data import prompt_messages
-from emotune.evaluate import generate_texts
-from emotune.head import classifier_from_causal, head_loss, head_probabilities
-from emotune.lora import attach_lora, checkpoint_activations
-from emotune.prefix import cannot_share
-from emotune.scoring import LabelScorer, label_token_ids
-from emotune.tasks.classify import encode_examples
+from emotune.eval.evaluate import generate_texts
+from emotune.eval.scoring import LabelScorer, label_token_ids
+from emotune.model import lean_lora, lean_norm
+from emotune.model.head import classifier_from_causal, head_probabilities
+from emotune.model.lora import attach_lora, checkpoint_activations
+from emotune.model.prefix import cannot_share
+from emotune.tasks.classify.task import encode_examples
+from emotune.tasks.classify_head.objective import head_loss
+from emotune.train.batches import LANGUAGE_MODEL, Example, collate, completion_loss, share_prefix
 from families import FAMILIES, SOFT_CAPPED, build
 
 CPU = torch.device("cpu")
@@ -250,7 +252,7 @@ def check_head(name: str, tokenizer, tokenizer_dir) -> None:
         expected.append(F.linear(hidden.float(), score.float()))
     expected = torch.stack(expected)
     torch.testing.assert_close(probs, expected.softmax(-1), rtol=1e-5, atol=1e-5)
-    from emotune.head import collate_rows
+    from emotune.tasks.classify_head.objective import collate_rows
 
     rows = [Example(tokenizer(t)["input_ids"], 0, label=i % len(LABELS)) for i, t in enumerate(TEXTS)]
     batch = collate_rows(rows, tokenizer.pad_token_id, CPU)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import LABELS, write_tiny_adapter
-from emotune.artifacts import find_artifact
 from emotune.cli import main
-from emotune.export import max_lora_rank, merge_parity_gap
+from emotune.deploy.export import max_lora_rank, merge_parity_gap
+from emotune.model.artifacts import find_artifact
 
 TEXTS = ["i am so happy today", "my friend was furious", "lonely and lost this morning"]
 

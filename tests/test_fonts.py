@@ -18,7 +18,7 @@ from fontTools.ttLib import TTFont  # noqa: E402
 from matplotlib.font_manager import FontProperties, findfont, font_family_aliases  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from emotune import fonts  # noqa: E402
+from emotune.core import figures as fonts  # noqa: E402
 
 LABELS = ["喜悦", "愤怒", "悲伤", "恐惧", "惊讶", "厌恶", "中性"]
 
@@ -89,7 +89,7 @@ def test_the_cjk_font_comes_from_an_installed_package_under_the_open_font_licens
 
 
 def test_the_report_says_when_no_font_has_a_label_s_characters(capsys):
-    from emotune.report import _note_missing_glyphs
+    from emotune.report.page import _note_missing_glyphs
 
     _note_missing_glyphs(["喜悦", "joy", "中性"])
     assert capsys.readouterr().out == ""

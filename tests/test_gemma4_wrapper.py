@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import CUES, FILLER, LABELS, build_tokenizer, write_jsonl
-from emotune.batches import CHUNK_TOKENS
 from emotune.cli import main
+from emotune.train.batches import CHUNK_TOKENS
 from families import build, gemma4_multimodal
 
 RESPONSE_WORDS = 160  # per row; 8 rows in one pass (no per-pass token cap): more loss positions than CHUNK_TOKENS

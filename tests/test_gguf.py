@@ -10,9 +10,9 @@ from gguf import GGUFReader
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
+from emotune.core.errors import UserError
 from emotune.deploy.gguf_lora import write_lora_gguf
 from emotune.deploy.gguf_write import read_emotune_keys, write_gguf
-from emotune.errors import UserError
 from gguf_models import tiny_gemma3, tiny_gemma3_multimodal, tiny_llama
 
 META = {"name": "tiny", "task": "classify", "labels": LABELS, "system_prompt": "Classify.", "user_template": "Text: {text}"}

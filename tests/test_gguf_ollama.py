@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from emotune.core.errors import UserError
 from emotune.deploy.gotemplate import render
 from emotune.deploy.ollama import TEMPLATES, modelfile_text
-from emotune.errors import UserError
-from emotune.models import GEMMA_CHAT_TEMPLATE
+from emotune.model.loading import GEMMA_CHAT_TEMPLATE
 from gguf_models import CHATML_TEMPLATE, LLAMA3_TEMPLATE
 
 CONVERSATIONS = [

@@ -17,10 +17,12 @@ from safetensors.torch import load_file
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
-from emotune.config import PromptConfig, ServeConfig, load_config
-from emotune.errors import UserError
-from emotune.export import merge_parity_gap
-from emotune.head import classifier_from_causal
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
+from emotune.deploy.export import merge_parity_gap
+from emotune.model.head import classifier_from_causal
 from emotune.serve import build_engine, create_app
 from server_harness import running
 
@@ -223,8 +225,8 @@ def test_the_head_adapter_leaves_the_other_models_as_they_were(http, tiny_run_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emotune.artifacts import find_artifact
-    from emotune.scoring import score_label_probs
+    from emotune.eval.scoring import score_label_probs
+    from emotune.model.artifacts import find_artifact
 
     artifact = find_artifact(tiny_run_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_run_dir / "adapter")
@@ -316,8 +318,8 @@ def test_the_engine_puts_a_head_adapter_on_a_multimodal_base(tmp_path):
     """Gemma 4 as its checkpoints come (multimodal): the classifier holds the language model at `model`, the causal
     model at `model.language_model`, so the head adapter's LoRA is renamed to join the causal model's adapters."""
     from conftest import build_tokenizer
-    from emotune.artifacts import find_artifact
-    from emotune.config import ModelConfig
+    from emotune.core.config.model import ModelConfig
+    from emotune.model.artifacts import find_artifact
     from emotune.serve.engine import Engine
     from test_lora import _tiny_gemma4_multimodal
 

@@ -9,12 +9,13 @@ import json
 import pytest
 import torch
 
-from emotune.artifacts import write_adapter
 from emotune.cli import main
-from emotune.config import LoraSettings, ModelConfig
-from emotune.errors import UserError
-from emotune.lora import attach_lora
+from emotune.core.config.model import ModelConfig
+from emotune.core.config.train import LoraSettings
+from emotune.core.errors import UserError
 from emotune.model import init_methods
+from emotune.model.artifacts import write_adapter
+from emotune.model.lora import attach_lora
 
 
 def _load(folder):
@@ -74,7 +75,7 @@ def test_loftq_off_a_gpu_and_rewriting_inits_over_a_quantized_base_are_refused()
 
 @pytest.mark.slow
 def test_a_pissa_run_exports_and_its_merge_matches_the_adapter(tiny_overrides, tmp_path):
-    from emotune.export import merge_parity_gap
+    from emotune.deploy.export import merge_parity_gap
 
     assert main(["run", *tiny_overrides, "lora.init=pissa", "lora.r=4"]) == 0
     run = tmp_path / "runs" / "tiny"

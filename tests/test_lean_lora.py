@@ -1,4 +1,4 @@
-"""emotune.lean_lora: the LoRA branch as one autograd function gives PEFT's forward values (dropout masks included,
+"""emotune.model.lean_lora: the LoRA branch as one autograd function gives PEFT's forward values (dropout masks included,
 on a CPU), its gradients within float rounding (with and without gradient checkpointing, bf16 and fp32), keeps
 far less for the backward pass, and leaves everything it does not cover to PEFT."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from emotune import lean_lora
+from emotune.model import lean_lora
 
 
 def _model(dtype: torch.dtype = torch.float32, dropout: float = 0.1, **lora):

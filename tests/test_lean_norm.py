@@ -1,4 +1,4 @@
-"""emotune.lean_norm: Gemma's RMSNorm as one autograd function gives the module's forward values, gradients within
+"""emotune.model.lean_norm: Gemma's RMSNorm as one autograd function gives the module's forward values, gradients within
 float rounding of autograd's (inputs and, when trained, the weight), keeps less for the backward pass, and is
 only put on norms whose arithmetic it matches exactly."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune import lean_lora, lean_norm
+from emotune.model import lean_lora, lean_norm
 from test_lean_lora import _loss_and_grads, _model, _saved_bytes
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import make_rows, write_jsonl
 from emotune.cli import main
-from emotune.rundir import PARTIAL, PREVIOUS, STAGE_MARKER, RunDir
+from emotune.core.rundir import PARTIAL, PREVIOUS, STAGE_MARKER, RunDir
 from killable import Result, run_emotune, snapshot
 
 TIMEOUT_S = 300

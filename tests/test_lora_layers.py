@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from conftest import write_tiny_adapter
-from emotune.config import LoraSettings, dump_config, load_config
-from emotune.errors import UserError
-from emotune.lora import attach_lora, check_layers, checkpoint_activations, resolve_layers
+from emotune.core.config.build import dump_config
+from emotune.core.config.load import load_config
+from emotune.core.config.train import LoraSettings
+from emotune.core.errors import UserError
+from emotune.model.lora import attach_lora, check_layers, checkpoint_activations, resolve_layers
 from test_lora import _tiny_gemma3n_multimodal, _tiny_gemma4_multimodal
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -57,7 +59,8 @@ def test_adapters_sit_on_exactly_the_chosen_layers(layers, expected, targets):
 
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_gemma4_dir"])
 def test_gemma3_and_gemma4_text_models_and_their_head_classifier(fixture, request):
-    from emotune.head import classifier_from_causal, head_objective
+    from emotune.model.head import classifier_from_causal
+    from emotune.tasks.classify_head.objective import head_objective
 
     folder = request.getfixturevalue(fixture)
     names = _adapted(attach_lora(_load(folder), LoraSettings(layers=[1])))
@@ -133,7 +136,7 @@ def test_frozen_layers_below_the_adapters_get_no_backward_pass(fixture, checkpoi
 
 
 def test_transformers_checkpointing_alone_would_run_backward_through_the_frozen_layers(tiny_model_dir):
-    """Why emotune.lora.checkpoint_activations removes transformers' input-embeddings hook: with it, the embeddings'
+    """Why emotune.model.lora.checkpoint_activations removes transformers' input-embeddings hook: with it, the embeddings'
     output requires grad and every frozen layer below the adapters joins the backward pass."""
     requires, embedded = _layer_outputs_and_grads(_adapted_with_nonzero_b(tiny_model_dir, [1]), "transformers")
     assert requires == [True, True] and embedded.grad is not None
@@ -185,14 +188,16 @@ def test_run_refuses_a_layer_past_the_model_before_loading_weights(tiny_override
 def test_plan_counts_the_adapters_of_the_chosen_layers_and_refuses_missing_ones(tiny_model_dir):
     """`emotune plan` builds the model from its config alone; its memory probe (one layer of each kind) adapts every
     probe layer, an upper bound."""
-    from emotune.plan import make_plan
+    from emotune.tasks import task_for
+    from emotune.train.plan import make_plan
 
     settings = [f"model.source={tiny_model_dir}", "train.precision=fp32", "train.max_length=32", "lora.layers=[1]"]
-    plan = make_plan(load_config(None, settings), "8GB")
+    cfg = load_config(None, settings)
+    plan = make_plan(cfg, task_for(cfg), "8GB")
     adapted = attach_lora(_load(tiny_model_dir), LoraSettings(layers=[1]))
     assert plan.arch.trainable == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     with pytest.raises(UserError, match="lora.layers lists layer 2"):
-        make_plan(load_config(None, [*settings, "lora.layers=[2]"]), "8GB")
+        make_plan(load_config(None, [*settings, "lora.layers=[2]"]), task_for(cfg), "8GB")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,7 +209,7 @@ def _config_text(*overrides: str) -> str:
 
 
 def _unfinished_run(root, config_text: str):
-    from emotune.rundir import RunDir, write_json, write_text
+    from emotune.core.rundir import RunDir, write_json, write_text
 
     run = RunDir(root)
     write_text(run.config, config_text)
@@ -212,7 +217,7 @@ def _unfinished_run(root, config_text: str):
 
 
 def test_resume_with_other_layers_is_refused_like_another_rank(tmp_path):
-    from emotune.rundir import open_run
+    from emotune.core.rundir import open_run
 
     _unfinished_run(tmp_path / "run", _config_text("lora.layers=[1]"))
     for other in (_config_text("lora.layers=[0]"), _config_text(), _config_text("lora.layers=1", "lora.r=4")):
@@ -222,7 +227,7 @@ def test_resume_with_other_layers_is_refused_like_another_rank(tmp_path):
 
 
 def test_a_run_begun_before_the_key_existed_resumes_with_every_layer_only(tmp_path):
-    from emotune.rundir import open_run
+    from emotune.core.rundir import open_run
 
     older = "\n".join(line for line in _config_text().splitlines() if line != "  layers: null")
     assert older != _config_text()
@@ -239,7 +244,7 @@ def test_merged_export_of_a_top_layer_adapter(task, tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
     from emotune.cli import main
-    from emotune.export import merge_parity_gap
+    from emotune.deploy.export import merge_parity_gap
 
     run = write_tiny_adapter(tiny_model_dir, tmp_path / "run", task=task, layers=[1])
     saved = [k for k in load_file(run / "adapter" / "adapter_model.safetensors") if "lora_" in k]

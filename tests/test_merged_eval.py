@@ -1,4 +1,4 @@
-"""The fine-tuned evaluation with the adapter merged into the weights (emotune.merged_eval), on the tiny model
+"""The fine-tuned evaluation with the adapter merged into the weights (emotune.eval.merged), on the tiny model
 with a random non-zero adapter: the merge matches the unmerged model in fp32, the bf16 difference is measured
 and reported, `auto` falls back above the tolerance, and afterwards the model is exactly the trained one."""
 
@@ -12,21 +12,22 @@ import torch
 
 from conftest import make_rows
 from emotune.cli import main
-from emotune.merged_eval import describe, last_logits, merged_for_eval
+from emotune.eval.merged import describe, last_logits, merged_for_eval
 
 
 def load_adapted(model_dir, run_dir, dtype):
     from peft import PeftModel
 
-    from emotune.models import load_model
+    from emotune.model.loading import load_model
 
     return PeftModel.from_pretrained(load_model(model_dir, dtype, torch.device("cpu")), run_dir / "adapter").eval()
 
 
 def sample_ids(model_dir, rows: int = 6) -> list[list[int]]:
-    from emotune.config import ModelConfig, PromptConfig
+    from emotune.core.config.data import PromptConfig
+    from emotune.core.config.model import ModelConfig
     from emotune.data import prompt_messages
-    from emotune.models import load_tokenizer
+    from emotune.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir, ModelConfig())
     labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]
@@ -113,7 +114,7 @@ def test_model_and_adapter_are_exactly_as_trained_afterwards(tiny_model_dir, tin
 
 
 def test_a_model_without_adapter_is_evaluated_as_it_is(tiny_model_dir):
-    from emotune.models import load_model
+    from emotune.model.loading import load_model
 
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
     with merged_for_eval(model, sample_ids(tiny_model_dir), "auto", 0.5) as record:

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import write_jsonl, write_tiny_adapter
 from emotune.cli import main
-from emotune.export import export
+from emotune.deploy.export import export
 from test_sft import _sft_rows
 
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from emotune.evaluate import compute_metrics, expected_calibration_error, probability_metrics
-from emotune.replies import INVALID
+from emotune.core.replies import INVALID
+from emotune.eval.evaluate import compute_metrics, expected_calibration_error, probability_metrics
 
 
 def test_classification_metrics_by_hand():
@@ -57,7 +57,7 @@ def test_two_labels_top2_is_trivially_one():
 
 
 def test_chance_levels_by_hand():
-    from emotune.tasks.classify_report import chance_levels
+    from emotune.tasks.classify.report import chance_levels
 
     chance = chance_levels({"a": 6, "b": 3, "c": 1})  # shares 0.6, 0.3, 0.1; K = 3
     assert chance["rows"] == 10
@@ -70,7 +70,7 @@ def test_chance_levels_by_hand():
 
 
 def test_majority_chance_equals_the_metrics_of_always_answering_it():
-    from emotune.tasks.classify_report import chance_levels
+    from emotune.tasks.classify.report import chance_levels
 
     gold = ["a", "a", "b", "b", "b"]  # ties break to the first label in order; `c` is absent from the split
     labels = ["a", "b", "c"]
@@ -84,7 +84,7 @@ def test_majority_chance_equals_the_metrics_of_always_answering_it():
 
 @pytest.mark.parametrize("guesser", ["uniform", "stratified"])
 def test_random_guessers_measured_on_a_large_split_approach_the_analytic_chance(guesser):
-    from emotune.tasks.classify_report import chance_levels
+    from emotune.tasks.classify.report import chance_levels
 
     labels, shares = ["a", "b", "c", "d"], [0.55, 0.25, 0.15, 0.05]
     rng = np.random.default_rng(0)
@@ -98,7 +98,7 @@ def test_random_guessers_measured_on_a_large_split_approach_the_analytic_chance(
 
 
 def test_baseline_notes_explain_a_mostly_invalid_generate_baseline():
-    from emotune.tasks.classify_report import baseline_notes, chance_levels
+    from emotune.tasks.classify.report import baseline_notes, chance_levels
 
     chance = chance_levels({"joy": 3, "fear": 1})
     quiet = baseline_notes({"generate": {"rows": 4, "invalid": 1}}, chance)
@@ -111,7 +111,7 @@ def test_baseline_notes_explain_a_mostly_invalid_generate_baseline():
 
 
 def test_a_class_never_predicted_after_training_is_warned_about_in_the_terminal_table():
-    from emotune.tasks.classify_report import compare, format_table
+    from emotune.tasks.classify.report import compare, format_table
 
     labels = ["a", "b", "c"]
     gold = ["a", "a", "b", "b", "c", "c"]

@@ -10,10 +10,11 @@ import pytest
 import torch
 from transformers.utils import is_flash_attn_2_available
 
-from emotune.config import ModelConfig
-from emotune.errors import UserError
+from emotune.core.config.model import ModelConfig
+from emotune.core.errors import UserError
+from emotune.model.attention import check_attention
+from emotune.model.loading import GEMMA_CHAT_TEMPLATE, load_model, load_tokenizer, resolve_model_dir
 from emotune.model.turns import stop_token_ids
-from emotune.models import GEMMA_CHAT_TEMPLATE, check_attention, load_model, load_tokenizer, resolve_model_dir
 
 
 def test_hub_id_without_network_says_how_to_download(tmp_path):
@@ -34,7 +35,7 @@ def test_hub_id_downloads_into_the_shared_hf_cache(tmp_path, monkeypatch, tiny_m
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub_download)
-    monkeypatch.setattr("emotune.models.user_cache_dir", lambda name: str(tmp_path / "user-cache" / name))
+    monkeypatch.setattr("emotune.model.loading.user_cache_dir", lambda name: str(tmp_path / "user-cache" / name))
     assert resolve_model_dir(ModelConfig(source="hf:google/gemma-4-E4B-it", revision="main")) == Path(tiny_model_dir)
     # huggingface_hub's own default cache (HF_HUB_CACHE / HF_HOME), never a folder of emotune's
     assert calls[-1] == {"repo_id": "google/gemma-4-E4B-it", "revision": "main", "cache_dir": None}
@@ -57,11 +58,11 @@ def _cache_snapshot(cache: Path, repo_id: str, model_dir: Path) -> Path:
 def test_a_model_in_the_hf_cache_is_used_without_downloading(tmp_path, monkeypatch, tiny_model_dir):
     import huggingface_hub.constants
 
-    from emotune.models import load_tokenizer_only
+    from emotune.model.loading import load_tokenizer_only
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # any request would raise
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "shared"))  # as HF_HUB_CACHE sets it
-    monkeypatch.setattr("emotune.models.user_cache_dir", lambda name: str(tmp_path / "user-cache" / name))
+    monkeypatch.setattr("emotune.model.loading.user_cache_dir", lambda name: str(tmp_path / "user-cache" / name))
     snapshot = _cache_snapshot(tmp_path / "shared", "acme/tiny", tiny_model_dir)
     assert resolve_model_dir(ModelConfig(source="acme/tiny")).resolve() == snapshot.resolve()
     assert load_tokenizer_only(ModelConfig(source="hf:acme/tiny")).convert_tokens_to_ids("joy") >= 0
@@ -135,9 +136,11 @@ def test_generation_under_lora_projects_the_last_position_with_one_matmul(tiny_m
     for Gemma's vocabulary on a CPU, the fine-tuned evaluation's 9x slowdown)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from emotune.config import EvalConfig, LoraSettings, PromptConfig
-    from emotune.evaluate import generate_outputs
-    from emotune.lora import attach_lora
+    from emotune.core.config.data import PromptConfig
+    from emotune.core.config.eval import EvalConfig
+    from emotune.core.config.train import LoraSettings
+    from emotune.eval.evaluate import generate_outputs
+    from emotune.model.lora import attach_lora
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig(source=str(tiny_model_dir)))
     model = attach_lora(load_model(tiny_model_dir, torch.float32, torch.device("cpu")), LoraSettings(r=4))

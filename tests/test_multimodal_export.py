@@ -20,7 +20,7 @@ import torch
 
 from chat_families import GEMMA4
 from conftest import write_tiny_adapter
-from emotune.export import export, merge_parity_gap
+from emotune.deploy.export import export, merge_parity_gap
 from emotune.model.turns import turn_end
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>",

@@ -1,4 +1,4 @@
-"""Out-of-memory recovery in training (emotune.oom), with the error injected on CPU through training's fault hook:
+"""Out-of-memory recovery in training (emotune.train.recovery), with the error injected on CPU through training's fault hook:
 a step that fails is redone from its first micro-batch with the same rows and random state, so the result is
 the one the fitting settings give without any failure; what is changed, and when nothing is left; two processes
 that must take the same decision."""
@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emotune import checkpoints as ckpt
-from emotune import oom
-from emotune.batches import Example
-from emotune.config import load_config
-from emotune.errors import UserError
-from emotune.lora import attach_lora
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
+from emotune.model.lora import attach_lora
 from emotune.pipeline import train_only
+from emotune.train import checkpoints as ckpt
+from emotune.train import recovery as oom
+from emotune.train.batches import Example
 from test_train import _env, _free_port
 
 
@@ -101,7 +101,7 @@ def test_any_shortens_rows_then_narrows_the_adapters_and_frozen_adapters_stay_sa
     then stops the adapters outside attention; they stay in the trained state that checkpoints save."""
     from transformers import AutoModelForCausalLM
 
-    from emotune.config import LoraSettings
+    from emotune.core.config.train import LoraSettings
 
     model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), LoraSettings(r=2))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
@@ -131,7 +131,7 @@ def test_any_shortens_rows_then_narrows_the_adapters_and_frozen_adapters_stay_sa
 TWO_PROCESS_FAULT = """
 import os, sys
 import torch
-from emotune.config import load_config
+from emotune.core.config.load import load_config
 from emotune.pipeline import train_only
 
 seen = []

@@ -36,7 +36,7 @@ def test_embedded_default_runs_end_to_end(packaged_model, tmp_path, capsys):
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
 
     # The merged model equals base + adapter (fp32; GGUF-sourced base).
-    from emotune.export import merge_parity_gap
+    from emotune.deploy.export import merge_parity_gap
 
     # fp32 logits of magnitude ~30 over 18 layers: the summation order of the folded weights moves them by
     # ~1e-4 on some CPUs (1.2e-4 measured on the CI machine), far below any change of prediction

@@ -33,7 +33,7 @@ def test_trl_is_a_benchmark_extra_not_a_runtime_dependency():
 def test_doctor_versions_tolerate_trl_absent(monkeypatch):
     from importlib import metadata
 
-    from emotune import device
+    from emotune.runtime import device
 
     real = metadata.version
 

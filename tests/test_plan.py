@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from emotune.cli import main
-from emotune.config import load_config
-from emotune.errors import UserError
-from emotune.plan import FITS, make_plan, parse_memory
-from emotune.plan_memory import training_parts
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
 from emotune.tasks import task_for
+from emotune.train.memory import training_parts
+from emotune.train.plan import FITS, make_plan, parse_memory
 
 BENCH = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "plan_accuracy.py"))
 TOLERANCE = 0.3  # docs/training.md states it: the estimate within ±30% of the measured peak
@@ -45,7 +45,7 @@ def test_memory_amounts_read_as_gib_by_default():
 def test_the_counts_are_those_of_the_model_training_builds(tiny_model_dir, capsys):
     from transformers import AutoModelForCausalLM
 
-    from emotune.lora import attach_lora
+    from emotune.model.lora import attach_lora
 
     plan = plan_json(capsys, *gpu(tiny_model_dir), "--device-memory", "8GB")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -67,7 +67,7 @@ def test_the_counts_are_those_of_the_model_training_builds(tiny_model_dir, capsy
 
 def test_what_to_change_comes_in_the_training_recovery_order(tiny_model_dir, capsys):
     cfg = load_config(None, gpu(tiny_model_dir))
-    plan = make_plan(cfg, "8GB")
+    plan = make_plan(cfg, task_for(cfg), "8GB")
     work = task_for(cfg).memory_workload(cfg, "cuda")
 
     def need(rows: int, checkpointing: bool = False, length: int = 64) -> int:

@@ -1,4 +1,4 @@
-"""Shared-prefix training (emotune.prefix, batches.collate_after_prefix): the prompt head run once per forward pass
+"""Shared-prefix training (emotune.model.prefix, batches.collate_after_prefix): the prompt head run once per forward pass
 gives whole rows' loss and LoRA gradients (padding on either side, sliding-window layers crossed by prefix + row,
 gradient accumulation, gradient checkpointing, Gemma 4's shared keys and values, several loss spans); the
 automatic choice and its fallbacks; and the training command end to end, with its choice in run.json."""
@@ -17,7 +17,12 @@ import torch
 from datasets import Dataset
 
 from conftest import LABELS, build_tokenizer, make_rows
-from emotune.batches import (
+from emotune.cli import main
+from emotune.core.config.data import PromptConfig
+from emotune.tasks.classify.task import encode_examples
+from emotune.tasks.classify_head.objective import head_objective
+from emotune.tasks.classify_head.task import encode_texts
+from emotune.train.batches import (
     CHUNK_TOKENS,
     LANGUAGE_MODEL,
     SHARED_PREFIX_MIN_TOKENS,
@@ -27,11 +32,6 @@ from emotune.batches import (
     share_prefix,
     shared_prefix_length,
 )
-from emotune.cli import main
-from emotune.config import PromptConfig
-from emotune.head import head_objective
-from emotune.tasks.classify import encode_examples
-from emotune.tasks.classify_head import encode_texts
 
 WINDOW = 12  # far below the ~50-token prefix: sliding-window layers hide prefix keys from the rows' later tokens
 CPU = torch.device("cpu")

@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from emotune.errors import UserError
-from emotune.probe import (
+from emotune.core.errors import UserError
+from emotune.eval.probe import (
     INSTRUCTIONS,
     LETTERS,
     PROBE_PATH,

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from emotune.cli import main
-from emotune.config import LoraSettings, ModelConfig
-from emotune.errors import UserError
-from emotune.lora import attach_lora, checkpoint_activations
+from emotune.core.config.model import ModelConfig
+from emotune.core.config.train import LoraSettings
+from emotune.core.errors import UserError
 from emotune.model import quantization
-from emotune.models import load_base
+from emotune.model.loading import load_base
+from emotune.model.lora import attach_lora, checkpoint_activations
 
 pytest.importorskip("bitsandbytes")
 CPU = torch.device("cpu")
@@ -131,7 +132,7 @@ def test_run_is_refused_before_the_run_folder_exists(tiny_overrides, tmp_path, m
 
 
 def test_quantization_values_are_checked_by_the_config():
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
 
     with pytest.raises(UserError, match="model.quantization"):
         load_config(None, ["model.quantization=3bit"])
@@ -169,8 +170,8 @@ def test_a_4bit_run_trains_evaluates_and_exports_merged_onto_the_unquantized_bas
 
 
 def test_adamw_8bit_keeps_8bit_state_and_trains_on_the_cpu(tiny_model_dir):
-    from emotune.config import TrainConfig
-    from emotune.optim import build_optimizer
+    from emotune.core.config.train import TrainConfig
+    from emotune.train.optim import build_optimizer
 
     adapted = attach_lora(_quantized(tiny_model_dir, quantization="4bit"), LoraSettings(r=64))  # 4,096-entry A matrices
     optimizer = build_optimizer(TrainConfig(optim="adamw_8bit", learning_rate=1e-2), adapted)
@@ -182,8 +183,8 @@ def test_adamw_8bit_keeps_8bit_state_and_trains_on_the_cpu(tiny_model_dir):
 
 
 def test_paged_adamw_8bit_is_refused_off_the_gpu():
-    from emotune.config import TrainConfig
-    from emotune.optim import check
+    from emotune.core.config.train import TrainConfig
+    from emotune.train.optim import check
 
     with pytest.raises(UserError, match="paged_adamw_8bit pages optimizer state .* set train.optim=adamw_8bit"):
         check(TrainConfig(optim="paged_adamw_8bit"), CPU)
@@ -191,8 +192,8 @@ def test_paged_adamw_8bit_is_refused_off_the_gpu():
 
 
 def test_loraplus_gives_the_b_matrices_the_ratio(tiny_model_dir, capsys):
-    from emotune.config import TrainConfig
-    from emotune.optim import build_optimizer
+    from emotune.core.config.train import TrainConfig
+    from emotune.train.optim import build_optimizer
 
     adapted = attach_lora(_quantized(tiny_model_dir, quantization="4bit"), LoraSettings(r=4))
     optimizer = build_optimizer(TrainConfig(learning_rate=1e-3, loraplus_lr_ratio=16), adapted)
@@ -206,7 +207,7 @@ def test_loraplus_gives_the_b_matrices_the_ratio(tiny_model_dir, capsys):
 
 
 def _gradients(tiny_model_dir, evaluate_first: bool, keep_layout: bool) -> dict[str, torch.Tensor]:
-    from emotune.models import load_model
+    from emotune.model.loading import load_model
 
     cfg = ModelConfig(source=str(tiny_model_dir), quantization="4bit")
     model = load_model(tiny_model_dir, torch.bfloat16, CPU, quantized=quantization.bnb_config(cfg, torch.bfloat16))

@@ -147,8 +147,8 @@ def test_report_renders_in_headless_chromium(both_run, tmp_path):
 def test_comparison_terminal_and_report_show_the_chance_levels(both_run):
     from types import SimpleNamespace
 
-    from emotune.config import load_config
-    from emotune.tasks.classify import format_comparison
+    from emotune.core.config.load import load_config
+    from emotune.tasks.classify.task import format_comparison
 
     run_dir, overrides = both_run
     labels = ["sadness", "joy", "love", "anger", "fear", "surprise"]
@@ -178,6 +178,6 @@ def test_comparison_terminal_and_report_show_the_chance_levels(both_run):
 def test_the_cpu_recipe_measures_both_methods():
     from pathlib import Path
 
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
 
     assert load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu.yaml").eval.method == "both"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import LABELS
-from emotune.artifacts import find_artifact, peft_adapter_name
 from emotune.cli import main
+from emotune.model.artifacts import find_artifact, peft_adapter_name
 
 NAMES = ["cpu", "cuda", "to", "eval", "default"]
 TEXTS = ["i am so happy today", "my friend was furious"]
@@ -55,7 +55,7 @@ def test_predict_on_a_run_and_its_adapter_folder_named_like_a_module_attribute(n
 
 
 def test_serve_engine_holds_adapters_named_like_module_attributes(named_runs):
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.serve.engine import build_engine
 
     cfg = load_config(None, ["model.dtype=float32"])

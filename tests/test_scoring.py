@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emotune.config import PromptConfig
+from emotune.core.config.data import PromptConfig
 from emotune.data import prompt_messages
-from emotune.scoring import LabelScorer, LabelTrie, label_token_ids, score_label_probs
+from emotune.eval.scoring import LabelScorer, LabelTrie, label_token_ids, score_label_probs
 
 # Multi-token labels and labels that share a prefix ("happy" / "happy joy" / "happy joy today").
 TRIE_LABELS = ["sadness", "happy", "happy joy", "happy joy today", "love", "very scared"]
@@ -18,8 +18,8 @@ TEXTS = ["i feel lonely today", "wow", "my friend was so happy this morning and 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from emotune.config import ModelConfig
-    from emotune.models import load_model, load_tokenizer
+    from emotune.core.config.model import ModelConfig
+    from emotune.model.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
@@ -96,8 +96,8 @@ def test_rows_longer_than_the_sliding_window(tiny):
 def test_eager_attention(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from emotune.config import ModelConfig
-    from emotune.models import load_tokenizer
+    from emotune.core.config.model import ModelConfig
+    from emotune.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -119,8 +119,8 @@ def test_score_label_probs_is_a_distribution_over_labels(tiny):
 @pytest.mark.xdist_group("packaged")
 def test_real_model_scores_equal_brute_force(packaged_model):
     """The packaged Gemma 3 270M and its tokenizer: `sadness` is two tokens, the vocabulary 262,144 wide."""
-    from emotune.config import ModelConfig
-    from emotune.models import load_model, load_tokenizer
+    from emotune.core.config.model import ModelConfig
+    from emotune.model.loading import load_model, load_tokenizer
 
     model_dir = packaged_model.folder
     tokenizer = load_tokenizer(model_dir, ModelConfig())

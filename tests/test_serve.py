@@ -11,8 +11,9 @@ import openai
 import pytest
 
 from conftest import LABELS, write_tiny_adapter
-from emotune.config import ServeConfig, load_config
-from emotune.scoring import score_label_probs
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
+from emotune.eval.scoring import score_label_probs
 from emotune.serve import build_engine, create_app
 from server_harness import running
 
@@ -150,7 +151,7 @@ def test_vllm_client_example_runs_against_this_server(server, tiny_run_dir, tmp_
     """The exported client.py speaks plain OpenAI chat; here it talks to emotune's server (extra_body is ignored)."""
     import importlib.util
 
-    from emotune.export import export
+    from emotune.deploy.export import export
 
     out = export(tiny_run_dir, out=tmp_path / "export", vllm=True)
     spec = importlib.util.spec_from_file_location("client_example", out / "vllm" / "client.py")

@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from conftest import write_tiny_adapter
-from emotune.config import load_config
+from emotune.core.config.load import load_config
 from emotune.serve import build_engine, create_app
 from server_harness import running
 from test_serve import ADMIN_AUTH, AUTH, serve_config

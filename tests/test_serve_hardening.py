@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import LABELS, write_tiny_adapter
-from emotune.artifacts import find_artifact
-from emotune.config import load_config
+from emotune.core.config.load import load_config
+from emotune.model.artifacts import find_artifact
 from emotune.serve import build_engine, create_app
 from server_harness import running
 from test_serve import ADMIN_AUTH, AUTH, _error, serve_config

@@ -20,8 +20,10 @@ import pytest
 import uvicorn
 
 from emotune.cli import main
-from emotune.config import ServeConfig, dump_config, load_config
-from emotune.errors import UserError
+from emotune.core.config.build import dump_config
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
 from emotune.serve import check_auth
 from emotune.serve.guards import uvicorn_config
 from emotune.serve.vllm import vllm_environment
@@ -132,7 +134,8 @@ def test_a_client_that_disconnects_has_its_work_cancelled_before_it_runs(served,
 
 SIGTERM_SCRIPT = textwrap.dedent("""
     import sys, time
-    from emotune.config import ServeConfig, load_config
+    from emotune.core.config.eval import ServeConfig
+    from emotune.core.config.load import load_config
     from emotune.serve import build_engine, create_app, run_server
 
     cfg = load_config(None, ["device=cpu", f"model.source={sys.argv[1]}"])

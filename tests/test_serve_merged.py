@@ -9,11 +9,12 @@ import httpx
 import pytest
 
 from conftest import LABELS, write_tiny_adapter
-from emotune.artifacts import find_artifact
 from emotune.cli import main
-from emotune.config import ServeConfig, load_config
-from emotune.errors import UserError
-from emotune.predict import Classifier, Generator
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
+from emotune.deploy.predict import Classifier, Generator
+from emotune.model.artifacts import find_artifact
 from emotune.serve import build_engine, create_app
 from server_harness import running
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import CUES, FILLER, LABELS, write_jsonl
-from emotune.batches import Example, chunked_loss, collate, completion_loss
 from emotune.data.conversations import Conversation
-from emotune.tasks.sft_rows import encode, loss_spans, truncate
+from emotune.tasks.sft.rows import encode, loss_spans, truncate
+from emotune.train.batches import Example, chunked_loss, collate, completion_loss
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +112,9 @@ def _grads(model):
 
 
 def test_classification_loss_and_gradients_unchanged(model, tokenizer, tiny_model_dir, data_dir):
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.data import load_data
-    from emotune.tasks.classify import encode_examples
+    from emotune.tasks.classify.task import encode_examples
 
     cfg = load_config(None, [f"data.source={data_dir}", f"data.label_names=[{', '.join(LABELS)}]"])
     data = load_data(cfg.data, cfg.seed)
@@ -177,7 +177,7 @@ def _sft_rows(n: int, seed: int) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_step_sft_run(tiny_model_dir, tmp_path):
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
     from emotune.pipeline import run
 
     write_jsonl(tmp_path / "sft.jsonl", _sft_rows(60, seed=1))
@@ -208,8 +208,8 @@ def test_two_step_sft_run(tiny_model_dir, tmp_path):
 def test_comparison_with_probe_and_intervals():
     import dataclasses
 
-    from emotune.probe import ProbeResult, load_probe
-    from emotune.tasks.sft_report import _probe_section, compare, format_comparison
+    from emotune.eval.probe import ProbeResult, load_probe
+    from emotune.tasks.sft.report import _probe_section, compare, format_comparison
 
     questions = load_probe(limit=40)
     def probe(right: int) -> dict:  # the first `right` questions answered correctly

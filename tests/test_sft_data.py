@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_jsonl
-from emotune.config import load_config
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
 from emotune.data.conversation_data import load_conversations
-from emotune.errors import UserError
 
 
 def _data(source: Path | str, *overrides: str):

@@ -15,7 +15,8 @@ import torch
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
-from emotune.config import ServeConfig, load_config
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
 from emotune.serve import build_engine, create_app
 from emotune.serve.chat import StopFilter
 from server_harness import running
@@ -90,7 +91,7 @@ def test_predict_refuses_max_new_tokens_for_a_classifier(tiny_run_dir, sft_run, 
 
 
 def test_export_merges_an_sft_adapter_and_writes_a_free_text_client(sft_run, tmp_path, capsys):
-    from emotune.export import merge_parity_gap
+    from emotune.deploy.export import merge_parity_gap
 
     out = tmp_path / "export"
     assert main(["export", str(sft_run), "--merge", "--vllm", "--dtype", "float32", "--out", str(out)]) == 0
@@ -118,7 +119,7 @@ def test_a_foreign_adapter_served_with_an_sft_config_is_an_sft_model(tiny_model_
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from emotune.artifacts import fallback_from, find_artifact
+    from emotune.model.artifacts import fallback_from, find_artifact
 
     folder = tmp_path / "lf-sft"
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -238,7 +239,7 @@ def test_n_and_stop_limits_are_refused_clearly(http, client):
 
 
 def test_exported_chat_client_runs_against_this_server(client, sft_run, tmp_path):
-    from emotune.export import export
+    from emotune.deploy.export import export
 
     out = export(sft_run, out=tmp_path / "export", vllm=True)
     spec = importlib.util.spec_from_file_location("chat_client_example", out / "vllm" / "client.py")

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from sklearn.metrics import f1_score
 
-from emotune import stats
-from emotune.errors import UserError
-from emotune.evaluate import EvalResult, compute_metrics
-from emotune.rundir import RunDir
-from emotune.stats import (
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir
+from emotune.eval import stats
+from emotune.eval.evaluate import EvalResult, compute_metrics
+from emotune.eval.stats import (
     bootstrap_ci,
     classification_intervals,
     mcnemar,
@@ -189,7 +189,7 @@ def _result(texts: list[str], gold: list[str], predicted: list[str], method: str
 
 
 def test_classify_comparison_json_gains_intervals_and_the_paired_test(tmp_path):
-    from emotune.tasks.classify import compare, format_comparison, write_comparison
+    from emotune.tasks.classify.task import compare, format_comparison, write_comparison
 
     gold, before, after = _random_case(90, seed=11)
     texts = [f"row {i}" for i in range(len(gold))]
@@ -221,7 +221,7 @@ def test_classify_comparison_json_gains_intervals_and_the_paired_test(tmp_path):
 
 
 def test_head_comparison_carries_the_same_blocks():
-    from emotune.tasks.classify_head_report import compare, format_comparison
+    from emotune.tasks.classify_head.report import compare, format_comparison
 
     gold, before, after = _random_case(40, seed=2)
     texts = [f"t{i}" for i in range(40)]

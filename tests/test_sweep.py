@@ -18,14 +18,15 @@ from pathlib import Path
 import pytest
 
 from emotune.cli import main
-from emotune.config import load_config
-from emotune.errors import UserError
-from emotune.rundir import PREVIOUS, STAGE_MARKER, RunDir, read_json, write_json
-from emotune.sweep import Plan, load_sweep_config, make_plan, open_sweep, parse_cli_grid
-from emotune.sweep_backends import Job, Slot, device_slots, run_local, run_logged
-from emotune.sweep_search import ListSource, OptunaSource, Outcome
-from emotune.sweep_space import Param, Trial, ablation_trials, grid_trials, parse_grid, parse_param, trial_name
-from emotune.sweep_table import Result, ablation_table, format_markdown, format_text, read_result, trial_table, write_tables
+from emotune.core.config.load import load_config
+from emotune.core.config.sweep import Param, parse_grid, parse_param
+from emotune.core.errors import UserError
+from emotune.core.rundir import PREVIOUS, STAGE_MARKER, RunDir, read_json, write_json
+from emotune.sweep.backends import Job, Slot, device_slots, run_local, run_logged
+from emotune.sweep.runner import Plan, load_sweep_config, make_plan, open_sweep, parse_cli_grid
+from emotune.sweep.search import ListSource, OptunaSource, Outcome
+from emotune.sweep.space import Trial, ablation_trials, grid_trials, trial_name
+from emotune.sweep.table import Result, ablation_table, format_markdown, format_text, read_result, trial_table, write_tables
 from killable import run_emotune, snapshot
 
 # --------------------------------------------------------------------------------------------------

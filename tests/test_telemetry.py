@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from emotune.cli import main
-from emotune.telemetry import Sampler, find_sources, read_series, recording
+from emotune.runtime.telemetry import Sampler, find_sources, read_series, recording
 
 MiB = 2**20
 CUDA0 = torch.device("cuda", 0)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from emotune import terminal
-from emotune.compare_table import _text
-from emotune.tasks.classify_report import format_table
+from emotune.core import terminal
+from emotune.report.table import _text
+from emotune.tasks.classify.report import format_table
 
 
 def test_width_counts_wide_and_zero_width_characters():

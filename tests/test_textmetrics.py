@@ -6,7 +6,7 @@ import pytest
 from rouge_score import rouge_scorer
 from sacrebleu.metrics import BLEU
 
-from emotune.textmetrics import CJKTokenizer, bleu, bleu_tokenize, exact_match, rouge_l, sentence_bleu, summarize
+from emotune.eval.textmetrics import CJKTokenizer, bleu, bleu_tokenize, exact_match, rouge_l, sentence_bleu, summarize
 
 
 def test_rouge_l_matches_the_hand_computed_lcs_f1():

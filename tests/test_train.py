@@ -17,11 +17,11 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from conftest import LABELS, make_rows
-from emotune import train as train_mod
-from emotune.batches import collate, completion_loss, epoch_batches, forward_passes, rank_share
 from emotune.cli import main
-from emotune.config import PromptConfig
-from emotune.tasks.classify import encode_examples
+from emotune.core.config.data import PromptConfig
+from emotune.tasks.classify.task import encode_examples
+from emotune.train import loop as train_mod
+from emotune.train.batches import collate, completion_loss, epoch_batches, forward_passes, rank_share
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
@@ -198,7 +198,7 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_good_one(tiny_
                                                                           capsys):
     """A checkpoint spoiled after it was written (here its weights cut in half): no traceback on resume; the
     run says which checkpoint it uses and why, keeps the bad one aside, and ends as if never interrupted."""
-    from emotune import checkpoints as ckpt
+    from emotune.train import checkpoints as ckpt
 
     common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=1", "train.save_total_limit=3",
               "lora.dropout=0.1", "seed=7", "device=cpu"]
@@ -231,7 +231,7 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_good_one(tiny_
 
 
 def test_an_unreadable_checkpoint_file_is_named_with_the_reason(tmp_path):
-    from emotune import checkpoints as ckpt
+    from emotune.train import checkpoints as ckpt
 
     folder = tmp_path / "step-000001"
     folder.mkdir()
@@ -256,8 +256,8 @@ def test_fsdp_on_one_process_is_a_plain_run(tiny_overrides, tmp_path, capsys):
 
 def test_a_checkpoint_resumes_only_the_way_it_was_written(tiny_model_dir, tmp_path):
     """An FSDP checkpoint names its parameters; a plain run refuses it with a clear message, not a KeyError."""
-    from emotune import checkpoints as ckpt
-    from emotune.errors import UserError
+    from emotune.core.errors import UserError
+    from emotune.train import checkpoints as ckpt
 
     model = _tiny_model(tiny_model_dir)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -268,8 +268,8 @@ def test_a_checkpoint_resumes_only_the_way_it_was_written(tiny_model_dir, tmp_pa
 
 
 def test_fsdp_refuses_a_modules_to_save_copy_of_a_tied_embedding(tiny_model_dir):
-    from emotune.errors import UserError
-    from emotune.parallel import refuse_tied_modules_to_save
+    from emotune.core.errors import UserError
+    from emotune.runtime.parallel import refuse_tied_modules_to_save
 
     model = _tiny_model(tiny_model_dir)  # Gemma ties lm_head to embed_tokens
     for tied in (["lm_head"], ["model.embed_tokens"]):
@@ -293,7 +293,7 @@ def test_missing_tracker_is_a_clear_error(tiny_overrides, capsys):
 
 KILLER = """
 import os, signal, sys
-import emotune.checkpoints as ckpt
+import emotune.train.checkpoints as ckpt
 
 kill_step, mid_write = int(sys.argv[1]), sys.argv[2] == "mid-write"
 if mid_write:  # die after the first file of the checkpoint is written, before the rename
@@ -395,7 +395,7 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_under_accelerate_launch(t
     `accelerate launch --use_fsdp` (the launcher's own switch); the result is the single-process run's."""
     common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=2", "train.eval_steps=2",
               "lora.dropout=0.0", "device=cpu", "train.gradient_checkpointing=true", "train.gradient_accumulation_steps=2"]
-    # FSDP runs PEFT's LoRA forward and the model's own norms (emotune.lean_lora / lean_norm stay off under it), so
+    # FSDP runs PEFT's LoRA forward and the model's own norms (emotune.model.lean_lora / lean_norm stay off under it), so
     # the single process does too: the same ops, and Adam's steps stay within the tolerance below
     assert main(common + ["name=single", "train.batch_size=4", "train.max_tokens_per_pass=0", "train.lean_lora=false",
                           "train.lean_norm=false"]) == 0

@@ -9,7 +9,7 @@ import pytest
 from datasets import Dataset
 
 from chat_families import FAMILIES, build_family_tokenizer
-from emotune.config import PromptConfig
+from emotune.core.config.data import PromptConfig
 from emotune.model.turns import end_of_turn_text, stop_token_ids, turn_end
 
 LABELS = ["joy", "sadness", "anger"]
@@ -42,7 +42,7 @@ def test_generation_stops_on_eos_the_turn_token_and_the_generation_config_s_ids(
 def test_the_trained_completion_ends_with_the_token_scoring_appends(family):
     """Training's completion is what the template writes after the generation prompt; its first token after the
     label is the turn token that scoring appends and generation stops on (Gemma 4's thought channel included)."""
-    from emotune.tasks.classify import encode_examples
+    from emotune.tasks.classify.task import encode_examples
 
     tokenizer = family.tokenizer
     rows = Dataset.from_list([{"text": "i feel happy", "label": "joy"}])
@@ -57,7 +57,7 @@ def test_the_trained_completion_ends_with_the_token_scoring_appends(family):
 
 def test_scoring_appends_the_family_s_turn_token_to_ambiguous_labels(family):
     """`joy` and `joy ful` share a prefix, so every label is scored with its end of turn: `joy` then stop."""
-    from emotune.scoring import label_token_ids
+    from emotune.eval.scoring import label_token_ids
 
     tokenizer = family.tokenizer
     sequences = label_token_ids(tokenizer, PromptConfig(), ["joy", "joy ful"])

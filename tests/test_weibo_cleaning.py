@@ -8,7 +8,8 @@ import pyarrow as pa
 import pytest
 
 from conftest import write_jsonl
-from emotune.config import CleaningConfig, DataConfig, load_config
+from emotune.core.config.data import CleaningConfig, DataConfig
+from emotune.core.config.load import load_config
 from emotune.data import load_data
 from emotune.data.clean import clean_text
 from emotune.data.prepare import format_cleaning
@@ -159,7 +160,7 @@ def test_the_zh_config_cleans_the_packaged_chinese_dataset():
 
 
 def test_an_unknown_packaged_dataset_is_a_clear_error():
-    from emotune.errors import UserError
+    from emotune.core.errors import UserError
 
     with pytest.raises(UserError, match="embedded:emotion_zh"):
         load_data(DataConfig(source="embedded:emotion_fr"), seed=0)

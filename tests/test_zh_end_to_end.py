@@ -27,8 +27,8 @@ def build_chinese_tokenizer(folder: Path):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from emotune.config import load_config
-    from emotune.models import GEMMA_CHAT_TEMPLATE
+    from emotune.core.config.load import load_config
+    from emotune.model.loading import GEMMA_CHAT_TEMPLATE
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     normalizer = normalizers.BertNormalizer(clean_text=False, handle_chinese_chars=True, strip_accents=False,

@@ -1,3 +1,5 @@
+"""`python -m emotune`: the same as the `emotune` command."""
+
 import sys
 
 from emotune.cli import main

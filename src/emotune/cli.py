@@ -10,7 +10,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -40,14 +40,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from emotune.report import write_report
+    from emotune.report.page import write_report
 
     print(f"Report: {write_report(args.run_dir)}")
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from emotune.compare import compare_runs
+    from emotune.report.compare import compare_runs
 
     compare_runs(args.run_dirs, out=args.out, allow_mismatch=args.allow_mismatch)
     return 0
@@ -61,7 +61,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from emotune.device import doctor, format_report
+    from emotune.runtime.device import doctor, format_report
 
     report = doctor()
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
@@ -69,22 +69,24 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from emotune.plan import format_plan, make_plan, plan_json
+    from emotune.tasks import task_for
+    from emotune.train.plan import format_plan, make_plan, plan_json
 
-    plan = make_plan(_load(args, announce=False), args.device_memory)
+    cfg = _load(args, announce=False)
+    plan = make_plan(cfg, task_for(cfg), args.device_memory)
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
     return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from emotune.config import dump_config, field_docs
+    from emotune.core.config.build import dump_config, field_docs
 
     if args.fields:
         for key, default, doc in field_docs():
             print(f"{key} = {default}\n    {doc}")
         return 0
     if args.from_llamafactory:
-        from emotune.llamafactory import translated_yaml
+        from emotune.core.config.llamafactory import translated_yaml
 
         overrides = [args.config, *args.overrides] if args.config else list(args.overrides)
         print(translated_yaml(args.from_llamafactory, overrides), end="")
@@ -95,7 +97,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from emotune.core.locks import locked
-    from emotune.rundir import RunDir, run_lock
+    from emotune.core.rundir import RunDir, run_lock
 
     # a run folder is exported while no other process (a resumed `emotune run`, another export) works in it
     folder = Path(args.run_dir).expanduser()
@@ -107,7 +109,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             export_gguf(args.run_dir, out=args.out, quant=args.quant, ollama=args.format == "ollama", force=args.force,
                         vllm=args.vllm)
             return 0
-        from emotune.export import export
+        from emotune.deploy.export import export
 
         export(args.run_dir, out=args.out, merge=args.merge, vllm=args.vllm, dtype=args.dtype, force=args.force)
     return 0
@@ -121,9 +123,9 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from emotune.artifacts import fallback_from
-    from emotune.config import load_config
-    from emotune.predict import predict_cli
+    from emotune.core.config.load import load_config
+    from emotune.deploy.predict import predict_cli
+    from emotune.model.artifacts import fallback_from
 
     cfg = load_config(args.config, []) if args.config else None
     if cfg is not None:
@@ -138,8 +140,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from emotune.artifacts import fallback_from
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
+    from emotune.model.artifacts import fallback_from
     from emotune.serve import serve
 
     config = next((a for a in args.items if a.endswith((".yaml", ".yml"))), None)
@@ -167,7 +169,7 @@ def _no_key_on_the_command_line(overrides: list[str]) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from emotune.sweep import load_sweep_config, sweep
+    from emotune.sweep.runner import load_sweep_config, sweep
 
     config, overrides = _config_and_overrides(args)
     flags = [f"sweep.{key}={value}" for key, value in (("mode", "ablation" if args.ablation else args.search),
@@ -188,11 +190,11 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[st
 
 
 def _load(args: argparse.Namespace, announce: bool = True):
-    from emotune.config import load_config
+    from emotune.core.config.load import load_config
 
     config, overrides = _config_and_overrides(args)
     if announce and config is not None:
-        from emotune.llamafactory import announce as announce_llamafactory
+        from emotune.core.config.llamafactory import announce as announce_llamafactory
 
         announce_llamafactory(config, overrides)  # a LLaMA-Factory file: each key's emotune equivalent first
     cfg = load_config(config, overrides)
@@ -203,7 +205,7 @@ def _load(args: argparse.Namespace, announce: bool = True):
 
 def _announce(cfg) -> None:
     """Every command that takes a config prints it resolved first, so a log always says what ran."""
-    from emotune.config import dump_config
+    from emotune.core.config.build import dump_config
 
     print("Resolved config (defaults < YAML < key=value):\n" + dump_config(cfg), flush=True)
 

@@ -21,19 +21,20 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, set_seed
 
-from emotune import device as device_mod
-from emotune import optim
-from emotune.artifacts import is_adapter
-from emotune.batches import describe_shared_prefix, share_prefix
-from emotune.config import RunConfig, dump_config
-from emotune.errors import UserError
-from emotune.lora import check_layers
-from emotune.merged_eval import CHECK_ROWS, describe, merged_for_eval
+from emotune.core.config.build import dump_config
+from emotune.core.config.run import RunConfig
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir, RunLog, drop_previous, holds_run_lock, open_run, read_json
+from emotune.eval.merged import CHECK_ROWS, describe, merged_for_eval
 from emotune.model import init_methods, quantization
+from emotune.model.artifacts import is_adapter
 from emotune.model.attention import check_attention
-from emotune.models import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
-from emotune.rundir import RunDir, RunLog, drop_previous, holds_run_lock, open_run, read_json
+from emotune.model.loading import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
+from emotune.model.lora import check_layers
+from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
+from emotune.train import optim
+from emotune.train.batches import describe_shared_prefix, share_prefix
 
 
 class Context:
@@ -53,7 +54,7 @@ class Context:
         self._base: Base | None = None
         self._adapted = None  # the model with its trained adapter, once there is one
         self.start = None  # lora.adapter: the adapter training starts from (its score is the "before")
-        self.train_fault = None  # tests: called before every training forward pass (emotune.train.train's `fault`)
+        self.train_fault = None  # tests: called before every training forward pass (emotune.train.loop.train's `fault`)
         self._telemetry = None
 
     def validate(self, model_source: bool = True) -> None:
@@ -104,7 +105,7 @@ class Context:
     def telemetry(self):
         """What telemetry can sample here, looked for once per command (and the note on what is missing, once)."""
         if self._telemetry is None:
-            from emotune.telemetry import find_sources
+            from emotune.runtime.telemetry import find_sources
 
             self._telemetry = find_sources(self.device)
             if self._telemetry.note():
@@ -141,8 +142,8 @@ def baseline_stage(ctx: Context) -> None:
 
 
 def train_stage(ctx: Context) -> None:
-    from emotune.parallel import fsdp_requested
-    from emotune.train import train
+    from emotune.runtime.parallel import fsdp_requested
+    from emotune.train.loop import train
 
     train_rows, val_rows = ctx.task.training_rows(ctx.data, ctx.base.tokenizer, ctx.cfg)
     model, objective = ctx.task.training_setup(ctx.base.model, ctx.cfg, ctx.data)
@@ -165,7 +166,7 @@ def finetuned_stage(ctx: Context) -> None:
 
 def evaluate_adapted(ctx: Context, model, desc: str) -> tuple[dict, dict]:
     """The task's evaluation of a model with an adapter, merged for it as `eval.merge_adapters` and the check
-    decide (emotune.merged_eval); every result's metrics record how (`merge`). The adapter is unmerged after."""
+    decide (emotune.eval.merged); every result's metrics record how (`merge`). The adapter is unmerged after."""
     sample = ctx.task.merge_check_inputs(ctx.base.tokenizer, ctx.data, ctx.cfg, CHECK_ROWS)
     with merged_for_eval(model, sample, ctx.cfg.eval.merge_adapters, ctx.cfg.eval.merge_tolerance) as merge:
         print(describe(merge), flush=True)
@@ -176,7 +177,7 @@ def evaluate_adapted(ctx: Context, model, desc: str) -> tuple[dict, dict]:
 
 
 def report_stage(ctx: Context) -> None:
-    from emotune.report import write_report
+    from emotune.report.page import write_report
 
     before = ctx.task.read_results(ctx.run.baseline, ctx.cfg)
     after = ctx.task.read_results(ctx.run.finetuned, ctx.cfg)
@@ -207,7 +208,7 @@ RUN = (DATA, BASELINE, TRAIN, FINETUNED, REPORT)
 
 
 def run_stages(ctx: Context, stages: tuple[Stage, ...]) -> None:
-    from emotune import telemetry
+    from emotune.runtime import telemetry
 
     for stage in stages:
         if stage.done(ctx):
@@ -266,7 +267,7 @@ def train_only(cfg: RunConfig, fault=None) -> Path:
 
     Safe under `torchrun` / `accelerate launch`: every process loads data and model, only the main
     process writes; `emotune run` on the same folder later picks up the saved adapter. `fault` is for tests
-    (see emotune.train.train)."""
+    (see emotune.train.loop.train)."""
     from accelerate import PartialState
 
     set_seed(cfg.seed)
@@ -326,7 +327,7 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
 def _evaluate_merged(ctx: Context, artifact) -> dict:
     """A merged folder (`emotune export --merge`) is the fine-tuned model itself: it is loaded with its own tokenizer
     in place of the base, which is never loaded, and measured as saved; there is no adapter to merge or check."""
-    from emotune.artifacts import load_artifact_model
+    from emotune.model.artifacts import load_artifact_model
 
     dtype = weights_dtype(ctx.cfg.model, ctx.device, ctx.cfg.train.precision)
     model, tokenizer = load_artifact_model(artifact, dtype, ctx.device)

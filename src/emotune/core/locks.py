@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 try:
     import fcntl

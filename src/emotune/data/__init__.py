@@ -10,12 +10,12 @@ set is fixed here once and shared by the prompt, training and both evaluations.
     splits.py    stratified splits, limits, balancing
     load.py      `load_data`: the steps in order, validation, the report
     prepare.py   `emotune data` and the prepared-data folder `run_dir/data/` that `emotune run` reuses
-    prompt.py    the prompt format used by training and evaluation
+    (the prompt format used by training and evaluation is emotune.model.prompt, re-exported here)
 """
 
 from emotune.data.load import LabeledData, load_data
-from emotune.data.prompt import prompt_messages, system_prompt, to_prompt_completion
 from emotune.data.sources import EMBEDDED_LABELS, SPLITS, embedded_dataset_dir
+from emotune.model.prompt import prompt_messages, system_prompt, to_prompt_completion
 
 __all__ = ["EMBEDDED_LABELS", "SPLITS", "LabeledData", "embedded_dataset_dir", "load_data", "prompt_messages",
            "system_prompt", "to_prompt_completion"]

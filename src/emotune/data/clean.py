@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from emotune.config import CleaningConfig
+from emotune.core.config.data import CleaningConfig
 
 # RE2 syntax (Arrow's regex engine): no look-arounds, \x{...} for code points.
 CONTROL_CHARS = (r"[\x00-\x08\x0E-\x1B\x7F-\x84\x86-\x9F\x{AD}\x{200B}\x{200E}\x{200F}\x{202A}-\x{202E}"

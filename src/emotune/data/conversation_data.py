@@ -16,14 +16,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from emotune.config import CleaningConfig, SftDataConfig
+from emotune.core.config.data import CleaningConfig
+from emotune.core.config.sft import SftDataConfig
+from emotune.core.errors import UserError, listed, raise_problems
 from emotune.data import clean
 from emotune.data import splits as split_ops
 from emotune.data.conversations import Conversation, detect_format, normalise, required_columns
 from emotune.data.dataset_info import Entry, has_dataset_info, read_entries
 from emotune.data.read import read_table
 from emotune.data.sources import HUB_PREFIXES, SPLITS, download_hub_dataset, split_files
-from emotune.errors import UserError, listed, raise_problems
 
 
 @dataclass
@@ -72,7 +73,7 @@ def load_conversations(cfg: SftDataConfig, seed: int) -> ConversationData:
 
 
 def _entries(cfg: SftDataConfig) -> list[tuple[str, Entry]]:
-    from emotune.config import SftColumns, SftTags
+    from emotune.core.config.sft import SftColumns, SftTags
 
     def plain(name: str, files: list[Path]) -> Entry:
         return Entry(name, files, cfg.format, cfg.columns, cfg.tags)

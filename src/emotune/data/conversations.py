@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from emotune.config import SftColumns, SftTags
+from emotune.core.config.sft import SftColumns, SftTags
 
 FORMATS = ("alpaca", "sharegpt", "messages")
 OPENAI_TAGS = SftTags(role_tag="role", content_tag="content", user_tag="user", assistant_tag="assistant",

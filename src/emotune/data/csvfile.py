@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
-from emotune.errors import UserError, first_line, listed
+from emotune.core.errors import UserError, first_line, listed
 
 MAX_ROW_BYTES = 64 << 20  # longest row read; Arrow must fit a whole row in one block, the csv module in its limit
 LINE_BREAK = re.compile(r"\r\n|\r|\n")

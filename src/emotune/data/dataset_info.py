@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from emotune.config import SftColumns, SftDataConfig, SftTags
-from emotune.errors import UserError
+from emotune.core.config.sft import SftColumns, SftDataConfig, SftTags
+from emotune.core.errors import UserError
 
 INFO_FILE = "dataset_info.json"
 IGNORED_COLUMNS = ("kto_tag",)  # KTO labels: meaningless for plain SFT, so they are ignored like LLaMA-Factory's sft stage

@@ -12,9 +12,9 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from emotune.config import DataConfig
+from emotune.core.config.data import DataConfig
+from emotune.core.errors import listed
 from emotune.data.sources import RawSplit
-from emotune.errors import listed
 
 # How a missing label is written in CSV exports (pandas writes NaN as an empty cell or `NaN`). Never a class:
 # a model trained on `NaN` as an emotion would be measured on it too. (`none` and `NA` are left alone: both

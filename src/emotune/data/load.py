@@ -14,12 +14,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Dataset
 
-from emotune.config import CleaningConfig, DataConfig
+from emotune.core.config.data import CleaningConfig, DataConfig
+from emotune.core.errors import UserError, raise_problems
 from emotune.data import clean
 from emotune.data import splits as split_ops
 from emotune.data.labels import choose_label_names, coerce_columns, example_rows, label_key, map_labels
 from emotune.data.sources import SPLITS, packaged_labels, read_source
-from emotune.errors import UserError, raise_problems
 
 
 @dataclass

@@ -15,15 +15,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from emotune import terminal
-from emotune.config import RunConfig
+from emotune.core import terminal
+from emotune.core.config.run import RunConfig
+from emotune.core.figures import figure_fonts
+from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.clean import token_lengths
 from emotune.data.load import LabeledData, in_memory_dataset, load_data
 from emotune.data.read import FORMATS
 from emotune.data.sources import HUB_PREFIXES, SPLITS, embedded_dataset_dir, packaged_name
-from emotune.fonts import figure_fonts
-from emotune.models import load_tokenizer_only
-from emotune.rundir import RunDir, atomic_dir, read_json
+from emotune.model.loading import load_tokenizer_only
 
 TOKEN_SAMPLE_ROWS = 20_000  # per split: percentiles of a seeded sample are stable and fast on any size
 

@@ -18,8 +18,8 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from emotune.core.errors import UserError, first_line
 from emotune.data.csvfile import Lines, read_csv
-from emotune.errors import UserError, first_line
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
 BOM = b"\xef\xbb\xbf"

@@ -19,9 +19,9 @@ import pyarrow as pa
 from datasets import ClassLabel, Features
 from platformdirs import user_cache_dir
 
-from emotune.config import DataConfig
+from emotune.core.config.data import DataConfig
+from emotune.core.errors import UserError
 from emotune.data.read import FORMATS, read_table
-from emotune.errors import UserError
 
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev"), "test": ("test",)}

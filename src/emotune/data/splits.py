@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 from sklearn.model_selection import train_test_split
 
+from emotune.core.errors import UserError
 from emotune.data.clean import codes
-from emotune.errors import UserError
 
 
 def stratified_split(table: pa.Table, validation_size: float, test_size: float, seed: int) -> dict[str, pa.Table]:

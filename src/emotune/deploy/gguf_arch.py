@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import MODEL_ARCH, GGUFWriter, RopeScalingType
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ The export folder gets, beside what `emotune export --merge` writes (adapter/, m
     ollama/Modelfile           (--format ollama) FROM the merged GGUF, with the chat template, stop tokens, system
                                prompt and parameters; `ollama create` is printed
 
-The merged folder is made by emotune.export (one merge for every format), then converted.
+The merged folder is made by emotune.deploy.export (one merge for every format), then converted.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 FORMATS = ("hf", "gguf", "ollama")
 
@@ -25,10 +25,10 @@ def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama:
                 vllm: bool = False) -> Path:
     from transformers import AutoConfig
 
-    from emotune.artifacts import find_artifact
     from emotune.deploy import gguf_arch, gguf_write
-    from emotune.export import export
-    from emotune.models import resolve_model_dir
+    from emotune.deploy.export import export
+    from emotune.model.artifacts import find_artifact
+    from emotune.model.loading import resolve_model_dir
 
     gguf_write.check_quant(quant)
     artifact = find_artifact(run_dir)
@@ -44,7 +44,7 @@ def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama:
     out = export(run_dir, out=out, merge=True, vllm=vllm, force=force)
     folder = out / "gguf"
     folder.mkdir(exist_ok=True)
-    meta = gguf_meta(artifact)
+    meta = gguf_write.gguf_meta(artifact)
     written_quant = "f16" if quant in gguf_write.K_QUANTS else quant
     model_file = folder / f"{artifact.name}-{written_quant}.gguf"
     print(f"Writing {model_file} ...", flush=True)
@@ -77,14 +77,3 @@ def _write_lora(artifact, base_config, folder: Path) -> Path | None:
     return target
 
 
-def gguf_meta(artifact) -> dict:
-    """emotune's keys for the GGUF file: what the model was trained to answer and how it is asked."""
-    meta = {"name": artifact.name, "task": artifact.task, "base_model": artifact.meta.get("base_model")}
-    if artifact.task == "sft":
-        meta["system_prompt"] = artifact.sft_system_prompt
-    else:
-        from emotune.data import system_prompt
-
-        meta.update(labels=artifact.labels, system_prompt=system_prompt(artifact.prompt, artifact.labels),
-                    user_template=artifact.prompt.user_template)
-    return meta

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, get_tensor_name_map
 
+from emotune.core.errors import UserError
+from emotune.core.rundir import atomic_file
 from emotune.deploy import gguf_arch
 from emotune.deploy.gguf_write import arch_name
-from emotune.errors import UserError
-from emotune.rundir import atomic_file
 
 PEFT_PREFIX = "base_model.model."
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 # The split patterns of the byte-level BPE pre-tokenizers llama.cpp knows by name (its `tokenizer.ggml.pre`)
 PRE_TOKENIZERS = {
@@ -90,7 +90,7 @@ def build_vocab(model_dir: Path, tokenizer, vocab_size: int) -> Vocab:
 
 
 def _source_gguf(model_dir: Path) -> Path | None:
-    """The GGUF file a converted base folder came from (emotune.models writes emotune_source.json beside it)."""
+    """The GGUF file a converted base folder came from (emotune.model.loading writes emotune_source.json beside it)."""
     record = model_dir / "emotune_source.json"
     if not record.is_file():
         return None

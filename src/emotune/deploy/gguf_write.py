@@ -21,10 +21,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, get_tensor_name_map
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
+from emotune.core.errors import UserError
+from emotune.core.rundir import atomic_file
 from emotune.deploy import gguf_arch
 from emotune.deploy.gguf_vocab import build_vocab
-from emotune.errors import UserError
-from emotune.rundir import atomic_file
 
 QUANTS = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
@@ -235,3 +235,16 @@ def make_k_quant(f16_file: Path, target: Path, quant: str) -> bool:
     if llama_cpp.llama_model_quantize(str(f16_file).encode(), str(target).encode(), ctypes.byref(params)) != 0:
         raise UserError(f"llama.cpp's quantizer failed to write {target} from {f16_file}.")
     return True
+
+
+def gguf_meta(artifact) -> dict:
+    """emotune's keys for the GGUF file: what the model was trained to answer and how it is asked."""
+    meta = {"name": artifact.name, "task": artifact.task, "base_model": artifact.meta.get("base_model")}
+    if artifact.task == "sft":
+        meta["system_prompt"] = artifact.sft_system_prompt
+    else:
+        from emotune.data import system_prompt
+
+        meta.update(labels=artifact.labels, system_prompt=system_prompt(artifact.prompt, artifact.labels),
+                    user_template=artifact.prompt.user_template)
+    return meta

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 HUBS = {"hf": "the Hugging Face hub", "modelscope": "ModelScope"}
 
@@ -74,7 +74,7 @@ def hub_client(hub: str, token: str):
 
 
 def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = False, dry_run: str | None = None) -> Path | None:
-    from emotune.artifacts import find_artifact
+    from emotune.model.artifacts import find_artifact
 
     hub, repo_id = parse_destination(to)
     artifact = find_artifact(run_dir)
@@ -106,8 +106,8 @@ def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = Fal
 
 
 def _assemble(artifact, run_dir: Path, target: Path, hub: str, repo_id: str, merged: bool) -> Path:
+    from emotune.core.rundir import RunDir
     from emotune.deploy.model_card import model_card
-    from emotune.rundir import RunDir
 
     run = RunDir(run_dir)
     if merged:
@@ -115,7 +115,7 @@ def _assemble(artifact, run_dir: Path, target: Path, hub: str, repo_id: str, mer
         if (source / "config.json").is_file():
             shutil.copytree(source, target, dirs_exist_ok=True)
         else:
-            from emotune.export import merge_adapter
+            from emotune.deploy.export import merge_adapter
 
             print("No merged model in the run's export/; merging the adapter into the base (once) ...", flush=True)
             merge_adapter(artifact, target)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import yaml
 
-from emotune.rundir import read_json
+from emotune.core.rundir import read_json
 
 EMBEDDED_BASE = "google/gemma-3-270m"  # the packaged GGUF is a conversion of it (its NOTICE names the source)
 # the licence of each family's released weights, as the hub names it; "other" where it differs by model
@@ -18,7 +18,7 @@ LICENSES = {"gemma": "gemma", "llama": "llama3", "qwen": "apache-2.0", "mistral"
 
 def base_model_id(source: str | None) -> str | None:
     """The hub id of the base model, None for a local folder or file."""
-    from emotune.models import looks_like_hub_id
+    from emotune.model.loading import looks_like_hub_id
 
     if not source:
         return None
@@ -79,7 +79,7 @@ def _system_prompt(artifact) -> str:
 
 def _model_type(artifact) -> str | None:
     try:
-        from emotune.models import resolve_model_dir
+        from emotune.model.loading import resolve_model_dir
 
         return read_json(resolve_model_dir(artifact.model_cfg) / "config.json").get("model_type")
     except Exception:  # the base is not on this machine: the card goes without it, the upload is unaffected

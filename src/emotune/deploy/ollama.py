@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from emotune.errors import UserError
+from emotune.core.errors import UserError
 
 GEMMA = """\
 {{- $system := "" }}
@@ -86,8 +86,8 @@ def modelfile_text(model_type: str, gguf_name: str, system: str | None, max_new_
 
 def write_modelfile(artifact, model_type: str, gguf_file: Path, folder: Path) -> Path:
     """ollama/Modelfile beside a link to the GGUF file (Ollama resolves FROM relative to the Modelfile)."""
-    from emotune.deploy.gguf_export import gguf_meta
-    from emotune.predict import trained_max_new_tokens
+    from emotune.deploy.gguf_write import gguf_meta
+    from emotune.deploy.predict import trained_max_new_tokens
 
     folder.mkdir(exist_ok=True)
     link = folder / gguf_file.name

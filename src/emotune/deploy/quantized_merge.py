@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from emotune.artifacts import Artifact
-from emotune.config import ModelConfig
+from emotune.core.config.model import ModelConfig
 from emotune.model import quantization
+from emotune.model.artifacts import Artifact
 
 REPORT = "emotune_merge.json"
 SAMPLE_TEXTS = ("i feel so lonely today", "what a wonderful surprise this morning", "my friend was furious with me",
@@ -31,15 +31,15 @@ SAMPLE_TEXTS = ("i feel so lonely today", "what a wonderful surprise this mornin
 
 
 @torch.inference_mode()
-def merge_report(artifact: Artifact, run_dir: str | Path, merged_dir: Path, texts: tuple[str, ...] = SAMPLE_TEXTS) -> dict:
-    """Measure parity and the quantization gap of a merged QLoRA export, print them and write them next to it."""
-    from emotune.export import _adapted, merge_parity_gap
-    from emotune.models import load_model, resolve_model_dir
+def merge_report(artifact: Artifact, merged_dir: Path, parity: float, full, texts: tuple[str, ...] = SAMPLE_TEXTS) -> dict:
+    """Measure the quantization gap of a merged QLoRA export and print it with the merge's `parity` (measured by
+    emotune.deploy.export on `texts`), and write both next to the merged folder. `full` is the adapter on the
+    unquantized base in fp32 on the CPU."""
+    from emotune.model.loading import load_model, resolve_model_dir
 
-    parity = merge_parity_gap(run_dir, list(texts), merged_dir=merged_dir)
     base_dir = resolve_model_dir(artifact.model_cfg)
     cpu = torch.device("cpu")
-    full = _adapted(artifact, base_dir).eval()
+    full = full.eval()
     quantized_base = load_model(base_dir, torch.float32, cpu, quantized=quantization.bnb_config(artifact.model_cfg, torch.float32))
     on_quantized = _with_adapter(artifact, quantized_base).eval()
     gap = max((_logits(full, ids) - _logits(on_quantized, ids)).abs().max().item() for ids in _inputs(artifact, texts))
@@ -63,7 +63,7 @@ def merge_report(artifact: Artifact, run_dir: str | Path, merged_dir: Path, text
 def _with_adapter(artifact: Artifact, base):
     from peft import PeftModel
 
-    from emotune.head import classifier_from_causal
+    from emotune.model.head import classifier_from_causal
 
     if artifact.has_head:
         base = classifier_from_causal(base, artifact.labels)
@@ -71,8 +71,8 @@ def _with_adapter(artifact: Artifact, base):
 
 
 def _inputs(artifact: Artifact, texts: tuple[str, ...]) -> list[torch.Tensor]:
-    from emotune.head import encode_texts
-    from emotune.models import load_tokenizer
+    from emotune.model.head import encode_texts
+    from emotune.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
     if artifact.has_head:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from emotune.config import ModelConfig
-from emotune.errors import UserError, first_line
+from emotune.core.config.model import ModelConfig
+from emotune.core.errors import UserError, first_line
 
 FLASH_MAX_HEAD_DIM = 256  # flash-attn 2.x: "FlashAttention forward only supports head dimension at most 256"
 

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from emotune.config import LoraSettings, ModelConfig
-from emotune.errors import UserError
+from emotune.core.config.model import ModelConfig
+from emotune.core.config.train import LoraSettings
+from emotune.core.errors import UserError
 
 CONVERTED = ("pissa", "olora", "loftq")  # inits that change the base weights: the adapter is converted when saved
 

@@ -16,7 +16,7 @@ k-bit preparation (`prepare_for_training`) differs from PEFT's `prepare_model_fo
 casts every parameter it does not quantize to fp32, and Gemma 4 E4B's ~3.5 B embedding parameters (262,144 x
 (2,560 + 42 x 256)) would then take ~14 GB, more than the quantized rest of the model. Here the embeddings keep
 the compute dtype and only the norms go to fp32 (their few weights set the scale of every activation, as in
-LLaMA-Factory's `upcast_layernorm`); gradient checkpointing is emotune.lora's non-reentrant kind, which needs
+LLaMA-Factory's `upcast_layernorm`); gradient checkpointing is emotune.model.lora's non-reentrant kind, which needs
 no input that requires grad.
 """
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from emotune.config import ModelConfig
-from emotune.errors import UserError, first_line
+from emotune.core.config.model import ModelConfig
+from emotune.core.errors import UserError, first_line
 
 INSTALL = "pip install 'bitsandbytes>=0.50.2' (its PyPI wheel carries the CUDA, ROCm and CPU libraries), or `pip install emotune[qlora]`"
 

@@ -31,9 +31,10 @@ from __future__ import annotations
 import os
 import sys
 
-from emotune.artifacts import Fallback
-from emotune.config import RunConfig, ServeConfig
-from emotune.errors import UserError
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.run import RunConfig
+from emotune.core.errors import UserError
+from emotune.model.artifacts import Fallback
 from emotune.serve.engine import build_engine
 from emotune.serve.guards import is_loopback, uvicorn_config
 from emotune.serve.http import resolve_key

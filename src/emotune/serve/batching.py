@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from emotune.config import PromptConfig, ServeConfig
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import ServeConfig
 from emotune.serve.engine import Engine
 from emotune.serve.limits import Admission
 from emotune.serve.metrics import Metrics

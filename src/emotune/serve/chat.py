@@ -18,7 +18,7 @@ import uuid
 import torch
 from transformers import StoppingCriteria
 
-from emotune.config import ServeConfig
+from emotune.core.config.eval import ServeConfig
 from emotune.model.turns import stop_token_ids
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import STREAM_FAILED, APIError

@@ -1,7 +1,7 @@
 """The engine: one base model, adapters by name, every model call under one lock.
 
 Every adapter's LoRA lives in one PEFT model over the base. A classification-head adapter's LoRA is loaded
-there too, renamed to the causal model's modules (emotune.head.causal_adapter), and its trained head sits on
+there too, renamed to the causal model's modules (emotune.model.head.causal_adapter), and its trained head sits on
 a classifier that reads the base's language model (`Loaded.head`), so heads, generative classifiers and sft
 models share one copy of the base weights.
 
@@ -22,13 +22,15 @@ from typing import Any
 
 import torch
 
-from emotune import device as device_mod
-from emotune.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
-from emotune.config import ModelConfig, PromptConfig, RunConfig
-from emotune.errors import UserError
-from emotune.head import causal_adapter, classifier_from_causal, head_probabilities
-from emotune.models import load_base, load_tokenizer, weights_dtype
-from emotune.scoring import LabelScorer, score_label_probs
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.model import ModelConfig
+from emotune.core.config.run import RunConfig
+from emotune.core.errors import UserError
+from emotune.eval.scoring import LabelScorer, score_label_probs
+from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
+from emotune.model.head import causal_adapter, classifier_from_causal, head_probabilities
+from emotune.model.loading import load_base, load_tokenizer, weights_dtype
+from emotune.runtime import device as device_mod
 
 BASE_MODEL = "base"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",

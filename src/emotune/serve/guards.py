@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from emotune.config import ServeConfig
+from emotune.core.config.eval import ServeConfig
 from emotune.serve.http import error_response
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -8,17 +8,15 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from emotune.errors import UserError
-
-if TYPE_CHECKING:
-    from emotune.serve.state import Server
+from emotune.core.errors import UserError
+from emotune.serve.metrics import Metrics
 
 
 class APIError(Exception):
@@ -154,10 +152,17 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+class Observed(Protocol):
+    """What `Observe` counts into: the server's metrics and its number of requests in flight (emotune.serve.state)."""
+
+    in_flight: int
+    metrics: Metrics
+
+
 class Observe:
     """Pure ASGI middleware: counts requests by route and status, and times them, for /metrics."""
 
-    def __init__(self, app, server: Server):
+    def __init__(self, app, server: Observed):
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send):

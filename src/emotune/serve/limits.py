@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from emotune.config import ServeConfig
+from emotune.core.config.eval import ServeConfig
 from emotune.serve.http import APIError
 from emotune.serve.metrics import Metrics
 

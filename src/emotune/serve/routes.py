@@ -16,9 +16,10 @@ from fastapi.security import HTTPBearer
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from emotune.artifacts import Artifact, check_adapter_files, find_artifact
-from emotune.config import PromptConfig, ServeConfig
-from emotune.errors import UserError
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.eval import ServeConfig
+from emotune.core.errors import UserError
+from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
 from emotune.serve.chat import chat_job, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.guards import TrustedHosts

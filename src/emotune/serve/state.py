@@ -12,7 +12,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from emotune.config import ServeConfig
+from emotune.core.config.eval import ServeConfig
 from emotune.serve.batching import MicroBatcher
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError, resolve_key

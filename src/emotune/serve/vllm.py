@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from emotune.artifacts import Fallback, find_artifact
-from emotune.config import RunConfig
+from emotune.core.config.run import RunConfig
+from emotune.core.errors import UserError
+from emotune.deploy.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
 from emotune.deploy.vllm_ready import max_model_len_args
-from emotune.errors import UserError
-from emotune.export import adapter_config, max_lora_rank, vllm_base_reference, vllm_blockers
+from emotune.model.artifacts import Fallback, find_artifact
 from emotune.serve.engine import check_base
 from emotune.serve.http import resolve_key
 

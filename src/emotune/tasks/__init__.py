@@ -1,37 +1,22 @@
-"""What each task contributes to a run, and the table from `task` to the module that implements it.
+"""The task registry: the table from `task` to the module that implements it (one line per task).
 
-A task module provides, as plain functions (see classify.py, and docs/tasks.md for the contract):
-
-    load_data(cfg)                                   validated data, before any weights load
-    data_fingerprint(cfg) / saved_fingerprint(run)   whether run/data/ holds this data
-    save_data(data, run, tokenizer, cfg)             the data stage's outputs in run/data/
-    describe_data(data) -> str                       the summary printed by `emotune data` and `run`
-    run_info(cfg, data) -> dict                      what run.json records about the task
-    training_rows(data, tokenizer, cfg)              encoded (train, validation) rows with their loss masks
-    training_setup(model, cfg, data)                 the model to train (the base, or a classifier over it) and
-                                                     the Objective (loss, adapter selection, PEFT task type)
-    load_adapted(model, adapter_dir, cfg, data)      the base model with a trained adapter, as training made it
-    adapter_meta(cfg, data) -> dict                  what emotune.json records next to the adapter
-    evaluate(model, tokenizer, data, cfg, desc)      the measurement, run identically before and after
-    write_results(results, folder) / read_results(folder, cfg)
-    has_results(folder) -> bool                      whether a stage folder holds a complete measurement (report)
-    find_adapter(path, cfg, data) -> Artifact        an adapter to measure with `emotune eval adapter=...`
-    SHOWN_METRICS                                    the metric names `emotune eval` prints
-    compare(before, after, data) -> dict             the before/after comparison (comparison.json)
-    write_comparison(comparison, run) / format_comparison(comparison, data, cfg) -> str
-    outputs(run, cfg) -> list[Path]                  what must exist before a run counts as finished
-    report_sections(run, info) -> list[str]          the task's HTML sections of report.html
-    memory_workload(cfg, device_type) -> Workload    what `emotune plan` models of its training and evaluation
-
-The pipeline, the training loop and the evaluation stage call these and nothing task-specific, so a new
-task is a module here, a line in TASKS, and its config class in emotune.config.TASK_CONFIGS.
+Each task is one folder here (`classify/`, `classify_head/`, `sft/`) whose `task.py` implements the Task protocol
+(emotune.tasks.protocol: data, training batches, evaluation, comparison, report sections). Generic code asks
+`task_for(cfg)` or `task_named(name)` and nothing task-specific; a new task is a new folder, a line in TASKS and
+its config class in emotune.core.config.build.TASK_CONFIGS. Tests may add a task with `register` (its config
+class too), never by importing a module.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from emotune.tasks import classify, classify_head, sft
+from emotune.core.config.build import TASK_CONFIGS
+from emotune.core.errors import UserError
+from emotune.tasks.classify import task as classify
+from emotune.tasks.classify_head import task as classify_head
+from emotune.tasks.protocol import missing_hooks
+from emotune.tasks.sft import task as sft
 
 TASKS: dict[str, ModuleType] = {
     "classify": classify,
@@ -40,5 +25,28 @@ TASKS: dict[str, ModuleType] = {
 }
 
 
+def task_named(name: str) -> ModuleType:
+    """The task called `name`; a clear error for a name no task has (a run folder from another version)."""
+    if name not in TASKS:
+        raise UserError(f"Unknown task `{name}`: emotune knows {', '.join(sorted(TASKS))}. A run folder or adapter "
+                        "written by a newer emotune needs that version.")
+    return TASKS[name]
+
+
 def task_for(cfg) -> ModuleType:
-    return TASKS[cfg.task]
+    return task_named(cfg.task)
+
+
+def register(name: str, task: ModuleType) -> None:
+    """Add a task under `name` with its config class (tests add their own tasks this way, explicitly), after
+    checking it implements the protocol; `unregister` takes it away again."""
+    missing = missing_hooks(task)
+    if missing:
+        raise ValueError(f"task `{name}` ({task.__name__}) lacks {', '.join(missing)} of the Task protocol")
+    TASKS[name] = task
+    TASK_CONFIGS[name] = task.CONFIG
+
+
+def unregister(name: str) -> None:
+    TASKS.pop(name, None)
+    TASK_CONFIGS.pop(name, None)

@@ -1,0 +1,97 @@
+"""The config's building blocks: a numeric Range with its message, the Section every config section
+derives from (unknown keys rejected, each field documented), and the names every section may check against."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are an emotion classification assistant. Read the text and reply with exactly one word, "
+    "the emotion it expresses: {labels}. Reply with that word only."
+)
+DEFAULT_USER_TEMPLATE = "Classify the emotion of this text:\n\n{text}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number field accepts: `Annotated[int, Range(1)]`. `Section` checks it for every field.
+
+    Bounds are inclusive unless `low_open`/`high_open`. `special` holds values outside the bounds that have a
+    documented meaning (train.max_steps=-1); `also` finishes the sentence that states the range in messages
+    ("or `auto`", "or null for all rows"). NaN and infinities are never in a range: no field gives them a meaning.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    special: tuple[float, ...] = ()
+    also: str = ""
+
+    def allows(self, value: float) -> bool:
+        if value in self.special:
+            return True
+        if not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self, integer: bool) -> str:
+        """How messages state the range: `a number in [0, 1)`, `an integer >= 1, or -1 to run ...`."""
+        kind = "an integer" if integer else "a number"
+        opening, closing = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        if self.low is not None and self.high is not None:
+            bounds = f"in {opening}{_plain(self.low)}, {_plain(self.high)}{closing}"
+        elif self.low is not None:
+            bounds = f"{'>' if self.low_open else '>='} {_plain(self.low)}"
+        elif self.high is not None:
+            bounds = f"{'<' if self.high_open else '<='} {_plain(self.high)}"
+        else:
+            bounds = "(any finite one)"
+        return f"{kind} {bounds}" + (f", {self.also}" if self.also else "")
+
+
+RUN_NAME = re.compile(r"[\w.-]{1,100}")
+DEVICE_NAME = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _in_range(cls, value: Any, handler, info: ValidationInfo) -> Any:
+        """Number fields: refuse true/false (YAML would make `true` a 1), NaN, infinities and values outside the
+        field's `Range`, always with a message that states the range."""
+        field = cls.model_fields[info.field_name]
+        allowed = next((m for m in field.metadata if isinstance(m, Range)), None)
+        if allowed is None:
+            return handler(value)
+        integer = float not in _number_types(field.annotation)
+        expected = f"must be {allowed.describe(integer)}"
+        if isinstance(value, bool):
+            raise ValueError(f"{expected}; true/false is not a number")
+        try:
+            result = handler(value)
+        except ValidationError:
+            raise ValueError(expected) from None
+        if isinstance(result, (int, float)) and not isinstance(result, bool) and not allowed.allows(result):
+            raise ValueError(expected)
+        return result
+
+
+def _plain(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
+def _number_types(annotation: Any) -> set[type]:
+    """int/float among a field's types (`int | None`, `int | Literal["auto"]`, `Annotated[...]`)."""
+    if annotation in (int, float):
+        return {annotation}
+    return {t for arg in get_args(annotation) for t in _number_types(arg)}

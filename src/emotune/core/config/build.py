@@ -1,0 +1,214 @@
+"""Building a config: defaults < YAML < key=value, validated all at once against the task's class
+(TASK_CONFIGS); YAML reading with duplicate keys refused; the resolved config and its field docs printed."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from emotune.core.config.base import (
+    Range,
+    _number_types,
+)
+from emotune.core.config.head import ClassifyHeadConfig
+from emotune.core.config.run import ClassifyConfig, RunConfigBase
+from emotune.core.config.sft import SftConfig
+from emotune.core.errors import UserError, raise_problems
+
+# The config class of every task, keyed on `task`. A new task adds its class here and its module to
+# emotune.tasks.TASKS.
+TASK_CONFIGS: dict[str, type[RunConfigBase]] = {"classify": ClassifyConfig, "sft": SftConfig,
+                                                "classify_head": ClassifyHeadConfig}
+
+
+def build_config(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), path: str | Path | None = None,
+                 problems: list[str] | None = None, check=None) -> RunConfigBase:
+    """Apply the overrides to `raw` and validate it against its task's class; `problems` found before (by a
+    translation) and those of `check(raw)` (run after the overrides) are reported with the others, all at once."""
+    problems = list(problems or [])
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"`{item}`: overrides are written key=value, e.g. train.max_steps=2")
+            continue
+        try:
+            _set_dotted(raw, key.strip(), _parse_value(value))
+        except DuplicateKeyError as err:
+            problems.append(f"`{item}`: {err}")
+    if check is not None:
+        problems += check(raw)
+    schema = _task_config(raw, problems)
+    problems += _unknown_keys(raw, schema)
+    if path is not None and "name" not in raw:
+        raw["name"] = _name_from_file(Path(path))
+    try:
+        cfg = schema.model_validate(_known_only(raw, schema))
+    except ValidationError as err:
+        problems += [_describe(e) for e in err.errors()]
+    if problems:  # unknown keys and bad values, all at once
+        raise_problems("The configuration", problems, "Fix them in the YAML file or the key=value overrides and run again.")
+    return cfg
+
+
+def _task_config(raw: dict[str, Any], problems: list[str]) -> type[RunConfigBase]:
+    """The config class of the task the config asks for (`task`, default `classify`)."""
+    task = raw.get("task", "classify")
+    if isinstance(task, str) and task in TASK_CONFIGS:
+        return TASK_CONFIGS[task]
+    problems.append(f"`task`: {task!r} is not a task emotune knows; choose one of {', '.join(TASK_CONFIGS)}")
+    raw.pop("task")
+    return ClassifyConfig
+
+
+def _known_only(raw: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    known = {}
+    for key, value in raw.items():
+        if key not in model.model_fields:
+            continue
+        annotation = model.model_fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, dict):
+            value = _known_only(value, annotation)
+        known[key] = value
+    return known
+
+
+def _name_from_file(path: Path) -> str:
+    """The default run name: the config file's name, made a plain folder name (see RunConfig.name)."""
+    return re.sub(r"[^\w.-]+", "-", path.stem).strip("-")[:100].strip(".") or "default"
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys without a word, so a setting written twice silently loses one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` then overriding one key is how YAML merges are meant to be used
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if first is not None:
+                where = f"line {line}" if first == line else f"lines {first} and {line}"
+                raise DuplicateKeyError(f"key `{key}` appears twice ({where}); YAML would keep only the last one, so "
+                                        "remove one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The YAML mapping in `path` (duplicate keys refused, naming both lines), or a UserError saying what is wrong."""
+    if not path.is_file():
+        raise UserError(f"Config file `{path}` does not exist. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
+    try:
+        data = _yaml(path.read_text(encoding="utf-8"))
+    except DuplicateKeyError as err:
+        raise UserError(f"Config file `{path}`: {err}.") from None
+    except yaml.YAMLError as err:
+        raise UserError(f"Config file `{path}` is not valid YAML: {err}. Fix the syntax at the position shown.") from None
+    except UnicodeDecodeError:
+        raise UserError(f"Config file `{path}` is not UTF-8 text. Save it as UTF-8.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"Config file `{path}` must hold a mapping of sections (model:, data:, ...), not a {type(data).__name__}.")
+    return data
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML so `2`, `1e-4`, `true`, `null` and `[a, b]` get their types."""
+    try:
+        return _yaml(text) if text.strip() else ""
+    except DuplicateKeyError:
+        raise
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[leaf] = value
+
+
+def _unknown_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str = "") -> list[str]:
+    problems = []
+    fields = model.model_fields
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys here: {', '.join(fields)}"
+            problems.append(f"`{dotted}` is not a config key{hint}")
+            continue
+        annotation = fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if isinstance(value, dict):
+                problems += _unknown_keys(value, annotation, f"{dotted}.")
+            else:
+                problems.append(f"`{dotted}` is a section; give its keys, e.g. {dotted}.{next(iter(annotation.model_fields))}=...")
+    return problems
+
+
+def _describe(error: dict[str, Any]) -> str:
+    where = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-after")) or "config"
+    message = error["msg"].removeprefix("Value error, ")
+    got = error.get("input")
+    shown = "" if isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
+    return f"`{where}`: {message}{shown}"
+
+
+def dump_config(cfg: RunConfigBase) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=100)
+
+
+def field_docs(model: type[BaseModel] = ClassifyConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every leaf field, for `emotune config --fields`."""
+    rows = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += field_docs(annotation, f"{prefix}{name}.")
+        else:
+            doc = " ".join((info.description or "").split())
+            allowed = _allowed_values(info)
+            rows.append((f"{prefix}{name}", repr(info.default), f"{doc} Allowed: {allowed}." if allowed else doc))
+    return rows
+
+
+def _allowed_values(info: Any) -> str:
+    """What a field accepts, in words: its `Range`, or its choices (`Literal` values), else "" (free text, bools)."""
+    allowed = next((m for m in info.metadata if isinstance(m, Range)), None)
+    if allowed is not None:
+        return allowed.describe(integer=float not in _number_types(info.annotation))
+    choices = _literal_values(info.annotation)
+    if not choices:
+        return ""
+    listed = ", ".join(f"`{c}`" for c in choices)
+    return f"a list of any of {listed}" if get_origin(info.annotation) is list else f"one of {listed}"
+
+
+def _literal_values(annotation: Any) -> list[Any]:
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    return [value for arg in get_args(annotation) for value in _literal_values(arg)]

@@ -1,0 +1,27 @@
+"""Loading a config file: emotune's own YAML, or a LLaMA-Factory training YAML translated first; key=value
+overrides on top. The one entry point every command uses (emotune.core.config.build does the building)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from emotune.core.config import llamafactory
+from emotune.core.config.build import build_config, read_yaml
+from emotune.core.config.run import RunConfigBase
+
+# --------------------------------------------------------------------------------------------------
+# Loading: defaults < YAML < key=value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfigBase:
+    """Build the resolved config, or raise one UserError listing every problem.
+
+    A LLaMA-Factory training YAML (flat keys such as `model_name_or_path` and `stage`) is translated into a
+    `task: sft` config first (emotune.core.config.llamafactory); the overrides then apply on top of the translation."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_yaml(Path(path))
+        if llamafactory.is_llamafactory(raw):
+            return llamafactory.load(raw, Path(path), overrides)
+    return build_config(raw, overrides, path)

@@ -1,0 +1,345 @@
+"""The run folder: every file and folder of a run by name, atomic writes, and the run's life cycle.
+
+The run's top-level files and folders are named here only; other modules ask a `RunDir` for the path
+(the files inside a stage's folder, such as metrics.json, are named by the module that writes them). Every writer in the
+package writes through `atomic_file` / `atomic_dir`: the output appears whole under its final name or
+not at all, so a crash never leaves a half-written file where a good one was.
+
+Life cycle (`open_run`):
+- a folder is `finished` only when run.json says so *and* every output it lists exists;
+- `overwrite=true` moves an old run aside (`<name>.previous`) only after the new run's config, data and
+  model source have validated, and deletes it when the new run finishes;
+- an unfinished folder made with the same config is resumed stage by stage; one made with another
+  config is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from emotune.core import locks
+from emotune.core.errors import UserError
+
+PARTIAL = ".partial"  # suffix of a file or folder while it is being written
+PREVIOUS = ".previous"  # suffix of a run folder moved aside by overwrite=true until the new run finishes
+STAGE_MARKER = "[emotune] stage"  # printed at every stage start and end; tests kill runs on it
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic writes: one convention for the whole package
+
+
+def partial_path(path: Path, unique: bool = False) -> Path:
+    """`<name>.partial`; `unique`: `<name>.<random>.partial`, so two writers of one file never share a temp file."""
+    return path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}{PARTIAL}" if unique else path.name + PARTIAL)
+
+
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success it replaces `path` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(path, unique=True)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_dir(path: str | Path, replace: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `path`; on success it takes `path`'s place.
+
+    An existing `path` is removed only once the new folder is complete (`replace=True`), else
+    FileExistsError. A failed write removes the temporary folder and leaves `path` as it was."""
+    path = Path(path)
+    tmp = partial_path(path, unique=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        if not replace:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FileExistsError(path)
+        old = partial_path(path.with_name(path.name + ".replaced"), unique=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json(path: str | Path, data) -> Path:
+    return write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def read_json(path: str | Path) -> dict | None:
+    """The JSON object at `path`, or None when it is missing or unreadable (e.g. cut short by a crash)."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def remove_partial_writes(folder: Path) -> None:
+    """Delete leftovers of writes a crash interrupted (never a complete file)."""
+    if folder.is_dir():
+        for leftover in folder.glob("*" + PARTIAL):
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The layout
+
+
+class RunDir:
+    """Every file and folder of one run, by name."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    def __truediv__(self, other: str) -> Path:
+        return self.root / other
+
+    config = property(lambda self: self.root / "config.yaml")
+    """The resolved config the run was made with."""
+    run_json = property(lambda self: self.root / "run.json")
+    """Versions, hardware, precision, status and timing of every stage, and the outputs of a finished run."""
+    data = property(lambda self: self.root / "data")
+    """The prepared splits (Parquet), data_report.json and label_distribution.png."""
+    data_report = property(lambda self: self.root / "data" / "data_report.json")
+    baseline = property(lambda self: self.root / "baseline")
+    """The base model's evaluation: metrics.json and predictions.csv per method."""
+    finetuned = property(lambda self: self.root / "finetuned")
+    """The fine-tuned model's evaluation, in the same layout as baseline/."""
+    adapter = property(lambda self: self.root / "adapter")
+    """The trained adapter (see emotune.model.artifacts)."""
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    train = property(lambda self: self.root / "train")
+    """Training log (log_history.jsonl while training, log_history.json after) and loss_curve.png."""
+    def history(self) -> list[dict]:
+        """The finished training log (train/log_history.json): one entry per logged step or validation; [] when the
+        run has none (not trained yet) or it is unreadable."""
+        try:
+            value = json.loads((self.train / "log_history.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return []
+        return [e for e in value if isinstance(e, dict)] if isinstance(value, list) else []
+
+    telemetry = property(lambda self: self.root / "telemetry.jsonl")
+    """Telemetry samples of the stages that run the model, one JSON line each (emotune.runtime.telemetry)."""
+    comparison_json = property(lambda self: self.root / "comparison.json")
+    comparison_csv = property(lambda self: self.root / "comparison.csv")
+    report_html = property(lambda self: self.root / "report.html")
+    figures = property(lambda self: self.root / "report")
+    """The report's figures as PNGs."""
+    adapter_stats = property(lambda self: self.root / "report" / "adapter_stats.json")
+    """The adapter's weight norms and B histograms per target module group (emotune.model.adapter_stats), with the report."""
+    evals = property(lambda self: self.root / "eval")
+    """Results of `emotune eval` on its own."""
+    export = property(lambda self: self.root / "export")
+    """Default output of `emotune export`."""
+
+    @property
+    def previous(self) -> Path:
+        return self.root.with_name(self.root.name + PREVIOUS)
+
+    def status(self) -> str | None:
+        return (read_json(self.run_json) or {}).get("status")
+
+    def is_finished(self) -> bool:
+        """run.json says finished and every output it lists is there."""
+        run = read_json(self.run_json) or {}
+        return run.get("status") == "finished" and all((self.root / p).exists() for p in run.get("outputs", []))
+
+    def saved_config(self) -> str | None:
+        return self.config.read_text(encoding="utf-8") if self.config.is_file() else None
+
+    def has_run(self) -> bool:
+        """Something beyond prepared data: a run (finished or not) lives here."""
+        return self.run_json.is_file() or self.adapter.exists() or self.baseline.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Life cycle
+
+
+def run_lock(root: str | Path) -> Path:
+    """The lock of a run folder: beside it (`.NAME.lock`), so it stays put when overwrite moves the run aside."""
+    root = Path(root)
+    return root.with_name(f".{root.name}{locks.LOCK_SUFFIX}")
+
+
+def lock_run(root: str | Path) -> None:
+    """Hold `root` for this process (until `release_run_lock` or the process ends); LockHeld names another holder."""
+    locks.acquire(run_lock(root), f"the run folder {root}")
+
+
+def release_run_lock(root: str | Path) -> None:
+    locks.release(run_lock(root))
+
+
+def holds_run_lock(command):
+    """A command on `cfg.run_dir` that gives the run folder's lock back when it returns or fails."""
+    @functools.wraps(command)
+    def wrapper(cfg, *args, **kwargs):
+        try:
+            return command(cfg, *args, **kwargs)
+        finally:
+            release_run_lock(cfg.run_dir)
+    return wrapper
+
+
+def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: str | None = None) -> RunDir:
+    """Claim `root` for a run whose config, data and model source have already validated.
+
+    Locks it against other processes first (emotune.core.locks). Resumes an unfinished run made with the same
+    config and data; refuses a finished run, and an unfinished one made with another config or data; with
+    `overwrite`, moves any old run aside instead."""
+    lock_run(root)
+    run = RunDir(root)
+    other_data = _other_data(run, data_fingerprint)
+    if run.has_run():  # prepared data alone (`emotune data`) is simply prepared again
+        if overwrite:
+            move_aside(run)
+        elif run.is_finished():
+            raise UserError(f"The run folder `{root}` holds a finished run{' made with other data' if other_data else ''}. "
+                            "Pass overwrite=true to replace it (the old "
+                            f"run is kept as `{run.previous.name}` until the new one finishes), or name=<new name> to keep both.")
+        elif other_data or _comparable(run.saved_config()) != _comparable(config_text):
+            raise UserError(f"The run folder `{root}` holds an unfinished run made with a different config or data, so it "
+                            "cannot be resumed. Pass overwrite=true to start over, or name=<new name>.")
+    run.root.mkdir(parents=True, exist_ok=True)
+    for folder in (run.root, run.data, run.baseline, run.finetuned, run.checkpoints):
+        remove_partial_writes(folder)
+    write_text(run.config, config_text)
+    return run
+
+
+def move_aside(run: RunDir) -> None:
+    """Keep an old run as `<name>.previous` until the run replacing it finishes.
+
+    With a `.previous` already there, an unfinished run in `root` is an earlier attempt at the same
+    replacement that never finished: it is the one discarded, and the run kept aside stays."""
+    if run.previous.exists():
+        if not run.is_finished():
+            shutil.rmtree(run.root)
+            print(f"The unfinished run in {run.root} is discarded; the old run stays kept as {run.previous} until "
+                  "this run finishes.", flush=True)
+            return
+        shutil.rmtree(run.previous)  # an older run emotune itself moved aside earlier
+    os.replace(run.root, run.previous)
+    print(f"The old run in {run.root} is kept as {run.previous} until this run finishes.", flush=True)
+
+
+def drop_previous(run: RunDir) -> None:
+    if run.previous.exists():
+        shutil.rmtree(run.previous, ignore_errors=True)
+
+
+def _other_data(run: RunDir, fingerprint: str | None) -> bool:
+    saved = (read_json(run.data_report) or {}).get("fingerprint")
+    return fingerprint is not None and saved is not None and saved != fingerprint
+
+
+# Keys that change how a run is carried out, not what it computes: a run may resume with them changed
+# (e.g. FSDP under torchrun with train.fsdp=true, resumed by `accelerate launch --use_fsdp`; a run begun before
+# train.shared_prefix or train.telemetry_interval existed, or with them changed).
+NOT_COMPARED = ("overwrite:", "  fsdp:", "  shared_prefix:", "  telemetry_interval:")
+# Keys compared like any other, except at a default that computes what the config meant before the key existed: a
+# run begun before lora.layers resumes with it null (every layer), and not with any other value.
+SAME_AS_ABSENT = ("  layers: null",)
+
+
+def _comparable(config_yaml: str | None) -> str | None:
+    if config_yaml is None:
+        return None
+    return "\n".join(line for line in config_yaml.splitlines()
+                     if not line.startswith(NOT_COMPARED) and line not in SAME_AS_ABSENT)
+
+
+class RunLog:
+    """run.json: versions, hardware, precision, and status and timing of every stage."""
+
+    CARRIED = ("merged_eval",)  # facts `record`ed by a stage, kept when a resumed run skips that stage
+
+    def __init__(self, run: RunDir, base: dict):
+        self.run = run
+        previous = read_json(run.run_json) or {}
+        self.data = {**base, "stages": previous.get("stages", {}), "started": previous.get("started", _now()),
+                     **{key: previous[key] for key in self.CARRIED if key in previous}}
+        self.data["status"] = "running"
+        self.write()
+
+    @contextmanager
+    def stage(self, name: str):
+        entry = self.data["stages"].setdefault(name, {})
+        entry.update(status="running", started=_now())
+        entry.pop("note", None)
+        self.write()
+        print(f"{STAGE_MARKER} {name}: start", flush=True)
+        started = time.perf_counter()
+        try:
+            yield entry
+        except BaseException:
+            entry.update(status="failed", seconds=round(time.perf_counter() - started, 2))
+            self.data["status"] = "failed"
+            self.write()
+            raise
+        entry.update(status="done", seconds=round(time.perf_counter() - started, 2))
+        self.write()
+        print(f"{STAGE_MARKER} {name}: done", flush=True)
+
+    def note(self, key: str, value) -> None:
+        """Put what a stage has to say into run.json under `key` (e.g. training's out-of-memory changes), now."""
+        self.data[key] = value
+        self.write()
+
+    def skip(self, name: str, why: str) -> None:
+        self.data["stages"].setdefault(name, {}).update(status="done", note=why)
+        self.write()
+        print(f"{STAGE_MARKER} {name}: skipped ({why})", flush=True)
+
+    def record(self, stage: str, **fields) -> None:
+        """Add what a stage decided (e.g. the train stage's shared prefix) to its entry."""
+        self.data["stages"].setdefault(stage, {}).update(fields)
+        self.write()
+
+    def finish(self, outputs: list[Path]) -> None:
+        """Mark the run finished; refused while any of `outputs` is missing."""
+        missing = [p for p in outputs if not p.exists()]
+        if missing:
+            raise RuntimeError(f"run cannot finish: missing {', '.join(map(str, missing))}")
+        self.data.update(status="finished", finished=_now(),
+                         outputs=[str(p.relative_to(self.run.root)) for p in outputs])
+        self.write()
+
+    def write(self) -> None:
+        write_json(self.run.run_json, self.data)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

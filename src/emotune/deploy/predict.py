@@ -1,0 +1,152 @@
+"""`emotune predict`: texts from the command line or a file through a run's adapter or merged model.
+
+A classifier's labels come from the scoring method (the probability of each label as the model's reply,
+over the label set), with its own system prompt, user template and chat template; a classification-head
+model's from its `score` head over the bare text (emotune.model.head), with the token limit it was trained with.
+An sft model answers in free text: a greedy generation with its own system prompt and chat template, each
+text the user turn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from emotune.core.errors import UserError
+from emotune.core.rundir import atomic_file
+from emotune.eval.scoring import score_label_probs
+from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
+from emotune.model.head import head_probabilities
+from emotune.model.loading import weights_dtype
+from emotune.runtime import device as device_mod
+
+READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
+           ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
+           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False)}
+
+
+DEFAULT_MAX_NEW_TOKENS = 128  # sft models whose emotune.json records no eval.max_new_tokens
+
+
+class Loaded:
+    def __init__(self, artifact: Artifact, device: str = "auto"):
+        self.artifact = artifact
+        torch_device = device_mod.resolve_device(device)
+        # model.dtype of the run's own config is honoured, as in training and evaluation
+        self.model, self.tokenizer = load_artifact_model(artifact, weights_dtype(artifact.model_cfg, torch_device), torch_device)
+
+
+class Classifier(Loaded):
+    """A loaded classifier: texts in, label probabilities out."""
+
+    def probs(self, texts: list[str], batch_size: int = 16) -> torch.Tensor:
+        if self.artifact.has_head:
+            return head_probabilities(self.model, self.tokenizer, texts, self.artifact.max_length, batch_size)
+        return score_label_probs(self.model, self.tokenizer, texts, self.artifact.prompt, self.artifact.labels, batch_size)
+
+
+class Generator(Loaded):
+    """A loaded sft model: texts in (each the user turn), greedy replies out."""
+
+    def replies(self, texts: list[str], max_new_tokens: int, batch_size: int = 16, desc: str | None = None) -> list[str]:
+        from emotune.eval.evaluate import generate_texts
+
+        prompts = [self.artifact.chat_prompt(self.tokenizer, text) for text in texts]
+        return generate_texts(self.model, self.tokenizer, prompts, max_new_tokens, batch_size, desc)
+
+
+def trained_max_new_tokens(artifact: Artifact) -> int:
+    """The generation length the sft model was evaluated with, so predict answers as its report measured."""
+    value = (artifact.meta.get("eval") or {}).get("max_new_tokens")
+    return value if isinstance(value, int) and value >= 1 else DEFAULT_MAX_NEW_TOKENS
+
+
+def predict_cli(target: str, texts: list[str], file: str | None, out: str | None, text_column: str,
+                batch_size: int, device: str, fallback: Fallback | None = None, max_new_tokens: int | None = None) -> int:
+    """`fallback`: labels, prompt and base for an adapter made by another tool (from --config / --labels).
+    `max_new_tokens`: sft models only (default: the length the run evaluated with)."""
+    if bool(texts) == bool(file):
+        raise UserError("Give texts as arguments, or --file in.csv --out out.csv (not both, not neither).")
+    if file and not out:
+        raise UserError("--file needs --out, the CSV file the predictions are written to.")
+    if batch_size < 1:
+        raise UserError("--batch-size must be a positive number of texts.")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be a positive number of tokens.")
+    rows = _read_table(Path(file), text_column) if file else None  # bad input fails before weights load
+    artifact = find_artifact(target, fallback=fallback)
+    if artifact.task == "sft":
+        return _answer(Generator(artifact, device), texts, rows, text_column, Path(out) if out else None, batch_size,
+                       max_new_tokens or trained_max_new_tokens(artifact))
+    if max_new_tokens is not None:
+        raise UserError(f"--max-new-tokens is for sft models, which answer in free text; `{target}` is a classifier, "
+                        "whose answer is one of its labels. Leave the flag out.")
+    classifier = Classifier(artifact, device)
+    if rows is None:
+        probs = classifier.probs(texts, batch_size)
+        for text, row in zip(texts, probs.tolist(), strict=False):
+            print(json.dumps({"text": text, **labelled(row, artifact.labels)}, ensure_ascii=False))
+        return 0
+    probs = _probs_with_progress(classifier, rows[text_column].astype(str).tolist(), batch_size)
+    _write_table(rows, probs, artifact.labels, Path(out))
+    print(f"Wrote {len(rows)} predictions to {out}", flush=True)
+    return 0
+
+
+def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, text_column: str, out: Path | None,
+            batch_size: int, max_new_tokens: int) -> int:
+    """An sft model's replies: one JSON line per text, or the input columns plus `output` in `out`."""
+    if rows is None:
+        for text, reply in zip(texts, generator.replies(texts, max_new_tokens, batch_size), strict=False):
+            print(json.dumps({"text": text, "output": reply}, ensure_ascii=False))
+        return 0
+    result = rows.copy()
+    result["output"] = generator.replies(rows[text_column].astype(str).tolist(), max_new_tokens, batch_size, "predict")
+    with atomic_file(out) as tmp:
+        result.to_csv(tmp, index=False)
+    print(f"Wrote {len(rows)} replies to {out}", flush=True)
+    return 0
+
+
+def labelled(probs: list[float], labels: list[str]) -> dict:
+    best = max(range(len(labels)), key=probs.__getitem__)
+    return {"label": labels[best], "probs": {label: round(p, 6) for label, p in zip(labels, probs, strict=False)}}
+
+
+def _probs_with_progress(classifier: Classifier, texts: list[str], batch_size: int) -> torch.Tensor:
+    chunk = batch_size * 8  # large enough that the shared prompt head is computed rarely
+    parts = []
+    with tqdm(total=len(texts), desc="predict", unit="text") as bar:
+        for start in range(0, len(texts), chunk):
+            parts.append(classifier.probs(texts[start:start + chunk], batch_size))
+            bar.update(len(parts[-1]))
+    return torch.cat(parts) if parts else torch.empty(0, len(classifier.artifact.labels))
+
+
+def _read_table(path: Path, text_column: str) -> pd.DataFrame:
+    reader = READERS.get(path.suffix.lower())
+    if reader is None:
+        raise UserError(f"--file `{path}`: unsupported type `{path.suffix}`. Use {', '.join(READERS)}.")
+    if not path.is_file():
+        raise UserError(f"--file `{path}` does not exist.")
+    try:
+        rows = reader(path)
+    except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as err:
+        raise UserError(f"Could not read `{path}`: {str(err).splitlines()[0][:300]}. Check the file's format.") from None
+    if text_column not in rows.columns:
+        raise UserError(f"`{path}` has no column `{text_column}` (columns: {', '.join(map(str, rows.columns))}). "
+                        "Pass --text-column NAME.")
+    return rows
+
+
+def _write_table(rows: pd.DataFrame, probs: torch.Tensor, labels: list[str], out: Path) -> None:
+    result = rows.copy()
+    result["label"] = [labels[i] for i in probs.argmax(-1).tolist()] if len(rows) else []
+    for j, label in enumerate(labels):
+        result[f"p_{label}"] = probs[:, j].tolist() if len(rows) else []
+    with atomic_file(out) as tmp:
+        result.to_csv(tmp, index=False)

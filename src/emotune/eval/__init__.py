@@ -1,0 +1,1 @@
+"""Measurement: label scoring, generation, metrics, statistics, the forgetting probe, merged-model checks."""

@@ -1,0 +1,224 @@
+"""Label-likelihood scoring: the exact probability of every label's completion, never an invalid label.
+
+`LabelScorer` reads log P(label | chat prompt) for every label in one forward pass per batch: labels share
+their token prefixes (`LabelTrie`) and the prompt's shared head is computed once and its KV cache reused.
+`run_in_batches` (emotune.runtime.oom) is the batching both scoring and generation use: out of memory halves the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from emotune.core.config.data import PromptConfig
+from emotune.core.errors import UserError
+from emotune.data import prompt_messages
+from emotune.model.prefix import MASKED_ATTENTION, attention_masks
+from emotune.model.text import float32_logits, logit_softcap, soft_capped, unwrapped
+from emotune.model.turns import end_of_turn_text
+from emotune.runtime.oom import run_in_batches
+from emotune.train.batches import common_prefix_length
+
+
+def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:
+    """Each label's completion tokens as the model sees them right after the generation prompt.
+
+    Training teaches the completion `label` + the template's end-of-turn token (Gemma 3: `<end_of_turn>`, Gemma 4:
+    `<turn|>`; emotune.model.turns). When no label's tokens are a prefix of another's,
+    the events "the answer starts with label i" are disjoint and each is scored by the label's own tokens.
+    When one is a prefix of another (`joy` / `joyful` tokenized as `joy` + `ful`), every label is scored with
+    its end-of-turn token, so `joy` means "joy, then stop". The end-of-turn token costs one more vocabulary
+    projection per label and row, which is why it is added only where it changes the answer. Tokens are
+    cut from the label rendered in context, so tokenizers that merge across the boundary are handled.
+    """
+    probe = tokenizer.apply_chat_template(prompt_messages("x", prompt, labels), tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    end = end_of_turn_text(tokenizer)  # what the chat template closes the answer with, as training saw it
+
+    def completion(text: str) -> list[int]:
+        full = tokenizer(probe + text, add_special_tokens=False)["input_ids"]
+        if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+            return full[len(prompt_ids):]
+        return tokenizer(text, add_special_tokens=False)["input_ids"]  # merged into the prompt: take it alone
+
+    bare = [completion(label) for label in labels]
+    ambiguous = any(i != j and b[:len(a)] == a for i, a in enumerate(bare) for j, b in enumerate(bare))
+    return [completion(label + end) for label in labels] if ambiguous and end else bare
+
+
+@dataclass(frozen=True)
+class LabelTrie:
+    """Where each label token's log-probability is read, with label prefixes shared.
+
+    Node 0 is the end of the prompt; node k > 0 is a proper prefix of some label's tokens. `paths` are the
+    longest such prefixes: feeding each path after the prompt yields the hidden state of every node on it,
+    so the vocabulary projection runs once per node, however many labels share it.
+    """
+
+    steps: list[list[tuple[int, int]]]  # per label: (node, next token) for every token of the label
+    paths: list[list[int]]  # token sequences fed after the prompt
+    node_at: list[tuple[int, int]]  # for node k > 0: (path index, position in path)
+
+    @classmethod
+    def build(cls, sequences: list[list[int]]) -> LabelTrie:
+        nodes: dict[tuple[int, ...], int] = {(): 0}
+        steps = []
+        for seq in sequences:
+            label_steps = []
+            for k, token in enumerate(seq):
+                node = nodes.setdefault(tuple(seq[:k]), len(nodes))
+                label_steps.append((node, token))
+            steps.append(label_steps)
+        inner = [prefix for prefix in nodes if prefix]
+        paths = [list(p) for p in inner if not any(len(q) > len(p) and q[:len(p)] == p for q in inner)]
+        node_at = [(0, 0)] * len(nodes)
+        for prefix, node in nodes.items():
+            if prefix:
+                m = next(i for i, path in enumerate(paths) if tuple(path[:len(prefix)]) == prefix)
+                node_at[node] = (m, len(prefix) - 1)
+        return cls(steps=steps, paths=paths, node_at=node_at[1:])
+
+    @property
+    def n_nodes(self) -> int:
+        return 1 + len(self.node_at)
+
+
+def _body_and_head(model):
+    """The transformer body (hidden states), the output projection and the text model's final logit soft-cap (a
+    multimodal wrapper keeps it in its text config), looking through a PEFT wrapper."""
+    base = unwrapped(model)
+    return base.get_decoder(), base.get_output_embeddings(), logit_softcap(base)
+
+
+class LabelScorer:
+    """log P(label completion | chat prompt) for every label, exactly, in one forward pass per batch.
+
+    The prompt's shared head (system prompt and the user template up to the text) is computed once and
+    its KV cache reused by every batch. Each batch then feeds, per row, only the row-specific suffix
+    followed by the label tree (`LabelTrie.paths`), under an attention mask that lets every path token see
+    the prompt and its own path only. Rows are padded in the middle (between the head and the suffix);
+    padding is masked and positions are set explicitly, and sliding windows are applied by position, so
+    a row scores as it would alone. The vocabulary projection runs only at the end of each prompt and at
+    the label-tree nodes, in float32 whatever the model's dtype (emotune.model.text.float32_logits), then
+    the model's own final soft-cap and the log-softmax, also in float32.
+    """
+
+    def __init__(self, model, tokenizer, prompt: PromptConfig, labels: list[str], padding_side: str = "left"):
+        self.model, self.tokenizer, self.prompt, self.labels = model, tokenizer, prompt, labels
+        self.body, self.head, self.softcap = _body_and_head(model)
+        self.trie = LabelTrie.build(label_token_ids(tokenizer, prompt, labels))
+        self.padding_side = padding_side
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._prefix: tuple[tuple[int, ...], object] | None = None
+
+    def prompt_ids(self, texts: list[str]) -> list[list[int]]:
+        rendered = [self.tokenizer.apply_chat_template(prompt_messages(t, self.prompt, self.labels), tokenize=False,
+                                                       add_generation_prompt=True) for t in texts]
+        # the chat template already holds <bos>; adding special tokens again would double it
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    def shared_prefix(self, ids: list[list[int]]) -> list[int]:
+        """The token prefix every row shares (at least the prompt up to the text), leaving each row ≥ 1 token."""
+        probes = self.prompt_ids(["x", "y"])
+        length = min(common_prefix_length(*ids, *probes), min(len(seq) for seq in ids) - 1)
+        return ids[0][:length]
+
+    @torch.inference_mode()
+    def log_probs(self, texts: list[str], batch_size: int = 16, desc: str | None = None) -> torch.Tensor:
+        """[len(texts), len(labels)] float32 log-probabilities (not renormalised over the labels)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            ids = self.prompt_ids(texts)
+            prefix = self.shared_prefix(ids)
+            suffixes = [seq[len(prefix):] for seq in ids]
+            out = torch.empty(len(texts), len(self.labels), dtype=torch.float32)
+
+            def score(batch: list[int]) -> None:
+                out[batch] = self._score_batch(prefix, [suffixes[i] for i in batch])
+
+            run_in_batches(sorted(range(len(texts)), key=lambda i: len(suffixes[i])), batch_size, score, desc)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _attention_mask(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
+        """`allowed` [rows, queries, keys] in the form the model's attention takes, per layer type."""
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        if impl not in MASKED_ATTENTION:
+            raise UserError(f"eval.method=score needs the `sdpa` or `eager` attention implementation (the model uses "
+                            f"`{impl}`), because it passes its own attention mask. Load the model with sdpa.")
+        return attention_masks(self.model.config, self.head.weight.dtype, allowed, query_pos, key_pos)
+
+    def _prefix_cache(self, prefix: list[int]):
+        """KV cache of the shared head; a plain cache (no sliding truncation) so every layer keeps every key."""
+        from transformers import DynamicCache
+
+        if self._prefix is None or self._prefix[0] != tuple(prefix):
+            cache = DynamicCache()
+            if prefix:
+                device = self.head.weight.device
+                pos = torch.arange(len(prefix), device=device)[None]
+                allowed = pos[:, :, None] >= pos[:, None, :]
+                self.body(input_ids=torch.tensor([prefix], device=device), position_ids=pos,
+                          attention_mask=self._attention_mask(allowed, pos, pos), cache=cache, use_cache=True)
+            self._prefix = (tuple(prefix), cache)
+        return copy.deepcopy(self._prefix[1])
+
+    def _score_batch(self, prefix: list[int], suffixes: list[list[int]]) -> torch.Tensor:
+        device = self.head.weight.device
+        rows, width, n_prefix = len(suffixes), max(len(s) for s in suffixes), len(prefix)
+        paths = self.trie.paths
+        tree_tokens = [token for path in paths for token in path]
+        tree_group = [m + 1 for m, path in enumerate(paths) for _ in path]  # group 0: prompt; m + 1: path m
+        tree_depth = [j for path in paths for j in range(len(path))]
+        path_start = [sum(len(p) for p in paths[:m]) for m in range(len(paths))]
+
+        lengths = torch.tensor([len(s) for s in suffixes], device=device)
+        input_ids = torch.full((rows, width + len(tree_tokens)), self.pad_id, dtype=torch.long, device=device)
+        valid = torch.zeros((rows, width), dtype=torch.bool, device=device)
+        for r, suffix in enumerate(suffixes):
+            span = slice(width - len(suffix), width) if self.padding_side == "left" else slice(0, len(suffix))
+            input_ids[r, span] = torch.tensor(suffix, device=device)
+            valid[r, span] = True
+        input_ids[:, width:] = torch.tensor(tree_tokens, dtype=torch.long, device=device)
+
+        # Positions as if each row stood alone: the suffix follows the head, each path follows its row's suffix.
+        suffix_pos = n_prefix + (valid.long().cumsum(1) - 1).clamp(min=0)
+        tree_pos = n_prefix + lengths[:, None] + torch.tensor(tree_depth, device=device)
+        query_pos = torch.cat([suffix_pos, tree_pos], 1)
+        key_pos = torch.cat([torch.arange(n_prefix, device=device).expand(rows, -1), query_pos], 1)
+        group = torch.tensor([0] * width + tree_group, device=device)
+        key_group = torch.cat([torch.zeros(n_prefix, dtype=torch.long, device=device), group])
+        key_valid = torch.cat([torch.ones((rows, n_prefix), dtype=torch.bool, device=device), valid,
+                               torch.ones((rows, len(tree_tokens)), dtype=torch.bool, device=device)], 1)
+        same_branch = (key_group[None, :] == 0) | (key_group[None, :] == group[:, None])  # [queries, keys]
+        allowed = key_valid[:, None, :] & same_branch[None] & (key_pos[:, None, :] <= query_pos[:, :, None])
+
+        cache = self._prefix_cache(prefix)
+        cache.batch_repeat_interleave(rows)
+        hidden = self.body(input_ids=input_ids, position_ids=query_pos, cache=cache, use_cache=True,
+                           attention_mask=self._attention_mask(allowed, query_pos, key_pos)).last_hidden_state
+
+        last = torch.full_like(lengths, width - 1) if self.padding_side == "left" else lengths - 1
+        columns = [last] + [torch.full_like(lengths, width + path_start[m] + j) for m, j in self.trie.node_at]
+        node_hidden = hidden[torch.arange(rows, device=device)[:, None], torch.stack(columns, 1)]  # [rows, nodes, hidden]
+        node_logp = soft_capped(float32_logits(self.head, node_hidden), self.softcap).log_softmax(-1)
+        scores = torch.zeros(rows, len(self.labels), device=device)
+        for i, steps in enumerate(self.trie.steps):
+            for node, token in steps:
+                scores[:, i] += node_logp[:, node, token]
+        return scores.cpu()
+
+
+def score_label_probs(model, tokenizer, texts: list[str], prompt: PromptConfig, labels: list[str],
+                      batch_size: int = 16) -> torch.Tensor:
+    """[len(texts), len(labels)] probabilities over the label set: softmax of each label's exact log-probability.
+
+    The prompt is the one `generate` uses (chat template, generation prompt); each label is scored by its
+    full token sequence, followed by the end-of-turn token when labels share a token prefix (see
+    `label_token_ids`).
+    """
+    return LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size).softmax(-1)

@@ -1,0 +1,149 @@
+"""Reference-based scores for generated text (ROUGE-L, BLEU, exact match), correct for Chinese, Japanese, Korean.
+
+The scoring itself is the `rouge_score` and `sacrebleu` packages'; this module chooses how text is split into
+tokens. `rouge_score`'s default tokenizer keeps only `[a-z0-9]`, so every CJK character is dropped and a Chinese
+answer scores 0 against any reference; here CJK characters are single tokens. Every score is a 0–1 fraction.
+Intervals over these per-row scores come from `emotune.eval.stats` (`bootstrap_ci`, `paired_bootstrap_delta`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from collections import defaultdict
+
+import numpy as np
+from rouge_score import rouge_scorer
+from sacrebleu.metrics import BLEU
+
+_HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
+_KANA = "\u3040-\u309f\u30a0-\u30ff\u31f0-\u31ff\uff66-\uff9f"
+_HANGUL = "\uac00-\ud7af\u1100-\u11ff\u3130-\u318f"
+_CJK = _HAN + _KANA + _HANGUL
+# one CJK character, or a run of other letters/digits (`[^\W_]` is a Unicode letter or digit) that are not CJK
+_TOKEN = re.compile(f"[{_CJK}]|(?:(?![{_CJK}])[^\\W_])+")
+_QUOTES_AND_PUNCT = "\"'`“”‘’「」『』《》〈〉()（）[]【】.,;:!?。，、；：！？…·~-—*"
+
+
+class CJKTokenizer:
+    """`rouge_score` tokenizer: each CJK character (Han, kana, Hangul syllable) is one token; other scripts are
+    lowercased runs of letters and digits (no stemming). Punctuation and symbols are dropped."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return _TOKEN.findall(unicodedata.normalize("NFKC", text).lower())
+
+
+_ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False, tokenizer=CJKTokenizer())
+
+
+def _same_length(first: list, second: list, names: str = "predictions and references") -> None:
+    if len(first) != len(second):
+        raise ValueError(f"The {names} must pair up, but their lengths differ: {len(first)} and {len(second)}.")
+
+
+def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
+    """Per-row ROUGE-L F1 (0–1) of each prediction against its reference, with `CJKTokenizer`.
+
+    A row whose prediction or reference has no tokens scores 0 (the `rouge_score` convention)."""
+    _same_length(predictions, references)
+    return [_ROUGE.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references, strict=False)]
+
+
+def bleu_tokenize(references: list[str]) -> str:
+    """The sacrebleu tokenizer for these references: `char` when any has kana (Japanese has no spaces and
+    sacrebleu's `ja-mecab` needs MeCab), `zh` when any has Han characters (each one a token, other text as
+    `13a`), else `13a` (which also suits Korean, whose words are space-separated)."""
+    text = "".join(references)
+    if re.search(f"[{_KANA}]", text):
+        return "char"
+    return "zh" if re.search(f"[{_HAN}]", text) else "13a"
+
+
+def _fraction(score: float) -> float:
+    """sacrebleu's 0–100 score as 0–1 (its float arithmetic can land a hair above 100)."""
+    return min(score / 100, 1.0)
+
+
+def bleu(predictions: list[str], references: list[str]) -> float:
+    """Corpus BLEU as a 0–1 fraction (sacrebleu's 0–100 score / 100), tokenized by `bleu_tokenize`.
+
+    Plain corpus BLEU needs 4-grams: a corpus whose every text is under 4 tokens scores 0 (use the mean of
+    `sentence_bleu` for such short answers)."""
+    _same_length(predictions, references)
+    if not predictions:
+        return 0.0
+    return _fraction(BLEU(tokenize=bleu_tokenize(references)).corpus_score(predictions, [references]).score)
+
+
+def sentence_bleu(prediction: str, reference: str) -> float:
+    """One row's BLEU as a 0–1 fraction, with effective n-gram order so short texts are not zeroed by
+    missing 4-grams; identical texts score 1 and texts sharing no token score 0."""
+    metric = BLEU(tokenize=bleu_tokenize([reference]), effective_order=True)
+    return _fraction(metric.sentence_score(prediction, [reference]).score)
+
+
+def _normalise(text: str) -> str:
+    text = " ".join(unicodedata.normalize("NFKC", text).split()).casefold()
+    return text.strip(_QUOTES_AND_PUNCT + " ")
+
+
+def _parse_json(text: str) -> object | None:
+    """A JSON object or array from `text` (a ```json fence around it allowed), else None."""
+    fenced = re.fullmatch(r"\s*```(?:json)?\s*(.*?)\s*```\s*", text, flags=re.DOTALL | re.IGNORECASE)
+    try:
+        value = json.loads(fenced.group(1) if fenced else text)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    return value if isinstance(value, (dict, list)) else None
+
+
+def _canonical(value: object) -> str:
+    """Key order and spacing removed, types kept (`1` differs from `true` and from `1.0`)."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """Whether the prediction says exactly the reference.
+
+    When the reference is a JSON object or array and the prediction parses as one too (optionally inside a
+    ```json fence), the parsed values are compared, so key order and spacing do not matter (types do: `1` is not `1.0`). Otherwise both
+    texts are compared after NFKC, case folding, collapsing whitespace and stripping surrounding quotes,
+    brackets and punctuation (`"Paris."` matches `paris`; `巴黎。` matches `巴黎`)."""
+    expected = _parse_json(reference)
+    if expected is not None:
+        got = _parse_json(prediction)
+        if got is not None:
+            return _canonical(got) == _canonical(expected)
+    return _normalise(prediction) == _normalise(reference)
+
+
+def _means(rows: list[dict]) -> dict:
+    n = len(rows)
+    out: dict = {"n": n}
+    for key in ("rouge_l", "bleu", "exact_match"):
+        out[key] = float(np.mean([float(r[key]) for r in rows])) if n else 0.0
+    if n and all("prediction" in r and "reference" in r for r in rows):
+        out["corpus_bleu"] = bleu([r["prediction"] for r in rows], [r["reference"] for r in rows])
+    else:
+        out["corpus_bleu"] = None
+    return out
+
+
+def summarize(rows: list[dict], kind_key: str = "kind", corpus_bleu: float | None = None) -> dict:
+    """Means over per-row scores, overall and per kind.
+
+    Each row holds `rouge_l`, `bleu` (its sentence BLEU), `exact_match` and optionally `kind_key`,
+    `prediction` and `reference`. Returns `{"n", "rouge_l", "bleu", "exact_match", "corpus_bleu",
+    "per_kind": {kind: {same keys}}}`: `bleu` is the mean sentence BLEU; `corpus_bleu` is the value passed
+    in, else computed from the rows' `prediction`/`reference` when every row has them, else None (also
+    per kind). Rows without a kind count only in the overall means. All values are 0–1 fractions."""
+    overall = _means(rows)
+    if corpus_bleu is not None:
+        overall["corpus_bleu"] = corpus_bleu
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row.get(kind_key) is not None:
+            groups[str(row[kind_key])].append(row)
+    overall["per_kind"] = {kind: _means(group) for kind, group in sorted(groups.items())}
+    return overall

@@ -1,0 +1,190 @@
+"""LoRA adapters from our config: which modules, which variant (rsLoRA, DoRA), and a check of the result.
+
+`all-linear` is resolved here rather than by PEFT, because PEFT's `all-linear` adapts every linear
+layer of the checkpoint, including the vision and audio towers of multimodal Gemma 3n / Gemma 4
+checkpoints, which a text classifier never runs. We restrict it to the language model (the module
+`get_decoder()` returns) and write the result as a regex PEFT full-matches against module names.
+
+`lora.layers` restricts the adapters to some decoder layers. A list of targets gets PEFT's own
+`layers_to_transform`, with `layers_pattern` set to the full path of the language model's layer list
+(`model.layers`, or `model.language_model.layers` in multimodal Gemma 3n / Gemma 4): PEFT takes the layer
+index from the first `<layers_pattern>.<N>.` in a module name, and the bare `layers` would also match the
+vision and audio towers' own `...encoder.layers.N` / `audio_tower.layers.N`. PEFT refuses
+`layers_to_transform` beside a regex (LoraConfig.__post_init__), so `all-linear` writes the layers into its regex.
+
+Why it pays: autograd runs the backward pass only through what leads to a parameter that requires grad, so the
+frozen layers below the lowest adapted one get no backward pass at all. transformers' (and PEFT's) hook that
+makes the input embeddings' output require grad would undo that; non-reentrant checkpointing does not need it,
+so `checkpoint_activations` removes it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from transformers import PreTrainedModel
+
+from emotune.core.config.train import LoraSettings
+from emotune.core.errors import UserError
+from emotune.model import init_methods
+
+
+def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str:
+    """A regex matching every linear layer inside the language model (inside decoder `layers` only, when given),
+    and nothing outside it."""
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    output = model.get_output_embeddings()
+    linears = {f"{prefix}.{name}".lstrip(".") for name, module in decoder.named_modules()
+               if isinstance(module, torch.nn.Linear) and module is not output and name}
+    if layers is not None:
+        path = decoder_layers_path(model)
+        linears = {name for name in linears if any(name.startswith(f"{path}.{i}.") for i in layers)}
+    if not linears:
+        raise UserError(f"lora.target_modules=all-linear: the language model of {type(model).__name__} has no linear "
+                        "layer to adapt. Name the modules to adapt in lora.target_modules.")
+    if layers is not None:
+        inside = rf"{re.escape(decoder_layers_path(model))}\.(?:{'|'.join(map(str, layers))})\.(?:.*\.)?"
+    else:
+        inside = rf"{re.escape(prefix)}\.(?:.*\.)?" if prefix else r"(?:.*\.)?"
+    pattern = rf"^{inside}(?:{'|'.join(map(re.escape, sorted({_leaf(name) for name in linears})))})$"
+    if {name for name, _ in model.named_modules() if re.fullmatch(pattern, name)} == linears:
+        return pattern
+    # A leaf name shared with a non-linear module (Gemma 3n's `altup_projections.0` vs `layers.0`): list them all.
+    return rf"^(?:{'|'.join(map(re.escape, sorted(linears)))})$"
+
+
+def _leaf(name: str) -> str:
+    """The last part of a module name, with the list it indexes when it is a number (`altup_projections.0`)."""
+    parts = name.split(".")
+    keep = 1
+    while keep < len(parts) and parts[-keep].isdigit():
+        keep += 1
+    return ".".join(parts[-keep:])
+
+
+def decoder_layers_path(model: PreTrainedModel) -> str:
+    """The module name of the language model's list of decoder layers: `model.layers`, `model.language_model.layers`."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise UserError(f"lora.layers: emotune could not find the decoder layers of {type(model).__name__} (no "
+                        "`layers` list in its language model). Set lora.layers=null to adapt every layer.")
+    return next(name for name, module in model.named_modules() if module is layers)
+
+
+def decoder_layer_count(config) -> int:
+    """The number of decoder layers a transformers config declares (the text model's, for multimodal configs)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.num_hidden_layers)
+
+
+def resolve_layers(layers: list[int] | int | None, count: int) -> list[int] | None:
+    """`lora.layers` as the sorted layer indices of a model with `count` decoder layers (None: every layer).
+
+    A count counts as LLaMA-Factory's `freeze_trainable_layers`: N > 0 = the last N layers (the top ones, nearest the
+    output), -N = the first N (nearest the embeddings). Indices past the last layer and counts larger than the
+    model are refused rather than clipped, so a config written for a deeper model does not silently change meaning."""
+    if layers is None:
+        return None
+    if isinstance(layers, int):
+        if abs(layers) > count:
+            raise UserError(f"lora.layers={layers} asks for {abs(layers)} layers, but the model has {count} decoder "
+                            f"layers. Set lora.layers to a count from 1 to {count} (the last N layers; -N for the first "
+                            "N), a list of indices, or null for every layer.")
+        return list(range(count - layers, count)) if layers > 0 else list(range(-layers))
+    beyond = [i for i in layers if i >= count]
+    if beyond:
+        raise UserError(f"lora.layers lists layer {', '.join(map(str, beyond))}, but the model has {count} decoder "
+                        f"layers (indices 0 to {count - 1}). Use indices from 0 to {count - 1}, a count such as "
+                        f"lora.layers={min(4, count)} for the last layers, or null for every layer.")
+    return sorted(layers)
+
+
+def check_layers(cfg: LoraSettings, model_config) -> None:
+    """Refuse, before any weights load, a `lora.layers` the model (known by its config.json) does not have."""
+    resolve_layers(cfg.layers, decoder_layer_count(model_config))
+
+
+def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAUSAL_LM",
+                extra_modules_to_save: tuple[str, ...] = ()) -> PeftLoraConfig:
+    """PEFT's config; `task_type` SEQ_CLS with the head in `extra_modules_to_save` for a classification head."""
+    layers = resolve_layers(cfg.layers, decoder_layer_count(model.config))
+    if cfg.target_modules == "all-linear":
+        targets, by_index = language_model_linear_targets(model, layers), {}
+    else:
+        targets = cfg.target_modules
+        by_index = ({} if layers is None else
+                    {"layers_to_transform": layers, "layers_pattern": re.escape(decoder_layers_path(model))})
+    modules_to_save = cfg.modules_to_save
+    if extra_modules_to_save:
+        modules_to_save = [*(modules_to_save or []), *(m for m in extra_modules_to_save if m not in (modules_to_save or []))]
+    return PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+        modules_to_save=modules_to_save,
+        task_type=task_type,
+        **by_index,
+        **init_methods.peft_init(cfg),
+    )
+
+
+def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAUSAL_LM",
+                extra_modules_to_save: tuple[str, ...] = ()) -> PeftModel:
+    """Wrap `model` with fresh adapters and print what is trained; fail clearly when nothing is. A model that has
+    its adapter already (lora.adapter: training on from it) keeps it."""
+    if isinstance(model, PeftModel):
+        init_methods.mark_adapters_trainable(model)
+        trainable, total = count_parameters(model)
+        print(f"Adapter {model.active_adapter} kept; trainable parameters: {trainable:,} / {total:,}", flush=True)
+        return model
+    try:
+        adapted = get_peft_model(model, lora_config(cfg, model, task_type, extra_modules_to_save))
+    except ValueError as err:  # PEFT names the module it could not find
+        raise UserError(f"LoRA matched no module of {type(model).__name__} (or could not be attached): {err} Check lora.target_modules "
+                        "and lora.modules_to_save against the model's module names.") from None
+    trainable, total = count_parameters(adapted)
+    if trainable == 0:
+        raise UserError(f"LoRA matched no module: lora.target_modules={cfg.target_modules!r} found nothing to adapt "
+                        f"in {type(model).__name__}. Use `all-linear` or names of its linear layers (e.g. [q_proj, v_proj]).")
+    variant = " + ".join(["rsLoRA" if cfg.use_rslora else "LoRA"] + (["DoRA"] if cfg.use_dora else []))
+    count = decoder_layer_count(model.config)
+    layers = resolve_layers(cfg.layers, count)
+    where = "" if layers is None else f" on decoder layers {_ranges(layers)} of 0-{count - 1}"
+    print(f"{variant} r={cfg.r} alpha={cfg.alpha} dropout={cfg.dropout}{where}; trainable parameters: {trainable:,} / "
+          f"{total:,} ({100 * trainable / total:.2f}%)", flush=True)
+    return adapted
+
+
+def checkpoint_activations(model: PreTrainedModel) -> None:
+    """Non-reentrant activation checkpointing, without the hook that makes the input embeddings' output require grad.
+
+    transformers' `gradient_checkpointing_enable` adds that hook for reentrant checkpointing, which loses the
+    gradient when no input of a checkpointed layer requires grad. Non-reentrant checkpointing does not, and with the
+    hook the backward pass would run through every frozen layer below the adapters (lora.layers) for nothing."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.disable_input_require_grads()
+
+
+def _ranges(indices: list[int]) -> str:
+    """`0-3, 8, 10-11` for [0, 1, 2, 3, 8, 10, 11]."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

@@ -1,0 +1,1 @@
+"""The run's report (report.html) and the comparison of several runs."""

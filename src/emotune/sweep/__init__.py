@@ -1,0 +1,1 @@
+"""Sweeps: the search space, trials, backends and the results table."""

@@ -1,0 +1,1 @@
+"""`task: classify`: an instruction-tuned model answers with a label word; measured by generation and label scoring."""

@@ -1,0 +1,201 @@
+"""`task: classify`: generative classification, the label name as the assistant's answer.
+
+Rows are (text, label); the prompt is the system prompt (with the label names) and the user template;
+the loss is on the label's tokens and the end of the turn; the measurement is `eval.method` (decoding
+with a regex, and/or exact label scoring) with accuracy, macro-F1, per-class scores, invalid outputs
+and confusion matrices, the same before and after training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.run import ClassifyConfig
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir
+from emotune.data import LabeledData, prompt_messages, system_prompt
+from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
+from emotune.eval.evaluate import EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
+from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
+from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, report_sections, write_comparison
+from emotune.train.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
+
+__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
+           "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
+           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info", "save_data", "saved_fingerprint",
+           "training_rows", "training_setup", "write_comparison", "write_results"]
+
+# What `emotune plan` assumes where the config does not say: a label of up to 3 tokens plus the end of the turn,
+# and as many labels as the packaged emotion dataset has.
+LABEL_TOKENS = 4
+ASSUMED_LABELS = 6
+
+CONFIG = ClassifyConfig  # the config class of this task (emotune.core.config.build.TASK_CONFIGS)
+SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # `emotune eval`
+COMPARED_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # in comparison.json
+DEFAULT_METRIC = "macro_f1"  # what a sweep ranks by
+SWEEP_COLUMNS = ("macro_f1", "accuracy")  # shown in sweep tables
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+
+
+def load_data(cfg: ClassifyConfig) -> LabeledData:
+    """Validated, cleaned and split data (or the run folder's prepared copy of the same data)."""
+    return prepare_data(cfg)
+
+
+def save_data(data: LabeledData, run: RunDir, tokenizer, cfg: ClassifyConfig) -> None:
+    save_prepared(data, run, tokenizer, cfg)
+
+
+def describe_data(data: LabeledData) -> str:
+    return format_summary(data)
+
+
+def run_info(cfg: ClassifyConfig, data: LabeledData) -> dict:
+    return {"labels": data.labels, "rows": {name: len(ds) for name, ds in data.splits.items()},
+            "system_prompt": system_prompt(cfg.prompt, data.labels)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Training rows: the prompt, then the label as the assistant's turn; the loss on the label's tokens
+
+
+def training_rows(data: LabeledData, tokenizer: PreTrainedTokenizerBase, cfg: ClassifyConfig
+                  ) -> tuple[list[Example], list[Example]]:
+    max_length = cfg.train.max_length
+    train = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, max_length,
+                            class_weights=data.class_weights)  # set only by data.balance=class_weight
+    return train, encode_examples(data.splits["validation"], tokenizer, cfg.prompt, data.labels, max_length)
+
+
+def encode_examples(ds: Dataset, tokenizer: PreTrainedTokenizerBase, prompt: PromptConfig, labels: list[str],
+                    max_length: int, class_weights: dict[str, float] | None = None) -> list[Example]:
+    """Tokenize like TRL's conversational prompt-completion rows: the completion starts where the prompt
+    (with the generation prompt) and prompt+completion stop agreeing; rows are cut at `max_length`."""
+    examples = []
+    for row in ds:
+        messages = prompt_messages(row["text"], prompt, labels)
+        prompt_ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        full_ids = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": row["label"]}],
+                                                 tokenize=True, return_dict=False)
+        start = common_prefix_length(prompt_ids, full_ids)
+        full_ids = list(full_ids[:max_length])
+        weight = class_weights[row["label"]] if class_weights else 1.0
+        examples.append(Example(full_ids, min(start, len(full_ids)), weight))
+    cut = sum(e.completion_tokens == 0 for e in examples)
+    if cut:
+        print(f"Warning: {cut} of {len(examples)} rows lost their label to train.max_length={max_length} and teach "
+              "nothing; raise train.max_length.", flush=True)
+    return examples
+
+
+def adapter_meta(cfg: ClassifyConfig, data: LabeledData) -> dict:
+    """What emotune.json records, so the adapter is measured and served with its training prompt and labels."""
+    return {"task": "classify", "labels": data.labels, "system_prompt": system_prompt(cfg.prompt, data.labels),
+            "system_prompt_template": cfg.prompt.system_prompt, "user_template": cfg.prompt.user_template,
+            "base_model": cfg.model.source, "eval": cfg.eval.model_dump()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement and comparison
+
+
+def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyConfig, desc: str) -> dict:
+    """Every method of `eval.method` on `eval.split`: {method: EvalResult}."""
+    split = data.splits[cfg.eval.split]
+    return evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=desc)
+
+
+def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: ClassifyConfig, rows: int
+                       ) -> list[list[int]]:
+    """The first `rows` evaluated prompts as token ids, as both methods read them (chat template, generation prompt)."""
+    split = data.splits[cfg.eval.split]
+    texts = split.select(range(min(rows, len(split))))["text"]
+    return [tokenizer.apply_chat_template(prompt_messages(t, cfg.prompt, data.labels), tokenize=True,
+                                          add_generation_prompt=True, return_dict=False) for t in texts]
+
+
+def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, EvalResult] | None:
+    """{method: EvalResult} (metrics and predictions) when every method's results are complete in `folder`, else None."""
+    return read_evaluation(folder, eval_methods(cfg.eval))
+
+
+def has_results(folder: Path) -> bool:
+    """Whether `folder` holds a measurement (the first method's metrics.json), for `emotune report`."""
+    return (folder / "metrics.json").is_file()
+
+
+def find_adapter(path: str, cfg: ClassifyConfig, data: LabeledData) -> Artifact:
+    """The adapter `emotune eval adapter=PATH` measures; one from another tool gets this config's labels and prompt,
+    an emotune one must have been trained with them."""
+    artifact = find_artifact(path, fallback=Fallback(labels=data.labels, prompt=cfg.prompt, base_model=None,
+                                                     source="the config"))
+    if artifact.task != "classify":
+        raise UserError(f"`{artifact.path}` is a {artifact.task} adapter; `task: classify` measures generative "
+                        "classification adapters. Use that adapter's own config (its run folder's config.yaml).")
+    check_matches(artifact, data.labels, system_prompt(cfg.prompt, data.labels))
+    return artifact
+
+
+def compare(before: dict[str, EvalResult], after: dict[str, EvalResult], data: LabeledData) -> dict:
+    return compare_methods(before, after, data.labels)
+
+
+def format_comparison(comparison: dict, data: LabeledData, cfg: ClassifyConfig) -> str:
+    chance = comparison.get("chance")  # absent from comparisons written before chance levels existed
+    tables = [f"\nBefore/after on the {cfg.eval.split} split ({one['rows']} rows, method {method}):\n"
+              + format_table(one, data.labels, chance) for method, one in comparison["methods"].items()]
+    if chance:
+        baseline = {m: {"rows": one["rows"], "invalid": one["metrics"]["invalid"]["before"]}
+                    for m, one in comparison["methods"].items()}
+        tables += ["", *baseline_notes(baseline, chance)]
+    return "\n".join(tables)
+
+
+def outputs(run: RunDir, cfg: ClassifyConfig) -> list[Path]:
+    """What a finished classification run holds."""
+    methods = eval_methods(cfg.eval)
+    results = [method_folder(stage, m, methods) / name for stage in (run.baseline, run.finetuned) for m in methods
+               for name in ("metrics.json", "predictions.csv")]
+    return [*results, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json,
+            run.comparison_csv, run.report_html]
+
+
+# --------------------------------------------------------------------------------------------------
+# The model trained and measured: the causal LM itself, with CAUSAL_LM adapters and the completion loss
+
+
+def training_setup(model, cfg, data) -> tuple[object, Objective]:
+    return model, LANGUAGE_MODEL
+
+
+def load_adapted(model, adapter_dir: Path, cfg, data):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter_dir)
+
+
+def memory_workload(cfg: ClassifyConfig, device_type: str):
+    """What `emotune plan` models: the loss on the label tokens of each row; `generate` decodes
+    `eval.max_new_tokens` after the prompt with the model's KV cache, `score` projects the end of the prompt and
+    every label-tree node with a cache that keeps every token. Prompts are taken as `train.max_length` long."""
+    from emotune.train.memory import Evaluation, Workload
+
+    labels = len(cfg.data.label_names or []) or ASSUMED_LABELS
+    evaluations = {}
+    for method in eval_methods(cfg.eval):
+        auto = cfg.eval.batch_size == "auto"
+        rows = auto_batch_cap(method, device_type) if auto else cfg.eval.batch_size
+        evaluations[method] = (
+            Evaluation(rows, auto, cfg.train.max_length, cfg.eval.max_new_tokens, projected=1, cache="model")
+            if method == "generate" else
+            Evaluation(rows, auto, cfg.train.max_length + LABEL_TOKENS * labels, projected=labels + 1, cache="full"))
+    return Workload(loss_tokens_per_row=LABEL_TOKENS, evaluations=evaluations)

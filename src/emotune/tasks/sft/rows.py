@@ -1,0 +1,88 @@
+"""sft training rows: a conversation rendered by the model's chat template, the loss on its assistant turns.
+
+The token ids are exactly the template's rendering of the whole conversation. The loss spans come from
+the template too: turn k's answer starts where the rendering of the turns before it, with the generation
+prompt, stops agreeing with the rendering of the turns up to it (TRL's prompt-completion rule, the one
+classification uses), and runs to the end of that rendering, so it includes the end-of-turn token. That
+needs each shorter rendering to be a prefix of the whole one. Some templates rewrite earlier turns (those
+that drop past reasoning from the history, for one): for a turn whose rendering is not a prefix, the span
+is found in the whole rendering itself, by comparing it with the rendering where that turn's text is
+empty (the tokens that differ are the text), then extended through the next end-of-turn token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from emotune.data.conversations import Conversation
+from emotune.model.turns import stop_token_ids
+from emotune.train.batches import Example, common_prefix_length, truncated
+
+
+@dataclass
+class Encoded:
+    examples: list[Example]
+    truncated: int = 0
+    """Rows cut at max_length."""
+    lost: int = 0
+    """Rows cut so far that no answer token was left to learn from."""
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                              return_dict=False))
+
+
+def loss_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids of the whole conversation, [start, end) of every assistant turn, end-of-turn token included)."""
+    full = render(tokenizer, messages)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        upto = render(tokenizer, messages[:k + 1])
+        if full[:len(upto)] == upto:
+            start = common_prefix_length(render(tokenizer, messages[:k], generation_prompt=True), upto)
+            spans.append((start, len(upto)))
+        else:
+            spans.append(_span_by_difference(tokenizer, messages, k, full))
+    return full, spans
+
+
+def _span_by_difference(tokenizer: PreTrainedTokenizerBase, messages: list[dict], k: int, full: list[int]) -> tuple[int, int]:
+    blank = render(tokenizer, [*messages[:k], {**messages[k], "content": ""}, *messages[k + 1:]])
+    start = common_prefix_length(full, blank)
+    suffix = common_prefix_length(full[::-1], blank[::-1])
+    end = max(start, len(full) - suffix)
+    stops = set(stop_token_ids(tokenizer))
+    while end < len(full) and full[end] not in stops:  # the turn's closing tokens, through its end-of-turn token
+        end += 1
+    return start, min(end + 1, len(full))
+
+
+def encode(conversation: Conversation, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,
+           mask_history: bool) -> Example:
+    """One conversation as token ids with its loss spans (only the last answer's with `mask_history`)."""
+    ids, spans = loss_spans(tokenizer, conversation.chat(system_prompt))
+    if mask_history:
+        spans = spans[-1:]
+    return Example(ids, spans[0][0], spans=tuple(spans))
+
+
+def encode_all(conversations: list[Conversation], tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,
+               mask_history: bool, max_length: int) -> Encoded:
+    """Every conversation encoded and cut at `max_length`, counting the rows cut and those left without loss."""
+    out = Encoded([])
+    for conversation in conversations:
+        example = encode(conversation, tokenizer, system_prompt, mask_history)
+        if len(example.input_ids) > max_length:
+            out.truncated += 1
+            example = truncate(example, max_length)
+            out.lost += example.completion_tokens == 0
+        out.examples.append(example)
+    return out
+
+
+truncate = truncated  # the one cut of a row at max_length, shared with training's out-of-memory recovery

@@ -1,0 +1,433 @@
+"""The memory model behind `emotune plan`: what training and evaluation hold, from a model's config alone.
+
+No weights are loaded. Two weightless views of the model answer what a formula would have to guess:
+
+- The whole model built on PyTorch's `meta` device (shapes, no storage), with PEFT's adapters attached as
+  training attaches them: the exact bytes of the frozen weights in the planned dtype, and PEFT's own count
+  of what is trained (`all-linear` resolved as in training, DoRA magnitudes, `modules_to_save` copies, the
+  adapters kept in float32).
+- A probe: the same architecture cut to one decoder layer of each kind (sliding / full attention ...) with
+  a small vocabulary, built on the CPU with the same adapters. Training-mode forward passes of 2 rows at
+  3 lengths count, through autograd's saved-tensor hooks, what each layer keeps for the backward pass;
+  no-grad passes with a KV cache measure the cache per token and the working memory of inference. A
+  quadratic in the length through the 3 points carries each to any length (attention that materialises
+  its weights grows with the square of the length, the rest linearly).
+
+What our loop adds on top is modelled from its code: the gradients and AdamW's two moments of the trained
+parameters only; one forward pass at a time (`train.max_tokens_per_pass` cuts a batch into passes, the
+gradient is summed across them); the vocabulary projection only at the loss positions, in checkpointed
+chunks of `batches.CHUNK_TOKENS` beyond that many (emotune.train.batches.completion_loss); with gradient
+checkpointing, each layer's input kept and one layer recomputed at a time.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from emotune.core.config.model import ModelConfig
+from emotune.core.config.train import LoraSettings
+from emotune.core.errors import UserError
+from emotune.model import lean_lora, lean_norm, quantization
+from emotune.train.batches import CHUNK_TOKENS
+
+PROBE_ROWS = 2
+PROBE_LENGTHS = (16, 32, 64)
+PROBE_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Quadratic:
+    """Bytes per row as a function of the row length: c + a·T + b·T² (never below 0)."""
+    c: float = 0.0
+    a: float = 0.0
+    b: float = 0.0
+
+    def __call__(self, length: int) -> float:
+        return max(0.0, self.c + self.a * length + self.b * length * length)
+
+    @classmethod
+    def through(cls, lengths: tuple[int, ...], values: list[float]) -> Quadratic:
+        c, a, b = torch.linalg.solve(torch.tensor([[1.0, t, t * t] for t in lengths], dtype=torch.float64),
+                                     torch.tensor(values, dtype=torch.float64)).tolist()
+        return cls(c, a, b)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a task trains and evaluates, in the memory model's terms (each task's `memory_workload`)."""
+    loss_tokens_per_row: int | None
+    """Positions per training row projected onto the vocabulary; None = up to every token of the row."""
+    vocabulary_loss: bool = True
+    """False: the loss reads a classification head, not the vocabulary."""
+    head_outputs: int = 0
+    """A head trained in full besides the adapters: hidden size x this many float32 parameters."""
+    evaluations: dict[str, Evaluation] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation method: its batch and what one row holds."""
+    rows: int
+    """Rows per batch: the configured eval batch, or the `auto` cap (auto takes fewer when they do not fit)."""
+    auto: bool
+    prompt_tokens: int
+    new_tokens: int = 0
+    """Tokens generated after the prompt (0: one forward pass)."""
+    projected: int = 1
+    """Positions per row projected onto the vocabulary (0: none)."""
+    cache: str = "none"
+    """The KV cache it keeps: `model` (the model's own: sliding layers keep their window), `full` (every
+    layer keeps every token, as label scoring's cache does) or `none`."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The facts about one model and adapter setting that the estimate needs; see `describe`."""
+    parameters: int
+    trainable: int
+    frozen_bytes: int
+    trainable_bytes: int
+    optimizer_bytes: int
+    weight_bytes_per_element: int
+    hidden: int
+    vocab: int
+    layers: list[Quadratic]
+    """Per decoder layer: bytes it saves for the backward pass, per row."""
+    outside: Quadratic
+    """Saved outside the decoder layers (embeddings, final norm), per row."""
+    checkpoint_bytes_per_token: int
+    """What one checkpointed layer keeps of its input, per token."""
+    working: Quadratic
+    """Inference working memory beyond weights and cache, per row."""
+    kv_per_token: list[tuple[float, int | None]]
+    """Per decoder layer: KV-cache bytes per token, and its sliding window (None: every token)."""
+    plain_head: bool
+    softcap: float | None
+    dequantized_bytes: int = 0
+    """A quantized base (model.quantization): the largest layer's weight dequantized for its product."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The estimate
+
+
+def training_parts(arch: Architecture, work: Workload, rows: int, length: int, checkpointing: bool,
+                   host_copies: bool) -> dict[str, int]:
+    """Peak bytes of one training step, by part, for a forward pass of `rows` rows of `length` tokens.
+
+    The parts add up to the peak. The backward pass starts with the loss (the vocabulary projection's
+    buffers) and then walks the layers (each layer's gradients; under checkpointing, the layer's activations
+    rebuilt first); the two never coexist, so the larger of them is the last part."""
+    largest_layer = rows * max(q(length) for q in arch.layers)
+    layer_backward = BACKWARD_SHARE * largest_layer
+    if checkpointing:  # each layer's input kept; one layer's activations rebuilt at a time in the backward
+        kept = rows * length * arch.checkpoint_bytes_per_token * len(arch.layers)
+        layer_backward += largest_layer
+    else:
+        kept = rows * sum(q(length) for q in arch.layers)
+    loss = loss_bytes(arch, work, rows, length)
+    parts = {"weights": arch.frozen_bytes, "adapters": arch.trainable_bytes, "gradients": arch.trainable_bytes,
+             "optimizer state": arch.optimizer_bytes, "activations": int(kept + rows * arch.outside(length)),
+             **({LOSS: loss} if loss >= layer_backward else {LAYER_BACKWARD: int(layer_backward)})}
+    if arch.dequantized_bytes:
+        parts[DEQUANTIZED] = arch.dequantized_bytes
+    if host_copies:  # the best adapter so far, and the copy a checkpoint writes (both in host memory)
+        parts["adapter copies (host)"] = 2 * arch.trainable_bytes
+    return parts
+
+
+# The gradients a layer's backward pass holds at once, as a share of what the layer saved in its forward pass:
+# 0.46 measured on Gemma 3 layers (tests/test_plan.py measures the whole estimate against real steps).
+BACKWARD_SHARE = 0.5
+DEQUANTIZED = "one layer dequantized (4/8-bit base)"
+LOSS = "backward: vocabulary projection"
+LAYER_BACKWARD = "backward: one layer"
+
+
+def loss_bytes(arch: Architecture, work: Workload, rows: int, length: int) -> int:
+    """The loss's buffers in the backward pass: the float32 log-softmax of the loss positions and two gradients of
+    that size (12 bytes per position and vocabulary entry, measured in both dtypes; Gemma 2's soft-capping adds
+    two more); chunked, one chunk's (with its recomputed logits) and the kept hidden states and their gradient."""
+    if not work.vocabulary_loss:
+        return rows * work.head_outputs * 4 * 3
+    positions = rows * (length if work.loss_tokens_per_row is None else min(length, work.loss_tokens_per_row))
+    capped = 8 if arch.softcap else 0
+    if arch.plain_head and positions > CHUNK_TOKENS:
+        return (2 * positions * arch.hidden * arch.weight_bytes_per_element
+                + CHUNK_TOKENS * arch.vocab * (arch.weight_bytes_per_element + 12 + capped))
+    return positions * arch.vocab * (12 + capped)
+
+
+def evaluation_parts(arch: Architecture, ev: Evaluation, rows: int | None = None) -> dict[str, int]:
+    """Peak bytes of one evaluation batch (the fine-tuned model: adapters unmerged), by part."""
+    rows = ev.rows if rows is None else rows
+    total = ev.prompt_tokens + ev.new_tokens
+    projected = rows * ev.projected
+    per_position = arch.vocab * (arch.weight_bytes_per_element + 8)
+    logits = (projected * arch.hidden * arch.weight_bytes_per_element + CHUNK_TOKENS * per_position
+              if arch.plain_head and projected > CHUNK_TOKENS else projected * per_position)
+    return {"weights": arch.frozen_bytes, "adapters": arch.trainable_bytes,
+            "KV cache": int(rows * kv_bytes(arch, total, ev.cache)),
+            "working memory": int(rows * arch.working(ev.prompt_tokens)), "vocabulary projection": int(logits),
+            **({DEQUANTIZED: arch.dequantized_bytes} if arch.dequantized_bytes else {})}
+
+
+def kv_bytes(arch: Architecture, tokens: int, cache: str) -> float:
+    if cache == "none":
+        return 0.0
+    return sum(per_token * (min(tokens, window) if window and cache == "model" else tokens)
+               for per_token, window in arch.kv_per_token)
+
+
+def auto_eval_rows(arch: Architecture, ev: Evaluation, free: int) -> int:
+    """The batch `eval.batch_size: auto` takes: the cap, or fewer when 40% of the memory left after the weights
+    does not hold them (as emotune.eval.evaluate.choose_batch_size decides)."""
+    if not ev.auto:
+        return ev.rows
+    one = sum(evaluation_parts(arch, ev, rows=1).values()) - arch.frozen_bytes - arch.trainable_bytes
+    left = free - arch.frozen_bytes - arch.trainable_bytes
+    return max(1, min(ev.rows, int(0.4 * left // max(one, 1)))) if left > 0 else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# The model's facts: the meta-device model and the probe
+
+
+def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: Workload,
+             attn_implementation: str | None = None, lean: tuple[bool, bool] = (True, True),
+             model_cfg: ModelConfig | None = None) -> Architecture:
+    """The facts of `config` (a transformers config) trained with `lora` and `optim` in weights of `dtype`; `lean`:
+    whether the LoRA layers and Gemma's norms run emotune.model.lean_lora's and lean_norm's forwards, as training runs
+    them with `train.lean_lora` and `train.lean_norm`; `model_cfg`: its `quantization` (the weights' storage)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from emotune.model.lora import lora_config
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        adapted = get_peft_model(model, lora_config(lora, model), autocast_adapter_dtype=True)
+    except UserError:
+        raise
+    except Exception as err:
+        raise UserError(f"emotune plan could not build {type(config).__name__} from its config "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else 'no details'}). Check "
+                        "model.source and lora.target_modules.") from None
+    trained = [p for p in adapted.parameters() if p.requires_grad]
+    head = work.head_outputs * text.hidden_size  # a classification head, float32
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trained) + 4 * head
+    model_cfg = model_cfg or ModelConfig()
+    frozen = quantization.stored_weight_bytes(adapted, model_cfg)
+    probe = run_probe(text, lora, dtype, attn_implementation, lean)
+    kinds = _layer_kinds(text)
+    shared_from = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
+    window = getattr(text, "sliding_window", None)
+    element = torch.empty((), dtype=dtype).element_size()
+    return Architecture(
+        parameters=sum(p.numel() for p in adapted.parameters()) + head, trainable=sum(p.numel() for p in trained) + head,
+        frozen_bytes=frozen, trainable_bytes=trainable_bytes,
+        optimizer_bytes=_optimizer_bytes(optim, trained) + (8 * head if optim != "sgd" else 0),
+        weight_bytes_per_element=element, hidden=text.hidden_size, vocab=text.vocab_size,
+        layers=[probe.saved[kind] for kind in kinds], outside=probe.outside,
+        checkpoint_bytes_per_token=element * (text.hidden_size + (getattr(text, "hidden_size_per_layer_input", 0) or 0)),
+        working=probe.working,
+        kv_per_token=[(probe.kv[kind] if i < shared_from else 0.0, window if kind.startswith("sliding") else None)
+                      for i, kind in enumerate(kinds)],
+        plain_head=_plain_head(adapted), softcap=getattr(text, "final_logit_softcapping", None),
+        dequantized_bytes=quantization.dequantized_layer_bytes(adapted, model_cfg))
+
+
+def _optimizer_bytes(optim: str, params: list[torch.nn.Parameter]) -> int:
+    """The optimizer's state for `params` (emotune.train.loop._optimizer): AdamW keeps two moments in each parameter's
+    dtype, Adafactor a row and a column factor per matrix, SGD without momentum nothing."""
+    if optim == "sgd":
+        return 0
+    if optim == "adafactor":
+        return sum((p.shape[-2] + p.shape[-1]) * p.element_size() if p.dim() >= 2 else p.numel() * p.element_size()
+                   for p in params)
+    if optim in ("adamw_8bit", "paged_adamw_8bit"):  # bitsandbytes: two uint8 moments with an fp32 scale per 256
+        # entries; tensors under 4,096 entries (min_8bit_size) keep fp32 moments
+        return sum(int(2 * p.numel() * (1 + 4 / 256)) if p.numel() >= 4096 else 8 * p.numel() for p in params)
+    return sum(2 * p.numel() * p.element_size() for p in params)
+
+
+def _plain_head(model) -> bool:
+    """Whether the output projection stays a bias-free nn.Linear under the adapters (so the loss is chunked)."""
+    head = model.get_output_embeddings()
+    return type(head) is torch.nn.Linear and head.bias is None
+
+
+def _layer_kinds(text) -> list[str]:
+    kinds = getattr(text, "layer_types", None)
+    return list(kinds) if kinds and len(kinds) == text.num_hidden_layers else ["layer"] * text.num_hidden_layers
+
+
+@dataclass
+class Probe:
+    saved: dict[str, Quadratic]
+    outside: Quadratic
+    working: Quadratic
+    kv: dict[str, float]
+
+
+def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation: str | None = None,
+              lean: tuple[bool, bool] = (True, True)) -> Probe:
+    """One layer of each kind, measured at `PROBE_LENGTHS` (see the module docstring)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from emotune.model.lora import lora_config
+
+    small, kinds = _one_layer_of_each_kind(text)
+    attn = attn_implementation if attn_implementation in ("sdpa", "eager") else None  # flash kernels need a GPU
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small, dtype=dtype, attn_implementation=attn)
+    model.config.use_cache = False
+    # The probe keeps one layer of each kind, so lora.layers' indices mean nothing here: every probe layer is adapted,
+    # which bounds what a frozen layer below the adapters keeps for backward (nothing) from above.
+    adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None}), model),
+                             autocast_adapter_dtype=True)
+    if lean[0]:
+        lean_lora.install(adapted)
+    if lean[1]:
+        lean_norm.install(adapted)
+    layers = _decoder_layers(model, len(kinds))
+    owned = {StorageWeakRef(t.untyped_storage()) for t in [*adapted.parameters(), *adapted.buffers()]}
+    saved: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
+    working, kv = [], []
+    for length in PROBE_LENGTHS:
+        ids, mask = _probe_batch(length, small.vocab_size)
+        for i, count in _saved_bytes(adapted, layers, owned, ids, mask).items():
+            saved[i].append(count / PROBE_ROWS)
+        peak, cache = _inference_bytes(adapted, owned, ids, mask)
+        working.append((peak - sum(cache)) / PROBE_ROWS)
+        kv.append([c / (PROBE_ROWS * length) for c in cache])
+    by_kind = {kind: Quadratic.through(PROBE_LENGTHS, saved[i]) for i, kind in enumerate(kinds)}
+    cache_by_kind = {kind: kv[-1][i] if i < len(kv[-1]) else 0.0 for i, kind in enumerate(kinds)}
+    return Probe(by_kind, Quadratic.through(PROBE_LENGTHS, saved[None]), Quadratic.through(PROBE_LENGTHS, working),
+                 cache_by_kind)
+
+
+def _one_layer_of_each_kind(text) -> tuple[object, list[str]]:
+    """A copy of the text config with the first layer of each kind only, a small vocabulary and no KV sharing."""
+    kinds = _layer_kinds(text)
+    keep = sorted({kinds.index(kind) for kind in kinds})
+    n = text.num_hidden_layers
+    values = text.to_dict()
+    for name, value in list(values.items()):
+        if isinstance(value, list) and len(value) == n:
+            values[name] = [value[i] for i in keep]
+    per_layer = values.get("per_layer_config")
+    if isinstance(per_layer, dict):  # per-layer overrides (Gemma 4's wider full-attention heads) move with their layer
+        values["per_layer_config"] = {str(new).zfill(len(str(key))): per_layer[key] for new, old in enumerate(keep)
+                                      for key in per_layer if int(key) == old}
+    values.update(num_hidden_layers=len(keep), pad_token_id=None)
+    for name in ("vocab_size", "vocab_size_per_layer_input"):
+        if name in values:
+            values[name] = min(values[name], PROBE_VOCAB)
+    if values.get("num_kv_shared_layers"):
+        values["num_kv_shared_layers"] = 0
+    return type(text).from_dict(values), [kinds[i] for i in keep]
+
+
+def _decoder_layers(model, count: int) -> list[torch.nn.Module]:
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == count:
+        return list(layers)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if not lists:
+        raise UserError(f"emotune plan could not find the decoder layers of {type(model).__name__}.")
+    return list(lists[0])
+
+
+def _probe_batch(length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows, the second shorter (right-padded, as `batches.collate` pads), so the mask is a real one."""
+    generator = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, vocab, (PROBE_ROWS, length), generator=generator)
+    mask = torch.ones(PROBE_ROWS, length, dtype=torch.long)
+    mask[1:, length - length // 4:] = 0
+    return ids, mask
+
+
+def _saved_bytes(model, layers: list[torch.nn.Module], owned: set, ids, mask) -> dict[int | None, int]:
+    """Bytes autograd keeps for the backward pass, by decoder layer (None: outside the layers)."""
+    where: list[int | None] = [None]
+    counts: dict[int | None, int] = {i: 0 for i in [*range(len(layers)), None]}
+    seen: set = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(tensor.untyped_storage())
+        if key not in owned and key not in seen:
+            seen.add(key)
+            counts[where[0]] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    hooks = [h for i, layer in enumerate(layers)
+             for h in (layer.register_forward_pre_hook(lambda *_, i=i: where.__setitem__(0, i)),
+                       layer.register_forward_hook(lambda *_: where.__setitem__(0, None)))]
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+        del output
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts
+
+
+@torch.inference_mode()
+def _inference_bytes(model, owned: set, ids, mask) -> tuple[int, list[int]]:
+    """(peak bytes of tensors alive during a no-grad forward with a KV cache, the cache's bytes per layer)."""
+    model.eval()
+    with TensorPeak() as tracker:
+        output = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+    cache = [sum(t.untyped_storage().nbytes() for t in vars(layer).values() if isinstance(t, torch.Tensor))
+             for layer in getattr(output.past_key_values, "layers", [])]
+    return tracker.peak, cache
+
+
+class TensorPeak(TorchDispatchMode):
+    """The peak bytes of tensors created while it is active (on `device`), alive at the same time.
+
+    Every operator's outputs pass through `__torch_dispatch__`; each new storage is counted once until the
+    storage is freed (views and in-place results share an input's storage and are not new). Tensors that
+    existed before (the weights) are not counted: add them yourself."""
+
+    def __init__(self, device: str = "cpu"):
+        super().__init__()
+        self.device, self.live, self.peak = device, 0, 0
+        self._alive: dict[StorageWeakRef, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # a view or an in-place result shares an input's storage: nothing new was allocated
+        inputs = {StorageWeakRef(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device:
+                if StorageWeakRef(tensor.untyped_storage()) not in inputs:
+                    self._track(tensor.untyped_storage())
+        return out
+
+    def _track(self, storage) -> None:
+        key = StorageWeakRef(storage)
+        if key in self._alive:
+            return
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        self._alive[key] = weakref.ref(storage, lambda _, key=key, size=size: self._freed(key, size))
+
+    def _freed(self, key: StorageWeakRef, size: int) -> None:
+        if self._alive.pop(key, None) is not None:
+            self.live -= size
+

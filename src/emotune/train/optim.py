@@ -1,0 +1,73 @@
+"""The optimizer of a training run: `train.optim`, and LoRA+ learning rates on top of any of them.
+
+(Belongs in `train/` once the package layout lands.)
+
+    adamw_torch / adamw_torch_fused   PyTorch's AdamW (fused: one kernel for all parameters)
+    sgd / adafactor                   PyTorch's
+    adamw_8bit                        bitsandbytes' AdamW8bit: both moments in 8 bits (blockwise quantized), a
+                                      quarter of AdamW's state memory; CPU, CUDA and ROCm
+    paged_adamw_8bit                  the same with its state in paged memory that the GPU driver moves to host
+                                      memory when the GPU runs short; GPU only (on a CPU bitsandbytes falls
+                                      back silently to unpaged memory, so it is refused there)
+
+LoRA+ (`train.loraplus_lr_ratio`, Hayou et al. 2024) gives the LoRA B matrices a learning rate that many times
+the A matrices' (`train.learning_rate`); PEFT's `create_loraplus_optimizer` sorts the parameters into those
+groups, and LoRA on embedding layers gets `train.loraplus_lr_embedding`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from emotune.core.config.train import TrainConfig
+from emotune.core.errors import UserError
+
+EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
+
+
+def check(t: TrainConfig, device: torch.device) -> None:
+    """Refuse, before any weights load, an optimizer that cannot run on `device`."""
+    problems = []
+    if t.optim in EIGHT_BIT and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(f"train.optim={t.optim} needs bitsandbytes: pip install 'bitsandbytes>=0.50.2' (or "
+                        "`pip install emotune[qlora]`), or set train.optim=adamw_torch")
+    if t.optim == "paged_adamw_8bit" and device.type != "cuda":
+        problems.append(f"train.optim=paged_adamw_8bit pages optimizer state between GPU and host memory, and this run "
+                        f"is on {device.type}, where bitsandbytes would silently fall back to ordinary memory; set "
+                        "train.optim=adamw_8bit (the same 8-bit state, unpaged)")
+    if problems:
+        raise UserError("; ".join(problems) + ".")
+
+
+def optimizer_class(t: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class for `train.optim` and its settings besides the learning rate."""
+    decay = {"weight_decay": t.weight_decay}
+    if t.optim == "sgd":
+        return torch.optim.SGD, decay
+    if t.optim == "adafactor":
+        return torch.optim.Adafactor, decay
+    if t.optim in EIGHT_BIT:
+        import bitsandbytes as bnb
+
+        return (bnb.optim.PagedAdamW8bit if t.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit), decay
+    return torch.optim.AdamW, {**decay, "fused": t.optim == "adamw_torch_fused"}
+
+
+def build_optimizer(t: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer over `model`'s trainable parameters (LoRA+ groups when `train.loraplus_lr_ratio` is set)."""
+    cls, settings = optimizer_class(t)
+    if t.loraplus_lr_ratio is None:
+        return cls([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate, **settings)
+    from peft.optimizers import create_loraplus_optimizer
+
+    decay = settings.pop("weight_decay")
+    optimizer = create_loraplus_optimizer(model, cls, lr=t.learning_rate, loraplus_lr_ratio=t.loraplus_lr_ratio,
+                                          loraplus_lr_embedding=t.loraplus_lr_embedding, loraplus_weight_decay=decay,
+                                          **settings)
+    b_share = sum(p.numel() for g in optimizer.param_groups if g["lr"] == t.learning_rate * t.loraplus_lr_ratio
+                  for p in g["params"])
+    print(f"LoRA+: learning rate {t.learning_rate:g} for the A matrices, {t.learning_rate * t.loraplus_lr_ratio:g} "
+          f"(x{t.loraplus_lr_ratio:g}) for {b_share:,} parameters of the B matrices", flush=True)
+    return optimizer
