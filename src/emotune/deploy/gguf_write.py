@@ -240,7 +240,7 @@ def make_k_quant(f16_file: Path, target: Path, quant: str) -> bool:
 def gguf_meta(artifact) -> dict:
     """emotune's keys for the GGUF file: what the model was trained to answer and how it is asked."""
     meta = {"name": artifact.name, "task": artifact.task, "base_model": artifact.meta.get("base_model")}
-    if artifact.task == "sft":
+    if artifact.answers_freely:
         meta["system_prompt"] = artifact.sft_system_prompt
     else:
         from emotune.data import system_prompt

@@ -35,10 +35,10 @@ def license_of(base_id: str | None, model_type: str | None) -> str:
 
 
 def header(artifact, base_id: str | None, model_type: str | None, merged: bool, dataset: str | None) -> dict:
-    classify = artifact.task != "sft"
+    classify = not artifact.answers_freely
     data = {"license": license_of(base_id, model_type), "library_name": "transformers" if merged else "peft",
             "pipeline_tag": "text-generation",
-            "tags": ["emotune", "lora", *(["text-classification"] if classify else ["sft"]), *(["merged"] if merged else [])],
+            "tags": ["emotune", "lora", *(["text-classification"] if classify else ["text-generation"]), *(["merged"] if merged else [])],
             "metrics": ["accuracy", "f1"] if classify else ["rouge"]}
     if base_id:
         data["base_model"] = base_id
@@ -56,10 +56,11 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
     model_type = _model_type(artifact)
     lines = ["---", yaml.safe_dump(header(artifact, base_id, model_type, merged, dataset), sort_keys=False).strip(), "---", "",
              f"# {repo_id.split('/')[-1]}", ""]
+    classify = not artifact.answers_freely
     what = "merged model (base + LoRA folded in)" if merged else "LoRA adapter"
     lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on `{base_id or source}`"
-                 f" ({'a classifier that answers with one label' if artifact.task != 'sft' else 'instruction tuning'}).")
-    if artifact.task != "sft":
+                 f" ({'a classifier that answers with one label' if classify else 'instruction tuning'}).")
+    if classify:
         lines += ["", f"Labels: {', '.join(artifact.labels)}.", "", "Prompt (system, then the user template):", "",
                   "```text", _system_prompt(artifact), "", artifact.prompt.user_template, "```"]
     lines += ["", f"License: the base model's terms ({header(artifact, base_id, model_type, merged, dataset)['license']}); "

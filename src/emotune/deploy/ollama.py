@@ -96,7 +96,7 @@ def write_modelfile(artifact, model_type: str, gguf_file: Path, folder: Path) ->
     link.symlink_to(Path("..") / gguf_file.parent.name / gguf_file.name)
     meta = gguf_meta(artifact)
     text = modelfile_text(model_type, gguf_file.name, meta.get("system_prompt"), trained_max_new_tokens(artifact),
-                          greedy=artifact.task != "sft")
+                          greedy=not artifact.answers_freely)
     target = folder / "Modelfile"
     target.write_text(text, encoding="utf-8")
     return target

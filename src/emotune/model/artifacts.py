@@ -89,6 +89,12 @@ class Artifact:
         return PromptConfig(system_prompt=self.meta["system_prompt_template"], user_template=self.meta["user_template"])
 
     @property
+    def answers_freely(self) -> bool:
+        """Whether the model answers in free text (an instruction-tuned chat model) rather than with one of its
+        labels: what deployment formats ask to choose sampling, stop rules and descriptions."""
+        return self.task == "sft"
+
+    @property
     def sft_system_prompt(self) -> str | None:
         """The system prompt an sft model was trained with for rows without their own (None: none)."""
         return self.meta.get("system_prompt") if self.task == "sft" else None
