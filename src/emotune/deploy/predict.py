@@ -79,7 +79,7 @@ def predict_cli(target: str, texts: list[str], file: str | None, out: str | None
         raise UserError("--max-new-tokens must be a positive number of tokens.")
     rows = _read_table(Path(file), text_column) if file else None  # bad input fails before weights load
     artifact = find_artifact(target, fallback=fallback)
-    if artifact.task == "sft":
+    if artifact.answers_freely:
         return _answer(Generator(artifact, device), texts, rows, text_column, Path(out) if out else None, batch_size,
                        max_new_tokens or trained_max_new_tokens(artifact))
     if max_new_tokens is not None:

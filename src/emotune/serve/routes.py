@@ -237,7 +237,7 @@ def _model_card(loaded: Loaded, engine: Engine) -> dict:
             "parent": None if artifact is None or artifact.merged else BASE_MODEL}
     if artifact is not None:
         card["task"] = artifact.task
-        if artifact.task == "classify" or artifact.has_head:
+        if not artifact.answers_freely:
             card["labels"] = artifact.labels
         card["merged"] = artifact.merged
     return card
@@ -252,7 +252,7 @@ def _source_name(source: str) -> str:
 def _task(loaded: Loaded, labels: list[str] | None, state: Server) -> tuple[PromptConfig, list[str]]:
     """The prompt and label set to score with: the adapter's own, or (base model) the request's labels. A head model
     reads no prompt; its labels are its head's."""
-    if loaded.artifact is not None and loaded.artifact.task != "classify" and not loaded.artifact.has_head:
+    if loaded.artifact is not None and loaded.artifact.answers_freely:
         raise APIError(422, f"`{loaded.name}` is an {loaded.artifact.task} model: it answers in free text and has no "
                             "label set to classify into. Send its requests to /v1/chat/completions; /v1/classify "
                             f"serves classify and classify_head models, and `{BASE_MODEL}` with a `labels` list.")
