@@ -19,7 +19,16 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
-from emotune.eval.evaluate import EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
+from emotune.eval.evaluate import (
+    EvalResult,
+    LabelPrompt,
+    auto_batch_cap,
+    eval_methods,
+    evaluate_methods,
+    method_folder,
+    read_evaluation,
+    write_results,
+)
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
 from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, measurements, report_sections, write_comparison
 from emotune.train.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
@@ -112,7 +121,7 @@ def adapter_meta(cfg: ClassifyConfig, data: LabeledData) -> dict:
 def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyConfig, desc: str) -> dict:
     """Every method of `eval.method` on `eval.split`: {method: EvalResult}."""
     split = data.splits[cfg.eval.split]
-    return evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=desc)
+    return evaluate_methods(model, tokenizer, split, LabelPrompt(cfg.prompt, data.labels), cfg.eval, desc=desc)
 
 
 def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: ClassifyConfig, rows: int

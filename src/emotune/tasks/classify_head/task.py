@@ -23,7 +23,15 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
 from emotune.data import LabeledData, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
-from emotune.eval.evaluate import EvalResult, auto_batch_cap, compute_metrics, probability_metrics, read_predictions, write_results
+from emotune.eval.evaluate import (
+    EvalResult,
+    LabelPrompt,
+    auto_batch_cap,
+    compute_metrics,
+    probability_metrics,
+    read_predictions,
+    write_results,
+)
 from emotune.eval.evaluate import evaluate as evaluate_method
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
 from emotune.model.head import classifier_from_causal, encode_texts, head_probabilities, is_classifier
@@ -114,7 +122,7 @@ def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyHeadConfig, desc:
         result = evaluate_head(model, tokenizer, split["text"], split["label"], data.labels, cfg, desc)
     else:
         zero_shot = EvalConfig(method="score", batch_size=cfg.eval.batch_size, split=cfg.eval.split)
-        result = evaluate_method(model, tokenizer, split, data.labels, cfg.prompt, zero_shot, desc, method="score")
+        result = evaluate_method(model, tokenizer, split, LabelPrompt(cfg.prompt, data.labels), zero_shot, desc, method="score")
     result.metrics.update(method=METHOD, measured_by=AFTER if is_classifier(model) else BEFORE)
     return {METHOD: result}
 
