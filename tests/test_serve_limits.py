@@ -104,7 +104,8 @@ def test_chat_goes_through_admission_control(served, http):
         deadline = time.time() + 10
         while state.admission.chats < 1 and time.time() < deadline:
             time.sleep(0.01)
-        assert "serve.max_chats=1" in error(http.post("/v1/chat/completions", headers=AUTH, json=chat_body()), 503)
+        limited = http.post("/v1/chat/completions", headers=AUTH, json=chat_body())
+        assert "serve.max_chats=1" in error(limited, 429) and limited.headers["retry-after"] == "1"
     assert first.result().status_code == 200
     assert state.admission.pending == 0 and state.admission.chats == 0
 

@@ -168,7 +168,7 @@ async def stream_chat(job: dict, engine: Engine, state: Server, ticket: Ticket, 
     loaded = engine.models[job["model"]]
     streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
     loop = asyncio.get_running_loop()
-    done = loop.run_in_executor(state.executor, generate_reply, engine, job, streamer)
+    done = loop.run_in_executor(state.chat_executor, generate_reply, engine, job, streamer)
     try:
         yield _chunk(job, {"role": "assistant", "content": ""})
         visible = StopFilter(job["stop"])

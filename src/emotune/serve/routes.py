@@ -106,7 +106,7 @@ async def lifespan(app: FastAPI):
     # model call running now (emotune.serve.run_server ends the process if it outlives the server)
     state.stopping.set()
     supervisor.cancel()
-    state.executor.shutdown(wait=False, cancel_futures=True)
+    state.model_thread.shutdown(wait=False, cancel_futures=True)
 
 
 async def current_server(request: Request) -> Server:
@@ -162,7 +162,7 @@ async def chat(body: ChatRequest, state: ServerState, request: Request):
     loop = asyncio.get_running_loop()
     try:
         with model_gone_is_404():
-            reply = loop.run_in_executor(state.executor, generate_reply, state.engine, job, None)
+            reply = loop.run_in_executor(state.chat_executor, generate_reply, state.engine, job, None)
             text, finish, usage = await unless_client_leaves(request, reply, job["cancel"].set)
     finally:
         ticket.release()

@@ -9,7 +9,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from emotune.core.config.eval import ServeConfig
@@ -18,6 +17,7 @@ from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError, resolve_key
 from emotune.serve.limits import Admission, context_length
 from emotune.serve.metrics import Metrics
+from emotune.serve.modelthread import ModelThread
 
 log = logging.getLogger("emotune.serve")
 RESTART_DELAY_S = 0.5
@@ -30,7 +30,9 @@ class Server:
         self.engine, self.cfg = engine, cfg
         self.api_key = resolve_key(cfg.api_key, "api_key")
         self.admin_key = resolve_key(cfg.admin_key, "admin_key")
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emotune-model")
+        self.model_thread = ModelThread(cfg.chat_share)  # every model call, in two lanes (emotune.serve.modelthread)
+        self.executor = self.model_thread.lane("classify")  # classify batches, adapter loads and unloads
+        self.chat_executor = self.model_thread.lane("chat")  # generations
         self.metrics = Metrics()
         self.admission = Admission(cfg, self.metrics)
         self.batcher = MicroBatcher(engine, self.executor, self.metrics, cfg, self.admission)
