@@ -79,3 +79,23 @@ def test_errors_reach_the_caller_and_the_thread_goes_on():
     with pytest.raises(ValueError, match="unknown lane"):
         thread.lane("admin")
     thread.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_a_dead_model_thread_is_started_again_and_its_queue_kept():
+    thread = ModelThread(chat_share=0.5)
+    original = thread.pick
+
+    def broken():
+        thread.pick = original
+        raise RuntimeError("the scheduler itself failed")
+
+    thread.pick = broken
+    with thread.ready:
+        thread.ready.notify()  # wake the worker: it calls the broken pick and dies
+    thread.thread.join(timeout=10)
+    assert not thread.alive
+    queued = thread.lane("classify").submit(lambda: "ran")  # a submit restarts it
+    assert queued.result(timeout=10) == "ran" and thread.alive and thread.restarts == 1
+    thread.shutdown()
+    assert not thread.ensure_running()  # never after shutdown

@@ -32,9 +32,26 @@ class ModelThread:
         self.busy = dict.fromkeys(LANES, 0.0)  # decayed seconds of model time per lane
         self.stamp = time.monotonic()
         self.ready = threading.Condition()
-        self.closed = False
-        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self.thread.start()
+        self.closed, self.name, self.restarts = False, name, 0
+        self.thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+        thread.start()
+        return thread
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def ensure_running(self) -> bool:
+        """Start the thread again if it died (not after shutdown); True when it had to. Queued calls stay queued."""
+        with self.ready:
+            if self.closed or self.thread.is_alive():
+                return False
+            self.restarts += 1
+            self.thread = self._start()
+            return True
 
     def lane(self, name: str) -> Lane:
         if name not in self.queues:
@@ -48,6 +65,7 @@ class ModelThread:
                 raise RuntimeError("the model thread is shut down")
             self.queues[lane].append((future, fn, args, kwargs))
             self.ready.notify()
+        self.ensure_running()
         return future
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:

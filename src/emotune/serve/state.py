@@ -46,7 +46,22 @@ class Server:
     # ---- the batcher's worker, supervised ----
 
     async def supervise(self) -> None:
-        """Run the batcher's worker and start it again whenever it dies (until shutdown cancels this)."""
+        """Run the batcher's worker and start it again whenever it dies (until shutdown cancels this); the model
+        thread is checked beside it and started again too (its queued calls wait for the new one)."""
+        watch = asyncio.create_task(self._watch_model_thread())
+        try:
+            await self._supervise_worker()
+        finally:
+            watch.cancel()
+
+    async def _watch_model_thread(self) -> None:
+        while True:
+            if self.model_thread.ensure_running():
+                log.error("the model thread died; started it again")
+                self.metrics.inc("emotune_model_thread_restarts_total")
+            await asyncio.sleep(RESTART_DELAY_S)
+
+    async def _supervise_worker(self) -> None:
         while True:
             self.worker = asyncio.create_task(self.batcher.run())
             try:
@@ -64,10 +79,12 @@ class Server:
         """(HTTP status, body) for /health: 503 while the worker is down or the server is stopping."""
         worker = "running" if self.worker is not None and not self.worker.done() else "restarting"
         busy_since = self.engine.busy_since
-        model_thread = "stopping" if self.stopping.is_set() else "busy" if busy_since is not None else "idle"
-        ok = worker == "running" and model_thread != "stopping"
+        model_thread = ("stopping" if self.stopping.is_set() else "restarting" if not self.model_thread.alive
+                        else "busy" if busy_since is not None else "idle")
+        ok = worker == "running" and model_thread not in ("stopping", "restarting")
         body = {"status": "ok" if ok else "unavailable", "models": list(self.engine.models), "queue": self.batcher.pending,
                 "worker": worker, "worker_restarts": self.restarts, "model_thread": model_thread,
+                "model_thread_restarts": self.model_thread.restarts,
                 "busy_s": round(time.monotonic() - busy_since, 3) if busy_since is not None else 0.0}
         return (200 if ok else 503), body
 
