@@ -20,7 +20,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import ServeConfig
 from emotune.core.errors import UserError
 from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
-from emotune.serve.chat import chat_job, generate_reply, stream_chat
+from emotune.serve.chat import Generation, chat_job, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.guards import TrustedHosts
 from emotune.serve.http import (
@@ -159,10 +159,10 @@ async def chat(body: ChatRequest, state: ServerState, request: Request):
     if body.stream:
         return StreamingResponse(stream_chat(job, state.engine, state, ticket, request.state),
                                  media_type="text/event-stream", background=BackgroundTask(ticket.release))
-    loop = asyncio.get_running_loop()
     try:
         with model_gone_is_404():
-            reply = loop.run_in_executor(state.chat_executor, generate_reply, state.engine, job, None)
+            generation = Generation(state.engine, job, state.cfg.chat_slice_tokens)
+            reply = generate_reply(generation, state.chat_executor)
             text, finish, usage = await unless_client_leaves(request, reply, job["cancel"].set)
     finally:
         ticket.release()
