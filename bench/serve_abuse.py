@@ -42,7 +42,7 @@ TEXTS = ["i am so happy today", "this makes me furious", "i miss you so much", "
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 2, 2
 
 
-def start_server(run_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(run_dir: Path, log: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", **THREADS,
            "EMOTUNE_BENCH_KEY": KEY, "EMOTUNE_BENCH_ADMIN": ADMIN}
@@ -50,7 +50,7 @@ def start_server(run_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "emotune", "serve", str(run_dir), f"serve.port={port}", "device=cpu",
          "serve.api_key=env:EMOTUNE_BENCH_KEY", "serve.admin_key=env:EMOTUNE_BENCH_ADMIN",
          f"serve.adapter_dirs=[{run_dir.parent}]", f"serve.header_timeout_s={HEADER_TIMEOUT_S}",
-         f"serve.body_timeout_s={BODY_TIMEOUT_S}"],
+         f"serve.body_timeout_s={BODY_TIMEOUT_S}", *extra],
         env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -248,6 +248,7 @@ def main() -> None:
     parser.add_argument("--model", default="embedded", help="embedded (the packaged model), small, or a model folder")
     parser.add_argument("--log", help="keep the server's log in this file")
     parser.add_argument("--cases", help="comma-separated case names to fire (default: every case)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a serve setting, e.g. serve.chat_share=0.2")
     parser.add_argument("--abuser", help=argparse.SUPPRESS)  # the abuser process: the server's URL
     args = parser.parse_args()
     only = args.cases.split(",") if args.cases else None
@@ -256,7 +257,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = build_run(args.model, Path(tmp))
-        process, url = start_server(run_dir, Path(args.log) if args.log else Path(tmp) / "server.log")
+        process, url = start_server(run_dir, Path(args.log) if args.log else Path(tmp) / "server.log", args.set)
         try:
             asyncio.run(good_clients(url, 3))  # warm-up
             calm, busy, abused = measure(url, args)

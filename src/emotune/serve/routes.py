@@ -205,7 +205,7 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
                                 "first.", "conflict_error")
         artifact = await asyncio.to_thread(_adapter_artifact, state, body)  # reads files: off the event loop
         tokenizer = await asyncio.to_thread(engine.tokenizer_for, artifact)  # off the model thread too
-        await asyncio.get_running_loop().run_in_executor(state.executor, engine.add_adapter, artifact, tokenizer)
+        await asyncio.get_running_loop().run_in_executor(state.chat_executor, engine.add_adapter, artifact, tokenizer)
     return _model_card(engine.models[artifact.name], engine)
 
 
@@ -217,7 +217,7 @@ async def unload_adapter(name: str, state: ServerState):
         if artifact is not None and artifact.merged:
             raise APIError(422, f"`{name}` is the merged model this server serves; it cannot be unloaded.")
         with model_gone_is_404():
-            await asyncio.get_running_loop().run_in_executor(state.executor, state.engine.remove_adapter, name)
+            await asyncio.get_running_loop().run_in_executor(state.chat_executor, state.engine.remove_adapter, name)
     state.name_locks.pop(name, None)
     return {"id": name, "object": "model", "deleted": True}
 

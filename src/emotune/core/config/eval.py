@@ -95,7 +95,7 @@ class ServeConfig(Section):
     chat_slice_tokens: Annotated[int, Range(1)] = 8
     """Tokens a chat reply generates on the model thread at a time; classify work waiting for the model runs
     between two slices (the reply's KV cache is kept), so it waits for one slice rather than a whole reply."""
-    chat_share: Annotated[float, Range(0, 1, low_open=True)] = 0.5
+    chat_share: Annotated[float, Range(0, 1, low_open=True)] = 0.2
     """While classify requests wait, the most of the model thread's recent time chat completions get (a
     generation holds the model until it ends, a classify batch for one forward pass); with no classify request
     waiting, chats get all of it. Lower it to keep classification fast under heavy chat traffic
