@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -30,10 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import LABELS, ROOT, THREADS, Connection, build_run, free_port, stop_server  # noqa: E402
+from serve_load import LABELS, Connection, build_run, launch_server, stop_server  # noqa: E402
 
 CLIENTS = 8
 KEY, ADMIN = "bench-user-key", "bench-admin-key"
@@ -43,28 +40,10 @@ HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 2, 2
 
 
 def start_server(run_dir: Path, log: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", **THREADS,
-           "EMOTUNE_BENCH_KEY": KEY, "EMOTUNE_BENCH_ADMIN": ADMIN}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "emotune", "serve", str(run_dir), f"serve.port={port}", "device=cpu",
-         "serve.api_key=env:EMOTUNE_BENCH_KEY", "serve.admin_key=env:EMOTUNE_BENCH_ADMIN",
-         f"serve.adapter_dirs=[{run_dir.parent}]", f"serve.header_timeout_s={HEADER_TIMEOUT_S}",
-         f"serve.body_timeout_s={BODY_TIMEOUT_S}", *extra],
-        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited early; see {log}:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"the server did not start within 600 s; see {log}")
+    settings = ["serve.api_key=env:EMOTUNE_BENCH_KEY", "serve.admin_key=env:EMOTUNE_BENCH_ADMIN",
+                f"serve.adapter_dirs=[{run_dir.parent}]", f"serve.header_timeout_s={HEADER_TIMEOUT_S}",
+                f"serve.body_timeout_s={BODY_TIMEOUT_S}", *extra]
+    return launch_server(run_dir, log, settings, env={"EMOTUNE_BENCH_KEY": KEY, "EMOTUNE_BENCH_ADMIN": ADMIN}, wait_s=600)
 
 
 # --------------------------------------------------------------------------------------------------
