@@ -1,11 +1,11 @@
 """The model thread: every model call runs on one thread, taken from two lanes so chats cannot starve classification.
 
-A chat completion holds the model for its whole generation, and a classify batch for one forward pass. With one
-first-come queue, a burst of chats puts every classify request behind all of them. Here classify batches and
-adapter loads wait in the `classify` lane and generations in the `chat` lane. The thread takes whichever lane has
+A chat completion holds the model for a slice of its reply at a time (emotune.serve.chat), a classify batch for one
+forward pass. With one first-come queue, a burst of chats puts every classify request behind all of them. Here classify batches wait in the
+`scoring` lane, generations and adapter loads in the `generation` lane. The thread takes whichever lane has
 work; when both have, chats get the model only while their share of its recent busy time is under
 `serve.chat_share` (time decays with a half-life of `HALF_LIFE_S`), so a classify request waits for at most the one
-generation already running, and chats still get their share while classify traffic never stops.
+slice already running, and chats still get their share while classify traffic never stops.
 
 `ModelThread.lane(name)` is a `concurrent.futures.Executor` for `loop.run_in_executor`; a future cancelled before
 its turn never runs (a client that left).
@@ -19,7 +19,7 @@ import time
 from collections import deque
 from concurrent.futures import Executor, Future
 
-LANES = ("classify", "chat")
+LANES = ("scoring", "generation")
 HALF_LIFE_S = 10.0
 
 
@@ -87,8 +87,8 @@ class ModelThread:
             return waiting[0] if waiting else None
         self._decay()
         total = sum(self.busy.values())
-        share = self.busy["chat"] / total if total > 0 else 0.0
-        return "chat" if share < self.chat_share else "classify"
+        share = self.busy["generation"] / total if total > 0 else 0.0
+        return "generation" if share < self.chat_share else "scoring"
 
     def _decay(self) -> None:
         now = time.monotonic()

@@ -31,8 +31,8 @@ class Server:
         self.api_key = resolve_key(cfg.api_key, "api_key")
         self.admin_key = resolve_key(cfg.admin_key, "admin_key")
         self.model_thread = ModelThread(cfg.chat_share)  # every model call, in two lanes (emotune.serve.modelthread)
-        self.executor = self.model_thread.lane("classify")  # classify batches, adapter loads and unloads
-        self.chat_executor = self.model_thread.lane("chat")  # generations
+        self.executor = self.model_thread.lane("scoring")  # classify batches, adapter loads and unloads
+        self.chat_executor = self.model_thread.lane("generation")  # generations
         self.metrics = Metrics()
         self.admission = Admission(cfg, self.metrics)
         self.batcher = MicroBatcher(engine, self.executor, self.metrics, cfg, self.admission)
