@@ -1,0 +1,154 @@
+"""emotune studio through its HTTP API (FastAPI's TestClient): the runs table, run pages, safe paths, progress events,
+the token on a non-loopback bind and the Host/Origin guard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir, write_json, write_text
+from emotune.studio import TOKEN_ENV, studio_token
+from emotune.studio.app import create_app
+from emotune.studio.runs import history, list_runs
+
+LOCAL = "http://127.0.0.1:7860"
+TOKEN = "a-long-random-studio-token"
+
+
+def make_run(runs: Path, name: str, status: str = "finished", steps: int = 3, before: float = 0.2, after: float = 0.6) -> Path:
+    """A run folder in the layout the pipeline writes: config.yaml, run.json, comparison.json, the training log."""
+    root = runs / name
+    write_text(root / "config.yaml", f"task: classify\nname: {name}\nmodel:\n  source: tiny-gemma\ndata:\n  source: emotion 情绪\n")
+    outputs = ["comparison.json", "report.html"] if status == "finished" else []
+    write_json(root / "run.json", {"task": "classify", "status": status, "outputs": outputs,
+                                   "stages": {"baseline": {"status": "done", "seconds": 60}, "train": {"status": "done", "seconds": 30}}})
+    if status == "finished":
+        write_json(root / "comparison.json", {"metrics": {"macro_f1": {"before": before, "after": after, "delta": after - before}}})
+        write_text(root / "report.html", "<html><body>report of " + name + "</body></html>")
+    (root / "train").mkdir(exist_ok=True)
+    (root / "train" / "log_history.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 2.0 - s / 10, "tokens_per_s": 100.0}) + "\n" for s in range(1, steps + 1)))
+    return root
+
+
+@pytest.fixture
+def runs(tmp_path) -> Path:
+    folder = tmp_path / "runs"
+    make_run(folder, "alpha", before=0.25, after=0.75)
+    make_run(folder, "beta", status="running", steps=2)
+    (folder / "beta.partial").mkdir()  # a half-written folder is no run
+    write_text(tmp_path / "secret.txt", "outside the runs folder")
+    return folder
+
+
+def client(runs: Path, **kwargs) -> TestClient:
+    return TestClient(create_app(runs, poll_s=0.01, **kwargs), base_url=LOCAL)
+
+
+def test_runs_table_lists_every_run_with_before_after_and_minutes(runs):
+    page = client(runs).get("/")
+    assert page.status_code == 200
+    assert 'href="/runs/alpha"' in page.text and 'href="/runs/beta"' in page.text and "partial" not in page.text
+    assert "0.250 → 0.750" in page.text and "emotion 情绪" in page.text
+    rows = {r["name"]: r for r in client(runs).get("/api/runs").json()}
+    assert rows["alpha"]["status"] == "finished" and rows["alpha"]["minutes"] == 1.5 and rows["alpha"]["after"] == 0.75
+    assert rows["beta"]["status"] == "running" and rows["beta"]["after"] is None
+    assert '<script src="/static/studio.js"' in page.text and "http" not in page.text.split("<body>")[0].replace(LOCAL, "")
+
+
+def test_run_page_shows_config_report_artifacts_and_escapes(runs):
+    write_text(runs / "alpha" / "studio.log", "line 1\n<script>alert(1)</script>\n")
+    page = client(runs).get("/runs/alpha")
+    assert page.status_code == 200
+    assert 'href="/runs/alpha/files/report.html"' in page.text and "source: tiny-gemma" in page.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text and "<script>alert" not in page.text
+    assert 'href="/runs/alpha/files/train/log_history.jsonl"' in page.text
+    assert client(runs).get("/runs/alpha/files/report.html").text.startswith("<html><body>report of alpha")
+
+
+@pytest.mark.parametrize("path", ["/runs/nope", "/runs/alpha/files/nope.txt", "/runs/alpha/files/../../secret.txt",
+                                  "/runs/alpha/files/..%2F..%2Fsecret.txt", "/runs/..%2Fsecret.txt/files/x",
+                                  "/runs/alpha/files/train", "/runs/beta.partial", "/runs/alpha/files/link/secret.txt"])
+def test_paths_outside_the_runs_folder_are_404(runs, path):
+    (runs / "alpha" / "link").symlink_to(runs.parent)
+    assert client(runs).get(path).status_code == 404
+
+
+def parse_events(text: str) -> list[dict]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in fields:
+            events.append(fields)
+    return events
+
+
+def test_events_replay_the_history_and_only_what_was_missed(runs):
+    events = parse_events(client(runs).get("/runs/alpha/events").text)
+    assert [e.get("id") for e in events] == ["1", "2", "3", None]
+    assert json.loads(events[0]["data"])["step"] == 1 and events[-1]["event"] == "end"
+    assert json.loads(events[-1]["data"]) == {"status": "finished", "entries": 3}
+    resumed = parse_events(client(runs).get("/runs/alpha/events", headers={"Last-Event-ID": "2"}).text)
+    assert [e.get("id") for e in resumed] == ["3", None]
+
+
+def test_events_follow_a_running_run_until_it_ends(runs):
+    """A running run's stream sends new log lines as training appends them, and ends when run.json says finished."""
+    beta = runs / "beta"
+    with client(runs).stream("GET", "/runs/beta/events") as stream:
+        ids = []
+        for line in stream.iter_lines():
+            if line.startswith("id: "):
+                ids.append(int(line[4:]))
+                if ids[-1] == 2:  # training goes on: one more step, a line being written, then the run finishes
+                    with (beta / "train" / "log_history.jsonl").open("a") as handle:
+                        handle.write(json.dumps({"step": 3, "loss": float("nan")}) + "\n" + '{"step": 4, "lo')
+                if ids[-1] == 3:
+                    write_json(beta / "run.json", {"task": "classify", "status": "failed", "stages": {}})
+            if line.startswith("event: end"):
+                break
+    assert ids == [1, 2, 3]
+    assert [e["step"] for e in history(RunDir(beta))] == [1, 2, 3]  # the half-written line is left out
+
+
+def test_nan_loss_is_sent_as_null(runs):
+    with (runs / "alpha" / "train" / "log_history.jsonl").open("a") as handle:
+        handle.write(json.dumps({"step": 4, "loss": float("nan")}) + "\n")
+    events = parse_events(client(runs).get("/runs/alpha/events", headers={"Last-Event-ID": "3"}).text)
+    assert json.loads(events[0]["data"]) == {"step": 4, "loss": None}
+
+
+def test_host_and_origin_of_another_site_are_refused(runs):
+    assert client(runs).get("/", headers={"Host": "evil.example"}).status_code == 421
+    assert client(runs).get("/", headers={"Origin": "http://evil.example"}).status_code == 403
+
+
+def test_non_loopback_studio_needs_the_token(runs, monkeypatch, tmp_path):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(UserError, match="needs a token"):
+        studio_token("0.0.0.0", None)
+    with pytest.raises(ValueError):
+        create_app(runs, "0.0.0.0")
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert studio_token("0.0.0.0", None) == TOKEN
+    (tmp_path / "token").write_text("short\n")
+    with pytest.raises(UserError, match="shorter than 16"):
+        studio_token("0.0.0.0", str(tmp_path / "token"))
+    remote = TestClient(create_app(runs, "0.0.0.0", TOKEN), base_url="http://10.0.0.5:7860")
+    refused = remote.get("/")
+    assert refused.status_code == 401 and TOKEN not in refused.text
+    assert remote.get("/runs/alpha/files/report.html").status_code == 401
+    assert remote.get("/login", params={"token": "wrong" * 5}).status_code == 401
+    assert remote.get("/", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert remote.get("/login", params={"token": TOKEN}).status_code == 200  # follows the redirect, cookie set
+    page = remote.get("/runs/alpha")
+    assert page.status_code == 200 and TOKEN not in page.text
+
+
+def test_list_runs_of_a_missing_folder_is_empty(tmp_path):
+    assert list_runs(tmp_path / "none") == []
+    assert "No run folders" in client(tmp_path / "none").get("/").text
