@@ -4,6 +4,8 @@ the token on a non-loopback bind and the Host/Origin guard."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,9 @@ from fastapi.testclient import TestClient
 
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, write_json, write_text
-from emotune.studio import TOKEN_ENV, studio_token
+from emotune.studio import TOKEN_ENV, form, studio_token
 from emotune.studio.app import create_app
+from emotune.studio.jobs import JobQueue
 from emotune.studio.runs import history, list_runs
 
 LOCAL = "http://127.0.0.1:7860"
@@ -46,7 +49,8 @@ def runs(tmp_path) -> Path:
 
 
 def client(runs: Path, **kwargs) -> TestClient:
-    return TestClient(create_app(runs, poll_s=0.01, **kwargs), base_url=LOCAL)
+    """The studio without its queue thread: tests move the queue on with `tick()`."""
+    return TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None, **kwargs), base_url=LOCAL)
 
 
 def test_runs_table_lists_every_run_with_before_after_and_minutes(runs):
@@ -61,7 +65,8 @@ def test_runs_table_lists_every_run_with_before_after_and_minutes(runs):
 
 
 def test_run_page_shows_config_report_artifacts_and_escapes(runs):
-    write_text(runs / "alpha" / "studio.log", "line 1\n<script>alert(1)</script>\n")
+    config = runs / "alpha" / "config.yaml"
+    write_text(config, config.read_text() + "prompt:\n  system: <script>alert(1)</script>\n")
     page = client(runs).get("/runs/alpha")
     assert page.status_code == 200
     assert 'href="/runs/alpha/files/report.html"' in page.text and "source: tiny-gemma" in page.text
@@ -138,7 +143,7 @@ def test_non_loopback_studio_needs_the_token(runs, monkeypatch, tmp_path):
     (tmp_path / "token").write_text("short\n")
     with pytest.raises(UserError, match="shorter than 16"):
         studio_token("0.0.0.0", str(tmp_path / "token"))
-    remote = TestClient(create_app(runs, "0.0.0.0", TOKEN), base_url="http://10.0.0.5:7860")
+    remote = TestClient(create_app(runs, "0.0.0.0", TOKEN, jobs_interval_s=None), base_url="http://10.0.0.5:7860")
     refused = remote.get("/")
     assert refused.status_code == 401 and TOKEN not in refused.text
     assert remote.get("/runs/alpha/files/report.html").status_code == 401
@@ -152,3 +157,84 @@ def test_non_loopback_studio_needs_the_token(runs, monkeypatch, tmp_path):
 def test_list_runs_of_a_missing_folder_is_empty(tmp_path):
     assert list_runs(tmp_path / "none") == []
     assert "No run folders" in client(tmp_path / "none").get("/").text
+
+
+# --------------------------------------------------------------------------------------------------
+# The form and the queue
+
+
+def csrf_of(page: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', page)[1]
+
+
+def test_form_has_every_config_field_with_doc_and_default(runs):
+    page = client(runs).get("/new").text
+    assert 'name="train.max_steps"' in page and 'name="lora.r"' in page and "default <code>" in page
+    assert page.count('class="field') == len(form.fields("classify")) > 100
+    assert 'name="output_dir"' not in page  # the studio's runs folder, always
+    assert "Device to run on" in page
+    assert client(runs).get("/new?task=nope").status_code == 404
+
+
+def test_invalid_form_shows_each_problem_beside_its_field_and_starts_nothing(runs):
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    sent = studio.post("/new", data={"csrf": csrf, "task": "classify", "train.max_steps": "abc", "lora.r": "-3",
+                                     "name": "alpha"}, follow_redirects=False)
+    assert sent.status_code == 400
+    for key, says in (("train.max_steps", "must be an integer"), ("lora.r", "must be an integer &gt;= 1"),
+                      ("name", "exists already")):
+        field = re.search(rf'<div class="field invalid"><label for="f-{re.escape(key)}">.*?</div>', sent.text, re.S)
+        assert field and says in field[0], key
+        assert 'value="abc"' in sent.text  # what was typed stays in the form
+    assert studio.app.state.queue.jobs() == []
+
+
+def test_posts_need_the_csrf_token(runs):
+    studio = client(runs)
+    assert studio.post("/new", data={"task": "classify"}).status_code == 403
+    assert studio.post("/new", data={"task": "classify", "csrf": "guess"}).status_code == 403
+    assert studio.post("/jobs/1/stop", data={}).status_code == 403
+
+
+def submit(studio: TestClient, **fields) -> str:
+    csrf = csrf_of(studio.get("/new").text)
+    sent = studio.post("/new", data={"csrf": csrf, "task": "classify", **fields}, follow_redirects=False)
+    assert sent.status_code == 303, sent.text
+    return sent.headers["location"]
+
+
+def wait_for(check, timeout_s: float = 120.0, every_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.slow
+def test_queue_runs_jobs_one_at_a_time_in_order_and_a_new_studio_finds_them(runs, tmp_path):
+    """Two runs that fail fast (their model folder is missing): FIFO, one at a time, states kept on disk."""
+    studio = client(runs)
+    missing = tmp_path / "no-model"
+    assert submit(studio, name="first", **{"model.source": str(missing)}) == "/runs/first"
+    submit(studio, name="second", **{"model.source": str(missing)})
+    submit(studio, name="third", **{"model.source": str(missing)})
+    queue = studio.app.state.queue
+    assert "Job 1: <span id=\"job-status\">queued" in studio.get("/runs/first").text
+    queue.tick()
+    assert [j.status for j in queue.jobs()] == ["running", "queued", "queued"]
+    queue.tick()
+    assert [j.status for j in queue.jobs()][1:] == ["queued", "queued"]  # still one at a time
+    cancelled = studio.post("/jobs/3/stop", data={"csrf": studio.app.state.csrf}, follow_redirects=False)
+    assert cancelled.status_code == 303 and JobQueue(runs).jobs()[2].status == "stopped"
+    wait_for(lambda: queue.tick() or queue.jobs()[0].status == "failed")
+    assert "model.source" in queue.log(queue.jobs()[0]).read_text()  # the run's own error, in its log
+    restarted = JobQueue(runs)  # a new studio process reads the same folder
+    assert [j.status for j in restarted.jobs()] == ["failed", "running", "stopped"]
+    wait_for(lambda: restarted.tick() or restarted.jobs()[1].status != "running")
+    assert restarted.jobs()[1].status == "failed" and restarted.jobs()[1].exit_code is None  # followed, not its child
+    queue_table = studio.get("/").text.split('id="jobs"')[1]
+    assert queue_table.count("status-failed") == 2 and queue_table.count("status-stopped") == 1
