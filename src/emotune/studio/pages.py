@@ -122,9 +122,13 @@ def jobs_list(jobs: list, csrf: str) -> str:
         return "<p>No jobs started from the studio yet.</p>"
     items = "".join(
         f'<tr><td>{j.id}</td><td><a href="/runs/{quote(j.name)}">{escape(j.name)}</a></td>'
-        f'<td class="status-{escape(j.status)}">{escape(j.status)}{" (stopping)" if j.stop_requested and j.status == "running" else ""}</td>'
+        f'<td class="status-{escape(j.status)}">{escape(j.status)}{_stopping(j)}</td>'
         f'<td>{stop_button(j, csrf)}</td></tr>' for j in reversed(jobs))
     return f'<table id="jobs"><thead><tr><th>job</th><th>run</th><th>state</th><th></th></tr></thead><tbody>{items}</tbody></table>'
+
+
+def _stopping(job) -> str:
+    return " (stopping)" if job.stop_requested and job.status == "running" else ""
 
 
 def stop_button(job, csrf: str) -> str:
