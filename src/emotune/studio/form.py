@@ -52,7 +52,7 @@ def _walk(model: type[BaseModel], prefix: str) -> list[Field]:
         default = shown(info.default)
         allowed = _allowed_values(info)
         doc = " ".join((info.description or "").split()) + (f" Allowed: {allowed}." if allowed else "")
-        choices = [str(c) for c in _literals(annotation)] if get_origin(annotation) is not list else []
+        choices = [shown(c) for c in _literals(annotation)] if _only_choices(annotation) else []
         found.append(Field(key, default, doc, _is_text(annotation), "\n" in default, choices))
     return found
 
@@ -62,6 +62,17 @@ def shown(value: Any) -> str:
     if isinstance(value, str):
         return value
     return yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10_000).strip().removesuffix("\n...")
+
+
+def _only_choices(annotation: Any) -> bool:
+    """A field whose every value is one of its Literal choices (or null): a drop-down fits it."""
+    from typing import Literal
+
+    if get_origin(annotation) is Literal:
+        return True
+    args = get_args(annotation)
+    return get_origin(annotation) in (Union, types.UnionType) and all(
+        get_origin(a) is Literal or a is type(None) for a in args)
 
 
 def _is_text(annotation: Any) -> bool:

@@ -94,7 +94,8 @@ def form_page(task: str, tasks: list[str], fields: list, values: dict[str, str],
         section = field.key.split(".")[0] if "." in field.key else "run"
         sections.setdefault(section, []).append(_field_html(field, values.get(field.key, field.default),
                                                             problems.get(field.key, [])))
-    blocks = "".join(f'<details{" open" if name in ("run", "model", "data", "train") else ""}><summary>{escape(name)}'
+    shut = {name for name in sections if name not in ("run", "model", "data", "train")} - {k.split(".")[0] for k in problems}
+    blocks = "".join(f'<details{"" if name in shut else " open"}><summary>{escape(name)}'
                      f'</summary>{"".join(items)}</details>' for name, items in sections.items())
     body = (f'<p>Task: {picker}</p>{general}<form method="post" action="/new" id="new-run">'
             f'<input type="hidden" name="csrf" value="{escape(csrf)}"><input type="hidden" name="task" value="{escape(task)}">'
@@ -105,7 +106,8 @@ def form_page(task: str, tasks: list[str], fields: list, values: dict[str, str],
 def _field_html(field, value: str, problems: list[str]) -> str:
     key = escape(field.key)
     if field.choices:
-        options = "".join(f'<option{" selected" if c == value else ""}>{escape(c)}</option>' for c in field.choices)
+        choices = field.choices + (["null"] if field.default == "null" and "null" not in field.choices else [])
+        options = "".join(f'<option{" selected" if c == value else ""}>{escape(c)}</option>' for c in choices)
         control = f'<select id="f-{key}" name="{key}">{options}</select>'
     elif field.multiline:
         control = f'<textarea id="f-{key}" name="{key}" rows="3" cols="80">{escape(value)}</textarea>'
