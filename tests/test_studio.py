@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from emotune.core import locks
 from emotune.core.errors import UserError
-from emotune.core.rundir import RunDir, write_json, write_text
+from emotune.core.rundir import RunDir, run_lock, write_json, write_text
 from emotune.studio import TOKEN_ENV, form, studio_token
 from emotune.studio.app import create_app
 from emotune.studio.jobs import JobQueue
@@ -238,3 +239,21 @@ def test_queue_runs_jobs_one_at_a_time_in_order_and_a_new_studio_finds_them(runs
     assert restarted.jobs()[1].status == "failed" and restarted.jobs()[1].exit_code is None  # followed, not its child
     queue_table = studio.get("/").text.split('id="jobs"')[1]
     assert queue_table.count("status-failed") == 2 and queue_table.count("status-stopped") == 1
+
+
+@pytest.mark.slow
+def test_stop_from_the_page_ends_a_training_run_cleanly(tmp_path, tiny_overrides):
+    """Stop mid-training: the run marks its stage failed, gives its folder's lock back, and the job says stopped."""
+    runs = tmp_path / "runs"
+    studio = client(runs)
+    fields = dict(o.split("=", 1) for o in tiny_overrides if not o.startswith(("output_dir=", "name=")))
+    submit(studio, name="long", **{**fields, "train.max_steps": "500", "train.eval_steps": "500", "train.save_steps": "500"})
+    queue = studio.app.state.queue
+    wait_for(lambda: queue.tick() or history(RunDir(runs / "long")), timeout_s=300)
+    page = studio.get("/runs/long").text
+    assert 'id="stop-1"' in page and "running" in page
+    assert studio.post("/jobs/1/stop", data={"csrf": csrf_of(page)}, follow_redirects=False).status_code == 303
+    wait_for(lambda: queue.tick() or queue.jobs()[0].status != "running", timeout_s=60)
+    assert queue.jobs()[0].status == "stopped" and queue.jobs()[0].exit_code not in (0, None, -9)
+    assert RunDir(runs / "long").status() == "failed" and not locks.is_held(run_lock(runs / "long"))
+    assert len(history(RunDir(runs / "long"))) < 500
