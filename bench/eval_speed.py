@@ -44,7 +44,7 @@ from emotune.core.config.model import ModelConfig
 from emotune.core.config.train import LoraSettings
 from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.data import prompt_messages
-from emotune.eval.evaluate import generate_outputs
+from emotune.eval.evaluate import LabelPrompt, generate_outputs
 from emotune.eval.merged import CHECK_ROWS, merged_for_eval
 from emotune.eval.scoring import LabelScorer
 from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
@@ -140,18 +140,18 @@ def measure(model_dir: Path, records: list[dict], args) -> dict:
     reference, reference_s = timed(lambda: [reference_generate_label(model, tokenizer, t, prompt, labels) for t in texts])
     cfg = EvalConfig(batch_size=args.generate_batch_size)
     pattern = label_pattern(labels)
-    raw, generate_s = timed(lambda: generate_outputs(model, tokenizer, texts, prompt, labels, cfg, desc=None))
+    raw, generate_s = timed(lambda: generate_outputs(model, tokenizer, texts, LabelPrompt(prompt, labels), cfg, desc=None))
     generated = [extract_label(output, labels, pattern) for output in raw]
     log_probs, score_s = timed(lambda: LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, args.score_batch_size))
     scored = [labels[i] for i in log_probs.argmax(-1).tolist()]
 
     # Last: attaching the adapter changes `model` in place. Unmerged, then merged as the fine-tuned evaluation runs it.
     adapted = with_adapter(model, args.adapter)
-    unmerged_raw, unmerged_s = timed(lambda: generate_outputs(adapted, tokenizer, texts, prompt, labels, cfg, desc=None))
+    unmerged_raw, unmerged_s = timed(lambda: generate_outputs(adapted, tokenizer, texts, LabelPrompt(prompt, labels), cfg, desc=None))
     sample = [tokenizer.apply_chat_template(prompt_messages(t, prompt, labels), tokenize=True, add_generation_prompt=True,
                                             return_dict=False) for t in texts[:CHECK_ROWS]]
     with merged_for_eval(adapted, sample, cfg.merge_adapters, cfg.merge_tolerance) as merge:
-        merged_raw, merged_s = timed(lambda: generate_outputs(adapted, tokenizer, texts, prompt, labels, cfg, desc=None))
+        merged_raw, merged_s = timed(lambda: generate_outputs(adapted, tokenizer, texts, LabelPrompt(prompt, labels), cfg, desc=None))
 
     def accuracy(predicted: list[str]) -> float:
         return round(sum(p == g for p, g in zip(predicted, gold, strict=False)) / len(gold), 4)

@@ -31,7 +31,7 @@ from emotune.data import prompt_messages
 from emotune.data.prepare import prepare_data
 from emotune.deploy.gguf_export import export_gguf
 from emotune.deploy.gguf_write import gguf_meta, write_gguf
-from emotune.eval.evaluate import compute_metrics, evaluate
+from emotune.eval.evaluate import LabelPrompt, compute_metrics, evaluate
 from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
 
 
@@ -41,7 +41,7 @@ def emotune_answers(model_dir: Path, cfg, dataset, labels: list[str], method: st
     model = load_model(model_dir, torch.float32, torch.device("cpu")).eval()
     tokenizer = load_tokenizer(model_dir, ModelConfig())
     eval_cfg = cfg.eval.model_copy(update={"method": method})
-    result = evaluate(model, tokenizer, dataset, labels, cfg.prompt, eval_cfg, desc=model_dir.name)
+    result = evaluate(model, tokenizer, dataset, LabelPrompt(cfg.prompt, labels), eval_cfg, desc=model_dir.name)
     if method == "score":
         return [(row["predicted"], "") for row in result.rows]
     return [(row["predicted"], row["raw_output"]) for row in result.rows]

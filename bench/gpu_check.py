@@ -304,12 +304,12 @@ def simulated_oom(max_tokens: int):
 
 
 def measure_eval(model, tokenizer, data, cfg, device, method: str, rows: int) -> dict:
-    from emotune.eval.evaluate import evaluate
+    from emotune.eval.evaluate import LabelPrompt, evaluate
 
     split = data.splits["test"].select(range(min(rows, len(data.splits["test"]))))
     reset_peaks(device)
     with Telemetry(device) as telemetry, contextlib.redirect_stdout(sys.stderr):
-        result = evaluate(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=method, method=method)
+        result = evaluate(model, tokenizer, split, LabelPrompt(cfg.prompt, data.labels), cfg.eval, desc=method, method=method)
     metrics = result.metrics
     return {"measure": f"eval_{method}", "rows": len(split), "batch_size": metrics["batch_size"],
             "seconds": metrics["seconds"], "rows_per_s": metrics["rows_per_s"], **memory(device),

@@ -128,7 +128,7 @@ def score_gaps(model, tokenizer, data, cfg, rows: int) -> dict:
 
 def train_steps(model, tokenizer, rows, cfg, precision, folder: Path) -> tuple[dict, object]:
     from emotune.core.rundir import RunDir
-    from emotune.train import train
+    from emotune.train.loop import train
 
     started = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):

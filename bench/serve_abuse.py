@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -30,10 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import LABELS, ROOT, THREADS, Connection, build_run, free_port, stop_server  # noqa: E402
+from serve_load import LABELS, Connection, build_run, launch_server, stop_server  # noqa: E402
 
 CLIENTS = 8
 KEY, ADMIN = "bench-user-key", "bench-admin-key"
@@ -42,29 +39,11 @@ TEXTS = ["i am so happy today", "this makes me furious", "i miss you so much", "
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 2, 2
 
 
-def start_server(run_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", **THREADS,
-           "EMOTUNE_BENCH_KEY": KEY, "EMOTUNE_BENCH_ADMIN": ADMIN}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "emotune", "serve", str(run_dir), f"serve.port={port}", "device=cpu",
-         "serve.api_key=env:EMOTUNE_BENCH_KEY", "serve.admin_key=env:EMOTUNE_BENCH_ADMIN",
-         f"serve.adapter_dirs=[{run_dir.parent}]", f"serve.header_timeout_s={HEADER_TIMEOUT_S}",
-         f"serve.body_timeout_s={BODY_TIMEOUT_S}"],
-        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited early; see {log}:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"the server did not start within 600 s; see {log}")
+def start_server(run_dir: Path, log: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    settings = ["serve.api_key=env:EMOTUNE_BENCH_KEY", "serve.admin_key=env:EMOTUNE_BENCH_ADMIN",
+                f"serve.adapter_dirs=[{run_dir.parent}]", f"serve.header_timeout_s={HEADER_TIMEOUT_S}",
+                f"serve.body_timeout_s={BODY_TIMEOUT_S}", *extra]
+    return launch_server(run_dir, log, settings, env={"EMOTUNE_BENCH_KEY": KEY, "EMOTUNE_BENCH_ADMIN": ADMIN}, wait_s=600)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,7 +140,7 @@ def cases() -> dict[str, tuple[tuple[bytes, bytes], set[int | None]]]:
         "conversation_230k_chars": (request("POST", "/v1/chat/completions", chat(messages=[
             {"role": "user" if i % 2 == 0 else "assistant", "content": long_message} for i in range(64)])), refused),
         "max_tokens_huge": (request("POST", "/v1/chat/completions", chat(max_tokens=10**9)), refused),
-        "temperature_1e-300": (request("POST", "/v1/chat/completions", chat(temperature=1e-300, max_tokens=1)), {200}),
+        "temperature_1e-300": (request("POST", "/v1/chat/completions", chat(temperature=1e-300, max_tokens=1)), {200, 429}),
         "no_key": (request("GET", "/v1/models", key=None), {401}),
         "wrong_key": (request("POST", "/v1/classify", {"model": "bench", "input": "x"}, key="guess"), {401}),
         "foreign_host": (request("GET", "/v1/models", host="evil.example"), {421}),
@@ -248,6 +227,7 @@ def main() -> None:
     parser.add_argument("--model", default="embedded", help="embedded (the packaged model), small, or a model folder")
     parser.add_argument("--log", help="keep the server's log in this file")
     parser.add_argument("--cases", help="comma-separated case names to fire (default: every case)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a serve setting, e.g. serve.chat_share=0.2")
     parser.add_argument("--abuser", help=argparse.SUPPRESS)  # the abuser process: the server's URL
     args = parser.parse_args()
     only = args.cases.split(",") if args.cases else None
@@ -256,7 +236,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = build_run(args.model, Path(tmp))
-        process, url = start_server(run_dir, Path(args.log) if args.log else Path(tmp) / "server.log")
+        process, url = start_server(run_dir, Path(args.log) if args.log else Path(tmp) / "server.log", args.set)
         try:
             asyncio.run(good_clients(url, 3))  # warm-up
             calm, busy, abused = measure(url, args)

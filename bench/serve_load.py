@@ -100,14 +100,19 @@ def free_port() -> int:
 
 
 def start_server(run_dir: Path, max_batch_size: int, log: Path) -> tuple[subprocess.Popen, str]:
+    return launch_server(run_dir, log, [f"serve.max_batch_size={max_batch_size}", "serve.max_queue=4096"])
+
+
+def launch_server(run_dir: Path, log: Path, settings: list[str], env: dict | None = None,
+                  wait_s: float = 300) -> tuple[subprocess.Popen, str]:
+    """`emotune serve run_dir` on a free loopback port with `settings`, once /health answers 200: (process, url)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", **THREADS}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", **THREADS, **(env or {})}
     process = subprocess.Popen(
-        [sys.executable, "-m", "emotune", "serve", str(run_dir), f"serve.port={port}", "device=cpu",
-         f"serve.max_batch_size={max_batch_size}", "serve.max_queue=4096"],
+        [sys.executable, "-m", "emotune", "serve", str(run_dir), f"serve.port={port}", "device=cpu", *settings],
         env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    deadline = time.time() + wait_s
     while time.time() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"the server exited early; see {log}:\n{log.read_text()[-2000:]}")
@@ -118,7 +123,7 @@ def start_server(run_dir: Path, max_batch_size: int, log: Path) -> tuple[subproc
             pass
         time.sleep(0.2)
     process.kill()
-    raise SystemExit(f"the server did not start within 300 s; see {log}")
+    raise SystemExit(f"the server did not start within {wait_s:.0f} s; see {log}")
 
 
 def stop_server(process: subprocess.Popen) -> None:

@@ -304,3 +304,21 @@ def _random_head_adapter(base, r: int, seed: int, layers: list[int] | None = Non
 def tiny_run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """A finished-run-like folder with a random LoRA adapter on the tiny model (built in about a second)."""
     return write_tiny_adapter(tiny_model_dir, tmp_path_factory.mktemp("runs") / "tiny")
+
+
+def fixed_batch_losses(model, steps: int = 12, lr: float = 1e-2, optimizer=None) -> list[float]:
+    """Train on one fixed batch; the losses of every step (quantized and re-initialised adapters alike)."""
+    import torch
+
+    optimizer = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    torch.manual_seed(0)
+    ids = torch.randint(6, 40, (4, 12))
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

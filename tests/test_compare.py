@@ -178,7 +178,7 @@ def test_cli_exit_codes_and_messages(runs, tmp_path, capsys, monkeypatch):
 def test_sft_runs_show_rouge_l_and_perplexity(runs, tmp_path, capsys):
     table = compare_runs([str(runs["sft_a"]), str(runs["sft_b"])], out=tmp_path / "sft")
     first, second = table["rows"]
-    assert table["kind"] == "sft" and first["scores"]["rouge_l"]["value"] == 1.0
+    assert table["kind"] == "generation" and first["scores"]["rouge_l"]["value"] == 1.0
     assert first["scores"]["rouge_l"]["interval"] == [1.0, 1.0] and first["metrics"]["perplexity"] == 2.72
     assert second["vs_first"]["verdict"] == "worse" and second["vs_first"]["rouge_l_delta"]["high"] < 0
     assert set(first["per_class"]) == {"qa", "chat"}

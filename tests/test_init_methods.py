@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from conftest import fixed_batch_losses
 from emotune.cli import main
 from emotune.core.config.model import ModelConfig
 from emotune.core.config.train import LoraSettings
@@ -24,21 +25,6 @@ def _load(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def _train(model, steps: int = 8) -> list[float]:
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    torch.manual_seed(0)
-    ids = torch.randint(6, 40, (4, 12))
-    model.train()
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_the_converted_adapter_works_on_the_original_base(tiny_model_dir, tmp_path, init):
     from peft import PeftModel
@@ -49,7 +35,7 @@ def test_the_converted_adapter_works_on_the_original_base(tiny_model_dir, tmp_pa
     changed = adapted.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     assert not torch.allclose(changed, original.model.layers[0].self_attn.q_proj.weight)  # the base was rewritten
     initial = init_methods.save_initial(adapted, tmp_path / "initial")
-    losses = _train(adapted)
+    losses = fixed_batch_losses(adapted, steps=8)
     assert losses[-1] < losses[0]
     adapted.eval()
     ids = torch.randint(6, 40, (2, 10))

@@ -154,6 +154,37 @@ def test_the_packaged_models_conversion_into_the_cache_waits_for_another_process
         holder.wait()
 
 
+def test_a_conversion_killed_midway_leaves_nothing_the_next_one_keeps(tmp_path, monkeypatch, capsys):
+    """A kill -9 during the conversion leaves `<entry>.<random>.partial` beside the cache entry; the next conversion
+    of that entry (under its lock) removes it before writing, and leaves other entries' files alone."""
+    from emotune.model import loading as models
+
+    target = tmp_path / "models" / "some-model"
+    target.parent.mkdir(parents=True)
+    killed = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os, sys
+        from pathlib import Path
+        from emotune.core.rundir import atomic_dir
+        with atomic_dir(Path(sys.argv[1])) as partial:
+            (partial / "model.safetensors").write_bytes(b"half")
+            os.kill(os.getpid(), 9)
+    """), str(target)])
+    assert killed.returncode == -9
+    leftovers = list(target.parent.glob("some-model.*.partial"))
+    other = target.parent / "other-model.0123456789ab.partial"  # another entry's writer, maybe alive
+    other.mkdir()
+    assert len(leftovers) == 1 and not target.exists()
+
+    def write(gguf, folder):
+        with atomic_dir(folder) as partial:
+            (partial / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_dequantize", write)
+    assert models._convert_gguf(tmp_path / "x.gguf", target) == target
+    assert (target / "config.json").is_file() and not leftovers[0].exists() and other.is_dir()
+    assert "Removed 1 unfinished folder(s)" in capsys.readouterr().out
+
+
 def test_export_is_refused_while_another_process_works_in_the_run_folder(tiny_run_dir, tmp_path, capsys):
     from emotune.cli import main
 

@@ -139,7 +139,7 @@ def test_generation_under_lora_projects_the_last_position_with_one_matmul(tiny_m
     from emotune.core.config.data import PromptConfig
     from emotune.core.config.eval import EvalConfig
     from emotune.core.config.train import LoraSettings
-    from emotune.eval.evaluate import generate_outputs
+    from emotune.eval.evaluate import LabelPrompt, generate_outputs
     from emotune.model.lora import attach_lora
 
     tokenizer = load_tokenizer(tiny_model_dir, ModelConfig(source=str(tiny_model_dir)))
@@ -148,7 +148,8 @@ def test_generation_under_lora_projects_the_last_position_with_one_matmul(tiny_m
     assert not model.get_output_embeddings().weight.requires_grad
     texts = ["i feel sad today", "what a joy", "so angry right now and more words here"]
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        generate_outputs(model, tokenizer, texts, PromptConfig(), ["joy", "sadness"], EvalConfig(max_new_tokens=2, batch_size=3), None)
+        asked = LabelPrompt(PromptConfig(), ["joy", "sadness"])
+        generate_outputs(model, tokenizer, texts, asked, EvalConfig(max_new_tokens=2, batch_size=3), None)
     batched_head = [e.input_shapes for e in prof.events() if e.name == "aten::bmm" and vocab in sum(e.input_shapes, [])]
     projections = [e for e in prof.events() if e.name == "aten::linear" and e.input_shapes[1][:1] == [vocab]]
     assert projections and not batched_head

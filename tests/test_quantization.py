@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from conftest import fixed_batch_losses
 from emotune.cli import main
 from emotune.core.config.model import ModelConfig
 from emotune.core.config.train import LoraSettings
@@ -29,22 +30,6 @@ def tiny_model_dir(tiny_gemma3_64_dir):
 @pytest.fixture
 def tiny_overrides(tiny_overrides, tiny_model_dir):
     return [*tiny_overrides, f"model.source={tiny_model_dir}"]
-
-
-def _losses(model, steps: int = 12, lr: float = 1e-2, optimizer=None) -> list[float]:
-    """Train on one fixed batch; the losses of every step."""
-    optimizer = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    torch.manual_seed(0)
-    ids = torch.randint(6, 40, (4, 12))
-    model.train()
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _quantized(tiny_model_dir, precision: str = "fp32", **model):
@@ -76,7 +61,7 @@ def test_lora_and_dora_train_on_a_quantized_base(tiny_model_dir, setting, dora):
     assert sum(isinstance(m, layer) for m in model.modules()) == 14  # 7 projections x 2 layers
     adapted = attach_lora(model, LoraSettings(r=4, use_dora=dora))
     checkpoint_activations(adapted)
-    losses = _losses(adapted)
+    losses = fixed_batch_losses(adapted)
     assert losses[-1] < losses[0] - 0.05
 
 
@@ -176,7 +161,7 @@ def test_adamw_8bit_keeps_8bit_state_and_trains_on_the_cpu(tiny_model_dir):
     adapted = attach_lora(_quantized(tiny_model_dir, quantization="4bit"), LoraSettings(r=64))  # 4,096-entry A matrices
     optimizer = build_optimizer(TrainConfig(optim="adamw_8bit", learning_rate=1e-2), adapted)
     assert type(optimizer).__name__ == "AdamW8bit"
-    losses = _losses(adapted, optimizer=optimizer)
+    losses = fixed_batch_losses(adapted, optimizer=optimizer)
     assert losses[-1] < losses[0] - 0.05
     states = [s for s in optimizer.state.values() if "state1" in s]
     assert any(s["state1"].dtype == torch.uint8 for s in states)  # bitsandbytes' blockwise 8-bit moments
@@ -202,7 +187,7 @@ def test_loraplus_gives_the_b_matrices_the_ratio(tiny_model_dir, capsys):
         if param.requires_grad:
             assert rate[id(param)] == pytest.approx(1.6e-2 if "lora_B" in name else 1e-3), name
     assert "LoRA+: learning rate 0.001 for the A matrices, 0.016 (x16)" in capsys.readouterr().out
-    losses = _losses(adapted, optimizer=optimizer)
+    losses = fixed_batch_losses(adapted, optimizer=optimizer)
     assert losses[-1] < losses[0] - 0.05
 
 

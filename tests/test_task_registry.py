@@ -17,13 +17,13 @@ from emotune.tasks.protocol import Task, missing_hooks
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "emotune"
 TASK_NAME = re.compile(r"""["'](?:classify|classify_head|sft)["']""")
-# Modules outside tasks/ that still name a task (to shrink, never to grow): the adapter folder format, export,
-# predict and serve branch on an artifact's task; compare and its table on sft versus classification; the report
-# defaults an old run.json without `task` to classify; the config holds each task's class and its `task` literal.
+# Modules outside tasks/ that still name a task, each a file format or a vocabulary rather than a branch of
+# behaviour (to shrink, never to grow): the config holds each task's class and its `task` literal, and LLaMA-Factory's
+# `stage: sft`; the adapter folder format lists the keys each task's adapter carries; the server's API schema
+# lists the tasks a loaded adapter may report.
 STILL_NAMING_TASKS = {
     "core/config/build.py", "core/config/head.py", "core/config/llamafactory.py", "core/config/run.py",
-    "core/config/sft.py", "deploy/export.py", "deploy/predict.py", "model/artifacts.py", "report/compare.py",
-    "report/page.py", "report/table.py", "serve/engine.py", "serve/routes.py", "serve/schemas.py",
+    "core/config/sft.py", "model/artifacts.py", "serve/schemas.py",
 }
 
 

@@ -124,7 +124,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 def _cmd_predict(args: argparse.Namespace) -> int:
     from emotune.core.config.load import load_config
-    from emotune.deploy.predict import predict_cli
+    from emotune.deploy.predict import PredictIO, predict_cli
     from emotune.model.artifacts import fallback_from
 
     cfg = load_config(args.config, []) if args.config else None
@@ -135,8 +135,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         raise UserError(f"--labels `{args.labels}` must be distinct, non-empty labels separated by commas, e.g. "
                         "--labels joy,sadness,anger.")
     fallback = fallback_from(cfg, labels, source="--config/--labels") if cfg is not None or labels else None
-    return predict_cli(args.target, args.texts, args.file, args.out, args.text_column, args.batch_size, args.device,
-                       fallback, args.max_new_tokens)
+    io = PredictIO(args.texts, args.file, args.out, args.text_column)
+    return predict_cli(args.target, io, args.batch_size, args.device, fallback, args.max_new_tokens)
 
 
 def _cmd_studio(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ adapter_meta, memory_workload, evaluate = classify.adapter_meta, classify.memory
 merge_check_inputs, write_results, read_results = classify.merge_check_inputs, classify.write_results, classify.read_results
 has_results, find_adapter, compare = classify.has_results, classify.find_adapter, classify.compare
 write_comparison, format_comparison, outputs = classify.write_comparison, classify.format_comparison, classify.outputs
+MEASUREMENT, measurements = classify.MEASUREMENT, classify.measurements
 
 
 def report_sections(run: RunDir, info: dict) -> list[str]:

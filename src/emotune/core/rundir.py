@@ -108,6 +108,17 @@ def remove_partial_writes(folder: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
 
 
+def remove_stale_partials(path: Path) -> list[Path]:
+    """Delete what killed writers of `path` left beside it (`<name>.<random>.partial`, and the `<name>.replaced`
+    copies of an interrupted replacement); never `path` itself. Only for a caller that holds the lock every writer
+    of `path` takes, so no live writer's folder is among them. Returns what was removed."""
+    path = Path(path)
+    stale = [p for pattern in (f"{path.name}.*{PARTIAL}", f"{path.name}.replaced.*{PARTIAL}") for p in path.parent.glob(pattern)]
+    for leftover in stale:
+        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+    return stale
+
+
 # --------------------------------------------------------------------------------------------------
 # The layout
 

@@ -254,7 +254,7 @@ def _write_script(path: Path, export_dir: Path, args: list[str], what: str) -> N
 
 
 def _client_example(artifact: Artifact) -> str:
-    if artifact.task == "sft":
+    if artifact.answers_freely:
         return _chat_client_example(artifact)
     from emotune.data import system_prompt
 

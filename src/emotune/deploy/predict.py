@@ -10,6 +10,7 @@ text the user turn.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -65,10 +66,22 @@ def trained_max_new_tokens(artifact: Artifact) -> int:
     return value if isinstance(value, int) and value >= 1 else DEFAULT_MAX_NEW_TOKENS
 
 
-def predict_cli(target: str, texts: list[str], file: str | None, out: str | None, text_column: str,
-                batch_size: int, device: str, fallback: Fallback | None = None, max_new_tokens: int | None = None) -> int:
+@dataclass(frozen=True)
+class PredictIO:
+    """Where `emotune predict` reads texts and puts answers: `texts` given as arguments (answers printed, one JSON
+    line each), or the `text_column` of a CSV/JSONL `file`, written with the answers added to `out`."""
+
+    texts: list[str]
+    file: str | None = None
+    out: str | None = None
+    text_column: str = "text"
+
+
+def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallback: Fallback | None = None,
+                max_new_tokens: int | None = None) -> int:
     """`fallback`: labels, prompt and base for an adapter made by another tool (from --config / --labels).
     `max_new_tokens`: sft models only (default: the length the run evaluated with)."""
+    texts, file, out, text_column = io.texts, io.file, io.out, io.text_column
     if bool(texts) == bool(file):
         raise UserError("Give texts as arguments, or --file in.csv --out out.csv (not both, not neither).")
     if file and not out:
@@ -79,7 +92,7 @@ def predict_cli(target: str, texts: list[str], file: str | None, out: str | None
         raise UserError("--max-new-tokens must be a positive number of tokens.")
     rows = _read_table(Path(file), text_column) if file else None  # bad input fails before weights load
     artifact = find_artifact(target, fallback=fallback)
-    if artifact.task == "sft":
+    if artifact.answers_freely:
         return _answer(Generator(artifact, device), texts, rows, text_column, Path(out) if out else None, batch_size,
                        max_new_tokens or trained_max_new_tokens(artifact))
     if max_new_tokens is not None:

@@ -32,6 +32,15 @@ from emotune.model.turns import stop_token_ids
 from emotune.runtime.oom import run_in_batches
 
 
+@dataclass(frozen=True)
+class LabelPrompt:
+    """What a classifier is asked: the prompt settings and the label set it answers from (together they make the
+    system prompt and the labels a reply is read for)."""
+
+    prompt: PromptConfig
+    labels: list[str]
+
+
 @dataclass
 class EvalResult:
     rows: list[dict]  # text, gold, predicted; generate: raw_output; score: p_<label> for every label
@@ -39,11 +48,11 @@ class EvalResult:
 
 
 @torch.inference_mode()
-def generate_outputs(model, tokenizer, texts: list[str], prompt: PromptConfig, labels: list[str],
-                     cfg: EvalConfig, desc: str | None, batch_size: int | None = None) -> list[str]:
+def generate_outputs(model, tokenizer, texts: list[str], asked: LabelPrompt, cfg: EvalConfig, desc: str | None,
+                     batch_size: int | None = None) -> list[str]:
     """Greedy-decode up to `max_new_tokens` for every text; batches sorted by length to cut padding."""
-    prompts = [tokenizer.apply_chat_template(prompt_messages(t, prompt, labels), tokenize=False, add_generation_prompt=True)
-               for t in texts]
+    prompts = [tokenizer.apply_chat_template(prompt_messages(t, asked.prompt, asked.labels), tokenize=False,
+                                             add_generation_prompt=True) for t in texts]
     return generate_texts(model, tokenizer, prompts, cfg.max_new_tokens,
                           batch_size or (cfg.batch_size if cfg.batch_size != "auto" else 16), desc)
 
@@ -81,10 +90,11 @@ def eval_methods(cfg: EvalConfig) -> list[str]:
     return ["generate", "score"] if cfg.method == "both" else [cfg.method]
 
 
-def evaluate(model, tokenizer, dataset: Dataset, labels: list[str], prompt: PromptConfig, cfg: EvalConfig,
-             desc: str = "evaluate", method: str | None = None) -> EvalResult:
+def evaluate(model, tokenizer, dataset: Dataset, asked: LabelPrompt, cfg: EvalConfig, desc: str = "evaluate",
+             method: str | None = None) -> EvalResult:
     """One method (default: the first of `eval.method`) over `dataset`: rows for predictions.csv, and metrics."""
     method = method or eval_methods(cfg)[0]
+    prompt, labels = asked.prompt, asked.labels
     started = time.perf_counter()
     texts, gold = list(dataset["text"]), list(dataset["label"])
     batch_size = choose_batch_size(model, tokenizer, texts, prompt, labels, cfg, method)
@@ -96,7 +106,7 @@ def evaluate(model, tokenizer, dataset: Dataset, labels: list[str], prompt: Prom
         rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row, strict=False)}}
                 for t, g, p, row in zip(texts, gold, predicted, probs.tolist(), strict=False)]
     else:
-        raw = generate_outputs(model, tokenizer, texts, prompt, labels, cfg, f"{desc} (generate)", batch_size)
+        raw = generate_outputs(model, tokenizer, texts, asked, cfg, f"{desc} (generate)", batch_size)
         pattern = label_pattern(labels)
         predicted = [extract_label(output, labels, pattern) for output in raw]
         metrics = compute_metrics(gold, predicted, labels)
@@ -109,9 +119,9 @@ def evaluate(model, tokenizer, dataset: Dataset, labels: list[str], prompt: Prom
     return EvalResult(rows=rows, metrics=metrics)
 
 
-def evaluate_methods(model, tokenizer, dataset: Dataset, labels: list[str], prompt: PromptConfig, cfg: EvalConfig,
+def evaluate_methods(model, tokenizer, dataset: Dataset, asked: LabelPrompt, cfg: EvalConfig,
                      desc: str = "evaluate") -> dict[str, EvalResult]:
-    return {m: evaluate(model, tokenizer, dataset, labels, prompt, cfg, desc, method=m) for m in eval_methods(cfg)}
+    return {m: evaluate(model, tokenizer, dataset, asked, cfg, desc, method=m) for m in eval_methods(cfg)}
 
 
 def choose_batch_size(model, tokenizer, texts: list[str], prompt: PromptConfig, labels: list[str], cfg: EvalConfig,

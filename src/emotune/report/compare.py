@@ -29,13 +29,11 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
 from emotune.eval import stats
 from emotune.report.table import check_out, render, write_outputs
-from emotune.tasks import TASKS
-from emotune.tasks.classify import report as classify_report
-from emotune.tasks.sft import eval as sft_eval
+from emotune.tasks import DEFAULT_TASK, TASKS
 
 DEFAULT_OUT = Path("compare")
 FILES = ("compare.csv", "compare.md", "compare.html", "compare.json")
-SFT = "sft"
+GENERATION = "generation"  # the kind of measurement of free-text tasks (Task.MEASUREMENT)
 
 
 @dataclass
@@ -59,7 +57,8 @@ class Entry:
 
     @property
     def kind(self) -> str:
-        return SFT if self.task == SFT else "classification"
+        """The kind of measurement: "classification" or "generation" (the task's MEASUREMENT)."""
+        return TASKS[self.task].MEASUREMENT
 
     @property
     def name(self) -> str:
@@ -94,30 +93,19 @@ def read_run(path: Path) -> list[Entry]:
     if info is None:
         raise UserError(f"`{path}` is not a run folder (it has no readable run.json). Give the folders `emotune run` "
                         "wrote, e.g. runs/cpu runs/head-cpu.")
-    task = info.get("task", "classify")
+    task = info.get("task", DEFAULT_TASK)
     if task not in TASKS:
         raise UserError(f"`{path}` is a run of task {task!r}, which this emotune does not know. Upgrade emotune to "
                         "the version that made the run.")
     if not run.is_finished():
         raise UserError(f"`{path}` is not a finished run (status {info.get('status')!r}, or an output it lists is "
                         "missing). Finish it first: re-run `emotune run` with its config resumes it.")
-    setup, cost = _setup(run), _cost(run, info)
-    if task == SFT:
-        result = sft_eval.read_result(run.finetuned)
-        if result is None:
-            raise UserError(f"`{run.finetuned}` holds no complete measurement; re-run `emotune run` with the run's config.")
-        kinds = sorted(result["metrics"].get("per_kind", {}))
-        return [Entry(path.name, path, task, task, kinds, result["metrics"], result["rows"], setup,
-                      {**cost, "eval_rows_per_s": _rate(result["metrics"])})]
-    measured = classify_report.read_stage(run.finetuned)
-    if not measured:
+    found = TASKS[task].measurements(run.finetuned, info)
+    if not found:
         raise UserError(f"`{run.finetuned}` holds no complete measurement; re-run `emotune run` with the run's config.")
-    entries = []
-    for method, found in measured.items():
-        labels = info.get("labels") or list(found["metrics"]["per_class"])
-        entries.append(Entry(path.name, path, task, method, list(labels), found["metrics"], found["rows"], setup,
-                             {**cost, "eval_rows_per_s": found["metrics"].get("rows_per_s")}))
-    return entries
+    setup, cost = _setup(run), _cost(run, info)
+    return [Entry(path.name, path, task, one["method"], one["labels"], one["metrics"], one["rows"], setup,
+                  {**cost, "eval_rows_per_s": one["rows_per_s"]}) for one in found]
 
 
 def _setup(run: RunDir) -> dict:
@@ -146,11 +134,6 @@ def _cost(run: RunDir, info: dict) -> dict:
             "adapter_mb": round(sum(p.stat().st_size for p in weights) / 2**20, 2) if weights else None}
 
 
-def _rate(metrics: dict) -> float | None:
-    seconds = metrics.get("seconds")
-    return round(metrics["rows"] / seconds, 2) if seconds and metrics.get("rows") else None
-
-
 def _name_runs(entries: list[Entry]) -> None:
     """Folder names, unless two different folders share one: then the paths as given."""
     folders = {}
@@ -166,8 +149,8 @@ def _name_runs(entries: list[Entry]) -> None:
 
 
 def row_key(entry: Entry, row: dict) -> tuple[str, str]:
-    """What identifies a measured row: (text, gold) for classification, (prompt, reference) for sft."""
-    return (row["prompt"], row["reference"]) if entry.kind == SFT else (row["text"], row["gold"])
+    """What identifies a measured row: (text, gold) for classification, (prompt, reference) for generation."""
+    return (row["prompt"], row["reference"]) if entry.kind == GENERATION else (row["text"], row["gold"])
 
 
 def rows_fingerprint(entry: Entry) -> str:
@@ -184,14 +167,14 @@ def check_comparable(entries: list[Entry], allow_mismatch: bool) -> None:
         raise UserError("emotune compare puts runs with the same measurement in one table, but "
                         + " and ".join(f"{', '.join(runs)} {'are' if len(runs) > 1 else 'is'} {kind}"
                                        for kind, runs in by_kind.items())
-                        + " (sft is scored by ROUGE-L and perplexity, classification by accuracy and macro-F1). "
+                        + " (generation is scored by ROUGE-L and perplexity, classification by accuracy and macro-F1). "
                           "Compare each kind in its own `emotune compare` call.")
     first = entries[0]
     problems = []
     for entry in entries:
         entry.fingerprint = rows_fingerprint(entry)
         reasons = []
-        if first.kind != SFT and set(entry.labels) != set(first.labels):
+        if first.kind != GENERATION and set(entry.labels) != set(first.labels):
             reasons.append(f"labels {entry.labels} instead of {first.labels}")
         if entry.fingerprint != first.fingerprint:
             reasons.append(f"other test rows ({len(entry.rows)} rows, fingerprint {entry.fingerprint}; {first.run} has "
@@ -200,7 +183,7 @@ def check_comparable(entries: list[Entry], allow_mismatch: bool) -> None:
             entry.comparable, entry.note = False, "; ".join(reasons)
             problems.append(f"{entry.run} ({entry.name}): {entry.note}")
     if problems and not allow_mismatch:
-        measured_on = "test rows" if first.kind == SFT else "labels and test rows"
+        measured_on = "test rows" if first.kind == GENERATION else "labels and test rows"
         raise UserError(f"These runs were not measured on the same {measured_on} as {first.run}, so their "
                         f"numbers cannot be compared: {' · '.join(problems)}. Compare runs made with the same data "
                         "section and eval.split, or pass --allow-mismatch to show them marked not comparable.")
@@ -211,8 +194,8 @@ def check_comparable(entries: list[Entry], allow_mismatch: bool) -> None:
 
 
 def headline_scores(entry: Entry) -> dict:
-    """Classification: accuracy and macro-F1 with 95% intervals; sft: ROUGE-L and exact match with theirs."""
-    if entry.kind == SFT:
+    """Classification: accuracy and macro-F1 with 95% intervals; generation: ROUGE-L and exact match with theirs."""
+    if entry.kind == GENERATION:
         scores = {}
         for name in ("rouge_l", "exact_match"):
             values = [float(r[name]) for r in entry.rows]
@@ -230,7 +213,7 @@ def pair_with_first(entries: list[Entry]) -> None:
         if not entry.comparable or not entry.rows:
             continue
         reference, other = _aligned(first), _aligned(entry)
-        if entry.kind == SFT:
+        if entry.kind == GENERATION:
             delta = stats.paired_bootstrap_delta([float(r["rouge_l"]) for r in reference],
                                                  [float(r["rouge_l"]) for r in other])
             delta = {k: round(v, 6) for k, v in delta.items()}
@@ -260,12 +243,12 @@ def summary(entries: list[Entry]) -> dict:
 
 
 def _shown_metrics(entry: Entry) -> dict:
-    names = ("rouge_l", "exact_match", "bleu", "perplexity") if entry.kind == SFT else ("accuracy", "macro_f1", "invalid")
+    names = ("rouge_l", "exact_match", "bleu", "perplexity") if entry.kind == GENERATION else ("accuracy", "macro_f1", "invalid")
     return {name: entry.metrics.get(name) for name in names}
 
 
 def _per_class(entry: Entry) -> dict:
-    """Per-class F1 (sft: ROUGE-L per kind of instruction), for the side-by-side table."""
-    if entry.kind == SFT:
+    """Per-class F1 (generation: ROUGE-L per kind of instruction), for the side-by-side table."""
+    if entry.kind == GENERATION:
         return {kind: one.get("rouge_l") for kind, one in entry.metrics.get("per_kind", {}).items()}
     return {label: one["f1"] for label, one in entry.metrics.get("per_class", {}).items()}

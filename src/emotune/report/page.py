@@ -25,11 +25,11 @@ from emotune.eval.merged import describe
 def write_report(run_dir: str | Path) -> Path:
     """report.html (self-contained) and report/*.png from whatever the run folder holds; returns the page's path."""
     from emotune.report.training import training_section
-    from emotune.tasks import TASKS
+    from emotune.tasks import DEFAULT_TASK, TASKS
 
     run = RunDir(run_dir)
     info = read_json(run.run_json)
-    task = TASKS.get((info or {}).get("task", "classify"))
+    task = TASKS.get((info or {}).get("task", DEFAULT_TASK))
     if info is not None and task is None:
         raise UserError(f"`{run.run_json}` names task {info.get('task')!r}, which this emotune does not know. "
                         "Upgrade emotune to the version that made the run.")

@@ -2,7 +2,7 @@
 
 Two tables: quality (the fine-tuned scores with 95 % intervals, the paired test against the first row)
 and setup and cost (model, hyper-parameters, time, speed, memory, adapter size). The HTML page shows both
-and the per-class F1 of every row side by side (sft: ROUGE-L per kind of instruction).
+and the per-class F1 of every row side by side (generation, e.g. sft: ROUGE-L per kind of instruction).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, format_interval
 from emotune.report.page import html_page as page
 
 SCORES = {"classification": (("accuracy", "accuracy"), ("macro_f1", "macro-F1")),
-          "sft": (("rouge_l", "ROUGE-L"), ("exact_match", "exact match"))}
-EXTRA = {"classification": (("invalid", "invalid"),), "sft": (("bleu", "BLEU"), ("perplexity", "perplexity"))}
+          "generation": (("rouge_l", "ROUGE-L"), ("exact_match", "exact match"))}
+EXTRA = {"classification": (("invalid", "invalid"),), "generation": (("bleu", "BLEU"), ("perplexity", "perplexity"))}
 SETUP = (("model", "model"), ("lora_r", "r"), ("lora_alpha", "alpha"), ("lora_targets", "targets"),
          ("learning_rate", "lr"), ("steps", "steps"), ("batch", "batch"), ("max_length", "max_length"),
          ("train_seconds", "train s"), ("tokens_per_s", "tokens/s"), ("peak_memory_mb", "peak MB"),
@@ -126,7 +126,7 @@ def csv_text(table: dict) -> str:
     """One line per row with raw values: scores with their interval bounds, the paired test, per-class F1."""
     kind = table["kind"]
     labels = list(dict.fromkeys(label for row in table["rows"] for label in row["per_class"]))
-    per_class = "rouge_l" if kind == "sft" else "f1"
+    per_class = "rouge_l" if kind == "generation" else "f1"
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     score_columns = [f"{key}{part}" for key, _ in SCORES[kind] for part in ("", "_low", "_high")]
@@ -168,7 +168,7 @@ def _per_class_table(table: dict) -> str:
             shade = f" style='background: rgba(10, 122, 47, {0.6 * value:.2f})'" if value is not None else ""
             cells += f"<td class=num{shade}>{_cell(value, 3)}</td>"
         body += f"<tr><th>{html.escape(label)}</th>{cells}</tr>"
-    what = "ROUGE-L per kind of instruction" if table["kind"] == "sft" else "F1 per class"
+    what = "ROUGE-L per kind of instruction" if table["kind"] == "generation" else "F1 per class"
     return (f"<section id=per-class><h2>{what}, side by side</h2><table><tr><th></th>{head}</tr>{body}</table>"
             "</section>")
 

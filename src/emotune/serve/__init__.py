@@ -10,11 +10,13 @@
 
 Classification-head adapters (task classify_head) share the base with the others; a merged head model is
 served alone. Every model call runs on one worker thread holding `Engine.lock`, so an adapter switch never lands in
-the middle of a forward pass. Classify requests wait in a bounded queue and are scored together
+the middle of a forward pass; that thread takes classify work and generations from two lanes, so chats cannot
+starve classification (serve.chat_share). Classify requests wait in a bounded queue and are scored together
 (micro-batching): one forward pass serves many requests, which is where the throughput comes from.
 
     engine.py    the base model, adapters by name, the lock; `build_engine` from run or adapter folders
     batching.py  the bounded classify queue and the micro-batcher
+    modelthread.py  the model thread and its two lanes (classify, chat)
     state.py     `Server`: what every route shares, and the checks a request passes (key, model, sizes, paths)
     routes.py    `create_app`: the routes, error handlers and middlewares
     chat.py      chat completions, plain and streaming

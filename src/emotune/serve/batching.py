@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,7 @@ class Job:
 class MicroBatcher:
     """Bounded queue of classify jobs; the worker scores every job that arrived together in one call."""
 
-    def __init__(self, engine: Engine, executor: ThreadPoolExecutor, metrics: Metrics, cfg: ServeConfig,
+    def __init__(self, engine: Engine, executor: Executor, metrics: Metrics, cfg: ServeConfig,
                  admission: Admission | None = None):
         self.engine, self.executor, self.metrics, self.cfg = engine, executor, metrics, cfg
         self.admission = admission or Admission(cfg, metrics)

@@ -2,8 +2,9 @@
 
 An sft adapter's own system prompt leads the conversation when the request sends none. `stop` texts end
 generation as soon as the decoded reply holds one, and the reply is cut before it (OpenAI's rule).
-Streaming reads a `TextIteratorStreamer` from a helper thread and sends OpenAI `chat.completion.chunk`
-events, holding back any tail that could still turn into a stop text.
+A reply is generated a slice of tokens at a time on the model thread (`Generation`), so classify work does not
+wait for whole replies; streaming sends each slice's text as OpenAI `chat.completion.chunk` events, holding back
+any tail that could still turn into a stop text.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 
 import torch
 from transformers import StoppingCriteria
@@ -75,34 +77,89 @@ def _render(body: ChatRequest, loaded: Loaded) -> str:
         raise APIError(422, f"The chat template rejected the messages: {err}") from None
 
 
-def generate_reply(engine: Engine, job: dict, streamer) -> tuple[str, str, dict]:
-    """Runs on the worker thread; with a streamer, the text also flows out token by token."""
-    try:
-        with engine.using(job["model"]) as loaded:
+class Generation:
+    """One chat's reply, generated `serve.chat_slice_tokens` tokens at a time on the model thread, the KV cache kept
+    between slices: classify work waiting for the model thread runs between two slices instead of after the whole
+    reply (emotune.serve.modelthread). Greedy slices give the tokens one call would; a sampled reply keeps its
+    own random stream across slices, so a seed gives the same reply whatever runs in between."""
+
+    def __init__(self, engine: Engine, job: dict, slice_tokens: int):
+        self.engine, self.job, self.slice_tokens = engine, job, slice_tokens
+        self.ids: torch.Tensor | None = None  # prompt and reply so far
+        self.cache = None
+        self.rng: list[torch.Tensor] | None = None
+        self.prompt_length, self.stops, self.finish = 0, [], None
+        self.text = ""  # the reply decoded so far
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        return self.ids[0, self.prompt_length:] if self.ids is not None else torch.empty(0, dtype=torch.long)
+
+    def step(self) -> bool:
+        """Generate the next slice (on the model thread); True once the reply is finished."""
+        job = self.job
+        with self.engine.using(job["model"]) as loaded:
             tokenizer = loaded.tokenizer
-            enc = tokenizer(job["prompt"], return_tensors="pt", add_special_tokens=False).to(engine.device)
-            sampling = job["temperature"] > 0
-            if sampling and job["seed"] is not None:
-                torch.manual_seed(job["seed"])
-            prompt_length = enc["input_ids"].shape[1]
-            criteria = [Cancelled(job["cancel"], job["stopping"])]
-            if job["stop"]:
-                criteria.append(StopAtText(tokenizer, job["stop"], prompt_length))
-            stops = stop_token_ids(tokenizer, getattr(engine.model, "generation_config", None))
-            output = engine.model.generate(
-                **enc, max_new_tokens=job["max_tokens"], do_sample=sampling, streamer=streamer,
-                temperature=job["temperature"] if sampling else None, top_p=job["top_p"] if sampling else None,
-                top_k=None, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id,
-                stopping_criteria=criteria)
-    except BaseException:
-        if streamer is not None:
-            streamer.end()  # unblock the reader, which would otherwise wait for tokens that never come
-        raise
-    new = output[0, prompt_length:]
-    text, stopped = cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), job["stop"])
-    finish = "stop" if stopped or (len(new) and int(new[-1]) in stops) else "length"
-    usage = {"prompt_tokens": prompt_length, "completion_tokens": len(new), "total_tokens": prompt_length + len(new)}
-    return text.strip(), finish, usage
+            if self.ids is None:
+                self.ids = tokenizer(job["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.engine.device)
+                self.prompt_length = self.ids.shape[1]
+                self.stops = stop_token_ids(tokenizer, getattr(self.engine.model, "generation_config", None))
+            budget = min(self.slice_tokens, job["max_tokens"] - len(self.new_tokens))
+            before = len(self.new_tokens)
+            with self._own_random_stream():
+                self._generate(tokenizer, budget)
+            self.text = tokenizer.decode(self.new_tokens, skip_special_tokens=True)
+        made = len(self.new_tokens) - before
+        text, stopped = cut_at_stop(self.text, job["stop"])
+        ended_by_token = made > 0 and int(self.new_tokens[-1]) in self.stops
+        if stopped or ended_by_token:
+            self.finish = "stop"
+        elif len(self.new_tokens) >= job["max_tokens"] or made < budget:  # the budget, or the client or server left
+            self.finish = "length"
+        return self.finish is not None
+
+    def _generate(self, tokenizer, budget: int) -> None:
+        job, sampling = self.job, self.job["temperature"] > 0
+        criteria = [Cancelled(job["cancel"], job["stopping"])]
+        if job["stop"]:
+            criteria.append(StopAtText(tokenizer, job["stop"], self.prompt_length))
+        output = self.engine.model.generate(
+            input_ids=self.ids, attention_mask=torch.ones_like(self.ids), past_key_values=self.cache,
+            max_new_tokens=budget, do_sample=sampling, temperature=job["temperature"] if sampling else None,
+            top_p=job["top_p"] if sampling else None, top_k=None, eos_token_id=self.stops,
+            pad_token_id=tokenizer.pad_token_id, stopping_criteria=criteria, return_dict_in_generate=True)
+        self.ids, self.cache = output.sequences, output.past_key_values
+
+    @contextmanager
+    def _own_random_stream(self):
+        """The reply's random stream: seeded once (`seed`), then carried from slice to slice; the global one untouched."""
+        devices = [self.engine.device] if self.engine.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            if self.rng is not None:
+                torch.set_rng_state(self.rng[0])
+                if devices:
+                    torch.cuda.set_rng_state(self.rng[1], self.engine.device)
+            elif self.job["seed"] is not None:
+                torch.manual_seed(self.job["seed"])
+            yield
+            self.rng = [torch.get_rng_state(), *([torch.cuda.get_rng_state(self.engine.device)] if devices else [])]
+
+    def reply(self) -> tuple[str, str, dict]:
+        text, _ = cut_at_stop(self.text, self.job["stop"])
+        made = len(self.new_tokens)
+        usage = {"prompt_tokens": self.prompt_length, "completion_tokens": made, "total_tokens": self.prompt_length + made}
+        return text.strip(), self.finish or "length", usage
+
+
+async def generate_reply(generation: Generation, executor, on_slice=None) -> tuple[str, str, dict]:
+    """Run `generation` slice by slice on the model thread's chat lane; `on_slice(text)` sees the reply so far."""
+    loop = asyncio.get_running_loop()
+    while True:
+        done = await loop.run_in_executor(executor, generation.step)
+        if on_slice is not None:
+            await on_slice(generation.text)
+        if done:
+            return generation.reply()
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -161,18 +218,31 @@ class StopFilter:
 
 
 async def stream_chat(job: dict, engine: Engine, state: Server, ticket: Ticket, request_state):
-    """The reply as SSE chunks. A failure after the first chunk (the 200 is sent by then) ends the stream with an
-    error event, and the request counts as failed in /metrics. A client that goes away ends the generation."""
-    from transformers import TextIteratorStreamer
+    """The reply as SSE chunks, a slice at a time. A failure after the first chunk (the 200 is sent by then) ends the
+    stream with an error event, and the request counts as failed in /metrics. A client that goes away ends the
+    generation."""
+    generation = Generation(engine, job, state.cfg.chat_slice_tokens)
+    pieces: asyncio.Queue[str | None] = asyncio.Queue()
+    sent = 0
 
-    loaded = engine.models[job["model"]]
-    streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
-    loop = asyncio.get_running_loop()
-    done = loop.run_in_executor(state.executor, generate_reply, engine, job, streamer)
+    async def on_slice(text: str) -> None:
+        nonlocal sent
+        whole = text if not text.endswith("\ufffd") else text.rstrip("\ufffd")  # a character cut between slices
+        if len(whole) > sent:
+            await pieces.put(whole[sent:])
+            sent = len(whole)
+
+    async def produce():
+        try:
+            return await generate_reply(generation, state.chat_executor, on_slice)
+        finally:
+            await pieces.put(None)
+
+    done = asyncio.ensure_future(produce())
     try:
         yield _chunk(job, {"role": "assistant", "content": ""})
         visible = StopFilter(job["stop"])
-        async for piece in aiter_streamer(streamer, loop):
+        while (piece := await pieces.get()) is not None:
             piece = visible.feed(piece)
             if piece:
                 yield _chunk(job, {"content": piece})
@@ -188,7 +258,7 @@ async def stream_chat(job: dict, engine: Engine, state: Server, ticket: Ticket, 
         yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'code': 500}})}\n\n"
     finally:
         job["cancel"].set()  # a client gone mid-stream: the generation stops at its next token
-        done.cancel()  # one still waiting for the model thread never starts
+        done.cancel()  # a slice still waiting for the model thread never starts
         ticket.release()
     yield "data: [DONE]\n\n"
 
@@ -197,13 +267,3 @@ def _chunk(job: dict, delta: dict, finish: str | None = None) -> str:
     payload = {"id": job["id"], "object": "chat.completion.chunk", "created": job["created"], "model": job["model"],
                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def aiter_streamer(streamer, loop):
-    """TextIteratorStreamer blocks on a queue; read it from a helper thread so the event loop stays free."""
-    sentinel = object()
-    while True:
-        piece = await loop.run_in_executor(None, next, streamer, sentinel)
-        if piece is sentinel:
-            return
-        yield piece

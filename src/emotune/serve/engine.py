@@ -259,4 +259,4 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
 def describe(artifact: Artifact) -> str:
     if artifact.has_head:
         return f"classification head, {len(artifact.labels)} labels"
-    return f"{len(artifact.labels)} labels" if artifact.task == "classify" else f"{artifact.task}, free-text chat"
+    return f"{artifact.task}, free-text chat" if artifact.answers_freely else f"{len(artifact.labels)} labels"

@@ -34,7 +34,8 @@ STREAM_FAILED = "emotune_stream_failed"  # set in scope["state"] by a stream tha
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     # a message may quote what the client sent, lone surrogates included; UTF-8 cannot hold those
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None  # limited or full for now: clients back off
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers)
 
 
 async def api_error(request: Request, err: APIError):

@@ -1,8 +1,8 @@
 """What a request may ask for, checked before any work starts, and the one admission gate all model work passes.
 
 Scoring grows with the label count times the labels' length, generation with the prompt and the tokens asked
-for: a request over a limit is answered 422 (or 503 when the server is full) at once, so one client cannot hold
-the model thread other clients wait for. Classification and chat share one queue bound (serve.max_queue);
+for: a request over a limit is answered 422 (429 beyond serve.max_chats, 503 when the queue is full) at once, so
+one client cannot hold the model thread other clients wait for. Classification and chat share one queue bound (serve.max_queue);
 chats are further bounded by serve.max_chats, since each holds the model thread for a whole generation.
 """
 
@@ -33,10 +33,11 @@ class Admission:
             self.metrics.inc("emotune_rejected_total", {"reason": "queue_full"})
             raise APIError(503, f"The server's queue is full ({self.pending} texts and chats waiting, serve.max_queue="
                                 f"{self.cfg.max_queue}). Retry shortly.", "server_overloaded")
-        if chats and self.chats + chats > self.cfg.max_chats:
+        if chats and self.chats + chats > self.cfg.max_chats:  # chats are limited, not the server full: 429
             self.metrics.inc("emotune_rejected_total", {"reason": "chats_full"})
-            raise APIError(503, f"{self.chats} chat completions are already waiting or generating (serve.max_chats="
-                                f"{self.cfg.max_chats}). Retry shortly.", "server_overloaded")
+            raise APIError(429, f"{self.chats} chat completions are already waiting or generating (serve.max_chats="
+                                f"{self.cfg.max_chats}). Retry shortly; classification is still served.",
+                           "rate_limit_exceeded")
         self.pending += texts + chats
         self.chats += chats
         return Ticket(self, texts, chats)

@@ -20,7 +20,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import ServeConfig
 from emotune.core.errors import UserError
 from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
-from emotune.serve.chat import chat_job, generate_reply, stream_chat
+from emotune.serve.chat import Generation, chat_job, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.guards import TrustedHosts
 from emotune.serve.http import (
@@ -106,7 +106,7 @@ async def lifespan(app: FastAPI):
     # model call running now (emotune.serve.run_server ends the process if it outlives the server)
     state.stopping.set()
     supervisor.cancel()
-    state.executor.shutdown(wait=False, cancel_futures=True)
+    state.model_thread.shutdown(wait=False, cancel_futures=True)
 
 
 async def current_server(request: Request) -> Server:
@@ -159,10 +159,10 @@ async def chat(body: ChatRequest, state: ServerState, request: Request):
     if body.stream:
         return StreamingResponse(stream_chat(job, state.engine, state, ticket, request.state),
                                  media_type="text/event-stream", background=BackgroundTask(ticket.release))
-    loop = asyncio.get_running_loop()
     try:
         with model_gone_is_404():
-            reply = loop.run_in_executor(state.executor, generate_reply, state.engine, job, None)
+            generation = Generation(state.engine, job, state.cfg.chat_slice_tokens)
+            reply = generate_reply(generation, state.chat_executor)
             text, finish, usage = await unless_client_leaves(request, reply, job["cancel"].set)
     finally:
         ticket.release()
@@ -205,7 +205,7 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
                                 "first.", "conflict_error")
         artifact = await asyncio.to_thread(_adapter_artifact, state, body)  # reads files: off the event loop
         tokenizer = await asyncio.to_thread(engine.tokenizer_for, artifact)  # off the model thread too
-        await asyncio.get_running_loop().run_in_executor(state.executor, engine.add_adapter, artifact, tokenizer)
+        await asyncio.get_running_loop().run_in_executor(state.chat_executor, engine.add_adapter, artifact, tokenizer)
     return _model_card(engine.models[artifact.name], engine)
 
 
@@ -217,7 +217,7 @@ async def unload_adapter(name: str, state: ServerState):
         if artifact is not None and artifact.merged:
             raise APIError(422, f"`{name}` is the merged model this server serves; it cannot be unloaded.")
         with model_gone_is_404():
-            await asyncio.get_running_loop().run_in_executor(state.executor, state.engine.remove_adapter, name)
+            await asyncio.get_running_loop().run_in_executor(state.chat_executor, state.engine.remove_adapter, name)
     state.name_locks.pop(name, None)
     return {"id": name, "object": "model", "deleted": True}
 
@@ -237,7 +237,7 @@ def _model_card(loaded: Loaded, engine: Engine) -> dict:
             "parent": None if artifact is None or artifact.merged else BASE_MODEL}
     if artifact is not None:
         card["task"] = artifact.task
-        if artifact.task == "classify" or artifact.has_head:
+        if not artifact.answers_freely:
             card["labels"] = artifact.labels
         card["merged"] = artifact.merged
     return card
@@ -252,7 +252,7 @@ def _source_name(source: str) -> str:
 def _task(loaded: Loaded, labels: list[str] | None, state: Server) -> tuple[PromptConfig, list[str]]:
     """The prompt and label set to score with: the adapter's own, or (base model) the request's labels. A head model
     reads no prompt; its labels are its head's."""
-    if loaded.artifact is not None and loaded.artifact.task != "classify" and not loaded.artifact.has_head:
+    if loaded.artifact is not None and loaded.artifact.answers_freely:
         raise APIError(422, f"`{loaded.name}` is an {loaded.artifact.task} model: it answers in free text and has no "
                             "label set to classify into. Send its requests to /v1/chat/completions; /v1/classify "
                             f"serves classify and classify_head models, and `{BASE_MODEL}` with a `labels` list.")

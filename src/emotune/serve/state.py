@@ -9,7 +9,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from emotune.core.config.eval import ServeConfig
@@ -18,6 +17,7 @@ from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError, resolve_key
 from emotune.serve.limits import Admission, context_length
 from emotune.serve.metrics import Metrics
+from emotune.serve.modelthread import ModelThread
 
 log = logging.getLogger("emotune.serve")
 RESTART_DELAY_S = 0.5
@@ -30,7 +30,9 @@ class Server:
         self.engine, self.cfg = engine, cfg
         self.api_key = resolve_key(cfg.api_key, "api_key")
         self.admin_key = resolve_key(cfg.admin_key, "admin_key")
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emotune-model")
+        self.model_thread = ModelThread(cfg.chat_share)  # every model call, in two lanes (emotune.serve.modelthread)
+        self.executor = self.model_thread.lane("classify")  # classify batches, adapter loads and unloads
+        self.chat_executor = self.model_thread.lane("chat")  # generations
         self.metrics = Metrics()
         self.admission = Admission(cfg, self.metrics)
         self.batcher = MicroBatcher(engine, self.executor, self.metrics, cfg, self.admission)
@@ -44,7 +46,22 @@ class Server:
     # ---- the batcher's worker, supervised ----
 
     async def supervise(self) -> None:
-        """Run the batcher's worker and start it again whenever it dies (until shutdown cancels this)."""
+        """Run the batcher's worker and start it again whenever it dies (until shutdown cancels this); the model
+        thread is checked beside it and started again too (its queued calls wait for the new one)."""
+        watch = asyncio.create_task(self._watch_model_thread())
+        try:
+            await self._supervise_worker()
+        finally:
+            watch.cancel()
+
+    async def _watch_model_thread(self) -> None:
+        while True:
+            if self.model_thread.ensure_running():
+                log.error("the model thread died; started it again")
+                self.metrics.inc("emotune_model_thread_restarts_total")
+            await asyncio.sleep(RESTART_DELAY_S)
+
+    async def _supervise_worker(self) -> None:
         while True:
             self.worker = asyncio.create_task(self.batcher.run())
             try:
@@ -62,10 +79,12 @@ class Server:
         """(HTTP status, body) for /health: 503 while the worker is down or the server is stopping."""
         worker = "running" if self.worker is not None and not self.worker.done() else "restarting"
         busy_since = self.engine.busy_since
-        model_thread = "stopping" if self.stopping.is_set() else "busy" if busy_since is not None else "idle"
-        ok = worker == "running" and model_thread != "stopping"
+        model_thread = ("stopping" if self.stopping.is_set() else "restarting" if not self.model_thread.alive
+                        else "busy" if busy_since is not None else "idle")
+        ok = worker == "running" and model_thread not in ("stopping", "restarting")
         body = {"status": "ok" if ok else "unavailable", "models": list(self.engine.models), "queue": self.batcher.pending,
                 "worker": worker, "worker_restarts": self.restarts, "model_thread": model_thread,
+                "model_thread_restarts": self.model_thread.restarts,
                 "busy_s": round(time.monotonic() - busy_since, 3) if busy_since is not None else 0.0}
         return (200 if ok else 503), body
 

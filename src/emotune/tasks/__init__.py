@@ -18,6 +18,7 @@ from emotune.tasks.classify_head import task as classify_head
 from emotune.tasks.protocol import missing_hooks
 from emotune.tasks.sft import task as sft
 
+DEFAULT_TASK = "classify"  # what a run.json written before `task` existed was
 TASKS: dict[str, ModuleType] = {
     "classify": classify,
     "sft": sft,

@@ -46,6 +46,11 @@ class Task(Protocol):
     COMPARED_METRICS: tuple[str, ...]  # the after-training metrics of comparison.json (`sweep.metric` picks one)
     DEFAULT_METRIC: str  # what a sweep ranks by when sweep.metric is not set
     SWEEP_COLUMNS: tuple[str, ...]  # the metrics a sweep's table shows beside the ranked one
+    # `emotune compare`: which kind of measurement the task makes ("classification": predicted labels, scored by
+    # accuracy and macro-F1; "generation": free text, scored by ROUGE-L and perplexity), and a finished stage's
+    # measurements, [{"method", "labels", "metrics", "rows", "rows_per_s"}] ([] when none is complete)
+    MEASUREMENT: str
+    measurements: Callable[..., list[dict]]
     # report: the task's HTML sections of report.html
     report_sections: Callable[..., list[str]]
 

@@ -19,6 +19,7 @@ import pickle
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,20 +167,32 @@ class UnsafeCheckpoint(UserError):
     """A checkpoint file that `weights_only=True` cannot read: refused, never set aside as merely damaged."""
 
 
-def write_checkpoint(folder: Path, step: int, weights: dict[str, torch.Tensor], optimizer: dict[str, Any], scheduler,
-                     scaler, rng_states: list[dict[str, Any]], progress: dict[str, Any], keep: int,
-                     best: dict[str, torch.Tensor] | None) -> Path:
-    """Write `folder/step-NNNNNN` atomically and delete all but the `keep` newest. Main process only;
-    `weights` and `optimizer` come from `trainable_state` and `optimizer_state`, which every process calls."""
+@dataclass
+class TrainingState:
+    """What a checkpoint holds of a training, to resume it exactly: `weights` and `optimizer` from
+    `trainable_state` and `optimizer_state` (which every process calls), the scheduler and the gradient scaler
+    (None without fp16), every process's random streams, the loop's progress, and the best weights kept so far."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: Any
+    scaler: Any
+    rng_states: list[dict[str, Any]]
+    progress: dict[str, Any]
+    best: dict[str, torch.Tensor] | None
+
+
+def write_checkpoint(folder: Path, step: int, state: TrainingState, keep: int) -> Path:
+    """Write `folder/step-NNNNNN` atomically and delete all but the `keep` newest. Main process only."""
     target = folder / f"step-{step:06d}"
     with atomic_dir(target) as partial:  # replaces a same-step folder only after a resume that replays this very step
-        save_file(weights, partial / "trainable.safetensors")
-        if best is not None:
-            save_file(best, partial / BEST_FILE)
-        torch.save({"optimizer": optimizer, "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict() if scaler is not None else None}, partial / "optimizer.pt")
-        torch.save(rng_states, partial / "rng.pt")
-        (partial / "progress.json").write_text(json.dumps(progress, indent=1))
+        save_file(state.weights, partial / "trainable.safetensors")
+        if state.best is not None:
+            save_file(state.best, partial / BEST_FILE)
+        torch.save({"optimizer": state.optimizer, "scheduler": state.scheduler.state_dict(),
+                    "scaler": state.scaler.state_dict() if state.scaler is not None else None}, partial / "optimizer.pt")
+        torch.save(state.rng_states, partial / "rng.pt")
+        (partial / "progress.json").write_text(json.dumps(state.progress, indent=1))
     for old in complete_checkpoints(folder)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target

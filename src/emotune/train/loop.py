@@ -489,6 +489,6 @@ def _save(folder: Path, progress: Progress, model, optimizer, scheduler, scaler,
     gather = accelerator.is_main_process or ckpt.is_sharded(model)
     weights, optimizer_state = (ckpt.trainable_state(model), ckpt.optimizer_state(model, optimizer)) if gather else (None, None)
     if accelerator.is_main_process:
-        ckpt.write_checkpoint(folder, progress.step, weights, optimizer_state, scheduler, scaler, rng_states,
-                              asdict(progress), keep, best)
+        state = ckpt.TrainingState(weights, optimizer_state, scheduler, scaler, rng_states, asdict(progress), best)
+        ckpt.write_checkpoint(folder, progress.step, state, keep)
     accelerator.wait_for_everyone()

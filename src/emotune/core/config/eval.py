@@ -90,8 +90,16 @@ class ServeConfig(Section):
     """Most characters in all of one chat request's messages together (422 beyond). Checked before the
     conversation is rendered and its tokens counted, which for a long one costs more than answering it."""
     max_chats: Annotated[int, Range(1)] = 8
-    """Most chat completions waiting or generating at once; beyond it requests are answered 503 at once (each
-    also takes a place in serve.max_queue, the queue classification waits in)."""
+    """Most chat completions waiting or generating at once; beyond it requests are answered 429 at once, with
+    Retry-After (each also takes a place in serve.max_queue, the queue classification waits in)."""
+    chat_slice_tokens: Annotated[int, Range(1)] = 8
+    """Tokens a chat reply generates on the model thread at a time; classify work waiting for the model runs
+    between two slices (the reply's KV cache is kept), so it waits for one slice rather than a whole reply."""
+    chat_share: Annotated[float, Range(0, 1, low_open=True)] = 0.2
+    """While classify requests wait, the most of the model thread's recent time chat completions get (a
+    generation holds the model until it ends, a classify batch for one forward pass); with no classify request
+    waiting, chats get all of it. Lower it to keep classification fast under heavy chat traffic
+    (emotune.serve.modelthread)."""
     header_timeout_s: Annotated[float, Range(0.1)] = 10.0
     """How long a client may take to send a request's headers; slower connections are closed."""
     body_timeout_s: Annotated[float, Range(0.1)] = 30.0

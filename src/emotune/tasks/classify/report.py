@@ -222,6 +222,12 @@ def report_sections(run: RunDir, info: dict) -> list[str]:
                      for method, before in baseline.items())]
 
 
+def measurements(stage: Path, info: dict) -> list[dict]:
+    """What `emotune compare` reads of a finished stage: one measurement per method, with the run's label set."""
+    return [{"method": method, "labels": list(info.get("labels") or found["metrics"]["per_class"]), "metrics": found["metrics"],
+             "rows": found["rows"], "rows_per_s": found["metrics"].get("rows_per_s")} for method, found in read_stage(stage).items()]
+
+
 def read_stage(folder: Path) -> dict[str, dict]:
     """{method: {"metrics", "rows"}} for the stage folder and its per-method subfolders."""
     found = {}

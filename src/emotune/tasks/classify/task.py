@@ -19,16 +19,25 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
 from emotune.data import LabeledData, prompt_messages, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
-from emotune.eval.evaluate import EvalResult, auto_batch_cap, eval_methods, evaluate_methods, method_folder, read_evaluation, write_results
+from emotune.eval.evaluate import (
+    EvalResult,
+    LabelPrompt,
+    auto_batch_cap,
+    eval_methods,
+    evaluate_methods,
+    method_folder,
+    read_evaluation,
+    write_results,
+)
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
-from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, report_sections, write_comparison
+from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, measurements, report_sections, write_comparison
 from emotune.train.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
 
-__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
+__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "MEASUREMENT", "SHOWN_METRICS", "SWEEP_COLUMNS",
            "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
-           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info", "save_data", "saved_fingerprint",
-           "training_rows", "training_setup", "write_comparison", "write_results"]
+           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "measurements",
+           "memory_workload", "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info",
+           "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
 # What `emotune plan` assumes where the config does not say: a label of up to 3 tokens plus the end of the turn,
 # and as many labels as the packaged emotion dataset has.
@@ -40,6 +49,7 @@ SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accurac
 COMPARED_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # in comparison.json
 DEFAULT_METRIC = "macro_f1"  # what a sweep ranks by
 SWEEP_COLUMNS = ("macro_f1", "accuracy")  # shown in sweep tables
+MEASUREMENT = "classification"  # `emotune compare` puts it beside other classifiers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,7 +121,7 @@ def adapter_meta(cfg: ClassifyConfig, data: LabeledData) -> dict:
 def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyConfig, desc: str) -> dict:
     """Every method of `eval.method` on `eval.split`: {method: EvalResult}."""
     split = data.splits[cfg.eval.split]
-    return evaluate_methods(model, tokenizer, split, data.labels, cfg.prompt, cfg.eval, desc=desc)
+    return evaluate_methods(model, tokenizer, split, LabelPrompt(cfg.prompt, data.labels), cfg.eval, desc=desc)
 
 
 def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cfg: ClassifyConfig, rows: int

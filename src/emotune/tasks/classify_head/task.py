@@ -23,26 +23,35 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
 from emotune.data import LabeledData, system_prompt
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
-from emotune.eval.evaluate import EvalResult, auto_batch_cap, compute_metrics, probability_metrics, read_predictions, write_results
+from emotune.eval.evaluate import (
+    EvalResult,
+    LabelPrompt,
+    auto_batch_cap,
+    compute_metrics,
+    probability_metrics,
+    read_predictions,
+    write_results,
+)
 from emotune.eval.evaluate import evaluate as evaluate_method
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
 from emotune.model.head import classifier_from_causal, encode_texts, head_probabilities, is_classifier
+from emotune.tasks.classify.report import measurements
 from emotune.tasks.classify_head.objective import head_objective
 from emotune.tasks.classify_head.report import compare, format_comparison, report_sections, write_comparison
 from emotune.train.batches import Example, Objective
 
-__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
+__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "MEASUREMENT", "SHOWN_METRICS", "SWEEP_COLUMNS",
            "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
-           "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload", "merge_check_inputs", "outputs",
-           "read_results", "report_sections",
-           "run_info", "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison",
-           "write_results"]
+           "format_comparison", "has_results", "load_adapted", "load_data", "measurements", "memory_workload",
+           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info", "save_data",
+           "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
 CONFIG = ClassifyHeadConfig  # the config class of this task (emotune.core.config.build.TASK_CONFIGS)
 SHOWN_METRICS = ("accuracy", "macro_f1", "weighted_f1", "top2_accuracy", "log_loss", "ece")
 COMPARED_METRICS = ("accuracy", "macro_f1", "weighted_f1", "invalid", "top2_accuracy", "log_loss", "ece")  # in comparison.json
 DEFAULT_METRIC = "macro_f1"  # what a sweep ranks by
 SWEEP_COLUMNS = ("macro_f1", "accuracy")  # shown in sweep tables
+MEASUREMENT = "classification"  # `emotune compare` puts it beside classify runs of the same labels and rows
 METHOD = "head"
 BEFORE = "zero-shot label scoring by the base causal model (the classify task's `score` method, with the prompt section)"
 AFTER = "the classification head (`score` on the last token) with the LoRA adapter"
@@ -113,7 +122,7 @@ def evaluate(model, tokenizer, data: LabeledData, cfg: ClassifyHeadConfig, desc:
         result = evaluate_head(model, tokenizer, split["text"], split["label"], data.labels, cfg, desc)
     else:
         zero_shot = EvalConfig(method="score", batch_size=cfg.eval.batch_size, split=cfg.eval.split)
-        result = evaluate_method(model, tokenizer, split, data.labels, cfg.prompt, zero_shot, desc, method="score")
+        result = evaluate_method(model, tokenizer, split, LabelPrompt(cfg.prompt, data.labels), zero_shot, desc, method="score")
     result.metrics.update(method=METHOD, measured_by=AFTER if is_classifier(model) else BEFORE)
     return {METHOD: result}
 

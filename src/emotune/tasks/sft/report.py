@@ -5,6 +5,7 @@ forgetting probe with its interval and flag (emotune.report.page builds the page
 from __future__ import annotations
 
 import html
+from pathlib import Path
 
 from emotune.core.rundir import RunDir, write_json
 from emotune.eval import stats
@@ -47,6 +48,17 @@ def _compare_probe(before: dict, after: dict) -> dict:
     names = {f.name for f in fields(ProbeResult)}
     return compare_probe(ProbeResult(**{k: v for k, v in before.items() if k in names}),
                          ProbeResult(**{k: v for k, v in after.items() if k in names}))
+
+
+def measurements(stage: Path, info: dict) -> list[dict]:
+    """What `emotune compare` reads of a finished stage: its one measurement, the kinds of instruction as labels."""
+    result = sft_eval.read_result(stage)
+    if result is None:
+        return []
+    metrics = result["metrics"]
+    seconds = metrics.get("seconds")
+    return [{"method": info.get("task", "sft"), "labels": sorted(metrics.get("per_kind", {})), "metrics": metrics,
+             "rows": result["rows"], "rows_per_s": round(metrics["rows"] / seconds, 2) if seconds and metrics.get("rows") else None}]
 
 
 def write_comparison(comparison: dict, run: RunDir) -> None:

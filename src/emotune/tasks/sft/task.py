@@ -24,21 +24,22 @@ from emotune.data.sources import HUB_PREFIXES, SPLITS
 from emotune.eval.probe import load_probe
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, find_artifact
 from emotune.tasks.sft import eval as sft_eval
-from emotune.tasks.sft.report import compare, format_comparison, report_sections, write_comparison
+from emotune.tasks.sft.report import compare, format_comparison, measurements, report_sections, write_comparison
 from emotune.tasks.sft.rows import encode_all
 from emotune.train.batches import LANGUAGE_MODEL, Example, Objective
 
-__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "SHOWN_METRICS", "SWEEP_COLUMNS",
-           "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate",
-           "find_adapter", "format_comparison", "has_results", "load_adapted", "load_data", "memory_workload",
-           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info",
-           "save_data", "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
+__all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "MEASUREMENT", "SHOWN_METRICS", "SWEEP_COLUMNS",
+           "adapter_meta", "compare", "data_fingerprint", "describe_data", "evaluate", "find_adapter",
+           "format_comparison", "has_results", "load_adapted", "load_data", "measurements", "memory_workload",
+           "merge_check_inputs", "outputs", "read_results", "report_sections", "run_info", "save_data",
+           "saved_fingerprint", "training_rows", "training_setup", "write_comparison", "write_results"]
 
 CONFIG = SftConfig  # the config class of this task (emotune.core.config.build.TASK_CONFIGS)
 SHOWN_METRICS = ("rouge_l", "bleu", "exact_match", "perplexity", "probe_accuracy")  # printed by `emotune eval`
 COMPARED_METRICS = ("rouge_l", "bleu", "sentence_bleu", "exact_match", "perplexity", "loss", "probe_accuracy")
 DEFAULT_METRIC = "rouge_l"  # what a sweep ranks by
 SWEEP_COLUMNS = ("rouge_l", "perplexity")  # shown in sweep tables
+MEASUREMENT = "generation"  # `emotune compare`: free text, scored by ROUGE-L and perplexity
 DATA_REPORT = "data_report.json"
 
 

@@ -1,0 +1,101 @@
+"""The model thread's two lanes: a classify call waits for at most the generation already running, chats still get
+their share while classify work never stops, and a call cancelled before its turn never runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from emotune.serve.modelthread import ModelThread
+
+
+def _job(order: list[str], name: str, seconds: float):
+    def run():
+        time.sleep(seconds)
+        order.append(name)
+    return run
+
+
+def _blocked(thread: ModelThread) -> threading.Event:
+    """Hold the model thread until the returned event is set (an instant classify call once released)."""
+    gate = threading.Event()
+    thread.lane("classify").submit(gate.wait)
+    time.sleep(0.05)  # the worker has taken the gate and waits on it
+    return gate
+
+
+def test_a_classify_call_waits_for_at_most_the_one_generation_already_running():
+    thread, order = ModelThread(chat_share=0.5), []
+    gate = _blocked(thread)
+    chats = [thread.lane("chat").submit(_job(order, f"chat{i}", 0.1)) for i in range(4)]
+    classify = thread.lane("classify").submit(_job(order, "classify", 0.01))
+    gate.set()
+    classify.result(timeout=10)
+    for future in chats:
+        future.result(timeout=10)
+    thread.shutdown()
+    assert order.index("classify") <= 1, order  # first come, first served would put it after all four chats
+
+
+def test_chats_get_their_share_while_classify_work_never_stops():
+    thread, order = ModelThread(chat_share=0.5), []
+    gate = _blocked(thread)
+    classify = [thread.lane("classify").submit(_job(order, f"classify{i}", 0.02)) for i in range(30)]
+    chats = [thread.lane("chat").submit(_job(order, f"chat{i}", 0.02)) for i in range(3)]
+    gate.set()
+    for future in classify + chats:
+        future.result(timeout=10)
+    thread.shutdown()
+    last_chat = max(order.index(f"chat{i}") for i in range(3))
+    assert last_chat < len(order) - 10, order  # the chats ran among the classify calls, not after all of them
+
+
+def test_a_call_cancelled_before_its_turn_never_runs_and_shutdown_drops_the_queue():
+    thread, order = ModelThread(chat_share=0.5), []
+    gate = _blocked(thread)
+    cancelled = thread.lane("chat").submit(_job(order, "cancelled", 0))
+    kept = thread.lane("classify").submit(_job(order, "kept", 0))
+    assert cancelled.cancel()
+    gate.set()
+    kept.result(timeout=10)
+    gate = _blocked(thread)
+    dropped = thread.lane("classify").submit(_job(order, "dropped", 0))
+    thread.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    thread.thread.join(timeout=10)
+    assert order == ["kept"] and dropped.cancelled()
+    with pytest.raises(RuntimeError, match="shut down"):
+        thread.lane("chat").submit(_job(order, "late", 0))
+
+
+def test_errors_reach_the_caller_and_the_thread_goes_on():
+    thread = ModelThread(chat_share=0.5)
+    failing = thread.lane("chat").submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=10)
+    assert thread.lane("classify").submit(lambda: 42).result(timeout=10) == 42
+    with pytest.raises(ValueError, match="unknown lane"):
+        thread.lane("admin")
+    thread.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_a_dead_model_thread_is_started_again_and_its_queue_kept():
+    thread = ModelThread(chat_share=0.5)
+    original = thread.pick
+
+    def broken():
+        thread.pick = original
+        raise RuntimeError("the scheduler itself failed")
+
+    thread.pick = broken
+    with thread.ready:
+        thread.ready.notify()  # wake the worker: it calls the broken pick and dies
+    thread.thread.join(timeout=10)
+    assert not thread.alive
+    queued = thread.lane("classify").submit(lambda: "ran")  # a submit restarts it
+    assert queued.result(timeout=10) == "ran" and thread.alive and thread.restarts == 1
+    thread.shutdown()
+    assert not thread.ensure_running()  # never after shutdown
