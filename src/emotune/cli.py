@@ -139,6 +139,13 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return predict_cli(args.target, io, args.batch_size, args.device, fallback, args.max_new_tokens)
 
 
+def _cmd_studio(args: argparse.Namespace) -> int:
+    from emotune.studio import run_studio
+
+    run_studio(args.runs, args.host, args.port, args.token_file)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from emotune.core.config.load import load_config
     from emotune.model.artifacts import fallback_from
@@ -229,6 +236,7 @@ COMMANDS = {
     "serve": (_cmd_serve, "OpenAI-compatible HTTP server: /v1/classify, /v1/chat/completions, hot-swappable adapters"),
     "sweep": (_cmd_sweep, ("many runs of a config, each with some keys changed (grid, ablation, random/TPE search), "
                            "resumable; one trial per GPU at a time; writes the table and best.yaml")),
+    "studio": (_cmd_studio, "a local web page over the runs folder: runs table, run pages, live training progress"),
     "config": (_cmd_config, "print the resolved config (or every field with its documentation, or a LLaMA-Factory "
                             "file's translation)"),
 }
@@ -324,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--allow-mismatch", action="store_true",
                            help="show runs measured on other labels or test rows, marked not comparable, instead of "
                                 "refusing them")
+        if name == "studio":
+            p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only); any other "
+                                                               "needs a token (EMOTUNE_STUDIO_TOKEN or --token-file)")
+            p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+            p.add_argument("--runs", default="runs", help="the runs folder to show (default: runs)")
+            p.add_argument("--token-file", help="file holding the token a non-loopback studio requires")
         if name == "doctor":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser

@@ -108,6 +108,21 @@ def holder(lock_file: str | Path) -> dict | None:
         os.close(fd)
 
 
+def is_held(lock_file: str | Path) -> bool:
+    """Whether some process holds the lock now (another process's lock only: this process may take its own again)."""
+    try:
+        fd = os.open(lock_file, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        if not _try_lock(fd):
+            return True
+        _unlock(fd)
+        return False
+    finally:
+        os.close(fd)
+
+
 def _try_lock(fd: int) -> bool:
     try:
         if fcntl is not None:

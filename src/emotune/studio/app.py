@@ -1,0 +1,207 @@
+"""The studio's web app: the runs table, a run's page, its files, its training progress as server-sent events, and
+the new-run form with its job queue.
+
+Progress events carry the training log entry's position as their id (1 = the first entry). A browser that loses
+the stream reconnects with `Last-Event-ID` and is sent only what came after it; a reloaded page starts at 0 and is
+sent the whole history so far. The stream ends (event `end`) once the run's job has ended (or, for a run not
+started here, run.json no longer says running) and every entry has been sent.
+
+State-changing requests (POST) carry the page's CSRF token; the Host/Origin guard of `emotune serve` stands in front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import secrets
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from pathlib import Path
+from urllib.parse import parse_qs, quote
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+
+from emotune.core.config.base import RUN_NAME
+from emotune.core.config.build import TASK_CONFIGS
+from emotune.core.rundir import RunDir
+from emotune.serve.guards import TrustedHosts, is_loopback
+from emotune.studio import form, pages
+from emotune.studio.jobs import FINAL, JobQueue, worker
+from emotune.studio.runs import NotInRuns, artifacts, history, inside, list_runs, log_tail, run_folder, summarize
+
+TOKEN_COOKIE = "emotune_studio_token"
+POLL_S = 0.5  # how often a live stream looks at the training log for new lines
+MAX_FORM_BYTES = 1 << 20
+
+
+def create_app(runs: Path, host: str = "127.0.0.1", token: str | None = None, poll_s: float = POLL_S,
+               jobs_interval_s: float | None = 1.0) -> TrustedHosts:
+    """The studio for the run folders under `runs`, bound to `host`; a non-loopback `host` needs `token`.
+    `jobs_interval_s`: how often the queue moves on (None: only when a test calls `app.state.queue.tick()`)."""
+    if not is_loopback(host) and not token:
+        raise ValueError("a studio on a non-loopback host needs a token")
+    runs = Path(runs).resolve()
+    queue, csrf = JobQueue(runs), secrets.token_urlsafe(24)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stop = threading.Event()
+        thread = worker(queue, stop, jobs_interval_s) if jobs_interval_s else None
+        yield
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    app = FastAPI(title="emotune studio", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.queue, app.state.csrf = queue, csrf
+    _guard_routes(app, token, csrf)
+    _run_routes(app, runs, queue, csrf, poll_s)
+    _job_routes(app, runs, queue, csrf)
+    # the same Host/Origin guard as `emotune serve`: no DNS rebinding onto a loopback studio, no cross-site calls
+    guarded = TrustedHosts(app, host, [])
+    guarded.state = app.state
+    return guarded
+
+
+def _guard_routes(app: FastAPI, token: str | None, csrf: str) -> None:
+    @app.middleware("http")
+    async def require_token_and_csrf(request: Request, call_next):
+        if token is not None and request.url.path != "/login":
+            sent = request.cookies.get(TOKEN_COOKIE) or request.headers.get("authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(sent.encode(), token.encode()):
+                return PlainTextResponse("This studio needs its token: open /login?token=... once (the token is in "
+                                         "EMOTUNE_STUDIO_TOKEN or the --token-file where the studio was started).",
+                                         status_code=401)
+        if request.method == "POST":
+            body = await request.body()
+            if len(body) > MAX_FORM_BYTES:
+                return PlainTextResponse("The form is larger than 1 MiB.", status_code=413)
+            sent = (parse_qs(body.decode("utf-8", errors="replace")).get("csrf") or [""])[0]
+            if not hmac.compare_digest(sent.encode(), csrf.encode()):
+                return PlainTextResponse("The form's CSRF token is missing or stale: reload the page and send it again.",
+                                         status_code=403)
+        return await call_next(request)
+
+    @app.get("/login")
+    def login(request: Request) -> Response:
+        sent = request.query_params.get("token", "")
+        if token is None or not hmac.compare_digest(sent.encode(), token.encode()):
+            return PlainTextResponse("Wrong or missing token.", status_code=401)
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+        return response
+
+    @app.get("/static/studio.js")
+    def script() -> Response:
+        text = resources.files("emotune.studio").joinpath("static/studio.js").read_text(encoding="utf-8")
+        return Response(text, media_type="text/javascript")
+
+
+def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: float) -> None:
+    @app.get("/", response_class=HTMLResponse)
+    def runs_table() -> str:
+        return pages.runs_page(list_runs(runs), str(runs), pages.jobs_list(queue.jobs(), csrf))
+
+    @app.get("/api/runs")
+    def runs_json() -> list[dict]:
+        return [r.as_row() for r in list_runs(runs)]
+
+    @app.get("/runs/{name}", response_class=HTMLResponse)
+    def run_page(name: str) -> Response:
+        run, job = _run_or_job(runs, queue, name)
+        if run is None:
+            return HTMLResponse(pages.not_found(f"No run folder `{name}` in the runs folder."), status_code=404)
+        summary = summarize(run)
+        if job is not None and job.status not in FINAL:
+            summary.status = job.status if summary.status != "running" else "running"
+        job_html = (f'<p>Job {job.id}: <span id="job-status">{job.status}</span> {pages.stop_button(job, csrf)}</p>'
+                    if job is not None else "")
+        log = log_tail(queue.log(job)) if job is not None else ""
+        return HTMLResponse(pages.run_page(summary, run.saved_config() or "", len(history(run)), artifacts(run)
+                                           if run.root.is_dir() else [], log, run.report_html.is_file(), job_html))
+
+    @app.get("/runs/{name}/files/{path:path}")
+    def run_file(name: str, path: str) -> Response:
+        try:
+            run_folder(runs, name)
+            file = inside(runs, f"{name}/{path}")
+        except NotInRuns:
+            return HTMLResponse(pages.not_found(f"No file `{path}` in run `{name}`."), status_code=404)
+        if not file.is_file():
+            return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
+        return FileResponse(file)
+
+    @app.get("/runs/{name}/events")
+    async def run_events(name: str, request: Request) -> Response:
+        run, _ = _run_or_job(runs, queue, name)
+        if run is None:
+            return HTMLResponse(pages.not_found(f"No run folder `{name}` in the runs folder."), status_code=404)
+        last = request.headers.get("last-event-id", "0")
+        start = int(last) if last.isdigit() else 0
+        return StreamingResponse(_events(run, queue, start, request, poll_s), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+def _job_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str) -> None:
+    @app.get("/new", response_class=HTMLResponse)
+    def new_run(task: str = "classify") -> Response:
+        if task not in TASK_CONFIGS:
+            return HTMLResponse(pages.not_found(f"No task `{task}`; the tasks are {', '.join(TASK_CONFIGS)}."), status_code=404)
+        return HTMLResponse(pages.form_page(task, list(TASK_CONFIGS), form.fields(task), {}, {}, csrf))
+
+    @app.post("/new")
+    async def submit_run(request: Request) -> Response:
+        submitted = {k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8"), keep_blank_values=True).items()}
+        task = submitted.get("task", "classify")
+        config_yaml, problems = form.validate(task, form.to_raw(task, submitted, runs) if task in TASK_CONFIGS else {}, runs)
+        if config_yaml is None:
+            fields = form.fields(task) if task in TASK_CONFIGS else []
+            return HTMLResponse(pages.form_page(task, list(TASK_CONFIGS), fields, submitted, problems, csrf), status_code=400)
+        name = form.run_name(config_yaml)
+        queue.submit(name, config_yaml)
+        return RedirectResponse(f"/runs/{quote(name)}", status_code=303)
+
+    @app.post("/jobs/{job_id}/stop")
+    def stop_job(job_id: int) -> Response:
+        job = queue.stop(job_id)
+        if job is None:
+            return HTMLResponse(pages.not_found(f"No job {job_id}."), status_code=404)
+        return RedirectResponse(f"/runs/{quote(job.name)}", status_code=303)
+
+
+def _run_or_job(runs: Path, queue: JobQueue, name: str):
+    """(run folder, its latest studio job): a run folder under `runs`, or the folder a queued job will make."""
+    job = queue.job_for(name) if RUN_NAME.fullmatch(name) and name not in (".", "..") else None
+    try:
+        return run_folder(runs, name), job
+    except NotInRuns:
+        return (RunDir(runs / name), job) if job is not None else (None, None)
+
+
+async def _events(run: RunDir, queue: JobQueue, start: int, request: Request, poll_s: float) -> AsyncIterator[str]:
+    """Each training log entry after `start` as an SSE event with its position as id; then new ones as they come."""
+    sent = start
+    yield "retry: 1000\n\n"
+    while True:
+        entries = history(run)
+        for position in range(sent + 1, len(entries) + 1):
+            yield f"id: {position}\nevent: progress\ndata: {_json(entries[position - 1])}\n\n"
+        sent = max(sent, len(entries))
+        job = queue.job_for(run.root.name)
+        status = summarize(run).status if run.root.is_dir() else "queued"
+        if (job is None or job.status in FINAL) and status != "running":
+            yield f"event: end\ndata: {json.dumps({'status': job.status if job else status, 'entries': sent})}\n\n"
+            return
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(poll_s)
+
+
+def _json(entry: dict) -> str:
+    """The entry as JSON a browser parses: a NaN or infinite number (a step with no finite loss) becomes null."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()})

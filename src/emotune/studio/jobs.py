@@ -1,0 +1,171 @@
+"""The studio's job queue: runs started from the form wait in a FIFO kept on disk and run one at a time, each as
+its own `emotune run` process, so a run goes on when the browser closes and even when the studio stops.
+
+The queue is a folder, `<runs>/.studio/jobs/`: one `<number>.json` per job (its state) beside `<number>.yaml` (the
+config it runs) and `<number>.log` (its output). A restarted studio reads the folder again: a job it finds
+`running` whose process still holds the run folder's lock (emotune.core.locks) is followed until the lock is
+given back; one whose process is gone is marked by what its run.json says.
+
+Stopping sends Ctrl-C (SIGINT) to the job's process group: `emotune run` marks the stage it was in as failed,
+gives the run folder's lock back and exits, and the run resumes from its last checkpoint when started again.
+After STOP_GRACE_S a job still running is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from emotune.core import locks
+from emotune.core.rundir import RunDir, read_json, run_lock, write_json, write_text
+
+STOP_GRACE_S = 30.0
+FINAL = ("finished", "failed", "stopped")
+
+
+@dataclass
+class Job:
+    id: int
+    name: str
+    status: str = "queued"  # queued → running → finished | failed | stopped
+    pid: int | None = None
+    submitted: float = 0.0
+    started: float | None = None
+    ended: float | None = None
+    stop_requested: bool = False
+    exit_code: int | None = None
+
+
+class JobQueue:
+    """The FIFO of runs under one runs folder; `tick()` moves it on (the studio calls it every second)."""
+
+    def __init__(self, runs: Path):
+        self.runs = Path(runs)
+        self.folder = self.runs / ".studio" / "jobs"
+        self.children: dict[int, subprocess.Popen] = {}  # the jobs this studio process started
+        self.lock = threading.Lock()
+
+    def submit(self, name: str, config_yaml: str) -> Job:
+        with self.lock:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            job = Job(max((j.id for j in self.jobs()), default=0) + 1, name, submitted=time.time())
+            write_text(self.folder / f"{job.id}.yaml", config_yaml)
+            self._save(job)
+            return job
+
+    def jobs(self) -> list[Job]:
+        if not self.folder.is_dir():
+            return []
+        found = [read_json(p) for p in self.folder.glob("*.json")]
+        return sorted((Job(**j) for j in found if j), key=lambda j: j.id)
+
+    def job_for(self, name: str) -> Job | None:
+        """The latest job of the run folder `name`."""
+        return next((j for j in reversed(self.jobs()) if j.name == name), None)
+
+    def log(self, job: Job) -> Path:
+        return self.folder / f"{job.id}.log"
+
+    def stop(self, job_id: int) -> Job | None:
+        """Take a queued job out of the queue, or ask a running one to stop (Ctrl-C to its process group)."""
+        with self.lock:
+            job = next((j for j in self.jobs() if j.id == job_id), None)
+            if job is None or job.status in FINAL:
+                return job
+            if job.status == "queued":
+                job.status, job.ended = "stopped", time.time()
+            else:
+                job.stop_requested = True
+                _signal(job.pid, signal.SIGINT)
+            self._save(job)
+            return job
+
+    def tick(self) -> None:
+        """Follow the running job; when there is none, start the oldest queued one."""
+        with self.lock:
+            jobs = self.jobs()
+            running = [j for j in jobs if j.status == "running"]
+            for job in running:
+                self._follow(job)
+            if not any(j.status == "running" for j in self.jobs()):
+                waiting = [j for j in jobs if j.status == "queued"]
+                if waiting:
+                    self._start(waiting[0])
+
+    def _start(self, job: Job) -> None:
+        with self.log(job).open("ab") as log:
+            # its own session, so Ctrl-C reaches the run and the processes it starts, and not the studio
+            process = subprocess.Popen([sys.executable, "-m", "emotune", "run", str(self.folder / f"{job.id}.yaml")],
+                                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.children[job.id] = process
+        job.status, job.pid, job.started = "running", process.pid, time.time()
+        self._save(job)
+
+    def _follow(self, job: Job) -> None:
+        process = self.children.get(job.id)
+        if process is not None:
+            code = process.poll()
+            if code is None:
+                self._kill_if_overdue(job)
+                return
+            self.children.pop(job.id)
+        elif _alive(job.pid) and (locks.is_held(run_lock(self.runs / job.name)) or not job.started
+                                  or time.time() - job.started < 60):
+            self._kill_if_overdue(job)  # a job a studio before this one started: followed through its lock
+            return
+        else:
+            code = None
+        status = RunDir(self.runs / job.name).status() if code is None else None
+        job.exit_code = code
+        job.status = ("stopped" if job.stop_requested else "finished" if code == 0 or status == "finished" else "failed")
+        job.ended = time.time()
+        self._save(job)
+
+    def _kill_if_overdue(self, job: Job) -> None:
+        stopping_since = (read_json(self.folder / f"{job.id}.stop") or {}).get("since")
+        if job.stop_requested and stopping_since is None:
+            write_json(self.folder / f"{job.id}.stop", {"since": time.time()})
+        elif job.stop_requested and time.time() - stopping_since > STOP_GRACE_S:
+            _signal(job.pid, signal.SIGKILL)
+
+    def _save(self, job: Job) -> None:
+        write_json(self.folder / f"{job.id}.json", asdict(job))
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if not pid:
+        return
+    try:
+        os.killpg(pid, sig)  # the job leads its own process group (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def worker(queue: JobQueue, stop: threading.Event, interval_s: float = 1.0) -> threading.Thread:
+    """A daemon thread that ticks the queue until `stop` is set."""
+    def loop() -> None:
+        while not stop.is_set():
+            queue.tick()
+            stop.wait(interval_s)
+    thread = threading.Thread(target=loop, name="emotune-studio-jobs", daemon=True)
+    thread.start()
+    return thread

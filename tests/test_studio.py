@@ -1,0 +1,259 @@
+"""emotune studio through its HTTP API (FastAPI's TestClient): the runs table, run pages, safe paths, progress events,
+the token on a non-loopback bind and the Host/Origin guard."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from emotune.core import locks
+from emotune.core.errors import UserError
+from emotune.core.rundir import RunDir, run_lock, write_json, write_text
+from emotune.studio import TOKEN_ENV, form, studio_token
+from emotune.studio.app import create_app
+from emotune.studio.jobs import JobQueue
+from emotune.studio.runs import history, list_runs
+
+LOCAL = "http://127.0.0.1:7860"
+TOKEN = "a-long-random-studio-token"
+
+
+def make_run(runs: Path, name: str, status: str = "finished", steps: int = 3, before: float = 0.2, after: float = 0.6) -> Path:
+    """A run folder in the layout the pipeline writes: config.yaml, run.json, comparison.json, the training log."""
+    root = runs / name
+    write_text(root / "config.yaml", f"task: classify\nname: {name}\nmodel:\n  source: tiny-gemma\ndata:\n  source: emotion 情绪\n")
+    outputs = ["comparison.json", "report.html"] if status == "finished" else []
+    write_json(root / "run.json", {"task": "classify", "status": status, "outputs": outputs,
+                                   "stages": {"baseline": {"status": "done", "seconds": 60}, "train": {"status": "done", "seconds": 30}}})
+    if status == "finished":
+        write_json(root / "comparison.json", {"metrics": {"macro_f1": {"before": before, "after": after, "delta": after - before}}})
+        write_text(root / "report.html", "<html><body>report of " + name + "</body></html>")
+    (root / "train").mkdir(exist_ok=True)
+    (root / "train" / "log_history.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 2.0 - s / 10, "tokens_per_s": 100.0}) + "\n" for s in range(1, steps + 1)))
+    return root
+
+
+@pytest.fixture
+def runs(tmp_path) -> Path:
+    folder = tmp_path / "runs"
+    make_run(folder, "alpha", before=0.25, after=0.75)
+    make_run(folder, "beta", status="running", steps=2)
+    (folder / "beta.partial").mkdir()  # a half-written folder is no run
+    write_text(tmp_path / "secret.txt", "outside the runs folder")
+    return folder
+
+
+def client(runs: Path, **kwargs) -> TestClient:
+    """The studio without its queue thread: tests move the queue on with `tick()`."""
+    return TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None, **kwargs), base_url=LOCAL)
+
+
+def test_runs_table_lists_every_run_with_before_after_and_minutes(runs):
+    page = client(runs).get("/")
+    assert page.status_code == 200
+    assert 'href="/runs/alpha"' in page.text and 'href="/runs/beta"' in page.text and "partial" not in page.text
+    assert "0.250 → 0.750" in page.text and "emotion 情绪" in page.text
+    rows = {r["name"]: r for r in client(runs).get("/api/runs").json()}
+    assert rows["alpha"]["status"] == "finished" and rows["alpha"]["minutes"] == 1.5 and rows["alpha"]["after"] == 0.75
+    assert rows["beta"]["status"] == "running" and rows["beta"]["after"] is None
+    assert '<script src="/static/studio.js"' in page.text and "http" not in page.text.split("<body>")[0].replace(LOCAL, "")
+
+
+def test_run_page_shows_config_report_artifacts_and_escapes(runs):
+    config = runs / "alpha" / "config.yaml"
+    write_text(config, config.read_text() + "prompt:\n  system: <script>alert(1)</script>\n")
+    page = client(runs).get("/runs/alpha")
+    assert page.status_code == 200
+    assert 'href="/runs/alpha/files/report.html"' in page.text and "source: tiny-gemma" in page.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text and "<script>alert" not in page.text
+    assert 'href="/runs/alpha/files/train/log_history.jsonl"' in page.text
+    assert client(runs).get("/runs/alpha/files/report.html").text.startswith("<html><body>report of alpha")
+
+
+@pytest.mark.parametrize("path", ["/runs/nope", "/runs/alpha/files/nope.txt", "/runs/alpha/files/../../secret.txt",
+                                  "/runs/alpha/files/..%2F..%2Fsecret.txt", "/runs/..%2Fsecret.txt/files/x",
+                                  "/runs/alpha/files/train", "/runs/beta.partial", "/runs/alpha/files/link/secret.txt"])
+def test_paths_outside_the_runs_folder_are_404(runs, path):
+    (runs / "alpha" / "link").symlink_to(runs.parent)
+    assert client(runs).get(path).status_code == 404
+
+
+def parse_events(text: str) -> list[dict]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in fields:
+            events.append(fields)
+    return events
+
+
+def test_events_replay_the_history_and_only_what_was_missed(runs):
+    events = parse_events(client(runs).get("/runs/alpha/events").text)
+    assert [e.get("id") for e in events] == ["1", "2", "3", None]
+    assert json.loads(events[0]["data"])["step"] == 1 and events[-1]["event"] == "end"
+    assert json.loads(events[-1]["data"]) == {"status": "finished", "entries": 3}
+    resumed = parse_events(client(runs).get("/runs/alpha/events", headers={"Last-Event-ID": "2"}).text)
+    assert [e.get("id") for e in resumed] == ["3", None]
+
+
+def test_events_follow_a_running_run_until_it_ends(runs):
+    """A running run's stream sends new log lines as training appends them, and ends when run.json says finished."""
+    beta = runs / "beta"
+    with client(runs).stream("GET", "/runs/beta/events") as stream:
+        ids = []
+        for line in stream.iter_lines():
+            if line.startswith("id: "):
+                ids.append(int(line[4:]))
+                if ids[-1] == 2:  # training goes on: one more step, a line being written, then the run finishes
+                    with (beta / "train" / "log_history.jsonl").open("a") as handle:
+                        handle.write(json.dumps({"step": 3, "loss": float("nan")}) + "\n" + '{"step": 4, "lo')
+                if ids[-1] == 3:
+                    write_json(beta / "run.json", {"task": "classify", "status": "failed", "stages": {}})
+            if line.startswith("event: end"):
+                break
+    assert ids == [1, 2, 3]
+    assert [e["step"] for e in history(RunDir(beta))] == [1, 2, 3]  # the half-written line is left out
+
+
+def test_nan_loss_is_sent_as_null(runs):
+    with (runs / "alpha" / "train" / "log_history.jsonl").open("a") as handle:
+        handle.write(json.dumps({"step": 4, "loss": float("nan")}) + "\n")
+    events = parse_events(client(runs).get("/runs/alpha/events", headers={"Last-Event-ID": "3"}).text)
+    assert json.loads(events[0]["data"]) == {"step": 4, "loss": None}
+
+
+def test_host_and_origin_of_another_site_are_refused(runs):
+    assert client(runs).get("/", headers={"Host": "evil.example"}).status_code == 421
+    assert client(runs).get("/", headers={"Origin": "http://evil.example"}).status_code == 403
+
+
+def test_non_loopback_studio_needs_the_token(runs, monkeypatch, tmp_path):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(UserError, match="needs a token"):
+        studio_token("0.0.0.0", None)
+    with pytest.raises(ValueError):
+        create_app(runs, "0.0.0.0")
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert studio_token("0.0.0.0", None) == TOKEN
+    (tmp_path / "token").write_text("short\n")
+    with pytest.raises(UserError, match="shorter than 16"):
+        studio_token("0.0.0.0", str(tmp_path / "token"))
+    remote = TestClient(create_app(runs, "0.0.0.0", TOKEN, jobs_interval_s=None), base_url="http://10.0.0.5:7860")
+    refused = remote.get("/")
+    assert refused.status_code == 401 and TOKEN not in refused.text
+    assert remote.get("/runs/alpha/files/report.html").status_code == 401
+    assert remote.get("/login", params={"token": "wrong" * 5}).status_code == 401
+    assert remote.get("/", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert remote.get("/login", params={"token": TOKEN}).status_code == 200  # follows the redirect, cookie set
+    page = remote.get("/runs/alpha")
+    assert page.status_code == 200 and TOKEN not in page.text
+
+
+def test_list_runs_of_a_missing_folder_is_empty(tmp_path):
+    assert list_runs(tmp_path / "none") == []
+    assert "No run folders" in client(tmp_path / "none").get("/").text
+
+
+# --------------------------------------------------------------------------------------------------
+# The form and the queue
+
+
+def csrf_of(page: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', page)[1]
+
+
+def test_form_has_every_config_field_with_doc_and_default(runs):
+    page = client(runs).get("/new").text
+    assert 'name="train.max_steps"' in page and 'name="lora.r"' in page and "default <code>" in page
+    assert page.count('class="field') == len(form.fields("classify")) > 100
+    assert 'name="output_dir"' not in page  # the studio's runs folder, always
+    assert "Device to run on" in page
+    assert client(runs).get("/new?task=nope").status_code == 404
+
+
+def test_invalid_form_shows_each_problem_beside_its_field_and_starts_nothing(runs):
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    sent = studio.post("/new", data={"csrf": csrf, "task": "classify", "train.max_steps": "abc", "lora.r": "-3",
+                                     "name": "alpha"}, follow_redirects=False)
+    assert sent.status_code == 400
+    for key, says in (("train.max_steps", "must be an integer"), ("lora.r", "must be an integer &gt;= 1"),
+                      ("name", "exists already")):
+        field = re.search(rf'<div class="field invalid"><label for="f-{re.escape(key)}">.*?</div>', sent.text, re.S)
+        assert field and says in field[0], key
+        assert 'value="abc"' in sent.text  # what was typed stays in the form
+    assert studio.app.state.queue.jobs() == []
+
+
+def test_posts_need_the_csrf_token(runs):
+    studio = client(runs)
+    assert studio.post("/new", data={"task": "classify"}).status_code == 403
+    assert studio.post("/new", data={"task": "classify", "csrf": "guess"}).status_code == 403
+    assert studio.post("/jobs/1/stop", data={}).status_code == 403
+
+
+def submit(studio: TestClient, **fields) -> str:
+    csrf = csrf_of(studio.get("/new").text)
+    sent = studio.post("/new", data={"csrf": csrf, "task": "classify", **fields}, follow_redirects=False)
+    assert sent.status_code == 303, sent.text
+    return sent.headers["location"]
+
+
+def wait_for(check, timeout_s: float = 120.0, every_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.slow
+def test_queue_runs_jobs_one_at_a_time_in_order_and_a_new_studio_finds_them(runs, tmp_path):
+    """Two runs that fail fast (their model folder is missing): FIFO, one at a time, states kept on disk."""
+    studio = client(runs)
+    missing = tmp_path / "no-model"
+    assert submit(studio, name="first", **{"model.source": str(missing)}) == "/runs/first"
+    submit(studio, name="second", **{"model.source": str(missing)})
+    submit(studio, name="third", **{"model.source": str(missing)})
+    queue = studio.app.state.queue
+    assert "Job 1: <span id=\"job-status\">queued" in studio.get("/runs/first").text
+    queue.tick()
+    assert [j.status for j in queue.jobs()] == ["running", "queued", "queued"]
+    queue.tick()
+    assert [j.status for j in queue.jobs()][1:] == ["queued", "queued"]  # still one at a time
+    cancelled = studio.post("/jobs/3/stop", data={"csrf": studio.app.state.csrf}, follow_redirects=False)
+    assert cancelled.status_code == 303 and JobQueue(runs).jobs()[2].status == "stopped"
+    wait_for(lambda: queue.tick() or queue.jobs()[0].status == "failed")
+    assert "model.source" in queue.log(queue.jobs()[0]).read_text()  # the run's own error, in its log
+    restarted = JobQueue(runs)  # a new studio process reads the same folder
+    assert [j.status for j in restarted.jobs()] == ["failed", "running", "stopped"]
+    wait_for(lambda: restarted.tick() or restarted.jobs()[1].status != "running")
+    assert restarted.jobs()[1].status == "failed" and restarted.jobs()[1].exit_code is None  # followed, not its child
+    queue_table = studio.get("/").text.split('id="jobs"')[1]
+    assert queue_table.count("status-failed") == 2 and queue_table.count("status-stopped") == 1
+
+
+@pytest.mark.slow
+def test_stop_from_the_page_ends_a_training_run_cleanly(tmp_path, tiny_overrides):
+    """Stop mid-training: the run marks its stage failed, gives its folder's lock back, and the job says stopped."""
+    runs = tmp_path / "runs"
+    studio = client(runs)
+    fields = dict(o.split("=", 1) for o in tiny_overrides if not o.startswith(("output_dir=", "name=")))
+    submit(studio, name="long", **{**fields, "train.max_steps": "500", "train.eval_steps": "500", "train.save_steps": "500"})
+    queue = studio.app.state.queue
+    wait_for(lambda: queue.tick() or history(RunDir(runs / "long")), timeout_s=300)
+    page = studio.get("/runs/long").text
+    assert 'id="stop-1"' in page and "running" in page
+    assert studio.post("/jobs/1/stop", data={"csrf": csrf_of(page)}, follow_redirects=False).status_code == 303
+    wait_for(lambda: queue.tick() or queue.jobs()[0].status != "running", timeout_s=60)
+    assert queue.jobs()[0].status == "stopped" and queue.jobs()[0].exit_code not in (0, None, -9)
+    assert RunDir(runs / "long").status() == "failed" and not locks.is_held(run_lock(runs / "long"))
+    assert len(history(RunDir(runs / "long"))) < 500
