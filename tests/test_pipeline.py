@@ -52,7 +52,10 @@ def test_run_end_to_end(tiny_overrides, tmp_path, capsys):
     assert merge["merged"] is True and merge["max_logit_diff"] < 1e-4 and merge["rows_checked"] == 8
     assert run_info["merged_eval"] == merge and "merge" not in json.loads((run_dir / "baseline" / "metrics.json").read_text())
     assert "Adapter merged into the float32 weights" in out
-    assert "Adapter merged into the float32 weights" in (run_dir / "report.html").read_text()
+    report = (run_dir / "report.html").read_text()
+    assert "Adapter merged into the float32 weights" in report
+    # the page is written during its own stage; the finished run's page says finished, every stage done
+    assert "<td>finished (started" in report and ">running<" not in report and "running (started" not in report
 
     meta = json.loads((run_dir / "adapter" / "emotune.json").read_text())
     assert meta["labels"] == ["sadness", "joy", "love", "anger", "fear", "surprise"]

@@ -185,6 +185,14 @@ def report_stage(ctx: Context) -> None:
     write_report(ctx.run.root)
 
 
+def _report_finished(ctx: Context) -> None:
+    """report.html once more, now that run.json says finished: the report stage wrote it while that stage (and so
+    the run) was still running, and a page that says "running" for a finished run is wrong forever."""
+    from emotune.report.page import write_report
+
+    write_report(ctx.run.root)
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -240,6 +248,7 @@ def run(cfg: RunConfig) -> dict:
     print(ctx.task.describe_data(ctx.data), flush=True)
     run_stages(ctx, RUN[1:])
     ctx.log.finish(ctx.task.outputs(ctx.run, cfg))
+    _report_finished(ctx)
     drop_previous(ctx.run)
     comparison = _read_comparison(ctx)
     print(ctx.task.format_comparison(comparison, ctx.data, cfg))
