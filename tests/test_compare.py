@@ -138,6 +138,7 @@ def test_the_table_holds_setup_scores_intervals_and_the_paired_test(runs, tmp_pa
     assert "| head | classify_head/head |" in (out / "compare.md").read_text(encoding="utf-8")
     page = (out / "compare.html").read_text(encoding="utf-8")
     assert "F1 per class, side by side" in page and page.count("<th>anger</th>") == 1 and "<script" not in page
+    assert page.count("<img alt='headline scores with 95% intervals") == 1 and "src='data:image/png;base64," in page
     assert json.loads((out / "compare.json").read_text(encoding="utf-8")) == json.loads(json.dumps(table))
 
 

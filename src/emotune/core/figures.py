@@ -104,14 +104,15 @@ def missing_glyphs(text: str, prop) -> set[str]:
     return {ch for ch in text if not ch.isspace() and not any(ord(ch) in covered(f) for f in files)}
 
 
-def embed_figure(fig, path: Path, alt: str) -> str:
-    """The figure as an inline <img> (saved as a PNG at `path` too)."""
+def embed_figure(fig, path: Path | None, alt: str) -> str:
+    """The figure as an inline <img>, saved as a PNG at `path` too (None: inline only)."""
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     data = buffer.getvalue()
-    with atomic_file(path) as tmp:
-        tmp.write_bytes(data)
+    if path is not None:
+        with atomic_file(path) as tmp:
+            tmp.write_bytes(data)
     return f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(data).decode()}'></figure>"

@@ -69,17 +69,23 @@ def compare_runs(run_dirs: list[str], out: str | Path | None = None, allow_misma
     """Read, check and pair the runs, print the table and write it into `out` (default ./compare)."""
     target = Path(out) if out is not None else DEFAULT_OUT
     check_out(target)  # before the work, so a wrong --out costs nothing
+    table = comparison_table(run_dirs, allow_mismatch)
+    print(render(table))
+    write_outputs(table, target)
+    print(f"\nWritten: {', '.join(str(target / name) for name in FILES)}")
+    return table
+
+
+def comparison_table(run_dirs: list[str | Path], allow_mismatch: bool = False) -> dict:
+    """The runs read, checked, scored with intervals and paired with the first: the summary every output shows
+    (also the studio's compare page). UserError when a folder is no finished run or the runs measured other rows."""
     entries = [entry for path in run_dirs for entry in read_run(Path(path))]
     _name_runs(entries)
     check_comparable(entries, allow_mismatch)
     for entry in entries:
         entry.scores = headline_scores(entry)
     pair_with_first(entries)
-    table = summary(entries)
-    print(render(table))
-    write_outputs(table, target)
-    print(f"\nWritten: {', '.join(str(target / name) for name in FILES)}")
-    return table
+    return summary(entries)
 
 
 # --------------------------------------------------------------------------------------------------

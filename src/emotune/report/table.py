@@ -173,13 +173,50 @@ def _per_class_table(table: dict) -> str:
             "</section>")
 
 
+def html_sections(table: dict) -> list[str]:
+    """The page's sections: quality, the headline scores as a figure, setup and cost, per class, notes."""
+    return [f"<section id=quality><h2>Quality</h2>{_html_table(*quality_table(table), 'after fine-tuning')}</section>",
+            f"<section id=figure><h2>Headline scores</h2>{score_figure(table)}</section>",
+            f"<section id=setup><h2>Setup and cost</h2>"
+            f"{_html_table(*setup_table(table), 'from config.yaml, run.json and the training log')}</section>",
+            _per_class_table(table),
+            "<section id=notes><h2>Notes</h2>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes(table)) + "</section>"]
+
+
 def html_page(table: dict) -> str:
-    sections = [f"<section id=quality><h2>Quality</h2>{_html_table(*quality_table(table), 'after fine-tuning')}</section>",
-                f"<section id=setup><h2>Setup and cost</h2>"
-                f"{_html_table(*setup_table(table), 'from config.yaml, run.json and the training log')}</section>",
-                _per_class_table(table),
-                "<section id=notes><h2>Notes</h2>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes(table)) + "</section>"]
-    return page("emotune compare", sections)
+    return page("emotune compare", html_sections(table))
+
+
+def score_figure(table: dict) -> str:
+    """Each row's headline scores (macro-F1 and accuracy; generation: ROUGE-L and exact match) as points with their
+    95% intervals as whiskers, one line per row: overlapping whiskers are the first hint that a difference is noise
+    (the paired test in the quality table is the real answer)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from emotune.core.figures import embed_figure, figure_fonts
+
+    rows, scores = table["rows"], SCORES[table["kind"]]
+    with figure_fonts():
+        fig, axes = plt.subplots(1, len(scores), figsize=(4.2 * len(scores), 0.5 * len(rows) + 1.4), squeeze=False)
+        names = [f"{row['run']} ({row['name']})" for row in rows]
+        for ax, (key, title) in zip(axes[0], scores, strict=True):
+            for y, row in enumerate(rows):
+                score = row["scores"].get(key) or {}
+                value, interval = score.get("value"), score.get("interval")
+                if value is None:
+                    continue
+                if interval:
+                    ax.plot(interval, [y, y], color="#2563eb", linewidth=2)
+                ax.plot([value], [y], "o", color="#1d2430")
+            ax.set_yticks(range(len(rows)), names if ax is axes[0][0] else [""] * len(rows))
+            ax.set_ylim(len(rows) - 0.5, -0.5)
+            ax.set_title(f"{title} (95% interval)")
+            ax.grid(axis="x", alpha=0.3)
+        fig.tight_layout()
+        return embed_figure(fig, None, "headline scores with 95% intervals, one line per run")
 
 
 def check_out(out: Path) -> None:
