@@ -148,9 +148,11 @@ def test_non_loopback_studio_needs_the_token(runs, monkeypatch, tmp_path):
     refused = remote.get("/")
     assert refused.status_code == 401 and TOKEN not in refused.text
     assert remote.get("/runs/alpha/files/report.html").status_code == 401
-    assert remote.get("/login", params={"token": "wrong" * 5}).status_code == 401
+    assert remote.post("/login", data={"token": "wrong" * 5}).status_code == 401
     assert remote.get("/", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
-    assert remote.get("/login", params={"token": TOKEN}).status_code == 200  # follows the redirect, cookie set
+    assert remote.get("/login", params={"token": TOKEN}).status_code == 200 and remote.get("/").status_code == 401
+    assert remote.post("/login", data={"token": TOKEN}).status_code == 200  # follows the redirect, cookie set
+    assert remote.get("/").status_code == 200
     page = remote.get("/runs/alpha")
     assert page.status_code == 200 and TOKEN not in page.text
 
@@ -257,3 +259,239 @@ def test_stop_from_the_page_ends_a_training_run_cleanly(tmp_path, tiny_overrides
     assert queue.jobs()[0].status == "stopped" and queue.jobs()[0].exit_code not in (0, None, -9)
     assert RunDir(runs / "long").status() == "failed" and not locks.is_held(run_lock(runs / "long"))
     assert len(history(RunDir(runs / "long"))) < 500
+
+
+def test_a_cut_stream_resumes_after_the_last_id_without_a_gap(runs):
+    """stream_s=0: every stream ends after one look at the log, as a proxy cutting the connection would; each
+    reconnect with Last-Event-ID gets only what came after, and the end once the run ended."""
+    studio, beta, seen = client(runs, stream_s=0.0), runs / "beta", []
+
+    def reconnect() -> list[dict]:
+        events = parse_events(studio.get("/runs/beta/events", headers={"Last-Event-ID": str(len(seen))}).text)
+        seen.extend(json.loads(e["data"])["step"] for e in events if e.get("event") == "progress")
+        return events
+
+    assert [e.get("event") for e in reconnect()] == ["progress", "progress"]  # cut: no end event, the run goes on
+    assert reconnect() == []
+    with (beta / "train" / "log_history.jsonl").open("a") as handle:
+        handle.write(json.dumps({"step": 3, "loss": 1.0}) + "\n")
+    write_json(beta / "run.json", {"task": "classify", "status": "finished", "stages": {}})
+    assert [e.get("event") for e in reconnect()] == ["progress", "end"]
+    assert seen == [1, 2, 3]
+
+
+def test_the_cjk_font_is_served_locally_and_asked_for_only_for_cjk_text(runs):
+    page = client(runs).get("/").text
+    assert 'src: url("/static/cjk.otf")' in page and "unicode-range: U+2E80" in page
+    font = client(runs).get("/static/cjk.otf")
+    assert font.status_code == 200 and font.content[:4] == b"OTTO" and len(font.content) > 1_000_000
+
+
+LF_YAML = """model_name_or_path: {model}
+stage: sft
+do_train: true
+finetuning_type: lora
+lora_rank: 4
+dataset: emotion_alpaca
+dataset_dir: {data}
+template: gemma3
+learning_rate: 3.0e-4
+max_steps: 7
+output_dir: saves/tiny-lf
+"""
+
+
+def test_a_llamafactory_yaml_fills_the_sft_form_with_its_translation(runs, tiny_model_dir):
+    studio = client(runs)
+    csrf = studio.app.state.csrf
+    page = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": LF_YAML.format(
+        model=tiny_model_dir, data="/data/lf")})
+    assert page.status_code == 200
+    assert 'name="task" value="sft"' in page.text and "The LLaMA-Factory file, translated" in page.text
+    assert re.search(r'id="f-train\.learning_rate" name="train\.learning_rate" value="0\.0003"', page.text)
+    assert re.search(r'id="f-train\.max_steps" name="train\.max_steps" value="7"', page.text)
+    assert re.search(r'id="f-lora\.r" name="lora\.r" value="4"', page.text)
+    assert f'value="{tiny_model_dir}"' in page.text and "learning_rate: 0.0003" in page.text  # the translation shown
+    assert not list((runs / ".studio").glob("jobs/*.json")) if (runs / ".studio").exists() else True  # nothing queued
+    refused = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": "task: classify\nname: x\n"})
+    assert refused.status_code == 400 and "not a LLaMA-Factory training config" in refused.text
+    broken = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": "model_name_or_path: [\n"})
+    assert broken.status_code == 400 and "not valid YAML" in broken.text
+    assert studio.post("/new/llamafactory", data={"llamafactory": LF_YAML}).status_code == 403  # CSRF
+
+
+def make_sweep(runs: Path, finished: list[Path]) -> Path:
+    """A sweep folder as `emotune sweep` leaves it: sweep.json, trials.csv, best.yaml and the trials' run folders
+    (copies of real finished runs)."""
+    import shutil
+
+    folder = runs / "lr-sweep"
+    trials = []
+    for i, run in enumerate(finished):
+        shutil.copytree(run, folder / f"lr_{i}")
+        trials.append({"name": f"lr_{i}", "status": "finished", "value": 0.5 + i / 10,
+                       "overrides": [f"train.learning_rate={i + 1}e-3"]})
+    trials.append({"name": "lr_9", "status": "running", "overrides": ["train.learning_rate=9e-3"]})
+    write_json(folder / "sweep.json", {"plan": {"mode": "grid", "metric": "macro_f1"}, "trials": trials,
+                                       "status": "running"})
+    write_text(folder / "trials.csv", "trial,train.learning_rate,macro_f1,status\nlr_1,2e-3,0.6000000123,finished\n"
+                                      "lr_0,1e-3,0.5,finished\n")
+    write_text(folder / "best.yaml", "# The best trial\ntask: classify\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory, tiny_model_dir, data_dir) -> Path:
+    """Two real tiny runs (emotune run, 2 steps each, different learning rates) in one runs folder."""
+    from emotune.cli import main
+
+    folder = tmp_path_factory.mktemp("studio") / "runs"
+    for name, lr in (("first", "0.01"), ("second", "0.02")):
+        assert main(["run", f"model.source={tiny_model_dir}", f"data.source={data_dir}", f"output_dir={folder}",
+                     f"name={name}", "data.label_names=[sadness, joy, love, anger, fear, surprise]", "train.max_steps=2",
+                     "train.batch_size=4", "train.gradient_accumulation_steps=1", "train.gradient_checkpointing=false",
+                     "train.precision=fp32", "train.eval_steps=1", "train.save_steps=1", "train.logging_steps=1",
+                     f"train.learning_rate={lr}", "eval.batch_size=5",
+                     f"model.cache_dir={folder.parent / 'cache'}"]) == 0
+    return folder
+
+
+@pytest.mark.slow
+def test_compare_two_runs_and_a_sweeps_trials(finished_runs):
+    from emotune.report.compare import comparison_table
+
+    studio = client(finished_runs)
+    runs_page = studio.get("/").text
+    assert 'name="run" value="first" form="compare"' in runs_page and 'action="/compare"' in runs_page
+    page = studio.get("/compare", params=[("run", "first"), ("run", "second")])
+    assert page.status_code == 200
+    table = comparison_table([finished_runs / "first", finished_runs / "second"])
+    assert "<section id=quality>" in page.text and "headline scores with 95% intervals" in page.text
+    assert f"{table['rows'][1]['scores']['macro_f1']['value']:.3f}" in page.text and "reference" in page.text
+    assert studio.get("/compare", params=[("run", "first")]).status_code == 400
+    assert studio.get("/compare", params=[("run", "first"), ("run", "../first")]).status_code == 404
+
+    sweep = make_sweep(finished_runs, [finished_runs / "first", finished_runs / "second"])
+    try:
+        assert 'href="/sweeps/lr-sweep"' in studio.get("/").text
+        page = studio.get("/sweeps/lr-sweep").text
+        assert "Trials table" in page and "<td>0.6</td>" in page and "train.learning_rate=9e-3" in page
+        assert 'href="/sweeps/lr-sweep/files/lr_0/report.html"' in page and "best.yaml" in page
+        assert studio.get("/sweeps/lr-sweep/files/lr_0/report.html").status_code == 200
+        assert studio.get("/sweeps/lr-sweep/files/../first/config.yaml").status_code == 404
+        trials = studio.get("/compare", params=[("run", "lr-sweep/lr_0"), ("run", "lr-sweep/lr_1")])
+        assert trials.status_code == 200 and "lr_1" in trials.text
+        assert studio.get("/compare", params=[("run", "lr-sweep/lr_9"), ("run", "first")]).status_code == 404
+    finally:
+        import shutil
+
+        shutil.rmtree(sweep)
+
+
+def test_other_test_rows_are_refused_with_the_reason_and_can_be_shown_marked(finished_runs, tmp_path):
+    import csv
+    import shutil
+
+    other = finished_runs / "fewer-rows"
+    shutil.copytree(finished_runs / "second", other)
+    try:
+        path = other / "finetuned" / "predictions.csv"
+        with path.open(encoding="utf-8", newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        with path.open("w", encoding="utf-8", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows[:-1])
+        studio = client(finished_runs)
+        refused = studio.get("/compare", params=[("run", "first"), ("run", "fewer-rows")])
+        assert refused.status_code == 400 and "other test rows" in refused.text and "mismatch=1" in refused.text
+        shown = studio.get("/compare", params=[("run", "first"), ("run", "fewer-rows"), ("mismatch", "1")])
+        assert shown.status_code == 200 and "not comparable" in shown.text
+    finally:
+        shutil.rmtree(other)
+
+
+def test_try_classify_gives_the_models_probabilities(finished_runs, tiny_model_dir):
+    from emotune.model.artifacts import find_artifact
+    from emotune.serve.engine import Engine
+
+    studio = client(finished_runs)
+    csrf = studio.app.state.csrf
+    assert 'href="/runs/first/try"' in studio.get("/runs/first").text
+    page = studio.get("/runs/first/try")
+    assert page.status_code == 200 and 'id="try-classify"' in page.text and "sadness, joy, love" in page.text
+    text = "i feel so happy and free today"
+    answer = studio.post("/runs/first/classify", data={"csrf": csrf, "text": text})
+    assert answer.status_code == 200
+    probs = {row["label"]: row["p"] for row in answer.json()["probs"]}
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-5) and answer.json()["label"] == max(probs, key=probs.get)
+    artifact = find_artifact(finished_runs / "first", name="first")
+    engine = Engine(artifact.model_cfg, "cpu")
+    engine.add_adapter(artifact)
+    expected = engine.classify("first", [text], artifact.prompt, artifact.labels, 1)[0].tolist()
+    assert [probs[label] for label in artifact.labels] == pytest.approx(expected, abs=1e-5)  # as `emotune serve` scores
+    assert studio.post("/runs/first/classify", data={"csrf": csrf, "text": " "}).status_code == 422
+    assert studio.post("/runs/first/classify", data={"csrf": csrf, "text": "x" * 4001}).status_code == 422
+    assert studio.post("/runs/first/classify", data={"text": text}).status_code == 403
+    chat = studio.post("/runs/first/chat", data={"csrf": csrf, "messages": json.dumps([{"role": "user", "content": "hi"}])})
+    assert chat.status_code == 422 and "answers with a label" in chat.json()["error"]
+
+
+def test_try_is_refused_while_training_holds_the_device_and_training_waits_for_a_try(finished_runs):
+    from emotune.studio.jobs import Job
+
+    studio = client(finished_runs)
+    csrf, queue, tryout = studio.app.state.csrf, studio.app.state.queue, studio.app.state.tryout
+    queue.folder.mkdir(parents=True, exist_ok=True)
+    try:
+        queue._save(Job(1, "third", status="running", pid=None))
+        refused = studio.post("/runs/first/classify", data={"csrf": csrf, "text": "a text"})
+        assert refused.status_code == 409 and "Training job 1 (run `third`) holds the device" in refused.json()["error"]
+        queue._save(Job(1, "third", status="finished"))
+        assert studio.post("/runs/first/classify", data={"csrf": csrf, "text": "a text"}).status_code == 200
+        assert tryout.engine is not None  # the model stays loaded for the next try
+        with tryout.lock:  # a try is running: a queued job waits, and the model stays
+            assert tryout.idle() is False
+        assert tryout.idle() is True and tryout.engine is None  # no try: the model is unloaded before training
+    finally:
+        import shutil
+
+        shutil.rmtree(finished_runs / ".studio")
+
+
+def test_try_chat_streams_the_sft_models_greedy_reply(tmp_path, tiny_model_dir):
+    from conftest import write_tiny_adapter
+
+    from emotune.model.artifacts import find_artifact
+    from emotune.serve.chat import render_conversation
+    from emotune.serve.engine import Engine
+
+    runs = tmp_path / "runs"
+    write_tiny_adapter(tiny_model_dir, runs / "chatty", task="sft")
+    studio = client(runs)
+    csrf = studio.app.state.csrf
+    assert 'id="try-chat"' in studio.get("/runs/chatty/try").text
+    messages = [{"role": "user", "content": "Write one line about rain."}]
+    pieces = []
+    with studio.stream("POST", "/runs/chatty/chat", data={"csrf": csrf, "messages": json.dumps(messages),
+                                                          "max_tokens": "20"}) as reply:
+        assert reply.status_code == 200
+        pieces = list(reply.iter_text())
+    artifact = find_artifact(runs / "chatty", name="chatty")
+    engine = Engine(artifact.model_cfg, "cpu")
+    engine.add_adapter(artifact)
+    loaded = engine.models["chatty"]
+    ids = loaded.tokenizer(render_conversation(messages, loaded), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with engine.using("chatty"):
+        out = engine.model.generate(input_ids=ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=20,
+                                    do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id)
+    expected = loaded.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert "".join(pieces).strip() == expected and expected  # the same words, in order, as one generate call
+    assert studio.post("/runs/chatty/classify", data={"csrf": csrf, "text": "x"}).status_code == 422
+    assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": "not json"}).status_code == 422
+    assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": "[]"}).status_code == 422
+    bad_role = json.dumps([{"role": "tool", "content": "x"}])
+    assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": bad_role}).status_code == 422
+    assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": json.dumps(messages),
+                                                  "max_tokens": "100000"}).status_code == 422
+    assert studio.get("/runs/nope/try").status_code == 404

@@ -67,7 +67,13 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
 
 
 def _render(body: ChatRequest, loaded: Loaded) -> str:
-    messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+    return render_conversation([m.model_dump(include={"role", "content"}) for m in body.messages], loaded)
+
+
+def render_conversation(messages: list[dict], loaded: Loaded) -> str:
+    """The prompt for `messages` ({"role", "content"} each) through the model's chat template, the sft adapter's own
+    system prompt first when the conversation has none; APIError 422 when the template rejects the messages."""
+    messages = list(messages)
     system = loaded.artifact.sft_system_prompt if loaded.artifact is not None else None
     if system and not any(m["role"] == "system" for m in messages):  # answer under the prompt it was trained with
         messages.insert(0, {"role": "system", "content": system})

@@ -17,6 +17,7 @@ import json
 import math
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -24,29 +25,53 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 
 from emotune.core.config.base import RUN_NAME
 from emotune.core.config.build import TASK_CONFIGS
+from emotune.core.errors import UserError
+from emotune.core.figures import packaged_cjk_font
 from emotune.core.rundir import RunDir
+from emotune.report.compare import comparison_table
+from emotune.report.table import html_sections
 from emotune.serve.guards import TrustedHosts, is_loopback
 from emotune.studio import form, pages
 from emotune.studio.jobs import FINAL, JobQueue, worker
-from emotune.studio.runs import NotInRuns, artifacts, history, inside, list_runs, log_tail, run_folder, summarize
+from emotune.studio.runs import (
+    NotInRuns,
+    any_run,
+    artifacts,
+    history,
+    inside,
+    list_runs,
+    list_sweeps,
+    log_tail,
+    run_details,
+    run_folder,
+    summarize,
+    summarize_sweep,
+    sweep_folder,
+)
+from emotune.studio.tryout import MAX_NEW_TOKENS, Refused, Tryout
 
 TOKEN_COOKIE = "emotune_studio_token"
 POLL_S = 0.5  # how often a live stream looks at the training log for new lines
+STREAM_S = 300.0  # a progress stream is ended after this long; the browser reconnects at once with Last-Event-ID
 MAX_FORM_BYTES = 1 << 20
 
 
 def create_app(runs: Path, host: str = "127.0.0.1", token: str | None = None, poll_s: float = POLL_S,
-               jobs_interval_s: float | None = 1.0) -> TrustedHosts:
+               jobs_interval_s: float | None = 1.0, stream_s: float = STREAM_S, device: str = "auto") -> TrustedHosts:
     """The studio for the run folders under `runs`, bound to `host`; a non-loopback `host` needs `token`.
-    `jobs_interval_s`: how often the queue moves on (None: only when a test calls `app.state.queue.tick()`)."""
+    `jobs_interval_s`: how often the queue moves on (None: only when a test calls `app.state.queue.tick()`).
+    `stream_s`: how long one progress stream lasts before the browser is made to reconnect (proxies and tunnels cut
+    long connections anyway; this way a reconnect is the ordinary case). `device`: where tried models run."""
     if not is_loopback(host) and not token:
         raise ValueError("a studio on a non-loopback host needs a token")
     runs = Path(runs).resolve()
     queue, csrf = JobQueue(runs), secrets.token_urlsafe(24)
+    tryout = Tryout(queue.training, device)
+    queue.ready = tryout.idle  # a training job waits for a try to end, and frees the tried model first
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -58,10 +83,12 @@ def create_app(runs: Path, host: str = "127.0.0.1", token: str | None = None, po
             thread.join(timeout=5)
 
     app = FastAPI(title="emotune studio", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.queue, app.state.csrf = queue, csrf
+    app.state.queue, app.state.csrf, app.state.tryout = queue, csrf, tryout
     _guard_routes(app, token, csrf)
-    _run_routes(app, runs, queue, csrf, poll_s)
+    _run_routes(app, runs, queue, csrf, poll_s, stream_s)
     _job_routes(app, runs, queue, csrf)
+    _compare_routes(app, runs)
+    _try_routes(app, runs, tryout, csrf)
     # the same Host/Origin guard as `emotune serve`: no DNS rebinding onto a loopback studio, no cross-site calls
     guarded = TrustedHosts(app, host, [])
     guarded.state = app.state
@@ -71,13 +98,11 @@ def create_app(runs: Path, host: str = "127.0.0.1", token: str | None = None, po
 def _guard_routes(app: FastAPI, token: str | None, csrf: str) -> None:
     @app.middleware("http")
     async def require_token_and_csrf(request: Request, call_next):
-        if token is not None and request.url.path != "/login":
+        if token is not None and request.url.path not in ("/login", "/static/studio.js"):
             sent = request.cookies.get(TOKEN_COOKIE) or request.headers.get("authorization", "").removeprefix("Bearer ")
             if not hmac.compare_digest(sent.encode(), token.encode()):
-                return PlainTextResponse("This studio needs its token: open /login?token=... once (the token is in "
-                                         "EMOTUNE_STUDIO_TOKEN or the --token-file where the studio was started).",
-                                         status_code=401)
-        if request.method == "POST":
+                return HTMLResponse(pages.login_page("This studio needs its token."), status_code=401)
+        if request.method == "POST" and request.url.path != "/login":
             body = await request.body()
             if len(body) > MAX_FORM_BYTES:
                 return PlainTextResponse("The form is larger than 1 MiB.", status_code=413)
@@ -87,11 +112,17 @@ def _guard_routes(app: FastAPI, token: str | None, csrf: str) -> None:
                                          status_code=403)
         return await call_next(request)
 
-    @app.get("/login")
-    def login(request: Request) -> Response:
-        sent = request.query_params.get("token", "")
+    @app.get("/login", response_class=HTMLResponse)
+    def login_form() -> str:
+        return pages.login_page("")
+
+    @app.post("/login")
+    async def login(request: Request) -> Response:
+        """The token typed into the login form (a POST: a token in a URL would stay in the browser's history)."""
+        body = await request.body()
+        sent = (parse_qs(body[:4096].decode("utf-8", errors="replace")).get("token") or [""])[0]
         if token is None or not hmac.compare_digest(sent.encode(), token.encode()):
-            return PlainTextResponse("Wrong or missing token.", status_code=401)
+            return HTMLResponse(pages.login_page("Wrong token."), status_code=401)
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
         return response
@@ -101,11 +132,20 @@ def _guard_routes(app: FastAPI, token: str | None, csrf: str) -> None:
         text = resources.files("emotune.studio").joinpath("static/studio.js").read_text(encoding="utf-8")
         return Response(text, media_type="text/javascript")
 
+    @app.get("/static/cjk.otf")
+    def cjk_font() -> Response:
+        """Noto Sans SC, the font emotune's figures use for Chinese (a dependency): Chinese labels render on a
+        machine without CJK fonts, and nothing is fetched from a font CDN. The page asks for it only for CJK text."""
+        font = packaged_cjk_font()
+        if font is None:
+            return PlainTextResponse("No packaged CJK font (pylopdf-fonts-zh-cn is not installed).", status_code=404)
+        return FileResponse(font, media_type="font/otf", headers={"Cache-Control": "max-age=86400"})
 
-def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: float) -> None:
+
+def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: float, stream_s: float) -> None:
     @app.get("/", response_class=HTMLResponse)
     def runs_table() -> str:
-        return pages.runs_page(list_runs(runs), str(runs), pages.jobs_list(queue.jobs(), csrf))
+        return pages.runs_page(list_runs(runs), str(runs), pages.jobs_list(queue.jobs(), csrf), list_sweeps(runs))
 
     @app.get("/api/runs")
     def runs_json() -> list[dict]:
@@ -123,7 +163,8 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
                     if job is not None else "")
         log = log_tail(queue.log(job)) if job is not None else ""
         return HTMLResponse(pages.run_page(summary, run.saved_config() or "", len(history(run)), artifacts(run)
-                                           if run.root.is_dir() else [], log, run.report_html.is_file(), job_html))
+                                           if run.root.is_dir() else [], log, run.report_html.is_file(), job_html,
+                                           run_details(run)))
 
     @app.get("/runs/{name}/files/{path:path}")
     def run_file(name: str, path: str) -> Response:
@@ -143,7 +184,7 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
             return HTMLResponse(pages.not_found(f"No run folder `{name}` in the runs folder."), status_code=404)
         last = request.headers.get("last-event-id", "0")
         start = int(last) if last.isdigit() else 0
-        return StreamingResponse(_events(run, queue, start, request, poll_s), media_type="text/event-stream",
+        return StreamingResponse(_events(run, queue, start, request, poll_s, stream_s), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
@@ -166,12 +207,126 @@ def _job_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str) -> None:
         queue.submit(name, config_yaml)
         return RedirectResponse(f"/runs/{quote(name)}", status_code=303)
 
+    @app.post("/new/llamafactory", response_class=HTMLResponse)
+    async def from_llamafactory(request: Request) -> Response:
+        """A LLaMA-Factory training YAML, pasted or read from a file by the page: translated into the sft form,
+        every translated field filled in and the translation shown above it; nothing is queued until it is sent."""
+        submitted = parse_qs((await request.body()).decode("utf-8", errors="replace"), keep_blank_values=True)
+        values, problems, notes = form.from_llamafactory((submitted.get("llamafactory") or [""])[0])
+        return HTMLResponse(pages.form_page("sft", list(TASK_CONFIGS), form.fields("sft"), values, problems, csrf, notes),
+                            status_code=400 if problems.get("") and not values else 200)
+
     @app.post("/jobs/{job_id}/stop")
     def stop_job(job_id: int) -> Response:
         job = queue.stop(job_id)
         if job is None:
             return HTMLResponse(pages.not_found(f"No job {job_id}."), status_code=404)
         return RedirectResponse(f"/runs/{quote(job.name)}", status_code=303)
+
+
+def _compare_routes(app: FastAPI, runs: Path) -> None:
+    @app.get("/compare", response_class=HTMLResponse)
+    def compare(request: Request) -> Response:
+        """The runs picked on the runs table (`?run=A&run=B`, a sweep's trials as SWEEP/TRIAL) side by side: the
+        quality table with intervals and the paired test against the first, the figure, setup and cost, per class."""
+        names = request.query_params.getlist("run")
+        mismatch = request.query_params.get("mismatch") == "1"
+        if len(names) < 2:
+            return HTMLResponse(pages.compare_page(names, [], "Pick two or more runs on the runs table to compare."),
+                                status_code=400)
+        try:
+            folders = [any_run(runs, name).root for name in names]
+        except NotInRuns as err:
+            return HTMLResponse(pages.not_found(f"No run folder `{err}` in the runs folder."), status_code=404)
+        try:
+            table = comparison_table(folders, allow_mismatch=mismatch)
+        except UserError as err:
+            return HTMLResponse(pages.compare_page(names, [], str(err), offer_mismatch=not mismatch), status_code=400)
+        return HTMLResponse(pages.compare_page(names, html_sections(table), ""))
+
+    @app.get("/sweeps/{name}", response_class=HTMLResponse)
+    def sweep_page(name: str) -> Response:
+        try:
+            folder = sweep_folder(runs, name)
+        except NotInRuns:
+            return HTMLResponse(pages.not_found(f"No sweep folder `{name}` in the runs folder."), status_code=404)
+        return HTMLResponse(pages.sweep_page(summarize_sweep(folder), _trials(folder)))
+
+    @app.get("/sweeps/{name}/files/{path:path}")
+    def sweep_file(name: str, path: str) -> Response:
+        try:
+            sweep_folder(runs, name)
+            file = inside(runs, f"{name}/{path}")
+        except NotInRuns:
+            return HTMLResponse(pages.not_found(f"No file `{path}` in sweep `{name}`."), status_code=404)
+        if not file.is_file():
+            return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
+        return FileResponse(file)
+
+
+def _trials(folder: Path) -> list[str]:
+    """The sweep's trial run folders that hold a report."""
+    return sorted(p.name for p in folder.iterdir() if (p / "report.html").is_file())
+
+
+def _try_routes(app: FastAPI, runs: Path, tryout: Tryout, csrf: str) -> None:
+    @app.get("/runs/{name}/try", response_class=HTMLResponse)
+    def try_page(name: str) -> Response:
+        try:
+            run = run_folder(runs, name)
+        except NotInRuns:
+            return HTMLResponse(pages.not_found(f"No run folder `{name}` in the runs folder."), status_code=404)
+        try:
+            artifact = tryout.artifact_of(run)
+        except Refused as err:
+            return HTMLResponse(pages.try_page(name, None, [], csrf, str(err), MAX_NEW_TOKENS), status_code=409)
+        return HTMLResponse(pages.try_page(name, "chat" if artifact.answers_freely else "classify", artifact.labels
+                                           if not artifact.answers_freely else [], csrf, "", MAX_NEW_TOKENS))
+
+    @app.post("/runs/{name}/classify")
+    async def classify(name: str, request: Request) -> Response:
+        fields = parse_qs((await request.body()).decode("utf-8", errors="replace"), keep_blank_values=True)
+        try:
+            run = run_folder(runs, name)
+            probs = await asyncio.to_thread(tryout.classify, run, (fields.get("text") or [""])[0])
+        except NotInRuns:
+            return JSONResponse({"error": f"No run folder `{name}` in the runs folder."}, status_code=404)
+        except Refused as err:
+            return JSONResponse({"error": str(err)}, status_code=err.status)
+        return JSONResponse({"label": probs[0][0], "probs": [{"label": k, "p": p} for k, p in probs]})
+
+    @app.post("/runs/{name}/chat")
+    async def chat(name: str, request: Request) -> Response:
+        """The reply streamed as plain text, piece by piece, as it is generated."""
+        fields = parse_qs((await request.body()).decode("utf-8", errors="replace"), keep_blank_values=True)
+        try:
+            messages = json.loads((fields.get("messages") or ["[]"])[0])
+            max_tokens = int((fields.get("max_tokens") or ["128"])[0])
+        except ValueError:
+            return JSONResponse({"error": "`messages` must be a JSON list and `max_tokens` a whole number."},
+                                status_code=422)
+        try:
+            run = run_folder(runs, name)
+            reply = await asyncio.to_thread(tryout.chat, run, messages if isinstance(messages, list) else [], max_tokens)
+        except NotInRuns:
+            return JSONResponse({"error": f"No run folder `{name}` in the runs folder."}, status_code=404)
+        except Refused as err:
+            return JSONResponse({"error": str(err)}, status_code=err.status)
+
+        async def pieces() -> AsyncIterator[str]:
+            try:
+                while True:
+                    piece = await asyncio.to_thread(reply.pieces.get)
+                    if piece is None:
+                        return
+                    if isinstance(piece, BaseException):
+                        yield f"\n[generation failed: {piece}]"
+                        return
+                    yield piece
+            finally:
+                reply.cancel.set()  # the browser left (or the reply ended): the model is free again
+
+        return StreamingResponse(pieces(), media_type="text/plain; charset=utf-8", headers={"Cache-Control": "no-store"})
 
 
 def _run_or_job(runs: Path, queue: JobQueue, name: str):
@@ -183,10 +338,12 @@ def _run_or_job(runs: Path, queue: JobQueue, name: str):
         return (RunDir(runs / name), job) if job is not None else (None, None)
 
 
-async def _events(run: RunDir, queue: JobQueue, start: int, request: Request, poll_s: float) -> AsyncIterator[str]:
-    """Each training log entry after `start` as an SSE event with its position as id; then new ones as they come."""
-    sent = start
-    yield "retry: 1000\n\n"
+async def _events(run: RunDir, queue: JobQueue, start: int, request: Request, poll_s: float,
+                  stream_s: float) -> AsyncIterator[str]:
+    """Each training log entry after `start` as an SSE event with its position as id; then new ones as they come,
+    for `stream_s` at most (the browser then reconnects with the last id it saw)."""
+    sent, began = start, time.monotonic()
+    yield "retry: 500\n\n"
     while True:
         entries = history(run)
         for position in range(sent + 1, len(entries) + 1):
@@ -197,7 +354,7 @@ async def _events(run: RunDir, queue: JobQueue, start: int, request: Request, po
         if (job is None or job.status in FINAL) and status != "running":
             yield f"event: end\ndata: {json.dumps({'status': job.status if job else status, 'entries': sent})}\n\n"
             return
-        if await request.is_disconnected():
+        if await request.is_disconnected() or time.monotonic() - began > stream_s:
             return
         await asyncio.sleep(poll_s)
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,8 +46,10 @@ class Job:
 class JobQueue:
     """The FIFO of runs under one runs folder; `tick()` moves it on (the studio calls it every second)."""
 
-    def __init__(self, runs: Path):
-        self.runs = Path(runs)
+    def __init__(self, runs: Path, ready: Callable[[], bool] | None = None):
+        """`ready()`: asked before a job starts; False keeps it waiting (the studio's model being tried frees the
+        device first, emotune.studio.tryout)."""
+        self.runs, self.ready = Path(runs), ready
         self.folder = self.runs / ".studio" / "jobs"
         self.children: dict[int, subprocess.Popen] = {}  # the jobs this studio process started
         self.lock = threading.Lock()
@@ -95,8 +98,13 @@ class JobQueue:
                 self._follow(job)
             if not any(j.status == "running" for j in self.jobs()):
                 waiting = [j for j in jobs if j.status == "queued"]
-                if waiting:
+                if waiting and (self.ready is None or self.ready()):
                     self._start(waiting[0])
+
+    def training(self) -> str | None:
+        """"Job N (run NAME)" for the job running now, else None."""
+        running = next((j for j in self.jobs() if j.status == "running"), None)
+        return f"Training job {running.id} (run `{running.name}`)" if running is not None else None
 
     def _start(self, job: Job) -> None:
         with self.log(job).open("ab") as log:

@@ -6,13 +6,15 @@ links and `..` included): anything else is `NotInRuns`, which the pages answer w
 
 from __future__ import annotations
 
+import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from emotune.core.rundir import PARTIAL, PREVIOUS, RunDir, read_json
+from emotune.sweep.runner import MANIFEST
 
 HISTORY_LIVE = "log_history.jsonl"  # appended by emotune.train.log.TrainLog while training
 HISTORY_DONE = "log_history.json"  # written whole when training ends (emotune.train.log.write_history)
@@ -58,6 +60,20 @@ def run_folder(runs: Path, name: str) -> RunDir:
     path = inside(runs, name)
     if path.parent != runs.resolve() or not is_run_folder(path):
         raise NotInRuns(name)
+    return RunDir(path)
+
+
+def any_run(runs: Path, relative: str) -> RunDir:
+    """A run folder under the runs folder: `NAME`, or a sweep's trial `SWEEP/TRIAL`; NotInRuns for anything else."""
+    parts = relative.split("/")
+    if len(parts) == 1:
+        return run_folder(runs, relative)
+    if len(parts) != 2 or "\\" in relative or any(not p or p.startswith(".") for p in parts):
+        raise NotInRuns(relative)
+    sweep = sweep_folder(runs, parts[0])
+    path = inside(runs, relative)
+    if path.parent != sweep or not is_run_folder(path):
+        raise NotInRuns(relative)
     return RunDir(path)
 
 
@@ -123,6 +139,28 @@ def history(run: RunDir) -> list[dict]:
     return entries if entries else run.history()
 
 
+def run_details(run: RunDir) -> dict:
+    """What the run page shows beside the curve: the training plan run.json records (micro-batch, accumulation, what
+    fits), the step count asked for (for the ETA), and the latest telemetry sample (memory, CPU, GPU)."""
+    info = read_json(run.run_json) or {}
+    train = ((info.get("stages") or {}).get("train") or {}) if isinstance(info.get("stages"), dict) else {}
+    max_steps = ((saved_config(run).get("train") or {}).get("max_steps"))
+    return {"plan": train.get("plan") if isinstance(train, dict) else None,
+            "max_steps": max_steps if isinstance(max_steps, int) else None, "telemetry": last_line(run.telemetry)}
+
+
+def last_line(path: Path) -> dict | None:
+    """The last whole JSON line of a file (None when there is none)."""
+    for line in reversed(log_tail(path, 5).splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
 def artifacts(run: RunDir) -> list[tuple[str, int]]:
     """Files of the run (relative path, bytes), checkpoints left out, sorted by path."""
     found = []
@@ -143,3 +181,59 @@ def log_tail(path: Path, lines: int = 60) -> str:
         handle.seek(max(0, size - 64 * 1024))
         text = handle.read().decode("utf-8", errors="replace")
     return "\n".join(text.splitlines()[-lines:])
+
+
+# --------------------------------------------------------------------------------------------------
+# Sweeps
+
+
+@dataclass
+class SweepSummary:
+    name: str
+    status: str
+    mode: str
+    metric: str
+    trials: list[dict]  # sweep.json's entries: name, status, value, overrides, ...
+    tables: list[tuple[str, list[str], list[list[str]]]] = field(default_factory=list)  # (name, header, rows)
+    best: str | None = None  # best.yaml's text
+
+
+def is_sweep_folder(path: Path) -> bool:
+    return path.is_dir() and not path.name.startswith(".") and not path.name.endswith((PARTIAL, PREVIOUS)) \
+        and (path / MANIFEST).is_file()
+
+
+def sweep_folder(runs: Path, name: str) -> Path:
+    """The sweep folder `name` directly under the runs folder (`emotune sweep` writes `<name>-sweep/`)."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise NotInRuns(name)
+    path = inside(runs, name)
+    if path.parent != runs.resolve() or not is_sweep_folder(path):
+        raise NotInRuns(name)
+    return path
+
+
+def list_sweeps(runs: Path) -> list[SweepSummary]:
+    if not runs.is_dir():
+        return []
+    folders = sorted((p for p in runs.iterdir() if is_sweep_folder(p)), key=lambda p: p.stat().st_mtime, reverse=True)
+    return [summarize_sweep(p) for p in folders]
+
+
+def summarize_sweep(folder: Path) -> SweepSummary:
+    """sweep.json (the plan and every trial's state, rewritten as trials start and end) and the tables the sweep
+    wrote when it ended (ablation.csv first, then trials.csv)."""
+    manifest = read_json(folder / MANIFEST) or {}
+    plan = manifest.get("plan") or {}
+    tables = []
+    for name in ("ablation", "trials"):
+        path = folder / f"{name}.csv"
+        if path.is_file():
+            with path.open(encoding="utf-8", newline="") as handle:
+                rows = list(csv.reader(handle))
+            if rows:
+                tables.append((name, rows[0], rows[1:]))
+    best = folder / "best.yaml"
+    return SweepSummary(folder.name, str(manifest.get("status") or "?"), str(plan.get("mode") or ""),
+                        str(plan.get("metric") or ""), [t for t in manifest.get("trials") or [] if isinstance(t, dict)],
+                        tables, best.read_text(encoding="utf-8") if best.is_file() else None)
