@@ -461,7 +461,6 @@ def test_try_is_refused_while_training_holds_the_device_and_training_waits_for_a
 
 def test_try_chat_streams_the_sft_models_greedy_reply(tmp_path, tiny_model_dir):
     from conftest import write_tiny_adapter
-
     from emotune.model.artifacts import find_artifact
     from emotune.serve.chat import render_conversation
     from emotune.serve.engine import Engine
