@@ -176,9 +176,10 @@ def jobs_list(jobs: list, csrf: str) -> str:
         return "<p>No jobs started from the studio yet.</p>"
     items = "".join(
         f'<tr><td>{j.id}</td><td><a href="/runs/{quote(j.name)}">{escape(j.name)}</a></td>'
-        f'<td class="status-{escape(j.status)}">{escape(j.status)}{_stopping(j)}</td>'
+        f'<td>{escape(j.device or "?")}</td><td class="status-{escape(j.status)}">{escape(j.status)}{_stopping(j)}</td>'
         f'<td>{stop_button(j, csrf)}</td></tr>' for j in reversed(jobs))
-    return f'<table id="jobs"><thead><tr><th>job</th><th>run</th><th>state</th><th></th></tr></thead><tbody>{items}</tbody></table>'
+    return (f'<p>One job at a time per device, in the order queued.</p><table id="jobs"><thead><tr><th>job</th><th>run</th>'
+            f'<th>device</th><th>state</th><th></th></tr></thead><tbody>{items}</tbody></table>')
 
 
 def _stopping(job) -> str:
