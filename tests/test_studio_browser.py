@@ -18,13 +18,13 @@ from urllib.parse import urlsplit
 
 import pytest
 import uvicorn
-from conftest import write_tiny_adapter
-from test_studio import LF_YAML, TOKEN, make_sweep
 
+from conftest import write_tiny_adapter
 from emotune.cli import main
 from emotune.core.rundir import RunDir
 from emotune.studio.app import create_app
 from emotune.studio.runs import history
+from test_studio import LF_YAML, TOKEN, make_sweep
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 LABELS = "[sadness, joy, love, anger, fear, surprise]"
