@@ -127,3 +127,89 @@ def tiny_gemma3_multimodal(folder: Path):
                 weight.copy_(torch.randn_like(weight) * 0.3)
     model.save_pretrained(folder)
     return folder
+
+
+GEMMA4_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>"]
+
+
+def gemma4_tokenizer(folder: Path):
+    """A byte-fallback BPE shaped like google/gemma-4-E4B-it's tokenizer.json (GemmaTokenizer: spaces normalized to
+    `▁`, <0x00>..<0xFF> byte pieces, merges), trained on the fixture words, with Gemma 4's chat template."""
+    import json
+
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import GemmaTokenizer
+
+    from chat_families import GEMMA4
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    words = FILLER + LABELS + [w for cues in CUES.values() for w in cues]
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))] + ["You are an emotion classifier. Text:"]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=GEMMA4_SPECIALS))
+    model = json.loads(tok.to_str())["model"]
+    pieces = [p for p, _ in sorted(model["vocab"].items(), key=lambda item: item[1]) if p not in GEMMA4_SPECIALS]
+    order = GEMMA4_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    tokenizer = GemmaTokenizer(vocab={p: i for i, p in enumerate(order)}, merges=[tuple(m.split(" ")) for m in merges],
+                               additional_special_tokens=GEMMA4_SPECIALS[5:])
+    tokenizer.chat_template = GEMMA4
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def _gemma4_text(vocab: int, tokenizer, layout: str) -> dict:
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if layout == "e2b":
+        # google/gemma-4-E2B-it text_config: hidden 1,536, 35 layers (4 sliding : 1 full), the last 20 sharing the KV of
+        # the sliding and full layer before them, 8 heads / 1 KV head, head dim 256 sliding / 512 full, per-layer inputs
+        # 256, double-wide MLP in the shared layers, proportional RoPE (0.25) on full layers, soft-cap 30, tied.
+        # Scaled: hidden 48, 5 layers (s s f | s f shared), 4 heads, head dim 16 / 32, per-layer 8, window 8.
+        return dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=48, intermediate_size=96,
+                    num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+                    hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=8,
+                    max_position_embeddings=512, final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                                 "full_attention"], **ids)
+    # the switches transformers' Gemma4TextConfig documents for the large dense layout: keys reused as values on full
+    # layers (attention_k_eq_v) with their own KV head count, no per-layer embeddings, no shared KV layers, untied head
+    return dict(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                hidden_size_per_layer_input=0, sliding_window=8, max_position_embeddings=512, final_logit_softcapping=30.0,
+                rms_norm_eps=1e-6, tie_word_embeddings=False,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], **ids)
+
+
+def tiny_gemma4(folder: Path, layout: str = "e2b", multimodal: bool = False):
+    """A random Gemma 4 text model (`Gemma4ForCausalLM`, or inside `Gemma4ForConditionalGeneration` with tiny vision
+    and audio towers) with `gemma4_tokenizer`. Norms and layer scalars are random and the logits spread past the
+    soft-cap, so a missing norm, scale or cap changes the output."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = gemma4_tokenizer(folder)
+    text = _gemma4_text(len(tokenizer), tokenizer, layout)
+    torch.manual_seed(0)
+    if multimodal:
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, position_embedding_size=64)
+        audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                     output_proj_dims=32)
+        model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=audio,
+                                                            tie_word_embeddings=True, image_token_id=len(tokenizer) - 1))
+    else:
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**text))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "vision" in name or "audio" in name:
+                continue
+            if "norm" in name:
+                weight.copy_(torch.randn_like(weight) * 0.3 + 1.0)
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                weight.mul_(60)  # logits spread past the soft-cap of 30
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(torch.rand_like(buffer) + 0.5)
+    model.save_pretrained(folder)
+    return folder

@@ -129,9 +129,13 @@ def test_quantized_files_hold_quantized_tensors(llama_dir, tmp_path, quant, boun
     assert _logits_gap(llama_dir, target) < bound
 
 
-def test_unsupported_families_are_refused_by_name(tiny_gemma4_dir, tmp_path):
-    with pytest.raises(UserError, match="Gemma 4"):
-        write_gguf(tiny_gemma4_dir, tmp_path / "x.gguf", "f16", META)
+def test_unsupported_families_are_refused_by_name(tmp_path):
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8).save_pretrained(tmp_path / "gemma2")
+    with pytest.raises(UserError, match="Gemma 2.*Supported: Gemma 4"):
+        write_gguf(tmp_path / "gemma2", tmp_path / "x.gguf", "f16", META)
 
 
 def test_gemma3_with_another_query_scale_is_refused(tiny_model_dir, tmp_path):

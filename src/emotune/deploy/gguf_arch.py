@@ -9,7 +9,8 @@ Learned from llama.cpp's own converter (convert_hf_to_gguf.py), written here for
   rotates the two halves of each head (x0, x_d/2) ...; the rows of q_proj and k_proj are reordered per head so
   the same pairs meet. Llama 3.1's `llama3` RoPE scaling becomes a `rope_freqs` tensor of per-frequency divisors.
 - Qwen2 and Qwen3: rotate halves in llama.cpp too (NEOX order), so the weights go as they are.
-A multimodal base (Gemma 3's vision-language checkpoint) exports its text model only.
+- Gemma 4: its own module, emotune.deploy.gguf_gemma4 (two head sizes, shared KV layers, per-layer embeddings).
+A multimodal base (Gemma 3's vision-language checkpoint, Gemma 4's vision-and-audio one) exports its text model only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from gguf import MODEL_ARCH, GGUFWriter, RopeScalingType
 
 from emotune.core.errors import UserError
+from emotune.deploy import gguf_gemma4
 
 
 @dataclass(frozen=True)
@@ -28,22 +30,22 @@ class Family:
     permute_qk: bool = False  # Llama's interleaved RoPE (see the module docstring)
     norm_offset: float = 0.0  # Gemma's x * (1 + w)
     key_length: bool = False  # writes attention.key_length/value_length (head_dim differs from hidden / heads)
+    vocab_model: str = ""  # llama.cpp tokenizer model to write for a tokenizer.json BPE with byte fallback ("" = `llama`)
+    no_lora: tuple[str, ...] = ()  # modules llama.cpp multiplies without applying a LoRA adapter
 
 
 FAMILIES = {
     "gemma3_text": Family(MODEL_ARCH.GEMMA3, norm_offset=1.0, key_length=True),
+    # llama.cpp's gemma4 graph projects the per-layer inputs with a plain matrix product (no adapter applied there)
+    "gemma4_text": Family(MODEL_ARCH.GEMMA4, vocab_model="gemma4", no_lora=("per_layer_model_projection",)),
     "llama": Family(MODEL_ARCH.LLAMA, permute_qk=True),
     "mistral": Family(MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen2": Family(MODEL_ARCH.QWEN2),
     "qwen3": Family(MODEL_ARCH.QWEN3, key_length=True),
 }
-# multimodal checkpoints whose text model is one of the families above (their vision tower is left out)
-TEXT_OF = {"gemma3": "gemma3_text"}
-NOT_YET = {
-    "gemma4": "Gemma 4 (its per-layer embeddings, shared KV layers and two head sizes are not written yet)",
-    "gemma4_text": "Gemma 4 (its per-layer embeddings, shared KV layers and two head sizes are not written yet)",
-    "gemma3n": "Gemma 3n", "gemma3n_text": "Gemma 3n", "gemma2": "Gemma 2", "gemma": "Gemma 1",
-}
+# multimodal checkpoints whose text model is one of the families above (their vision and audio towers are left out)
+TEXT_OF = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+NOT_YET = {"gemma3n": "Gemma 3n", "gemma3n_text": "Gemma 3n", "gemma2": "Gemma 2", "gemma": "Gemma 1"}
 
 
 def family_of(config) -> tuple[str, Family, object]:
@@ -52,8 +54,8 @@ def family_of(config) -> tuple[str, Family, object]:
     text_config = config.get_text_config() if config.model_type in TEXT_OF else config
     if model_type not in FAMILIES:
         what = NOT_YET.get(config.model_type, f"model type `{config.model_type}`")
-        raise UserError(f"GGUF export does not support {what}. Supported: Gemma 3 (text and vision-language bases, "
-                        "the text model is exported), Llama, Mistral, Qwen2 and Qwen3. Export with --format hf (the merged "
+        raise UserError(f"GGUF export does not support {what}. Supported: Gemma 4 and Gemma 3 (text and multimodal "
+                        "bases, the text model is exported), Llama, Mistral, Qwen2 and Qwen3. Export with --format hf (the merged "
                         "Hugging Face folder) and convert it with llama.cpp's convert_hf_to_gguf.py if it knows the model.")
     return model_type, FAMILIES[model_type], text_config
 
@@ -68,6 +70,14 @@ def _rope(config) -> dict:
 
 def check_layout(model_type: str, config) -> None:
     """Refuse a model whose computation llama.cpp would not reproduce (see the module docstring)."""
+    problems = gguf_gemma4.layout_problems(config) if model_type == "gemma4_text" else _layout_problems(model_type, config)
+    if problems:
+        raise UserError(f"This {model_type} model cannot be exported to GGUF as it is: llama.cpp would compute it "
+                        f"differently because of {'; '.join(problems)}. Use the merged Hugging Face folder (--merge) with "
+                        "vLLM or transformers instead.")
+
+
+def _layout_problems(model_type: str, config) -> list[str]:
     problems = []
     rope_type = _rope(config).get("rope_type", "default")
     allowed = {"gemma3_text": ("default", "linear"), "llama": ("default", "linear", "llama3")}.get(model_type, ("default",))
@@ -84,13 +94,13 @@ def check_layout(model_type: str, config) -> None:
         scale = config.query_pre_attn_scalar
         if scale != config.head_dim and not (config.num_hidden_layers == 62 and scale == config.hidden_size // config.num_attention_heads):
             problems.append(f"query_pre_attn_scalar={scale} (llama.cpp scales queries by head_dim={config.head_dim})")
-    if problems:
-        raise UserError(f"This {model_type} model cannot be exported to GGUF as it is: llama.cpp would compute it "
-                        f"differently because of {'; '.join(problems)}. Use the merged Hugging Face folder (--merge) with "
-                        "vLLM or transformers instead.")
+    return problems
 
 
 def write_hparams(writer: GGUFWriter, model_type: str, family: Family, config, vocab_size: int) -> None:
+    if model_type == "gemma4_text":
+        gguf_gemma4.write_hparams(writer, config, vocab_size)
+        return
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
@@ -116,8 +126,11 @@ def write_hparams(writer: GGUFWriter, model_type: str, family: Family, config, v
             writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
 
 
-def rope_freqs(config) -> np.ndarray | None:
-    """Llama 3.1's `llama3` RoPE scaling as llama.cpp reads it: per-frequency divisors of the default angles."""
+def rope_freqs(model_type: str, config) -> np.ndarray | None:
+    """Llama 3.1's `llama3` RoPE scaling as llama.cpp reads it: per-frequency divisors of the default angles;
+    Gemma 4's proportional RoPE (emotune.deploy.gguf_gemma4)."""
+    if model_type == "gemma4_text":
+        return gguf_gemma4.rope_freqs(config)
     rope = _rope(config)
     if rope.get("rope_type") != "llama3":
         return None

@@ -46,6 +46,10 @@ def write_lora_gguf(adapter_dir: Path, base_config, target: Path, name: str) -> 
     for module, (a, b) in sorted(_pairs(weights).items()):
         text_name = gguf_arch_text_name(module)
         stem = names.get_name(text_name)
+        if text_name.rpartition(".")[2] in family.no_lora:
+            raise UserError(f"The adapter trains `{module}`, which llama.cpp's {arch_name(family)} graph multiplies "
+                            "without applying adapters, so the adapter GGUF would silently lose it. Export the merged "
+                            "model instead (its GGUF has the change folded in).")
         if stem is None:
             raise UserError(f"The adapter trains `{module}`, which has no place in llama.cpp's "
                             f"{arch_name(family)} layout, so llama.cpp cannot apply it. Export the merged model instead.")

@@ -6,7 +6,8 @@ Three sources, most faithful first:
 - `tokenizer.json`: a byte-level BPE (Llama 3, Qwen) becomes llama.cpp's `gpt2` model with its merges and the
   pre-tokenizer named by its split pattern; a byte-fallback BPE converted from SentencePiece (what transformers
   saves for Gemma) becomes the `llama` model, each piece scored by the rank of the first merge that makes it,
-  which is the order SentencePiece's scores put them in.
+  which is the order SentencePiece's scores put them in. Gemma 4's (the same kind of file) becomes llama.cpp's own
+  `gemma4` model instead, as its converter writes it: a BPE over raw UTF-8 with `▁` for spaces, ranked by the merges.
 The embedding rows beyond the tokenizer's vocabulary (padding to a multiple of 64 or 128) get `[PAD<i>]` entries
 of type UNUSED, as llama.cpp's converter writes them, so the token list matches the embedding matrix.
 """
@@ -30,13 +31,17 @@ PRE_TOKENIZERS = {
 }
 SPECIAL_IDS = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<turn|>", "</s>")
+# Gemma 4's thinking-channel and tool-call markers: llama.cpp's chat parser reads them from the detokenized text, so
+# they are typed USER_DEFINED (printed) rather than CONTROL (dropped from the output)
+GEMMA4_PRINTED_TOKENS = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                                   "<tool_response|>", '<|"|>'})
 
 
 @dataclass
 class Vocab:
     """What `write` puts under `tokenizer.ggml.*`."""
 
-    model: str  # llama.cpp's tokenizer model: `llama` (SentencePiece-style) or `gpt2` (byte-level BPE)
+    model: str  # llama.cpp's tokenizer model: `llama` (SentencePiece-style), `gpt2` (byte-level BPE) or `gemma4`
     pre: str
     tokens: list[str]
     types: list[int]
@@ -72,11 +77,16 @@ class Vocab:
             writer.add_add_space_prefix(self.add_space_prefix)
 
 
-def build_vocab(model_dir: Path, tokenizer, vocab_size: int) -> Vocab:
-    """The tokenizer of `model_dir` (loaded as `tokenizer`) for an embedding matrix of `vocab_size` rows."""
+def build_vocab(model_dir: Path, tokenizer, vocab_size: int, byte_fallback_model: str = "") -> Vocab:
+    """The tokenizer of `model_dir` (loaded as `tokenizer`) for an embedding matrix of `vocab_size` rows;
+    `byte_fallback_model`: the llama.cpp tokenizer model the family's byte-fallback BPE is written as (`gemma4`),
+    "" for the SentencePiece-style `llama` model."""
     source_gguf = _source_gguf(model_dir)
     if source_gguf is not None:
         vocab = _from_gguf(source_gguf, vocab_size)
+    elif byte_fallback_model == "gemma4" and (model_dir / "tokenizer.json").is_file():
+        vocab = _gemma4_from_tokenizer_json(json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8")),
+                                            tokenizer, vocab_size)
     elif (model_dir / "tokenizer.model").is_file():
         vocab = _from_sentencepiece(model_dir / "tokenizer.model", tokenizer, vocab_size)
     elif (model_dir / "tokenizer.json").is_file():
@@ -188,6 +198,20 @@ def _from_tokenizer_json(spec: dict, tokenizer, vocab_size: int) -> Vocab:
     _padded(tokens, types, None, vocab_size)
     return Vocab(model="gpt2", pre=_pre_tokenizer_name(spec), tokens=tokens, types=types, merges=merges,
                  add_bos=bool(getattr(tokenizer, "add_bos_token", False)))
+
+
+def _gemma4_from_tokenizer_json(spec: dict, tokenizer, vocab_size: int) -> Vocab:
+    """llama.cpp's `gemma4` tokenizer: the pieces (with `▁` for spaces) and merges as they are, byte pieces <0xXX>."""
+    vocab = _from_tokenizer_json(spec, tokenizer, vocab_size)
+    if vocab.model != "llama":  # not a byte-fallback BPE: llama.cpp's gemma4 tokenizer would split it differently
+        raise UserError("This Gemma 4 tokenizer is not a byte-fallback BPE (Gemma 4's own tokenizer.json is one), so "
+                        "llama.cpp's gemma4 tokenizer would not reproduce it. Export with the base model's own tokenizer.")
+    types = [TokenType.USER_DEFINED if token in GEMMA4_PRINTED_TOKENS else kind
+             for token, kind in zip(vocab.tokens, vocab.types, strict=True)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    # add_bos: llama.cpp prepends <bos> for the gemma4 tokenizer whatever the file says; say so in the file too
+    return Vocab(model="gemma4", pre="gemma4", tokens=vocab.tokens, types=types, scores=vocab.scores, merges=merges,
+                 add_bos=True, add_space_prefix=False)
 
 
 def _scores_from_merges(tokens: list[str], merges: list[str]) -> list[float]:

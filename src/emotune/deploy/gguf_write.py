@@ -36,7 +36,8 @@ K_QUANTS = ("q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_m", "q2_k")
 EMOTUNE_KEYS = ("task", "labels", "system_prompt", "user_template", "base_model")
 # text-model tensors of multimodal checkpoints sit under these prefixes; the rest (vision tower, projector) is left out
 TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
-SKIPPED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+SKIPPED_PREFIXES = tuple(prefix + part for prefix in ("model.", "") for part in (
+    "vision_tower.", "multi_modal_projector.", "audio_tower.", "embed_vision.", "embed_audio."))
 
 
 @dataclass
@@ -68,9 +69,9 @@ def write_gguf(model_dir: Path, target: Path, quant: str, meta: dict, vocab_dir:
     if not files:
         raise UserError(f"`{model_dir}` has no .safetensors weights; GGUF export reads a merged folder saved by emotune.")
     plan, vocab_size = _plan(files, family, text, qtype)
-    vocab = build_vocab(vocab_dir or model_dir, tokenizer, vocab_size)
+    vocab = build_vocab(vocab_dir or model_dir, tokenizer, vocab_size, family.vocab_model)
     if vocab_dir is not None and vocab.copied is None:
-        vocab = build_vocab(model_dir, tokenizer, vocab_size)
+        vocab = build_vocab(model_dir, tokenizer, vocab_size, family.vocab_model)
 
     writer = GGUFWriter(path=None, arch=arch_name(family))
     writer.add_type("model")
@@ -82,7 +83,7 @@ def write_gguf(model_dir: Path, target: Path, quant: str, meta: dict, vocab_dir:
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
     _write_emotune_keys(writer, meta)
-    freqs = gguf_arch.rope_freqs(text)
+    freqs = gguf_arch.rope_freqs(model_type, text)
     with atomic_file(target) as partial:
         _stream(writer, partial, files, plan, family, text, freqs)
     return target
@@ -117,7 +118,7 @@ def _plan(files: list[Path], family: gguf_arch.Family, config, qtype: GGMLQuanti
                 text_name = _text_name(source)
                 if text_name is None or (tied and text_name == "lm_head.weight"):
                     continue
-                stem, _, suffix = text_name.rpartition(".")
+                stem, suffix = _stem(text_name)
                 mapped = names.get_name(stem)
                 if mapped is None:
                     unknown.append(source)
@@ -130,6 +131,15 @@ def _plan(files: list[Path], family: gguf_arch.Family, config, qtype: GGMLQuanti
         raise UserError(f"{len(unknown)} weights have no place in llama.cpp's {family.arch.name.lower()} layout "
                         f"(e.g. {unknown[:3]}); the checkpoint is not a plain model of this family. Export --merge instead.")
     return plan, vocab_size
+
+
+def _stem(text_name: str) -> tuple[str, str]:
+    """(module, parameter) of a tensor name; a bare parameter (Gemma 4's `layers.N.layer_scalar`) is the module's
+    own name, stored in GGUF as `<name>.weight` as llama.cpp's converter stores it."""
+    stem, _, suffix = text_name.rpartition(".")
+    if suffix in ("weight", "bias"):
+        return stem, suffix
+    return text_name, "weight"
 
 
 def _tensor_type(name: str, shape: list[int], qtype: GGMLQuantizationType) -> GGMLQuantizationType:

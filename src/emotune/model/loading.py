@@ -110,6 +110,7 @@ def _embedded_model_dir(cfg: ModelConfig) -> Path:
 def _convert_gguf(gguf: Path, target: Path) -> Path:
     """Dequantize a GGUF file once into a Hugging Face folder (bf16 safetensors + tokenizer). One process converts
     into a cache entry at a time; another waits for it and reuses its folder."""
+    _check_gguf_readable(gguf)
     if (target / "config.json").is_file():
         return target
     with locked(target.with_name(target.name + LOCK_SUFFIX), f"the model cache entry {target}", wait_s=CONVERT_WAIT_S):
@@ -117,6 +118,24 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
             _clear_leftovers(target)
             _dequantize(gguf, target)
     return target
+
+
+# GGUF architectures transformers' GGUF reader cannot rebuild: it reads Gemma 4's full-layer head size alone and fails
+# on per-layer arrays (E2B's feed_forward_length), taking defaults for the sliding head size, layer pattern, shared
+# KV layers and per-layer inputs (transformers 5.25, integrations/ggml.py)
+UNREADABLE_GGUF = {"gemma4": "Gemma 4"}
+
+
+def _check_gguf_readable(gguf: Path) -> None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch in UNREADABLE_GGUF:
+        raise UserError(f"`{gguf.name}` is a {UNREADABLE_GGUF[arch]} GGUF file, which transformers cannot turn back into "
+                        "the model it came from (its GGUF reader does not know this architecture's per-layer settings). "
+                        "Point model.source at the merged Hugging Face folder the file was exported from (export/merged), "
+                        "and run the .gguf with llama.cpp, LM Studio or Ollama.")
 
 
 def _clear_leftovers(target: Path) -> None:
