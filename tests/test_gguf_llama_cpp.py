@@ -11,7 +11,7 @@ import torch
 from conftest import write_tiny_adapter
 from emotune.deploy.gguf_lora import write_lora_gguf
 from emotune.deploy.gguf_write import write_gguf
-from gguf_models import tiny_gemma3, tiny_llama
+from gguf_models import tiny_gemma3, tiny_gemma4, tiny_llama
 
 pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -30,21 +30,42 @@ def _hf_logits(model) -> np.ndarray:
         return model(torch.tensor([IDS])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+BUILDERS = {"llama": tiny_llama, "gemma3": tiny_gemma3, "gemma4-e2b": lambda f: tiny_gemma4(f, "e2b"),
+            "gemma4-dense": lambda f: tiny_gemma4(f, "dense"), "gemma4-multimodal": lambda f: tiny_gemma4(f, "e2b", True)}
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_llama_cpp_matches_transformers(family, tmp_path):
+    """Every position's next-token logits, over 12 tokens (past Gemma's scaled sliding windows of 8 and, for the
+    E2B layout, through the layers that reuse earlier layers' keys and values)."""
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_llama(tmp_path / "m") if family == "llama" else tiny_gemma3(tmp_path / "m")
+    folder = BUILDERS[family](tmp_path / "m")
     target = write_gguf(folder, tmp_path / "m-f16.gguf", "f16", {"name": "tiny"})
     reference = _hf_logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    assert np.abs(_llama_cpp_logits(target) - reference).max() < 5e-2
+    gap = np.abs(_llama_cpp_logits(target) - reference).max()
+    assert gap < 5e-2, f"{family}: largest logit difference {gap:.4f} (logits spread {reference.std():.1f})"
 
 
-def test_adapter_gguf_over_base_equals_merged(tmp_path):
+def test_llama_cpp_tokenizes_gemma4_as_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = tiny_gemma4(tmp_path / "m", "e2b")
+    target = write_gguf(folder, tmp_path / "m-f16.gguf", "f16", {"name": "tiny"})
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    llm = llama_cpp.Llama(model_path=str(target), vocab_only=True, verbose=False)
+    for text in ("i feel happy today, so happy", "Text: the anger\n\nlabel: joy", "<|turn>user\nhi é 😀<turn|>\n"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tokenizer(text, add_special_tokens=False).input_ids, text
+    assert llm.tokenize(b"hi", add_bos=True)[0] == tokenizer.bos_token_id
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma4-e2b"])
+def test_adapter_gguf_over_base_equals_merged(family, tmp_path):
     from transformers import AutoConfig
 
-    folder = tiny_llama(tmp_path / "base")
-    run = write_tiny_adapter(folder, tmp_path / "run", r=4)
+    folder = BUILDERS[family](tmp_path / "base")
+    # Gemma 4: decoder layers only (llama.cpp applies no adapter to the per-layer input projection); layer 3 reuses KV
+    run = write_tiny_adapter(folder, tmp_path / "run", r=4, **({"layers": [0, 3]} if family.startswith("gemma4") else {}))
     from emotune.cli import main
 
     assert main(["export", str(run), "--format", "gguf", "--out", str(tmp_path / "export")]) == 0

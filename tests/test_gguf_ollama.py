@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from chat_families import GEMMA4
 from emotune.core.errors import UserError
 from emotune.deploy.gotemplate import render
 from emotune.deploy.ollama import TEMPLATES, modelfile_text
@@ -18,7 +19,8 @@ CONVERSATIONS = [
     [{"role": "system", "content": "S"}, {"role": "user", "content": "one"}, {"role": "assistant", "content": "joy"},
      {"role": "user", "content": "two"}],
 ]
-FAMILIES = {"gemma3_text": (GEMMA_CHAT_TEMPLATE, "<bos>"), "llama": (LLAMA3_TEMPLATE, "<|begin_of_text|>"),
+FAMILIES = {"gemma3_text": (GEMMA_CHAT_TEMPLATE, "<bos>"), "gemma4_text": (GEMMA4, "<bos>"),
+            "llama": (LLAMA3_TEMPLATE, "<|begin_of_text|>"),
             "qwen2": (CHATML_TEMPLATE, "")}
 
 

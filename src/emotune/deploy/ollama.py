@@ -2,8 +2,8 @@
 
 Ollama renders the prompt itself from TEMPLATE (Go's text/template over `.Messages`), so each family's template
 reproduces what the model's chat template gives for the same conversation, with the BOS token left out (llama.cpp
-adds it, as `tokenizer.ggml.add_bos_token` says). Gemma has no system role: the system text opens the first user
-turn, as Gemma's own template does. tests/test_gguf_ollama.py renders both and compares them.
+adds it, as `tokenizer.ggml.add_bos_token` says). Gemma 3 has no system role: the system text opens the first user
+turn, as Gemma 3's own template does; Gemma 4 has one. tests/test_gguf_ollama.py renders both and compares them.
 
 For a classifier the SYSTEM line is the prompt emotune trained with and `temperature 0` makes the answer the
 greedy one emotune measured; the user message is the user template with the text filled in
@@ -31,6 +31,21 @@ GEMMA = """\
 {{ end }}
 {{- end }}<start_of_turn>model
 """
+
+# google/gemma-4-E4B-it's framing with thinking off: a system role of its own, the model's turn opened with an empty
+# thought channel (what its chat template's generation prompt writes)
+GEMMA4 = """\
+{{- range .Messages }}
+{{- if eq .Role "system" }}<|turn>system
+{{ .Content }}<turn|>
+{{ else if eq .Role "user" }}<|turn>user
+{{ .Content }}<turn|>
+{{ else if eq .Role "assistant" }}<|turn>model
+{{ .Content }}<turn|>
+{{ end }}
+{{- end }}<|turn>model
+<|channel>thought
+<channel|>"""
 
 LLAMA3 = """\
 {{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>
@@ -61,6 +76,7 @@ MISTRAL = """\
 # model type -> (Go template, stop tokens)
 TEMPLATES = {
     "gemma3_text": (GEMMA, ["<end_of_turn>"]),
+    "gemma4_text": (GEMMA4, ["<turn|>"]),
     "llama": (LLAMA3, ["<|eot_id|>", "<|start_header_id|>"]),
     "mistral": (MISTRAL, ["[INST]", "[/INST]", "</s>"]),
     "qwen2": (CHATML, ["<|im_end|>", "<|im_start|>"]),
