@@ -222,3 +222,20 @@ def test_gemma4_gguf_as_model_source_is_refused_clearly(e2b_dir, tmp_path):
     cfg = load_config(None, [f"model.source={target}", f"model.cache_dir={tmp_path / 'cache'}"])
     with pytest.raises(UserError, match="merged"):
         resolve_model_dir(cfg.model)
+
+
+def test_export_command_writes_gemma4_gguf_and_modelfile(e2b_dir, tmp_path, capsys):
+    from emotune.cli import main
+
+    run = write_tiny_adapter(e2b_dir, tmp_path / "run", r=4)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--format", "ollama", "--quant", "f16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    _, fields, tensors = _read(out / "gguf" / "run-f16.gguf")
+    assert fields["general.architecture"] == "gemma4" and "per_layer_token_embd.weight" in tensors
+    # the merged model differs from the base by the adapter: the export folded it in
+    assert not np.allclose(tensors["blk.0.attn_q.weight"].astype(np.float32), _hf(e2b_dir)["model.layers.0.self_attn.q_proj.weight"],
+                           atol=1e-3)
+    assert "No LoRA adapter GGUF" in printed and "per_layer_model_projection" in printed  # all-linear reaches it
+    modelfile = (out / "ollama" / "Modelfile").read_text()
+    assert "<|turn>model" in modelfile and 'PARAMETER stop "<turn|>"' in modelfile
