@@ -216,12 +216,14 @@ def test_gemma4_gguf_as_model_source_is_refused_clearly(e2b_dir, tmp_path):
     """transformers' GGUF reader (5.x) rebuilds a Gemma 4 config from key_length alone: it fails on the per-layer
     arrays and would otherwise take the defaults for the sliding head size, layer pattern and per-layer inputs."""
     from emotune.core.config.load import load_config
-    from emotune.model.loading import resolve_model_dir
+    from emotune.model.loading import load_tokenizer_only, resolve_model_dir
 
     target = write_gguf(e2b_dir, tmp_path / "g4-f16.gguf", "f16", META)
     cfg = load_config(None, [f"model.source={target}", f"model.cache_dir={tmp_path / 'cache'}"])
     with pytest.raises(UserError, match="merged"):
         resolve_model_dir(cfg.model)
+    with pytest.raises(UserError, match="merged"):
+        load_tokenizer_only(cfg.model)
 
 
 def test_export_command_writes_gemma4_gguf_and_modelfile(e2b_dir, tmp_path, capsys):

@@ -67,6 +67,7 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
         return _download_from_hub(source, cfg)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        _check_gguf_readable(path)
         return _convert_gguf(path, cache_root(cfg) / "models" / f"{path.stem}-{_file_key(path)}")
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -110,7 +111,6 @@ def _embedded_model_dir(cfg: ModelConfig) -> Path:
 def _convert_gguf(gguf: Path, target: Path) -> Path:
     """Dequantize a GGUF file once into a Hugging Face folder (bf16 safetensors + tokenizer). One process converts
     into a cache entry at a time; another waits for it and reuses its folder."""
-    _check_gguf_readable(gguf)
     if (target / "config.json").is_file():
         return target
     with locked(target.with_name(target.name + LOCK_SUFFIX), f"the model cache entry {target}", wait_s=CONVERT_WAIT_S):
@@ -330,6 +330,7 @@ def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
         return gguf.parent, gguf.name
     path = Path(cfg.source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        _check_gguf_readable(path)
         return path.parent, path.name
     if path.is_dir():
         return path, None
