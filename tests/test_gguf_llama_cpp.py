@@ -44,7 +44,9 @@ def test_llama_cpp_matches_transformers(family, tmp_path):
     target = write_gguf(folder, tmp_path / "m-f16.gguf", "f16", {"name": "tiny"})
     reference = _hf_logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
     gap = np.abs(_llama_cpp_logits(target) - reference).max()
-    assert gap < 5e-2, f"{family}: largest logit difference {gap:.4f} (logits spread {reference.std():.1f})"
+    # f16 weights: within 1 % of the logits' spread (Gemma 4's tiny models: ~0.02 of ~8; the same model exported
+    # with all RoPE frequencies turning on its full layers is off by 0.3)
+    assert gap < min(5e-2, max(1e-2 * reference.std(), 2e-3)), f"{family}: largest logit gap {gap:.4f}, spread {reference.std():.2f}"
 
 
 def test_llama_cpp_tokenizes_gemma4_as_transformers(tmp_path):
