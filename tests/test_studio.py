@@ -31,7 +31,9 @@ def make_run(runs: Path, name: str, status: str = "finished", steps: int = 3, be
     write_json(root / "run.json", {"task": "classify", "status": status, "outputs": outputs,
                                    "stages": {"baseline": {"status": "done", "seconds": 60}, "train": {"status": "done", "seconds": 30}}})
     if status == "finished":
-        write_json(root / "comparison.json", {"metrics": {"macro_f1": {"before": before, "after": after, "delta": after - before}}})
+        write_json(root / "comparison.json", {"metrics": {"macro_f1": {"before": before, "after": after, "delta": after - before}},
+                                              "intervals": {"macro_f1": {"before": [before - 0.1, before + 0.1],
+                                                                         "after": [after - 0.05, after + 0.05]}}})
         write_text(root / "report.html", "<html><body>report of " + name + "</body></html>")
     (root / "train").mkdir(exist_ok=True)
     (root / "train" / "log_history.jsonl").write_text(
@@ -58,7 +60,7 @@ def test_runs_table_lists_every_run_with_before_after_and_minutes(runs):
     page = client(runs).get("/")
     assert page.status_code == 200
     assert 'href="/runs/alpha"' in page.text and 'href="/runs/beta"' in page.text and "partial" not in page.text
-    assert "0.250 → 0.750" in page.text and "emotion 情绪" in page.text
+    assert "0.250 [0.15, 0.35] → 0.750 [0.70, 0.80]" in page.text and "emotion 情绪" in page.text
     rows = {r["name"]: r for r in client(runs).get("/api/runs").json()}
     assert rows["alpha"]["status"] == "finished" and rows["alpha"]["minutes"] == 1.5 and rows["alpha"]["after"] == 0.75
     assert rows["beta"]["status"] == "running" and rows["beta"]["after"] is None

@@ -36,6 +36,8 @@ class RunSummary:
     before: float | None
     after: float | None
     minutes: float | None
+    before_interval: list[float] | None = None  # 95% bootstrap interval (comparison.json's `intervals`)
+    after_interval: list[float] | None = None
 
     def as_row(self) -> dict:
         return self.__dict__.copy()
@@ -97,11 +99,19 @@ def summarize(run: RunDir) -> RunSummary:
     config = saved_config(run)
     stages = info.get("stages") or {}
     seconds = sum(s.get("seconds", 0) for s in stages.values() if isinstance(s, dict))
-    metric, before, after = headline(read_json(run.comparison_json) or {})
+    comparison = read_json(run.comparison_json) or {}
+    metric, before, after = headline(comparison)
+    intervals = ((comparison.get("intervals") or {}).get(metric) or {}) if metric else {}
     status = "finished" if run.is_finished() else info.get("status") or ("prepared" if run.data.exists() else "new")
     return RunSummary(run.root.name, str(info.get("task") or config.get("task") or ""),
                       str((config.get("model") or {}).get("source") or ""), str((config.get("data") or {}).get("source") or ""),
-                      status, metric, before, after, round(seconds / 60, 2) if stages else None)
+                      status, metric, before, after, round(seconds / 60, 2) if stages else None,
+                      _interval(intervals.get("before")), _interval(intervals.get("after")))
+
+
+def _interval(value) -> list[float] | None:
+    ok = isinstance(value, list) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
+    return [float(v) for v in value] if ok else None
 
 
 def headline(comparison: dict) -> tuple[str, float | None, float | None]:
