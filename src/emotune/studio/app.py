@@ -169,14 +169,7 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
 
     @app.get("/runs/{name}/files/{path:path}")
     def run_file(name: str, path: str) -> Response:
-        try:
-            run_folder(runs, name)
-            file = inside(runs, f"{name}/{path}")
-        except NotInRuns:
-            return HTMLResponse(pages.not_found(f"No file `{path}` in run `{name}`."), status_code=404)
-        if not file.is_file():
-            return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
-        return FileResponse(file)
+        return _file(runs, name, path, run_folder, "run")
 
     @app.get("/runs/{name}/events")
     async def run_events(name: str, request: Request) -> Response:
@@ -255,14 +248,20 @@ def _compare_routes(app: FastAPI, runs: Path) -> None:
 
     @app.get("/sweeps/{name}/files/{path:path}")
     def sweep_file(name: str, path: str) -> Response:
-        try:
-            sweep_folder(runs, name)
-            file = inside(runs, f"{name}/{path}")
-        except NotInRuns:
-            return HTMLResponse(pages.not_found(f"No file `{path}` in sweep `{name}`."), status_code=404)
-        if not file.is_file():
-            return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
-        return FileResponse(file)
+        return _file(runs, name, path, sweep_folder, "sweep")
+
+
+def _file(runs: Path, name: str, path: str, folder, what: str) -> Response:
+    """A file of the run or sweep folder `name` (`folder` checks it is one), resolved inside the runs folder; 404
+    for anything else."""
+    try:
+        folder(runs, name)
+        file = inside(runs, f"{name}/{path}")
+    except NotInRuns:
+        return HTMLResponse(pages.not_found(f"No file `{path}` in {what} `{name}`."), status_code=404)
+    if not file.is_file():
+        return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
+    return FileResponse(file)
 
 
 def _trials(folder: Path) -> list[str]:

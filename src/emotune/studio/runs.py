@@ -55,14 +55,19 @@ def inside(runs: Path, relative: str) -> Path:
     return path
 
 
-def run_folder(runs: Path, name: str) -> RunDir:
-    """The run folder `name` directly under the runs folder; NotInRuns for anything else."""
+def child(runs: Path, name: str, kind) -> Path:
+    """The folder `name` directly under the runs folder for which `kind(path)` holds; NotInRuns for anything else."""
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise NotInRuns(name)
     path = inside(runs, name)
-    if path.parent != runs.resolve() or not is_run_folder(path):
+    if path.parent != runs.resolve() or not kind(path):
         raise NotInRuns(name)
-    return RunDir(path)
+    return path
+
+
+def run_folder(runs: Path, name: str) -> RunDir:
+    """The run folder `name` directly under the runs folder; NotInRuns for anything else."""
+    return RunDir(child(runs, name, is_run_folder))
 
 
 def any_run(runs: Path, relative: str) -> RunDir:
@@ -215,12 +220,7 @@ def is_sweep_folder(path: Path) -> bool:
 
 def sweep_folder(runs: Path, name: str) -> Path:
     """The sweep folder `name` directly under the runs folder (`emotune sweep` writes `<name>-sweep/`)."""
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise NotInRuns(name)
-    path = inside(runs, name)
-    if path.parent != runs.resolve() or not is_sweep_folder(path):
-        raise NotInRuns(name)
-    return path
+    return child(runs, name, is_sweep_folder)
 
 
 def list_sweeps(runs: Path) -> list[SweepSummary]:
