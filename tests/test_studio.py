@@ -512,3 +512,16 @@ def test_try_chat_streams_the_sft_models_greedy_reply(tmp_path, tiny_model_dir):
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": json.dumps(messages),
                                                   "max_tokens": "100000"}).status_code == 422
     assert studio.get("/runs/nope/try").status_code == 404
+
+
+def test_telemetry_samples_are_streamed_beside_the_log_without_ids(runs):
+    beta = runs / "beta"
+    sample = {"time": 1.0, "elapsed_s": 0.5, "stage": "train", "rss_mb": 812.25, "cpu_pct": 190.0, "gpu_util_pct": 97.0}
+    write_text(beta / "telemetry.jsonl", json.dumps(sample) + "\n")
+    assert "812.2 MiB" in client(runs).get("/runs/beta").text  # the latest sample on the page at load
+    write_json(beta / "run.json", {"task": "classify", "status": "finished", "stages": {}})
+    events = parse_events(client(runs).get("/runs/beta/events").text)
+    telemetry = [e for e in events if e.get("event") == "telemetry"]
+    assert len(telemetry) == 1 and "id" not in telemetry[0]  # a reconnect's Last-Event-ID stays the log position
+    assert json.loads(telemetry[0]["data"]) == {"stage": "train", "values": {
+        "rss_mb": [812.25, "MiB"], "cpu_pct": [190.0, "% of one core"], "gpu_util_pct": [97.0, "%"]}}

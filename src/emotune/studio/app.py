@@ -43,6 +43,7 @@ from emotune.studio.runs import (
     artifacts,
     history,
     inside,
+    last_line,
     list_runs,
     list_sweeps,
     log_tail,
@@ -51,6 +52,7 @@ from emotune.studio.runs import (
     summarize,
     summarize_sweep,
     sweep_folder,
+    telemetry_row,
 )
 from emotune.studio.tryout import MAX_NEW_TOKENS, Refused, Tryout
 from emotune.tasks import DEFAULT_TASK
@@ -342,13 +344,17 @@ async def _events(run: RunDir, queue: JobQueue, start: int, request: Request, po
                   stream_s: float) -> AsyncIterator[str]:
     """Each training log entry after `start` as an SSE event with its position as id; then new ones as they come,
     for `stream_s` at most (the browser then reconnects with the last id it saw)."""
-    sent, began = start, time.monotonic()
+    sent, began, sample_sent = start, time.monotonic(), None
     yield "retry: 500\n\n"
     while True:
         entries = history(run)
         for position in range(sent + 1, len(entries) + 1):
             yield f"id: {position}\nevent: progress\ndata: {_json(entries[position - 1])}\n\n"
         sent = max(sent, len(entries))
+        sample = last_line(run.telemetry)
+        if sample is not None and sample.get("time") != sample_sent:  # no id: a reconnect resumes the log, not this
+            yield f"event: telemetry\ndata: {_json(telemetry_row(sample))}\n\n"
+            sample_sent = sample.get("time")
         job = queue.job_for(run.root.name)
         status = summarize(run).status if run.root.is_dir() else "queued"
         if (job is None or job.status in FINAL) and status != "running":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from html import escape
 from urllib.parse import quote
 
-from emotune.studio.runs import RunSummary
+from emotune.studio.runs import RunSummary, telemetry_row
 
 FONTS = ('system-ui, -apple-system, "Segoe UI", Roboto, "Noto Sans", "emotune CJK", "Noto Sans CJK SC", "Noto Sans SC", '
          '"PingFang SC", "Microsoft YaHei", "WenQuanYi Micro Hei", sans-serif')
@@ -137,15 +137,13 @@ def run_page(view: RunView) -> str:
 
 
 def _telemetry(sample: dict | None) -> str:
-    """The latest telemetry sample (memory, CPU, GPU utilisation, temperature, power) of the stage running the model."""
-    if not sample:
-        return ""
-    from emotune.runtime.telemetry import UNITS
-
-    cells = "".join(f"<tr><th>{escape(key)}</th><td class=num>{value:.1f} {escape(UNITS[key])}</td></tr>"
-                    for key, value in sample.items() if key in UNITS and isinstance(value, (int, float)))
-    return (f'<h2>Device</h2><table id="telemetry"><caption>latest sample, stage {escape(str(sample.get("stage", "?")))}'
-            f' (reload for a new one)</caption>{cells}</table>')
+    """The latest telemetry sample (memory, CPU; GPU utilisation, temperature, power) of the stage running the model;
+    the progress stream's telemetry events replace it while the run goes on."""
+    row = telemetry_row(sample) if sample else {"stage": None, "values": {}}
+    cells = "".join(f"<tr><th>{escape(key)}</th><td class=num>{value:.1f} {escape(unit)}</td></tr>"
+                    for key, (value, unit) in row["values"].items())
+    return (f'<h2>Device</h2><table id="telemetry"><caption>latest sample, stage <span id="telemetry-stage">'
+            f'{escape(str(row["stage"] or "—"))}</span></caption><tbody>{cells}</tbody></table>')
 
 
 def not_found(what: str) -> str:

@@ -164,6 +164,14 @@ def run_details(run: RunDir) -> dict:
             "max_steps": max_steps if isinstance(max_steps, int) else None, "telemetry": last_line(run.telemetry)}
 
 
+def telemetry_row(sample: dict) -> dict:
+    """A telemetry sample as the page shows it: {"stage": ..., "values": {name: [value, unit]}}."""
+    from emotune.runtime.telemetry import UNITS
+
+    return {"stage": sample.get("stage"), "values": {k: [v, UNITS[k]] for k, v in sample.items()
+                                                     if k in UNITS and isinstance(v, (int, float))}}
+
+
 def last_line(path: Path) -> dict | None:
     """The last whole JSON line of a file (None when there is none)."""
     for line in reversed(log_tail(path, 5).splitlines()):
