@@ -212,3 +212,12 @@ def test_a_full_run_resumes_from_its_checkpoint_as_if_never_stopped(tiny_overrid
     assert "(step 2), the newest intact checkpoint" in capsys.readouterr().out
     straight, resumed = _weights(tmp_path / "runs" / "straight" / "model"), _weights(tmp_path / "runs" / "cut" / "model")
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_plan_says_it_does_not_model_full_or_freeze(tiny_overrides):
+    from emotune.tasks import task_for
+    from emotune.train.plan import make_plan
+
+    cfg = load_config(None, [*tiny_overrides, "train.finetuning=freeze", "train.freeze_trainable_layers=1"])
+    with pytest.raises(UserError, match="models LoRA training, and this config sets train.finetuning=freeze"):
+        make_plan(cfg, task_for(cfg), "24GB")
