@@ -24,9 +24,21 @@ import yaml
 
 from emotune.core.config.base import RUN_NAME
 from emotune.core.config.build import _parse_value, _set_dotted, build_config
-from emotune.core.config.llamafactory_keys import DEFAULTS, IGNORED, OPTIMIZER_ALIASES, OPTIMIZERS, REFUSED, SCHEDULES, TRACKERS
+from emotune.core.config.llamafactory_keys import (
+    FINETUNING,
+    IGNORED,
+    KEY_DEFAULTS,
+    OPTIMIZER_ALIASES,
+    OPTIMIZERS,
+    REFUSED,
+    SCHEDULES,
+    TRACKERS,
+)
 from emotune.core.config.llamafactory_templates import template_check
 from emotune.core.config.run import RunConfigBase
+
+# every translated key with its default: LLaMA-Factory's `stage` (which names emotune's task) and the rest
+DEFAULTS: dict[str, tuple[Any, str]] = {"stage": ("sft", FINETUNING), **KEY_DEFAULTS}
 
 
 def is_llamafactory(raw: dict[str, Any]) -> bool:

@@ -12,7 +12,8 @@ MODEL = "LLaMA-Factory ModelArguments"
 TRAINER = "transformers Seq2SeqTrainingArguments"
 
 # The value each translated key takes when a file leaves it out, and the dataclass that defines it.
-DEFAULTS: dict[str, tuple[Any, str]] = {
+# (`stage`, whose default names emotune's task too, is added by emotune.core.config.llamafactory)
+KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "model_name_or_path": (None, MODEL),
     "model_revision": ("main", MODEL),
     "disable_gradient_checkpointing": (False, MODEL),  # LLaMA-Factory turns checkpointing on unless this is true
@@ -20,7 +21,6 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "quantization_method": ("bnb", MODEL),
     "quantization_type": ("nf4", MODEL),
     "double_quantization": (True, MODEL),
-    "stage": ("sft", FINETUNING),
     "finetuning_type": ("lora", FINETUNING),
     "freeze_trainable_layers": (2, FINETUNING),
     "freeze_trainable_modules": ("all", FINETUNING),
