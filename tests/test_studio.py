@@ -244,6 +244,22 @@ def test_queue_runs_jobs_one_at_a_time_in_order_and_a_new_studio_finds_them(runs
 
 
 @pytest.mark.slow
+def test_one_job_per_device_first_in_first_out_on_each(runs, tmp_path):
+    """Jobs on other devices run side by side; on one device they wait in the order queued."""
+    studio = client(runs)
+    missing = str(tmp_path / "no-model")
+    submit(studio, name="cpu-a", **{"model.source": missing, "device": "cpu"})
+    submit(studio, name="cpu-b", **{"model.source": missing, "device": "cpu"})
+    submit(studio, name="gpu-1", **{"model.source": missing, "device": "cuda:1"})
+    queue = studio.app.state.queue
+    assert [j.device for j in queue.jobs()] == ["cpu", "cpu", "cuda:1"]
+    queue.tick()
+    assert [j.status for j in queue.jobs()] == ["running", "queued", "running"]
+    assert "<td>cuda:1</td>" in studio.get("/").text
+    wait_for(lambda: queue.tick() or all(j.status == "failed" for j in queue.jobs()))  # cpu-b after cpu-a, then ends
+
+
+@pytest.mark.slow
 def test_stop_from_the_page_ends_a_training_run_cleanly(tmp_path, tiny_overrides):
     """Stop mid-training: the run marks its stage failed, gives its folder's lock back, and the job says stopped."""
     runs = tmp_path / "runs"

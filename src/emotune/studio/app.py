@@ -53,6 +53,7 @@ from emotune.studio.runs import (
     sweep_folder,
 )
 from emotune.studio.tryout import MAX_NEW_TOKENS, Refused, Tryout
+from emotune.tasks import DEFAULT_TASK
 
 TOKEN_COOKIE = "emotune_studio_token"
 POLL_S = 0.5  # how often a live stream looks at the training log for new lines
@@ -162,9 +163,9 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
         job_html = (f'<p>Job {job.id}: <span id="job-status">{job.status}</span> {pages.stop_button(job, csrf)}</p>'
                     if job is not None else "")
         log = log_tail(queue.log(job)) if job is not None else ""
-        return HTMLResponse(pages.run_page(summary, run.saved_config() or "", len(history(run)), artifacts(run)
-                                           if run.root.is_dir() else [], log, run.report_html.is_file(), job_html,
-                                           run_details(run)))
+        return HTMLResponse(pages.run_page(pages.RunView(summary, run.saved_config() or "", len(history(run)),
+                                                         artifacts(run) if run.root.is_dir() else [], log,
+                                                         run.report_html.is_file(), job_html, run_details(run))))
 
     @app.get("/runs/{name}/files/{path:path}")
     def run_file(name: str, path: str) -> Response:
@@ -190,7 +191,7 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
 
 def _job_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str) -> None:
     @app.get("/new", response_class=HTMLResponse)
-    def new_run(task: str = "classify") -> Response:
+    def new_run(task: str = DEFAULT_TASK) -> Response:
         if task not in TASK_CONFIGS:
             return HTMLResponse(pages.not_found(f"No task `{task}`; the tasks are {', '.join(TASK_CONFIGS)}."), status_code=404)
         return HTMLResponse(pages.form_page(task, list(TASK_CONFIGS), form.fields(task), {}, {}, csrf))
@@ -198,7 +199,7 @@ def _job_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str) -> None:
     @app.post("/new")
     async def submit_run(request: Request) -> Response:
         submitted = {k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8"), keep_blank_values=True).items()}
-        task = submitted.get("task", "classify")
+        task = submitted.get("task", DEFAULT_TASK)
         config_yaml, problems = form.validate(task, form.to_raw(task, submitted, runs) if task in TASK_CONFIGS else {}, runs)
         if config_yaml is None:
             fields = form.fields(task) if task in TASK_CONFIGS else []
@@ -212,8 +213,8 @@ def _job_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str) -> None:
         """A LLaMA-Factory training YAML, pasted or read from a file by the page: translated into the sft form,
         every translated field filled in and the translation shown above it; nothing is queued until it is sent."""
         submitted = parse_qs((await request.body()).decode("utf-8", errors="replace"), keep_blank_values=True)
-        values, problems, notes = form.from_llamafactory((submitted.get("llamafactory") or [""])[0])
-        return HTMLResponse(pages.form_page("sft", list(TASK_CONFIGS), form.fields("sft"), values, problems, csrf, notes),
+        task, values, problems, notes = form.from_llamafactory((submitted.get("llamafactory") or [""])[0])
+        return HTMLResponse(pages.form_page(task, list(TASK_CONFIGS), form.fields(task), values, problems, csrf, notes),
                             status_code=400 if problems.get("") and not values else 200)
 
     @app.post("/jobs/{job_id}/stop")
@@ -280,7 +281,7 @@ def _try_routes(app: FastAPI, runs: Path, tryout: Tryout, csrf: str) -> None:
             artifact = tryout.artifact_of(run)
         except Refused as err:
             return HTMLResponse(pages.try_page(name, None, [], csrf, str(err), MAX_NEW_TOKENS), status_code=409)
-        return HTMLResponse(pages.try_page(name, "chat" if artifact.answers_freely else "classify", artifact.labels
+        return HTMLResponse(pages.try_page(name, artifact.answers_freely, artifact.labels
                                            if not artifact.answers_freely else [], csrf, "", MAX_NEW_TOKENS))
 
     @app.post("/runs/{name}/classify")

@@ -151,24 +151,25 @@ def run_name(config_yaml: str) -> str:
     return yaml.safe_load(config_yaml)["name"]
 
 
-def from_llamafactory(text: str) -> tuple[dict[str, str], dict[str, list[str]], str]:
-    """A LLaMA-Factory YAML's translation as the sft form's values: (values by field key, problems, the translation
-    as `emotune config --from-llamafactory` prints it). Values the studio sets itself (task, output_dir) are left
-    out; a file that is no LLaMA-Factory config gives no values and one problem saying why."""
+def from_llamafactory(text: str) -> tuple[str, dict[str, str], dict[str, list[str]], str]:
+    """A LLaMA-Factory YAML's translation as a form: (the task it translates to, values by field key, problems, the
+    translation as `emotune config --from-llamafactory` prints it). Values the studio sets itself (task, output_dir)
+    are left out; a file that is no LLaMA-Factory config gives no values and one problem saying why."""
     from emotune.core.config.llamafactory import describe, is_llamafactory, translate
 
+    task = translate({}).raw["task"]  # the task every LLaMA-Factory training file becomes
     try:
         file = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as err:
-        return {}, {"": [f"The LLaMA-Factory file is not valid YAML: {err}"]}, ""
+        return task, {}, {"": [f"The LLaMA-Factory file is not valid YAML: {err}"]}, ""
     if not isinstance(file, dict) or not is_llamafactory(file):
-        return {}, {"": ["This is not a LLaMA-Factory training config: it has no `model_name_or_path` (nor `stage` and "
-                         "`finetuning_type`). Paste or pick the YAML you pass to `llamafactory-cli train`."]}, ""
+        return task, {}, {"": ["This is not a LLaMA-Factory training config: it has no `model_name_or_path` (nor `stage` "
+                               "and `finetuning_type`). Paste or pick the YAML you pass to `llamafactory-cli train`."]}, ""
     translation = translate(file)
-    known = {f.key for f in fields("sft")}
+    known = {f.key for f in fields(task)}
     values = {key: shown(value) for key, value in _flatten(translation.raw, known).items() if key in known}
     problems = {"": list(translation.problems)} if translation.problems else {}
-    return values, problems, describe(translation, Path("the uploaded file"))
+    return task, values, problems, describe(translation, Path("the uploaded file"))
 
 
 def _flatten(tree: dict[str, Any], leaves: set[str], prefix: str = "") -> dict[str, Any]:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 from emotune.core import locks
 from emotune.core.rundir import RunDir, read_json, run_lock, write_json, write_text
 
@@ -41,6 +43,26 @@ class Job:
     ended: float | None = None
     stop_requested: bool = False
     exit_code: int | None = None
+    device: str = ""  # the device it trains on (device_key); "" (a job of an older studio): any device
+
+
+def device_key(preference: str) -> str:
+    """The device a config's `device:` trains on, named so two jobs on the same device get the same name: `auto` and
+    `cuda` are the first visible GPU (`cuda:0`) when PyTorch sees one, else the CPU (MPS where there is one)."""
+    from emotune.runtime.device import resolve_device
+
+    preference = str(preference or "auto")
+    if preference.startswith("cuda:"):
+        return preference
+    try:
+        device = resolve_device(preference)
+    except Exception:  # noqa: BLE001 - a device not there: its job fails with the run's own clear error
+        return preference
+    return f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
+
+
+def same_device(a: str, b: str) -> bool:
+    return a == b or "" in (a, b)
 
 
 class JobQueue:
@@ -55,9 +77,10 @@ class JobQueue:
         self.lock = threading.Lock()
 
     def submit(self, name: str, config_yaml: str) -> Job:
+        device = device_key((yaml.safe_load(config_yaml) or {}).get("device", "auto"))
         with self.lock:
             self.folder.mkdir(parents=True, exist_ok=True)
-            job = Job(max((j.id for j in self.jobs()), default=0) + 1, name, submitted=time.time())
+            job = Job(max((j.id for j in self.jobs()), default=0) + 1, name, submitted=time.time(), device=device)
             write_text(self.folder / f"{job.id}.yaml", config_yaml)
             self._save(job)
             return job
@@ -90,21 +113,26 @@ class JobQueue:
             return job
 
     def tick(self) -> None:
-        """Follow the running job; when there is none, start the oldest queued one."""
+        """Follow the running jobs; then start, in the order they were queued, each waiting job whose device is
+        free: one job at a time per device, first in first out on each."""
         with self.lock:
-            jobs = self.jobs()
-            running = [j for j in jobs if j.status == "running"]
-            for job in running:
-                self._follow(job)
-            if not any(j.status == "running" for j in self.jobs()):
-                waiting = [j for j in jobs if j.status == "queued"]
-                if waiting and (self.ready is None or self.ready()):
-                    self._start(waiting[0])
+            for job in self.jobs():
+                if job.status == "running":
+                    self._follow(job)
+            busy = [j.device for j in self.jobs() if j.status == "running"]
+            for job in self.jobs():
+                if job.status != "queued" or any(same_device(job.device, d) for d in busy):
+                    continue
+                if self.ready is not None and not self.ready():
+                    return
+                self._start(job)
+                busy.append(job.device)
 
     def training(self) -> str | None:
-        """"Job N (run NAME)" for the job running now, else None."""
+        """"Training job N (run NAME) on DEVICE" for a job running now, else None."""
         running = next((j for j in self.jobs() if j.status == "running"), None)
-        return f"Training job {running.id} (run `{running.name}`)" if running is not None else None
+        return (f"Training job {running.id} (run `{running.name}`{f' on {running.device}' if running.device else ''})"
+                if running is not None else None)
 
     def _start(self, job: Job) -> None:
         with self.log(job).open("ab") as log:

@@ -8,6 +8,7 @@ are the system's (with CJK fallbacks, so Chinese labels render).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from html import escape
 from urllib.parse import quote
 
@@ -82,8 +83,24 @@ def sweeps_list(sweeps: list) -> str:
             f'<th>status</th></tr></thead><tbody>{items}</tbody></table>')
 
 
-def run_page(summary: RunSummary, config_text: str, history_count: int, files: list[tuple[str, int]], log: str,
-             has_report: bool, job_html: str = "", details: dict | None = None) -> str:
+@dataclass
+class RunView:
+    """What a run page shows."""
+
+    summary: RunSummary
+    config_text: str
+    history_count: int
+    files: list[tuple[str, int]]
+    log: str  # the tail of the job's log
+    has_report: bool
+    job_html: str = ""  # the job's state and Stop button
+    details: dict | None = None  # emotune.studio.runs.run_details
+
+
+def run_page(view: RunView) -> str:
+    summary, files, details = view.summary, view.files, view.details
+    config_text, history_count, log, has_report, job_html = (view.config_text, view.history_count, view.log,
+                                                             view.has_report, view.job_html)
     name = quote(summary.name)
     report = (f'<p><a id="report" href="/runs/{name}/files/report.html">Open the report</a></p>' if has_report
               else "<p>No report yet (it is written by the report stage).</p>")
@@ -176,9 +193,10 @@ def jobs_list(jobs: list, csrf: str) -> str:
         return "<p>No jobs started from the studio yet.</p>"
     items = "".join(
         f'<tr><td>{j.id}</td><td><a href="/runs/{quote(j.name)}">{escape(j.name)}</a></td>'
-        f'<td class="status-{escape(j.status)}">{escape(j.status)}{_stopping(j)}</td>'
+        f'<td>{escape(j.device or "?")}</td><td class="status-{escape(j.status)}">{escape(j.status)}{_stopping(j)}</td>'
         f'<td>{stop_button(j, csrf)}</td></tr>' for j in reversed(jobs))
-    return f'<table id="jobs"><thead><tr><th>job</th><th>run</th><th>state</th><th></th></tr></thead><tbody>{items}</tbody></table>'
+    return (f'<p>One job at a time per device, in the order queued.</p><table id="jobs"><thead><tr><th>job</th><th>run</th>'
+            f'<th>device</th><th>state</th><th></th></tr></thead><tbody>{items}</tbody></table>')
 
 
 def _stopping(job) -> str:
@@ -248,13 +266,14 @@ def _short_number(cell: str) -> str:
     return cell if value.is_integer() or len(cell) <= 6 else f"{value:.4g}"
 
 
-def try_page(name: str, kind: str | None, labels: list[str], csrf: str, problem: str, max_tokens: int) -> str:
-    """Classify a text with the run's model (every label's probability), or chat with an sft model (streamed)."""
+def try_page(name: str, chats: bool | None, labels: list[str], csrf: str, problem: str, max_tokens: int) -> str:
+    """Classify a text with the run's model (every label's probability), or chat with a model that answers in free
+    text (streamed); `chats` None: nothing to try, `problem` says why."""
     head = f'<p>Run <a href="/runs/{quote(name)}">{escape(name)}</a></p>'
-    if kind is None:
+    if chats is None:
         return layout(f"Try {name}", head + f'<p class="error" role="alert">{escape(problem)}</p>')
     hidden = f'<input type="hidden" name="csrf" value="{escape(csrf)}">'
-    if kind == "classify":
+    if not chats:
         form = (f'<form id="try-classify" data-url="/runs/{quote(name)}/classify">{hidden}'
                 f'<p>Labels: {escape(", ".join(labels))}</p><textarea name="text" id="try-text" rows="4" cols="80" '
                 f'maxlength="4000" required></textarea><p><button type="submit">Classify</button></p></form>'
