@@ -81,8 +81,11 @@ def prepare(model: torch.nn.Module, train: TrainConfig, always: tuple[str, ...] 
         for module in chosen.values():
             module.requires_grad_(True)
         where = ", ".join(chosen)
-    for module in _named(model, always, "the task's trained modules").values():
+    fresh = _named(model, always, "the task's trained modules")
+    for module in fresh.values():
         module.requires_grad_(True)
+    if fresh and train.finetuning == "freeze":
+        where += f", and the task's {', '.join(fresh)}"
     upcast = {}
     for name, param in model.named_parameters():
         if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
