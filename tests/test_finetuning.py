@@ -221,3 +221,19 @@ def test_plan_says_it_does_not_model_full_or_freeze(tiny_overrides):
     cfg = load_config(None, [*tiny_overrides, "train.finetuning=freeze", "train.freeze_trainable_layers=1"])
     with pytest.raises(UserError, match="models LoRA training, and this config sets train.finetuning=freeze"):
         make_plan(cfg, task_for(cfg), "24GB")
+
+
+@pytest.mark.slow
+def test_a_freeze_run_of_a_head_task_trains_its_head_and_predicts_what_it_measured(tiny_model_dir, tiny_overrides,
+                                                                                   tmp_path):
+    run(load_config(None, [*tiny_overrides, *LONGER[:1], "device=cpu", "model.dtype=float32", "task=classify_head",
+                           "train.finetuning=freeze", "train.freeze_trainable_layers=-1"]))
+    folder = tmp_path / "runs" / "tiny"
+    trained, base = _weights(folder / "model"), _weights(tiny_model_dir)
+    assert any(k.endswith("score.weight") for k in trained)  # the head, saved in the model folder
+    changed = {k for k in trained if k in base and not torch.equal(base[k], trained[k])}
+    assert changed == {k for k in base if k.startswith("model.layers.0.")}
+    texts, measured = _finetuned_probs(folder)
+    artifact = find_artifact(folder)
+    assert artifact.merged and artifact.has_head
+    _same_probs(Classifier(artifact, "cpu").probs(texts).tolist(), measured)
