@@ -31,7 +31,9 @@ def make_run(runs: Path, name: str, status: str = "finished", steps: int = 3, be
     write_json(root / "run.json", {"task": "classify", "status": status, "outputs": outputs,
                                    "stages": {"baseline": {"status": "done", "seconds": 60}, "train": {"status": "done", "seconds": 30}}})
     if status == "finished":
-        write_json(root / "comparison.json", {"metrics": {"macro_f1": {"before": before, "after": after, "delta": after - before}}})
+        write_json(root / "comparison.json", {"metrics": {"macro_f1": {"before": before, "after": after, "delta": after - before}},
+                                              "intervals": {"macro_f1": {"before": [before - 0.1, before + 0.1],
+                                                                         "after": [after - 0.05, after + 0.05]}}})
         write_text(root / "report.html", "<html><body>report of " + name + "</body></html>")
     (root / "train").mkdir(exist_ok=True)
     (root / "train" / "log_history.jsonl").write_text(
@@ -58,7 +60,7 @@ def test_runs_table_lists_every_run_with_before_after_and_minutes(runs):
     page = client(runs).get("/")
     assert page.status_code == 200
     assert 'href="/runs/alpha"' in page.text and 'href="/runs/beta"' in page.text and "partial" not in page.text
-    assert "0.250 → 0.750" in page.text and "emotion 情绪" in page.text
+    assert "0.250 [0.15, 0.35] → 0.750 [0.70, 0.80]" in page.text and "emotion 情绪" in page.text
     rows = {r["name"]: r for r in client(runs).get("/api/runs").json()}
     assert rows["alpha"]["status"] == "finished" and rows["alpha"]["minutes"] == 1.5 and rows["alpha"]["after"] == 0.75
     assert rows["beta"]["status"] == "running" and rows["beta"]["after"] is None
@@ -510,3 +512,16 @@ def test_try_chat_streams_the_sft_models_greedy_reply(tmp_path, tiny_model_dir):
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": json.dumps(messages),
                                                   "max_tokens": "100000"}).status_code == 422
     assert studio.get("/runs/nope/try").status_code == 404
+
+
+def test_telemetry_samples_are_streamed_beside_the_log_without_ids(runs):
+    beta = runs / "beta"
+    sample = {"time": 1.0, "elapsed_s": 0.5, "stage": "train", "rss_mb": 812.25, "cpu_pct": 190.0, "gpu_util_pct": 97.0}
+    write_text(beta / "telemetry.jsonl", json.dumps(sample) + "\n")
+    assert "812.2 MiB" in client(runs).get("/runs/beta").text  # the latest sample on the page at load
+    write_json(beta / "run.json", {"task": "classify", "status": "finished", "stages": {}})
+    events = parse_events(client(runs).get("/runs/beta/events").text)
+    telemetry = [e for e in events if e.get("event") == "telemetry"]
+    assert len(telemetry) == 1 and "id" not in telemetry[0]  # a reconnect's Last-Event-ID stays the log position
+    assert json.loads(telemetry[0]["data"]) == {"stage": "train", "values": {
+        "rss_mb": [812.25, "MiB"], "cpu_pct": [190.0, "% of one core"], "gpu_util_pct": [97.0, "%"]}}

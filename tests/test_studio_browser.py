@@ -155,6 +155,7 @@ def test_start_a_run_from_the_form_and_follow_it_to_its_report(browser, studio, 
     logged = history(run)
     assert steps == [e["step"] for e in logged] and max(steps) == 30  # every entry once, in order: no gap, no repeat
     assert int(page.locator("#progress").get_attribute("data-connections")) >= 3
+    assert int(page.locator("#progress").get_attribute("data-telemetry") or 0) >= 1  # device samples arrived live
     page.reload()
     shot(page, tmp_path, "run", full_page=True)
     assert page.inner_text("#status") == "finished"

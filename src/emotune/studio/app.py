@@ -43,6 +43,7 @@ from emotune.studio.runs import (
     artifacts,
     history,
     inside,
+    last_line,
     list_runs,
     list_sweeps,
     log_tail,
@@ -51,6 +52,7 @@ from emotune.studio.runs import (
     summarize,
     summarize_sweep,
     sweep_folder,
+    telemetry_row,
 )
 from emotune.studio.tryout import MAX_NEW_TOKENS, Refused, Tryout
 from emotune.tasks import DEFAULT_TASK
@@ -169,14 +171,7 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
 
     @app.get("/runs/{name}/files/{path:path}")
     def run_file(name: str, path: str) -> Response:
-        try:
-            run_folder(runs, name)
-            file = inside(runs, f"{name}/{path}")
-        except NotInRuns:
-            return HTMLResponse(pages.not_found(f"No file `{path}` in run `{name}`."), status_code=404)
-        if not file.is_file():
-            return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
-        return FileResponse(file)
+        return _file(runs, name, path, run_folder, "run")
 
     @app.get("/runs/{name}/events")
     async def run_events(name: str, request: Request) -> Response:
@@ -255,14 +250,20 @@ def _compare_routes(app: FastAPI, runs: Path) -> None:
 
     @app.get("/sweeps/{name}/files/{path:path}")
     def sweep_file(name: str, path: str) -> Response:
-        try:
-            sweep_folder(runs, name)
-            file = inside(runs, f"{name}/{path}")
-        except NotInRuns:
-            return HTMLResponse(pages.not_found(f"No file `{path}` in sweep `{name}`."), status_code=404)
-        if not file.is_file():
-            return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
-        return FileResponse(file)
+        return _file(runs, name, path, sweep_folder, "sweep")
+
+
+def _file(runs: Path, name: str, path: str, folder, what: str) -> Response:
+    """A file of the run or sweep folder `name` (`folder` checks it is one), resolved inside the runs folder; 404
+    for anything else."""
+    try:
+        folder(runs, name)
+        file = inside(runs, f"{name}/{path}")
+    except NotInRuns:
+        return HTMLResponse(pages.not_found(f"No file `{path}` in {what} `{name}`."), status_code=404)
+    if not file.is_file():
+        return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
+    return FileResponse(file)
 
 
 def _trials(folder: Path) -> list[str]:
@@ -343,13 +344,17 @@ async def _events(run: RunDir, queue: JobQueue, start: int, request: Request, po
                   stream_s: float) -> AsyncIterator[str]:
     """Each training log entry after `start` as an SSE event with its position as id; then new ones as they come,
     for `stream_s` at most (the browser then reconnects with the last id it saw)."""
-    sent, began = start, time.monotonic()
+    sent, began, sample_sent = start, time.monotonic(), None
     yield "retry: 500\n\n"
     while True:
         entries = history(run)
         for position in range(sent + 1, len(entries) + 1):
             yield f"id: {position}\nevent: progress\ndata: {_json(entries[position - 1])}\n\n"
         sent = max(sent, len(entries))
+        sample = last_line(run.telemetry)
+        if sample is not None and sample.get("time") != sample_sent:  # no id: a reconnect resumes the log, not this
+            yield f"event: telemetry\ndata: {_json(telemetry_row(sample))}\n\n"
+            sample_sent = sample.get("time")
         job = queue.job_for(run.root.name)
         status = summarize(run).status if run.root.is_dir() else "queued"
         if (job is None or job.status in FINAL) and status != "running":

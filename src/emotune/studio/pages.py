@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from html import escape
 from urllib.parse import quote
 
-from emotune.studio.runs import RunSummary
+from emotune.studio.runs import RunSummary, telemetry_row
 
 FONTS = ('system-ui, -apple-system, "Segoe UI", Roboto, "Noto Sans", "emotune CJK", "Noto Sans CJK SC", "Noto Sans SC", '
          '"PingFang SC", "Microsoft YaHei", "WenQuanYi Micro Hei", sans-serif')
@@ -51,17 +51,26 @@ def _number(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
+def before_after(r: RunSummary) -> str:
+    """`macro_f1 0.250 [0.10, 0.40] → 0.750 [0.50, 0.85]`: the headline metric with its 95% intervals."""
+    def one(value, interval):
+        return _number(value) + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
+    if r.after is None:
+        return ""
+    return f"{r.metric} {one(r.before, r.before_interval)} → {one(r.after, r.after_interval)}"
+
+
 def runs_page(runs: list[RunSummary], folder: str, queue: str = "", sweeps: list | None = None) -> str:
     head = '<th>Compare</th>' + "".join(f'<th data-key="{key}">{label}</th>' for key, label in (
         ("name", "Run"), ("task", "Task"), ("model", "Model"), ("data", "Data"), ("status", "Status"),
-        ("after", "Before → after"), ("minutes", "Minutes")))
+        ("after", "Before → after (95% interval)"), ("minutes", "Minutes")))
     rows = "".join(
         f'<tr data-row=\'{escape(json.dumps(r.as_row(), ensure_ascii=False))}\'>'
         f'<td><input type="checkbox" name="run" value="{escape(r.name)}" form="compare" '
         f'aria-label="compare {escape(r.name)}"{"" if r.status == "finished" else " disabled"}></td>'
         f'<td><a href="/runs/{quote(r.name)}">{escape(r.name)}</a></td><td>{escape(r.task)}</td>'
         f'<td>{escape(r.model)}</td><td>{escape(r.data)}</td><td class="status-{escape(r.status)}">{escape(r.status)}</td>'
-        f'<td class="num">{escape(r.metric)} {_number(r.before)}{" → " if r.after is not None else ""}{_number(r.after)}</td>'
+        f'<td class="num">{escape(before_after(r))}</td>'
         f'<td class="num">{"" if r.minutes is None else r.minutes}</td></tr>' for r in runs)
     empty = "" if runs else f"<p>No run folders in <code>{escape(folder)}</code> yet.</p>"
     body = (f'<p>{len(runs)} run folder(s) in <code>{escape(folder)}</code>.</p>'
@@ -106,8 +115,7 @@ def run_page(view: RunView) -> str:
               else "<p>No report yet (it is written by the report stage).</p>")
     listing = "".join(f'<li><a href="/runs/{name}/files/{quote(path)}">{escape(path)}</a> '
                       f'<span class="num">({size:,} bytes)</span></li>' for path, size in files)
-    result = (f"<p>{escape(summary.metric)}: {_number(summary.before)} → {_number(summary.after)}</p>"
-              if summary.after is not None else "")
+    result = (f"<p>{escape(before_after(summary))} (95% intervals)</p>" if summary.after is not None else "")
     details = details or {}
     tryout = (f'<p><a id="try" href="/runs/{name}/try">Try it</a>: classify a text or chat with this run\'s model</p>'
               if any(path.startswith("adapter/") for path, _ in files) else "")
@@ -129,15 +137,13 @@ def run_page(view: RunView) -> str:
 
 
 def _telemetry(sample: dict | None) -> str:
-    """The latest telemetry sample (memory, CPU, GPU utilisation, temperature, power) of the stage running the model."""
-    if not sample:
-        return ""
-    from emotune.runtime.telemetry import UNITS
-
-    cells = "".join(f"<tr><th>{escape(key)}</th><td class=num>{value:.1f} {escape(UNITS[key])}</td></tr>"
-                    for key, value in sample.items() if key in UNITS and isinstance(value, (int, float)))
-    return (f'<h2>Device</h2><table id="telemetry"><caption>latest sample, stage {escape(str(sample.get("stage", "?")))}'
-            f' (reload for a new one)</caption>{cells}</table>')
+    """The latest telemetry sample (memory, CPU; GPU utilisation, temperature, power) of the stage running the model;
+    the progress stream's telemetry events replace it while the run goes on."""
+    row = telemetry_row(sample) if sample else {"stage": None, "values": {}}
+    cells = "".join(f"<tr><th>{escape(key)}</th><td class=num>{value:.1f} {escape(unit)}</td></tr>"
+                    for key, (value, unit) in row["values"].items())
+    return (f'<h2>Device</h2><table id="telemetry"><caption>latest sample, stage <span id="telemetry-stage">'
+            f'{escape(str(row["stage"] or "—"))}</span></caption><tbody>{cells}</tbody></table>')
 
 
 def not_found(what: str) -> str:

@@ -36,6 +36,8 @@ class RunSummary:
     before: float | None
     after: float | None
     minutes: float | None
+    before_interval: list[float] | None = None  # 95% bootstrap interval (comparison.json's `intervals`)
+    after_interval: list[float] | None = None
 
     def as_row(self) -> dict:
         return self.__dict__.copy()
@@ -53,14 +55,19 @@ def inside(runs: Path, relative: str) -> Path:
     return path
 
 
-def run_folder(runs: Path, name: str) -> RunDir:
-    """The run folder `name` directly under the runs folder; NotInRuns for anything else."""
+def child(runs: Path, name: str, kind) -> Path:
+    """The folder `name` directly under the runs folder for which `kind(path)` holds; NotInRuns for anything else."""
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise NotInRuns(name)
     path = inside(runs, name)
-    if path.parent != runs.resolve() or not is_run_folder(path):
+    if path.parent != runs.resolve() or not kind(path):
         raise NotInRuns(name)
-    return RunDir(path)
+    return path
+
+
+def run_folder(runs: Path, name: str) -> RunDir:
+    """The run folder `name` directly under the runs folder; NotInRuns for anything else."""
+    return RunDir(child(runs, name, is_run_folder))
 
 
 def any_run(runs: Path, relative: str) -> RunDir:
@@ -97,11 +104,19 @@ def summarize(run: RunDir) -> RunSummary:
     config = saved_config(run)
     stages = info.get("stages") or {}
     seconds = sum(s.get("seconds", 0) for s in stages.values() if isinstance(s, dict))
-    metric, before, after = headline(read_json(run.comparison_json) or {})
+    comparison = read_json(run.comparison_json) or {}
+    metric, before, after = headline(comparison)
+    intervals = ((comparison.get("intervals") or {}).get(metric) or {}) if metric else {}
     status = "finished" if run.is_finished() else info.get("status") or ("prepared" if run.data.exists() else "new")
     return RunSummary(run.root.name, str(info.get("task") or config.get("task") or ""),
                       str((config.get("model") or {}).get("source") or ""), str((config.get("data") or {}).get("source") or ""),
-                      status, metric, before, after, round(seconds / 60, 2) if stages else None)
+                      status, metric, before, after, round(seconds / 60, 2) if stages else None,
+                      _interval(intervals.get("before")), _interval(intervals.get("after")))
+
+
+def _interval(value) -> list[float] | None:
+    ok = isinstance(value, list) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
+    return [float(v) for v in value] if ok else None
 
 
 def headline(comparison: dict) -> tuple[str, float | None, float | None]:
@@ -147,6 +162,14 @@ def run_details(run: RunDir) -> dict:
     max_steps = ((saved_config(run).get("train") or {}).get("max_steps"))
     return {"plan": train.get("plan") if isinstance(train, dict) else None,
             "max_steps": max_steps if isinstance(max_steps, int) else None, "telemetry": last_line(run.telemetry)}
+
+
+def telemetry_row(sample: dict) -> dict:
+    """A telemetry sample as the page shows it: {"stage": ..., "values": {name: [value, unit]}}."""
+    from emotune.runtime.telemetry import UNITS
+
+    return {"stage": sample.get("stage"), "values": {k: [v, UNITS[k]] for k, v in sample.items()
+                                                     if k in UNITS and isinstance(v, (int, float))}}
 
 
 def last_line(path: Path) -> dict | None:
@@ -205,12 +228,7 @@ def is_sweep_folder(path: Path) -> bool:
 
 def sweep_folder(runs: Path, name: str) -> Path:
     """The sweep folder `name` directly under the runs folder (`emotune sweep` writes `<name>-sweep/`)."""
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise NotInRuns(name)
-    path = inside(runs, name)
-    if path.parent != runs.resolve() or not is_sweep_folder(path):
-        raise NotInRuns(name)
-    return path
+    return child(runs, name, is_sweep_folder)
 
 
 def list_sweeps(runs: Path) -> list[SweepSummary]:

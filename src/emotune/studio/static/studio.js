@@ -95,6 +95,20 @@ function followProgress(progress) {
       if (rate > 0) eta.textContent = `About ${Math.max(0, Math.round((maxSteps - s1) / rate))} s of training left (${rate.toFixed(2)} steps/s).`;
     }
   });
+  source.addEventListener("telemetry", (event) => {
+    const sample = JSON.parse(event.data);
+    document.getElementById("telemetry-stage").textContent = sample.stage ?? "—";
+    const body = document.querySelector("#telemetry tbody");
+    body.replaceChildren();
+    for (const [key, [value, unit]] of Object.entries(sample.values)) {
+      const row = document.createElement("tr");
+      const name = document.createElement("th"); name.textContent = key;
+      const cellValue = document.createElement("td"); cellValue.className = "num"; cellValue.textContent = `${value.toFixed(1)} ${unit}`;
+      row.append(name, cellValue);
+      body.appendChild(row);
+    }
+    progress.dataset.telemetry = String(Number(progress.dataset.telemetry || 0) + 1);
+  });
   source.addEventListener("end", (event) => {
     const end = JSON.parse(event.data);
     document.getElementById("status").textContent = end.status;
