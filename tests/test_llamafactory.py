@@ -149,13 +149,13 @@ def test_yaml_spellings_and_older_key_names(lf_yaml):
 
 
 def test_refusals_name_their_keys_all_at_once(lf_yaml):
-    path = lf_yaml(stage="dpo", quantization_bit=3, finetuning_type="full", dataset="emotion_alpaca,emotion_prefs")
+    path = lf_yaml(stage="dpo", quantization_bit=3, finetuning_type="oft", dataset="emotion_alpaca,emotion_prefs")
     with pytest.raises(UserError) as err:
         load_config(path)
     message = str(err.value)
     assert "4 problems" in message
     for expected in ("`stage: dpo` is not supported", "`quantization_bit: 3` is not supported",
-                     "`finetuning_type: full` is not supported", "`dataset`: `emotion_prefs` is a ranking"):
+                     "`finetuning_type: oft` is not supported", "`dataset`: `emotion_prefs` is a ranking"):
         assert expected in message
 
 
@@ -224,6 +224,21 @@ def test_emotune_run_on_a_llamafactory_file(lf_yaml, tmp_path):
     assert first["learning_rate"] == pytest.approx(0.01)  # warmup_steps: 1 took effect: full rate after step 1
     train_rows = [json.loads(line) for line in (folder / "data" / "train.jsonl").read_text().splitlines()]
     assert {row["source"] for row in train_rows} == {"emotion_alpaca", "emotion_chat"}  # both datasets, mixed
+
+
+@pytest.mark.slow
+def test_a_llamafactory_freeze_file_runs_as_it_is(lf_yaml, tmp_path):
+    path = lf_yaml(finetuning_type="freeze", freeze_trainable_layers=1, freeze_trainable_modules="mlp")
+    code = main(["run", str(path), "train.precision=fp32", "eval.max_new_tokens=3", "eval.probe=false",
+                 "data.test_limit=4", f"model.cache_dir={tmp_path / 'cache'}"])
+    assert code == 0
+    folder = tmp_path / "saves" / "tiny-gemma" / "lora" / "sft"
+    run_info = json.loads((folder / "run.json").read_text())
+    assert run_info["status"] == "finished"
+    assert run_info["finetuning"] == {"kind": "freeze", "trainable_layers": 1, "trainable_modules": ["mlp"],
+                                      "extra_modules": None}
+    assert (folder / "model" / "config.json").is_file() and not (folder / "adapter").exists()
+    assert set(json.loads((folder / "comparison.json").read_text())["metrics"]["rouge_l"]) == {"before", "after", "delta"}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, RunLog, drop_previous, holds_run_lock, open_run, read_json
 from emotune.eval.merged import CHECK_ROWS, describe, merged_for_eval
-from emotune.model import init_methods, quantization
-from emotune.model.artifacts import is_adapter
+from emotune.model import finetuning, init_methods, quantization
+from emotune.model.artifacts import find_artifact, has_trained, is_adapter, load_artifact_model
 from emotune.model.attention import check_attention
 from emotune.model.loading import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.model.lora import check_layers
@@ -72,8 +72,11 @@ class Context:
             if self.cfg.lora.adapter:
                 self.start = self.task.find_adapter(self.cfg.lora.adapter, self.cfg, self.data)
                 init_methods.check_start(self.cfg.lora, self.start)
-            if self.cfg.lora.layers is not None:  # against the model's layer count, from config.json alone
-                check_layers(self.cfg.lora, AutoConfig.from_pretrained(model_dir))
+            if self.cfg.lora.layers is not None or self.cfg.train.finetuning in finetuning.WHOLE:
+                model_config = AutoConfig.from_pretrained(model_dir)  # the layer count, from config.json alone
+                finetuning.check(self.cfg.train, self.cfg.lora, self.cfg.model, model_config)
+                if self.cfg.lora.layers is not None:
+                    check_layers(self.cfg.lora, model_config)
 
     def open(self) -> None:
         """Claim the run folder (resume, refuse, or move an old run aside) and start run.json."""
@@ -88,6 +91,7 @@ class Context:
                        else "the base model"),
             "quantization": quantization.describe(self.cfg.model, weights_dtype(self.cfg.model, self.device,
                                                                                  self.cfg.train.precision)),
+            "finetuning": finetuning.describe(self.cfg.train),
         })
 
     @property
@@ -114,7 +118,12 @@ class Context:
 
     @property
     def adapted(self):
-        """The fine-tuned model: trained in this process, or the base with the run folder's adapter."""
+        """The fine-tuned model: trained in this process, or the base with the run folder's adapter, or (full / freeze
+        fine-tuning) the run folder's model, loaded alone with its own tokenizer in place of the base's."""
+        if self._adapted is None and self.cfg.train.finetuning in finetuning.WHOLE:
+            dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
+            model, tokenizer = load_artifact_model(find_artifact(self.run.root), dtype, self.device)
+            self._base, self._adapted = Base(model, tokenizer, self.precision, self.run.model), model
         if self._adapted is None:
             self._adapted = self.task.load_adapted(self.base.model, self.run.adapter, self.cfg, self.data)
         return self._adapted
@@ -206,7 +215,7 @@ DATA = Stage("data", data_stage, lambda ctx: ctx.task.saved_fingerprint(ctx.run)
              "the same data is prepared in this run folder")
 BASELINE = Stage("baseline", baseline_stage, lambda ctx: ctx.task.read_results(ctx.run.baseline, ctx.cfg) is not None,
                  "already measured in this run folder", sampled=True)
-TRAIN = Stage("train", train_stage, lambda ctx: is_adapter(ctx.run.adapter), "adapter already saved in this run folder",
+TRAIN = Stage("train", train_stage, lambda ctx: has_trained(ctx.run), "adapter (or model) already saved in this run folder",
               sampled=True)
 FINETUNED = Stage("finetuned", finetuned_stage, lambda ctx: ctx.task.read_results(ctx.run.finetuned, ctx.cfg) is not None,
                   "already measured in this run folder", sampled=True)
@@ -288,9 +297,9 @@ def train_only(cfg: RunConfig, fault=None) -> Path:
     ctx = Context(cfg, device=state.device if state.num_processes > 1 else None)
     ctx.train_fault = fault
     ctx.validate()
-    if is_adapter(ctx.run.adapter) and not cfg.overwrite:
-        raise UserError(f"`{ctx.run.adapter}` already holds a trained adapter. Run `emotune run` with the same config to "
-                        "evaluate it, or pass overwrite=true to train again.")
+    if has_trained(ctx.run) and not cfg.overwrite:
+        raise UserError(f"`{ctx.run.root}` already holds a trained adapter or model. Run `emotune run` with the same config "
+                        "to evaluate it, or pass overwrite=true to train again.")
     if state.is_main_process:
         print(f"Device {ctx.device} x {state.num_processes} processes; precision {ctx.precision.name}: "
               f"{ctx.precision.reason}", flush=True)
@@ -302,7 +311,8 @@ def train_only(cfg: RunConfig, fault=None) -> Path:
         ctx.run = RunDir(cfg.run_dir)
     train_stage(ctx) if ctx.log is None else run_stages(ctx, (TRAIN,))
     if state.is_main_process:
-        print(f"Adapter: {ctx.run.adapter}", flush=True)
+        print(f"{'Model' if cfg.train.finetuning in finetuning.WHOLE else 'Adapter'}: "
+              f"{ctx.run.model if cfg.train.finetuning in finetuning.WHOLE else ctx.run.adapter}", flush=True)
     return ctx.run.root
 
 

@@ -148,6 +148,8 @@ class RunDir:
     """The fine-tuned model's evaluation, in the same layout as baseline/."""
     adapter = property(lambda self: self.root / "adapter")
     """The trained adapter (see emotune.model.artifacts)."""
+    model = property(lambda self: self.root / "model")
+    """The trained model itself, a whole model folder, when `train.finetuning` is full or freeze (emotune.model.artifacts)."""
     checkpoints = property(lambda self: self.root / "checkpoints")
     train = property(lambda self: self.root / "train")
     """Training log (log_history.jsonl while training, log_history.json after) and loss_curve.png."""
@@ -191,7 +193,7 @@ class RunDir:
 
     def has_run(self) -> bool:
         """Something beyond prepared data: a run (finished or not) lives here."""
-        return self.run_json.is_file() or self.adapter.exists() or self.baseline.exists()
+        return self.run_json.is_file() or self.adapter.exists() or self.model.exists() or self.baseline.exists()
 
 
 # --------------------------------------------------------------------------------------------------

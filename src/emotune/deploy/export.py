@@ -84,7 +84,8 @@ def max_lora_rank(config: dict) -> int:
 def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = False, vllm: bool = False,
            dtype: str = "auto", force: bool = False) -> Path:
     artifact = find_artifact(run_dir)
-    if artifact.merged:
+    trained_whole = artifact.merged and artifact.path == RunDir(run_dir).model  # train.finetuning full / freeze
+    if artifact.merged and not trained_whole:
         raise UserError(f"`{run_dir}` holds a merged model only; export needs the adapter. Point at the run folder.")
     if vllm and artifact.has_head:
         raise UserError(f"`{run_dir}` holds a classification-head model (task {artifact.task}), which answers with label "
@@ -99,6 +100,8 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
     if out.exists() and not force:
         raise UserError(f"`{out}` already exists (an earlier export?). Pass --force to replace it once the new export is "
                         "complete, or --out <another folder>.")
+    if trained_whole:
+        return _export_whole(artifact, out, vllm, dtype, merge)
     blockers = vllm_blockers(adapter_config(artifact.path))
     if vllm and blockers and not merge:
         print(f"vLLM cannot hot-load this adapter: {'; '.join(blockers)}. Exporting the merged route "
@@ -117,6 +120,30 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
         if vllm:
             write_vllm_handoff(artifact, partial, out, merged=merge, lora_route=not blockers)
     print(f"Exported {artifact.name} to {out}" + (" (adapter + merged model)" if merge else " (adapter)"), flush=True)
+    return out
+
+
+def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: bool) -> Path:
+    """A fully or freeze-fine-tuned run (train.finetuning): its model folder is already what --merge makes, so it is
+    written as merged/ (in `dtype`; auto = as trained and saved), with config.yaml and the merged vLLM route."""
+    if merge:
+        print("The run trained the model itself (train.finetuning full / freeze): there is no adapter to merge; its "
+              "model is exported as merged/.", flush=True)
+    with atomic_dir(out) as partial:
+        if dtype == "auto":
+            shutil.copytree(artifact.path, partial / "merged")
+        else:
+            from emotune.model.artifacts import load_artifact_model
+
+            model, tokenizer = load_artifact_model(artifact, DTYPES[dtype], torch.device("cpu"))
+            model.save_pretrained(partial / "merged", safe_serialization=True)
+            tokenizer.save_pretrained(partial / "merged")
+            shutil.copy2(artifact.path / META, partial / "merged" / META)
+        RunDir(partial).config.write_text(yaml.safe_dump({"model": artifact.model_cfg.model_dump(mode="json")},
+                                                         sort_keys=False))
+        if vllm:
+            write_vllm_handoff(artifact, partial, out, merged=True, lora_route=False)
+    print(f"Exported {artifact.name} to {out} (the fully or freeze-fine-tuned model, as merged/)", flush=True)
     return out
 
 

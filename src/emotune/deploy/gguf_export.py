@@ -53,7 +53,8 @@ def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama:
         k_file = folder / f"{artifact.name}-{quant}.gguf"
         if gguf_write.make_k_quant(model_file, k_file, quant):
             model_file = k_file
-    _write_lora(artifact, base_config, folder)
+    if not artifact.merged:  # a full / freeze run has no adapter to write beside the model
+        _write_lora(artifact, base_config, folder)
     if ollama:
         from emotune.deploy.ollama import write_modelfile
 

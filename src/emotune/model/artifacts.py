@@ -136,8 +136,41 @@ def write_adapter(model, tokenizer, target: Path, meta: dict, state_dict: dict |
     return target
 
 
+def write_full_model(model, tokenizer, target: Path, meta: dict) -> Path:
+    """A fully or freeze-fine-tuned model (`train.finetuning`) as a whole model folder, in the layout of a merged
+    export (`emotune export --merge`): weights and config, generation config stopping on the chat template's
+    end-of-turn token, tokenizer, and `meta` as emotune.json, atomically. Saved in the dtypes the weights have."""
+    from emotune.model.turns import stop_token_ids
+
+    with atomic_dir(target) as partial:
+        if meta.get("task") not in HEAD_TASKS and getattr(model, "generation_config", None) is not None:
+            model.generation_config.eos_token_id = stop_token_ids(tokenizer, model.generation_config)
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
+        (partial / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
+    return target
+
+
 def is_adapter(folder: Path) -> bool:
     return (folder / PEFT_CONFIG).is_file()
+
+
+def is_full_model(folder: Path) -> bool:
+    """A whole model folder with emotune's meta: a merged export, or a run's fully or freeze-fine-tuned model."""
+    return (folder / "config.json").is_file() and (folder / META).is_file()
+
+
+def has_trained(run: RunDir) -> bool:
+    """Whether the run folder holds what its training saves: the adapter, or the model itself (full / freeze)."""
+    return is_adapter(run.adapter) or is_full_model(run.model)
+
+
+def trained_outputs(run: RunDir, finetuning: str) -> list[Path]:
+    """The files a finished run's training leaves, by `train.finetuning`."""
+    if finetuning == "lora":
+        return [run.adapter / PEFT_CONFIG, run.adapter / META]
+    return [run.model / "config.json", run.model / META]
 
 
 def read_meta(folder: Path) -> dict | None:
@@ -187,7 +220,7 @@ def find_artifact(target: str | Path, name: str | None = None, fallback: Fallbac
         raise UserError(f"`{target}` does not exist, so it is neither an adapter folder nor a run folder. Give a run "
                         f"folder (runs/<name>), an export folder, or an adapter folder holding {PEFT_CONFIG}.")
     run = RunDir(target)
-    candidates = [(run.adapter, False), (target, False), (target / "merged", True), (target, True)]
+    candidates = [(run.adapter, False), (run.model, True), (target, False), (target / "merged", True), (target, True)]
     for folder, merged in candidates:
         marker = folder / ("config.json" if merged else PEFT_CONFIG)
         if marker.is_file() and (folder / META).is_file():
@@ -198,7 +231,7 @@ def find_artifact(target: str | Path, name: str | None = None, fallback: Fallbac
         if is_adapter(folder):
             return _foreign_adapter(folder, name or default_name(target), fallback)
     raise UserError(f"`{target}` holds no emotune adapter, PEFT adapter or merged model (looked for {PEFT_CONFIG}, or config.json next to "
-                    f"{META}, in the folder and in adapter/ and merged/). Point at a finished run folder (runs/<name>), "
+                    f"{META}, in the folder and in adapter/, model/ and merged/). Point at a finished run folder (runs/<name>), "
                     "the output of `emotune export`, or a PEFT adapter folder.")
 
 
@@ -287,7 +320,8 @@ def default_name(target: Path) -> str:
     folder = target.resolve()
     if folder.name in ("adapter", "merged") and folder.parent.name == "export":
         folder = folder.parent
-    name = folder.parent.name if folder.name in ("adapter", "merged", "export") else folder.name
+    in_run = folder.name == "model" and (folder.parent / "run.json").is_file()  # a full / freeze run's model/
+    name = folder.parent.name if folder.name in ("adapter", "merged", "export") or in_run else folder.name
     # the name travels in URLs, JSON `model` fields and vLLM's name=path flags
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "adapter"
 

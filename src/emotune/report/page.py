@@ -75,6 +75,7 @@ def _summary_section(run: dict, folder: RunDir) -> str:
         ("hardware", f"{run.get('device')} · backend {hardware.get('backend')} · GPUs: {gpus} · "
                      f"{hardware.get('cpu_count')} CPU cores · {hardware.get('platform')}"),
         ("precision", f"{run.get('precision', {}).get('name')}: {run.get('precision', {}).get('reason')}"),
+        ("fine-tuning", _finetuning_words(run.get("finetuning") or {"kind": "lora"})),
         *([("fine-tuned evaluation", describe(run["merged_eval"]))] if run.get("merged_eval") else []),
         ("versions", ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items())),
         ("system prompt", run.get("system_prompt", "")),
@@ -86,6 +87,22 @@ def _summary_section(run: dict, folder: RunDir) -> str:
     return (f"<section id=summary><h2>Run summary</h2><table class=facts>{rows}</table>"
             f"<h3>Stages</h3><table><tr><th>stage</th><th>status</th><th>seconds</th><th>note</th></tr>{timing}</table>"
             f"<details><summary>Resolved config</summary><pre>{html.escape(config_text)}</pre></details></section>")
+
+
+def _finetuning_words(finetuning: dict) -> str:
+    """What trained (run.json's `finetuning`; runs from before it existed trained LoRA adapters)."""
+    kind = finetuning.get("kind")
+    if kind == "full":
+        return "full: every weight of the language model (train.finetuning=full), saved as a whole model"
+    if kind == "freeze":
+        n = finetuning.get("trainable_layers")
+        layers = f"the last {n}" if isinstance(n, int) and n > 0 else f"the first {-n}" if isinstance(n, int) else "some"
+        modules = finetuning.get("trainable_modules")
+        parts = "whole" if modules == "all" else f"modules {', '.join(modules or [])} of"
+        extra = finetuning.get("extra_modules")
+        return (f"freeze: {parts} {layers} decoder layers" + (f", plus {', '.join(extra)}" if extra else "")
+                + " (train.finetuning=freeze), saved as a whole model")
+    return "LoRA adapters over the frozen base (train.finetuning=lora)"
 
 
 def _loss_section(run: RunDir) -> str:

@@ -11,6 +11,7 @@ import platform
 import shutil
 import subprocess
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -255,3 +256,19 @@ def format_report(report: DoctorReport) -> str:
     for hint in report.hints:
         lines.append(f"hint         {hint}")
     return "\n".join(lines)
+
+
+def mixed_precision(precision: Precision, model: torch.nn.Module, always: bool = False):
+    """(autocast context, grad scaler). Weights already stored in the training dtype need no autocast:
+    Gemma's norms and softmax upcast to fp32 themselves, PEFT keeps the adapters in fp32 and casts at
+    their boundary, and autocast on a CPU would re-cast every weight on every forward. `always`: full / freeze
+    fine-tuning, whose fp32 trained weights sit beside (or are) the model's own layers, so autocast. fp16 always
+    gets a scaler, because its gradients underflow without one."""
+    if precision.name == "fp32":
+        return nullcontext(), None
+    device = next(model.parameters()).device.type
+    frozen = next((p for p in model.parameters() if not p.requires_grad and p.is_floating_point()), None)  # not 4/8-bit
+    plain = not always and frozen is not None and frozen.dtype == precision.dtype
+    autocast = nullcontext() if plain else torch.autocast(device, dtype=precision.dtype)
+    scaler = torch.amp.GradScaler(device) if precision.name == "fp16" else None
+    return autocast, scaler

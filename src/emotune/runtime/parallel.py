@@ -29,7 +29,7 @@ def make_accelerator(t: TrainConfig, model: PreTrainedModel, tracker_dir: Path
                             f"(pip install {tracker}) or remove it from train.report_to.")
     cpu = model.device.type == "cpu"
     plugin = _fsdp_plugin(t, cpu)
-    # Mixed precision is handled in this module (autocast only where needed, see _mixed_precision), so
+    # Mixed precision is handled in this module (autocast only where needed, see emotune.runtime.device.mixed_precision), so
     # Accelerate keeps its default; it would otherwise refuse a second training in the same process.
     # DDP keeps every gradient local (no_sync) and emotune averages them once all processes finished the step's
     # passes (`average_gradients`), so an out-of-memory error on one process can be agreed on first (emotune.train.recovery).

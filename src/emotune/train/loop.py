@@ -16,7 +16,6 @@ batch B x N and N processes with batch B compute the same gradient.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -34,17 +33,17 @@ from emotune.core.config.run import RunConfig
 from emotune.core.config.train import TrainConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, remove_partial_writes
-from emotune.model import init_methods, lean_lora, lean_norm, quantization
-from emotune.model.artifacts import write_adapter
+from emotune.model import finetuning, init_methods, lean_lora, lean_norm, quantization
+from emotune.model.artifacts import write_adapter, write_full_model
 from emotune.model.lora import attach_lora, checkpoint_activations
-from emotune.runtime.device import Precision
+from emotune.runtime.device import Precision, mixed_precision
 from emotune.runtime.oom import free_memory, is_out_of_memory
 from emotune.runtime.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.train import checkpoints as ckpt
 from emotune.train import recovery as oom
 from emotune.train.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.train.log import TrainLog, Window, peak_memory_mb, write_history
-from emotune.train.optim import build_optimizer
+from emotune.train.optim import build_optimizer, schedule_after
 from emotune.train.passes import (
     Plan,
     announce,
@@ -84,14 +83,14 @@ class Session:
     fsdp: FullyShardedDataParallelPlugin | None
     plan: Plan
     cap: int  # padded tokens per forward pass (0: one pass per micro-batch)
-    adapted: PreTrainedModel  # the PEFT model (what is saved)
+    adapted: PreTrainedModel  # the PEFT model, or the model itself for full / freeze fine-tuning (what is saved)
     wrapped: torch.nn.Module  # what is called (DDP / FSDP wrapper, or `adapted` itself)
     trainable: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: object
     scaler: torch.amp.GradScaler | None
     autocast: object
-    upcast: dict[str, torch.dtype]  # FSDP: trainable weights upcast to fp32, saved in their own dtype
+    upcast: dict[str, torch.dtype]  # FSDP, full / freeze: trainable weights upcast to fp32, saved in their own dtype
     objective: Objective  # the task's loss and the rule that picks the kept adapter
     warmup: int = 0  # the schedule's warm-up steps
     initial: Path | None = None  # PiSSA/OLoRA/LoftQ: the starting adapter, for the conversion when saving
@@ -101,8 +100,9 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
           cfg: RunConfig, precision: Precision, run: RunDir, adapter_meta: dict,
           objective: Objective = LANGUAGE_MODEL, record: Callable[[str, object], None] | None = None,
           fault: Callable[[int, dict], None] | None = None) -> PreTrainedModel:
-    """Fine-tune `model` with LoRA on the task's encoded rows (each carries its loss positions), save the adapter
-    with `adapter_meta` into the run folder, and return the adapted model (in memory). `objective` (the task's)
+    """Fine-tune `model` on the task's encoded rows (each carries its loss positions): LoRA adapters, or its own weights
+    (`train.finetuning` full / freeze, emotune.model.finetuning); save the adapter (or the whole model) with
+    `adapter_meta` into the run folder, and return the trained model (in memory). `objective` (the task's)
     says what the loss is and which validation metric picks the adapter kept. `record(key, value)` puts what
     run.json should say about training under its train stage (the plan; the changes out-of-memory recovery made).
     `fault(step, batch)` is called before every training forward pass: tests raise an out-of-memory error from it
@@ -140,23 +140,18 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     announce(plan, t, len(rows), len(val_rows), cap, objective)
 
     model.config.use_cache = False
-    if quantization.is_quantized(model):  # before the adapters, which then stay fp32 beside the quantized weights
-        print(quantization.describe_preparation(quantization.prepare_for_training(model)), flush=True)
-    if fsdp:
-        refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
-    adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
-    initial = None
-    if cfg.lora.init in init_methods.CONVERTED:  # before any step changes the adapters
-        print(init_methods.describe(cfg.lora), flush=True)
-        initial = init_methods.save_initial(adapted, run.train / "initial_adapter") if accelerator.is_main_process else None
-    if t.lean_lora and not fsdp:  # FSDP's sharded parameters stay with PEFT's own forward
-        lean_lora.install(adapted)
+    whole = t.finetuning in finetuning.WHOLE  # the model's own weights train: no adapters, no PEFT wrapper
+    initial, upcast = None, {}
+    if whole:  # upcast: {name: own dtype} of the weights kept in fp32 while training, for saving them as they were
+        adapted, upcast = model, finetuning.prepare(model, t, objective.modules_to_save)
+    else:
+        adapted, initial = _attach_adapters(model, cfg, objective, fsdp, run, accelerator.is_main_process)
     if t.lean_norm and not fsdp:
         lean_norm.install(adapted)
     if t.gradient_checkpointing:
-        checkpoint_activations(adapted)  # the frozen layers below the adapters stay out of the backward pass
-    upcast = fsdp_dtypes(fsdp, adapted) if fsdp else {}
-    autocast, scaler = _mixed_precision(precision, adapted)
+        checkpoint_activations(adapted)  # the frozen layers below the trained ones stay out of the backward pass
+    upcast = fsdp_dtypes(fsdp, adapted) if fsdp else upcast
+    autocast, scaler = mixed_precision(precision, adapted, always=whole)
     optimizer = build_optimizer(t, adapted)
     wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
     if t.time_budget:  # the steps that fit, measured on the prepared model before the schedule needs them
@@ -169,6 +164,23 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
     return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast,
                    objective, warmup, initial)
+
+
+def _attach_adapters(model: PreTrainedModel, cfg: RunConfig, objective: Objective, fsdp, run: RunDir, main: bool):
+    """LoRA: the quantized base prepared, the adapters attached (and, for PiSSA/OLoRA/LoftQ, the starting adapter
+    saved for the conversion at the end), their lean forward installed; returns (PEFT model, starting adapter)."""
+    if quantization.is_quantized(model):  # before the adapters, which then stay fp32 beside the quantized weights
+        print(quantization.describe_preparation(quantization.prepare_for_training(model)), flush=True)
+    if fsdp:
+        refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
+    adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
+    initial = None
+    if cfg.lora.init in init_methods.CONVERTED:  # before any step changes the adapters
+        print(init_methods.describe(cfg.lora), flush=True)
+        initial = init_methods.save_initial(adapted, run.train / "initial_adapter") if main else None
+    if cfg.train.lean_lora and not fsdp:  # FSDP's sharded parameters stay with PEFT's own forward
+        lean_lora.install(adapted)
+    return adapted, initial
 
 
 def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: TrainConfig, record, fault) -> oom.Recovery:
@@ -230,7 +242,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
             took = perf_counter() - started
             plan = s.plan = replan(plan, t, len(recovery.rows), progress.step, took - sum(validation_seconds),
                                    validation_seconds, plan.speed.calibration + took, s.warmup, folder, s.accelerator)
-            s.scheduler = _schedule(s.optimizer, t, s.warmup, plan.steps, progress.step)
+            s.scheduler = schedule_after(s.optimizer, t, s.warmup, plan.steps, progress.step)
             bar.total = plan.steps
             bar.refresh()
             if main:
@@ -238,17 +250,6 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
             replanned(plan)
     bar.close()
     return best
-
-
-def _schedule(optimizer: torch.optim.Optimizer, t: TrainConfig, warmup: int, steps: int, done: int):
-    """The learning-rate schedule of a run of `steps` steps, `done` of them taken: what the scheduler built for
-    that many steps at the start would say now (its base rates are the optimizer groups' `initial_lr`)."""
-    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=steps)
-    with warnings.catch_warnings():  # stepping it without optimizer steps is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(done):
-            scheduler.step()
-    return scheduler
 
 
 def _validate_and_track(s: Session, progress: Progress, best, log: TrainLog, val_rows: list[Example], pad_id: int,
@@ -284,6 +285,12 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     if progress.memory["changes"] and main:
         print(oom.summary(oom.MemoryLimits(**progress.memory), t.batch_size, t.gradient_accumulation_steps), flush=True)
     adapted.eval()
+    if t.finetuning in finetuning.WHOLE:  # the weights as loaded: the fine-tuned stage measures what is saved
+        finetuning.restore_dtypes(adapted, s.upcast)
+        if main:
+            write_full_model(adapted, tokenizer, run.model, {**adapter_meta, "finetuning": finetuning.describe(t)})
+            write_history(progress.log_history, run.train)
+        return
     # Sharded weights are gathered on every process, then written by the main one like a single process's.
     weights = ({k: v.to(s.upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()}
                if s.fsdp else None)
@@ -294,20 +301,6 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
 
 # --------------------------------------------------------------------------------------------------
 # Precision, optimizer, resume
-
-
-def _mixed_precision(precision: Precision, model: torch.nn.Module):
-    """(autocast context, grad scaler). Weights already stored in the training dtype need no autocast:
-    Gemma's norms and softmax upcast to fp32 themselves, PEFT keeps the adapters in fp32 and casts at
-    their boundary, and autocast on a CPU would re-cast every weight on every forward. fp16 always
-    gets a scaler, because its gradients underflow without one."""
-    if precision.name == "fp32":
-        return nullcontext(), None
-    device = next(model.parameters()).device.type
-    frozen = next(p for p in model.parameters() if not p.requires_grad and p.is_floating_point())  # not 4/8-bit packed
-    autocast = nullcontext() if frozen.dtype == precision.dtype else torch.autocast(device, dtype=precision.dtype)
-    scaler = torch.amp.GradScaler(device) if precision.name == "fp16" else None
-    return autocast, scaler
 
 
 def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Accelerator):

@@ -18,8 +18,10 @@ groups, and LoRA on embedding layers gets `train.loraplus_lr_embedding`.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
+from transformers import get_scheduler
 
 from emotune.core.config.train import TrainConfig
 from emotune.core.errors import UserError
@@ -71,3 +73,14 @@ def build_optimizer(t: TrainConfig, model: torch.nn.Module) -> torch.optim.Optim
     print(f"LoRA+: learning rate {t.learning_rate:g} for the A matrices, {t.learning_rate * t.loraplus_lr_ratio:g} "
           f"(x{t.loraplus_lr_ratio:g}) for {b_share:,} parameters of the B matrices", flush=True)
     return optimizer
+
+
+def schedule_after(optimizer: torch.optim.Optimizer, t: TrainConfig, warmup: int, steps: int, done: int):
+    """The learning-rate schedule of a run of `steps` steps, `done` of them taken: what the scheduler built for
+    that many steps at the start would say now (its base rates are the optimizer groups' `initial_lr`)."""
+    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=steps)
+    with warnings.catch_warnings():  # stepping it without optimizer steps is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(done):
+            scheduler.step()
+    return scheduler

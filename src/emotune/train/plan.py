@@ -80,6 +80,11 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     from emotune.model.loading import load_model_config
     from emotune.train.passes import pass_token_cap
 
+    if cfg.train.finetuning != "lora":  # its memory model counts adapters beside frozen weights
+        raise UserError(f"`emotune plan` models LoRA training, and this config sets train.finetuning="
+                        f"{cfg.train.finetuning}, which it does not model yet. Reckon about 16 bytes per trained "
+                        "parameter (fp32 weight, gradient and AdamW's two moments) on top of the weights and activations "
+                        "(docs/training.md, full and freeze fine-tuning), or plan the run with train.finetuning=lora.")
     target = _target(cfg, device_memory)
     dtype = target.precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     config = load_model_config(cfg.model)

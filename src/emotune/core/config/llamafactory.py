@@ -3,7 +3,7 @@
 `emotune run X.yaml` accepts a file written for `llamafactory-cli train X.yaml` (flat keys: `stage`,
 `model_name_or_path`, `lora_rank`, `dataset`, ...). Each key becomes its emotune equivalent; a key the file
 leaves out takes LLaMA-Factory's default, not emotune's, so the same file trains the same way in both tools.
-What emotune cannot do the same way (another stage, full fine-tuning, GPTQ-style quantization, preference data, ...)
+What emotune cannot do the same way (another stage, GPTQ-style quantization, preference data, ...)
 is refused with the key named; keys that change nothing emotune measures are listed as ignored, with why.
 `key=value` overrides apply on top: dotted emotune keys (`train.max_steps=2`), or LLaMA-Factory keys
 (`max_steps=2`) for any key emotune's own top level lacks.
@@ -24,122 +24,21 @@ import yaml
 
 from emotune.core.config.base import RUN_NAME
 from emotune.core.config.build import _parse_value, _set_dotted, build_config
+from emotune.core.config.llamafactory_keys import (
+    FINETUNING,
+    IGNORED,
+    KEY_DEFAULTS,
+    OPTIMIZER_ALIASES,
+    OPTIMIZERS,
+    REFUSED,
+    SCHEDULES,
+    TRACKERS,
+)
 from emotune.core.config.llamafactory_templates import template_check
 from emotune.core.config.run import RunConfigBase
 
-FINETUNING = "LLaMA-Factory FinetuningArguments"
-DATA = "LLaMA-Factory DataArguments"
-MODEL = "LLaMA-Factory ModelArguments"
-TRAINER = "transformers Seq2SeqTrainingArguments"
-
-# The value each translated key takes when a file leaves it out, and the dataclass that defines it.
-DEFAULTS: dict[str, tuple[Any, str]] = {
-    "model_name_or_path": (None, MODEL),
-    "model_revision": ("main", MODEL),
-    "disable_gradient_checkpointing": (False, MODEL),  # LLaMA-Factory turns checkpointing on unless this is true
-    "quantization_bit": (None, MODEL),  # QuantizationArguments (model_args.py): None = not quantized
-    "quantization_method": ("bnb", MODEL),
-    "quantization_type": ("nf4", MODEL),
-    "double_quantization": (True, MODEL),
-    "stage": ("sft", FINETUNING),
-    "finetuning_type": ("lora", FINETUNING),
-    "lora_rank": (8, FINETUNING),
-    "lora_alpha": (None, FINETUNING),  # None = lora_rank * 2 (FinetuningArguments.__post_init__)
-    "lora_dropout": (0.0, FINETUNING),
-    "lora_target": ("all", FINETUNING),  # `all` = every linear layer but the output layer
-    "additional_target": (None, FINETUNING),
-    "use_dora": (False, FINETUNING),
-    "use_rslora": (False, FINETUNING),
-    "plot_loss": (False, FINETUNING),
-    "loraplus_lr_ratio": (None, FINETUNING),
-    "pissa_init": (False, FINETUNING),
-    "adapter_name_or_path": (None, MODEL),
-    "pissa_iter": (16, FINETUNING),
-    "pissa_convert": (False, FINETUNING),
-    "loraplus_lr_embedding": (1e-6, FINETUNING),
-    "dataset": (None, DATA),
-    "eval_dataset": (None, DATA),
-    "dataset_dir": ("data", DATA),
-    "template": (None, DATA),  # None = the tokenizer's own chat template (`empty` when it has none)
-    "cutoff_len": (2048, DATA),
-    "max_samples": (None, DATA),
-    "val_size": (0.0, DATA),
-    "mask_history": (False, DATA),
-    "default_system": (None, DATA),
-    "do_train": (False, TRAINER),
-    "output_dir": (None, TRAINER),
-    "overwrite_output_dir": (False, "LLaMA-Factory TrainingArguments"),
-    "per_device_train_batch_size": (8, TRAINER),
-    "per_device_eval_batch_size": (8, TRAINER),
-    "gradient_accumulation_steps": (1, TRAINER),
-    "learning_rate": (5e-5, TRAINER),
-    "num_train_epochs": (3.0, TRAINER),
-    "max_steps": (-1, TRAINER),
-    "lr_scheduler_type": ("linear", TRAINER),
-    "warmup_ratio": (0.0, TRAINER),
-    "warmup_steps": (0, TRAINER),
-    "weight_decay": (0.0, TRAINER),
-    "max_grad_norm": (1.0, TRAINER),
-    "optim": ("adamw_torch_fused", TRAINER),  # the same AdamW as adamw_torch, in one fused kernel
-    "bf16": (False, TRAINER),
-    "fp16": (False, TRAINER),
-    "gradient_checkpointing": (False, TRAINER),
-    "logging_steps": (500, TRAINER),
-    "save_steps": (500, TRAINER),
-    "eval_steps": (None, TRAINER),  # None = logging_steps
-    "eval_strategy": ("no", TRAINER),
-    "evaluation_strategy": (None, "transformers before 4.41"),  # eval_strategy's name until 4.41 renamed it
-    "report_to": ("none", TRAINER),  # "none" since transformers 5 ("all" before)
-    "seed": (42, TRAINER),
-}
-
-# Keys that would make LLaMA-Factory train differently from anything emotune does, and their harmless values.
-REFUSED: dict[str, tuple[Any, str]] = {
-    "train_on_prompt": (False, "emotune's loss is on the assistant turns only; remove train_on_prompt"),
-    "packing": (None, "emotune does not pack rows together; remove packing"),
-    "neat_packing": (False, "emotune does not pack rows together; remove neat_packing"),
-    "create_new_adapter": (False, "emotune trains on from the adapter itself; to train a new adapter over a merged "
-                                  "one, merge it first (`emotune export --merge`) and point model_name_or_path at it"),
-    "use_galore": (False, "GaLore is not a LoRA method emotune has; use finetuning_type: lora"),
-    "use_apollo": (False, "APOLLO is not a LoRA method emotune has; use finetuning_type: lora"),
-    "use_badam": (False, "BAdam is not a LoRA method emotune has; use finetuning_type: lora"),
-    "use_llama_pro": (False, "LLaMA Pro block expansion is not something emotune does; remove use_llama_pro"),
-    "streaming": (False, "emotune reads the whole dataset; remove streaming"),
-    "mix_strategy": ("concat", "emotune mixes datasets by concatenation only; remove mix_strategy"),
-}
-
-PERFORMANCE = "a speed or memory setting of LLaMA-Factory's; it does not change what is learned"
-IGNORED: dict[str, str] = {
-    **dict.fromkeys(("preprocessing_num_workers", "preprocessing_batch_size", "dataloader_num_workers",
-                     "overwrite_cache", "tokenized_path", "data_shared_file_system"),
-                    "emotune prepares the data once, in one process, and keeps it in the run folder"),
-    **dict.fromkeys(("flash_attn", "enable_liger_kernel", "use_unsloth", "use_unsloth_gc", "use_reentrant_gc",
-                     "upcast_layernorm", "shift_attn", "ddp_timeout", "include_effective_tokens_per_second"),
-                    PERFORMANCE),
-    **dict.fromkeys(("deepspeed", "fsdp", "fsdp_config", "ddp_find_unused_parameters", "ray_num_workers"),
-                    "launch several processes with torchrun or accelerate launch (train.fsdp=true to shard)"),
-    **dict.fromkeys(("do_eval", "do_predict", "predict_with_generate", "compute_accuracy"),
-                    "emotune always measures the model before and after training on the test split"),
-    **dict.fromkeys(("max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "num_beams",
-                     "repetition_penalty", "length_penalty", "generation_max_length", "generation_num_beams",
-                     "infer_backend", "infer_dtype"),
-                    "generation settings: emotune's evaluation decodes greedily, up to eval.max_new_tokens"),
-    **dict.fromkeys(("load_best_model_at_end", "metric_for_best_model", "greater_is_better"),
-                    "emotune always keeps the adapter with the lowest validation loss"),
-    **dict.fromkeys(("save_strategy", "logging_strategy"), "emotune saves and logs by steps"),
-    **dict.fromkeys(("run_name", "logging_dir", "project"), "the run is named by output_dir"),
-    "trust_remote_code": "emotune loads models with transformers' own classes and never runs code from the hub",
-    "cache_dir": "hub models go to Hugging Face's shared cache, or model.cache_dir/hub when that is set",
-    "save_only_model": "emotune checkpoints always hold the optimizer state, so a run can resume",
-    "resume_from_checkpoint": "emotune resumes from the run folder's newest checkpoint by itself",
-    "enable_thinking": "emotune renders turns with the model's chat template as it is",
-}
-
-SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit")
-# transformers' other names for the same optimizers (OptimizerNames)
-OPTIMIZER_ALIASES = {"adamw_bnb_8bit": "adamw_8bit"}
-TRACKERS = ("tensorboard", "mlflow", "wandb")
+# every translated key with its default: LLaMA-Factory's `stage` (which names emotune's task) and the rest
+DEFAULTS: dict[str, tuple[Any, str]] = {"stage": ("sft", FINETUNING), **KEY_DEFAULTS}
 
 
 def is_llamafactory(raw: dict[str, Any]) -> bool:
@@ -219,9 +118,9 @@ def _refusals(t: Translation) -> None:
     if s["stage"] != "sft":
         t.problems.append(f"`stage: {s['stage']}` is not supported: emotune runs LLaMA-Factory's `sft` stage only "
                           "(pt, rm, ppo, dpo and kto train other objectives); use stage: sft")
-    if s["finetuning_type"] != "lora":
-        t.problems.append(f"`finetuning_type: {s['finetuning_type']}` is not supported: emotune trains LoRA adapters "
-                          "only; use finetuning_type: lora")
+    if s["finetuning_type"] not in ("lora", "full", "freeze"):
+        t.problems.append(f"`finetuning_type: {s['finetuning_type']}` is not supported: emotune trains LoRA adapters, "
+                          "or the model itself (full, freeze); use finetuning_type: lora, full or freeze")
     if s["do_train"] is not True:
         t.problems.append("`do_train` is not true, so `llamafactory-cli train` would not train with this file; "
                           "add do_train: true")
@@ -266,6 +165,12 @@ def _quantization(t: Translation) -> None:
 
 def _method(t: Translation) -> None:
     s = t.settings
+    if s["finetuning_type"] in ("full", "freeze"):
+        _whole_model(t)
+        return
+    for key in ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules"):
+        if key in t.given:
+            t.ignored.append((key, "a freeze-tuning setting; finetuning_type: lora does not read it"))
     t.set("lora.r", s["lora_rank"], "lora_rank")
     alpha = s["lora_alpha"] if s["lora_alpha"] is not None else s["lora_rank"] * 2
     t.set("lora.alpha", alpha, "lora_alpha", note="" if s["lora_alpha"] is not None else "lora_rank x 2")
@@ -289,6 +194,31 @@ def _method(t: Translation) -> None:
             t.notes.append("pissa_convert: false: emotune always saves the PiSSA adapter converted onto the original base "
                            "(rank 2 x lora_rank), so that export and serving load the checkpoint as it is.")
     t.set("lora.use_rslora", s["use_rslora"], "use_rslora")
+
+
+def _whole_model(t: Translation) -> None:
+    """`finetuning_type: full | freeze`: the model's own weights train (emotune.model.finetuning). LoRA's shape settings
+    are ignored, as LLaMA-Factory ignores them; LoRA's methods (DoRA, PiSSA, an adapter to train on from, LoRA+) are
+    passed on, so the run refuses them with the reason before any weights load."""
+    s = t.settings
+    kind = s["finetuning_type"]
+    t.set("train.finetuning", kind, "finetuning_type")
+    if kind == "freeze":
+        t.set("train.freeze_trainable_layers", s["freeze_trainable_layers"], "freeze_trainable_layers",
+              note="N > 0: the last N decoder layers; -N: the first N")
+        modules = _names(s["freeze_trainable_modules"])
+        t.set("train.freeze_trainable_modules", "all" if modules == ["all"] else modules, "freeze_trainable_modules")
+        if s["freeze_extra_modules"]:
+            t.set("train.freeze_extra_modules", _names(s["freeze_extra_modules"]), "freeze_extra_modules")
+    for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_rslora"):
+        if key in t.given:
+            t.ignored.append((key, f"a LoRA setting; finetuning_type: {kind} trains no adapters"))
+    if s["use_dora"]:
+        t.set("lora.use_dora", True, "use_dora")
+    if s["pissa_init"]:
+        t.set("lora.init", "pissa", "pissa_init")
+    if s["adapter_name_or_path"]:
+        t.set("lora.adapter", ", ".join(_names(s["adapter_name_or_path"])), "adapter_name_or_path")
 
 
 def _dataset(t: Translation) -> None:

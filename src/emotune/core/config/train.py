@@ -81,7 +81,28 @@ class LoraSettings(Section):
         return sorted(value)
 
 
+FREEZE_LAYERS = Range(-1000, 1000, also="not 0 (N = the last N layers, -N = the first N)")
+
+
 class TrainConfig(Section):
+    finetuning: Literal["lora", "full", "freeze"] = "lora"
+    """What training changes (LLaMA-Factory's `finetuning_type`): `lora` = LoRA adapters over the frozen base (the
+    `lora` section), saved as an adapter; `full` = every weight of the language model (and a classification head),
+    saved as a whole model folder in the run folder (`model/`); `freeze` = only the decoder layers and modules the
+    `freeze_*` settings name, saved the same way. `full` and `freeze` keep fp32 copies of the trained weights while
+    training (AdamW: about 16 bytes per trained parameter), so they suit small models; they take no quantized base
+    and none of LoRA's own methods (LoRA+, PiSSA/OLoRA/LoftQ, DoRA, lora.adapter). docs/training.md compares them."""
+    freeze_trainable_layers: Annotated[int, FREEZE_LAYERS] = 2
+    """`finetuning: freeze`: the decoder layers that train, counted as LLaMA-Factory counts them: N = the last N
+    layers (nearest the output), -N = the first N (nearest the embeddings). A count beyond the model's decoder layers
+    is refused before any weights load."""
+    freeze_trainable_modules: str | list[str] = "all"
+    """`finetuning: freeze`: which modules inside those layers train: `all` = the whole layers, or names of a decoder
+    layer's parts, e.g. [mlp, self_attn] (LLaMA-Factory's `freeze_trainable_modules`)."""
+    freeze_extra_modules: list[str] | None = None
+    """`finetuning: freeze`: modules outside the decoder layers that train too, named by their own name or full path,
+    e.g. [embed_tokens, norm] (LLaMA-Factory's `freeze_extra_modules`); null = none. A classification head (task
+    classify_head) trains either way: it starts untrained."""
     max_steps: Annotated[int, Range(1, special=(-1,), also="or -1 to run train.num_train_epochs epochs")] = -1
     """Optimizer steps to run; -1 = run `num_train_epochs` epochs (or what fits `time_budget`)."""
     num_train_epochs: Annotated[float, Range(0, low_open=True)] = 1.0
@@ -100,7 +121,7 @@ class TrainConfig(Section):
     gradient_accumulation_steps: Annotated[int, Range(1)] = 4
     """Forward passes per optimizer step; effective batch = batch_size x this x processes."""
     learning_rate: Annotated[float, Range(0, 1, low_open=True, high_open=True, also="e.g. 1e-4")] = 1e-4
-    """Peak learning rate of the LoRA parameters."""
+    """Peak learning rate of the trained parameters (the LoRA adapters, or the weights `full` / `freeze` train)."""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     """Learning-rate schedule."""
     warmup_ratio: Annotated[float, Range(0, 1, high_open=True)] = 0.0
@@ -195,6 +216,26 @@ class TrainConfig(Section):
     gathered and written by process 0 in the single-process format; resume with FSDP again. On one
     process it is ignored, with a note. `accelerate launch --use_fsdp --fsdp_version 2` turns it on too,
     with that launcher's FSDP settings."""
+
+    @field_validator("freeze_trainable_layers", mode="before")
+    @classmethod
+    def _some_layers(cls, value: Any) -> Any:
+        if not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
+            raise ValueError(f"must be {FREEZE_LAYERS.describe(integer=True)}; 0 layers would train nothing")
+        return value
+
+    @field_validator("freeze_trainable_modules", "freeze_extra_modules", mode="before")
+    @classmethod
+    def _module_names(cls, value: Any) -> Any:
+        """One name or a comma-separated list (LLaMA-Factory writes `mlp,self_attn`) is a list; `all` stays `all`."""
+        if isinstance(value, str):
+            names = [name.strip() for name in value.split(",") if name.strip()]
+            if not names:
+                raise ValueError("name at least one module (e.g. mlp), or `all`")
+            return "all" if names == ["all"] else names
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list would train nothing; name modules (e.g. [mlp, self_attn]) or use `all`")
+        return value
 
     @field_validator("report_to", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ from emotune.eval.evaluate import (
     read_evaluation,
     write_results,
 )
-from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, check_matches, find_artifact
+from emotune.model.artifacts import Artifact, Fallback, check_matches, find_artifact, trained_outputs
 from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, measurements, report_sections, write_comparison
 from emotune.train.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
 
@@ -175,7 +175,7 @@ def outputs(run: RunDir, cfg: ClassifyConfig) -> list[Path]:
     methods = eval_methods(cfg.eval)
     results = [method_folder(stage, m, methods) / name for stage in (run.baseline, run.finetuned) for m in methods
                for name in ("metrics.json", "predictions.csv")]
-    return [*results, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json,
+    return [*results, *trained_outputs(run, cfg.train.finetuning), run.comparison_json,
             run.comparison_csv, run.report_html]
 
 

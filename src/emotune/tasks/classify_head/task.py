@@ -33,7 +33,7 @@ from emotune.eval.evaluate import (
     write_results,
 )
 from emotune.eval.evaluate import evaluate as evaluate_method
-from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, check_matches, find_artifact
+from emotune.model.artifacts import Artifact, check_matches, find_artifact, trained_outputs
 from emotune.model.head import classifier_from_causal, encode_texts, head_probabilities, is_classifier
 from emotune.tasks.classify.report import measurements
 from emotune.tasks.classify_head.objective import head_objective
@@ -175,7 +175,7 @@ def find_adapter(path: str, cfg: ClassifyHeadConfig, data: LabeledData) -> Artif
 
 def outputs(run: RunDir, cfg: ClassifyHeadConfig) -> list[Path]:
     results = [stage / name for stage in (run.baseline, run.finetuned) for name in ("metrics.json", "predictions.csv")]
-    return [*results, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json, run.comparison_csv,
+    return [*results, *trained_outputs(run, cfg.train.finetuning), run.comparison_json, run.comparison_csv,
             run.report_html]
 
 

@@ -22,7 +22,7 @@ from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
 from emotune.data.sources import HUB_PREFIXES, SPLITS
 from emotune.eval.probe import load_probe
-from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, Fallback, find_artifact
+from emotune.model.artifacts import Artifact, Fallback, find_artifact, trained_outputs
 from emotune.tasks.sft import eval as sft_eval
 from emotune.tasks.sft.report import compare, format_comparison, measurements, report_sections, write_comparison
 from emotune.tasks.sft.rows import encode_all
@@ -183,7 +183,7 @@ def has_results(folder: Path) -> bool:
 def outputs(run: RunDir, cfg: SftConfig) -> list[Path]:
     stages = [stage / name for stage in (run.baseline, run.finetuned) for name in (sft_eval.METRICS, sft_eval.PREDICTIONS)]
     probe = [stage / sft_eval.PROBE for stage in (run.baseline, run.finetuned)] if cfg.eval.probe else []
-    return [*stages, *probe, run.adapter / PEFT_CONFIG, run.adapter / META, run.comparison_json, run.report_html,
+    return [*stages, *probe, *trained_outputs(run, cfg.train.finetuning), run.comparison_json, run.report_html,
             *(run.data / f"{s}.jsonl" for s in SPLITS)]
 
 
