@@ -322,3 +322,19 @@ def fixed_batch_losses(model, steps: int = 12, lr: float = 1e-2, optimizer=None)
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def crash_after_checkpoint(monkeypatch, at_step: int) -> None:
+    """Make training raise right after it wrote the checkpoint of step `at_step`, as a killed run would stop there
+    (`monkeypatch.undo()` puts the real writer back)."""
+    from emotune.train import checkpoints as ckpt
+
+    write = ckpt.write_checkpoint
+
+    def write_then_crash(folder, step, *args, **kwargs):
+        path = write(folder, step, *args, **kwargs)
+        if step == at_step:
+            raise RuntimeError(f"crash right after the step-{at_step} checkpoint")
+        return path
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", write_then_crash)

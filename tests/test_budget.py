@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import crash_after_checkpoint
 from emotune.cli import main
 from emotune.core.config.train import TrainConfig
 from emotune.train import checkpoints as ckpt
@@ -159,14 +160,7 @@ def test_a_resumed_run_keeps_its_plan(tiny_overrides, tmp_path, monkeypatch, cap
               "train.eval_steps=100"]
     monkeypatch.setattr(Calibration, "measure", _measured_as(Speed(10.0, 0.0, 0.0), calls))
     write = ckpt.write_checkpoint
-
-    def write_then_crash(folder, step, *args, **kwargs):
-        path = write(folder, step, *args, **kwargs)
-        if step == 2:
-            raise RuntimeError("crash right after the step-2 checkpoint")
-        return path
-
-    monkeypatch.setattr(ckpt, "write_checkpoint", write_then_crash)
+    crash_after_checkpoint(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="step-2 checkpoint"):
         main(common)
     assert calls == [27]

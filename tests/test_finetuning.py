@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import LABELS, write_tiny_adapter
+from conftest import LABELS, crash_after_checkpoint, write_tiny_adapter
 from emotune.cli import main
 from emotune.core.config.eval import ServeConfig
 from emotune.core.config.load import load_config
@@ -190,19 +190,10 @@ def test_a_freeze_run_changes_exactly_the_chosen_weights(tiny_model_dir, tiny_ov
 
 @pytest.mark.slow
 def test_a_full_run_resumes_from_its_checkpoint_as_if_never_stopped(tiny_overrides, tmp_path, monkeypatch, capsys):
-    from emotune.train import checkpoints as ckpt
 
     common = ["train", *tiny_overrides, *LONGER, "train.finetuning=full", "train.save_total_limit=3", "seed=7"]
     assert main(common + ["name=straight"]) == 0
-    write = ckpt.write_checkpoint
-
-    def write_then_crash(folder, step, *args, **kwargs):
-        path = write(folder, step, *args, **kwargs)
-        if step == 2:
-            raise RuntimeError("crash right after the step-2 checkpoint")
-        return path
-
-    monkeypatch.setattr(ckpt, "write_checkpoint", write_then_crash)
+    crash_after_checkpoint(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="step-2 checkpoint"):
         main(common + ["name=cut"])
     monkeypatch.undo()

@@ -16,7 +16,7 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-from conftest import LABELS, make_rows
+from conftest import LABELS, crash_after_checkpoint, make_rows
 from emotune.cli import main
 from emotune.core.config.data import PromptConfig
 from emotune.tasks.classify.task import encode_examples
@@ -198,20 +198,11 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_good_one(tiny_
                                                                           capsys):
     """A checkpoint spoiled after it was written (here its weights cut in half): no traceback on resume; the
     run says which checkpoint it uses and why, keeps the bad one aside, and ends as if never interrupted."""
-    from emotune.train import checkpoints as ckpt
 
     common = ["train", *tiny_overrides, "train.max_steps=4", "train.save_steps=1", "train.save_total_limit=3",
               "lora.dropout=0.1", "seed=7", "device=cpu"]
     assert main(common + ["name=straight"]) == 0
-    write = ckpt.write_checkpoint
-
-    def write_then_crash(folder, step, *args, **kwargs):
-        path = write(folder, step, *args, **kwargs)
-        if step == 3:
-            raise RuntimeError("crash right after the step-3 checkpoint")
-        return path
-
-    monkeypatch.setattr(ckpt, "write_checkpoint", write_then_crash)
+    crash_after_checkpoint(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="step-3 checkpoint"):
         main(common + ["name=cut"])
     monkeypatch.undo()
