@@ -5,7 +5,8 @@
 Each setting is one `emotune run configs/cpu.yaml` in its own process (so the peak memory is its own), with the
 same data, seed and number of optimizer steps: `none`, `8bit` and `4bit` (model.quantization; NF4 + double
 quantization), then the methods at equal steps over the unquantized base: `adamw_8bit`, `loraplus` (ratio 16),
-`pissa`, `olora` and `dora`. A line holds the process's peak RSS after the last step (`peak_memory_mb`, the
+`pissa`, `olora` and `dora`, and the whole-weight methods `full` and `freeze` (the last 2 layers; each at the
+learning rate LLaMA-Factory's examples use for it). A line holds the process's peak RSS after the last step (`peak_memory_mb`, the
 training log's), training tokens per second over the last logging window, and macro-F1 of the packaged test split
 (data.test_limit rows) before and after, by label scoring and by generation. Timings depend on what else the
 machine runs: compare lines of one invocation, not across machines.
@@ -30,6 +31,9 @@ SETTINGS = {
     "pissa": ["lora.init=pissa"],
     "olora": ["lora.init=olora"],
     "dora": ["lora.use_dora=true"],
+    # Whole-weight tuning at the learning rates LLaMA-Factory's examples use for it (LoRA's 3e-4 is too high for them).
+    "full": ["train.finetuning=full", "train.learning_rate=1e-5"],
+    "freeze": ["train.finetuning=freeze", "train.freeze_trainable_layers=2", "train.learning_rate=1e-4"],
 }
 
 
