@@ -13,13 +13,13 @@ from safetensors.torch import load_file
 
 from emotune.model.adapter_stats import adapter_stats, group_of, layer_of
 from emotune.train.log import Window
-from emotune.train.loop import _clip_gradients
+from emotune.train.optim import clip_gradients
 
 
 def test_the_logged_gradient_norm_is_the_norm_before_clipping():
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
-    assert _clip_gradients(params, max_norm=1.0) == pytest.approx(5.0)
+    assert clip_gradients(params, max_norm=1.0) == pytest.approx(5.0)
     assert float(torch.cat([p.grad for p in params]).norm()) == pytest.approx(1.0)  # the step used the clipped one
 
 

@@ -25,7 +25,6 @@ from time import perf_counter
 import torch
 from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
-from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
@@ -43,7 +42,7 @@ from emotune.train import checkpoints as ckpt
 from emotune.train import recovery as oom
 from emotune.train.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.train.log import TrainLog, Window, peak_memory_mb, write_history
-from emotune.train.optim import build_optimizer, schedule_after
+from emotune.train.optim import build_optimizer, clip_gradients, schedule_after
 from emotune.train.passes import (
     Plan,
     announce,
@@ -212,7 +211,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
         globals_ = [global_batch(plan, t, recovery.encoded, cfg.seed, k)
                     for k in range(progress.step * plan.micro_per_step, (progress.step + 1) * plan.micro_per_step)]
         loss, grad_norm, finite = recovery.step(
-            progress.step, globals_, lambda passes, rows: _optimizer_step(s, passes, rows, pad_id, t.max_grad_norm,
+            progress.step, globals_, lambda passes, rows: _optimizer_step(s, passes, rows, pad_id, t,
                                                                           progress.step, recovery.fault),
             lambda: _checkpoint_note(folder))
         progress.memory = recovery.limits.as_dict()
@@ -325,7 +324,7 @@ def _resume(folder: Path, model, optimizer, scheduler, scaler, accelerator: Acce
 # One step, validation, guards
 
 
-def _optimizer_step(s: Session, passes: list[list[list[int]]], rows: list[Example], pad_id: int, max_grad_norm: float,
+def _optimizer_step(s: Session, passes: list[list[list[int]]], rows: list[Example], pad_id: int, t: TrainConfig,
                     step: int, fault: Callable[[int, dict], None] | None = None
                     ) -> tuple[float, float, bool] | oom.OutOfMemory:
     """Forward/backward over this process's passes (of all its micro-batches), then one optimizer step unless the loss or
@@ -368,7 +367,7 @@ def _optimizer_step(s: Session, passes: list[list[list[int]]], rows: list[Exampl
         average_gradients(s.trainable, accelerator)
     if s.scaler is not None:
         s.scaler.unscale_(s.optimizer)
-    grad_norm = _clip_gradients(s.trainable, max_grad_norm)
+    grad_norm = clip_gradients(s.trainable, t.max_grad_norm, t.foreach == "auto")
     loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(step_tokens, 1)
     # Under fp16 a non-finite gradient is the scaler's business (it skips the step and lowers the scale).
     finite = math.isfinite(loss) and (s.scaler is not None or math.isfinite(grad_norm))
@@ -384,12 +383,6 @@ def _optimizer_step(s: Session, passes: list[list[list[int]]], rows: list[Exampl
         raise
     s.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, finite
-
-
-def _clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-    # Under FSDP2 the norm is a replicated DTensor: the same float on every process.
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def _guard(progress: Progress, finite: bool, loss: float, grad_norm: float, t: TrainConfig, precision: Precision,

@@ -4,6 +4,8 @@
 
     adamw_torch / adamw_torch_fused   PyTorch's AdamW (fused: one kernel for all parameters)
     sgd / adafactor                   PyTorch's
+    (adamw_torch, sgd and adafactor run their `foreach` implementations unless `train.foreach=off`, as the
+    gradient clipping does: on a CPU PyTorch's default is a Python loop over the tensors)
     adamw_8bit                        bitsandbytes' AdamW8bit: both moments in 8 bits (blockwise quantized), a
                                       quarter of AdamW's state memory; CPU, CUDA and ROCm
     paged_adamw_8bit                  the same with its state in paged memory that the GPU driver moves to host
@@ -18,9 +20,11 @@ groups, and LoRA on embedding layers gets `train.loraplus_lr_embedding`.
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 from emotune.core.config.train import TrainConfig
@@ -47,14 +51,30 @@ def optimizer_class(t: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
     """The optimizer class for `train.optim` and its settings besides the learning rate."""
     decay = {"weight_decay": t.weight_decay}
     if t.optim == "sgd":
-        return torch.optim.SGD, decay
+        return torch.optim.SGD, {**decay, **_foreach(t)}
     if t.optim == "adafactor":
-        return torch.optim.Adafactor, decay
+        return torch.optim.Adafactor, {**decay, **_foreach(t)}
     if t.optim in EIGHT_BIT:
         import bitsandbytes as bnb
 
         return (bnb.optim.PagedAdamW8bit if t.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit), decay
-    return torch.optim.AdamW, {**decay, "fused": t.optim == "adamw_torch_fused"}
+    if t.optim == "adamw_torch_fused":
+        return torch.optim.AdamW, {**decay, "fused": True}
+    return torch.optim.AdamW, {**decay, **_foreach(t)}
+
+
+def _foreach(t: TrainConfig) -> dict:
+    """PyTorch's optimizers loop over the tensors one by one on a CPU unless told `foreach=True`; its foreach kernels
+    give the same update there (on a CPU they run the same per-tensor ops in C++), with one call per operation."""
+    return {"foreach": True} if t.foreach == "auto" else {}
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, foreach: bool = True) -> float:
+    """Clip the gradients' total norm to `max_norm` (0: no clipping, only the norm); returns the norm before clipping.
+    `foreach`: in one call per operation on every device (False: PyTorch's default, a loop on a CPU)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=foreach or None)
+    # Under FSDP2 the norm is a replicated DTensor: the same float on every process.
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def build_optimizer(t: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

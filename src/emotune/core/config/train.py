@@ -161,6 +161,19 @@ class TrainConfig(Section):
     each keeps its input as it came instead of a float32 copy. Only norms whose own forward gives exactly the same
     output take it (checked when training starts); others, and every other model's norms, run their own forward.
     `false`: the model's own norms everywhere."""
+    foreach: Literal["auto", "off"] = "auto"
+    """`auto`: PyTorch's optimizers (AdamW, SGD, Adafactor) and the gradient clipping work on all trained tensors in one
+    call per operation (their `foreach` implementations) on every device, instead of one call per tensor, which is
+    PyTorch's own default on a CPU; the same update (AdamW and SGD bit for bit, Adafactor within a rounding step:
+    tests/test_optim.py). `adamw_torch_fused` and the
+    8-bit optimizers keep their own kernels. `off`: PyTorch's defaults (a loop over the tensors on a CPU)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """Regional compilation (emotune.train.compile): `torch.compile` of each decoder layer, the block a model repeats,
+    so one compiled graph serves every layer of a kind; with gradient checkpointing and the LoRA adapters as they are.
+    `auto` = on for CUDA and ROCm GPUs where Triton is importable, off on a CPU (there compiling takes tens of seconds
+    per kind of layer, more than a short CPU run gains); `on` = also on a CPU (needs a C++ compiler); `off` = eager.
+    When compiling fails (no C++ compiler or Triton, an error of the compiler), training says so once, runs eager and
+    run.json records it."""
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
     """Optimizer: PyTorch's AdamW (`adamw_torch_fused`: in one kernel), SGD or Adafactor; `adamw_8bit` =
     bitsandbytes' AdamW with 8-bit moments (a quarter of AdamW's state memory; CPU, CUDA and ROCm);
@@ -242,10 +255,11 @@ class TrainConfig(Section):
     def _one_tracker_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
-    @field_validator("shared_prefix", mode="before")
+    @field_validator("shared_prefix", "foreach", "compile", mode="before")
     @classmethod
     def _bare_off_is_off(cls, value: Any) -> Any:
-        return "off" if value is False else value  # YAML reads a bare `off` as false
+        # YAML reads a bare `off` as false and a bare `on` as true
+        return "off" if value is False else "on" if value is True else value
 
     @field_validator("time_budget", mode="before")
     @classmethod

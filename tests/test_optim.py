@@ -1,0 +1,76 @@
+"""emotune.train.optim: the optimizers and the gradient clipping run their foreach implementations on every device
+(train.foreach=auto), and the update is the one PyTorch's per-tensor loop makes: bit for bit for AdamW and SGD, within
+a rounding step for Adafactor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emotune.core.config.train import TrainConfig
+from emotune.train.optim import clip_gradients, optimizer_class
+
+
+def _train(optim: str, foreach: str, dtype: torch.dtype, steps: int = 4) -> tuple[list[torch.Tensor], list[float]]:
+    """`steps` clipped updates of a few tensors of LoRA-like shapes with seeded gradients; their values and norms."""
+    t = TrainConfig(optim=optim, foreach=foreach, weight_decay=0.01)
+    start = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=start).to(dtype)) for shape in ((16, 64), (64, 16), (7,), (3, 5))]
+    cls, settings = optimizer_class(t)
+    optimizer = cls(params, lr=1e-2, **settings)
+    grads = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=grads).to(dtype)
+        norms.append(clip_gradients(params, 1.0, foreach == "auto"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in params], norms
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "sgd", "adafactor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_foreach_gives_the_per_tensor_loop_s_update_bit_for_bit(optim, dtype):
+    looped, looped_norms = _train(optim, "off", dtype)
+    together, together_norms = _train(optim, "auto", dtype)
+    assert looped_norms == together_norms
+    if optim == "adafactor":  # its foreach branch rounds a few products differently: a rounding step at |values| < 4
+        assert all(torch.allclose(a, b, rtol=0, atol=4 * torch.finfo(dtype).eps) for a, b in zip(looped, together, strict=True))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(looped, together, strict=True))
+
+
+def test_auto_asks_for_foreach_where_pytorch_loops_and_leaves_fused_and_8bit_alone():
+    assert optimizer_class(TrainConfig())[1]["foreach"] is True
+    assert optimizer_class(TrainConfig(optim="sgd"))[1]["foreach"] is True
+    assert "foreach" not in optimizer_class(TrainConfig(foreach="off"))[1]  # PyTorch's own default: a loop on a CPU
+    assert optimizer_class(TrainConfig(optim="adamw_torch_fused"))[1] == {"weight_decay": 0.0, "fused": True}
+    assert TrainConfig.model_validate({"foreach": False}).foreach == "off"  # YAML's bare `off`
+
+
+def test_foreach_calls_one_operator_per_operation_not_one_per_tensor():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # AdamW reads each tensor's step count as a number either way (`_local_scalar_dense`): not counted
+            Count.calls += func is not torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    def calls(foreach: str) -> int:
+        params = [torch.nn.Parameter(torch.ones(4)) for _ in range(50)]
+        for p in params:
+            p.grad = torch.ones(4)
+        cls, settings = optimizer_class(TrainConfig(foreach=foreach))
+        optimizer = cls(params, lr=1e-3, **settings)
+        optimizer.step()  # the first step makes the state (a zeros_like per tensor either way)
+        Count.calls = 0
+        with Count():
+            clip_gradients(params, 1.0, foreach == "auto")
+            optimizer.step()
+        return Count.calls
+
+    assert calls("auto") < 30 < 300 < calls("off")  # 50 tensors: about 8 operators each in a loop
