@@ -112,3 +112,35 @@ def test_uncovered_layers_and_calls_run_peft():
         with model.disable_adapter():
             assert torch.equal(model(input_ids=ids).logits, base)
     assert not torch.equal(evaluated, base)
+
+
+def _aten_calls(model) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        _loss_and_grads(model)
+    return Count.calls
+
+
+def test_plain_base_layers_run_in_the_same_function_with_fewer_operator_calls():
+    """A frozen nn.Linear base is computed inside `_Linear`: the same loss, fewer aten calls than base + `_Branch`;
+    a base layer with a hook keeps its own forward (the hook must run)."""
+    fused, hooked = _model(torch.bfloat16), _model(torch.bfloat16)
+    calls = []
+    for m in hooked.modules():
+        if type(m) is torch.nn.Linear and "base_layer" not in m.__dict__ and m is not hooked.get_output_embeddings():
+            m.register_forward_hook(lambda module, args, out: calls.append(1))
+    assert lean_lora.install(fused) == lean_lora.install(hooked) == 14
+    assert lean_lora.describe(fused) == {"layers": 14, "fused_base": 14, "own_forward": 0}
+    assert lean_lora.describe(hooked)["fused_base"] == 0
+    assert torch.equal(_loss_and_grads(fused)[0], _loss_and_grads(hooked)[0])
+    assert len(calls) >= 14  # every hooked base layer ran its forward
+    fused_calls, branch_calls = _aten_calls(fused), _aten_calls(hooked)
+    assert branch_calls - fused_calls >= 10 * 14, (fused_calls, branch_calls)  # 20 -> 16 forward, ~32 -> ~24 backward
