@@ -73,8 +73,11 @@ def test_baseline_label_probabilities_are_the_same_through_emotune_run(gemma4_pa
     assert float(text.max(-1).values.min()) < 0.99  # probabilities a soft-cap moves, not one-hot
     torch.testing.assert_close(wrapped, text, rtol=0, atol=1e-3)
     # run.json says which layers ran the lean forwards: on Gemma 4 every LoRA layer and every norm
-    lean = json.loads((runs[1] / "run.json").read_text())["stages"]["train"]["lean"]
+    stage = json.loads((runs[1] / "run.json").read_text())["stages"]["train"]
+    lean = stage["lean"]
     assert lean["lora"]["layers"] > 0 and lean["lora"]["own_forward"] == 0
+    assert lean["lora"]["fused_base"] == lean["lora"]["layers"]  # plain nn.Linear bases: product and branch in one
+    assert stage["compile"]["setting"] == "auto" and stage["compile"]["layers"] == 0  # auto: eager on a CPU
     assert lean["norm"]["norms"] > 0 and lean["norm"]["own_forward"] == {}, lean
 
 

@@ -33,7 +33,7 @@ from emotune.model.loading import Base, load_base, load_tokenizer, load_tokenize
 from emotune.model.lora import check_layers
 from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
-from emotune.train import optim
+from emotune.train import compiling, optim
 from emotune.train.batches import describe_shared_prefix, share_prefix
 
 
@@ -68,6 +68,7 @@ class Context:
             check_attention(self.cfg.model, model_dir, self.device, dtype)
             quantization.check(self.cfg.model, model_dir, self.device, dtype, self.cfg.lora.use_dora)
             optim.check(self.cfg.train, self.device)
+            compiling.check(self.cfg.train, self.device)
             init_methods.check(self.cfg.lora, self.cfg.model, self.device)
             if self.cfg.lora.adapter:
                 self.start = self.task.find_adapter(self.cfg.lora.adapter, self.cfg, self.data)

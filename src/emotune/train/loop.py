@@ -39,6 +39,7 @@ from emotune.runtime.device import Precision, mixed_precision
 from emotune.runtime.oom import free_memory, is_out_of_memory
 from emotune.runtime.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.train import checkpoints as ckpt
+from emotune.train import compiling
 from emotune.train import recovery as oom
 from emotune.train.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.train.log import TrainLog, Window, peak_memory_mb, write_history
@@ -108,7 +109,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
     where a device would.
 
     The task encodes the rows before this is called, so a row problem surfaces before any optimizer state exists."""
-    s = _setup(model, cfg, precision, train_rows, val_rows, tokenizer.pad_token_id, run, objective)
+    s = _setup(model, cfg, precision, train_rows, val_rows, tokenizer.pad_token_id, run, objective, record)
     if record is not None:
         record("plan", describe_plan(s.plan, cfg.train, len(train_rows)))
         # which layers run emotune's lean forwards; the rest (a norm of unknown arithmetic, DoRA, ...) run their own
@@ -130,7 +131,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
 
 
 def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: list[Example], val_rows: list[Example],
-           pad_id: int, run: RunDir, objective: Objective) -> Session:
+           pad_id: int, run: RunDir, objective: Objective, record=None) -> Session:
     """Processes, LoRA adapters, precision, optimizer, the steps and their schedule: everything before the first step."""
     t = cfg.train
     accelerator, fsdp = make_accelerator(t, model, run.train)
@@ -149,6 +150,7 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
         lean_norm.install(adapted)
     if t.gradient_checkpointing:
         checkpoint_activations(adapted)  # the frozen layers below the trained ones stay out of the backward pass
+    compiling.install(adapted, t, accelerator.device, record)  # train.compile: after the lean forwards it traces
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else upcast
     autocast, scaler = mixed_precision(precision, adapted, always=whole)
     optimizer = build_optimizer(t, adapted)
@@ -279,6 +281,7 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     adapted.config.use_cache = True  # training turned the KV cache off; generation wants it back
     lean_lora.restore(adapted)
     lean_norm.restore(adapted)
+    compiling.restore(adapted)
     if t.gradient_checkpointing or progress.memory["gradient_checkpointing"]:
         adapted.gradient_checkpointing_disable()
     if progress.memory["changes"] and main:
