@@ -18,7 +18,8 @@ from emotune.train import compiling
 
 ROOT = Path(__file__).resolve().parent.parent
 # A tiny Gemma 3 with LoRA on every linear layer, the lean forwards and non-reentrant checkpointing (as training runs
-# it), eager, then with train.compile=on: prints the losses, the gradients' largest relative difference, what was recorded and the graphs compiled.
+# it), eager, then with train.compile=on: prints the losses, the gradients' largest relative difference, what was
+# recorded and the graphs compiled.
 SCRIPT = """
 import json, sys
 sys.path.insert(0, "tests")
