@@ -8,6 +8,8 @@ Both sides train the same model (rebuilt with the same seed for each) on the sam
 with the recipe's prompt, gpu_check's word-level tokenizer) with the same LoRA (r16, all linear layers), AdamW,
 learning rate, gradient checkpointing and one update of 16 rows:
   emotune  16 x 1, its `auto` settings (bigger passes, lean LoRA and norm forwards, the shared prompt prefix)
+  off      (with --sides emotune,off,trl) emotune with host_overhead.py's OFF switches: lean forwards, shared prefix,
+           pass cap, foreach optimizer and train.compile all off, to see on the device what they give
   trl      SFTTrainer at its best: 16 x 1, bf16, `use_liger_kernel` when liger-kernel is installed, completion-only
            loss on prompt-completion rows
 Per side (bench/host_overhead.py measures the updates): seconds per update (median after two warm-up updates),
@@ -17,7 +19,8 @@ MFU: the model FLOPs of forward and backward with frozen base weights, 4 x (non-
 (2 forward, 2 for the activations' gradients; no weight gradients; LoRA's and attention's are left out, the
 recomputation of gradient checkpointing is not counted), over the device's dense bf16 peak (--peak-tflops, else
 from the device name: H100/H200 989, MI300X 1307, A100 312, L4 121, RTX 4090 165, RX 7900 XTX 123).
-One JSON line per side, then the summary (ratio = emotune tokens/s / TRL's, mem_ratio = emotune peak / TRL's).
+One JSON line per side, then the summary (ratio = emotune tokens/s / TRL's, mem_ratio = emotune peak / TRL's, with the off
+side speedup = emotune tokens/s / off's).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import E4B_TEXT, RECIPE, TINY_TEXT, Telemetry, build_model, memory, word_tokenizer  # noqa: E402
-from host_overhead import emotune_side, trl_side  # noqa: E402
+from host_overhead import OFF, emotune_side, trl_side  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989, "H200": 989, "MI300X": 1307, "MI325X": 1307, "A100": 312, "L4": 121,
                     "RTX 4090": 165, "RX 7900 XTX": 123, "W7900": 123}
@@ -44,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per side (two warm-up, one counted)")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: from its name)")
     parser.add_argument("--dry-run", action="store_true", help="the same code on the CPU with a tiny model")
+    parser.add_argument("--sides", default="emotune,trl", help="emotune, off (emotune with every switch off), trl")
     args = parser.parse_args(argv)
 
     from emotune.cli import process_defaults
@@ -67,13 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     peak = args.peak_tflops or _peak_tflops(device)
     liger = _liger_available(device)
     lines = {}
-    for side in ("emotune", "trl"):
+    sides = args.sides.split(",")
+    if not {"emotune", "trl"} <= set(sides) or not set(sides) <= {"emotune", "off", "trl"}:
+        parser.error("--sides: emotune and trl, optionally off (e.g. emotune,off,trl)")
+    for side in sides:
         model, built = build_model(text, tokenizer, precision.dtype, device)
         flops_per_token = 4 * _dense_parameters(model)
         _reset(device)
         with contextlib.redirect_stdout(sys.stderr), Telemetry(device) as telemetry:
-            if side == "emotune":
-                result = emotune_side(model, tokenizer, rows, cfg, precision, args.steps, {}, device)
+            if side != "trl":
+                result = emotune_side(model, tokenizer, rows, cfg, precision, args.steps, OFF if side == "off" else {},
+                                      device)
             else:
                 result = trl_side(model, tokenizer, data, cfg, precision, args.steps, device, use_liger_kernel=liger)
         tokens_per_s = tokens_per_update / result["seconds_per_update"]
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                        **memory(device), "telemetry": telemetry.summary(),
                        "mfu": round(tokens_per_s * flops_per_token / (peak * 1e12), 4) if peak else None,
                        "last_loss": result["last_loss"], "ops_per_pass": result["ops_per_pass"],
-                       "settings": result["settings"] if side == "emotune" else {"use_liger_kernel": liger}}
+                       "settings": result["settings"] if side != "trl" else {"use_liger_kernel": liger}}
         print(json.dumps(lines[side]), flush=True)
         del model
         _empty(device)
@@ -92,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                       "tokens_per_update": round(tokens_per_update), "ratio": round(emotune["tokens_per_s"] / trl["tokens_per_s"], 2),
                       "mem_ratio": round(emotune[peak_key] / trl[peak_key], 3) if peak_key and trl.get(peak_key) else None,
                       "mfu": {"emotune": emotune["mfu"], "trl": trl["mfu"]}, "peak_tflops": peak,
-                      "last_loss": {"emotune": emotune["last_loss"], "trl": trl["last_loss"]}}), flush=True)
+                      "last_loss": {"emotune": emotune["last_loss"], "trl": trl["last_loss"]},
+                      **({"speedup": round(emotune["tokens_per_s"] / lines["off"]["tokens_per_s"], 2)} if "off" in lines else {})}),
+          flush=True)
     return 0
 
 

@@ -18,9 +18,12 @@ Measured per side in this one process, one after the other (a fresh model each, 
   ops_per_pass        PyTorch (aten) operator calls of one whole update (forward, backward, clipping, the
                       optimizer) counted with a TorchDispatchMode, divided by the update's forward passes
   passes_per_update   forward passes in an update (emotune: train.max_tokens_per_pass splits a micro-batch)
-Sides: `auto` (emotune's defaults: lean LoRA and norm forwards, the shared prompt prefix, passes capped by
-train.max_tokens_per_pass=auto), `off` (lean_lora=false lean_norm=false shared_prefix=off max_tokens_per_pass=0),
+Sides: `auto` (emotune's defaults: lean LoRA forwards, with the base layer's product in the same function, and lean
+norm forwards, the shared prompt prefix, passes capped by train.max_tokens_per_pass=auto, the optimizer and clipping
+in their foreach implementations; train.compile=auto is eager on a CPU), `off` (every one of those off: OFF below),
 and `trl` (SFTTrainer, prompt-completion rows, loss on the completion only, the same LoRA, batch and optimizer).
+A TorchDispatchMode makes compiled regions run eager, so on a GPU with train.compile on the counted update's
+operators are the eager ones (and that update is left out of the timing).
 Prints one JSON line: speedup = off / auto, ratio = trl / auto (seconds per update), ops_ratio = auto / off.
 Measure with nothing else running: on a 2-core machine a second job skews it.
 """
@@ -46,7 +49,9 @@ from gpu_check import E4B_TEXT, RECIPE, build_model, word_tokenizer  # noqa: E40
 HOST_TEXT = {**E4B_TEXT, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
              "head_dim": 16, "global_head_dim": 32, "hidden_size_per_layer_input": 8, "vocab_size": 0,
              "vocab_size_per_layer_input": 0}  # the vocabulary: the word tokenizer's
-OFF = {"lean_lora": False, "lean_norm": False, "shared_prefix": "off", "max_tokens_per_pass": 0}
+OFF = {"lean_lora": False, "lean_norm": False, "shared_prefix": "off", "max_tokens_per_pass": 0, "foreach": "off",
+       "compile": "off"}
+"""Every switch that changes how much work a pass launches, off: the `off` side (and bench/gpu_speed.py's `off`)."""
 WARMUP = 2  # updates left out of the median
 
 

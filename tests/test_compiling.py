@@ -26,11 +26,12 @@ sys.path.insert(0, "tests")
 import torch
 from test_lean_lora import _model, _loss_and_grads
 from emotune.core.config.train import TrainConfig
-from emotune.model import lean_lora
+from emotune.model import lean_lora, lean_norm
 from emotune.train import compiling
 model = _model(torch.float32, dropout=0.0)
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 lean_lora.install(model)
+lean_norm.install(model)
 eager, eager_grads = _loss_and_grads(model)
 recorded = []
 state = compiling.install(model, TrainConfig(compile="on"), torch.device("cpu"), lambda key, value: recorded.append(value))

@@ -90,3 +90,30 @@ def test_only_norms_it_matches_and_restore():
     lean_norm.install(model)
     lean_norm.restore(model)
     assert not [m for m in model.modules() if "forward" in m.__dict__]
+
+
+def test_a_frozen_weight_is_cast_once_and_again_when_it_changes():
+    """A frozen weight's float32 multiplier is kept between calls (fewer casts per pass) with the module's values; a
+    change in place (a loaded checkpoint) makes it again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Casts.count += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    norm = _gemma3_norm().to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    assert lean_norm.install(norm) == 1
+    norm(x)
+    with Casts():
+        out = norm(x)
+        out.sum().backward()
+    assert Casts.count == 5  # forward: x up, out down; backward: x and the gradient up, it down; the weight: none
+    with torch.no_grad():
+        norm.weight.add_(1.0)
+        assert torch.equal(norm(x), type(norm).forward(norm, x))  # made again after the change
+    lean_norm.restore(norm)
+    assert "_lean_factor" not in norm.__dict__

@@ -6,7 +6,8 @@ Gemma 3n's and 4's compute `x.float() * pow(mean(x.float()²) + eps, -0.5) * w.f
 Run op by op, autograd keeps the float32 copy of its input for the backward pass: 4 bytes per element, in the
 four norms of every decoder layer and the per-head query and key norms. `_GemmaRMSNorm` computes the same ops
 and keeps the input as it came (bf16: 2 bytes, and often a tensor kept anyway) and one float per row; its
-backward pass is RMSNorm's gradient, computed in float32 (tests/test_lean_norm.py holds it to autograd's).
+backward pass is RMSNorm's gradient, computed in float32 (tests/test_lean_norm.py holds it to autograd's). A frozen
+weight's float32 multiplier (`1 + w` or `w`) is cast once and kept, not in every call and its backward pass.
 
 A norm takes it only when the module's own forward gives bit for bit the same output as this function on a
 probe input at install time (so a transformers release that changes the norm's arithmetic keeps its own
@@ -26,16 +27,21 @@ SCALE_ONLY = {"Gemma3nRMSNorm", "Gemma4RMSNorm"}
 
 
 class _GemmaRMSNorm(torch.autograd.Function):
+    """`factor`: what the normed input is multiplied by, `offset + weight.float()`, when the caller has it already
+    (a frozen weight's, computed once: `_factor`); None computes it here."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, by_pow: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, by_pow: bool,
+                factor: torch.Tensor | None = None) -> torch.Tensor:
         xf = x.float()
         mean_squared = xf.pow(2).mean(-1, keepdim=True) + eps
         rstd = torch.pow(mean_squared, -0.5) if by_pow else torch.rsqrt(mean_squared)
         out = xf * rstd
         if weight is not None:
-            out = out * (offset + weight.float()) if offset else out * weight.float()
+            factor = factor if factor is not None else _multiplier(weight, offset)
+            out = out * factor
         ctx.save_for_backward(x, weight, rstd)
-        ctx.offset = offset
+        ctx.factor = factor  # a frozen weight's is held by its module anyway; a trained one's is this call's own
         return out.type_as(x)
 
     @staticmethod
@@ -43,12 +49,28 @@ class _GemmaRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         normed = x.float() * rstd
         grad = grad.float()
-        scaled = grad * (ctx.offset + weight.float()) if weight is not None else grad
+        scaled = grad * ctx.factor if weight is not None else grad
         grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True)) if ctx.needs_input_grad[0] else None
         grad_w = None
         if weight is not None and ctx.needs_input_grad[1]:
             grad_w = (grad * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
-        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None, None, None
+        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None, None, None, None
+
+
+def _multiplier(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    return offset + weight.float() if offset else weight.float()
+
+
+def _factor(module: torch.nn.Module, weight: torch.Tensor, offset: float) -> torch.Tensor | None:
+    """A frozen weight's multiplier, cast once instead of in every call, forward, recomputation and backward (the
+    same float32 values); None for a trained weight. Made again if the weight is replaced or changed in place."""
+    if weight.requires_grad:
+        return None
+    cached = module.__dict__.get("_lean_factor")
+    if cached is None or cached[0] is not weight or cached[1] != weight._version:
+        with torch.no_grad():
+            cached = module.__dict__["_lean_factor"] = (weight, weight._version, _multiplier(weight, offset))
+    return cached[2]
 
 
 def _arithmetic(module: torch.nn.Module) -> tuple[torch.Tensor | None, float, float, bool] | None:
@@ -67,7 +89,8 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
         return type(self).forward(self, x)
     weight, eps, offset, by_pow = _arithmetic(self)
-    return _GemmaRMSNorm.apply(x, weight, eps, offset, by_pow)
+    factor = _factor(self, weight, offset) if weight is not None else None
+    return _GemmaRMSNorm.apply(x, weight, eps, offset, by_pow, factor)
 
 
 def _same_as_module(module: torch.nn.Module) -> bool:
@@ -101,6 +124,7 @@ def restore(model: torch.nn.Module) -> None:
         bound = module.__dict__.get("forward")
         if isinstance(bound, types.MethodType) and bound.__func__ is _forward:
             del module.forward
+        module.__dict__.pop("_lean_factor", None)
 
 
 def describe(model: torch.nn.Module) -> dict:
