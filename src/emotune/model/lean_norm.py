@@ -7,7 +7,7 @@ Run op by op, autograd keeps the float32 copy of its input for the backward pass
 four norms of every decoder layer and the per-head query and key norms. `_GemmaRMSNorm` computes the same ops
 and keeps the input as it came (bf16: 2 bytes, and often a tensor kept anyway) and one float per row; its
 backward pass is RMSNorm's gradient, computed in float32 (tests/test_lean_norm.py holds it to autograd's). A frozen
-weight's float32 multiplier (`1 + w` or `w`) is cast once and kept, not in every call and its backward pass.
+weight's float32 multiplier (`1 + w` or `w`) is cast once at install and kept, not in every call and backward.
 
 A norm takes it only when the module's own forward gives bit for bit the same output as this function on a
 probe input at install time (so a transformers release that changes the norm's arithmetic keeps its own
@@ -61,16 +61,12 @@ def _multiplier(weight: torch.Tensor, offset: float) -> torch.Tensor:
     return offset + weight.float() if offset else weight.float()
 
 
-def _factor(module: torch.nn.Module, weight: torch.Tensor, offset: float) -> torch.Tensor | None:
-    """A frozen weight's multiplier, cast once instead of in every call, forward, recomputation and backward (the
-    same float32 values); None for a trained weight. Made again if the weight is replaced or changed in place."""
-    if weight.requires_grad:
-        return None
+def _factor(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """A frozen weight's multiplier, cast once at install instead of in every call, recomputation and backward (the
+    same float32 values); None for a trained weight, or when the weight was replaced since. Read-only here: a compiled
+    layer traces this without side effects (emotune.train.compiling)."""
     cached = module.__dict__.get("_lean_factor")
-    if cached is None or cached[0] is not weight or cached[1] != weight._version:
-        with torch.no_grad():
-            cached = module.__dict__["_lean_factor"] = (weight, weight._version, _multiplier(weight, offset))
-    return cached[2]
+    return cached[1] if cached is not None and cached[0] is weight else None
 
 
 def _arithmetic(module: torch.nn.Module) -> tuple[torch.Tensor | None, float, float, bool] | None:
@@ -89,8 +85,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
         return type(self).forward(self, x)
     weight, eps, offset, by_pow = _arithmetic(self)
-    factor = _factor(self, weight, offset) if weight is not None else None
-    return _GemmaRMSNorm.apply(x, weight, eps, offset, by_pow, factor)
+    return _GemmaRMSNorm.apply(x, weight, eps, offset, by_pow, _factor(self, weight) if weight is not None else None)
 
 
 def _same_as_module(module: torch.nn.Module) -> bool:
@@ -115,6 +110,10 @@ def install(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module).__name__ in NORMS and "forward" not in module.__dict__ and _same_as_module(module):
             module.forward = types.MethodType(_forward, module)
+            weight, _, offset, _ = _arithmetic(module)
+            if weight is not None and not weight.requires_grad:  # frozen while training (LoRA): its cast, once
+                with torch.no_grad():
+                    module.__dict__["_lean_factor"] = (weight, _multiplier(weight, offset))
             count += 1
     return count
 
