@@ -85,7 +85,6 @@ class _NoTokenizer:
 def measure_training(config, length: int, rows: int, checkpointing: bool, sft: bool,
                      dtype: torch.dtype = torch.float32, quantization: str = "none", optim: str = "adamw_torch") -> dict:
     """The estimate of one training setting and the measured peak of 2 steps of emotune's loop on it."""
-    from emotune.core.config.model import ModelConfig
     from emotune.train.loop import train
 
     folder = tempfile.mkdtemp(prefix="plan-accuracy-")
