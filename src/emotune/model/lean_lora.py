@@ -75,7 +75,8 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-                p: float, scaling: float) -> torch.Tensor:
+                dropout_and_scaling: tuple[float, float]) -> torch.Tensor:
+        p, scaling = dropout_and_scaling
         flat = x.reshape(-1, x.shape[-1])
         result = F.linear(flat, weight, bias)
         keep = None
@@ -110,7 +111,7 @@ class _Linear(torch.autograd.Function):
             branch_x = grad_low.mm(a)
             branch_x = (branch_x * scale if scale is not None else branch_x).to(flat.dtype)
             grad_x = (grad.mm(weight) + branch_x).view(ctx.shape)
-        return grad_x, None, None, grad_a, grad_b, None, None
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 def _scale(keep: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
@@ -162,7 +163,7 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if name is None or _hooked(base):  # a hook added after install (offloading, a probe) runs with the base's forward
         return _forward(self, x, *args, **kwargs)
     return _Linear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                         _dropout_p(self, name), self.scaling[name])
+                         (_dropout_p(self, name), self.scaling[name]))
 
 
 def _lean_adapter(self, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
