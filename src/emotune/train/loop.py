@@ -196,6 +196,8 @@ def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: Trai
               + "; ".join(f"{c['setting']} {c['from']} -> {c['to']}" for c in limits.changes), flush=True)
         if record is not None:
             record("oom_recovery", {"policy": t.oom_recovery, "changes": limits.changes})
+    if record is not None and limits.max_tokens_per_pass != s.cap:  # resumed: the passes of the checkpoint's cap
+        record("passes", {**s.passes.as_record(), "resumed_with_cap": limits.max_tokens_per_pass})
     progress.memory = limits.as_dict()
     return oom.Recovery(limits, train_rows, s.adapted, s.optimizer, t, s.plan.world_size,
                         s.accelerator.is_main_process, record, fault, shared_tokens=len(s.objective.prefix))

@@ -6,7 +6,7 @@ step that still does not fit takes the next change, and so on. A later, longer s
 continues down the same list. The order follows what a change costs:
 
 1. `train.max_tokens_per_pass` lowered, when the run caps its forward passes (below the widest pass that
-   failed, so that pass is split);
+   failed, so that pass is split; the cap `auto` sized from the free memory is lowered like a configured one);
 2. otherwise smaller forward passes: each micro-batch cut in half, as `train.batch_size` halved with
    `train.gradient_accumulation_steps` doubled, though the rows of every optimizer step stay the same;
 3. `train.gradient_checkpointing` on.
