@@ -1,5 +1,6 @@
-"""The plan of a training run: how many optimizer steps, which rows each one sees, and how big a forward
-pass may be. Printed before the first step; the same on one process or N (emotune.train.loop runs it).
+"""The plan of a training run: how many optimizer steps and which rows each one sees (how big a forward pass
+may be: emotune.train.pass_size). Printed before the first step; the same on one process or N (emotune.train.loop
+runs it).
 
 With `train.time_budget` the number of steps is measured rather than configured: before the scheduler is
 built (its schedule needs the last step), `Calibration` runs the first few steps' forward and backward
