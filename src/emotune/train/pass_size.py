@@ -119,8 +119,10 @@ def _auto(cfg: RunConfig, model, rows: list[Example], lengths: list[int], device
         arch = describe(model.config, cfg.lora, t.optim, getattr(model, "dtype", torch.float32), work,
                         getattr(model.config, "_attn_implementation", None),
                         (t.lean_lora and not sharded, t.lean_norm and not sharded), cfg.model)
-    except UserError as err:
-        return PassSize("auto", 0, note=f"no memory estimate for this model: {err}")
+    except Exception as err:  # noqa: BLE001 (an estimate that fails must not stop training: one pass per micro-batch)
+        detail = str(err).splitlines()[0][:200] if str(err) else "no details"
+        what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {detail}"
+        return PassSize("auto", 0, note=f"no memory estimate for this model ({what})")
     finally:
         ckpt.set_rng_state(state)
     positive = [n for n in lengths if n > 0] or [1]
