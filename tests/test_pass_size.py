@@ -110,3 +110,30 @@ def test_update_passes_keep_each_process_rows_and_cut_them_together():
     assert update_passes(micro, lengths, 2, max_tokens=0) == [[[1, 0], [5, 4]], [[3, 2], [7, 6]]]
     split = update_passes(micro, lengths, 2, max_tokens=40)
     assert [len(p) for p in split] == [2, 2] and all(sum(map(len, p)) == 4 for p in split)
+
+
+def test_auto_falls_back_to_one_pass_per_micro_batch_where_memory_is_not_modelled(tiny_overrides, tiny_model_dir):
+    """Full fine-tuning (no memory model) and a device whose free memory is unknown: `auto` runs one pass per
+    micro-batch and says why; a configured cap is taken as it is."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from emotune.train.batches import Example
+    from emotune.train.passes import make_plan
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    rows = [Example(list(range(8 + i)), 6 + i) for i in range(8)]
+    one_process = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+
+    def chosen(*overrides: str, device=one_process) -> pass_size.PassSize:
+        cfg = load_config(None, [*tiny_overrides, "train.batch_size=2", "train.gradient_accumulation_steps=2", *overrides])
+        return pass_size.choose(cfg, model, rows, 0, make_plan(cfg.train, len(rows), 1), device, False)
+
+    full = chosen("train.finetuning=full")
+    assert full.cap == 0 and "train.finetuning=full" in full.note and full.passes_per_update["min"] == 2
+    unknown = chosen(device=SimpleNamespace(device=torch.device("meta"), num_processes=1))
+    assert unknown.cap == 0 and "not known" in unknown.note
+    fixed = chosen("train.max_tokens_per_pass=20")
+    assert fixed.cap == 20 and fixed.free_bytes is None and fixed.passes_per_update["max"] >= 2
+    assert chosen().cap >= 4 * 15 and chosen().passes_per_update == {"min": 1, "max": 1, "mean": 1, "updates": 2}
