@@ -236,6 +236,8 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     head = work.head_outputs * text.hidden_size  # a classification head, float32
     trainable_bytes = sum(p.numel() * p.element_size() for p in trained) + 4 * head
     model_cfg = model_cfg or ModelConfig()
+    if quantization.bits(model_cfg):  # a 4/8-bit base layer is PEFT's bitsandbytes LoRA class: never the lean forward
+        lean = (False, lean[1])
     frozen = quantization.stored_weight_bytes(adapted, model_cfg)
     probe = run_probe(text, lora, dtype, attn_implementation, lean)
     kinds = _layer_kinds(text)
