@@ -161,7 +161,7 @@ async def chat(body: ChatRequest, state: ServerState, request: Request):
                                  media_type="text/event-stream", background=BackgroundTask(ticket.release))
     try:
         with model_gone_is_404():
-            generation = Generation(state.engine, job, state.cfg.chat_slice_tokens)
+            generation = Generation(state.engine, job, state.cfg.chat_slice_tokens, state.cfg.prefill_slice_tokens)
             reply = generate_reply(generation, state.chat_executor)
             text, finish, usage = await unless_client_leaves(request, reply, job["cancel"].set)
     finally:
