@@ -167,3 +167,78 @@ def _tokenizer_dir(tmp_path, build_tokenizer):
     if not folder.exists():
         build_tokenizer(folder)
     return folder
+
+
+def _slow_prefill(engine, seconds_per_token: float, seen: list):
+    """Every forward pass of the language model takes `seconds_per_token` per input token; `seen` gets (tokens, end
+    time) of each pass over more than one token of a sequence past 300 tokens (the long prompt's prefill)."""
+    inner = engine.causal.get_decoder()
+
+    def before(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        tokens = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+        time.sleep(seconds_per_token * tokens)
+
+    def after(module, args, kwargs, output):
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids")
+        tokens = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+        if tokens > 1 and mask is not None and not isinstance(mask, dict) and mask.shape[-1] > 300:
+            seen.append((tokens, time.perf_counter()))
+
+    return [inner.register_forward_pre_hook(before, with_kwargs=True),
+            inner.register_forward_hook(after, with_kwargs=True)]
+
+
+LONG_MESSAGES = [{"role": "user", "content": " ".join(PROMPT_WORDS[i % 10] for i in range(400))}]  # 400+ tokens
+
+
+def test_classification_is_answered_while_a_long_prompt_is_prefilled(tiny_model_dir, adapters_root):  # noqa: F811
+    engine, app = start(tiny_model_dir, adapters_root, prefill_slice_tokens=32, max_input_chars=5000)
+    prefill, times = [], {}
+    hooks = _slow_prefill(engine, 0.005, prefill)  # the prompt's prefill takes 2 s, a short text 0.1 s
+    try:
+        with running(app) as (url, _):
+            def long_chat():
+                reply = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=120,
+                                   json={"model": "tiny", "messages": LONG_MESSAGES, "max_tokens": 2})
+                times["chat"] = (reply.status_code, time.perf_counter())
+
+            chat = threading.Thread(target=long_chat)
+            chat.start()
+            time.sleep(0.5)  # the prompt is being prefilled
+            classified = httpx.post(url + "/v1/classify", headers=AUTH, timeout=60, json={"model": "tiny", "input": "happy"})
+            times["classify"] = time.perf_counter()
+            chat.join(timeout=60)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert classified.status_code == 200 and times["chat"][0] == 200, (classified.text, times)
+    prefilled = max(end for _, end in prefill)
+    assert times["classify"] < prefilled - 0.5, (times, prefill)  # answered between two chunks, not after the prompt
+    assert all(tokens <= 32 for tokens, _ in prefill), prefill
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_whose_client_leaves_during_the_prefill_stops_at_the_next_chunk(tiny_model_dir, adapters_root, stream):  # noqa: F811
+    engine, app = start(tiny_model_dir, adapters_root, prefill_slice_tokens=32, max_input_chars=5000)
+    prefill = []
+    hooks = _slow_prefill(engine, 0.005, prefill)
+    generate, generated = engine.model.generate, []
+    engine.model.generate = lambda **kwargs: generated.append(1) or generate(**kwargs)
+    try:
+        with running(app) as (url, _), httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=0.5)) as client:
+            body = {"model": "tiny", "messages": LONG_MESSAGES, "max_tokens": 8, "stream": stream}
+            if stream:  # its first event (the role) comes at once; the client leaves after it
+                with client.stream("POST", "/v1/chat/completions", headers=AUTH, json=body) as response:
+                    next(response.iter_bytes())
+                    time.sleep(0.3)  # the prefill has started
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    client.post("/v1/chat/completions", headers=AUTH, json=body)
+            time.sleep(1.5)  # what was not stopped runs on meanwhile
+    finally:
+        for hook in hooks:
+            hook.remove()
+        del engine.model.generate
+    assert sum(tokens for tokens, _ in prefill) < 300 and not generated, (prefill, generated)
