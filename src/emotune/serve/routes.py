@@ -126,7 +126,9 @@ async def metrics(state: ServerState):
     adapters = sum(loaded.artifact is not None and not loaded.artifact.merged for loaded in state.engine.models.values())
     gauges = {"emotune_queue_texts": state.batcher.pending, "emotune_requests_in_flight": state.in_flight,
               "emotune_adapters_loaded": adapters}
-    return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+    thread = state.model_thread
+    lanes = {lane: (thread.seconds[lane], thread.jobs[lane]) for lane in thread.seconds}
+    return PlainTextResponse(state.metrics.render(gauges, lanes), media_type="text/plain; version=0.0.4")
 
 
 async def list_models(state: ServerState):
