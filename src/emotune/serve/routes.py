@@ -155,9 +155,14 @@ async def classify(body: ClassifyRequest, state: ServerState, request: Request):
 
 async def chat(body: ChatRequest, state: ServerState, request: Request):
     loaded = state.loaded(body.model)
-    # rendering and counting a long conversation takes a while: off the event loop, which other clients need
-    job = await asyncio.to_thread(chat_job, body, loaded, state.cfg, state)
-    ticket = state.admission.take(chats=1)  # 503 now, before a stream's 200 is sent
+    ticket = state.admission.take(chats=1)  # 429 or 503 before any work on it, and before a stream's 200 is sent
+    try:
+        # rendering and counting a long conversation takes a while: off the event loop, which other clients need
+        job = await asyncio.to_thread(chat_job, body, loaded, state.cfg, state)
+        await _unless_gone(request)  # a client that left meanwhile: its generation never starts
+    except BaseException:
+        ticket.release()
+        raise
     if body.stream:
         return StreamingResponse(stream_chat(job, state.engine, state, ticket, request.state),
                                  media_type="text/event-stream", background=BackgroundTask(ticket.release))
@@ -175,7 +180,14 @@ async def chat(body: ChatRequest, state: ServerState, request: Request):
 
 async def unless_client_leaves(request: Request, work, on_leave=None):
     """Await `work`; if the client disconnects first, cancel it (and call `on_leave`, which stops what cancelling
-    cannot: a generation already running) and answer 499, which nobody reads."""
+    cannot: a generation already running) and answer 499, which nobody reads. A client already gone when the work
+    would start has it never started: on an idle model thread a queued call starts before a disconnect is seen."""
+    try:
+        await _unless_gone(request)
+    except APIError:
+        if asyncio.iscoroutine(work):
+            work.close()  # never started
+        raise
     work = asyncio.ensure_future(work)
     left = asyncio.create_task(_disconnected(request))
     try:
@@ -187,7 +199,17 @@ async def unless_client_leaves(request: Request, work, on_leave=None):
     work.cancel()
     if on_leave is not None:
         on_leave()
-    raise APIError(499, "The client closed the connection; its work was cancelled.", "client_closed_request")
+    raise _client_gone()
+
+
+async def _unless_gone(request: Request) -> None:
+    """499 at once when the client has disconnected already (seen without waiting for a message)."""
+    if await request.is_disconnected():
+        raise _client_gone()
+
+
+def _client_gone() -> APIError:
+    return APIError(499, "The client closed the connection; its work was cancelled.", "client_closed_request")
 
 
 async def _disconnected(request: Request) -> None:
