@@ -400,6 +400,7 @@ def test_a_chat_beyond_serve_max_chats_is_refused_before_it_is_rendered(served, 
             time.sleep(0.01)
         assert "serve.max_chats=1" in error(http.post("/v1/chat/completions", headers=AUTH, json=chat_body()), 429)
         assert len(rendered) == 1  # the refused one was never rendered nor its tokens counted
+        assert "n=5" in error(http.post("/v1/chat/completions", headers=AUTH, json=chat_body(n=5)), 422)  # not 429
     assert first.result().status_code == 200 and state.admission.chats == 0
 
 

@@ -27,7 +27,9 @@ from emotune.serve.state import Server
 log = logging.getLogger("emotune.serve")
 
 
-def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server) -> dict:
+def check_chat(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server) -> None:
+    """The limits a chat request can be refused by (422) before anything is rendered or counted: cheap, on the event
+    loop, before the request takes its place among serve.max_chats (a bad request is told what is wrong, not 429)."""
     artifact = loaded.artifact
     if artifact is not None and artifact.has_head:
         raise APIError(422, f"`{loaded.name}` is a classification-head model (task {artifact.task}): it answers with "
@@ -48,10 +50,21 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
         raise APIError(422, f"The messages hold {total} characters together; the limit is serve.max_prompt_chars="
                             f"{cfg.max_prompt_chars}. Send a shorter conversation.")
     # the schema holds each field's own range (max_tokens ≥ 1, 0 < top_p ≤ 1, ...); the server's limit is checked here
-    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = asked if asked is not None else min(64, cfg.max_new_tokens)
+    max_tokens = _asked(body) or min(64, cfg.max_new_tokens)
     if max_tokens > cfg.max_new_tokens:
         raise APIError(422, f"max_tokens={max_tokens} is outside 1..serve.max_new_tokens={cfg.max_new_tokens}.")
+
+
+def _asked(body: ChatRequest) -> int | None:
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
+def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server) -> dict:
+    """The request checked (check_chat), its conversation rendered and its tokens counted against the context: the
+    job a Generation runs. Rendering and counting a long conversation take a while: call it off the event loop."""
+    check_chat(body, loaded, cfg, state)
+    asked = _asked(body)
+    max_tokens = asked if asked is not None else min(64, cfg.max_new_tokens)
     prompt = _render(body, loaded)
     prompt_ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     prompt_tokens = len(prompt_ids)

@@ -20,7 +20,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import ServeConfig
 from emotune.core.errors import UserError
 from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
-from emotune.serve.chat import Generation, chat_job, generate_reply, stream_chat
+from emotune.serve.chat import Generation, chat_job, check_chat, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.guards import TrustedHosts
 from emotune.serve.http import (
@@ -155,7 +155,8 @@ async def classify(body: ClassifyRequest, state: ServerState, request: Request):
 
 async def chat(body: ChatRequest, state: ServerState, request: Request):
     loaded = state.loaded(body.model)
-    ticket = state.admission.take(chats=1)  # 429 or 503 before any work on it, and before a stream's 200 is sent
+    check_chat(body, loaded, state.cfg, state)  # what a bad request is told (422), before it takes a place
+    ticket = state.admission.take(chats=1)  # 429 or 503 before any rendering, and before a stream's 200 is sent
     try:
         # rendering and counting a long conversation takes a while: off the event loop, which other clients need
         job = await asyncio.to_thread(chat_job, body, loaded, state.cfg, state)
