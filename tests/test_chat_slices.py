@@ -138,6 +138,20 @@ def test_the_reply_is_the_same_whatever_the_prefill_chunk(family_engine, samplin
         assert prefills == expected, (chunk, prefills)  # the prompt went in chunks, the last one with the first slice
 
 
+def test_a_generation_config_asking_for_a_static_cache_still_gives_the_reply_in_slices(family_engine):
+    """A generation config may set `cache_implementation` (Gemma 3's say `hybrid`, which transformers 5 builds as a
+    dynamic cache); a `static` one is sized for one generate call, and generate refuses a cache passed beside it, so
+    every slice after the first failed (a 500)."""
+    whole, _ = _run(family_engine, _job(family_engine), None, slice_tokens=100)
+    config = family_engine.model.generation_config
+    config.cache_implementation = "static"
+    try:
+        sliced, _ = _run(family_engine, _job(family_engine), 16, slice_tokens=4)
+    finally:
+        config.cache_implementation = None
+    assert sliced == whole
+
+
 def test_models_whose_cache_is_not_exact_in_chunks_are_prefilled_in_one_pass(tmp_path):
     """Mamba keeps a recurrent state instead of keys and values; fed its prompt in pieces it fails, so the chunked
     prefill is only used for caches of attention layers (tested above) and a Mamba model is prefilled whole."""
