@@ -13,7 +13,8 @@ max_tokens, temperature 1e-300, no key, a wrong key, a foreign Host, a foreign O
 body that never comes, an oversized body, too many inputs, n=5, a chat whose client leaves at once (its
 generation must stop), and concurrent loads and deletes of one adapter name. Each case has the answers it may
 get; a 2xx where a refusal was due is a `wrong_acceptance`. Prints one JSON line: requests, 5xx (anyone's),
-wrong acceptances, and the good clients' p99 without and with the abuse. Targets loopback only and stops by
+wrong acceptances, the good clients' p99 without and with the abuse, and the seconds the model thread spent on
+classify work and on chats (adapter loads included) in each condition (`model_s_*`, from /metrics). Targets loopback only and stops by
 itself.
 """
 
