@@ -17,9 +17,12 @@ Measured per side in this one process, one after the other (a fresh model each, 
                       a TrainerCallback's on_step_begin
   ops_per_pass        PyTorch (aten) operator calls of one whole update (forward, backward, clipping, the
                       optimizer) counted with a TorchDispatchMode, divided by the update's forward passes
-  passes_per_update   forward passes in an update (emotune: train.max_tokens_per_pass splits a micro-batch)
-Sides: `auto` (emotune's defaults: lean LoRA and norm forwards, the shared prompt prefix, passes capped by
-train.max_tokens_per_pass=auto), `off` (lean_lora=false lean_norm=false shared_prefix=off max_tokens_per_pass=0),
+  passes_per_update   forward passes in an update (emotune: train.max_tokens_per_pass cuts the update's rows)
+  pass_size           emotune `auto`: how train.max_tokens_per_pass=auto sized the passes (run.json's
+                      stages.train.passes: the free RAM seen, bytes per padded token estimated, the cap)
+Sides: `auto` (emotune's defaults: lean LoRA and norm forwards, the shared prompt prefix, passes sized from the free
+RAM by train.max_tokens_per_pass=auto, a whole update in one pass when it fits), `off` (lean_lora=false
+lean_norm=false shared_prefix=off max_tokens_per_pass=0: one pass per accumulation micro-batch),
 and `trl` (SFTTrainer, prompt-completion rows, loss on the completion only, the same LoRA, batch and optimizer).
 Prints one JSON line: speedup = off / auto, ratio = trl / auto (seconds per update), ops_ratio = auto / off.
 Measure with nothing else running: on a 2-core machine a second job skews it.
@@ -164,16 +167,20 @@ def emotune_side(model, tokenizer, rows, cfg, precision, steps: int, overrides: 
 
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=overrides)})
     clock = StepClock(steps - 2, device)  # steps run 0 .. steps-1; the update counted ends where the last begins
+    recorded = {}  # what run.json's train stage would say
     torch.manual_seed(cfg.seed)
     with tempfile.TemporaryDirectory() as folder:
         try:
             train(model, tokenizer, rows, [], cfg, precision, RunDir(Path(folder)), {"labels": []},
-                  fault=lambda step, batch: clock.begin(step))
+                  record=recorded.__setitem__, fault=lambda step, batch: clock.begin(step))
         finally:
             clock.stop()
         history = json.loads((Path(folder) / "train" / "log_history.json").read_text())
     losses = [e["loss"] for e in history if "loss" in e]
-    return {**clock.result(), "settings": overrides or "defaults", "last_loss": round(losses[-1], 4)}
+    passes = recorded.get("passes", {})
+    pass_size = {k: passes[k] for k in ("setting", "cap", "free_bytes", "bytes_per_token") if k in passes}
+    return {**clock.result(), "settings": overrides or "defaults", "pass_size": pass_size,
+            "last_loss": round(losses[-1], 4)}
 
 
 def trl_side(model, tokenizer, data, cfg, precision, steps: int, device=None, **extra) -> dict:

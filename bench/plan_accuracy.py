@@ -1,7 +1,7 @@
 """How close `emotune plan`'s memory estimate comes to the measured peak of real training steps and generation.
 
     PYTHONPATH=src python bench/plan_accuracy.py [--model tiny|small|gemma-3-270m] [--length 128] [--rows 4]
-        [--dtype float32|bfloat16] [--smoke]
+        [--dtype float32|bfloat16] [--quantization none|8bit|4bit] [--optim adamw_torch|adamw_8bit] [--smoke]
 
 For each setting (gradient checkpointing on/off x a classification row, whose loss is on 3 tokens, or an
 sft row, whose loss is on every token) it builds the model from its config with zero weights (no
@@ -10,6 +10,10 @@ download: `gemma-3-270m` is the packaged model's architecture), estimates with e
 emotune.train.memory.TensorPeak records the peak of the tensors alive, and prints one JSON line per setting:
 estimate, measured (weights + peak), their ratio. Then the same for one batch of greedy generation. Only
 tensors are compared: neither number holds the allocator's cached blocks or the Python process.
+`--quantization 8bit|4bit`: the base's linear layers quantized by bitsandbytes as `model.quantization` loads them
+(the model is saved with small random weights and loaded through emotune.model.loading.load_model with the run's
+BitsAndBytesConfig; zeros would quantize to NaN scales), trained as a QLoRA run trains it; the quantized weights'
+packed bytes and their quantization constants count as weights. `--optim adamw_8bit`: bitsandbytes' 8-bit AdamW state.
 `--smoke`: the tiny model, short rows, one setting of each (what tests/test_plan.py runs).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -78,7 +83,7 @@ class _NoTokenizer:
 
 
 def measure_training(config, length: int, rows: int, checkpointing: bool, sft: bool,
-                     dtype: torch.dtype = torch.float32) -> dict:
+                     dtype: torch.dtype = torch.float32, quantization: str = "none", optim: str = "adamw_torch") -> dict:
     """The estimate of one training setting and the measured peak of 2 steps of emotune's loop on it."""
     from emotune.train.loop import train
 
@@ -87,19 +92,52 @@ def measure_training(config, length: int, rows: int, checkpointing: bool, sft: b
     cfg = load_config(None, [f"output_dir={folder}", "train.max_steps=2", f"train.batch_size={rows}",
                              "train.gradient_accumulation_steps=1", f"train.gradient_checkpointing={checkpointing}",
                              f"train.precision={precision}", f"train.max_length={length}", "train.max_tokens_per_pass=0",
-                             "train.eval_steps=100", "train.save_steps=100", "train.logging_steps=1"])
+                             "train.eval_steps=100", "train.save_steps=100", "train.logging_steps=1",
+                             f"model.quantization={quantization}", f"train.optim={optim}"])
     work = Workload(loss_tokens_per_row=None if sft else CLASSIFY_LOSS_TOKENS)
-    arch = describe(config, cfg.lora, cfg.train.optim, dtype, work)
+    arch = describe(config, cfg.lora, cfg.train.optim, dtype, work, model_cfg=cfg.model)
     estimate = training_parts(arch, work, rows, length, checkpointing, host_copies=False)
-    model = build_model(config, dtype)
+    model = build_model(config, dtype) if quantization == "none" else quantized_model(config, cfg.model, dtype, folder)
     generator = torch.Generator().manual_seed(0)
     examples = [Example(torch.randint(3, config.vocab_size, (length,), generator=generator).tolist(),
                         1 if sft else length - CLASSIFY_LOSS_TOKENS) for _ in range(2 * rows)]
-    weights = _bytes([*model.parameters(), *model.buffers()])
+    weights = _bytes([*model.parameters(), *model.buffers(), *_quantization_constants(model)])
     with TensorPeak() as tracker:
         train(model, _NoTokenizer(), examples, [], cfg, Precision(precision, "measured"), RunDir(f"{folder}/run"), {})
     return _line("train", config, length, rows, dtype, sum(estimate.values()), weights + tracker.peak,
-                 checkpointing=checkpointing, task="sft" if sft else "classify", estimate_parts=estimate)
+                 checkpointing=checkpointing, task="sft" if sft else "classify", quantization=quantization, optim=optim,
+                 estimate_parts=estimate)
+
+
+def quantized_model(config, model_cfg, dtype: torch.dtype, folder: str):
+    """The model with small random weights, saved and loaded back quantized, as `model.quantization` loads a base."""
+    from transformers import AutoModelForCausalLM
+
+    from emotune.model import quantization
+    from emotune.model.loading import load_model
+
+    torch.manual_seed(0)
+    config = config.__class__.from_dict({**config.to_dict(), "initializer_range": 0.02})
+    AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(f"{folder}/base")
+    model = load_model(Path(f"{folder}/base"), dtype, torch.device("cpu"), quantized=quantization.bnb_config(model_cfg, dtype))
+    quantization.keep_trainable_layout(model)
+    return model
+
+
+def _quantization_constants(model) -> list[torch.Tensor]:
+    """The tensors of bitsandbytes' quantization states (absmax, nested constants, the code), which are not parameters."""
+    found: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        for value in (vars(state).values() if state is not None else ()):
+            nested = vars(value).values() if hasattr(value, "absmax") else ()
+            for tensor in (value, *nested):
+                if isinstance(tensor, torch.Tensor):
+                    found.setdefault(id(tensor), tensor)
+        scale = getattr(param, "SCB", None)  # LLM.int8(): one fp32 scale per output row
+        if isinstance(scale, torch.Tensor):
+            found.setdefault(id(scale), scale)
+    return list(found.values())
 
 
 @torch.inference_mode()
@@ -138,6 +176,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--quantization", choices=["none", "8bit", "4bit"], default="none")
+    parser.add_argument("--optim", choices=["adamw_torch", "adamw_8bit"], default="adamw_torch")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, 32-token rows, one setting of each")
     args = parser.parse_args()
     if args.smoke:
@@ -145,7 +185,10 @@ def main() -> None:
     config, dtype = model_config(args.model), getattr(torch, args.dtype)
     settings = [(False, False), (True, True)] if args.smoke else [(gc, sft) for gc in (False, True) for sft in (False, True)]
     for checkpointing, sft in settings:
-        print(json.dumps(measure_training(config, args.length, args.rows, checkpointing, sft, dtype)), flush=True)
+        print(json.dumps(measure_training(config, args.length, args.rows, checkpointing, sft, dtype, args.quantization,
+                                          args.optim)), flush=True)
+    if args.quantization != "none":
+        return  # quantized settings are measured training; generation is measured on unquantized weights only
     print(json.dumps(measure_generation(config, args.length, args.rows, dtype=dtype)), flush=True)
 
 

@@ -12,7 +12,10 @@ ideep's per-shape kernel cache (emotune.cli.process_defaults sets it); `--trim` 
 after each step; `--mmap-threshold` fixes glibc's M_MMAP_THRESHOLD (and M_TRIM_THRESHOLD) via
 mallopt, as MALLOC_MMAP_THRESHOLD_ would: buffers at least that large go back to the system when
 freed; `--arena-max` sets M_ARENA_MAX; `--pad-multiple` pads every batch to a multiple of N tokens.
-Used to find where the trainer's peak RSS goes (docs/training.md, Memory on CPUs).
+Used to find where the trainer's peak RSS goes (docs/training.md, Memory on CPUs). Its micro-rows figure is why
+train.max_tokens_per_pass=auto used to cap CPU passes at 512 padded tokens; `auto` is now sized from the free RAM
+(emotune.train.pass_size) and can take a whole update in one pass, and train.max_tokens_per_pass=512 keeps the
+smaller footprint measured here.
 """
 
 from __future__ import annotations

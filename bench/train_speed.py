@@ -11,8 +11,9 @@ all-linear), optimiser (AdamW, lr 3e-4, linear schedule, 5% warmup, clip 1.0), b
   (a) the reference recipe: plain TRL SFTTrainer, completion_only_loss, gradient checkpointing;
   (b) emotune.train.loop.train: completion-only projection, the prompt head all rows share run once per
       forward pass (train.shared_prefix=auto; --ours-shared-prefix off runs whole rows),
-      length-grouped batches cut into forward passes of at most 512 padded tokens after that head
-      (train.max_tokens_per_pass=auto on CPU), gradient
+      length-grouped batches cut into forward passes under train.max_tokens_per_pass=auto (sized from the free
+      RAM, a whole update in one pass where it fits; --ours-max-tokens-per-pass 512 is the cap docs/benchmarks.md's
+      lines were measured with), gradient
       checkpointing like the reference (--ours-no-gradient-checkpointing keeps activations instead:
       faster steps, more memory), the LoRA branch as one autograd function (train.lean_lora, on by
       default: PEFT's values, less kept memory), and the process settings the `emotune` command applies at start

@@ -16,7 +16,7 @@ from conftest import crash_after_checkpoint
 from emotune.cli import main
 from emotune.core.config.train import TrainConfig
 from emotune.train import checkpoints as ckpt
-from emotune.train.batches import epoch_batches, forward_passes
+from emotune.train.batches import epoch_batches, update_passes
 from emotune.train.passes import (
     CALIBRATION_STEPS,
     PLAN_FILE,
@@ -83,14 +83,15 @@ def test_the_measured_step_is_the_timed_steps_per_token_cost_at_an_epochs_mean_l
     speed = measure.measure(plan, t, seed=3, clock=clock)
 
     epoch = epoch_batches(lengths, 8, 1, 3, 0, True)
-    mean_batch = sum(_padded(p, lengths) for b in epoch for p in forward_passes(b, lengths, 1, 64)[0]) / len(epoch)
-    assert speed.per_step == pytest.approx(0.002 * mean_batch * 2)
+    updates = [epoch[0:2], epoch[2:4]]  # the epoch's whole updates of 2 micro-batches, each cut into passes as a whole
+    mean_update = sum(_padded(p, lengths) for u in updates for p in update_passes(u, lengths, 1, 64)[0]) / len(updates)
+    assert speed.per_step == pytest.approx(0.002 * mean_update)
     by_length = sorted(range(30), key=lambda i: val_lengths[i])
     assert speed.per_validation == pytest.approx(0.001 * sum(_padded(by_length[s:s + 4], val_lengths)
                                                              for s in range(0, 30, 4)))
     assert speed.calibration == pytest.approx(clock.now)
     following = epoch + epoch_batches(lengths, 8, 1, 3, 1, True)  # 5 batches an epoch: the 6th is the next epoch's first
-    first_steps = [p for b in following[:2 * CALIBRATION_STEPS] for p in forward_passes(b, lengths, 1, 64)[0]]
+    first_steps = [p for k in range(CALIBRATION_STEPS) for p in update_passes(following[2 * k:2 * k + 2], lengths, 1, 64)[0]]
     assert passes == first_steps and discarded == [True]
 
 

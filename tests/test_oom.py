@@ -50,18 +50,21 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_step_redone_after_an_oom_gives_the_update_of_the_settings_that_fit(tiny_overrides, tmp_path, capsys):
-    """The OOM strikes the second pass of step 1, after the first pass has drawn dropout masks and left gradients:
-    both are discarded, the cap on a pass's tokens is lowered, and the step runs again. The adapter is bit-identical
-    to a run that had that cap from the start (same rows, same dropout masks, no gradient counted twice)."""
+    """The cap `auto` sized from this machine's free memory runs each update (4 + 4 rows) as one pass; the OOM strikes
+    that pass of step 1, after it has drawn dropout masks: they are discarded, the cap on a pass's tokens is lowered
+    from auto's figure, and the step runs again in smaller passes. The adapter is bit-identical to a run that had that
+    cap from the start (same rows, same dropout masks, no gradient counted twice)."""
     common = [*tiny_overrides, "train.max_steps=2", "train.gradient_accumulation_steps=2", "lora.dropout=0.1",
               "device=cpu", "train.save_steps=1", "train.eval_steps=2"]
-    train_only(load_config(None, [*common, "name=failed"]), fault=TransientOOM(step=0, on_pass=2))
+    train_only(load_config(None, [*common, "name=failed"]), fault=TransientOOM(step=0, on_pass=1))
     out = capsys.readouterr().out
-    assert "Step 1 ran out of memory (CUDA out of memory" in out and "train.max_tokens_per_pass 512 -> " in out
     run = json.loads((tmp_path / "runs" / "failed" / "run.json").read_text())
+    auto = run["stages"]["train"]["passes"]
+    assert auto["setting"] == "auto" and auto["passes_per_update"]["max"] == 1 and auto["free_bytes"] > 0
+    assert "Step 1 ran out of memory (CUDA out of memory" in out and f"train.max_tokens_per_pass {auto['cap']} -> " in out
     [change] = run["stages"]["train"]["oom_recovery"]["changes"]
     assert run["stages"]["train"]["oom_recovery"]["policy"] == "same_update"
-    assert change["step"] == 1 and change["setting"] == "train.max_tokens_per_pass" and change["from"] == 512
+    assert change["step"] == 1 and change["setting"] == "train.max_tokens_per_pass" and change["from"] == auto["cap"]
     assert f"train.max_tokens_per_pass={change['to']}" in out  # the summary: what to start with next time
     progress = json.loads((tmp_path / "runs" / "failed" / "checkpoints" / "step-000001" / "progress.json").read_text())
     assert progress["memory"]["max_tokens_per_pass"] == change["to"]  # a resumed run carries on with it

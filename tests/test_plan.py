@@ -132,6 +132,19 @@ def test_the_estimate_is_near_a_measured_tiny_training_step_and_generation():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("quantization, optim", [("4bit", "adamw_torch"), ("8bit", "adamw_8bit")])
+def test_the_estimate_of_a_quantized_base_is_near_a_measured_qlora_step(quantization, optim):
+    """A base loaded in 4 or 8 bits by bitsandbytes (as model.quantization loads it) and trained as a QLoRA run trains
+    it: its packed weights, quantization constants, fp32 norms, the dequantized layer of each product, and PEFT's own
+    LoRA forward (the lean one does not cover bitsandbytes layers: counted as lean, the estimate was 0.63 of the peak)."""
+    pytest.importorskip("bitsandbytes")
+    line = BENCH["measure_training"](BENCH["model_config"]("small"), 128, 4, checkpointing=False, sft=False,
+                                     dtype=torch.bfloat16, quantization=quantization, optim=optim)
+    assert line["quantization"] == quantization and line["estimate_parts"]["one layer dequantized (4/8-bit base)"] > 0
+    assert within(line), line
+
+
+@pytest.mark.slow
 def test_the_estimate_is_near_a_measured_checkpointed_step_with_the_loss_on_every_token():
     line = BENCH["measure_training"](BENCH["model_config"]("small"), 64, 4, checkpointing=True, sft=True)
     assert within(line), line

@@ -25,6 +25,9 @@ def test_host_overhead_times_and_counts_each_side(capsys):
         assert result["seconds_per_update"] > 0 and result["updates_timed"] == 2  # 6 steps: 2 warm-up, 1 counted, 1 last
         assert result["ops_per_pass"] > 100 and result["passes_per_update"] >= 1 and result["last_loss"] > 0
     assert line["off"]["settings"]["lean_lora"] is False and line["auto"]["settings"] == "defaults"
+    # auto sizes its passes from the free RAM (a whole update in one pass where it fits); off: one per micro-batch
+    assert line["auto"]["pass_size"]["setting"] == "auto" and line["auto"]["pass_size"]["free_bytes"] > 0
+    assert line["off"]["passes_per_update"] == 4 and line["auto"]["passes_per_update"] <= 4
     assert line["trl"]["passes_per_update"] == 4  # 4 x 4: one forward pass per micro-batch
     assert line["speedup"] > 0 and line["ratio"] > 0 and line["ops_ratio"] != 1  # the switches change the work
     with pytest.raises(SystemExit):

@@ -431,7 +431,7 @@ def test_other_test_rows_are_refused_with_the_reason_and_can_be_shown_marked(fin
 
 def test_try_classify_gives_the_models_probabilities(finished_runs, tiny_model_dir):
     from emotune.model.artifacts import find_artifact
-    from emotune.serve.engine import Engine
+    from emotune.serve.engine import Engine, base_config
 
     studio = client(finished_runs)
     csrf = studio.app.state.csrf
@@ -444,7 +444,7 @@ def test_try_classify_gives_the_models_probabilities(finished_runs, tiny_model_d
     probs = {row["label"]: row["p"] for row in answer.json()["probs"]}
     assert sum(probs.values()) == pytest.approx(1.0, abs=1e-5) and answer.json()["label"] == max(probs, key=probs.get)
     artifact = find_artifact(finished_runs / "first", name="first")
-    engine = Engine(artifact.model_cfg, "cpu")
+    engine = Engine(base_config([artifact], artifact.model_cfg, "cpu"), "cpu")  # as `emotune serve` loads it
     engine.add_adapter(artifact)
     expected = engine.classify("first", [text], artifact.prompt, artifact.labels, 1)[0].tolist()
     assert [probs[label] for label in artifact.labels] == pytest.approx(expected, abs=1e-5)  # as `emotune serve` scores

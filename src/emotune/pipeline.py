@@ -162,7 +162,8 @@ def train_stage(ctx: Context) -> None:
         print(describe_shared_prefix(shared), flush=True)
         ctx.log.record("train", shared_prefix=shared)
     ctx._adapted = train(model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
-                         ctx.task.adapter_meta(ctx.cfg, ctx.data), objective,
+                         ctx.task.adapter_meta(ctx.cfg, ctx.data) | {"measured_dtype": str(ctx.base.model.dtype).removeprefix("torch.")},
+                         objective,
                          record=(lambda key, value: ctx.log.record("train", **{key: value})) if ctx.log else None,
                          fault=ctx.train_fault)
 

@@ -22,7 +22,7 @@ from emotune.core.rundir import atomic_file
 from emotune.eval.scoring import score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
-from emotune.model.loading import weights_dtype
+from emotune.model.loading import serving_dtype
 from emotune.runtime import device as device_mod
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
@@ -37,8 +37,9 @@ class Loaded:
     def __init__(self, artifact: Artifact, device: str = "auto"):
         self.artifact = artifact
         torch_device = device_mod.resolve_device(device)
-        # model.dtype of the run's own config is honoured, as in training and evaluation
-        self.model, self.tokenizer = load_artifact_model(artifact, weights_dtype(artifact.model_cfg, torch_device), torch_device)
+        # model.dtype of the run's own config is honoured, else the dtype the run was measured in
+        dtype = serving_dtype(artifact.model_cfg, torch_device, artifact.measured_dtype)
+        self.model, self.tokenizer = load_artifact_model(artifact, dtype, torch_device)
 
 
 class Classifier(Loaded):

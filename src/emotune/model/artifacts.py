@@ -64,6 +64,12 @@ class Artifact:
         return self.meta.get("task", "classify")
 
     @property
+    def measured_dtype(self) -> str | None:
+        """The dtype the run evaluated its model in ("float32", "bfloat16"; None for adapters from elsewhere or older
+        runs): predict and serve load in it where they can (emotune.model.loading.serving_dtype)."""
+        return self.meta.get("measured_dtype")
+
+    @property
     def peft_name(self) -> str:
         """The name PEFT registers this adapter under. PEFT makes it a key of module dicts and an attribute of
         the wrapped layers, so a run named like a module attribute (`cpu`, `to`, `eval`, `default`) or holding

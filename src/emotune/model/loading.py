@@ -21,7 +21,7 @@ from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.core.rundir import atomic_dir, remove_stale_partials
 from emotune.model import quantization
 from emotune.model.attention import check_attention
-from emotune.runtime.device import Precision, choose_precision
+from emotune.runtime.device import Precision, bf16_supported, choose_precision
 
 EMBEDDED_MODEL = "embedded"
 EMBEDDED_FOLDER = "gemma-3-270m-q4_k_m"  # the converted packaged model, under <cache>/models/
@@ -270,6 +270,17 @@ def load_base(cfg: ModelConfig, device: torch.device, precision: str = "auto",
 def weights_dtype(cfg: ModelConfig, device: torch.device, precision: str = "auto") -> torch.dtype:
     """The dtype `load_base` would load the weights in, for loaders of merged models and adapters."""
     return choose_precision(device, precision).dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+
+
+def serving_dtype(cfg: ModelConfig, device: torch.device, measured: str | None) -> torch.dtype:
+    """The dtype `predict` and `serve` load a run's model in: `model.dtype` when set; else the dtype the run was measured
+    in (`measured`, emotune.json's `measured_dtype`) where `device` computes in it (bf16 with native support, fp16 on a
+    GPU), so a run trained with `train.precision: fp32` answers as its evaluation did; else `auto`'s choice here."""
+    dtype = getattr(torch, measured, None) if cfg.dtype == "auto" and measured else None
+    if dtype is torch.float32 or (dtype is torch.bfloat16 and bf16_supported(device)) or (
+            dtype is torch.float16 and device.type != "cpu"):
+        return dtype
+    return weights_dtype(cfg, device)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attention: str = "auto",

@@ -29,7 +29,7 @@ from emotune.core.errors import UserError
 from emotune.eval.scoring import LabelScorer, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import causal_adapter, classifier_from_causal, head_probabilities
-from emotune.model.loading import load_base, load_tokenizer, weights_dtype
+from emotune.model.loading import load_base, load_tokenizer, serving_dtype
 from emotune.runtime import device as device_mod
 
 BASE_MODEL = "base"
@@ -59,7 +59,7 @@ class Engine:
         self.scorers: dict[str, LabelScorer] = {}  # per adapter; the cached prompt head depends on the weights
         self.tokenizers: dict[str, Any] = {}  # by the fingerprint of their files (tokenizer_for)
         if merged is not None:
-            model, tokenizer = load_artifact_model(merged, weights_dtype(merged.model_cfg, self.device), self.device)
+            model, tokenizer = load_artifact_model(merged, serving_dtype(merged.model_cfg, self.device, merged.measured_dtype), self.device)
             self.base_source, self.model, self.causal = str(merged.path), model, None
             head = model if merged.has_head else None  # a generative model is scored and generated from as it is
             self.models: dict[str, Loaded] = {merged.name: Loaded(merged.name, merged, tokenizer, head=head)}
@@ -245,7 +245,7 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
         engine = Engine(cfg.model, cfg.device, merged=merged[0])
         print(f"Serving merged model {merged[0].name} ({describe(merged[0])})", flush=True)
         return engine, artifacts
-    model_cfg = artifacts[0].model_cfg if artifacts else cfg.model
+    model_cfg = base_config(artifacts, cfg.model, cfg.device)
     for artifact in artifacts:
         check_base(artifact, model_cfg.source)
     print(f"Loading base model {model_cfg.source} ...", flush=True)
@@ -254,6 +254,17 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
         engine.add_adapter(artifact)
         print(f"Loaded adapter {artifact.name} ({describe(artifact)}) from {artifact.path}", flush=True)
     return engine, artifacts
+
+
+def base_config(artifacts: list[Artifact], default: ModelConfig, device: str) -> ModelConfig:
+    """How to load the base of these adapters: the first one's `model` settings, and, when `model.dtype` is `auto` and
+    every adapter was measured in one dtype, that dtype where this device computes in it (as `emotune predict` does)."""
+    model_cfg = artifacts[0].model_cfg if artifacts else default
+    measured = {a.measured_dtype for a in artifacts}
+    if artifacts and model_cfg.dtype == "auto" and len(measured) == 1 and None not in measured:
+        dtype = serving_dtype(model_cfg, device_mod.resolve_device(device), measured.pop())
+        model_cfg = model_cfg.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
+    return model_cfg
 
 
 def describe(artifact: Artifact) -> str:

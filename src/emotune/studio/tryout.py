@@ -22,7 +22,7 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
 from emotune.model.artifacts import Artifact, find_artifact
 from emotune.serve.chat import Generation, render_conversation
-from emotune.serve.engine import Engine
+from emotune.serve.engine import Engine, base_config
 
 MAX_TEXT_CHARS = 4_000  # one text to classify, or one chat message (as `emotune serve` bounds them)
 MAX_MESSAGES = 32
@@ -162,7 +162,8 @@ class Tryout:
         key = (str(artifact.path), _mtime(artifact.path))
         if self.key != key:
             self.unload()
-            engine = Engine(artifact.model_cfg, self.device, merged=artifact if artifact.merged else None)
+            engine = Engine(base_config([artifact], artifact.model_cfg, self.device), self.device,
+                            merged=artifact if artifact.merged else None)
             if not artifact.merged:
                 engine.add_adapter(artifact)
             self.engine, self.artifact, self.key = engine, artifact, key

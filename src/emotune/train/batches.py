@@ -102,7 +102,37 @@ def forward_passes(batch: list[int], lengths: list[int], world_size: int, max_to
     the same number of passes, since under FSDP each pass gathers weights collectively: the most any
     share needs, at most the fewest rows any share has. `max_tokens` and `max_rows` 0: no limit (both 0:
     one pass per share). Returns [process][pass] -> rows."""
-    shares = [sorted(rank_share(batch, rank, world_size), key=lambda i: -lengths[i]) for rank in range(world_size)]
+    shares = [rank_share(batch, rank, world_size) for rank in range(world_size)]
+    return _cut_shares(shares, lengths, max_tokens, max_rows)
+
+
+def update_passes(micro_batches: list[list[int]], lengths: list[int], world_size: int, max_tokens: int,
+                  max_rows: int = 0) -> list[list[list[int]]]:
+    """Each process's forward passes for one optimizer update of `micro_batches` (global batches, the
+    accumulation's). With a token cap the process's rows of the whole update (its share of every
+    micro-batch: the rows it would have run micro-batch by micro-batch) are sorted longest first and cut
+    under the cap, so an update that fits runs as one pass and rows of similar length share a pass
+    (`forward_passes`' cut, over the update). Without one (`max_tokens` 0), each micro-batch is cut on
+    its own, at least one pass each: gradient accumulation as configured. The loss is normalised by the
+    update's completion tokens either way (emotune.train.loop), so the update is the same.
+    Returns [process][pass] -> rows."""
+    if not max_tokens:
+        cut = [forward_passes(b, lengths, world_size, 0, max_rows) for b in micro_batches]
+        return [[p for micro in cut for p in micro[rank]] for rank in range(world_size)]
+    shares = [[i for b in micro_batches for i in rank_share(b, rank, world_size)] for rank in range(world_size)]
+    return _cut_shares(shares, lengths, max_tokens, max_rows)
+
+
+def epoch_updates(batches: list[list[int]], micro_per_step: int) -> list[list[list[int]]]:
+    """An epoch's global batches grouped into optimizer updates of `micro_per_step` micro-batches each, the
+    incomplete last group left out (the loop's updates run on into the next epoch); all of them as one group
+    when the epoch has fewer batches than an update."""
+    full = [batches[k:k + micro_per_step] for k in range(0, len(batches) - micro_per_step + 1, micro_per_step)]
+    return full or [batches]
+
+
+def _cut_shares(shares: list[list[int]], lengths, max_tokens: int, max_rows: int) -> list[list[list[int]]]:
+    shares = [sorted(share, key=lambda i: -lengths[i]) for share in shares]
     if not max_tokens and not max_rows:
         return [[share] for share in shares]
     cut = [_greedy_passes(share, lengths, max_tokens, max_rows) for share in shares]

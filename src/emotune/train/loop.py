@@ -40,6 +40,7 @@ from emotune.runtime.device import Precision, mixed_precision
 from emotune.runtime.oom import free_memory, is_out_of_memory
 from emotune.runtime.parallel import any_process, average_gradients, fsdp_dtypes, make_accelerator, prepare, refuse_tied_modules_to_save
 from emotune.train import checkpoints as ckpt
+from emotune.train import pass_size
 from emotune.train import recovery as oom
 from emotune.train.batches import LANGUAGE_MODEL, Example, LossParts, Objective, completion_loss
 from emotune.train.log import TrainLog, Window, peak_memory_mb, write_history
@@ -53,7 +54,6 @@ from emotune.train.passes import (
     fit_budget,
     global_batch,
     make_plan,
-    pass_token_cap,
     replan,
     replan_step,
     replan_words,
@@ -94,6 +94,7 @@ class Session:
     objective: Objective  # the task's loss and the rule that picks the kept adapter
     warmup: int = 0  # the schedule's warm-up steps
     initial: Path | None = None  # PiSSA/OLoRA/LoftQ: the starting adapter, for the conversion when saving
+    passes: pass_size.PassSize | None = None  # how `cap` was chosen, for run.json
 
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows: list[Example], val_rows: list[Example],
@@ -112,6 +113,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_rows
     s = _setup(model, cfg, precision, train_rows, val_rows, tokenizer.pad_token_id, run, objective)
     if record is not None:
         record("plan", describe_plan(s.plan, cfg.train, len(train_rows)))
+        record("passes", s.passes.as_record())
         # which layers run emotune's lean forwards; the rest (a norm of unknown arithmetic, DoRA, ...) run their own
         record("lean", {"lora": lean_lora.describe(s.adapted), "norm": lean_norm.describe(s.adapted)})
     progress, best = _resume(run.checkpoints, s.adapted, s.optimizer, s.scheduler, s.scaler, s.accelerator)
@@ -136,8 +138,6 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     t = cfg.train
     accelerator, fsdp = make_accelerator(t, model, run.train)
     plan = make_plan(t, len(rows), accelerator.num_processes)
-    cap = pass_token_cap(t, accelerator.device)
-    announce(plan, t, len(rows), len(val_rows), cap, objective)
 
     model.config.use_cache = False
     whole = t.finetuning in finetuning.WHOLE  # the model's own weights train: no adapters, no PEFT wrapper
@@ -154,6 +154,10 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     autocast, scaler = mixed_precision(precision, adapted, always=whole)
     optimizer = build_optimizer(t, adapted)
     wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
+    # the passes' size once the model, its adapters and the optimizer are in place (`auto`: from the free memory)
+    passes = pass_size.choose(cfg, model, rows, len(objective.prefix), plan, accelerator, fsdp is not None)
+    announce(plan, t, len(rows), len(val_rows), passes.words(), objective)
+    cap = passes.cap
     if t.time_budget:  # the steps that fit, measured on the prepared model before the schedule needs them
         measure = calibration(wrapped, optimizer, objective, rows, val_rows, pad_id, cap, accelerator, autocast,
                               lambda some: validate(wrapped, some, _val_batch_size(cfg), pad_id, accelerator, autocast,
@@ -163,7 +167,7 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
     warmup = (plan.replanned["warmup_steps"] if plan.replanned else t.warmup_steps or math.ceil(t.warmup_ratio * plan.steps))
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
     return Session(accelerator, fsdp, plan, cap, adapted, wrapped, trainable, optimizer, scheduler, scaler, autocast, upcast,
-                   objective, warmup, initial)
+                   objective, warmup, initial, passes)
 
 
 def _attach_adapters(model: PreTrainedModel, cfg: RunConfig, objective: Objective, fsdp, run: RunDir, main: bool):
@@ -192,6 +196,8 @@ def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: Trai
               + "; ".join(f"{c['setting']} {c['from']} -> {c['to']}" for c in limits.changes), flush=True)
         if record is not None:
             record("oom_recovery", {"policy": t.oom_recovery, "changes": limits.changes})
+    if record is not None and limits.max_tokens_per_pass != s.cap:  # resumed: the passes of the checkpoint's cap
+        record("passes", {**s.passes.as_record(), "resumed_with_cap": limits.max_tokens_per_pass})
     progress.memory = limits.as_dict()
     return oom.Recovery(limits, train_rows, s.adapted, s.optimizer, t, s.plan.world_size,
                         s.accelerator.is_main_process, record, fault, shared_tokens=len(s.objective.prefix))

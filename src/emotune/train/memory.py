@@ -14,10 +14,11 @@ No weights are loaded. Two weightless views of the model answer what a formula w
   its weights grows with the square of the length, the rest linearly).
 
 What our loop adds on top is modelled from its code: the gradients and AdamW's two moments of the trained
-parameters only; one forward pass at a time (`train.max_tokens_per_pass` cuts a batch into passes, the
-gradient is summed across them); the vocabulary projection only at the loss positions, in checkpointed
-chunks of `batches.CHUNK_TOKENS` beyond that many (emotune.train.batches.completion_loss); with gradient
-checkpointing, each layer's input kept and one layer recomputed at a time.
+parameters only; one forward pass at a time (`train.max_tokens_per_pass` cuts an update into passes, the
+gradient is summed across them; `pass_bytes`, one pass's share, sizes its `auto`); the vocabulary projection
+only at the loss positions, in checkpointed chunks of `batches.CHUNK_TOKENS` beyond that many
+(emotune.train.batches.completion_loss); with gradient checkpointing, each layer's input kept and one layer
+recomputed at a time.
 """
 
 from __future__ import annotations
@@ -142,12 +143,22 @@ def training_parts(arch: Architecture, work: Workload, rows: int, length: int, c
     return parts
 
 
+def pass_bytes(arch: Architecture, work: Workload, rows: int, length: int, checkpointing: bool) -> int:
+    """What one forward/backward pass of `rows` rows of `length` tokens adds to a step's peak: `training_parts`
+    without the parts every step holds whatever its passes (weights, adapters, gradients, optimizer state, a
+    dequantized layer): the activations kept for the backward pass and the larger of the loss's buffers and one
+    layer's backward. emotune.train.pass_size sizes `train.max_tokens_per_pass=auto` with it."""
+    parts = training_parts(arch, work, rows, length, checkpointing, host_copies=False)
+    return sum(v for k, v in parts.items() if k not in STEADY)
+
+
 # The gradients a layer's backward pass holds at once, as a share of what the layer saved in its forward pass:
 # 0.46 measured on Gemma 3 layers (tests/test_plan.py measures the whole estimate against real steps).
 BACKWARD_SHARE = 0.5
 DEQUANTIZED = "one layer dequantized (4/8-bit base)"
 LOSS = "backward: vocabulary projection"
 LAYER_BACKWARD = "backward: one layer"
+STEADY = ("weights", "adapters", "gradients", "optimizer state", DEQUANTIZED)
 
 
 def loss_bytes(arch: Architecture, work: Workload, rows: int, length: int) -> int:
@@ -225,6 +236,8 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     head = work.head_outputs * text.hidden_size  # a classification head, float32
     trainable_bytes = sum(p.numel() * p.element_size() for p in trained) + 4 * head
     model_cfg = model_cfg or ModelConfig()
+    if quantization.bits(model_cfg):  # a 4/8-bit base layer is PEFT's bitsandbytes LoRA class: never the lean forward
+        lean = (False, lean[1])
     frozen = quantization.stored_weight_bytes(adapted, model_cfg)
     probe = run_probe(text, lora, dtype, attn_implementation, lean)
     kinds = _layer_kinds(text)

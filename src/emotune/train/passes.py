@@ -1,5 +1,6 @@
-"""The plan of a training run: how many optimizer steps, which rows each one sees, and how big a forward
-pass may be. Printed before the first step; the same on one process or N (emotune.train.loop runs it).
+"""The plan of a training run: how many optimizer steps and which rows each one sees (how big a forward pass
+may be: emotune.train.pass_size). Printed before the first step; the same on one process or N (emotune.train.loop
+runs it).
 
 With `train.time_budget` the number of steps is measured rather than configured: before the scheduler is
 built (its schedule needs the last step), `Calibration` runs the first few steps' forward and backward
@@ -32,7 +33,7 @@ from emotune.core.config.train import TrainConfig, duration_seconds
 from emotune.core.errors import UserError
 from emotune.core.rundir import read_json, write_json
 from emotune.train import checkpoints as ckpt
-from emotune.train.batches import Example, Objective, completion_loss, epoch_batches, forward_passes
+from emotune.train.batches import Example, Objective, completion_loss, epoch_batches, epoch_updates, update_passes
 
 CALIBRATION_STEPS = 3
 """Steps whose passes are timed before training; the first warms up (kernel selection, allocator growth) and
@@ -84,27 +85,20 @@ def best_word(objective: Objective) -> str:
     return "highest" if objective.higher_is_better else "lowest"
 
 
-def announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, cap: int, objective: Objective) -> None:
+def announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, passes: str, objective: Objective) -> None:
+    """The derived numbers, before training; `passes`: how updates are cut into forward passes
+    (emotune.train.pass_size.PassSize.words)."""
     effective = plan.global_batch_rows * plan.micro_per_step
     print(f"Training rows {rows}; batch {t.batch_size} x accumulation {t.gradient_accumulation_steps} x processes "
           f"{plan.world_size} => effective batch {effective}; optimizer steps "
           + (f"{plan.steps} (≈ {plan.steps * effective / rows:.2f} epochs)" if not t.time_budget else
              f"as many as fit the {t.time_budget} time budget, at most {plan.steps} "
              f"(train.num_train_epochs={t.num_train_epochs:g})")
-          + f"; batches grouped by length: {t.group_by_length}; "
-          + (f"forward passes of at most {cap} padded tokens" if cap else "one forward pass per batch"), flush=True)
+          + f"; batches grouped by length: {t.group_by_length}; {passes}", flush=True)
     if val_rows:
         print(f"Validation on {val_rows} rows every {t.eval_steps} steps; the adapter kept is the one with the "
               f"{best_word(objective)} {objective.select}" + (f"; early stopping after {t.early_stopping_patience} validations without "
                                     "improvement" if t.early_stopping_patience else ""), flush=True)
-
-
-def pass_token_cap(t: TrainConfig, device: torch.device) -> int:
-    if t.max_tokens_per_pass != "auto":
-        return t.max_tokens_per_pass
-    # On CPU, glibc's heap keeps what large passes free, fragmented by the next pass's smaller
-    # allocations: its footprint follows the size of a pass (bench/train_memory.py). GPU allocators cache.
-    return 512 if device.type == "cpu" else 0
 
 
 def global_batch(plan: Plan, t: TrainConfig, rows: list[Example], seed: int, micro_index: int) -> list[int]:
@@ -142,7 +136,7 @@ class Calibration:
     """What measuring the speed runs, and how much work each part is. `run_pass(rows)`: forward and backward of
     these training rows (indices), without an update; `run_validation(rows)`: a validation of these validation
     rows; `discard()`: drop the gradients the passes left. Work is counted in padded tokens (rows x longest row
-    of a pass), from the rows' token lengths; `cap` and `rank` cut batches into this process's passes as the
+    of a pass), from the rows' token lengths; `cap` and `rank` cut updates into this process's passes as the
     training loop does."""
     run_pass: Callable[[list[int]], None]
     run_validation: Callable[[list[int]], None]
@@ -169,8 +163,7 @@ class Calibration:
         seconds, work = [], []
         for step in range(CALIBRATION_STEPS):
             micro = range(step * plan.micro_per_step, (step + 1) * plan.micro_per_step)
-            passes = [rows for k in micro for rows in self._passes(epoch(k // plan.batches_per_epoch)[
-                k % plan.batches_per_epoch], plan)]
+            passes = self._passes([epoch(k // plan.batches_per_epoch)[k % plan.batches_per_epoch] for k in micro], plan)
             begin = clock()
             for rows in passes:
                 self.run_pass(rows)
@@ -179,12 +172,13 @@ class Calibration:
         self.discard()
         timed = slice(1, None) if CALIBRATION_STEPS > 1 else slice(None)
         per_token = sum(seconds[timed]) / max(sum(work[timed]), 1)
-        mean_batch_work = sum(_padded(rows, self.lengths) for b in epoch(0) for rows in self._passes(b, plan)) / len(epoch(0))
-        return Speed(per_token * mean_batch_work * plan.micro_per_step, self._validation_seconds(clock),
-                     clock() - started)
+        updates = epoch_updates(epoch(0), plan.micro_per_step)  # an update's work, per micro-batch it holds
+        per_micro = (sum(_padded(rows, self.lengths) for u in updates for rows in self._passes(u, plan))
+                     / sum(len(u) for u in updates))
+        return Speed(per_token * per_micro * plan.micro_per_step, self._validation_seconds(clock), clock() - started)
 
-    def _passes(self, batch: list[int], plan: Plan) -> list[list[int]]:
-        return forward_passes(batch, self.lengths, plan.world_size, self.cap)[self.rank]
+    def _passes(self, micro_batches: list[list[int]], plan: Plan) -> list[list[int]]:
+        return update_passes(micro_batches, self.lengths, plan.world_size, self.cap)[self.rank]
 
     def _validation_seconds(self, clock: Callable[[], float]) -> float:
         if not self.val_lengths:

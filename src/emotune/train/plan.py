@@ -78,7 +78,6 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     """The memory plan of `cfg`'s run; `task` (emotune.tasks.task_for(cfg)) says what its training and evaluation
     hold (`memory_workload`), so this layer never looks tasks up itself."""
     from emotune.model.loading import load_model_config
-    from emotune.train.passes import pass_token_cap
 
     if cfg.train.finetuning != "lora":  # its memory model counts adapters beside frozen weights
         raise UserError(f"`emotune plan` models LoRA training, and this config sets train.finetuning="
@@ -91,7 +90,9 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     work = task.memory_workload(cfg, target.kind)
     arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work)
     t = cfg.train
-    cap = pass_token_cap(t, torch.device(target.kind))
+    # `auto` sizes passes from the memory free when training starts (emotune.train.pass_size), up to a whole
+    # update when it fits: planned here as one micro-batch a pass, and the fixes name the caps that fit
+    cap = 0 if t.max_tokens_per_pass == "auto" else t.max_tokens_per_pass
     rows = t.batch_size if not cap else min(t.batch_size, max(1, cap // t.max_length))
     host = target.kind == "cpu"
     training = {gc: training_parts(arch, work, rows, t.max_length, gc, host) for gc in (True, False)}

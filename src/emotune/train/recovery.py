@@ -6,7 +6,7 @@ step that still does not fit takes the next change, and so on. A later, longer s
 continues down the same list. The order follows what a change costs:
 
 1. `train.max_tokens_per_pass` lowered, when the run caps its forward passes (below the widest pass that
-   failed, so that pass is split);
+   failed, so that pass is split; the cap `auto` sized from the free memory is lowered like a configured one);
 2. otherwise smaller forward passes: each micro-batch cut in half, as `train.batch_size` halved with
    `train.gradient_accumulation_steps` doubled, though the rows of every optimizer step stay the same;
 3. `train.gradient_checkpointing` on.
@@ -40,7 +40,7 @@ from emotune.core.config.train import TrainConfig
 from emotune.core.errors import UserError, first_line
 from emotune.model.lora import checkpoint_activations
 from emotune.train import checkpoints as ckpt
-from emotune.train.batches import Example, forward_passes, truncated
+from emotune.train.batches import Example, truncated, update_passes
 
 MAX_ROWS_LOST = 0.01  # the share of training rows a shorter max_length may leave without any loss token
 ATTENTION = re.compile(r"attn|attention")  # module paths of attention projections (self_attn, c_attn, attention)
@@ -130,12 +130,11 @@ class Recovery:
         self.rows = apply(limits, model, optimizer, encoded)  # the data order follows `encoded`, the passes these
 
     def passes(self, globals_: list[list[int]], limits: MemoryLimits | None = None) -> list[list[list[int]]]:
-        """[process][pass] -> rows: every micro-batch of a step cut into forward passes under `limits`."""
+        """[process][pass] -> rows: a step's micro-batches cut into forward passes under `limits`
+        (emotune.train.batches.update_passes: with a token cap, the update's rows together)."""
         limits = limits or self.limits
         lengths = {i: len(self.rows[i].input_ids) - self.shared_tokens for b in globals_ for i in b}
-        cut = [forward_passes(b, lengths, self.world_size, limits.max_tokens_per_pass, limits.rows_per_pass)
-               for b in globals_]
-        return [[p for micro in cut for p in micro[rank]] for rank in range(self.world_size)]
+        return update_passes(globals_, lengths, self.world_size, limits.max_tokens_per_pass, limits.rows_per_pass)
 
     def step(self, step: int, globals_: list[list[int]], attempt: Callable, checkpoint_note: Callable[[], str]):
         """`attempt(passes, rows)` (one optimizer step) until it does not run out of memory; after each failure the next

@@ -17,7 +17,9 @@ class ModelConfig(Section):
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids; ignored for local sources."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Weight dtype when loading; `auto` follows the precision chosen for the device."""
+    """Weight dtype when loading; `auto` follows the precision chosen for the device (`train.precision`). `emotune
+    predict` and `serve` with `auto` load a run's model in the dtype its evaluation used, where the device computes in
+    it (a run trained in fp32 answers in fp32)."""
     cache_dir: str | None = None
     """Where converted GGUF models are kept (default: the user cache dir, `~/.cache/emotune` on Linux) and,
     when set, Hugging Face hub models (in `<cache_dir>/hub`); unset, hub models go to the shared Hugging Face

@@ -136,11 +136,17 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass: less memory, about 30% slower."""
     max_tokens_per_pass: Annotated[int | Literal["auto"], Range(0, also="0 = no cap, or `auto`")] = "auto"
-    """Most padded tokens (rows x longest row) in one forward/backward pass. Each batch is cut into passes
-    of length-sorted rows under this cap and their gradients are summed before the optimizer step, so the
-    update is the same as one pass over the batch; what shrinks is the memory a pass allocates. `auto`:
-    512 on CPU, where glibc keeps the freed memory of large passes (fewer, larger passes raised the
-    peak by about 300 MB for Gemma 3 270M at batch 8, docs/benchmarks.md), no cap on GPUs; 0 = no cap."""
+    """Most padded tokens (rows x longest row) in one forward/backward pass. The rows of each optimizer update
+    (`batch_size` x `gradient_accumulation_steps` on each process) are sorted by length and cut into passes under
+    this cap, across micro-batches, and their gradients summed before the step: the same update (the loss is
+    divided by the update's completion tokens either way), in as few passes as the cap allows. `auto`: sized when
+    training starts from the device's free memory (GPU: free device memory; CPU: available RAM) after the model
+    and optimizer are set up, less the gradients and optimizer state, with half of the rest kept free as a margin,
+    and the planner's per-token activation estimate for this model and settings (emotune.train.pass_size): a whole
+    update in one pass when it fits, else the largest passes that fit. The cap, the free memory seen and the
+    passes per update are printed and recorded in run.json. 0 = no cap: one pass per micro-batch, as gradient
+    accumulation gives. On a CPU, larger passes leave more of glibc's heap behind (about 300 MB more peak for Gemma 3
+    270M at batch 8, docs/benchmarks.md): 512 keeps the footprint of earlier versions."""
     shared_prefix: Literal["auto", "off"] = "auto"
     """`auto`: when every row starts with the same tokens (a classifier's system prompt and user-template head,
     about 55 of its 85 tokens with the default prompt), run them once per forward pass and let every row attend to

@@ -1,0 +1,200 @@
+"""`train.max_tokens_per_pass=auto`: forward passes as large as the device's free memory allows.
+
+Gradient accumulation cuts an optimizer update into micro-batches, each at least one forward and backward pass;
+where the device has memory to spare, each extra pass is launch and host overhead for the same arithmetic. With a
+token cap the loop cuts the rows of the whole update into length-sorted passes
+(emotune.train.batches.update_passes), so a cap the update fits under runs it as one pass, and a smaller one as
+few as fit. The loss is divided by the update's completion tokens either way, so the update is the same.
+
+`auto` sizes the cap once training is set up (the model placed, its adapters attached, the optimizer built):
+
+1. free memory: on a GPU what the driver reports free (`torch.cuda.mem_get_info`, which ROCm builds answer too)
+   plus the blocks PyTorch's allocator holds unused; on a CPU the RAM the kernel reports available (psutil); on
+   Apple GPUs the recommended limit less what the driver holds;
+2. less what the first step still allocates outside its passes: the trained parameters' gradients, the
+   optimizer's state (AdamW's moments are created at the first step), a quantized base's dequantized layer and,
+   on a CPU, the two host copies of the adapter (the best so far, a checkpoint's);
+3. `MEMORY_SHARE` (half) of what is left: the estimate came within about ±30 % of measured peaks
+   (tests/test_plan.py), and allocator caches and fragmentation (on CPUs glibc's heap keeps freed pass buffers),
+   other processes on the device and validation's batches need room too;
+4. divided by the memory of one pass from emotune.train.memory, the planner's model for this model and these
+   settings: what each decoder layer keeps for the backward pass (measured on a one-layer-per-kind probe with
+   these adapters, lean forwards and dtype), gradient checkpointing, the loss's buffers. Passes are costed with
+   every row as long as the shortest and as the longest training row; the cap is the most padded tokens whose
+   estimate fits at both.
+
+Every process takes the smallest cap any process chose (all must run the same number of passes). The choice is
+printed with the plan and recorded in run.json (`stages.train.passes`); out-of-memory recovery lowers it like any
+cap (emotune.train.recovery), and a resumed run keeps the cap its checkpoint recorded. Full and freeze fine-tuning,
+which the memory model does not cover, and devices whose free memory cannot be read run one pass per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from statistics import mean
+
+import torch
+
+from emotune.core.config.run import RunConfig
+from emotune.core.errors import UserError
+from emotune.train import checkpoints as ckpt
+from emotune.train.batches import Example, epoch_batches, epoch_updates, update_passes
+from emotune.train.memory import Architecture, Workload, describe, pass_bytes
+
+MEMORY_SHARE = 0.5
+"""The share of the free memory (after the step's fixed needs) that `auto`'s passes may take: the safety margin."""
+MOST_ROWS = 1 << 24  # the search's bound; a cap past any update changes nothing
+
+
+@dataclass(frozen=True)
+class PassSize:
+    """The cap on a forward pass's padded tokens and how it was chosen; recorded in run.json."""
+    setting: int | str
+    """`train.max_tokens_per_pass` as configured."""
+    cap: int
+    """Padded tokens per pass (0: no cap, one pass per micro-batch)."""
+    passes_per_update: dict | None = None
+    """Forward passes per optimizer update over the first epoch's updates: min, max, mean, updates counted."""
+    free_bytes: int | None = None
+    """`auto`: the free memory seen after setup."""
+    reserved_bytes: int | None = None
+    """`auto`: what the step allocates besides its passes (gradients, optimizer state, host copies)."""
+    bytes_per_token: float | None = None
+    """`auto`: the estimated bytes of one padded token in a pass of the cap's size, at the binding row length."""
+    note: str = ""
+
+    def as_record(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+        if self.setting == "auto" and self.free_bytes is not None:
+            out["memory_share"] = MEMORY_SHARE
+        return out
+
+    def words(self) -> str:
+        """For the start-of-training line."""
+        counts = self.passes_per_update or {}
+        per_update = (f"{counts['min']}" if counts.get("min") == counts.get("max") else
+                      f"{counts.get('min')}-{counts.get('max')} (mean {counts.get('mean')})")
+        if not self.cap:
+            what = "one forward pass per batch (micro-batch)"
+        else:
+            what = f"forward passes of at most {self.cap} padded tokens cut from each update's rows"
+        what += f": {per_update} per update" if counts else ""
+        if self.setting == "auto" and self.free_bytes is not None:
+            what += (f" (train.max_tokens_per_pass=auto: {_size(self.free_bytes)} free, {_size(self.reserved_bytes)} "
+                     f"kept for gradients, optimizer state and adapter copies, {MEMORY_SHARE:.0%} of the rest at about "
+                     f"{_size(self.bytes_per_token)} per padded token)")
+        elif self.note:
+            what += f" ({self.note})"
+        return what
+
+
+def choose(cfg: RunConfig, model, rows: list[Example], shared_tokens: int, plan, accelerator,
+           sharded: bool) -> PassSize:
+    """The cap for this training (`train.max_tokens_per_pass`, or `auto` sized now), with its passes per update.
+    `plan`: emotune.train.passes.Plan; `shared_tokens`: a shared prefix's, which a pass does not count per row."""
+    t = cfg.train
+    lengths = [len(r.input_ids) - shared_tokens for r in rows]
+    if t.max_tokens_per_pass != "auto":
+        size = PassSize(t.max_tokens_per_pass, t.max_tokens_per_pass, note="set in the config")
+    else:
+        size = _auto(cfg, model, rows, lengths, accelerator.device, sharded)
+        if accelerator.num_processes > 1:  # every process must cut the same passes: the smallest cap wins
+            caps = accelerator.gather(torch.tensor([size.cap], device=accelerator.device))
+            size = replace(size, cap=int(caps.min()))
+    return replace(size, passes_per_update=passes_per_update(lengths, plan, t, cfg.seed, size.cap))
+
+
+def _auto(cfg: RunConfig, model, rows: list[Example], lengths: list[int], device: torch.device,
+          sharded: bool) -> PassSize:
+    t = cfg.train
+    if t.finetuning != "lora":
+        return PassSize("auto", 0, note=f"the memory model covers LoRA training, not train.finetuning={t.finetuning}")
+    free = free_bytes(device)
+    if free is None:
+        return PassSize("auto", 0, note=f"the free memory of a {device.type} device is not known")
+    work = workload(rows)
+    state = ckpt.rng_state()  # the probe seeds its own model: training's random streams must not notice
+    try:
+        arch = describe(model.config, cfg.lora, t.optim, getattr(model, "dtype", torch.float32), work,
+                        getattr(model.config, "_attn_implementation", None),
+                        (t.lean_lora and not sharded, t.lean_norm and not sharded), cfg.model)
+    except Exception as err:  # noqa: BLE001 (an estimate that fails must not stop training: one pass per micro-batch)
+        detail = str(err).splitlines()[0][:200] if str(err) else "no details"
+        what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {detail}"
+        return PassSize("auto", 0, note=f"no memory estimate for this model ({what})")
+    finally:
+        ckpt.set_rng_state(state)
+    positive = [n for n in lengths if n > 0] or [1]
+    return auto_size(arch, work, (min(positive), max(positive)), t.gradient_checkpointing, device.type == "cpu", free)
+
+
+def auto_size(arch: Architecture, work: Workload, lengths: tuple[int, int], checkpointing: bool, host: bool,
+              free: int) -> PassSize:
+    """The cap `auto` takes with `free` bytes free: the most padded tokens of a pass whose estimated memory fits
+    `MEMORY_SHARE` of what the step's fixed needs leave, with rows all as long as each of `lengths` (the shortest
+    and longest row); at least 1 (every row alone), which out-of-memory recovery takes over from."""
+    reserved = (arch.trainable_bytes + arch.optimizer_bytes + arch.dequantized_bytes
+                + (2 * arch.trainable_bytes if host else 0))
+    budget = MEMORY_SHARE * (free - reserved)
+    fits = []
+    for length in sorted(set(lengths)):
+        rows = _most_rows(lambda n, length=length: pass_bytes(arch, work, n, length, checkpointing), budget)
+        fits.append((rows * length, rows, length))
+    cap, rows, length = min(fits)
+    per_token = pass_bytes(arch, work, max(rows, 1), length, checkpointing) / (max(rows, 1) * length)
+    note = "" if rows else f"the estimate says even one row of {length} tokens may not fit: every row alone"
+    return PassSize("auto", max(cap, 1), free_bytes=int(free), reserved_bytes=int(reserved),
+                    bytes_per_token=round(per_token, 1), note=note)
+
+
+def _most_rows(cost, budget: float) -> int:
+    """The most rows (up to MOST_ROWS) whose `cost(rows)`, which grows with the rows, is within `budget`; 0: none."""
+    if cost(1) > budget:
+        return 0
+    low, high = 1, 2
+    while high < MOST_ROWS and cost(high) <= budget:
+        low, high = high, 2 * high
+    while high - low > 1:  # cost(low) fits, cost(high) does not (or high is the bound)
+        middle = (low + high) // 2
+        low, high = (middle, high) if cost(middle) <= budget else (low, middle)
+    return low
+
+
+def workload(rows: list[Example]) -> Workload:
+    """What the rows ask of the loss, in the memory model's terms: a classification head's rows (they carry a label)
+    read a head, others project their loss positions (at most the most any row has) onto the vocabulary."""
+    labels = [r.label for r in rows if r.label is not None]
+    if labels:
+        return Workload(loss_tokens_per_row=None, vocabulary_loss=False, head_outputs=max(labels) + 1)
+    return Workload(loss_tokens_per_row=max((r.completion_tokens for r in rows), default=1))
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory this process may still allocate on `device` (see the module docstring); None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "mps":
+        return max(0, torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
+    if device.type == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    return None
+
+
+def passes_per_update(lengths: list[int], plan, t, seed: int, cap: int) -> dict:
+    """Forward passes per update under `cap`, over the first epoch's updates (the data order alone decides them)."""
+    batches = epoch_batches(lengths, plan.global_batch_rows, plan.world_size, seed, 0, t.group_by_length)
+    counts = [len(update_passes(u, lengths, plan.world_size, cap)[0]) for u in epoch_updates(batches, plan.micro_per_step)]
+    return {"min": min(counts), "max": max(counts), "mean": round(mean(counts), 2), "updates": len(counts)}
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
