@@ -80,7 +80,8 @@ def test_classification_runs_between_the_slices_of_a_long_reply(tiny_model_dir, 
         del engine.model.generate
     assert classified.status_code == 200, classified.text
     assert finished["classify"] < finished["chat"] - 1.0, finished  # not after the whole reply
-    assert finished["classify"] - started < 1.5
+    # answered in less than half of the time the reply still took (relative, so a loaded machine does not fail it)
+    assert finished["classify"] - started < (finished["chat"] - started) / 2, finished
 
 
 # --------------------------------------------------------------------------------------------------
