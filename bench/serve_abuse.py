@@ -13,7 +13,8 @@ max_tokens, temperature 1e-300, no key, a wrong key, a foreign Host, a foreign O
 body that never comes, an oversized body, too many inputs, n=5, a chat whose client leaves at once (its
 generation must stop), and concurrent loads and deletes of one adapter name. Each case has the answers it may
 get; a 2xx where a refusal was due is a `wrong_acceptance`. Prints one JSON line: requests, 5xx (anyone's),
-wrong acceptances, and the good clients' p99 without and with the abuse. Targets loopback only and stops by
+wrong acceptances, the good clients' p99 without and with the abuse, and the seconds the model thread spent on
+classify work and on chats (adapter loads included) in each condition (`model_s_*`, from /metrics). Targets loopback only and stops by
 itself.
 """
 
@@ -23,11 +24,14 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import LABELS, Connection, build_run, launch_server, stop_server  # noqa: E402
@@ -92,7 +96,8 @@ def merged(windows: list[dict]) -> dict:
     latencies = sorted(t for w in windows for t in w["latencies"])
     total = {key: sum(w[key] for w in windows) for key in ("requests", "ok", "5xx", "other")}
     p99 = 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else None
-    return {**total, "p99_ms": p99}
+    lanes = {lane: round(sum(w.get("model_s", {}).get(lane, 0.0) for w in windows), 1) for lane in ("scoring", "generation")}
+    return {**total, "p99_ms": p99, "model_s": lanes}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,23 +262,39 @@ def main() -> None:
                       "wrong_acceptances": abuse_total["wrong_acceptances"],
                       "good_p99_ms_without_abuse": round(calm["p99_ms"], 1), "good_p99_ms_with_abuse": round(busy["p99_ms"], 1),
                       "p99_ratio": round(ratio, 2) if ratio else None, "good_ok": [calm["ok"], busy["ok"]],
+                      "model_s_without_abuse": calm["model_s"], "model_s_with_abuse": busy["model_s"],
                       "good_other": calm["other"] + busy["other"], "abuse_unexpected": abuse_total["unexpected"],
                       "abuse_unanswered_after_60s": abuse_total["unanswered_after_60s"],
                       "abuse_requests": abuse_total["requests"], "abuse_by_case": by_case}))
 
 
 def measure(url: str, args) -> tuple[list[dict], list[dict], list[dict]]:
-    """Windows without and with the abuser, alternating, so that a load change on a shared machine falls on both."""
+    """Windows without and with the abuser, alternating, so that a load change on a shared machine falls on both;
+    each window notes the model thread's seconds per lane it saw (from /metrics)."""
     calm, busy, abused = [], [], []
     for _ in range(args.rounds):
-        calm.append(asyncio.run(good_clients(url, args.seconds)))
+        before = model_seconds(url)
+        calm.append({**asyncio.run(good_clients(url, args.seconds)), "model_s": since(before, model_seconds(url))})
         abuser = subprocess.Popen([sys.executable, __file__, "--abuser", url, "--seconds", str(args.seconds),
                                    "--rate", str(args.rate), *(["--cases", args.cases] if args.cases else [])],
                                   stdout=subprocess.PIPE, text=True)
         time.sleep(1)  # the abuser's interpreter starting
-        busy.append(asyncio.run(good_clients(url, args.seconds)))
+        before = model_seconds(url)
+        window = asyncio.run(good_clients(url, args.seconds))
+        busy.append({**window, "model_s": since(before, model_seconds(url))})
         abused.append(json.loads(abuser.communicate(timeout=args.seconds + 120)[0]))
     return calm, busy, abused
+
+
+def model_seconds(url: str) -> dict[str, float]:
+    """The model thread's seconds per lane since the server started (emotune_model_thread_seconds_total)."""
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).text
+    found = re.findall(r'^emotune_model_thread_seconds_total\{lane="(\w+)"\} ([0-9.]+)$', text, re.MULTILINE)
+    return {lane: float(value) for lane, value in found}
+
+
+def since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {lane: round(after[lane] - before.get(lane, 0.0), 2) for lane in after}
 
 if __name__ == "__main__":
     main()

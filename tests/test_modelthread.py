@@ -99,3 +99,33 @@ def test_a_dead_model_thread_is_started_again_and_its_queue_kept():
     assert queued.result(timeout=10) == "ran" and thread.alive and thread.restarts == 1
     thread.shutdown()
     assert not thread.ensure_running()  # never after shutdown
+
+
+def test_chats_over_their_share_leave_the_gaps_between_classify_batches_to_the_next_batch():
+    """Classify batches come with gaps (the answered clients' next requests, the batcher's wait); a chat taking the
+    model in every gap would get about half of it whatever chat_share says."""
+    thread, stop = ModelThread(chat_share=0.2), threading.Event()
+
+    def classify_client():  # a 20 ms batch, then 5 ms until the next one is submitted
+        while not stop.is_set():
+            thread.lane("scoring").submit(time.sleep, 0.02).result(timeout=10)
+            time.sleep(0.005)
+
+    def chat_flood():  # there is always a 20 ms chat slice waiting
+        pending = []
+        while not stop.is_set():
+            pending = [f for f in pending if not f.done()]
+            while len(pending) < 2:
+                pending.append(thread.lane("generation").submit(time.sleep, 0.02))
+            time.sleep(0.002)
+
+    workers = [threading.Thread(target=classify_client), threading.Thread(target=chat_flood)]
+    for worker in workers:
+        worker.start()
+    time.sleep(3)
+    stop.set()
+    for worker in workers:
+        worker.join(timeout=10)
+    thread.shutdown(cancel_futures=True)
+    share = thread.seconds["generation"] / sum(thread.seconds.values())
+    assert share < 0.32, thread.seconds  # one chat slice per gap would be about 0.5

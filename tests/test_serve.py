@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,8 @@ def test_health_models_and_metrics(http, client):
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert 'emotune_requests_total{endpoint="/v1/classify",status="200"}' in metrics.text
     assert "emotune_classified_texts_total" in metrics.text and "emotune_queue_texts 0" in metrics.text
+    scoring = re.search(r'^emotune_model_thread_seconds_total\{lane="scoring"\} ([0-9.]+)$', metrics.text, re.MULTILINE)
+    assert scoring and float(scoring.group(1)) > 0 and 'emotune_model_thread_calls_total{lane="generation"}' in metrics.text
 
 
 def test_classify_matches_direct_scoring(server, http):

@@ -385,3 +385,44 @@ def test_a_chat_whose_client_leaves_before_it_is_admitted_never_generates_in_ful
         time.sleep(0.02)
     _settled(produced, within_s=5)
     assert sum(produced) < 20, produced
+
+
+def test_a_chat_beyond_serve_max_chats_is_refused_before_it_is_rendered(served, http, monkeypatch):
+    from emotune.serve import routes
+
+    engine, state, rendered = served[1], served[2], []
+    render = routes.chat_job
+    monkeypatch.setattr(routes, "chat_job", lambda *args: rendered.append(1) or render(*args))
+    with ThreadPoolExecutor(1) as pool, engine.lock:  # the first chat waits for the model
+        first = pool.submit(http.post, "/v1/chat/completions", headers=AUTH, json=chat_body())
+        deadline = time.time() + 10
+        while state.admission.chats < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        assert "serve.max_chats=1" in error(http.post("/v1/chat/completions", headers=AUTH, json=chat_body()), 429)
+        assert len(rendered) == 1  # the refused one was never rendered nor its tokens counted
+        assert "n=5" in error(http.post("/v1/chat/completions", headers=AUTH, json=chat_body(n=5)), 422)  # not 429
+    assert first.result().status_code == 200 and state.admission.chats == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_whose_client_left_while_it_was_rendered_never_reaches_the_model(served, monkeypatch, stream):
+    """On an idle model thread a generation submitted after its client left would start before the disconnect is
+    seen (and run until its first token): the disconnect is looked for before the first step is submitted."""
+    from emotune.serve import routes
+
+    url, engine, state = served
+    render, generated = routes.chat_job, []
+    monkeypatch.setattr(routes, "chat_job", lambda *args: time.sleep(0.6) or render(*args))  # a long conversation
+    monkeypatch.setattr(engine.model, "generate", lambda **kwargs: generated.append(1) or 1 / 0)
+    body = json.dumps(chat_body(max_tokens=8, stream=stream)).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as leaving:
+        leaving.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer user-key\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+                        + body)
+        time.sleep(0.2)  # gone while the conversation is being rendered
+    deadline = time.time() + 10
+    while state.admission.chats and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert generated == [] and state.admission.chats == 0

@@ -20,6 +20,7 @@ starve classification (serve.chat_share). Classify requests wait in a bounded qu
     state.py     `Server`: what every route shares, and the checks a request passes (key, model, sizes, paths)
     routes.py    `create_app`: the routes, error handlers and middlewares
     chat.py      chat completions, plain and streaming
+    generation.py  one reply on the model thread: its prompt prefilled in chunks, then generated in slices
     http.py      errors as OpenAI JSON, API keys, the body-limit and request-metrics middlewares
     guards.py    Host and Origin checks (DNS rebinding), the slow-header guard, uvicorn's settings
     limits.py    request limits checked before work starts, and the admission gate classify and chat share

@@ -27,7 +27,8 @@ class Metrics:
         self.inc("emotune_batches_total")
         self.inc("emotune_classified_texts_total", value=texts)
 
-    def render(self, gauges: dict[str, float]) -> str:
+    def render(self, gauges: dict[str, float], lanes: dict[str, tuple[float, int]] | None = None) -> str:
+        """The text format; `lanes`: the model thread's (seconds, calls) per lane since start."""
         lines = []
         for (name, labels), value in sorted(self.counters.items()):
             lines.append(f"{name}{_labels(dict(labels))} {value:g}")
@@ -37,10 +38,14 @@ class Metrics:
                 lines.append(f"emotune_request_seconds_bucket{_labels({'endpoint': endpoint, 'le': le})} {count}")
             lines.append(f"emotune_request_seconds_sum{_labels({'endpoint': endpoint})} {self.latency_sum[endpoint]:.6f}")
             lines.append(f"emotune_request_seconds_count{_labels({'endpoint': endpoint})} {counts[-1]}")
+        for lane, (seconds, calls) in (lanes or {}).items():
+            lines.append(f"emotune_model_thread_seconds_total{_labels({'lane': lane})} {seconds:.6f}")
+            lines.append(f"emotune_model_thread_calls_total{_labels({'lane': lane})} {calls}")
         lines += [f"{name} {value:g}" for name, value in gauges.items()]
         header = ["# TYPE emotune_requests_total counter", "# TYPE emotune_request_seconds histogram",
                   "# TYPE emotune_batches_total counter", "# TYPE emotune_classified_texts_total counter",
-                  "# TYPE emotune_rejected_total counter",
+                  "# TYPE emotune_rejected_total counter", "# TYPE emotune_model_thread_seconds_total counter",
+                  "# TYPE emotune_model_thread_calls_total counter",
                   *(f"# TYPE {name} gauge" for name in gauges)]
         return "\n".join(header + lines) + "\n"
 

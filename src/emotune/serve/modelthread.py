@@ -7,6 +7,13 @@ work; when both have, chats get the model only while their share of its recent b
 `serve.chat_share` (time decays with a half-life of `HALF_LIFE_S`), so a classify request waits for at most the one
 slice already running, and chats still get their share while classify traffic never stops.
 
+Classify traffic comes in batches with gaps between them: the clients a batch answered send their next requests,
+and the batcher collects them for serve.batch_wait_ms before it submits the next batch. Were a waiting chat to take
+the model in every such gap, chats would get one turn per batch whatever their share (measured: 68 % of the model
+thread at chat_share 0.2 under bench/serve_abuse.py's leaving chats). So while chats are over their share, the
+thread keeps the model free for `anticipate_s` after a classify batch, for the next one; with no classify traffic
+chats get the whole model after that wait.
+
 `ModelThread.lane(name)` is a `concurrent.futures.Executor` for `loop.run_in_executor`; a future cancelled before
 its turn never runs (a client that left).
 """
@@ -21,15 +28,23 @@ from concurrent.futures import Executor, Future
 
 LANES = ("scoring", "generation")
 HALF_LIFE_S = 10.0
+ANTICIPATE_S = 0.05
+"""How long after a classify batch chats over their share wait for the next batch: a client's next request arrives
+within milliseconds of its answer on loopback, tens of them on a loaded machine; one slice of a chat takes longer."""
 
 
 class ModelThread:
     """One worker thread over the lanes' queues."""
 
-    def __init__(self, chat_share: float, name: str = "emotune-model"):
-        self.chat_share = chat_share
+    def __init__(self, chat_share: float, name: str = "emotune-model", anticipate_s: float = ANTICIPATE_S):
+        self.chat_share, self.anticipate_s = chat_share, anticipate_s
+        self.scoring_ended = -math.inf  # time.monotonic() when the last classify call ended
+        self.hold_until: float | None = None  # the model kept free for classify work until then (pick)
         self.queues: dict[str, deque] = {lane: deque() for lane in LANES}
         self.busy = dict.fromkeys(LANES, 0.0)  # decayed seconds of model time per lane
+        self.seconds = dict.fromkeys(LANES, 0.0)  # all the model time per lane since start (/metrics)
+        self.jobs = dict.fromkeys(LANES, 0)
+        self.log = []
         self.stamp = time.monotonic()
         self.ready = threading.Condition()
         self.closed, self.name, self.restarts = False, name, 0
@@ -80,15 +95,25 @@ class ModelThread:
             self.thread.join()
 
     def pick(self) -> str | None:
-        """The lane whose job runs next (called with `ready` held): the only one with work, else chat while its
-        share of the recent model time is under chat_share."""
+        """The lane whose job runs next (called with `ready` held): chat while its share of the recent model time
+        is under chat_share, else classify work when there is some. None: nothing to do, or (`hold_until` set) chats
+        over their share wait for the classify batch due after the last one."""
+        self.hold_until = None
         waiting = [lane for lane in LANES if self.queues[lane]]
-        if len(waiting) < 2:
+        if "generation" not in waiting:
             return waiting[0] if waiting else None
         self._decay()
         total = sum(self.busy.values())
         share = self.busy["generation"] / total if total > 0 else 0.0
-        return "generation" if share < self.chat_share else "scoring"
+        if share < self.chat_share:
+            return "generation"
+        if "scoring" in waiting:
+            return "scoring"
+        due = self.scoring_ended + self.anticipate_s
+        if time.monotonic() < due and not self.closed:  # classify traffic goes on: its next batch is on its way
+            self.hold_until = due
+            return None
+        return "generation"
 
     def _decay(self) -> None:
         now = time.monotonic()
@@ -100,7 +125,7 @@ class ModelThread:
         while True:
             with self.ready:
                 while (lane := self.pick()) is None and not self.closed:
-                    self.ready.wait()
+                    self.ready.wait(None if self.hold_until is None else max(0.0, self.hold_until - time.monotonic()))
                 if lane is None:  # closed and nothing left
                     return
                 future, fn, args, kwargs = self.queues[lane].popleft()
@@ -115,7 +140,18 @@ class ModelThread:
                 future.set_result(result)
             with self.ready:
                 self._decay()
-                self.busy[lane] += time.monotonic() - started
+                ended = time.monotonic()
+                spent = ended - started
+                self.busy[lane] += spent
+                if lane == "scoring":
+                    self.scoring_ended = ended
+                if lane == "generation":
+                    owner = getattr(fn, "__self__", None)
+                    self.log.append((round(spent, 3), getattr(fn, "__name__", "?"), getattr(owner, "prefilled", None),
+                                     len(owner.new_tokens) if hasattr(owner, "new_tokens") else None,
+                                     getattr(owner, "finish", None), round(started - self.scoring_ended, 3)))
+                self.seconds[lane] += spent
+                self.jobs[lane] += 1
 
 
 class Lane(Executor):

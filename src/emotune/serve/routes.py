@@ -20,7 +20,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import ServeConfig
 from emotune.core.errors import UserError
 from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
-from emotune.serve.chat import Generation, chat_job, generate_reply, stream_chat
+from emotune.serve.chat import Generation, chat_job, check_chat, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.guards import TrustedHosts
 from emotune.serve.http import (
@@ -126,7 +126,9 @@ async def metrics(state: ServerState):
     adapters = sum(loaded.artifact is not None and not loaded.artifact.merged for loaded in state.engine.models.values())
     gauges = {"emotune_queue_texts": state.batcher.pending, "emotune_requests_in_flight": state.in_flight,
               "emotune_adapters_loaded": adapters}
-    return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+    thread = state.model_thread
+    lanes = {lane: (thread.seconds[lane], thread.jobs[lane]) for lane in thread.seconds}
+    return PlainTextResponse(state.metrics.render(gauges, lanes) + "\n#LOG " + repr(thread.log), media_type="text/plain; version=0.0.4")
 
 
 async def list_models(state: ServerState):
@@ -153,15 +155,21 @@ async def classify(body: ClassifyRequest, state: ServerState, request: Request):
 
 async def chat(body: ChatRequest, state: ServerState, request: Request):
     loaded = state.loaded(body.model)
-    # rendering and counting a long conversation takes a while: off the event loop, which other clients need
-    job = await asyncio.to_thread(chat_job, body, loaded, state.cfg, state)
-    ticket = state.admission.take(chats=1)  # 503 now, before a stream's 200 is sent
+    check_chat(body, loaded, state.cfg, state)  # what a bad request is told (422), before it takes a place
+    ticket = state.admission.take(chats=1)  # 429 or 503 before any rendering, and before a stream's 200 is sent
+    try:
+        # rendering and counting a long conversation takes a while: off the event loop, which other clients need
+        job = await asyncio.to_thread(chat_job, body, loaded, state.cfg, state)
+        await _unless_gone(request)  # a client that left meanwhile: its generation never starts
+    except BaseException:
+        ticket.release()
+        raise
     if body.stream:
         return StreamingResponse(stream_chat(job, state.engine, state, ticket, request.state),
                                  media_type="text/event-stream", background=BackgroundTask(ticket.release))
     try:
         with model_gone_is_404():
-            generation = Generation(state.engine, job, state.cfg.chat_slice_tokens)
+            generation = Generation(state.engine, job, state.cfg.chat_slice_tokens, state.cfg.prefill_slice_tokens)
             reply = generate_reply(generation, state.chat_executor)
             text, finish, usage = await unless_client_leaves(request, reply, job["cancel"].set)
     finally:
@@ -173,7 +181,14 @@ async def chat(body: ChatRequest, state: ServerState, request: Request):
 
 async def unless_client_leaves(request: Request, work, on_leave=None):
     """Await `work`; if the client disconnects first, cancel it (and call `on_leave`, which stops what cancelling
-    cannot: a generation already running) and answer 499, which nobody reads."""
+    cannot: a generation already running) and answer 499, which nobody reads. A client already gone when the work
+    would start has it never started: on an idle model thread a queued call starts before a disconnect is seen."""
+    try:
+        await _unless_gone(request)
+    except APIError:
+        if asyncio.iscoroutine(work):
+            work.close()  # never started
+        raise
     work = asyncio.ensure_future(work)
     left = asyncio.create_task(_disconnected(request))
     try:
@@ -185,7 +200,17 @@ async def unless_client_leaves(request: Request, work, on_leave=None):
     work.cancel()
     if on_leave is not None:
         on_leave()
-    raise APIError(499, "The client closed the connection; its work was cancelled.", "client_closed_request")
+    raise _client_gone()
+
+
+async def _unless_gone(request: Request) -> None:
+    """499 at once when the client has disconnected already (seen without waiting for a message)."""
+    if await request.is_disconnected():
+        raise _client_gone()
+
+
+def _client_gone() -> APIError:
+    return APIError(499, "The client closed the connection; its work was cancelled.", "client_closed_request")
 
 
 async def _disconnected(request: Request) -> None:

@@ -17,7 +17,7 @@ from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError, resolve_key
 from emotune.serve.limits import Admission, context_length
 from emotune.serve.metrics import Metrics
-from emotune.serve.modelthread import ModelThread
+from emotune.serve.modelthread import ANTICIPATE_S, ModelThread
 
 log = logging.getLogger("emotune.serve")
 RESTART_DELAY_S = 0.5
@@ -30,7 +30,9 @@ class Server:
         self.engine, self.cfg = engine, cfg
         self.api_key = resolve_key(cfg.api_key, "api_key")
         self.admin_key = resolve_key(cfg.admin_key, "admin_key")
-        self.model_thread = ModelThread(cfg.chat_share)  # every model call, in two lanes (emotune.serve.modelthread)
+        # every model call, in two lanes (emotune.serve.modelthread); chats over their share wait as long for the
+        # next classify batch as the batcher waits to fill one, and a client's round trip
+        self.model_thread = ModelThread(cfg.chat_share, anticipate_s=ANTICIPATE_S + cfg.batch_wait_ms / 1000)
         self.executor = self.model_thread.lane("scoring")  # classify batches, adapter loads and unloads
         self.chat_executor = self.model_thread.lane("generation")  # generations
         self.metrics = Metrics()

@@ -95,6 +95,11 @@ class ServeConfig(Section):
     chat_slice_tokens: Annotated[int, Range(1)] = 8
     """Tokens a chat reply generates on the model thread at a time; classify work waiting for the model runs
     between two slices (the reply's KV cache is kept), so it waits for one slice rather than a whole reply."""
+    prefill_slice_tokens: Annotated[int, Range(1)] = 64
+    """Prompt tokens a chat's prefill (the forward pass over its prompt, before the first reply token) runs on
+    the model thread at a time, the KV cache kept between chunks: classify work waiting for the model runs
+    between two chunks instead of after a prompt of up to the model's whole context. Models whose cache does not
+    give the same result in chunks (recurrent or linear-attention layers) are prefilled in one pass."""
     chat_share: Annotated[float, Range(0, 1, low_open=True)] = 0.2
     """While classify requests wait, the most of the model thread's recent time chat completions get (a
     generation holds the model until it ends, a classify batch for one forward pass); with no classify request
