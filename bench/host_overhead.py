@@ -17,6 +17,7 @@ Measured per side in this one process, one after the other (a fresh model each, 
                       a TrainerCallback's on_step_begin
   ops_per_pass        PyTorch (aten) operator calls of one whole update (forward, backward, clipping, the
                       optimizer) counted with a TorchDispatchMode, divided by the update's forward passes
+  ops_per_update      the same calls, not divided: what a whole update (the same 16 rows on every side) launches
   passes_per_update   forward passes in an update (emotune: train.max_tokens_per_pass cuts the update's rows)
   pass_size           emotune `auto`: how train.max_tokens_per_pass=auto sized the passes (run.json's
                       stages.train.passes: the free RAM seen, bytes per padded token estimated, the cap)
@@ -27,7 +28,8 @@ eager on a CPU), `off` (every one of those off: OFF below; one pass per accumula
 and `trl` (SFTTrainer, prompt-completion rows, loss on the completion only, the same LoRA, batch and optimizer).
 A TorchDispatchMode makes compiled regions run eager, so on a GPU with train.compile on the counted update's
 operators are the eager ones (and that update is left out of the timing).
-Prints one JSON line: speedup = off / auto, ratio = trl / auto (seconds per update), ops_ratio = auto / off.
+Prints one JSON line: speedup = off / auto, ratio = trl / auto (seconds per update), ops_ratio = auto / off (per
+pass, the issue's measure; a pass of `auto` may hold a whole update), ops_ratio_update = auto / off per update.
 Measure with nothing else running: on a 2-core machine a second job skews it.
 """
 
@@ -113,6 +115,7 @@ class StepClock:
         return {"seconds_per_update": round(statistics.median(durations), 4), "updates_timed": len(durations),
                 "timed_seconds": round(sum(durations), 4),
                 "passes_per_update": passes, "ops_per_pass": round(sum(self.counter.calls.values()) / passes, 1),
+                "ops_per_update": sum(self.counter.calls.values()),
                 "top_ops": dict(self.counter.calls.most_common(6))}
 
 
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"auto", "off"} <= sides.keys():
         line["speedup"] = round(sides["off"]["seconds_per_update"] / sides["auto"]["seconds_per_update"], 2)
         line["ops_ratio"] = round(sides["auto"]["ops_per_pass"] / sides["off"]["ops_per_pass"], 3)
+        line["ops_ratio_update"] = round(sides["auto"]["ops_per_update"] / sides["off"]["ops_per_update"], 3)
     if {"auto", "trl"} <= sides.keys():
         line["ratio"] = round(sides["trl"]["seconds_per_update"] / sides["auto"]["seconds_per_update"], 2)
     print(json.dumps(line), flush=True)

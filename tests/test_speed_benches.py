@@ -30,6 +30,7 @@ def test_host_overhead_times_and_counts_each_side(capsys):
     assert line["off"]["passes_per_update"] == 4 and line["auto"]["passes_per_update"] <= 4
     assert line["trl"]["passes_per_update"] == 4  # 4 x 4: one forward pass per micro-batch
     assert line["speedup"] > 0 and line["ratio"] > 0 and line["ops_ratio"] != 1  # the switches change the work
+    assert line["ops_ratio_update"] < 1  # fewer operator calls for the same update
     with pytest.raises(SystemExit):
         script["main"](["--layers", "7"])
 
