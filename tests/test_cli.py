@@ -90,3 +90,33 @@ def test_help_runs_as_a_user_types_it():
     for argv in (["--help"], ["compare", "--help"]):
         done = subprocess.run([sys.executable, "-m", "emotune", *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_run_that_inherited_sigint_ignored(tiny_overrides, tmp_path):
+    """A background job of a non-interactive shell starts with SIGINT ignored; the studio's Stop (and `kill -INT`)
+    must still interrupt training: exit 130, the stage marked failed, resumable. Without emotune.cli.interruptible
+    the run goes on to its last step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    runs = tmp_path / "runs"
+    overrides = [o for o in tiny_overrides if not o.startswith(("train.max_steps=", "train.eval_steps=", "train.save_steps="))]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "emotune", "train", *overrides, "train.max_steps=100000", "train.eval_steps=100000",
+         "train.save_steps=100000", "device=cpu"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `cmd &` in a script starts it
+    log = runs / "tiny" / "train" / "log_history.jsonl"
+    deadline = time.monotonic() + 240
+    while not (log.is_file() and log.read_text().strip()) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert process.poll() is None, process.stderr.read()[-2000:]
+    process.send_signal(signal.SIGINT)
+    try:
+        code = process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert code == 130, process.stderr.read()[-2000:]

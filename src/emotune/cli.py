@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import threading
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -366,6 +368,14 @@ def _device_name(text: str) -> str:
                                      "ROCm (AMD) GPUs are cuda in PyTorch")
 
 
+def interruptible() -> None:
+    """Ctrl-C (SIGINT) always stops a command cleanly (the stage marked failed, the lock given back, resumable), also
+    when emotune inherited SIGINT ignored: a non-interactive shell starts its background jobs so (`emotune run CFG &`,
+    and a studio started that way passes it on to the runs its Stop button must interrupt)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def process_defaults() -> None:
     """Settings that libraries read from the environment on first use; a value the user set wins."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -382,6 +392,7 @@ def process_defaults() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     process_defaults()
+    interruptible()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `emotune plan CONFIG --device-memory 24GB train.batch_size=8`: argparse ends the overrides at the first flag
