@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -228,7 +229,16 @@ def trl_side(model, tokenizer, data, cfg, precision, steps: int, device=None, **
         trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                              peft_config=lora_config(cfg.lora, model), callbacks=[Clock()])
         clock.passes.clear()
-        trainer.train()
+        environ = dict(os.environ)
+        try:
+            trainer.train()
+        finally:  # transformers/accelerate leave settings behind (environment, the shared accelerator state) that
+            os.environ.clear()  # would change later training in this process (e.g. the tests that run this bench)
+            os.environ.update(environ)
+            from accelerate.state import AcceleratorState, PartialState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+            PartialState._reset_state()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     result = clock.result()
     # TRL runs one forward pass per micro-batch: on_step_begin sees an update, not its passes
