@@ -1,7 +1,8 @@
 """How close `emotune plan`'s memory estimate comes to the measured peak of real training steps and generation.
 
     PYTHONPATH=src python bench/plan_accuracy.py [--model tiny|small|gemma-3-270m] [--length 128] [--rows 4]
-        [--dtype float32|bfloat16] [--quantization none|8bit|4bit] [--optim adamw_torch|adamw_8bit] [--smoke]
+        [--dtype float32|bfloat16] [--quantization none|8bit|4bit] [--optim adamw_torch|adamw_8bit]
+        [--finetuning lora|full|freeze] [--freeze-layers N] [--smoke]
 
 For each setting (gradient checkpointing on/off x a classification row, whose loss is on 3 tokens, or an
 sft row, whose loss is on every token) it builds the model from its config with zero weights (no
@@ -14,6 +15,8 @@ tensors are compared: neither number holds the allocator's cached blocks or the 
 (the model is saved with small random weights and loaded through emotune.model.loading.load_model with the run's
 BitsAndBytesConfig; zeros would quantize to NaN scales), trained as a QLoRA run trains it; the quantized weights'
 packed bytes and their quantization constants count as weights. `--optim adamw_8bit`: bitsandbytes' 8-bit AdamW state.
+`--finetuning full|freeze`: the model's own weights trained (freeze: the last `--freeze-layers` layers), kept in fp32
+while training as emotune keeps them (their bf16 originals, freed then, are not counted).
 `--smoke`: the tiny model, short rows, one setting of each (what tests/test_plan.py runs).
 """
 
@@ -75,15 +78,16 @@ def build_model(config, dtype: torch.dtype):
 
 
 class _NoTokenizer:
-    """What train() asks of a tokenizer when the adapter is written (nothing to write here)."""
-    pad_token_id = 0
+    """What train() asks of a tokenizer when the adapter or the whole model is written (nothing to write here)."""
+    pad_token_id, eos_token_id, chat_template = 0, 1, None
 
     def save_pretrained(self, path) -> None:
         pass
 
 
 def measure_training(config, length: int, rows: int, checkpointing: bool, sft: bool,
-                     dtype: torch.dtype = torch.float32, quantization: str = "none", optim: str = "adamw_torch") -> dict:
+                     dtype: torch.dtype = torch.float32, quantization: str = "none", optim: str = "adamw_torch",
+                     finetuning: str = "lora", freeze_layers: int = 1) -> dict:
     """The estimate of one training setting and the measured peak of 2 steps of emotune's loop on it."""
     from emotune.train.loop import train
 
@@ -93,9 +97,10 @@ def measure_training(config, length: int, rows: int, checkpointing: bool, sft: b
                              "train.gradient_accumulation_steps=1", f"train.gradient_checkpointing={checkpointing}",
                              f"train.precision={precision}", f"train.max_length={length}", "train.max_tokens_per_pass=0",
                              "train.eval_steps=100", "train.save_steps=100", "train.logging_steps=1",
-                             f"model.quantization={quantization}", f"train.optim={optim}"])
+                             f"model.quantization={quantization}", f"train.optim={optim}",
+                             f"train.finetuning={finetuning}", f"train.freeze_trainable_layers={freeze_layers}"])
     work = Workload(loss_tokens_per_row=None if sft else CLASSIFY_LOSS_TOKENS)
-    arch = describe(config, cfg.lora, cfg.train.optim, dtype, work, model_cfg=cfg.model)
+    arch = describe(config, cfg.lora, cfg.train.optim, dtype, work, model_cfg=cfg.model, train=cfg.train)
     estimate = training_parts(arch, work, rows, length, checkpointing, host_copies=False)
     model = build_model(config, dtype) if quantization == "none" else quantized_model(config, cfg.model, dtype, folder)
     generator = torch.Generator().manual_seed(0)
@@ -103,9 +108,14 @@ def measure_training(config, length: int, rows: int, checkpointing: bool, sft: b
                         1 if sft else length - CLASSIFY_LOSS_TOKENS) for _ in range(2 * rows)]
     weights = _bytes([*model.parameters(), *model.buffers(), *_quantization_constants(model)])
     with TensorPeak() as tracker:
-        train(model, _NoTokenizer(), examples, [], cfg, Precision(precision, "measured"), RunDir(f"{folder}/run"), {})
+        trained = train(model, _NoTokenizer(), examples, [], cfg, Precision(precision, "measured"), RunDir(f"{folder}/run"),
+                        {})
+    if finetuning != "lora" and dtype != torch.float32:  # the trained weights were replaced by fp32 copies (counted by
+        weights -= _bytes([p for p in trained.parameters() if p.requires_grad])  # the tracker); their own were freed
     return _line("train", config, length, rows, dtype, sum(estimate.values()), weights + tracker.peak,
                  checkpointing=checkpointing, task="sft" if sft else "classify", quantization=quantization, optim=optim,
+                 **({"finetuning": finetuning} if finetuning == "full" else
+                    {"finetuning": finetuning, "freeze_trainable_layers": freeze_layers} if finetuning == "freeze" else {}),
                  estimate_parts=estimate)
 
 
@@ -178,6 +188,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--quantization", choices=["none", "8bit", "4bit"], default="none")
     parser.add_argument("--optim", choices=["adamw_torch", "adamw_8bit"], default="adamw_torch")
+    parser.add_argument("--finetuning", choices=["lora", "full", "freeze"], default="lora")
+    parser.add_argument("--freeze-layers", type=int, default=1, help="train.freeze_trainable_layers with --finetuning freeze")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, 32-token rows, one setting of each")
     args = parser.parse_args()
     if args.smoke:
@@ -186,9 +198,9 @@ def main() -> None:
     settings = [(False, False), (True, True)] if args.smoke else [(gc, sft) for gc in (False, True) for sft in (False, True)]
     for checkpointing, sft in settings:
         print(json.dumps(measure_training(config, args.length, args.rows, checkpointing, sft, dtype, args.quantization,
-                                          args.optim)), flush=True)
-    if args.quantization != "none":
-        return  # quantized settings are measured training; generation is measured on unquantized weights only
+                                          args.optim, args.finetuning, args.freeze_layers)), flush=True)
+    if args.quantization != "none" or args.finetuning != "lora":
+        return  # other settings are measured training; generation is measured on unquantized weights, without adapters
     print(json.dumps(measure_generation(config, args.length, args.rows, dtype=dtype)), flush=True)
 
 

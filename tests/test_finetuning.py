@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import httpx
 import pytest
@@ -205,13 +206,48 @@ def test_a_full_run_resumes_from_its_checkpoint_as_if_never_stopped(tiny_overrid
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
-def test_plan_says_it_does_not_model_full_or_freeze(tiny_overrides):
+def test_plan_counts_what_full_and_freeze_train_and_proposes_lora_when_they_do_not_fit(tiny_overrides, tiny_model_dir,
+                                                                                      tmp_path):
+    """The plan marks the weightless model as training marks the real one: full = every weight in fp32 with its
+    gradient and AdamW's two moments; freeze = the chosen layers only, the frozen layers below them keeping nothing
+    for the backward pass. What does not fit is offered LoRA; freeze counts beyond the model are refused as
+    training refuses them."""
     from emotune.tasks import task_for
-    from emotune.train.plan import make_plan
+    from emotune.train.plan import FITS, make_plan
 
-    cfg = load_config(None, [*tiny_overrides, "train.finetuning=freeze", "train.freeze_trainable_layers=1"])
-    with pytest.raises(UserError, match="models LoRA training, and this config sets train.finetuning=freeze"):
-        make_plan(cfg, task_for(cfg), "24GB")
+    def plan(*overrides: str, memory: str = "24GB"):
+        cfg = load_config(None, [*tiny_overrides, "train.precision=bf16", "train.gradient_checkpointing=false",
+                                 *overrides])
+        return make_plan(cfg, task_for(cfg), memory)
+
+    lora, full, freeze = plan(), plan("train.finetuning=full"), plan("train.finetuning=freeze",
+                                                                     "train.freeze_trainable_layers=1")
+    full_parts = full.training[False]
+    assert full.arch.trainable == full.arch.parameters and "adapters" not in full_parts
+    assert full_parts["trained weights (fp32)"] == 4 * full.arch.trainable == full_parts["gradients"]
+    assert full_parts["optimizer state"] == 2 * full_parts["gradients"]
+    assert 0 < freeze.arch.trainable < full.arch.trainable
+    assert freeze.arch.layers[0](64) == 0 < freeze.arch.layers[-1](64)  # the frozen lowest layer keeps nothing
+    assert all(q(64) > 0 for q in full.arch.layers)
+    # the lowest layer frozen: less kept than LoRA (adapters on both layers) and full fine-tuning
+    assert freeze.training[False]["activations"] < min(lora.training[False]["activations"], full_parts["activations"])
+    assert sum(freeze.training[False].values()) < sum(full_parts.values())
+    # evaluation holds the trained weights in their own dtype, and no adapters
+    assert full.evaluations and all("adapters" not in parts for _, parts in full.evaluations.values())
+    # wider layers (the tiny model's tokenizer, a config only: the plan loads no weights), where the weights dominate:
+    # a memory that full fine-tuning's weights, gradients and AdamW state alone overfill is offered LoRA
+    wide = tmp_path / "wide"
+    shutil.copytree(tiny_model_dir, wide)
+    config = json.loads((wide / "config.json").read_text())
+    config.update(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, layer_types=["sliding_attention"] * 4)
+    (wide / "config.json").write_text(json.dumps(config))
+    wide_full = plan(f"model.source={wide}", "train.finetuning=full").training[False]
+    steady = sum(wide_full[k] for k in ("weights", "trained weights (fp32)", "gradients", "optimizer state"))
+    tight = plan(f"model.source={wide}", "train.finetuning=full", memory=f"{steady * 0.95 / FITS / 2**20:.3f}MB")
+    fix = next(f for f in tight.fixes if f["for"] == "training")
+    assert tight.verdict() != "fits" and "train.finetuning=lora" in fix["overrides"] and fix["peak"] < steady, fix
+    with pytest.raises(UserError, match="freeze_trainable_layers=99"):
+        plan("train.finetuning=freeze", "train.freeze_trainable_layers=99")
 
 
 @pytest.mark.slow

@@ -113,8 +113,8 @@ def test_update_passes_keep_each_process_rows_and_cut_them_together():
 
 
 def test_auto_falls_back_to_one_pass_per_micro_batch_where_memory_is_not_modelled(tiny_overrides, tiny_model_dir):
-    """Full fine-tuning (no memory model) and a device whose free memory is unknown: `auto` runs one pass per
-    micro-batch and says why; a configured cap is taken as it is."""
+    """A device whose free memory is unknown: `auto` runs one pass per micro-batch and says why; a configured cap is
+    taken as it is; full fine-tuning is sized as LoRA is (the memory model covers it)."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
@@ -131,7 +131,7 @@ def test_auto_falls_back_to_one_pass_per_micro_batch_where_memory_is_not_modelle
         return pass_size.choose(cfg, model, rows, 0, make_plan(cfg.train, len(rows), 1), device, False)
 
     full = chosen("train.finetuning=full")
-    assert full.cap == 0 and "train.finetuning=full" in full.note and full.passes_per_update["min"] == 2
+    assert full.cap >= 4 * 15 and full.passes_per_update["max"] == 1 and full.bytes_per_token > 0
     unknown = chosen(device=SimpleNamespace(device=torch.device("meta"), num_processes=1))
     assert unknown.cap == 0 and "not known" in unknown.note
     fixed = chosen("train.max_tokens_per_pass=20")

@@ -68,6 +68,28 @@ def trainable_layers(n: int, count: int) -> list[int]:
 def prepare(model: torch.nn.Module, train: TrainConfig, always: tuple[str, ...] = ()) -> dict[str, torch.dtype]:
     """Mark what trains (`always`: modules that train whatever is chosen, such as a fresh classification head), keep
     trained bf16/fp16 weights in fp32, print what trains; returns {parameter name: its own dtype} for those upcast."""
+    where = mark(model, train, always)
+    upcast = upcast_trained(model)
+    trainable, total = count_parameters(model)
+    print(f"{train.finetuning.capitalize()} fine-tuning: {where}; trainable parameters: {trainable:,} / {total:,} "
+          f"({100 * trainable / total:.2f}%)" + (f"; {len(upcast)} tensors kept in fp32 while training" if upcast else ""),
+          flush=True)
+    return upcast
+
+
+def upcast_trained(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """The trained bf16/fp16 weights in fp32 (in place); returns {parameter name: its own dtype} for those upcast."""
+    upcast = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+            upcast[name] = param.dtype
+            param.data = param.data.float()
+    return upcast
+
+
+def mark(model: torch.nn.Module, train: TrainConfig, always: tuple[str, ...] = ()) -> str:
+    """Set `requires_grad` on what `train.finetuning` (full / freeze) trains, and nothing else; returns what trains in
+    words. The memory plan marks its weightless model with it, as training marks the real one."""
     if train.finetuning == "full":
         frozen = _beside_language_model(model)
         model.requires_grad_(True)
@@ -86,19 +108,10 @@ def prepare(model: torch.nn.Module, train: TrainConfig, always: tuple[str, ...] 
         module.requires_grad_(True)
     if fresh and train.finetuning == "freeze":
         where += f", and the task's {', '.join(fresh)}"
-    upcast = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
-            upcast[name] = param.dtype
-            param.data = param.data.float()
-    trainable, total = count_parameters(model)
-    if trainable == 0:
+    if count_parameters(model)[0] == 0:
         raise UserError("train.finetuning=freeze chose no parameter to train; name modules that hold weights in "
                         "train.freeze_trainable_modules / train.freeze_extra_modules.")
-    print(f"{train.finetuning.capitalize()} fine-tuning: {where}; trainable parameters: {trainable:,} / {total:,} "
-          f"({100 * trainable / total:.2f}%)" + (f"; {len(upcast)} tensors kept in fp32 while training" if upcast else ""),
-          flush=True)
-    return upcast
+    return where
 
 
 def restore_dtypes(model: torch.nn.Module, upcast: dict[str, torch.dtype]) -> None:

@@ -13,9 +13,14 @@ No weights are loaded. Two weightless views of the model answer what a formula w
   quadratic in the length through the 3 points carries each to any length (attention that materialises
   its weights grows with the square of the length, the rest linearly).
 
+Full and freeze fine-tuning (`train.finetuning`) mark the meta-device model and the probe as training marks the real
+one (emotune.model.finetuning): the trained weights in fp32 under autocast, the probe's layers trained (and, for the
+frozen layers the backward pass runs through, measured frozen too), the frozen layers below the lowest trained one
+keeping nothing.
+
 What our loop adds on top is modelled from its code: the gradients and AdamW's two moments of the trained
-parameters only; one forward pass at a time (`train.max_tokens_per_pass` cuts an update into passes, the
-gradient is summed across them; `pass_bytes`, one pass's share, sizes its `auto`); the vocabulary projection
+parameters only, and the optimizer step's temporaries; one forward pass at a time (`train.max_tokens_per_pass`
+cuts an update into passes, the gradient is summed across them; `pass_bytes`, one pass's share, sizes its `auto`); the vocabulary projection
 only at the loss positions, in checkpointed chunks of `batches.CHUNK_TOKENS` beyond that many
 (emotune.train.batches.completion_loss); with gradient checkpointing, each layer's input kept and one layer
 recomputed at a time.
@@ -32,9 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from emotune.core.config.model import ModelConfig
-from emotune.core.config.train import LoraSettings
+from emotune.core.config.train import LoraSettings, TrainConfig
 from emotune.core.errors import UserError
-from emotune.model import lean_lora, lean_norm, quantization
+from emotune.model import finetuning, lean_lora, lean_norm, quantization
 from emotune.train.batches import CHUNK_TOKENS
 
 PROBE_ROWS = 2
@@ -112,6 +117,18 @@ class Architecture:
     softcap: float | None
     dequantized_bytes: int = 0
     """A quantized base (model.quantization): the largest layer's weight dequantized for its product."""
+    whole: bool = False
+    """Full or freeze fine-tuning (`train.finetuning`): the trained parameters are the model's own weights, held in
+    fp32 while training (`trainable_bytes`) and in their own dtype for evaluation (`trained_rest_bytes`)."""
+    trained_rest_bytes: int = 0
+    """Full / freeze: the trained weights in the model's dtype, as evaluation and the saved model hold them."""
+    optimizer_step_bytes: int = 0
+    """What the optimizer's step allocates for a moment beyond its state (`_optimizer_step_bytes`)."""
+
+    @property
+    def trained_part(self) -> str:
+        return "trained weights (fp32)" if self.whole and self.weight_bytes_per_element < 4 else \
+            "trained weights" if self.whole else "adapters"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,32 +141,45 @@ def training_parts(arch: Architecture, work: Workload, rows: int, length: int, c
 
     The parts add up to the peak. The backward pass starts with the loss (the vocabulary projection's
     buffers) and then walks the layers (each layer's gradients; under checkpointing, the layer's activations
-    rebuilt first); the two never coexist, so the larger of them is the last part."""
-    largest_layer = rows * max(q(length) for q in arch.layers)
-    layer_backward = BACKWARD_SHARE * largest_layer
-    if checkpointing:  # each layer's input kept; one layer's activations rebuilt at a time in the backward
-        kept = rows * length * arch.checkpoint_bytes_per_token * len(arch.layers)
-        layer_backward += largest_layer
-    else:
-        kept = rows * sum(q(length) for q in arch.layers)
-    loss = loss_bytes(arch, work, rows, length)
-    parts = {"weights": arch.frozen_bytes, "adapters": arch.trainable_bytes, "gradients": arch.trainable_bytes,
-             "optimizer state": arch.optimizer_bytes, "activations": int(kept + rows * arch.outside(length)),
-             **({LOSS: loss} if loss >= layer_backward else {LAYER_BACKWARD: int(layer_backward)})}
+    rebuilt first); the two never coexist, so the larger of them is the last part. The optimizer's step comes
+    after the pass, its activations freed: where its temporaries are larger than the pass's parts (full
+    fine-tuning), they replace them."""
+    parts = {"weights": arch.frozen_bytes, arch.trained_part: arch.trainable_bytes, "gradients": arch.trainable_bytes,
+             "optimizer state": arch.optimizer_bytes}
     if arch.dequantized_bytes:
         parts[DEQUANTIZED] = arch.dequantized_bytes
-    if host_copies:  # the best adapter so far, and the copy a checkpoint writes (both in host memory)
-        parts["adapter copies (host)"] = 2 * arch.trainable_bytes
+    passing = _pass_parts(arch, work, rows, length, checkpointing)
+    parts.update(passing if sum(passing.values()) >= arch.optimizer_step_bytes else {STEP: arch.optimizer_step_bytes})
+    if host_copies:  # the best adapter (or trained weights) so far, and the copy a checkpoint writes (in host memory)
+        parts["trained weight copies (host)" if arch.whole else "adapter copies (host)"] = 2 * arch.trainable_bytes
     return parts
 
 
+def _pass_parts(arch: Architecture, work: Workload, rows: int, length: int, checkpointing: bool) -> dict[str, int]:
+    """What one forward/backward pass holds at its peak: the activations kept for the backward pass, and the larger
+    of the loss's buffers and one layer's backward."""
+    saved = [rows * q(length) for q in arch.layers]
+    if checkpointing:  # each layer's input kept; one layer's activations rebuilt at a time in the backward
+        keep = [rows * length * arch.checkpoint_bytes_per_token if q != Quadratic() else 0 for q in arch.layers]
+        busy = [(1 + BACKWARD_SHARE) * s for s in saved]
+    else:
+        keep, busy = saved, [BACKWARD_SHARE * s for s in saved]
+    kept = sum(keep)
+    layer_backward, freed = 0.0, 0.0
+    for i in reversed(range(len(saved))):  # the backward walks down: what the layers above kept is freed by then
+        layer_backward = max(layer_backward, busy[i] - freed)
+        freed += keep[i]
+    loss = loss_bytes(arch, work, rows, length)
+    return {"activations": int(kept + rows * arch.outside(length)),
+            **({LOSS: loss} if loss >= layer_backward else {LAYER_BACKWARD: int(layer_backward)})}
+
+
 def pass_bytes(arch: Architecture, work: Workload, rows: int, length: int, checkpointing: bool) -> int:
-    """What one forward/backward pass of `rows` rows of `length` tokens adds to a step's peak: `training_parts`
-    without the parts every step holds whatever its passes (weights, adapters, gradients, optimizer state, a
-    dequantized layer): the activations kept for the backward pass and the larger of the loss's buffers and one
-    layer's backward. emotune.train.pass_size sizes `train.max_tokens_per_pass=auto` with it."""
-    parts = training_parts(arch, work, rows, length, checkpointing, host_copies=False)
-    return sum(v for k, v in parts.items() if k not in STEADY)
+    """What one forward/backward pass of `rows` rows of `length` tokens adds to a step's peak beyond the parts every
+    step holds whatever its passes (weights, adapters, gradients, optimizer state, a dequantized layer): the
+    activations kept for the backward pass and the larger of the loss's buffers and one layer's backward.
+    emotune.train.pass_size sizes `train.max_tokens_per_pass=auto` with it."""
+    return sum(_pass_parts(arch, work, rows, length, checkpointing).values())
 
 
 # The gradients a layer's backward pass holds at once, as a share of what the layer saved in its forward pass:
@@ -158,7 +188,8 @@ BACKWARD_SHARE = 0.5
 DEQUANTIZED = "one layer dequantized (4/8-bit base)"
 LOSS = "backward: vocabulary projection"
 LAYER_BACKWARD = "backward: one layer"
-STEADY = ("weights", "adapters", "gradients", "optimizer state", DEQUANTIZED)
+STEP = "optimizer step: temporaries"
+STEADY = ("weights", "adapters", "trained weights", "trained weights (fp32)", "gradients", "optimizer state", DEQUANTIZED)
 
 
 def loss_bytes(arch: Architecture, work: Workload, rows: int, length: int) -> int:
@@ -183,7 +214,9 @@ def evaluation_parts(arch: Architecture, ev: Evaluation, rows: int | None = None
     per_position = arch.vocab * (arch.weight_bytes_per_element + 8)
     logits = (projected * arch.hidden * arch.weight_bytes_per_element + CHUNK_TOKENS * per_position
               if arch.plain_head and projected > CHUNK_TOKENS else projected * per_position)
-    return {"weights": arch.frozen_bytes, "adapters": arch.trainable_bytes,
+    weights = {"weights": arch.frozen_bytes + arch.trained_rest_bytes} if arch.whole else \
+        {"weights": arch.frozen_bytes, "adapters": arch.trainable_bytes}
+    return {**weights,
             "KV cache": int(rows * kv_bytes(arch, total, ev.cache)),
             "working memory": int(rows * arch.working(ev.prompt_tokens)), "vocabulary projection": int(logits),
             **({DEQUANTIZED: arch.dequantized_bytes} if arch.dequantized_bytes else {})}
@@ -201,8 +234,9 @@ def auto_eval_rows(arch: Architecture, ev: Evaluation, free: int) -> int:
     does not hold them (as emotune.eval.evaluate.choose_batch_size decides)."""
     if not ev.auto:
         return ev.rows
-    one = sum(evaluation_parts(arch, ev, rows=1).values()) - arch.frozen_bytes - arch.trainable_bytes
-    left = free - arch.frozen_bytes - arch.trainable_bytes
+    weights = arch.frozen_bytes + (arch.trained_rest_bytes if arch.whole else arch.trainable_bytes)
+    one = sum(evaluation_parts(arch, ev, rows=1).values()) - weights
+    left = free - weights
     return max(1, min(ev.rows, int(0.4 * left // max(one, 1)))) if left > 0 else 1
 
 
@@ -212,20 +246,27 @@ def auto_eval_rows(arch: Architecture, ev: Evaluation, free: int) -> int:
 
 def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: Workload,
              attn_implementation: str | None = None, lean: tuple[bool, bool] = (True, True),
-             model_cfg: ModelConfig | None = None) -> Architecture:
+             model_cfg: ModelConfig | None = None, train: TrainConfig | None = None) -> Architecture:
     """The facts of `config` (a transformers config) trained with `lora` and `optim` in weights of `dtype`; `lean`:
     whether the LoRA layers and Gemma's norms run emotune.model.lean_lora's and lean_norm's forwards, as training runs
-    them with `train.lean_lora` and `train.lean_norm`; `model_cfg`: its `quantization` (the weights' storage)."""
+    them with `train.lean_lora` and `train.lean_norm`; `model_cfg`: its `quantization` (the weights' storage);
+    `train`: its `finetuning` (full and freeze train the model's own weights, marked as training marks them:
+    emotune.model.finetuning; LoRA otherwise)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from emotune.model.lora import lora_config
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    whole = train if train is not None and train.finetuning in finetuning.WHOLE else None
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        adapted = get_peft_model(model, lora_config(lora, model), autocast_adapter_dtype=True)
+        if whole is None:
+            adapted = get_peft_model(model, lora_config(lora, model), autocast_adapter_dtype=True)
+        else:
+            adapted = model
+            finetuning.mark(model, whole)
     except UserError:
         raise
     except Exception as err:
@@ -233,29 +274,58 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
                         f"({type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else 'no details'}). Check "
                         "model.source and lora.target_modules.") from None
     trained = [p for p in adapted.parameters() if p.requires_grad]
+    rest = sum(p.numel() * p.element_size() for p in trained)  # full / freeze: the trained weights as stored
+    if whole is not None:
+        finetuning.upcast_trained(adapted)  # on the meta device: fp32 shapes, no storage
+        trained = [p for p in adapted.parameters() if p.requires_grad]
     head = work.head_outputs * text.hidden_size  # a classification head, float32
     trainable_bytes = sum(p.numel() * p.element_size() for p in trained) + 4 * head
     model_cfg = model_cfg or ModelConfig()
     if quantization.bits(model_cfg):  # a 4/8-bit base layer is PEFT's bitsandbytes LoRA class: never the lean forward
         lean = (False, lean[1])
     frozen = quantization.stored_weight_bytes(adapted, model_cfg)
-    probe = run_probe(text, lora, dtype, attn_implementation, lean)
+    probe = run_probe(text, lora, dtype, attn_implementation, lean, whole)
     kinds = _layer_kinds(text)
     shared_from = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
     window = getattr(text, "sliding_window", None)
     element = torch.empty((), dtype=dtype).element_size()
+    first, trained_layers = _layers_in_backward(adapted) if whole is not None else (0, None)
+
+    def kept(i: int, kind: str) -> Quadratic:
+        if i < first:  # a frozen layer below every trained weight is outside the backward pass: it keeps nothing
+            return Quadratic()
+        if trained_layers is not None and i not in trained_layers:
+            return probe.passing[kind]
+        return probe.saved[kind]
     return Architecture(
         parameters=sum(p.numel() for p in adapted.parameters()) + head, trainable=sum(p.numel() for p in trained) + head,
         frozen_bytes=frozen, trainable_bytes=trainable_bytes,
         optimizer_bytes=_optimizer_bytes(optim, trained) + (8 * head if optim != "sgd" else 0),
         weight_bytes_per_element=element, hidden=text.hidden_size, vocab=text.vocab_size,
-        layers=[probe.saved[kind] for kind in kinds], outside=probe.outside,
-        checkpoint_bytes_per_token=element * (text.hidden_size + (getattr(text, "hidden_size_per_layer_input", 0) or 0)),
+        layers=[kept(i, kind) for i, kind in enumerate(kinds)], outside=probe.outside,
+        checkpoint_bytes_per_token=probe.input_element * (text.hidden_size
+                                                          + (getattr(text, "hidden_size_per_layer_input", 0) or 0)),
         working=probe.working,
         kv_per_token=[(probe.kv[kind] if i < shared_from else 0.0, window if kind.startswith("sliding") else None)
                       for i, kind in enumerate(kinds)],
         plain_head=_plain_head(adapted), softcap=getattr(text, "final_logit_softcapping", None),
-        dequantized_bytes=quantization.dequantized_layer_bytes(adapted, model_cfg))
+        dequantized_bytes=quantization.dequantized_layer_bytes(adapted, model_cfg),
+        whole=whole is not None, trained_rest_bytes=rest if whole is not None else 0,
+        optimizer_step_bytes=_optimizer_step_bytes(optim, trained, train is None or train.foreach == "auto"))
+
+
+def _layers_in_backward(model: torch.nn.Module) -> tuple[int, set[int]]:
+    """Full / freeze fine-tuning: the lowest decoder layer the backward pass runs through (0 when anything below the
+    layers trains: the embeddings, Gemma's per-layer inputs), and the layers holding a trained weight."""
+    from emotune.model.lora import decoder_layers_path
+
+    layers = model.get_submodule(decoder_layers_path(model))
+    trained = {i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())}
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    below = any(p.requires_grad and id(p) not in inside for p in model.get_input_embeddings().parameters()) or any(
+        p.requires_grad for name, m in model.named_modules()
+        if name.endswith(("embed_tokens_per_layer", "per_layer_model_projection")) for p in m.parameters())
+    return (0 if below or not trained else min(trained)), trained
 
 
 def _optimizer_bytes(optim: str, params: list[torch.nn.Parameter]) -> int:
@@ -270,6 +340,19 @@ def _optimizer_bytes(optim: str, params: list[torch.nn.Parameter]) -> int:
         # entries; tensors under 4,096 entries (min_8bit_size) keep fp32 moments
         return sum(int(2 * p.numel() * (1 + 4 / 256)) if p.numel() >= 4096 else 8 * p.numel() for p in params)
     return sum(2 * p.numel() * p.element_size() for p in params)
+
+
+def _optimizer_step_bytes(optim: str, params: list[torch.nn.Parameter], foreach: bool) -> int:
+    """The temporaries of one optimizer step (emotune.train.optim): PyTorch's AdamW divides by the square roots of
+    the second moments, one tensor the size of each parameter, all at once in its foreach implementation
+    (`train.foreach`), one parameter at a time otherwise; Adafactor's update, a parameter at a time; bitsandbytes'
+    8-bit AdamW and plain SGD update in place. Negligible for adapters, a copy of the model for full fine-tuning."""
+    sizes = [p.numel() * p.element_size() for p in params] or [0]
+    if optim in ("adamw_torch", "adamw"):
+        return sum(sizes) if foreach else max(sizes)
+    if optim == "adafactor":
+        return max(sizes)
+    return 0
 
 
 def _plain_head(model) -> bool:
@@ -289,11 +372,16 @@ class Probe:
     outside: Quadratic
     working: Quadratic
     kv: dict[str, float]
+    input_element: int
+    """Bytes per element of a decoder layer's input while training (what a checkpointed layer keeps)."""
+    passing: dict[str, Quadratic] = field(default_factory=dict)
+    """Full / freeze: what a frozen layer keeps when the backward pass runs through it to trained layers below."""
 
 
 def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation: str | None = None,
-              lean: tuple[bool, bool] = (True, True)) -> Probe:
-    """One layer of each kind, measured at `PROBE_LENGTHS` (see the module docstring)."""
+              lean: tuple[bool, bool] = (True, True), whole: TrainConfig | None = None) -> Probe:
+    """One layer of each kind, measured at `PROBE_LENGTHS` (see the module docstring); `whole`: full / freeze
+    fine-tuning's settings, trained as training trains them (its weights in fp32 under autocast in a half dtype)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -304,29 +392,52 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = False
-    # The probe keeps one layer of each kind, so lora.layers' indices mean nothing here: every probe layer is adapted,
-    # which bounds what a frozen layer below the adapters keeps for backward (nothing) from above.
-    adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None}), model),
-                             autocast_adapter_dtype=True)
-    if lean[0]:
-        lean_lora.install(adapted)
-    if lean[1]:
-        lean_norm.install(adapted)
+    autocast = None
+    if whole is None:
+        # The probe keeps one layer of each kind, so lora.layers' indices mean nothing here: every probe layer is
+        # adapted, which bounds what a frozen layer below the adapters keeps for backward (nothing) from above.
+        adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None}), model),
+                                 autocast_adapter_dtype=True)
+    else:
+        adapted = model
     layers = _decoder_layers(model, len(kinds))
     owned = {StorageWeakRef(t.untyped_storage()) for t in [*adapted.parameters(), *adapted.buffers()]}
-    saved: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
     working, kv = [], []
-    for length in PROBE_LENGTHS:
-        ids, mask = _probe_batch(length, small.vocab_size)
-        for i, count in _saved_bytes(adapted, layers, owned, ids, mask).items():
-            saved[i].append(count / PROBE_ROWS)
+    batches = [_probe_batch(length, small.vocab_size) for length in PROBE_LENGTHS]
+    for length, (ids, mask) in zip(PROBE_LENGTHS, batches, strict=True):  # evaluation: the weights as stored
         peak, cache = _inference_bytes(adapted, owned, ids, mask)
         working.append((peak - sum(cache)) / PROBE_ROWS)
         kv.append([c / (PROBE_ROWS * length) for c in cache])
+    if whole is not None:
+        # every probe layer trains as a trained layer of the run does (the layers below the lowest trained one,
+        # which keep nothing, are left out by `describe`)
+        finetuning.mark(adapted, whole.model_copy(update={"freeze_trainable_layers": len(kinds)}))
+        finetuning.upcast_trained(adapted)
+        owned = {StorageWeakRef(t.untyped_storage()) for t in [*adapted.parameters(), *adapted.buffers()]}
+        if dtype in (torch.float16, torch.bfloat16):  # emotune.runtime.device.mixed_precision(always=True)
+            autocast = dtype
+    if lean[0] and whole is None:
+        lean_lora.install(adapted)
+    if lean[1]:
+        lean_norm.install(adapted)
+    saved: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
+    element = [torch.empty((), dtype=dtype).element_size()]
+    for ids, mask in batches:
+        for i, count in _saved_bytes(adapted, layers, owned, ids, mask, autocast, element).items():
+            saved[i].append(count / PROBE_ROWS)
     by_kind = {kind: Quadratic.through(PROBE_LENGTHS, saved[i]) for i, kind in enumerate(kinds)}
     cache_by_kind = {kind: kv[-1][i] if i < len(kv[-1]) else 0.0 for i, kind in enumerate(kinds)}
+    passing = {}
+    if whole is not None:  # frozen layers the backward pass runs through (freeze with the lowest layers trained)
+        adapted.requires_grad_(False)
+        adapted.get_input_embeddings().requires_grad_(True)  # the gradient flows into the layers' input
+        through: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
+        for ids, mask in batches:
+            for i, count in _saved_bytes(adapted, layers, owned, ids, mask, autocast).items():
+                through[i].append(count / PROBE_ROWS)
+        passing = {kind: Quadratic.through(PROBE_LENGTHS, through[i]) for i, kind in enumerate(kinds)}
     return Probe(by_kind, Quadratic.through(PROBE_LENGTHS, saved[None]), Quadratic.through(PROBE_LENGTHS, working),
-                 cache_by_kind)
+                 cache_by_kind, element[0], passing)
 
 
 def _one_layer_of_each_kind(text) -> tuple[object, list[str]]:
@@ -371,9 +482,18 @@ def _probe_batch(length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _saved_bytes(model, layers: list[torch.nn.Module], owned: set, ids, mask) -> dict[int | None, int]:
-    """Bytes autograd keeps for the backward pass, by decoder layer (None: outside the layers)."""
+def _saved_bytes(model, layers: list[torch.nn.Module], owned: set, ids, mask, autocast: torch.dtype | None = None,
+                 element: list[int] | None = None) -> dict[int | None, int]:
+    """Bytes autograd keeps for the backward pass, by decoder layer (None: outside the layers); `autocast`: the
+    forward under autocast to that dtype; `element[0]` is set to the element size of the first layer's input."""
     where: list[int | None] = [None]
+
+    def entering(i: int, args: tuple, kwargs: dict) -> None:
+        where[0] = i
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if i == 0 and element is not None and isinstance(hidden, torch.Tensor):
+            element[0] = hidden.element_size()
+
     counts: dict[int | None, int] = {i: 0 for i in [*range(len(layers)), None]}
     seen: set = set()
 
@@ -385,11 +505,13 @@ def _saved_bytes(model, layers: list[torch.nn.Module], owned: set, ids, mask) ->
         return tensor
 
     hooks = [h for i, layer in enumerate(layers)
-             for h in (layer.register_forward_pre_hook(lambda *_, i=i: where.__setitem__(0, i)),
+             for h in (layer.register_forward_pre_hook(lambda _, args, kwargs, i=i: entering(i, args, kwargs),
+                                                       with_kwargs=True),
                        layer.register_forward_hook(lambda *_: where.__setitem__(0, None)))]
     model.train()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+                torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             output = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
         del output
     finally:

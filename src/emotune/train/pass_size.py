@@ -108,17 +108,15 @@ def choose(cfg: RunConfig, model, rows: list[Example], shared_tokens: int, plan,
 def _auto(cfg: RunConfig, model, rows: list[Example], lengths: list[int], device: torch.device,
           sharded: bool) -> PassSize:
     t = cfg.train
-    if t.finetuning != "lora":
-        return PassSize("auto", 0, note=f"the memory model covers LoRA training, not train.finetuning={t.finetuning}")
     free = free_bytes(device)
     if free is None:
         return PassSize("auto", 0, note=f"the free memory of a {device.type} device is not known")
     work = workload(rows)
     state = ckpt.rng_state()  # the probe seeds its own model: training's random streams must not notice
     try:
-        arch = describe(model.config, cfg.lora, t.optim, getattr(model, "dtype", torch.float32), work,
+        arch = describe(model.config, cfg.lora, t.optim, _stored_dtype(model), work,
                         getattr(model.config, "_attn_implementation", None),
-                        (t.lean_lora and not sharded, t.lean_norm and not sharded), cfg.model)
+                        (t.lean_lora and not sharded, t.lean_norm and not sharded), cfg.model, t)
     except Exception as err:  # noqa: BLE001 (an estimate that fails must not stop training: one pass per micro-batch)
         detail = str(err).splitlines()[0][:200] if str(err) else "no details"
         what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {detail}"
@@ -127,6 +125,14 @@ def _auto(cfg: RunConfig, model, rows: list[Example], lengths: list[int], device
         ckpt.set_rng_state(state)
     positive = [n for n in lengths if n > 0] or [1]
     return auto_size(arch, work, (min(positive), max(positive)), t.gradient_checkpointing, device.type == "cpu", free)
+
+
+def _stored_dtype(model) -> torch.dtype:
+    """The dtype the model's weights were loaded in: its frozen weights', or (full fine-tuning, every weight trained
+    and kept in fp32 while training) the one its config records."""
+    frozen = next((p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()), None)
+    recorded = getattr(model.config, "dtype", None)
+    return frozen or (recorded if isinstance(recorded, torch.dtype) else getattr(model, "dtype", torch.float32))
 
 
 def auto_size(arch: Architecture, work: Workload, lengths: tuple[int, int], checkpointing: bool, host: bool,

@@ -19,8 +19,10 @@ import torch
 
 from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
+from emotune.model import finetuning
 from emotune.runtime.device import Precision, choose_precision, resolve_device
 from emotune.train.memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, training_parts
+from emotune.train.pass_size import auto_size
 
 FITS = 0.8  # the estimate is checked to within about ±30% of measured peaks (tests/test_plan.py): keep that room
 GiB = 2**30
@@ -58,6 +60,7 @@ class Plan:
     training: dict[bool, dict[str, int]]  # gradient checkpointing on/off -> parts
     evaluations: dict[str, tuple[int, dict[str, int]]]  # method -> (rows, parts)
     fixes: list[dict] = field(default_factory=list)
+    auto_passes: bool = False  # train.max_tokens_per_pass=auto: pass_rows as training would size them here
 
     def peak(self) -> tuple[str, int]:
         needs = {"training": _total(self.training[self.checkpointing], self.target)}
@@ -79,41 +82,44 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     hold (`memory_workload`), so this layer never looks tasks up itself."""
     from emotune.model.loading import load_model_config
 
-    if cfg.train.finetuning != "lora":  # its memory model counts adapters beside frozen weights
-        raise UserError(f"`emotune plan` models LoRA training, and this config sets train.finetuning="
-                        f"{cfg.train.finetuning}, which it does not model yet. Reckon about 16 bytes per trained "
-                        "parameter (fp32 weight, gradient and AdamW's two moments) on top of the weights and activations "
-                        "(docs/training.md, full and freeze fine-tuning), or plan the run with train.finetuning=lora.")
     target = _target(cfg, device_memory)
     dtype = target.precision.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     config = load_model_config(cfg.model)
+    finetuning.check(cfg.train, cfg.lora, cfg.model, config)  # what training refuses, before any estimate
     work = task.memory_workload(cfg, target.kind)
     arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work)
     t = cfg.train
-    # `auto` sizes passes from the memory free when training starts (emotune.train.pass_size), up to a whole
-    # update when it fits: planned here as one micro-batch a pass, and the fixes name the caps that fit
-    cap = 0 if t.max_tokens_per_pass == "auto" else t.max_tokens_per_pass
-    rows = t.batch_size if not cap else min(t.batch_size, max(1, cap // t.max_length))
     host = target.kind == "cpu"
+    if t.max_tokens_per_pass == "auto":
+        # sized as training sizes it (emotune.train.pass_size) from what this memory leaves once the weights and
+        # adapters are placed, rows as long as train.max_length: up to the whole update in one pass
+        free = max(0, target.memory - target.runtime - arch.frozen_bytes - arch.trainable_bytes)
+        cap = auto_size(arch, work, (t.max_length, t.max_length), t.gradient_checkpointing, host, free).cap
+        rows = max(1, min(t.batch_size * t.gradient_accumulation_steps, cap // t.max_length))
+    else:
+        cap = t.max_tokens_per_pass
+        rows = t.batch_size if not cap else min(t.batch_size, max(1, cap // t.max_length))
     training = {gc: training_parts(arch, work, rows, t.max_length, gc, host) for gc in (True, False)}
     evaluations = {}
     for method, ev in work.evaluations.items():
         batch = auto_eval_rows(arch, ev, target.memory - target.runtime)
         evaluations[method] = (batch, evaluation_parts(arch, ev, batch))
     plan = Plan(cfg.model.source, cfg.task, target, arch, rows, t.max_length, t.gradient_checkpointing, training,
-                evaluations)
+                evaluations, auto_passes=t.max_tokens_per_pass == "auto")
     if plan.verdict() != "fits":
         plan.fixes = _fixes(plan, cfg, config, dtype, work)
     return plan
 
 
 def _describe(config, cfg: RunConfig, targets, dtype: torch.dtype, work: Workload, quantized: str | None = None,
-              optim: str | None = None) -> Architecture:
-    """The architecture facts of this config, or of it with other adapter targets, `model.quantization` or optimizer."""
+              optim: str | None = None, kind: str | None = None) -> Architecture:
+    """The architecture facts of this config, or of it with other adapter targets, `model.quantization`, optimizer
+    or `train.finetuning`."""
     lora = cfg.lora.model_copy(update={"target_modules": targets})
     model = cfg.model.model_copy(update={"quantization": quantized}) if quantized else cfg.model
-    return describe(config, lora, optim or cfg.train.optim, dtype, work, getattr(cfg.model, "attn_implementation", None),
-                    (cfg.train.lean_lora and not cfg.train.fsdp, cfg.train.lean_norm and not cfg.train.fsdp), model)
+    train = cfg.train.model_copy(update={"finetuning": kind}) if kind else cfg.train
+    return describe(config, lora, optim or train.optim, dtype, work, getattr(cfg.model, "attn_implementation", None),
+                    (train.lean_lora and not train.fsdp, train.lean_norm and not train.fsdp), model, train)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,7 +191,7 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
         return _total(training_parts(arch_, work, rows, length, gc, host), target)
 
     def passes(rows: int, length: int) -> list[str]:
-        return [f"train.max_tokens_per_pass={rows * length}"] if rows < t.batch_size else []
+        return _cap(plan, cfg, rows, length)
 
     for rows in range(plan.pass_rows - 1, 0, -1):  # the same update, in passes of fewer rows
         if peak(arch, rows, plan.length, plan.checkpointing) <= limit:
@@ -198,7 +204,11 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
         if gc and peak(arch, rows, plan.length, True) <= limit:
             return _fix(gc + passes(rows, plan.length), peak(arch, rows, plan.length, True),
                         f"gradient checkpointing (about 30% slower), passes of {_rows(rows)}")
-    quantized = _quantized_fix(plan, cfg, config, dtype, work, limit, gc)
+    if arch.whole:  # the model's own weights, before rows are cut: LoRA trains the same rows on far less state
+        lora = _lora_fix(plan, cfg, config, dtype, work, limit, gc)
+        if lora is not None:
+            return lora
+    quantized = None if arch.whole else _quantized_fix(plan, cfg, config, dtype, work, limit, gc)
     if quantized is not None:
         return quantized
     length = plan.length // 2
@@ -207,7 +217,7 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
             return _fix(gc + passes(1, length) + [f"train.max_length={length}"], peak(arch, 1, length, True),
                         f"rows cut at {length} tokens (longer rows lose their end), passes of 1 row")
         length //= 2
-    fewer = _fewer_targets(arch, cfg, config, dtype, work)
+    fewer = None if arch.whole else _fewer_targets(arch, cfg, config, dtype, work)
     if fewer is not None:
         for length in (plan.length, plan.length // 2, plan.length // 4):
             if length >= 16 and peak(fewer[1], 1, length, True) <= limit:
@@ -215,7 +225,8 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
                             + [f"lora.target_modules=[{','.join(fewer[0])}]"], peak(fewer[1], 1, length, True),
                             f"adapters on {' and '.join(fewer[0])} only")
     return {"for": "training", "overrides": [], "peak": None,
-            "note": f"nothing in the config makes it fit: the weights alone take {_size(arch.frozen_bytes)}; use a "
+            "note": f"nothing in the config makes it fit: the weights alone take "
+                    f"{_size(arch.frozen_bytes + arch.trained_rest_bytes)}; use a "
                     "device with more memory or a smaller model"}
 
 
@@ -231,11 +242,32 @@ def _quantized_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work:
         for rows in range(plan.pass_rows, 0, -1):
             peak = _total(training_parts(arch, work, rows, plan.length, True, host), plan.target)
             if peak <= limit:
-                passes = [f"train.max_tokens_per_pass={rows * plan.length}"] if rows < cfg.train.batch_size else []
+                passes = _cap(plan, cfg, rows)
                 return _fix([*gc, f"model.quantization={bits}", *([f"train.optim={optim}"] if optim else []), *passes],
                             peak, f"the base's linear layers in {bits[0]} bits (bitsandbytes; embeddings unquantized)"
                             + (", 8-bit optimizer state" if optim else "") + f", passes of {_rows(rows)}")
     return None
+
+
+def _lora_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: Workload, limit: float,
+              gc: list[str]) -> dict | None:
+    """Full / freeze fine-tuning that does not fit: LoRA adapters instead (the config's lora settings), with the
+    configured passes or fewer rows in each."""
+    arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work, kind="lora")
+    for rows in range(plan.pass_rows, 0, -1):
+        peak = _total(training_parts(arch, work, rows, plan.length, True, plan.target.kind == "cpu"), plan.target)
+        if peak <= limit:
+            passes = _cap(plan, cfg, rows)
+            return _fix([*gc, "train.finetuning=lora", *passes], peak,
+                        f"LoRA adapters (lora.r={cfg.lora.r}) instead of training the model's own weights, passes of "
+                        f"{_rows(rows)}")
+    return None
+
+
+def _cap(plan: Plan, cfg: RunConfig, rows: int, length: int | None = None) -> list[str]:
+    """The pass cap that holds `rows` rows of `length` tokens, where the config would otherwise pass more."""
+    fewer = rows < cfg.train.batch_size or (plan.auto_passes and rows < plan.pass_rows)  # auto would take more
+    return [f"train.max_tokens_per_pass={rows * (length or plan.length)}"] if fewer else []
 
 
 def _rows(n: int) -> str:
@@ -282,10 +314,12 @@ def format_plan(plan: Plan) -> str:
     arch, target = plan.arch, plan.target
     share = 100 * arch.trainable / max(arch.parameters, 1)
     lines = [f"Memory plan for {plan.model} (task {plan.task}); precision {target.precision.name}: {target.precision.reason}",
-             f"  parameters {_count(arch.parameters)}, weights {_size(arch.frozen_bytes)}; trained {_count(arch.trainable)} "
+             f"  parameters {_count(arch.parameters)}, weights {_size(arch.frozen_bytes + arch.trained_rest_bytes)}; trained "
+             f"{_count(arch.trainable)} "
              f"({share:.2f}%)",
              f"  training: forward passes of {plan.pass_rows} rows x {plan.length} tokens (every row as long as "
-             "train.max_length: the worst case); * = this config"]
+             "train.max_length: the worst case" + ("; train.max_tokens_per_pass=auto sized them for this memory"
+                                                   if plan.auto_passes else "") + "); * = this config"]
     # three header lines per column: what, how, batch
     columns = [(("training", "checkpointing" + ("*" if plan.checkpointing else ""), ""), plan.training[True]),
                (("training", "no checkpointing" + ("" if plan.checkpointing else "*"), ""), plan.training[False])]
@@ -324,7 +358,8 @@ def plan_json(plan: Plan) -> dict:
                    "runtime_bytes": plan.target.runtime},
         "precision": {"name": plan.target.precision.name, "reason": plan.target.precision.reason},
         "parameters": arch.parameters, "trainable_parameters": arch.trainable,
-        "training": {"pass_rows": plan.pass_rows, "length": plan.length, "gradient_checkpointing": plan.checkpointing,
+        "training": {"pass_rows": plan.pass_rows, "auto_passes": plan.auto_passes, "length": plan.length,
+                     "gradient_checkpointing": plan.checkpointing,
                      "checkpointing": plan.training[True], "no_checkpointing": plan.training[False]},
         "evaluation": {m: {"rows": rows, "parts": parts} for m, (rows, parts) in plan.evaluations.items()},
         "peak": {"stage": stage, "bytes": peak}, "verdict": plan.verdict(), "fits_below": FITS, "fixes": plan.fixes,
