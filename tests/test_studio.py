@@ -267,7 +267,7 @@ def test_stop_from_the_page_ends_a_training_run_cleanly(tmp_path, tiny_overrides
     runs = tmp_path / "runs"
     studio = client(runs)
     fields = dict(o.split("=", 1) for o in tiny_overrides if not o.startswith(("output_dir=", "name=")))
-    # far more steps than the test waits for: 500 tiny steps once finished in 17 s, before the stop arrived
+    # far more steps than the test waits for, so only the stop can end the run (a finished run says nothing of Stop)
     submit(studio, name="long", **{**fields, "train.max_steps": "100000", "train.eval_steps": "100000",
                                    "train.save_steps": "100000"})
     queue = studio.app.state.queue

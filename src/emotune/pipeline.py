@@ -163,7 +163,7 @@ def train_stage(ctx: Context) -> None:
         print(describe_shared_prefix(shared), flush=True)
         ctx.log.record("train", shared_prefix=shared)
     ctx._adapted = train(model, ctx.base.tokenizer, train_rows, val_rows, ctx.cfg, ctx.base.precision, ctx.run,
-                         ctx.task.adapter_meta(ctx.cfg, ctx.data) | {"measured_dtype": str(ctx.base.model.dtype).removeprefix("torch.")},
+                         ctx.task.adapter_meta(ctx.cfg, ctx.data) | {"measured_dtype": device_mod.dtype_name(ctx.base.model.dtype)},
                          objective,
                          record=(lambda key, value: ctx.log.record("train", **{key: value})) if ctx.log else None,
                          fault=ctx.train_fault)

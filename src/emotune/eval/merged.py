@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from emotune.core.errors import UserError
+from emotune.runtime.device import dtype_name
 
 CHECK_ROWS = 8  # evaluated rows compared merged vs unmerged before the evaluation
 
@@ -115,7 +116,7 @@ def _compare(unmerged: torch.Tensor, merged: torch.Tensor, tolerance: float, mod
     diff = float((merged - unmerged).abs().max()) if rows else 0.0
     agree = float((merged.argmax(-1) == unmerged.argmax(-1)).float().mean()) if rows else 1.0
     return {"rows_checked": rows, "max_logit_diff": round(diff, 6), "agreement": round(agree, 4),
-            "tolerance": tolerance, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "note": None}
+            "tolerance": tolerance, "dtype": dtype_name(next(model.parameters()).dtype), "note": None}
 
 
 def _adapted_weights(model) -> list[torch.nn.Parameter]:

@@ -36,6 +36,11 @@ class Precision:
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16: the name configs (`model.dtype`) and run records (emotune.json) use."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass
 class GPU:
     index: int

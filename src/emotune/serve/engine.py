@@ -263,7 +263,7 @@ def base_config(artifacts: list[Artifact], default: ModelConfig, device: str) ->
     measured = {a.measured_dtype for a in artifacts}
     if artifacts and model_cfg.dtype == "auto" and len(measured) == 1 and None not in measured:
         dtype = serving_dtype(model_cfg, device_mod.resolve_device(device), measured.pop())
-        model_cfg = model_cfg.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
+        model_cfg = model_cfg.model_copy(update={"dtype": device_mod.dtype_name(dtype)})
     return model_cfg
 
 
