@@ -254,7 +254,7 @@ def _lora_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: Work
     """Full / freeze fine-tuning that does not fit: LoRA adapters instead (the config's lora settings), with the
     configured passes or fewer rows in each."""
     arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work, kind="lora")
-    for rows in range(plan.pass_rows, 0, -1):
+    for rows in range(max(plan.pass_rows, cfg.train.batch_size), 0, -1):  # full's own passes may have shrunk to 1
         peak = _total(training_parts(arch, work, rows, plan.length, True, plan.target.kind == "cpu"), plan.target)
         if peak <= limit:
             passes = _cap(plan, cfg, rows)
