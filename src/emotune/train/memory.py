@@ -294,9 +294,9 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     def kept(i: int, kind: str) -> Quadratic:
         if i < first:  # a frozen layer below every trained weight is outside the backward pass: it keeps nothing
             return Quadratic()
-        if trained_layers is not None and i not in trained_layers:
-            return probe.passing[kind]
-        return probe.saved[kind]
+        if trained_layers is None or i == first:
+            return probe.saved[kind]
+        return probe.above[kind] if i in trained_layers else probe.passing[kind]
     return Architecture(
         parameters=sum(p.numel() for p in adapted.parameters()) + head, trainable=sum(p.numel() for p in trained) + head,
         frozen_bytes=frozen, trainable_bytes=trainable_bytes,
@@ -374,6 +374,8 @@ class Probe:
     kv: dict[str, float]
     input_element: int
     """Bytes per element of a decoder layer's input while training (what a checkpointed layer keeps)."""
+    above: dict[str, Quadratic] = field(default_factory=dict)
+    """Full / freeze: what a trained layer keeps when trained layers lie below it (`saved`: the lowest one)."""
     passing: dict[str, Quadratic] = field(default_factory=dict)
     """Full / freeze: what a frozen layer keeps when the backward pass runs through it to trained layers below."""
 
@@ -427,17 +429,32 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
             saved[i].append(count / PROBE_ROWS)
     by_kind = {kind: Quadratic.through(PROBE_LENGTHS, saved[i]) for i, kind in enumerate(kinds)}
     cache_by_kind = {kind: kv[-1][i] if i < len(kv[-1]) else 0.0 for i, kind in enumerate(kinds)}
-    passing = {}
-    if whole is not None:  # frozen layers the backward pass runs through (freeze with the lowest layers trained)
+    above, passing = {}, {}
+    if whole is not None:
+        # `by_kind` is a trained layer with nothing trained below it (the lowest); measured again with the gradient
+        # flowing on into the layers' input: a trained layer above another, and a frozen one the backward pass runs
+        # through (freeze with the lowest layers trained)
+        embeddings = adapted.get_input_embeddings()
+        trained = [p for p in adapted.parameters() if p.requires_grad]
+        embeddings.requires_grad_(True)
+        above = _probe_saved(adapted, layers, owned, batches, autocast, kinds)
         adapted.requires_grad_(False)
-        adapted.get_input_embeddings().requires_grad_(True)  # the gradient flows into the layers' input
-        through: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
-        for ids, mask in batches:
-            for i, count in _saved_bytes(adapted, layers, owned, ids, mask, autocast).items():
-                through[i].append(count / PROBE_ROWS)
-        passing = {kind: Quadratic.through(PROBE_LENGTHS, through[i]) for i, kind in enumerate(kinds)}
+        embeddings.requires_grad_(True)
+        passing = _probe_saved(adapted, layers, owned, batches, autocast, kinds)
+        adapted.requires_grad_(False)
+        for param in trained:
+            param.requires_grad_(True)
     return Probe(by_kind, Quadratic.through(PROBE_LENGTHS, saved[None]), Quadratic.through(PROBE_LENGTHS, working),
-                 cache_by_kind, element[0], passing)
+                 cache_by_kind, element[0], above, passing)
+
+
+def _probe_saved(model, layers, owned: set, batches, autocast: torch.dtype | None, kinds: list[str]) -> dict[str, Quadratic]:
+    """Bytes each probe layer keeps for the backward pass, as a quadratic in the length, by kind."""
+    counts: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
+    for ids, mask in batches:
+        for i, count in _saved_bytes(model, layers, owned, ids, mask, autocast).items():
+            counts[i].append(count / PROBE_ROWS)
+    return {kind: Quadratic.through(PROBE_LENGTHS, counts[i]) for i, kind in enumerate(kinds)}
 
 
 def _one_layer_of_each_kind(text) -> tuple[object, list[str]]:
