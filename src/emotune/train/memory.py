@@ -124,6 +124,10 @@ class Architecture:
     """Full / freeze: the trained weights in the model's dtype, as evaluation and the saved model hold them."""
     optimizer_step_bytes: int = 0
     """What the optimizer's step allocates for a moment beyond its state (`_optimizer_step_bytes`)."""
+    layer_fixed: list[float] = field(default_factory=list)
+    """Per decoder layer: bytes it saves once per pass whatever its rows (full / freeze under autocast; else 0)."""
+    outside_fixed: int = 0
+    """Saved outside the layers once per pass: autocast's copy of a trained output layer."""
 
     @property
     def trained_part(self) -> str:
@@ -158,7 +162,8 @@ def training_parts(arch: Architecture, work: Workload, rows: int, length: int, c
 def _pass_parts(arch: Architecture, work: Workload, rows: int, length: int, checkpointing: bool) -> dict[str, int]:
     """What one forward/backward pass holds at its peak: the activations kept for the backward pass, and the larger
     of the loss's buffers and one layer's backward."""
-    saved = [rows * q(length) for q in arch.layers]
+    fixed = arch.layer_fixed or [0.0] * len(arch.layers)
+    saved = [rows * q(length) + f for q, f in zip(arch.layers, fixed, strict=True)]
     if checkpointing:  # each layer's input kept; one layer's activations rebuilt at a time in the backward
         keep = [rows * length * arch.checkpoint_bytes_per_token if q != Quadratic() else 0 for q in arch.layers]
         busy = [(1 + BACKWARD_SHARE) * s for s in saved]
@@ -170,7 +175,7 @@ def _pass_parts(arch: Architecture, work: Workload, rows: int, length: int, chec
         layer_backward = max(layer_backward, busy[i] - freed)
         freed += keep[i]
     loss = loss_bytes(arch, work, rows, length)
-    return {"activations": int(kept + rows * arch.outside(length)),
+    return {"activations": int(kept + rows * arch.outside(length) + arch.outside_fixed),
             **({LOSS: loss} if loss >= layer_backward else {LAYER_BACKWARD: int(layer_backward)})}
 
 
@@ -291,18 +296,28 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     element = torch.empty((), dtype=dtype).element_size()
     first, trained_layers = _layers_in_backward(adapted) if whole is not None else (0, None)
 
-    def kept(i: int, kind: str) -> Quadratic:
+    def kept(i: int, kind: str) -> tuple[Quadratic, float]:
         if i < first:  # a frozen layer below every trained weight is outside the backward pass: it keeps nothing
-            return Quadratic()
+            return Quadratic(), 0.0
         if trained_layers is None or i == first:
-            return probe.saved[kind]
-        return probe.above[kind] if i in trained_layers else probe.passing[kind]
+            return probe.saved[kind], probe.fixed.get(kind, 0.0)
+        if i in trained_layers:
+            return probe.above[kind], probe.above_fixed[kind]
+        return probe.passing[kind], probe.passing_fixed[kind]
+
+    per_layer = [kept(i, kind) for i, kind in enumerate(kinds)]
+    output = adapted.get_output_embeddings()
+    weight = getattr(output, "weight", None)
+    # autocast's half-precision copy of a trained output layer, kept for its backward once per pass
+    head_copy = weight.numel() * element if whole is not None and element < 4 and weight is not None \
+        and weight.requires_grad else 0
     return Architecture(
         parameters=sum(p.numel() for p in adapted.parameters()) + head, trainable=sum(p.numel() for p in trained) + head,
         frozen_bytes=frozen, trainable_bytes=trainable_bytes,
         optimizer_bytes=_optimizer_bytes(optim, trained) + (8 * head if optim != "sgd" else 0),
         weight_bytes_per_element=element, hidden=text.hidden_size, vocab=text.vocab_size,
-        layers=[kept(i, kind) for i, kind in enumerate(kinds)], outside=probe.outside,
+        layers=[q for q, _ in per_layer], layer_fixed=[f for _, f in per_layer], outside_fixed=head_copy,
+        outside=probe.outside,
         checkpoint_bytes_per_token=probe.input_element * (text.hidden_size
                                                           + (getattr(text, "hidden_size_per_layer_input", 0) or 0)),
         working=probe.working,
@@ -378,6 +393,11 @@ class Probe:
     """Full / freeze: what a trained layer keeps when trained layers lie below it (`saved`: the lowest one)."""
     passing: dict[str, Quadratic] = field(default_factory=dict)
     """Full / freeze: what a frozen layer keeps when the backward pass runs through it to trained layers below."""
+    fixed: dict[str, float] = field(default_factory=dict)
+    above_fixed: dict[str, float] = field(default_factory=dict)
+    passing_fixed: dict[str, float] = field(default_factory=dict)
+    """Full / freeze: what the layers of `saved`, `above` and `passing` keep once per pass, whatever its rows (the
+    half-precision copies autocast makes of fp32 trained weights)."""
 
 
 def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation: str | None = None,
@@ -422,39 +442,57 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
         lean_lora.install(adapted)
     if lean[1]:
         lean_norm.install(adapted)
-    saved: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
     element = [torch.empty((), dtype=dtype).element_size()]
-    for ids, mask in batches:
-        for i, count in _saved_bytes(adapted, layers, owned, ids, mask, autocast, element).items():
-            saved[i].append(count / PROBE_ROWS)
-    by_kind = {kind: Quadratic.through(PROBE_LENGTHS, saved[i]) for i, kind in enumerate(kinds)}
+    # LoRA: what a layer keeps grows with its rows. Full / freeze under autocast also keep the half-precision copies
+    # of the fp32 trained weights, once per pass whatever its rows: measured apart (`fixed`), with one row as well.
+    lowest = _probe_saved(adapted, layers, owned, batches, autocast, kinds, element, per_pass=whole is not None)
     cache_by_kind = {kind: kv[-1][i] if i < len(kv[-1]) else 0.0 for i, kind in enumerate(kinds)}
-    above, passing = {}, {}
+    above = passing = None
     if whole is not None:
-        # `by_kind` is a trained layer with nothing trained below it (the lowest); measured again with the gradient
-        # flowing on into the layers' input: a trained layer above another, and a frozen one the backward pass runs
-        # through (freeze with the lowest layers trained)
+        # `lowest` is a trained layer with nothing trained below it; measured again with the gradient flowing on into
+        # the layers' input: a trained layer above another, and a frozen one the backward pass runs through (freeze
+        # with the lowest layers trained)
         embeddings = adapted.get_input_embeddings()
         trained = [p for p in adapted.parameters() if p.requires_grad]
         embeddings.requires_grad_(True)
-        above = _probe_saved(adapted, layers, owned, batches, autocast, kinds)
+        above = _probe_saved(adapted, layers, owned, batches, autocast, kinds, per_pass=True)
         adapted.requires_grad_(False)
         embeddings.requires_grad_(True)
-        passing = _probe_saved(adapted, layers, owned, batches, autocast, kinds)
+        passing = _probe_saved(adapted, layers, owned, batches, autocast, kinds, per_pass=True)
         adapted.requires_grad_(False)
         for param in trained:
             param.requires_grad_(True)
-    return Probe(by_kind, Quadratic.through(PROBE_LENGTHS, saved[None]), Quadratic.through(PROBE_LENGTHS, working),
-                 cache_by_kind, element[0], above, passing)
+    return Probe(lowest.rows, lowest.outside, Quadratic.through(PROBE_LENGTHS, working), cache_by_kind, element[0],
+                 above.rows if above else {}, passing.rows if passing else {}, lowest.fixed,
+                 above.fixed if above else {}, passing.fixed if passing else {})
 
 
-def _probe_saved(model, layers, owned: set, batches, autocast: torch.dtype | None, kinds: list[str]) -> dict[str, Quadratic]:
-    """Bytes each probe layer keeps for the backward pass, as a quadratic in the length, by kind."""
+@dataclass
+class _Kept:
+    rows: dict[str, Quadratic]
+    """Per row, by kind of layer."""
+    fixed: dict[str, float]
+    """Per pass whatever its rows, by kind of layer."""
+    outside: Quadratic
+
+
+def _probe_saved(model, layers, owned: set, batches, autocast: torch.dtype | None, kinds: list[str],
+                 element: list[int] | None = None, per_pass: bool = False) -> _Kept:
+    """Bytes each probe layer keeps for the backward pass, as a quadratic in the length per row, by kind; with
+    `per_pass`, the longest batch again with one row, and what does not grow with the rows (2·one row − two rows)
+    taken apart."""
     counts: dict[int | None, list[float]] = {i: [] for i in [*range(len(kinds)), None]}
     for ids, mask in batches:
-        for i, count in _saved_bytes(model, layers, owned, ids, mask, autocast).items():
-            counts[i].append(count / PROBE_ROWS)
-    return {kind: Quadratic.through(PROBE_LENGTHS, counts[i]) for i, kind in enumerate(kinds)}
+        for i, count in _saved_bytes(model, layers, owned, ids, mask, autocast, element).items():
+            counts[i].append(count)
+    fixed = dict.fromkeys(counts, 0.0)
+    if per_pass:
+        ids, mask = batches[-1]
+        single = _saved_bytes(model, layers, owned, ids[:1], mask[:1], autocast)
+        fixed = {i: max(0.0, (PROBE_ROWS * single[i] - counts[i][-1]) / (PROBE_ROWS - 1)) for i in counts}
+    rows = {i: [(c - fixed[i]) / PROBE_ROWS for c in values] for i, values in counts.items()}
+    return _Kept({kind: Quadratic.through(PROBE_LENGTHS, rows[i]) for i, kind in enumerate(kinds)},
+                 {kind: fixed[i] for i, kind in enumerate(kinds)}, Quadratic.through(PROBE_LENGTHS, rows[None]))
 
 
 def _one_layer_of_each_kind(text) -> tuple[object, list[str]]:
