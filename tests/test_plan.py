@@ -162,11 +162,12 @@ def test_the_estimate_of_a_quantized_base_is_near_a_measured_qlora_step(quantiza
 
 
 @pytest.mark.parametrize("finetuning, layers, checkpointing", [("full", 1, False), ("freeze", 2, True),
-                                                                 ("freeze", 1, False)])
+                                                                 ("freeze", 1, False), ("freeze", -1, False)])
 def test_the_estimate_of_full_and_freeze_fine_tuning_is_near_a_measured_step(finetuning, layers, checkpointing):
     """The model's own weights trained (kept in fp32 under autocast in bf16, as training keeps them), measured against
-    emotune's loop: the trained weights, their gradients and AdamW state, the foreach step's temporaries, and only the
-    layers the backward pass runs through."""
+    emotune's loop: the trained weights, their gradients and AdamW state, the foreach step's temporaries, the bf16
+    copies of the trained weights once per pass, and only the layers the backward pass runs through (-1: the lowest
+    layer trained, the frozen ones above it passed through)."""
     line = BENCH["measure_training"](BENCH["model_config"]("small"), 64, 2, checkpointing=checkpointing, sft=False,
                                      dtype=torch.bfloat16, finetuning=finetuning, freeze_layers=layers)
     assert line["finetuning"] == finetuning and within(line), line
