@@ -430,38 +430,36 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
         peak, cache = _inference_bytes(adapted, owned, ids, mask)
         working.append((peak - sum(cache)) / PROBE_ROWS)
         kv.append([c / (PROBE_ROWS * length) for c in cache])
+    passing = None
     if whole is not None:
+        if dtype in (torch.float16, torch.bfloat16):  # emotune.runtime.device.mixed_precision(always=True)
+            autocast = dtype
+        # a frozen layer (its weights as stored) the backward pass runs through to trained layers below it (freeze
+        # with the lowest layers trained): the gradient flows into the layers' input, nothing of the layer trains
+        adapted.requires_grad_(False)
+        adapted.get_input_embeddings().requires_grad_(True)
+        passing = _probe_saved(adapted, layers, owned, batches, autocast, kinds, per_pass=True)
+        adapted.requires_grad_(False)
         # every probe layer trains as a trained layer of the run does (the layers below the lowest trained one,
         # which keep nothing, are left out by `describe`)
         finetuning.mark(adapted, whole.model_copy(update={"freeze_trainable_layers": len(kinds)}))
         finetuning.upcast_trained(adapted)
         owned = {StorageWeakRef(t.untyped_storage()) for t in [*adapted.parameters(), *adapted.buffers()]}
-        if dtype in (torch.float16, torch.bfloat16):  # emotune.runtime.device.mixed_precision(always=True)
-            autocast = dtype
-    if lean[0] and whole is None:
+    elif lean[0]:
         lean_lora.install(adapted)
-    if lean[1]:
+    if lean[1]:  # as training installs it: after the trained weights are marked
         lean_norm.install(adapted)
     element = [torch.empty((), dtype=dtype).element_size()]
     # LoRA: what a layer keeps grows with its rows. Full / freeze under autocast also keep the half-precision copies
     # of the fp32 trained weights, once per pass whatever its rows: measured apart (`fixed`), with one row as well.
     lowest = _probe_saved(adapted, layers, owned, batches, autocast, kinds, element, per_pass=whole is not None)
     cache_by_kind = {kind: kv[-1][i] if i < len(kv[-1]) else 0.0 for i, kind in enumerate(kinds)}
-    above = passing = None
+    above = None
     if whole is not None:
         # `lowest` is a trained layer with nothing trained below it; measured again with the gradient flowing on into
-        # the layers' input: a trained layer above another, and a frozen one the backward pass runs through (freeze
-        # with the lowest layers trained)
-        embeddings = adapted.get_input_embeddings()
-        trained = [p for p in adapted.parameters() if p.requires_grad]
-        embeddings.requires_grad_(True)
+        # the layers' input: a trained layer above another
+        adapted.get_input_embeddings().requires_grad_(True)
         above = _probe_saved(adapted, layers, owned, batches, autocast, kinds, per_pass=True)
-        adapted.requires_grad_(False)
-        embeddings.requires_grad_(True)
-        passing = _probe_saved(adapted, layers, owned, batches, autocast, kinds, per_pass=True)
-        adapted.requires_grad_(False)
-        for param in trained:
-            param.requires_grad_(True)
     return Probe(lowest.rows, lowest.outside, Quadratic.through(PROBE_LENGTHS, working), cache_by_kind, element[0],
                  above.rows if above else {}, passing.rows if passing else {}, lowest.fixed,
                  above.fixed if above else {}, passing.fixed if passing else {})
