@@ -82,7 +82,7 @@ class PassSize:
         what += f": {per_update} per update" if counts else ""
         if self.setting == "auto" and self.free_bytes is not None:
             what += (f" (train.max_tokens_per_pass=auto: {_size(self.free_bytes)} free, {_size(self.reserved_bytes)} "
-                     f"kept for gradients, optimizer state and adapter copies, {MEMORY_SHARE:.0%} of the rest at about "
+                     f"kept for gradients, optimizer state and copies of the trained weights, {MEMORY_SHARE:.0%} of the rest at about "
                      f"{_size(self.bytes_per_token)} per padded token)")
         elif self.note:
             what += f" ({self.note})"
