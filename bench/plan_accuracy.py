@@ -89,9 +89,15 @@ def measure_training(config, length: int, rows: int, checkpointing: bool, sft: b
                      dtype: torch.dtype = torch.float32, quantization: str = "none", optim: str = "adamw_torch",
                      finetuning: str = "lora", freeze_layers: int = 1) -> dict:
     """The estimate of one training setting and the measured peak of 2 steps of emotune's loop on it."""
+    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as folder:  # a run folder, and a full model, per line
+        return _measure_training(folder, config, length, rows, checkpointing, sft, dtype, quantization, optim,
+                                 finetuning, freeze_layers)
+
+
+def _measure_training(folder: str, config, length: int, rows: int, checkpointing: bool, sft: bool, dtype: torch.dtype,
+                      quantization: str, optim: str, finetuning: str, freeze_layers: int) -> dict:
     from emotune.train.loop import train
 
-    folder = tempfile.mkdtemp(prefix="plan-accuracy-")
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     cfg = load_config(None, [f"output_dir={folder}", "train.max_steps=2", f"train.batch_size={rows}",
                              "train.gradient_accumulation_steps=1", f"train.gradient_checkpointing={checkpointing}",
