@@ -8,7 +8,7 @@ For each setting (gradient checkpointing on/off x a classification row, whose lo
 sft row, whose loss is on every token) it builds the model from its config with zero weights (no
 download: `gemma-3-270m` is the packaged model's architecture), estimates with emotune.train.memory, trains
 2 steps with emotune's own loop (emotune.train.loop.train) on rows of exactly `--length` tokens while
-emotune.train.memory.TensorPeak records the peak of the tensors alive, and prints one JSON line per setting:
+emotune.train.probe.TensorPeak records the peak of the tensors alive, and prints one JSON line per setting:
 estimate, measured (weights + peak), their ratio. Then the same for one batch of greedy generation. Only
 tensors are compared: neither number holds the allocator's cached blocks or the Python process.
 `--quantization 8bit|4bit`: the base's linear layers quantized by bitsandbytes as `model.quantization` loads them
@@ -33,7 +33,8 @@ from emotune.core.config.load import load_config
 from emotune.core.rundir import RunDir
 from emotune.runtime.device import Precision
 from emotune.train.batches import Example
-from emotune.train.memory import Evaluation, TensorPeak, Workload, describe, evaluation_parts, training_parts
+from emotune.train.memory import Evaluation, Workload, describe, evaluation_parts, training_parts
+from emotune.train.probe import TensorPeak
 
 # The packaged model's architecture (its config.json after conversion), so no weights need converting.
 GEMMA_3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,

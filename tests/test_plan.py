@@ -1,5 +1,5 @@
 """`emotune plan`: the estimate's parts match the model PEFT builds, its total comes within ±30% of the peak that
-emotune's own training loop and generation really reach (tensors measured by plan_memory.TensorPeak, through
+emotune's own training loop and generation really reach (tensors measured by emotune.train.probe.TensorPeak, through
 bench/plan_accuracy.py), and the verdict and the changes it proposes follow the training's own order."""
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     config = load_model_config(cfg.model)
     finetuning.check(cfg.train, cfg.lora, cfg.model, config)  # what training refuses, before any estimate
     work = task.memory_workload(cfg, target.kind)
-    arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work)
+    arch = _describe(config, cfg, dtype, work)
     t = cfg.train
     host = target.kind == "cpu"
     if t.max_tokens_per_pass == "auto":
@@ -111,11 +111,20 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     return plan
 
 
-def _describe(config, cfg: RunConfig, targets, dtype: torch.dtype, work: Workload, quantized: str | None = None,
-              optim: str | None = None, kind: str | None = None) -> Architecture:
-    """The architecture facts of this config, or of it with other adapter targets, `model.quantization`, optimizer
-    or `train.finetuning`."""
-    lora = cfg.lora.model_copy(update={"target_modules": targets})
+@dataclass(frozen=True)
+class Variant:
+    """A change to the config the fixes try: other adapter targets, `model.quantization`, optimizer or
+    `train.finetuning` (None: as configured)."""
+    targets: object = None
+    quantized: str | None = None
+    optim: str | None = None
+    kind: str | None = None
+
+
+def _describe(config, cfg: RunConfig, dtype: torch.dtype, work: Workload, variant: Variant = Variant()) -> Architecture:
+    """The architecture facts of this config, or of it changed by `variant`."""
+    targets, quantized, optim, kind = variant.targets, variant.quantized, variant.optim, variant.kind
+    lora = cfg.lora.model_copy(update={"target_modules": targets if targets is not None else cfg.lora.target_modules})
     model = cfg.model.model_copy(update={"quantization": quantized}) if quantized else cfg.model
     train = cfg.train.model_copy(update={"finetuning": kind}) if kind else cfg.train
     return describe(config, lora, optim or train.optim, dtype, work, getattr(cfg.model, "attn_implementation", None),
@@ -238,7 +247,7 @@ def _quantized_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work:
     optim = "adamw_8bit" if cfg.train.optim.startswith("adamw") and "8bit" not in cfg.train.optim else None
     steps = {"none": ("8bit", "4bit"), "8bit": ("4bit",)}.get(cfg.model.quantization, ())
     for bits in steps:
-        arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work, bits, optim)
+        arch = _describe(config, cfg, dtype, work, Variant(quantized=bits, optim=optim))
         for rows in range(plan.pass_rows, 0, -1):
             peak = _total(training_parts(arch, work, rows, plan.length, True, host), plan.target)
             if peak <= limit:
@@ -253,7 +262,7 @@ def _lora_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: Work
               gc: list[str]) -> dict | None:
     """Full / freeze fine-tuning that does not fit: LoRA adapters instead (the config's lora settings), with the
     configured passes or fewer rows in each."""
-    arch = _describe(config, cfg, cfg.lora.target_modules, dtype, work, kind="lora")
+    arch = _describe(config, cfg, dtype, work, Variant(kind="lora"))
     for rows in range(max(plan.pass_rows, cfg.train.batch_size), 0, -1):  # full's own passes may have shrunk to 1
         peak = _total(training_parts(arch, work, rows, plan.length, True, plan.target.kind == "cpu"), plan.target)
         if peak <= limit:
@@ -285,7 +294,7 @@ def _fewer_targets(arch: Architecture, cfg: RunConfig, config, dtype, work) -> t
         return None
     names = ["q_proj", "v_proj"]
     try:
-        return names, _describe(config, cfg, names, dtype, work)
+        return names, _describe(config, cfg, dtype, work, Variant(targets=names))
     except UserError:
         return None
 
