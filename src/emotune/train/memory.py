@@ -108,6 +108,16 @@ class Architecture:
             "trained weights" if self.whole else "adapters"
 
 
+def size_text(n: float | None) -> str:
+    """Bytes for people: `1.5 GiB`, `320.0 MiB`, `12 B`; `—` for unknown (the plan's table, pass sizing's line)."""
+    if n is None:
+        return "—"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 # --------------------------------------------------------------------------------------------------
 # The estimate
 

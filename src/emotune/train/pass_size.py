@@ -13,7 +13,7 @@ few as fit. The loss is divided by the update's completion tokens either way, so
    Apple GPUs the recommended limit less what the driver holds;
 2. less what the first step still allocates outside its passes: the trained parameters' gradients, the
    optimizer's state (AdamW's moments are created at the first step), a quantized base's dequantized layer and,
-   on a CPU, the two host copies of the adapter (the best so far, a checkpoint's);
+   on a CPU, the two host copies of what trains (the best so far, a checkpoint's);
 3. `MEMORY_SHARE` (half) of what is left: the estimate came within about ±30 % of measured peaks
    (tests/test_plan.py), and allocator caches and fragmentation (on CPUs glibc's heap keeps freed pass buffers),
    other processes on the device and validation's batches need room too;
@@ -25,8 +25,8 @@ few as fit. The loss is divided by the update's completion tokens either way, so
 
 Every process takes the smallest cap any process chose (all must run the same number of passes). The choice is
 printed with the plan and recorded in run.json (`stages.train.passes`); out-of-memory recovery lowers it like any
-cap (emotune.train.recovery), and a resumed run keeps the cap its checkpoint recorded. Full and freeze fine-tuning,
-which the memory model does not cover, and devices whose free memory cannot be read run one pass per micro-batch.
+cap (emotune.train.recovery), and a resumed run keeps the cap its checkpoint recorded. Devices whose free memory
+cannot be read, and models the memory model cannot build, run one pass per micro-batch.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
 from emotune.train import checkpoints as ckpt
 from emotune.train.batches import Example, epoch_batches, epoch_updates, update_passes
-from emotune.train.memory import Architecture, Workload, describe, pass_bytes
+from emotune.train.memory import Architecture, Workload, describe, pass_bytes, size_text
 
 MEMORY_SHARE = 0.5
 """The share of the free memory (after the step's fixed needs) that `auto`'s passes may take: the safety margin."""
@@ -81,9 +81,9 @@ class PassSize:
             what = f"forward passes of at most {self.cap} padded tokens cut from each update's rows"
         what += f": {per_update} per update" if counts else ""
         if self.setting == "auto" and self.free_bytes is not None:
-            what += (f" (train.max_tokens_per_pass=auto: {_size(self.free_bytes)} free, {_size(self.reserved_bytes)} "
+            what += (f" (train.max_tokens_per_pass=auto: {size_text(self.free_bytes)} free, {size_text(self.reserved_bytes)} "
                      f"kept for gradients, optimizer state and copies of the trained weights, {MEMORY_SHARE:.0%} of the rest at about "
-                     f"{_size(self.bytes_per_token)} per padded token)")
+                     f"{size_text(self.bytes_per_token)} per padded token)")
         elif self.note:
             what += f" ({self.note})"
         return what
@@ -197,10 +197,3 @@ def passes_per_update(lengths: list[int], plan, t, seed: int, cap: int) -> dict:
     return {"min": min(counts), "max": max(counts), "mean": round(mean(counts), 2), "updates": len(counts)}
 
 
-def _size(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"

@@ -21,7 +21,7 @@ from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
 from emotune.model import finetuning
 from emotune.runtime.device import Precision, choose_precision, resolve_device
-from emotune.train.memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, training_parts
+from emotune.train.memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, size_text, training_parts
 from emotune.train.pass_size import auto_size
 
 FITS = 0.8  # the estimate is checked to within about ±30% of measured peaks (tests/test_plan.py): keep that room
@@ -150,20 +150,20 @@ def _target(cfg: RunConfig, device_memory: str | None) -> Target:
         else:
             precision = Precision(requested, "asked for in the config (train.precision)")
         what = "a GPU" if kind != "cpu" else "a CPU machine"
-        return Target(f"{what} with {_size(parse_memory(device_memory))} (--device-memory)", kind,
+        return Target(f"{what} with {size_text(parse_memory(device_memory))} (--device-memory)", kind,
                       parse_memory(device_memory), precision, runtime if kind == "cpu" else 0)
     device = resolve_device(cfg.device)
     precision = choose_precision(device, requested)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)
-        return Target(f"{device} ({name}): {_size(free)} free of {_size(total)}", "cuda", free, precision)
+        return Target(f"{device} ({name}): {size_text(free)} free of {size_text(total)}", "cuda", free, precision)
     if device.type == "mps":
         limit = torch.mps.recommended_max_memory()
-        return Target(f"mps: {_size(limit)} recommended at most", "mps", limit, precision)
+        return Target(f"mps: {size_text(limit)} recommended at most", "mps", limit, precision)
     memory = psutil.virtual_memory()
     # the process's own memory is counted apart (`runtime`), so it is added back to what is available
-    return Target(f"this machine's RAM: {_size(memory.available)} available of {_size(memory.total)}", "cpu",
+    return Target(f"this machine's RAM: {size_text(memory.available)} available of {size_text(memory.total)}", "cpu",
                   memory.available + runtime, precision, runtime)
 
 
@@ -235,7 +235,7 @@ def _training_fix(plan: Plan, cfg: RunConfig, config, dtype: torch.dtype, work: 
                             f"adapters on {' and '.join(fewer[0])} only")
     return {"for": "training", "overrides": [], "peak": None,
             "note": f"nothing in the config makes it fit: the weights alone take "
-                    f"{_size(arch.frozen_bytes + arch.trained_rest_bytes)}; use a "
+                    f"{size_text(arch.frozen_bytes + arch.trained_rest_bytes)}; use a "
                     "device with more memory or a smaller model"}
 
 
@@ -303,13 +303,6 @@ def _fewer_targets(arch: Architecture, cfg: RunConfig, config, dtype, work) -> t
 # Output
 
 
-def _size(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _count(n: int) -> str:
@@ -323,7 +316,7 @@ def format_plan(plan: Plan) -> str:
     arch, target = plan.arch, plan.target
     share = 100 * arch.trainable / max(arch.parameters, 1)
     lines = [f"Memory plan for {plan.model} (task {plan.task}); precision {target.precision.name}: {target.precision.reason}",
-             f"  parameters {_count(arch.parameters)}, weights {_size(arch.frozen_bytes + arch.trained_rest_bytes)}; trained "
+             f"  parameters {_count(arch.parameters)}, weights {size_text(arch.frozen_bytes + arch.trained_rest_bytes)}; trained "
              f"{_count(arch.trainable)} "
              f"({share:.2f}%)",
              f"  training: forward passes of {plan.pass_rows} rows x {plan.length} tokens (every row as long as "
@@ -345,15 +338,15 @@ def format_plan(plan: Plan) -> str:
         rows.append((runtime, [target.runtime] * len(columns)))
     rows.append(("total", [_total(parts, target) for _, parts in columns]))
     for name, cells in rows:
-        lines.append(f"{name:<{width}}" + "".join(f"{_size(c) if c else '':>{cell}}" for c in cells))
+        lines.append(f"{name:<{width}}" + "".join(f"{size_text(c) if c else '':>{cell}}" for c in cells))
     stage, peak = plan.peak()
     lines += ["", f"Device: {target.description}",
-              f"Verdict: {plan.verdict()} — the largest need is {stage}, {_size(peak)} "
-              f"({100 * peak / max(target.memory, 1):.0f}% of {_size(target.memory)}). The estimate came within about ±30% "
+              f"Verdict: {plan.verdict()} — the largest need is {stage}, {size_text(peak)} "
+              f"({100 * peak / max(target.memory, 1):.0f}% of {size_text(target.memory)}). The estimate came within about ±30% "
               f"of measured peaks in emotune's tests; 'fits' keeps {100 - 100 * FITS:.0f}% free for that."]
     for fix in plan.fixes:
         change = " ".join(fix["overrides"])
-        lines.append(f"To fit {fix['for']}: " + (f"{change}  → {_size(fix['peak'])} ({fix['note']})" if change
+        lines.append(f"To fit {fix['for']}: " + (f"{change}  → {size_text(fix['peak'])} ({fix['note']})" if change
                                                  else fix["note"]))
     return "\n".join(lines)
 
