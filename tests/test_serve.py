@@ -80,6 +80,9 @@ def test_health_models_and_metrics(http, client):
     assert "emotune_classified_texts_total" in metrics.text and "emotune_queue_texts 0" in metrics.text
     scoring = re.search(r'^emotune_model_thread_seconds_total\{lane="scoring"\} ([0-9.]+)$', metrics.text, re.MULTILINE)
     assert scoring and float(scoring.group(1)) > 0 and 'emotune_model_thread_calls_total{lane="generation"}' in metrics.text
+    # Prometheus' text format throughout: comments, or `name{labels} value` (a debug dump once trailed it)
+    sample = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+$|^# TYPE [a-z_]+ [a-z]+$')
+    assert all(sample.match(line) for line in metrics.text.splitlines()), metrics.text
 
 
 def test_classify_matches_direct_scoring(server, http):

@@ -44,7 +44,6 @@ class ModelThread:
         self.busy = dict.fromkeys(LANES, 0.0)  # decayed seconds of model time per lane
         self.seconds = dict.fromkeys(LANES, 0.0)  # all the model time per lane since start (/metrics)
         self.jobs = dict.fromkeys(LANES, 0)
-        self.log = []
         self.stamp = time.monotonic()
         self.ready = threading.Condition()
         self.closed, self.name, self.restarts = False, name, 0
@@ -145,11 +144,6 @@ class ModelThread:
                 self.busy[lane] += spent
                 if lane == "scoring":
                     self.scoring_ended = ended
-                if lane == "generation":
-                    owner = getattr(fn, "__self__", None)
-                    self.log.append((round(spent, 3), getattr(fn, "__name__", "?"), getattr(owner, "prefilled", None),
-                                     len(owner.new_tokens) if hasattr(owner, "new_tokens") else None,
-                                     getattr(owner, "finish", None), round(started - self.scoring_ended, 3)))
                 self.seconds[lane] += spent
                 self.jobs[lane] += 1
 

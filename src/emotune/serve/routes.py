@@ -128,7 +128,7 @@ async def metrics(state: ServerState):
               "emotune_adapters_loaded": adapters}
     thread = state.model_thread
     lanes = {lane: (thread.seconds[lane], thread.jobs[lane]) for lane in thread.seconds}
-    return PlainTextResponse(state.metrics.render(gauges, lanes) + "\n#LOG " + repr(thread.log), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(state.metrics.render(gauges, lanes), media_type="text/plain; version=0.0.4")
 
 
 async def list_models(state: ServerState):
