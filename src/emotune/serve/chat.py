@@ -50,7 +50,7 @@ def check_chat(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Serve
         raise APIError(422, f"The messages hold {total} characters together; the limit is serve.max_prompt_chars="
                             f"{cfg.max_prompt_chars}. Send a shorter conversation.")
     # the schema holds each field's own range (max_tokens ≥ 1, 0 < top_p ≤ 1, ...); the server's limit is checked here
-    max_tokens = _asked(body) or min(64, cfg.max_new_tokens)
+    max_tokens = _asked(body) or _default_tokens(cfg)
     if max_tokens > cfg.max_new_tokens:
         raise APIError(422, f"max_tokens={max_tokens} is outside 1..serve.max_new_tokens={cfg.max_new_tokens}.")
 
@@ -59,12 +59,15 @@ def _asked(body: ChatRequest) -> int | None:
     return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
 
+def _default_tokens(cfg: ServeConfig) -> int:
+    return min(64, cfg.max_new_tokens)
+
+
 def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server) -> dict:
-    """The request checked (check_chat), its conversation rendered and its tokens counted against the context: the
+    """A request that passed check_chat: its conversation rendered and its tokens counted against the context, the
     job a Generation runs. Rendering and counting a long conversation take a while: call it off the event loop."""
-    check_chat(body, loaded, cfg, state)
     asked = _asked(body)
-    max_tokens = asked if asked is not None else min(64, cfg.max_new_tokens)
+    max_tokens = asked if asked is not None else _default_tokens(cfg)
     prompt = _render(body, loaded)
     prompt_ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     prompt_tokens = len(prompt_ids)
