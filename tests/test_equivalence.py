@@ -5,10 +5,14 @@ The reference is always the model itself: the training loss is the model's own l
 positions outside the loss spans at -100), its gradients the LoRA gradients of that loss; label scores are the
 log-softmax of the model's own logits, one unpadded row at a time; the classification head reads the language
 model's own last hidden state; generation is greedy argmax over the model's own logits, one row at a time, without
-a cache; merged weights give the adapted model's logits. Losses agree within 1e-5 relative, gradients within 1e-5
-absolute (scaled by the tensor's largest entry where that exceeds 1: the fixtures' logits are as sharp as a trained
-model's, and float32 rounding alone moves a gradient entry of 12 by 1e-6 relative); merged logits within 2e-5 of
-the logits' scale. A path a family cannot take exactly must say so (`cannot_share`) and fall back to the plain path.
+a cache; merged weights give the adapted model's logits. Training is checked against the exact answer: the model's
+own loss and gradients computed in float64. emotune's float32 loss agrees with it within 1e-5 relative, its float32
+gradients are no further from it than 3x the model's own float32 gradients are (plus 1e-6), each measured relative
+to the tensor's largest entry where that exceeds 1. A fixed tolerance between two float32 results would test the
+rounding instead: on the Gemma 4 fixtures (sharp logits, as in a trained model) the model's own float32 gradients
+sit up to 7e-5 of scale from the float64 ones, and a different summation order (a shared prefix, another CPU, other
+thread counts) moves them by as much. Merged logits agree within 2e-5 of the logits' scale. A path a family cannot
+take exactly must say so (`cannot_share`) and fall back to the plain path.
 
 The quick loop runs every family on the plain path and on all of emotune's training paths at once (chunked loss with
 a small chunk, shared prefix, lean LoRA, lean norm, gradient checkpointing, two accumulated passes), plus scoring,
@@ -134,21 +138,30 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_same_update(reference, ours) -> None:
-    (loss, grads), (our_loss, our_grads) = reference, ours
+def _scaled_error(grads: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each tensor's largest distance from the exact gradient, relative to its largest entry where that exceeds 1."""
+    return {name: float((grads[name].double() - g).abs().max()) / max(1.0, float(g.abs().max())) for name, g in exact.items()}
+
+
+def assert_same_update(exact, model_fp32, ours) -> None:
+    """`ours` (emotune's float32 loss and gradients) against `exact` (the model's own, in float64): no further from it
+    than 3x the model's own float32 result `model_fp32` is, the rounding float32 itself brings."""
+    (loss, grads), (_, model_grads), (our_loss, our_grads) = exact, model_fp32, ours
     assert our_loss == pytest.approx(loss, rel=1e-5)
-    assert grads.keys() == our_grads.keys() and len(grads) > 0
-    for name, grad in grads.items():  # 1e-5 absolute on gradients of unit scale; the sharp logits make some larger
-        scale = max(1.0, float(grad.abs().max()))
-        torch.testing.assert_close(our_grads[name], grad, rtol=0, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
+    assert grads.keys() == our_grads.keys() == model_grads.keys() and len(grads) > 0
+    rounding = max(_scaled_error(model_grads, grads).values())
+    errors = _scaled_error(our_grads, grads)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 3 * rounding + 1e-6, (worst, errors[worst], rounding)
 
 
 def check_training(name: str, tokenizer, tokenizer_dir, paths: set[str], rows_of=classify_rows) -> dict:
     model = adapted(build(name, tokenizer_dir))
     rows = rows_of(tokenizer)
-    reference = reference_update(model, rows, tokenizer.pad_token_id)
+    exact = reference_update(copy.deepcopy(model).double(), rows, tokenizer.pad_token_id)
+    model_fp32 = reference_update(model, rows, tokenizer.pad_token_id)
     loss, grads, choice = emotune_update(model, rows, tokenizer.pad_token_id, paths)
-    assert_same_update(reference, (loss, grads))
+    assert_same_update(exact, model_fp32, (loss, grads))
     if "shared_prefix" in paths:  # used, or refused with the reason run.json records
         assert choice["used"] or choice["reason"] == cannot_share(model), choice
     return choice
