@@ -195,3 +195,28 @@ def test_the_own_data_recipe_trains_for_a_time_budget_with_epochs_as_the_upper_b
     assert (cfg.train.time_budget, cfg.train.max_steps, cfg.train.num_train_epochs) == ("20m", -1, 3)
     assert cfg.eval.method == "score" and cfg.data.balance == "none"
     assert cfg.data.validation_limit is not None  # validations are paid from the budget
+
+
+def test_text_fields_keep_what_was_written_where_yaml_reads_booleans_and_numbers(tmp_path):
+    """YAML 1.1 makes `yes`/`no`/`on` booleans and `007`, `1.10` numbers: binary yes/no labels, star ratings and a run
+    named 2024 failed as "not a valid string" (or would lose their spelling) before text fields got the text back."""
+    path = tmp_path / "x.yaml"
+    path.write_text("data:\n  label_names: [yes, no, on, 1.10]\n  label_aliases: {y: yes, 1: no}\nname: 007\n")
+    cfg = load_config(path)
+    assert cfg.data.label_names == ["yes", "no", "on", "1.10"]
+    assert cfg.data.label_aliases == {"y": "yes", "1": "no"}
+    assert cfg.name == "007"
+    cfg = load_config(None, ["data.label_names=[1, 2, 3]", "name=2024", "data.label_column=true", "seed=007"])
+    assert cfg.data.label_names == ["1", "2", "3"] and cfg.name == "2024" and cfg.data.label_column == "true"
+    assert cfg.seed == 7  # a number field still reads YAML's number
+
+
+def test_a_template_override_is_the_text_typed_and_a_yaml_mapping_in_a_file_says_to_quote_it(tmp_path):
+    cfg = load_config(None, ["prompt.user_template=Review: {text}", "prompt.system_prompt={labels}"])
+    assert cfg.prompt.user_template == "Review: {text}" and cfg.prompt.system_prompt == "{labels}"
+    path = tmp_path / "x.yaml"
+    path.write_text("prompt:\n  user_template: {text}\n")
+    with pytest.raises(UserError, match=r"`prompt.user_template`.*YAML read a mapping there: put the value in quotes"):
+        load_config(path)
+    with pytest.raises(UserError, match=r"`data.label_names`.*write a list in brackets, e.g. data.label_names=\[joy\]"):
+        load_config(None, ["data.label_names=joy"])
