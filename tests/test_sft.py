@@ -231,3 +231,23 @@ def test_comparison_with_probe_and_intervals():
     assert comparison["intervals"]["rouge_l"]["low"] == pytest.approx(0.3)
     assert comparison["probe"]["flagged"] is True
     assert "Flagged" in _probe_section(comparison, None) and "response perplexity" in format_comparison(comparison)
+
+
+def test_answers_with_weight_0_carry_no_loss_and_the_data_keeps_the_mark(tokenizer, tmp_path):
+    """OpenAI's fine-tuning format marks answers not to learn with "weight": 0; they were trained on like any other."""
+    from emotune.core.config.sft import SftColumns
+    from emotune.data.conversations import OPENAI_TAGS, normalise
+
+    row = {"messages": [{"role": "user", "content": "i feel so lonely today"},
+                        {"role": "assistant", "content": "joy", "weight": 0},
+                        {"role": "user", "content": "this morning was great"},
+                        {"role": "assistant", "content": "joy really", "weight": 1}]}
+    conversation = normalise(row, "messages", SftColumns(), OPENAI_TAGS, "f")
+    assert conversation.untrained == (0,)
+    assert Conversation.from_row(json.loads(json.dumps(conversation.as_row()))) == conversation  # as saved in data/
+    _, spans = loss_spans(tokenizer, conversation.chat())
+    assert encode(conversation, tokenizer, None, mask_history=False).loss_spans == (spans[1],)
+    row["messages"][3]["weight"] = 0
+    assert "last assistant turn has weight 0" in normalise(row, "messages", SftColumns(), OPENAI_TAGS, "f")
+    row["messages"][3]["weight"] = 0.5
+    assert "other than 0 or 1" in normalise(row, "messages", SftColumns(), OPENAI_TAGS, "f")

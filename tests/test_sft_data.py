@@ -226,3 +226,41 @@ def test_sft_config_refuses_classify_keys():
     with pytest.raises(UserError) as err:
         load_config(None, ["task=sft", "prompt.user_template={text}", "data.label_names=[a, b]", "eval.method=score"])
     assert "3 problems" in str(err.value)
+
+
+def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
+    """Arrow wants one type per field across rows, so a valid OpenAI file whose content is a string in one message and a
+    list of text parts in another (or tool arguments as text and as an object) was refused whole."""
+    rows = [{"messages": [{"role": "developer", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": f"q {i}"}] if i % 2 else f"q {i}"},
+                          {"role": "assistant", "content": f"a {i}",
+                           "tool_calls": [{"function": {"arguments": {"x": 1} if i % 3 else "{}"}}]}]} for i in range(20)]
+    data = _data(write_jsonl(tmp_path / "m.jsonl", rows))
+    every = [c for split in data.splits.values() for c in split]
+    assert len(every) == 20 and all(c.system == "be brief" for c in every)  # `developer` is OpenAI's system role
+    assert {c.messages[0][1] for c in every} == {f"q {i}" for i in range(20)}
+
+
+@pytest.mark.parametrize(("rows", "says"), [
+    ([{"conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]}],
+     r"the role 'user', which is none of data.tags \(user_tag 'human'.*data.tags.user_tag=user"),
+    ([{"conversations": [{"speaker": "human", "text": "q"}, {"speaker": "gpt", "text": "a"}]}],
+     r"a turn has no `from` key \(data.tags.role_tag; its keys: `speaker`, `text`\)"),
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "gpt", "content": "a"}]}],
+     r"the role 'gpt', which is not one of OpenAI's"),
+    ([{"conversations": [{"from": "human", "value": "q"}, {"from": "system", "value": "s"}, {"from": "gpt", "value": "a"}]}],
+     r"a system turn comes after the first turn"),
+    ([{"messages": [{"role": "user", "content": "<image>what is it"}, {"role": "assistant", "content": "a cat"}],
+       "images": ["cat.png"]}], r"holds images, audio or video"),
+    ([{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                    {"role": "assistant", "content": "a cat"}]}], r"holds images, audio or video"),
+    ([{"instruction": "q", "output": ["good answer", "bad answer"]}], r"the response is a list, as in a ranking dataset"),
+    ([{"instruction": "q", "chosen": "good", "rejected": "bad"}], r"is a preference dataset \(columns `chosen` and `rejected`\)"),
+    ([], r"holds no rows"),
+])
+def test_rows_emotune_cannot_train_on_say_why(tmp_path, rows, says):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{**row, "kind": str(i)} for i in range(10) for row in rows]))
+    with pytest.raises(UserError, match=says) as err:
+        _data(path)
+    assert ("skip_bad_rows" in str(err.value)) == ("` rows " in str(err.value))  # the row hint only for row problems

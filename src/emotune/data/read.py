@@ -55,6 +55,50 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
     return read_csv(path, source, "\t" if fmt == "tsv" else ",", lines, text_column, label_column, notes)
 
 
+def read_records(path: Path, encoding: str, text_column: str, label_column: str) -> tuple[list[str], list[dict]]:
+    """One file's column names and rows as Python objects, for conversation data. JSON and JSON Lines are parsed by
+    Python's json, not Arrow: Arrow wants one type per field across all rows, and conversations legally mix them (an
+    OpenAI message's content is a string in one message and a list of parts in the next; tool arguments are text or
+    an object), so Arrow refused valid files whole."""
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt not in ("json", "jsonl"):
+        table = read_table(path, encoding, text_column, label_column, [])
+        return table.column_names, table.to_pylist()
+    text = _decode(path, path.read_bytes(), encoding)
+    if not text.strip():
+        raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
+    rows = _json_lines(path, text) if fmt == "jsonl" else _json_rows(path, text, text_column, label_column)
+    return list(dict.fromkeys(key for row in rows for key in row)), rows
+
+
+def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> list[dict]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and text.lstrip().startswith("{"):
+            return _json_lines(path, text)  # many `.json` files are really JSON Lines
+        value = None
+    if isinstance(value, dict):
+        lists = [v for v in value.values() if isinstance(v, list)]
+        value = lists[0] if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]) else value
+    if isinstance(value, list) and all(isinstance(r, dict) for r in value):
+        return value
+    return _read_json(path, text).to_pylist()  # columns of an object, or the error that says what is wrong
+
+
+def _json_lines(path: Path, text: str) -> list[dict]:
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        problem = _bad_json_line(iter([line]))
+        if problem is not None:
+            raise UserError(f"`{path}` {problem.replace('line 1 ', f'line {number} ', 1)}. Each line must be one JSON "
+                            "object; fix or remove that line.")
+        rows.append(json.loads(line))
+    return rows
+
+
 def _file_lines(path: Path) -> Iterator[str]:
     with path.open(encoding="utf-8", newline="") as handle:  # newline="": line ends as written, like Arrow reads them
         yield from handle
