@@ -264,3 +264,23 @@ def test_rows_emotune_cannot_train_on_say_why(tmp_path, rows, says):
     with pytest.raises(UserError, match=says) as err:
         _data(path)
     assert ("skip_bad_rows" in str(err.value)) == ("` rows " in str(err.value))  # the row hint only for row problems
+
+
+@pytest.mark.parametrize(("entry", "says"), [
+    ({"file_name": "s.jsonl", "columns": ["conversations"]}, r"`columns` must be an object of column names, not list"),
+    ({"file_name": "s.jsonl", "tags": "from"}, r"`tags` must be an object of tags, not str"),
+    ({"file_name": 5}, r"`file_name` must be a file or folder name, not int 5"),
+    ({"file_name": "s.jsonl", "num_samples": "10"}, r"`num_samples` must be a whole number of rows >= 1, not '10'"),
+    ({"file_name": "s.jsonl", "num_samples": -3}, r"`num_samples` must be a whole number of rows >= 1, not -3"),
+    ({"file_name": "s.jsonl", "num_samples": 2.5}, r"`num_samples` must be a whole number of rows >= 1, not 2.5"),
+    ({"file_name": "LICENSE"}, r"`.*LICENSE`: unsupported file type `\(no ending\)`"),
+])
+def test_dataset_info_entries_of_the_wrong_types_are_named(tmp_path, entry, says):
+    """A list of columns or a file name that is a number ended in an AttributeError or TypeError; a negative
+    num_samples silently took len - 3 rows."""
+    write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "human", "value": f"q{i}"},
+                                                          {"from": "gpt", "value": f"a{i}"}]} for i in range(20)])
+    (tmp_path / "LICENSE").write_text("MIT")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"d": {"formatting": "sharegpt", **entry}}))
+    with pytest.raises(UserError, match=says):
+        _data(tmp_path, "data.datasets=[d]")

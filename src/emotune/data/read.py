@@ -30,7 +30,7 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
     """One file as a table; things worth a look that are not errors go to `notes`."""
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise UserError(f"data.source `{path}`: unsupported file type `{path.suffix}`. Use one of "
+        raise UserError(f"`{path}`: unsupported file type `{path.suffix or '(no ending)'}`. Use one of "
                         f"{', '.join(FORMATS)} (TXT holds one `text;label` per line).")
     if fmt == "parquet":
         return _read_parquet(path)
