@@ -23,6 +23,8 @@ from emotune.data.csvfile import Lines, read_csv
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
 BOM = b"\xef\xbb\xbf"
+UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
 JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
 
 
@@ -52,7 +54,23 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         source = pa.py_buffer(text.encode("utf-8"))
     if fmt == "jsonl":
         return _read_jsonl(path, source, lines)
-    return read_csv(path, source, "\t" if fmt == "tsv" else ",", lines, text_column, label_column, notes)
+    return read_csv(path, source, _delimiter(path, fmt, lines, notes), lines, text_column, label_column, notes)
+
+
+def _delimiter(path: Path, fmt: str, lines: Lines, notes: list[str]) -> str:
+    """The file ending's delimiter, unless the header has none of it and another one instead: spreadsheets set to
+    a locale with a decimal comma write `;`-separated `.csv` files, which read as one column named `text;label`."""
+    expected = "\t" if fmt == "tsv" else ","
+    header = next(iter(lines()), "")
+    if expected in header:
+        return expected
+    found = next((d for d in (";", "\t", ",", "|") if d != expected and d in header), None)
+    if found is None:
+        return expected
+    names = {";": "`;`", "\t": "tabs", ",": "commas", "|": "`|`"}
+    notes.append(f"`{path}`: the header is separated by {names[found]}, not {names[expected]}; read with "
+                 f"{names[found]} as the delimiter.")
+    return found
 
 
 def read_records(path: Path, encoding: str, text_column: str, label_column: str) -> tuple[list[str], list[dict]]:
@@ -145,6 +163,8 @@ def _read_parquet(path: Path) -> pa.Table:
 def _decode(path: Path, raw: bytes, encoding: str) -> str:
     """The file as text, or a UserError naming the line and column of the first byte that does not decode."""
     codec = "utf-8-sig" if _is_utf8(encoding) else encoding
+    if _is_utf8(encoding) and raw.startswith(UTF16_BOMS):  # e.g. a spreadsheet's "Unicode text": the mark says which
+        codec = "utf-32" if raw.startswith(UTF32_BOMS) else "utf-16"
     try:
         return raw.decode(codec)
     except UnicodeDecodeError as err:
