@@ -62,7 +62,24 @@ def load_data(cfg: ClassifyConfig) -> LabeledData:
 
 
 def save_data(data: LabeledData, run: RunDir, tokenizer, cfg: ClassifyConfig) -> None:
+    check_labels_tell_apart(tokenizer, data.labels)
     save_prepared(data, run, tokenizer, cfg)
+
+
+def check_labels_tell_apart(tokenizer, labels: list[str]) -> None:
+    """Labels the model would answer with the same tokens can be neither learned nor measured apart: a tokenizer
+    without byte fallback reads characters it lacks (an emoji, another script) as its unknown token, so `😱` and `喜び`
+    are both `<unk>`; training would teach one answer for both and scoring would tie them, without a word."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for label in labels:  # alone, not in the chat template: `emotune data` reads the tokenizer without one
+        groups.setdefault(tuple(tokenizer(label, add_special_tokens=False)["input_ids"]), []).append(label)
+    same = [names for names in groups.values() if len(names) > 1]
+    if same:
+        listed = "; ".join(", ".join(map(repr, names)) for names in same)
+        raise UserError(f"The labels {listed} are the same tokens to this model's tokenizer (characters it does not "
+                        "know read as its unknown token), so no training or scoring could tell them apart. Rename them "
+                        "with data.label_aliases (e.g. data.label_aliases={'😱': fear}) or use a model whose tokenizer "
+                        "covers them.")
 
 
 def describe_data(data: LabeledData) -> str:
