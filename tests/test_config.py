@@ -220,3 +220,16 @@ def test_a_template_override_is_the_text_typed_and_a_yaml_mapping_in_a_file_says
         load_config(path)
     with pytest.raises(UserError, match=r"`data.label_names`.*write a list in brackets, e.g. data.label_names=\[joy\]"):
         load_config(None, ["data.label_names=joy"])
+
+
+def test_other_tools_keys_and_section_keys_at_the_top_level_name_emotunes_key(tmp_path):
+    """`learning_rate:` at the top level, or an Axolotl file's `base_model:`, were answered with the top-level keys or a
+    section's name, not the key that holds the setting."""
+    path = tmp_path / "x.yaml"
+    path.write_text("base_model: google/gemma-3-270m-it\nmicro_batch_size: 2\nlora_r: 16\nlearning_rate: 2.0e-4\n")
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    message = str(err.value)
+    for key, meant in (("base_model", "model.source"), ("micro_batch_size", "train.batch_size"), ("lora_r", "lora.r"),
+                       ("learning_rate", "train.learning_rate")):
+        assert f"`{key}` is not a config key; did you mean `{meant}`" in message

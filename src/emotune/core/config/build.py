@@ -235,15 +235,28 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+# Other tools' names for emotune's keys (transformers' TrainingArguments, PEFT, Axolotl, TRL), for the message that
+# refuses them at the top level of an emotune config: a LLaMA-Factory file is translated whole instead.
+OTHER_TOOLS_NAMES = {
+    "per_device_train_batch_size": "train.batch_size", "micro_batch_size": "train.batch_size",
+    "num_epochs": "train.num_train_epochs", "lr_scheduler": "train.lr_scheduler_type", "optimizer": "train.optim",
+    "sequence_len": "train.max_length", "max_seq_length": "train.max_length", "cutoff_len": "train.max_length",
+    "base_model": "model.source", "model_name_or_path": "model.source", "lora_r": "lora.r", "lora_rank": "lora.r",
+    "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules",
+    "lora_target": "lora.target_modules", "datasets": "data.source", "dataset": "data.source",
+    "dataset_name": "data.source", "val_set_size": "data.validation_size", "bf16": "train.precision",
+    "fp16": "train.precision", "load_in_4bit": "model.quantization", "load_in_8bit": "model.quantization",
+    "adapter": "train.finetuning",
+}
+
+
 def _unknown_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str = "") -> list[str]:
     problems = []
     fields = model.model_fields
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys here: {', '.join(fields)}"
-            problems.append(f"`{dotted}` is not a config key{hint}")
+            problems.append(f"`{dotted}` is not a config key{_closest(str(key), model, prefix)}")
             continue
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -252,6 +265,21 @@ def _unknown_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str = "")
             else:
                 problems.append(f"`{dotted}` is a section; give its keys, e.g. {dotted}.{next(iter(annotation.model_fields))}=...")
     return problems
+
+
+def _closest(key: str, model: type[BaseModel], prefix: str) -> str:
+    """What the user probably meant: another tool's name for a key, a key of a section written at the top level
+    (`learning_rate` for `train.learning_rate`), or the closest spelling here."""
+    fields = model.model_fields
+    if not prefix:
+        sections = {name: info.annotation for name, info in fields.items()
+                    if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}
+        inside = next((f"{name}.{key}" for name, section in sections.items() if key in section.model_fields), None)
+        meant = OTHER_TOOLS_NAMES.get(key) or inside
+        if meant is not None:
+            return f"; did you mean `{meant}` (keys of a section go under it: {meant.split('.')[0]}: ...)?"
+    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    return f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys here: {', '.join(fields)}"
 
 
 def _describe(error: dict[str, Any]) -> str:

@@ -15,6 +15,8 @@ LLaMA-Factory's `TrainingArguments` (training_args.py) extends, read in the tran
 
 from __future__ import annotations
 
+import difflib
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -76,8 +78,14 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     t.set("task", "sft", "stage")
     for step in (_refusals, _model, _method, _dataset, _schedule, _precision, _steps, _output):
         step(t)
+    known = [*DEFAULTS, *REFUSED, *IGNORED]
     for key in file:
-        if key not in DEFAULTS and key not in REFUSED:
+        if key in DEFAULTS or key in REFUSED:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.85) if key not in IGNORED else []
+        if close:  # a misspelt key would be one setting silently left at its default; LLaMA-Factory refuses it too
+            t.problems.append(f"`{key}` is not a LLaMA-Factory key; did you mean `{close[0]}`?")
+        else:
             t.ignored.append((key, IGNORED.get(key, "not a LLaMA-Factory key emotune translates")))
     return t
 
