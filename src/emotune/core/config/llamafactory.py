@@ -16,7 +16,6 @@ LLaMA-Factory's `TrainingArguments` (training_args.py) extends, read in the tran
 from __future__ import annotations
 
 import difflib
-
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
