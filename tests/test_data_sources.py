@@ -38,7 +38,7 @@ def test_txt_semicolon_format_with_semicolons_in_text(tmp_path):
     assert all(t.endswith("; really") for t in data.splits["train"]["text"])  # the label follows the last `;`
 
 
-@pytest.mark.parametrize("alias", ["val", "dev", "valid", "validation"])
+@pytest.mark.parametrize("alias", ["val", "dev", "valid", "validation", "eval"])
 def test_folder_split_aliases(tmp_path, alias):
     _write_splits(tmp_path, names=("train", alias, "test"))
     data = load_data(DataConfig(source=str(tmp_path)), seed=0)
@@ -92,6 +92,13 @@ def test_save_to_disk_folders(tmp_path):
     cfg = DataConfig(source=str(tmp_path / "dict"), text_column="sentence", label_column="emotion")
     data = load_data(cfg, seed=0)
     assert data.labels == LABELS and _sizes(data) == {"train": 36, "validation": 12, "test": 12}
+
+    # `eval` is a validation split by another name (it was left out without a word); other names are said unused
+    renamed = {"train": parts["train"], "eval": parts["validation"], "test": parts["test"], "unsupervised": parts["test"]}
+    datasets.DatasetDict(renamed).save_to_disk(str(tmp_path / "renamed"))
+    data = load_data(cfg.model_copy(update={"source": str(tmp_path / "renamed")}), seed=0)
+    assert _sizes(data) == {"train": 36, "validation": 12, "test": 12}
+    assert "'unsupervised' are not train, validation or test" in " ".join(data.report["notes"])
 
     datasets.concatenate_datasets(list(parts.values())).save_to_disk(str(tmp_path / "one"))
     data = load_data(cfg.model_copy(update={"source": str(tmp_path / "one")}), seed=0)

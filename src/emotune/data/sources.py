@@ -24,7 +24,8 @@ from emotune.core.errors import UserError
 from emotune.data.read import FORMATS, read_table
 
 SPLITS = ("train", "validation", "test")
-SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev"), "test": ("test",)}
+SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev", "eval", "evaluation"),
+                 "test": ("test", "testing")}
 SPLIT_FILE = re.compile(r"^(?P<split>[a-z]+)(?:[-_.].*)?$")  # train.csv, train-00000-of-00001.parquet
 HUB_PREFIXES = ("hf:", "modelscope:")
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # never rows
@@ -190,11 +191,12 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
         raise UserError(f"`{folder}` looks like a `save_to_disk` folder but could not be loaded "
                         f"({str(err).splitlines()[0][:300] if str(err) else type(err).__name__}). Save it again.") from None
     parts = {"all": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
-    out = {}
+    out, unused = {}, []
     for name, ds in parts.items():
         split = next((s for s, aliases in SPLIT_ALIASES.items() if name.lower() in aliases), "all" if name == "all" else None)
         if split is None:
-            continue  # e.g. an `unsupervised` split
+            unused.append(name)  # e.g. an `unsupervised` split
+            continue
         table = ds.flatten_indices().data.table if ds._indices is not None else ds.data.table
         selected = _select_columns(table, f"{folder} [{name}]", cfg)
         label = ds.features.get(cfg.label_column)
@@ -202,6 +204,9 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
         out[split] = RawSplit(table=selected, origin=f"`{folder}` [{name}]", class_names=names)
     if "train" not in out and "all" not in out:
         raise UserError(f"The saved dataset `{folder}` has splits {list(parts)} but no train split. Rename one to `train`.")
+    if unused:  # said, not silently left out
+        next(iter(out.values())).notes.append(f"`{folder}`: split(s) {', '.join(map(repr, unused))} are not train, "
+                                              "validation or test by any name emotune knows; they are not used.")
     return out
 
 
