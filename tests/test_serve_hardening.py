@@ -319,3 +319,18 @@ def test_a_model_is_retrieved_by_its_id(http):
     assert card.status_code == 200 and card.json()["id"] == "tiny" and card.json()["object"] == "model"
     missing = http.get("/v1/models/nope", headers=AUTH)
     assert "does not exist" in _error(missing, 404)
+
+
+@pytest.mark.parametrize(("content", "content_type", "status", "says"), [
+    (b'{"model": "tiny", "input": "\xff\xfe"}', "application/json", 400, "could not be read as JSON (bytes that are not UTF-8"),
+    (b"[" * 5_000 + b"]" * 5_000, "application/json", 400, "could not be read as JSON"),
+    (b'{"model": "tiny", "input": hello}', "application/json", 400, "is not valid JSON (Expecting value at character 27)"),
+    (b'{"model": "tiny", "input": "happy"}', "text/plain", 415, "was sent as `text/plain`, not JSON"),
+    (b"model=tiny&input=happy", "application/x-www-form-urlencoded", 415, "not JSON"),
+])
+def test_a_body_that_is_not_a_json_object_says_what_to_send(http, content, content_type, status, says):
+    """These were "There was an error parsing the body", "0: JSON decode error" or "Input should be a valid
+    dictionary", which leave a client guessing."""
+    response = http.post("/v1/classify", headers={**AUTH, "Content-Type": content_type}, content=content)
+    message = _error(response, status)
+    assert says in message and "Content-Type: application/json" in message
