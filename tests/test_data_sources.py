@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -221,6 +222,24 @@ def test_json_variants(tmp_path):
     for name in ("array", "wrapped", "columns", "lines"):
         data = load_data(DataConfig(source=str(tmp_path / f"{name}.json")), seed=0)
         assert sum(_sizes(data).values()) == 30, name
+
+
+@pytest.mark.parametrize(("stars", "names", "expected"), [
+    ([1, 2, 3, 4, 5], ["1", "2", "3", "4", "5"], ["1", "2", "3", "4", "5"]),  # failed: id 5 is out of 0..4
+    ([1, 2, 3, 4], ["1", "2", "3", "4", "5"], "labels ['5'] have no training rows"),  # was: ['1'], as ids one down
+    ([0, 1, 2, 3, 4], ["1", "2", "3", "4", "5"], ["1", "2", "3", "4", "5"]),  # a 0 is no name: ids after all
+])
+def test_integer_labels_whose_names_are_those_numbers_are_names(tmp_path, stars, names, expected):
+    rows = [{"text": f"{word} review {i}", "label": star} for i in range(12) for star, word in zip(stars, LABELS, strict=False)]
+    (tmp_path / "d.csv").write_text("text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    if isinstance(expected, str):
+        with pytest.raises(UserError, match=re.escape(expected)):
+            load_data(DataConfig(source=str(tmp_path / "d.csv"), label_names=names), seed=0)
+        return
+    data = load_data(DataConfig(source=str(tmp_path / "d.csv"), label_names=names), seed=0)
+    text_to_label = {t: label for ds in data.splits.values() for t, label in zip(ds["text"], ds["label"], strict=True)}
+    assert sorted(set(text_to_label.values())) == expected
+    assert text_to_label[f"{LABELS[0]} review 0"] == expected[0]
 
 
 def test_ids_written_as_text_are_ids(tmp_path):
