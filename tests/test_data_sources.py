@@ -264,3 +264,17 @@ def test_spreadsheet_exports_with_another_delimiter_or_a_utf16_mark_are_read(tmp
     assert sorted(texts) == sorted(f"{r['text']} café" for r in rows) and sorted(data.labels) == sorted(LABELS)
     expected = "\t" if name.endswith(".tsv") else ","
     assert ("the header is separated by" in capsys.readouterr().out) == (delimiter != expected)
+
+
+def test_jsonl_whose_other_fields_change_type_between_rows_is_read(tmp_path):
+    """Arrow wants one type per field across rows, also in fields emotune never reads: an `id` that is a number in one
+    row and text in the next, or nested metadata, refused the whole file."""
+    rows = [{**r, "id": i if i % 2 else f"x{i}", "meta": {"tags": [1, {"a": None}]} if i % 3 else [], "text": r["text"]}
+            for i, r in enumerate(make_rows(5, seed=1))]
+    rows[4]["text"] = 2024  # a text that is a number, beside texts that are text
+    data = load_data(DataConfig(source=str(write_jsonl(tmp_path / "d.jsonl", rows))), seed=0)
+    texts = [t for ds in data.splits.values() for t in ds["text"]]
+    assert len(texts) == 30 and "2024" in texts
+    rows[7]["label"] = 3  # a label that is an id beside labels that are names: which one it means is unknown
+    with pytest.raises(UserError, match=r"the `label` field holds values of several types \(int, str\)"):
+        load_data(DataConfig(source=str(write_jsonl(tmp_path / "d.jsonl", rows))), seed=0)

@@ -53,7 +53,7 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         lines = lambda: io.StringIO(text, newline="")  # noqa: E731
         source = pa.py_buffer(text.encode("utf-8"))
     if fmt == "jsonl":
-        return _read_jsonl(path, source, lines)
+        return _read_jsonl(path, source, lines, (text_column, label_column))
     return read_csv(path, source, _delimiter(path, fmt, lines, notes), lines, text_column, label_column, notes)
 
 
@@ -177,7 +177,7 @@ def _decode(path: Path, raw: bytes, encoding: str) -> str:
         raise UserError(f"`{path}` cannot be decoded as {encoding} ({err}). Set data.encoding to the file's encoding.") from None
 
 
-def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines) -> pa.Table:
+def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[str, ...] = ()) -> pa.Table:
     try:
         reader = source if isinstance(source, str) else pa.BufferReader(source)
         return pa_json.read_json(reader, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
@@ -186,8 +186,34 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines) -> pa.Table:
         if problem:
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
+        if used:
+            return _jsonl_by_python(path, lines, used)
         raise UserError(f"`{path}` could not be read as JSON Lines ({first_line(err)}). Give every row the "
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
+
+
+def _jsonl_by_python(path: Path, lines: Lines, used: tuple[str, ...]) -> pa.Table:
+    """Every line is valid JSON, yet Arrow wants one type per field across all rows, also in fields emotune never
+    reads (an `id` that is a number here and text there, nested metadata): read the file with Python's json. The
+    fields emotune uses keep their values (a text that is a number becomes its text); every other field is kept
+    as its JSON text, so its name is still there for messages."""
+    rows = [json.loads(line) for line in lines() if line.strip()]
+    names = list(dict.fromkeys(key for row in rows for key in row))
+    text_column = used[0]
+    columns = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if name == text_column:
+            values = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
+        elif name not in used:
+            values = [None if v is None else json.dumps(v, ensure_ascii=False) for v in values]
+        try:
+            columns[name] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            kinds = sorted({type(v).__name__ for v in values if v is not None})
+            raise UserError(f"`{path}`: the `{name}` field holds values of several types ({', '.join(kinds)}); give "
+                            "it one type in every row (e.g. all labels names, or all integer ids).") from None
+    return pa.table(columns)
 
 
 class _RepeatedKey(Exception):
