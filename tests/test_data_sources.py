@@ -278,3 +278,6 @@ def test_jsonl_whose_other_fields_change_type_between_rows_is_read(tmp_path):
     rows[7]["label"] = 3  # a label that is an id beside labels that are names: which one it means is unknown
     with pytest.raises(UserError, match=r"the `label` field holds values of several types \(int, str\)"):
         load_data(DataConfig(source=str(write_jsonl(tmp_path / "d.jsonl", rows))), seed=0)
+    rows[7]["label"] = rows[8]["label"]
+    (tmp_path / "d.json").write_text(json.dumps(rows))  # a JSON array the same
+    assert sum(_sizes(load_data(DataConfig(source=str(tmp_path / "d.json")), seed=0)).values()) == 30

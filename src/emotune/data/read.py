@@ -49,7 +49,9 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         if not text.strip():
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
         if fmt in ("json", "txt"):
-            return _read_json(path, text) if fmt == "json" else _read_txt(path, text, text_column, label_column)
+            if fmt == "json":
+                return _read_json(path, text, (text_column, label_column))
+            return _read_txt(path, text, text_column, label_column)
         lines = lambda: io.StringIO(text, newline="")  # noqa: E731
         source = pa.py_buffer(text.encode("utf-8"))
     if fmt == "jsonl":
@@ -187,17 +189,16 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[s
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
         if used:
-            return _jsonl_by_python(path, lines, used)
+            return _rows_table(path, [json.loads(line) for line in lines() if line.strip()], used)
         raise UserError(f"`{path}` could not be read as JSON Lines ({first_line(err)}). Give every row the "
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
 
 
-def _jsonl_by_python(path: Path, lines: Lines, used: tuple[str, ...]) -> pa.Table:
-    """Every line is valid JSON, yet Arrow wants one type per field across all rows, also in fields emotune never
-    reads (an `id` that is a number here and text there, nested metadata): read the file with Python's json. The
-    fields emotune uses keep their values (a text that is a number becomes its text); every other field is kept
+def _rows_table(path: Path, rows: list[dict], used: tuple[str, ...]) -> pa.Table:
+    """Rows that are valid JSON, yet Arrow wants one type per field across all rows, also in fields emotune never
+    reads (an `id` that is a number here and text there, nested metadata): the table built from Python's values.
+    The fields emotune uses keep their values (a text that is a number becomes its text); every other field is kept
     as its JSON text, so its name is still there for messages."""
-    rows = [json.loads(line) for line in lines() if line.strip()]
     names = list(dict.fromkeys(key for row in rows for key in row))
     text_column = used[0]
     columns = {}
@@ -244,14 +245,14 @@ def _bad_json_line(lines: Iterator[str]) -> str | None:
     return None
 
 
-def _read_json(path: Path, text: str) -> pa.Table:
+def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
     """A JSON array of objects, an object of columns, or `{"data": [...]}`; JSON Lines under .json too."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
             # many `.json` files are really JSON Lines
-            return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""))
+            return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""), used)
         raise UserError(f"`{path}` is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}. "
                         "Fix the file there.") from None
     if isinstance(value, dict):
@@ -263,6 +264,11 @@ def _read_json(path: Path, text: str) -> pa.Table:
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
         raise UserError(f"`{path}` must hold a JSON array of objects such as "
                         '[{"text": "...", "label": "..."}] (or JSON Lines); it holds something else.')
+    if used:
+        try:
+            return pa.Table.from_pylist(value)
+        except (pa.ArrowException, ValueError, TypeError):
+            return _rows_table(path, value, used)
     return _arrow(path, lambda: pa.Table.from_pylist(value))
 
 
