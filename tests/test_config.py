@@ -233,3 +233,18 @@ def test_other_tools_keys_and_section_keys_at_the_top_level_name_emotunes_key(tm
     for key, meant in (("base_model", "model.source"), ("micro_batch_size", "train.batch_size"), ("lora_r", "lora.r"),
                        ("learning_rate", "train.learning_rate")):
         assert f"`{key}` is not a config key; did you mean `{meant}`" in message
+
+
+def test_a_run_folder_or_a_data_file_given_as_the_config_says_what_it_is(tmp_path):
+    """`emotune run runs/x` said the config "does not exist", and `emotune run reviews.jsonl` showed a YAML syntax
+    error in the first row of data."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("name: run\n")
+    with pytest.raises(UserError, match=r"is a folder; it looks like a run folder, whose config is `.*run/config.yaml`"):
+        load_config(tmp_path / "run")
+    (tmp_path / "d.jsonl").write_text('{"text": "hi", "label": "joy"}\n')
+    with pytest.raises(UserError, match=r"is a data file, not a config. Give it as data.source"):
+        load_config(tmp_path / "d.jsonl")
+    (tmp_path / "d.json").write_text('[{"text": "hi", "label": "joy"}]')
+    with pytest.raises(UserError, match=r"not a list \(rows of data\? give a data file as data.source=FILE\)"):
+        load_config(tmp_path / "d.json")

@@ -90,6 +90,9 @@ def _name_from_file(path: Path) -> str:
     return re.sub(r"[^\w.-]+", "-", path.stem).strip("-")[:100].strip(".") or "default"
 
 
+DATA_ENDINGS = (".csv", ".tsv", ".jsonl", ".parquet", ".txt", ".arrow")  # never a config, always a data.source
+
+
 class DuplicateKeyError(yaml.YAMLError):
     pass
 
@@ -122,8 +125,16 @@ def _yaml(text: str) -> Any:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """The YAML mapping in `path` (duplicate keys refused, naming both lines), or a UserError saying what is wrong."""
+    if path.is_dir():
+        saved = path / "config.yaml"
+        hint = (f"; it looks like a run folder, whose config is `{saved}` (pass that to resume or repeat the run)"
+                if saved.is_file() else "")
+        raise UserError(f"Config file `{path}` is a folder{hint}. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
     if not path.is_file():
         raise UserError(f"Config file `{path}` does not exist. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
+    if path.suffix.lower() in DATA_ENDINGS:
+        raise UserError(f"`{path}` is a data file, not a config. Give it as data.source after a config, e.g. "
+                        f"emotune run configs/cpu-own-data.yaml data.source={path}")
     try:
         data = _yaml(path.read_text(encoding="utf-8"))
     except DuplicateKeyError as err:
@@ -135,7 +146,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"Config file `{path}` must hold a mapping of sections (model:, data:, ...), not a {type(data).__name__}.")
+        data_file = " (rows of data? give a data file as data.source=FILE)" if isinstance(data, list) else ""
+        raise UserError(f"Config file `{path}` must hold a mapping of sections (model:, data:, ...), not a "
+                        f"{type(data).__name__}{data_file}.")
     return data
 
 
