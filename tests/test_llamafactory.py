@@ -207,6 +207,9 @@ def test_config_from_llamafactory_writes_an_equivalent_emotune_yaml(lf_yaml, tmp
     saved = tmp_path / "translated.yaml"
     saved.write_text(text, encoding="utf-8")
     assert load_config(saved) == load_config(path, ["max_steps=5", "eval.max_new_tokens=3"])
+    # translating the translation (an emotune config) listed LLaMA-Factory's missing keys as its problems
+    assert main(["config", "--from-llamafactory", str(saved)]) == 2
+    assert "is an emotune config already" in capsys.readouterr().err
 
 
 def test_key_value_overrides_apply_on_top(lf_yaml):
