@@ -156,3 +156,26 @@ def test_token_length_percentiles_are_rounded_in_the_report():
     stats = token_length_stats(data, words, load_config(None, []))["train"]
     assert stats["p50"] == 8.5 and stats["p95"] == 25.9 and stats["p99"] == 29.2
     assert all(len(repr(v).partition(".")[2]) <= 1 for v in stats.values())
+
+
+def test_a_prompt_longer_than_max_length_is_refused_before_training_learns_nothing(tiny_model_dir, data_dir, tmp_path,
+                                                                                   capsys):
+    """With train.max_length below the prompt's own length every row lost its label: the run trained on no answer
+    token (loss 0.0000), printed two warnings and reported the base model as the trained one."""
+    from datasets import Dataset
+
+    from emotune.core.config.data import PromptConfig
+    from emotune.core.config.model import ModelConfig
+    from emotune.core.errors import UserError
+    from emotune.model.loading import load_tokenizer
+    from emotune.tasks.classify.task import encode_examples
+
+    assert main(["data", *_data_overrides(tiny_model_dir, data_dir, tmp_path), "train.max_length=16"]) == 2
+    err = capsys.readouterr().err
+    assert "take 55 tokens before any text" in err and "train.max_length=16" in err
+    assert not (tmp_path / "runs" / "d" / "data").exists()
+    tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
+    rows = Dataset.from_list(make_rows(1, seed=1))
+    with pytest.raises(UserError, match="Every one of the 6 rows lost its label"):
+        encode_examples(rows, tokenizer, PromptConfig(), LABELS, max_length=16)
+    assert len(encode_examples(rows, tokenizer, PromptConfig(), LABELS, max_length=256)) == 6
