@@ -251,3 +251,17 @@ def test_answers_with_weight_0_carry_no_loss_and_the_data_keeps_the_mark(tokeniz
     assert "last assistant turn has weight 0" in normalise(row, "messages", SftColumns(), OPENAI_TAGS, "f")
     row["messages"][3]["weight"] = 0.5
     assert "other than 0 or 1" in normalise(row, "messages", SftColumns(), OPENAI_TAGS, "f")
+
+
+def test_training_rows_all_cut_before_their_answer_are_refused(tokenizer):
+    """Every row cut at train.max_length before its answer trained on nothing (loss 0) and reported the base as trained."""
+    from emotune.core.config.load import load_config
+    from emotune.core.errors import UserError
+    from emotune.data.conversation_data import ConversationData
+    from emotune.tasks.sft.task import training_rows
+
+    data = ConversationData({"train": [CONVERSATION] * 3, "validation": [CONVERSATION], "test": [CONVERSATION]}, "x")
+    with pytest.raises(UserError, match="Every one of the 3 train rows is cut at train.max_length=8 before its answer"):
+        training_rows(data, tokenizer, load_config(None, ["task=sft", "train.max_length=8"]))
+    train, validation = training_rows(data, tokenizer, load_config(None, ["task=sft", "train.max_length=256"]))
+    assert len(train) == 3 and len(validation) == 1
