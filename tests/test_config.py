@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -248,3 +249,16 @@ def test_a_run_folder_or_a_data_file_given_as_the_config_says_what_it_is(tmp_pat
     (tmp_path / "d.json").write_text('[{"text": "hi", "label": "joy"}]')
     with pytest.raises(UserError, match=r"not a list \(rows of data\? give a data file as data.source=FILE\)"):
         load_config(tmp_path / "d.json")
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["data.label_column=text"], "data.text_column and data.label_column name the same column `text`"),
+    (["data.text_column=label"], "name the same column `label`"),
+    (["data.label_names=[joy, ' Joy']"], "names [' Joy', 'joy'] as more than one label"),
+    (["data.label_names=[joy, '']"], "holds an empty name"),
+])
+def test_label_settings_that_cannot_mean_anything_are_refused(overrides, says):
+    """The same column as text and label ended in "labels [...] have no training rows" (a label per text); two names
+    that differ in case only are one label to the data, which then had no rows for the other."""
+    with pytest.raises(UserError, match=re.escape(says)):
+        load_config(None, overrides)
