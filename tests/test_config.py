@@ -256,6 +256,10 @@ def test_a_run_folder_or_a_data_file_given_as_the_config_says_what_it_is(tmp_pat
     (["data.text_column=label"], "name the same column `label`"),
     (["data.label_names=[joy, ' Joy']"], "names [' Joy', 'joy'] as more than one label"),
     (["data.label_names=[joy, '']"], "holds an empty name"),
+    # an empty source is the working directory to pathlib: `data.source=` read the train.* files found under it
+    (["data.source="], "`data.source`: is empty; name a file, a folder, a hub id or `embedded`"),
+    (["task=sft", "data.source= "], "`data.source`: is empty"),
+    (["model.source="], "`model.source`: is empty"),
 ])
 def test_label_settings_that_cannot_mean_anything_are_refused(overrides, says):
     """The same column as text and label ended in "labels [...] have no training rows" (a label per text); two names

@@ -12,6 +12,7 @@ from emotune.core.config.base import (
     DEFAULT_USER_TEMPLATE,
     Range,
     Section,
+    named_source,
 )
 
 TextAction = Literal["keep", "replace", "drop"]
@@ -108,6 +109,7 @@ class DataConfig(Section):
     the largest class; `class_weight` leaves the rows alone and computes per-class loss weights
     (n / (classes x n_class), in data_report.json) that weight each training row's completion loss."""
     cleaning: CleaningConfig = CleaningConfig()
+    _named = field_validator("source")(named_source)
 
     @field_validator("encoding")
     @classmethod
