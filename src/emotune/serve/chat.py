@@ -182,7 +182,7 @@ async def stream_chat(job: dict, engine: Engine, state: Server, ticket: Ticket, 
         if rest:
             yield _chunk(job, {"content": rest})
         yield _chunk(job, {}, finish)
-        if job["include_usage"]:  # stream_options.include_usage: OpenAI's last chunk, no choices and the usage
+        if job.get("include_usage"):  # stream_options.include_usage: OpenAI's last chunk, no choices and the usage
             yield _chunk(job, None, usage=usage)
     except Exception as err:  # noqa: BLE001 (the status line is sent: the error can only go in-band)
         log.error("chat stream %s failed", job["id"], exc_info=err)
