@@ -118,7 +118,7 @@ def test_classification_loss_and_gradients_unchanged(model, tokenizer, tiny_mode
 
     cfg = load_config(None, [f"data.source={data_dir}", f"data.label_names=[{', '.join(LABELS)}]"])
     data = load_data(cfg.data, cfg.seed)
-    rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, 40,
+    rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, 256,
                            class_weights={label: 1.0 + i / 10 for i, label in enumerate(LABELS)})[:8]
     rows.append(Example(rows[0].input_ids, len(rows[0].input_ids)))  # a row whose label was cut away
     new, old = collate(rows, tokenizer.pad_token_id, torch.device("cpu")), _reference_collate(rows, tokenizer.pad_token_id)
