@@ -284,3 +284,18 @@ def test_dataset_info_entries_of_the_wrong_types_are_named(tmp_path, entry, says
     (tmp_path / "dataset_info.json").write_text(json.dumps({"d": {"formatting": "sharegpt", **entry}}))
     with pytest.raises(UserError, match=says):
         _data(tmp_path, "data.datasets=[d]")
+
+
+def test_save_to_disk_folders_of_conversations(tmp_path):
+    """save_to_disk writes its own dataset_info.json, which was taken for LLaMA-Factory's ("name the datasets to
+    train on"), and a DatasetDict's split folders were "no train file"."""
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(30)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    assert sum(len(s) for s in _data(tmp_path / "one").splits.values()) == 30
+    parts = {"train": rows[:20], "eval": rows[20:25], "test": rows[25:]}
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in parts.items()}).save_to_disk(str(tmp_path / "dict"))
+    data = _data(tmp_path / "dict")
+    assert {s: len(r) for s, r in data.splits.items()} == {"train": 20, "validation": 5, "test": 5}

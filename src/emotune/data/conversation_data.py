@@ -24,7 +24,7 @@ from emotune.data import splits as split_ops
 from emotune.data.conversations import Conversation, detect_format, normalise, required_columns
 from emotune.data.dataset_info import Entry, has_dataset_info, read_entries
 from emotune.data.read import read_records
-from emotune.data.sources import HUB_PREFIXES, SPLITS, download_hub_dataset, split_files
+from emotune.data.sources import HUB_PREFIXES, SPLITS, download_hub_dataset, is_saved_dataset, saved_splits, split_files
 
 
 @dataclass
@@ -87,6 +87,8 @@ def _entries(cfg: SftDataConfig) -> list[tuple[str, Entry]]:
     if not folder.is_dir():
         raise UserError(f"data.source `{cfg.source}` does not exist. Give a JSON/JSONL/Parquet file, a folder of split "
                         "files, a folder with LLaMA-Factory's dataset_info.json, `embedded`, or a hub dataset (hf:owner/name).")
+    if is_saved_dataset(folder):  # before dataset_info.json: save_to_disk writes a file of that name too
+        return [(split, plain(f"{split} ({folder.name})", [path])) for split, path in saved_splits(folder).items()]
     if has_dataset_info(folder):
         return _named_entries(folder, cfg)
     if cfg.datasets or cfg.eval_datasets:

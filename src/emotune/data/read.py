@@ -80,6 +80,8 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str)
     Python's json, not Arrow: Arrow wants one type per field across all rows, and conversations legally mix them (an
     OpenAI message's content is a string in one message and a list of parts in the next; tool arguments are text or
     an object), so Arrow refused valid files whole."""
+    if path.is_dir():  # one split of a save_to_disk folder (emotune.data.sources.saved_splits)
+        return _saved_rows(path)
     fmt = FORMATS.get(path.suffix.lower())
     if fmt not in ("json", "jsonl"):
         table = read_table(path, encoding, text_column, label_column, [])
@@ -89,6 +91,17 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str)
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
     rows = _json_lines(path, text) if fmt == "jsonl" else _json_rows(path, text, text_column, label_column)
     return list(dict.fromkeys(key for row in rows for key in row)), rows
+
+
+def _saved_rows(folder: Path) -> tuple[list[str], list[dict]]:
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(str(folder))
+    except Exception as err:  # a damaged or foreign folder
+        raise UserError(f"`{folder}` looks like a `save_to_disk` folder but could not be loaded "
+                        f"({first_line(err) or type(err).__name__}). Save it again.") from None
+    return list(saved.column_names), saved.to_list()
 
 
 def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> list[dict]:

@@ -10,6 +10,7 @@ when the source is one file to be split) with the configured text and label colu
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -74,7 +75,7 @@ def read_source(cfg: DataConfig) -> dict[str, RawSplit]:
     if folder is None:
         path = Path(cfg.source).expanduser()
         return {"all": _read_files([path], cfg)}
-    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+    if is_saved_dataset(folder):
         return _read_saved_dataset(folder, cfg)
     out, problems = {}, []
     for split, paths in split_files(folder).items():
@@ -180,6 +181,28 @@ def _label_metadata(table: pa.Table, label_column: str) -> dict | None:
     if not isinstance(feature, ClassLabel):
         return None
     return Features({"label": feature}).arrow_schema.metadata
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """A folder `datasets`' save_to_disk wrote: a DatasetDict (dataset_dict.json) or one Dataset (state.json)."""
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+def saved_splits(folder: Path) -> dict[str, Path]:
+    """Split -> the folder of each split a save_to_disk folder holds (`all` for one Dataset); splits of no known name
+    are left out, and a folder without a train split is refused."""
+    if (folder / "state.json").is_file():
+        return {"all": folder}
+    try:
+        names = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"`{folder}/dataset_dict.json` is not the file save_to_disk writes. Save the dataset again.") from None
+    found = {next((s for s, aliases in SPLIT_ALIASES.items() if str(n).lower() in aliases), None): folder / str(n)
+             for n in names}
+    found.pop(None, None)
+    if "train" not in found:
+        raise UserError(f"The saved dataset `{folder}` has splits {names} but no train split. Rename one to `train`.")
+    return found
 
 
 def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
