@@ -124,8 +124,9 @@ def data_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def build_tokenizer(folder: Path):
-    """A word-level tokenizer over the fixture vocabulary with Gemma's special tokens and turn format."""
+def build_tokenizer(folder: Path, extra_words: tuple[str, ...] = ()):
+    """A word-level tokenizer over the fixture vocabulary (and `extra_words`) with Gemma's special tokens and turn
+    format. Any other word is its unknown token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -135,7 +136,7 @@ def build_tokenizer(folder: Path):
     words = set(FILLER) | set(LABELS) | {w for cues in CUES.values() for w in cues}
     words |= {"you", "are", "an", "emotion", "classification", "assistant", "read", "text", "and", "reply", "with",
               "exactly", "one", "word", "it", "expresses", "that", "only", "classify", "of", "user", "model", "system",
-              ".", ",", ":", "\n", "\n\n"}
+              ".", ",", ":", "\n", "\n\n", *extra_words}
     vocab = {tok: i for i, tok in enumerate(specials + sorted(words))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
@@ -152,11 +153,24 @@ def build_tokenizer(folder: Path):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Gemma 3 text model (about 30k parameters) saved as a Hugging Face folder."""
+    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+ZH_LABELS = ("喜悦", "愤怒", "悲伤")
+
+
+@pytest.fixture(scope="session")
+def tiny_zh_labels_dir(tmp_path_factory) -> Path:
+    """tiny_model_dir's model with a tokenizer that also knows ZH_LABELS as words: the fixture tokenizer reads every
+    word it lacks as its unknown token, which would make them one answer (refused, see check_labels_tell_apart)."""
+    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-zh"), ZH_LABELS)
+
+
+def _tiny_gemma3(folder: Path, extra_words: tuple[str, ...] = ()) -> Path:
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    folder = tmp_path_factory.mktemp("tiny-gemma3")
-    tokenizer = build_tokenizer(folder)
+    tokenizer = build_tokenizer(folder, extra_words)
     config = Gemma3TextConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,

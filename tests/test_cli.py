@@ -120,3 +120,25 @@ def test_ctrl_c_stops_a_run_that_inherited_sigint_ignored(tiny_overrides, tmp_pa
     finally:
         process.kill()
     assert code == 130, process.stderr.read()[-2000:]
+
+
+@pytest.mark.parametrize(("argv", "field", "expected"), [
+    (["serve", "runs/x", "--no-auth", "serve.port=8001"], "items", ["runs/x", "serve.port=8001"]),
+    (["predict", "runs/x", "--device", "cpu", "i am happy", "so sad"], "texts", ["i am happy", "so sad"]),
+    (["plan", "c.yaml", "--json", "train.batch_size=8"], "overrides", ["train.batch_size=8"]),
+])
+def test_positional_arguments_after_a_flag_join_their_list(argv, field, expected, monkeypatch):
+    """argparse ends a command's trailing list at the first flag: `emotune serve RUN --no-auth serve.port=8001` (the
+    README's command with a port) stopped with "unrecognized arguments"."""
+    from emotune import cli
+
+    seen = {}
+    monkeypatch.setitem(cli.COMMANDS, argv[0], (lambda args: seen.update(vars(args)) or 0, cli.COMMANDS[argv[0]][1]))
+    assert main(argv) == 0
+    assert seen[field] == expected
+
+
+def test_an_override_without_its_value_after_a_flag_is_still_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "c.yaml", "--json", "train.batch_size"])
+    assert "unrecognized arguments: train.batch_size" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -195,3 +196,73 @@ def test_the_own_data_recipe_trains_for_a_time_budget_with_epochs_as_the_upper_b
     assert (cfg.train.time_budget, cfg.train.max_steps, cfg.train.num_train_epochs) == ("20m", -1, 3)
     assert cfg.eval.method == "score" and cfg.data.balance == "none"
     assert cfg.data.validation_limit is not None  # validations are paid from the budget
+
+
+def test_text_fields_keep_what_was_written_where_yaml_reads_booleans_and_numbers(tmp_path):
+    """YAML 1.1 makes `yes`/`no`/`on` booleans and `007`, `1.10` numbers: binary yes/no labels, star ratings and a run
+    named 2024 failed as "not a valid string" (or would lose their spelling) before text fields got the text back."""
+    path = tmp_path / "x.yaml"
+    path.write_text("data:\n  label_names: [yes, no, on, 1.10]\n  label_aliases: {y: yes, 1: no}\nname: 007\n")
+    cfg = load_config(path)
+    assert cfg.data.label_names == ["yes", "no", "on", "1.10"]
+    assert cfg.data.label_aliases == {"y": "yes", "1": "no"}
+    assert cfg.name == "007"
+    cfg = load_config(None, ["data.label_names=[1, 2, 3]", "name=2024", "data.label_column=true", "seed=007"])
+    assert cfg.data.label_names == ["1", "2", "3"] and cfg.name == "2024" and cfg.data.label_column == "true"
+    assert cfg.seed == 7  # a number field still reads YAML's number
+
+
+def test_a_template_override_is_the_text_typed_and_a_yaml_mapping_in_a_file_says_to_quote_it(tmp_path):
+    cfg = load_config(None, ["prompt.user_template=Review: {text}", "prompt.system_prompt={labels}"])
+    assert cfg.prompt.user_template == "Review: {text}" and cfg.prompt.system_prompt == "{labels}"
+    path = tmp_path / "x.yaml"
+    path.write_text("prompt:\n  user_template: {text}\n")
+    with pytest.raises(UserError, match=r"`prompt.user_template`.*YAML read a mapping there: put the value in quotes"):
+        load_config(path)
+    with pytest.raises(UserError, match=r"`data.label_names`.*write a list in brackets, e.g. data.label_names=\[joy\]"):
+        load_config(None, ["data.label_names=joy"])
+
+
+def test_other_tools_keys_and_section_keys_at_the_top_level_name_emotunes_key(tmp_path):
+    """`learning_rate:` at the top level, or an Axolotl file's `base_model:`, were answered with the top-level keys or a
+    section's name, not the key that holds the setting."""
+    path = tmp_path / "x.yaml"
+    path.write_text("base_model: google/gemma-3-270m-it\nmicro_batch_size: 2\nlora_r: 16\nlearning_rate: 2.0e-4\n")
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    message = str(err.value)
+    for key, meant in (("base_model", "model.source"), ("micro_batch_size", "train.batch_size"), ("lora_r", "lora.r"),
+                       ("learning_rate", "train.learning_rate")):
+        assert f"`{key}` is not a config key; did you mean `{meant}`" in message
+
+
+def test_a_run_folder_or_a_data_file_given_as_the_config_says_what_it_is(tmp_path):
+    """`emotune run runs/x` said the config "does not exist", and `emotune run reviews.jsonl` showed a YAML syntax
+    error in the first row of data."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("name: run\n")
+    with pytest.raises(UserError, match=r"is a folder; it looks like a run folder, whose config is `.*run/config.yaml`"):
+        load_config(tmp_path / "run")
+    (tmp_path / "d.jsonl").write_text('{"text": "hi", "label": "joy"}\n')
+    with pytest.raises(UserError, match=r"is a data file, not a config. Give it as data.source"):
+        load_config(tmp_path / "d.jsonl")
+    (tmp_path / "d.json").write_text('[{"text": "hi", "label": "joy"}]')
+    with pytest.raises(UserError, match=r"not a list \(rows of data\? give a data file as data.source=FILE\)"):
+        load_config(tmp_path / "d.json")
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["data.label_column=text"], "data.text_column and data.label_column name the same column `text`"),
+    (["data.text_column=label"], "name the same column `label`"),
+    (["data.label_names=[joy, ' Joy']"], "names [' Joy', 'joy'] as more than one label"),
+    (["data.label_names=[joy, '']"], "holds an empty name"),
+    # an empty source is the working directory to pathlib: `data.source=` read the train.* files found under it
+    (["data.source="], "`data.source`: is empty; name a file, a folder, a hub id or `embedded`"),
+    (["task=sft", "data.source= "], "`data.source`: is empty"),
+    (["model.source="], "`model.source`: is empty"),
+])
+def test_label_settings_that_cannot_mean_anything_are_refused(overrides, says):
+    """The same column as text and label ended in "labels [...] have no training rows" (a label per text); two names
+    that differ in case only are one label to the data, which then had no rows for the other."""
+    with pytest.raises(UserError, match=re.escape(says)):
+        load_config(None, overrides)

@@ -72,12 +72,12 @@ def test_changed_data_config_is_not_reused(tiny_model_dir, data_dir, tmp_path, c
     assert report["rows"]["test"] == 6
 
 
-def test_chinese_labels_through_emotune_data(tiny_model_dir, tmp_path, capsys):
+def test_chinese_labels_through_emotune_data(tiny_zh_labels_dir, tmp_path, capsys):
     names = ["喜悦", "愤怒", "悲伤"]
     for seed, split in enumerate(("train", "validation", "test")):
         rows = [{"text": f"{r['text']} {seed}", "label": names[LABELS.index(r["label"]) % 3]} for r in make_rows(2, seed)]
         write_jsonl(tmp_path / f"{split}.jsonl", rows)
-    assert main(["data", *_data_overrides(tiny_model_dir, tmp_path, tmp_path), "data.label_names=[喜悦, 愤怒, 悲伤]"]) == 0
+    assert main(["data", *_data_overrides(tiny_zh_labels_dir, tmp_path, tmp_path), "data.label_names=[喜悦, 愤怒, 悲伤]"]) == 0
     assert "喜悦" in capsys.readouterr().out
     report = json.loads((tmp_path / "runs" / "d" / "data" / "data_report.json").read_text(encoding="utf-8"))
     assert report["labels"] == names and report["label_counts"]["train"] == {n: 4 for n in names}
@@ -97,15 +97,30 @@ def test_real_emotion_dataset_known_leakage_and_duplicates():
     assert not train & set(data.splits["test"]["text"]) and not train & set(data.splits["validation"]["text"])
 
 
-def test_chinese_labels_through_a_whole_run(tiny_overrides, tmp_path):
+def test_labels_the_tokenizer_cannot_tell_apart_are_refused_before_any_weights_load(tiny_model_dir, tmp_path, capsys):
+    """The fixture tokenizer reads words it lacks (an emoji, another script) as its unknown token: such labels were
+    trained as one answer and tied in scoring, without a word."""
+    rows = [{"text": r["text"], "label": {"joy": "😀", "sadness": "حزن", "fear": "恐惧"}.get(r["label"], r["label"])}
+            for r in make_rows(3, seed=1)]
+    source = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert main(["data", *_data_overrides(tiny_model_dir, source, tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'حزن', '恐惧', '😀' are the same tokens to this model's tokenizer" in err and "data.label_aliases" in err
+    assert not (tmp_path / "runs" / "d" / "data").exists()
+    aliases = "data.label_aliases={😀: joy, حزن: sadness, 恐惧: fear}"
+    assert main(["data", *_data_overrides(tiny_model_dir, source, tmp_path), aliases]) == 0
+
+
+def test_chinese_labels_through_a_whole_run(tiny_zh_labels_dir, tiny_overrides, tmp_path):
     names = ["喜悦", "愤怒", "悲伤"]
     folder = tmp_path / "zh"
     folder.mkdir()
     for seed, split in enumerate(("train", "validation", "test")):
         rows = [{"text": f"{r['text']} {seed}", "label": names[LABELS.index(r["label"]) % 3]} for r in make_rows(2, seed)]
         write_jsonl(folder / f"{split}.jsonl", rows)
-    overrides = [o for o in tiny_overrides if not o.startswith(("data.source=", "data.label_names="))]
-    assert main(["run", *overrides, f"data.source={folder}", "data.label_names=[喜悦, 愤怒, 悲伤]"]) == 0
+    overrides = [o for o in tiny_overrides if not o.startswith(("data.source=", "data.label_names=", "model.source="))]
+    assert main(["run", *overrides, f"data.source={folder}", "data.label_names=[喜悦, 愤怒, 悲伤]",
+                 f"model.source={tiny_zh_labels_dir}"]) == 0
     run_dir = tmp_path / "runs" / "tiny"
     meta = json.loads((run_dir / "adapter" / "emotune.json").read_text(encoding="utf-8"))
     assert meta["labels"] == names and "喜悦, 愤怒, 悲伤" in meta["system_prompt"]
@@ -141,3 +156,26 @@ def test_token_length_percentiles_are_rounded_in_the_report():
     stats = token_length_stats(data, words, load_config(None, []))["train"]
     assert stats["p50"] == 8.5 and stats["p95"] == 25.9 and stats["p99"] == 29.2
     assert all(len(repr(v).partition(".")[2]) <= 1 for v in stats.values())
+
+
+def test_a_prompt_longer_than_max_length_is_refused_before_training_learns_nothing(tiny_model_dir, data_dir, tmp_path,
+                                                                                   capsys):
+    """With train.max_length below the prompt's own length every row lost its label: the run trained on no answer
+    token (loss 0.0000), printed two warnings and reported the base model as the trained one."""
+    from datasets import Dataset
+
+    from emotune.core.config.data import PromptConfig
+    from emotune.core.config.model import ModelConfig
+    from emotune.core.errors import UserError
+    from emotune.model.loading import load_tokenizer
+    from emotune.tasks.classify.task import encode_examples
+
+    assert main(["data", *_data_overrides(tiny_model_dir, data_dir, tmp_path), "train.max_length=16"]) == 2
+    err = capsys.readouterr().err
+    assert "take 55 tokens before any text" in err and "train.max_length=16" in err
+    assert not (tmp_path / "runs" / "d" / "data").exists()
+    tokenizer = load_tokenizer(tiny_model_dir, ModelConfig())
+    rows = Dataset.from_list(make_rows(1, seed=1))
+    with pytest.raises(UserError, match="Every one of the 6 rows lost its label"):
+        encode_examples(rows, tokenizer, PromptConfig(), LABELS, max_length=16)
+    assert len(encode_examples(rows, tokenizer, PromptConfig(), LABELS, max_length=256)) == 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -38,7 +39,7 @@ def test_txt_semicolon_format_with_semicolons_in_text(tmp_path):
     assert all(t.endswith("; really") for t in data.splits["train"]["text"])  # the label follows the last `;`
 
 
-@pytest.mark.parametrize("alias", ["val", "dev", "valid", "validation"])
+@pytest.mark.parametrize("alias", ["val", "dev", "valid", "validation", "eval"])
 def test_folder_split_aliases(tmp_path, alias):
     _write_splits(tmp_path, names=("train", alias, "test"))
     data = load_data(DataConfig(source=str(tmp_path)), seed=0)
@@ -92,6 +93,13 @@ def test_save_to_disk_folders(tmp_path):
     cfg = DataConfig(source=str(tmp_path / "dict"), text_column="sentence", label_column="emotion")
     data = load_data(cfg, seed=0)
     assert data.labels == LABELS and _sizes(data) == {"train": 36, "validation": 12, "test": 12}
+
+    # `eval` is a validation split by another name (it was left out without a word); other names are said unused
+    renamed = {"train": parts["train"], "eval": parts["validation"], "test": parts["test"], "unsupervised": parts["test"]}
+    datasets.DatasetDict(renamed).save_to_disk(str(tmp_path / "renamed"))
+    data = load_data(cfg.model_copy(update={"source": str(tmp_path / "renamed")}), seed=0)
+    assert _sizes(data) == {"train": 36, "validation": 12, "test": 12}
+    assert "'unsupervised' are not train, validation or test" in " ".join(data.report["notes"])
 
     datasets.concatenate_datasets(list(parts.values())).save_to_disk(str(tmp_path / "one"))
     data = load_data(cfg.model_copy(update={"source": str(tmp_path / "one")}), seed=0)
@@ -216,7 +224,60 @@ def test_json_variants(tmp_path):
         assert sum(_sizes(data).values()) == 30, name
 
 
+@pytest.mark.parametrize(("stars", "names", "expected"), [
+    ([1, 2, 3, 4, 5], ["1", "2", "3", "4", "5"], ["1", "2", "3", "4", "5"]),  # failed: id 5 is out of 0..4
+    ([1, 2, 3, 4], ["1", "2", "3", "4", "5"], "labels ['5'] have no training rows"),  # was: ['1'], as ids one down
+    ([0, 1, 2, 3, 4], ["1", "2", "3", "4", "5"], ["1", "2", "3", "4", "5"]),  # a 0 is no name: ids after all
+])
+def test_integer_labels_whose_names_are_those_numbers_are_names(tmp_path, stars, names, expected):
+    rows = [{"text": f"{word} review {i}", "label": star} for i in range(12) for star, word in zip(stars, LABELS, strict=False)]
+    (tmp_path / "d.csv").write_text("text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    if isinstance(expected, str):
+        with pytest.raises(UserError, match=re.escape(expected)):
+            load_data(DataConfig(source=str(tmp_path / "d.csv"), label_names=names), seed=0)
+        return
+    data = load_data(DataConfig(source=str(tmp_path / "d.csv"), label_names=names), seed=0)
+    text_to_label = {t: label for ds in data.splits.values() for t, label in zip(ds["text"], ds["label"], strict=True)}
+    assert sorted(set(text_to_label.values())) == expected
+    assert text_to_label[f"{LABELS[0]} review 0"] == expected[0]
+
+
 def test_ids_written_as_text_are_ids(tmp_path):
     write_jsonl(tmp_path / "d.jsonl", [{"text": r["text"], "label": str(LABELS.index(r["label"]))} for r in make_rows(10, 1)])
     data = load_data(DataConfig(source=str(tmp_path / "d.jsonl"), label_names=LABELS), seed=0)
     assert data.labels == LABELS and set(data.splits["test"]["label"]) == set(LABELS)
+
+
+@pytest.mark.parametrize(("name", "delimiter", "encoding"), [
+    ("d.csv", ";", "utf-8"), ("d.csv", ";", "utf-8-sig"), ("d.csv", "\t", "utf-8"), ("d.tsv", ",", "utf-8"),
+    ("d.tsv", "\t", "utf-16"), ("d.csv", ",", "utf-16-be"), ("d.csv", ",", "utf-32")])
+def test_spreadsheet_exports_with_another_delimiter_or_a_utf16_mark_are_read(tmp_path, name, delimiter, encoding, capsys):
+    """A `;`-separated .csv (spreadsheets in decimal-comma locales) read as one column `text;label`, and a UTF-16 file
+    (a spreadsheet's "Unicode text", which starts with a byte-order mark) failed with "byte 0xff is not valid utf-8"."""
+    rows = make_rows(3, seed=1)
+    body = f"text{delimiter}label\r\n" + "".join(f"{r['text']} café{delimiter}{r['label']}\r\n" for r in rows)
+    if encoding == "utf-16-be":  # Python's utf-16-be codec writes no mark; a file that has one starts with it
+        body = "\ufeff" + body
+    (tmp_path / name).write_bytes(body.encode(encoding))
+    data = load_data(DataConfig(source=str(tmp_path / name)), seed=0)
+    texts = [t for ds in data.splits.values() for t in ds["text"]]
+    assert sorted(texts) == sorted(f"{r['text']} café" for r in rows) and sorted(data.labels) == sorted(LABELS)
+    expected = "\t" if name.endswith(".tsv") else ","
+    assert ("the header is separated by" in capsys.readouterr().out) == (delimiter != expected)
+
+
+def test_jsonl_whose_other_fields_change_type_between_rows_is_read(tmp_path):
+    """Arrow wants one type per field across rows, also in fields emotune never reads: an `id` that is a number in one
+    row and text in the next, or nested metadata, refused the whole file."""
+    rows = [{**r, "id": i if i % 2 else f"x{i}", "meta": {"tags": [1, {"a": None}]} if i % 3 else [], "text": r["text"]}
+            for i, r in enumerate(make_rows(5, seed=1))]
+    rows[4]["text"] = 2024  # a text that is a number, beside texts that are text
+    data = load_data(DataConfig(source=str(write_jsonl(tmp_path / "d.jsonl", rows))), seed=0)
+    texts = [t for ds in data.splits.values() for t in ds["text"]]
+    assert len(texts) == 30 and "2024" in texts
+    rows[7]["label"] = 3  # a label that is an id beside labels that are names: which one it means is unknown
+    with pytest.raises(UserError, match=r"the `label` field holds values of several types \(int, str\)"):
+        load_data(DataConfig(source=str(write_jsonl(tmp_path / "d.jsonl", rows))), seed=0)
+    rows[7]["label"] = rows[8]["label"]
+    (tmp_path / "d.json").write_text(json.dumps(rows))  # a JSON array the same
+    assert sum(_sizes(load_data(DataConfig(source=str(tmp_path / "d.json")), seed=0)).values()) == 30

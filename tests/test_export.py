@@ -13,6 +13,7 @@ import torch
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
+from emotune.core.errors import UserError
 from emotune.deploy.export import max_lora_rank, merge_parity_gap
 from emotune.model.artifacts import find_artifact
 
@@ -137,6 +138,21 @@ def test_predict_errors(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(tmp_path / "o.csv")]) == 2
     assert "--text-column" in capsys.readouterr().err
     assert not (tmp_path / "o.csv").exists()
+
+
+@pytest.mark.parametrize("delimiter", [";", "\t", "|"])
+def test_predict_reads_a_file_whose_header_uses_another_delimiter(tmp_path, delimiter, capsys):
+    """A `;`-separated .csv was one column `text;id` and refused as having no column `text`."""
+    from emotune.deploy.predict import _read_table
+
+    source = tmp_path / "in.csv"
+    source.write_text(f"id{delimiter}text\n007{delimiter}so happy, really\n", encoding="utf-8")
+    rows = _read_table(source, "text")
+    assert rows.to_dict("records") == [{"id": "007", "text": "so happy, really"}]
+    assert "header is separated by" in capsys.readouterr().out
+    source.write_text("sentence;id\nhello;1\n")
+    with pytest.raises(UserError, match="--text-column"):
+        _read_table(source, "text")
 
 
 def test_serve_with_vllm_engine_needs_vllm(tiny_run_dir, capsys):

@@ -167,6 +167,13 @@ def test_refusals_name_their_keys_all_at_once(lf_yaml):
     ({"template": "gemma33"}, "`template: gemma33` is not a LLaMA-Factory template; did you mean gemma3?"),
     ({"template": "llama3"}, "`template: llama3` writes <|start_header_id|> turns"),
     ({"learning_rate": "fast"}, "`learning_rate`: 'fast' is not a number"),
+    # keys that were ignored as "not a LLaMA-Factory key emotune translates" although they change what is learned,
+    # or are a typo of one it translates (left at its default without a word; LLaMA-Factory refuses unknown keys)
+    ({"neftune_noise_alpha": 5}, "`neftune_noise_alpha: 5` is not supported: emotune adds no noise"),
+    ({"rope_scaling": "linear"}, "`rope_scaling: linear` is not supported"),
+    ({"train_from_scratch": True}, "`train_from_scratch: true` is not supported"),
+    ({"lora_rnak": 16}, "`lora_rnak` is not a LLaMA-Factory key; did you mean `lora_rank`?"),
+    ({"dataset_name": "trl-lib/Capybara"}, "it is a TRL script's key, not LLaMA-Factory's"),
 ])
 def test_each_refusal_is_a_clear_user_error(lf_yaml, change, expected):
     with pytest.raises(UserError, match="1 problem") as err:
@@ -200,6 +207,9 @@ def test_config_from_llamafactory_writes_an_equivalent_emotune_yaml(lf_yaml, tmp
     saved = tmp_path / "translated.yaml"
     saved.write_text(text, encoding="utf-8")
     assert load_config(saved) == load_config(path, ["max_steps=5", "eval.max_new_tokens=3"])
+    # translating the translation (an emotune config) listed LLaMA-Factory's missing keys as its problems
+    assert main(["config", "--from-llamafactory", str(saved)]) == 2
+    assert "is an emotune config already" in capsys.readouterr().err
 
 
 def test_key_value_overrides_apply_on_top(lf_yaml):

@@ -107,6 +107,24 @@ def test_bad_local_sources(tmp_path):
         resolve_model_dir(ModelConfig(source=str(tmp_path / "missing" / "model")))
 
 
+@pytest.mark.parametrize("kind", ["missing", "a data file", "a run folder", "an adapter folder"])
+def test_the_tokenizer_alone_is_found_as_a_run_finds_the_model(tiny_model_dir, tmp_path, kind):
+    """`emotune data` sent every source that is not a folder to the hub ("could not download its tokenizer from the hf
+    hub (HFValidationError)" for a mistyped path), and read a run or adapter folder's tokenizer as a base's."""
+    from emotune.model.loading import load_tokenizer_only
+
+    source = {"missing": tmp_path / "models" / "gemma", "a data file": tmp_path / "d.jsonl",
+              "a run folder": tmp_path / "run", "an adapter folder": tmp_path / "run" / "adapter"}[kind]
+    (tmp_path / "d.jsonl").write_text('{"text": "x", "label": "joy"}\n')
+    (tmp_path / "run" / "adapter").mkdir(parents=True)
+    (tmp_path / "run" / "adapter" / "adapter_config.json").write_text("{}")
+    expected = "neither `embedded`, an existing folder" if kind in ("missing", "a data file") else "not a base model"
+    for load in (resolve_model_dir, load_tokenizer_only):
+        with pytest.raises(UserError, match=expected):
+            load(ModelConfig(source=str(source)))
+    assert load_tokenizer_only(ModelConfig(source=str(tiny_model_dir))).chat_template
+
+
 def test_missing_chat_template_falls_back_to_gemma_turns(tiny_model_dir, tmp_path):
     import shutil
 

@@ -270,3 +270,67 @@ def test_the_openapi_document_declares_responses_one_error_body_and_the_bearer_s
                 assert responses[errors]["content"]["application/json"]["schema"] == error_ref, (method, path)
             assert "422" not in responses and "HTTPValidationError" not in json.dumps(operation), (method, path)
             assert (operation.get("security") == [{"bearer": []}]) == (path != "/health"), (method, path)
+
+
+# --------------------------------------------------------------------------------------------------
+# OpenAI fields the reply would silently go without
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"logprobs": True}, "does not return log-probabilities"),
+    ({"top_logprobs": 3}, "does not return log-probabilities"),
+    ({"response_format": {"type": "json_object"}}, "cannot constrain a reply to JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "cannot constrain"),
+    ({"tool_choice": "required"}, "does not make the model call a tool"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "does not make the model call a tool"),
+    ({"stream_options": 5}, "stream_options"),
+    ({"logprobs": "yes"}, "logprobs"),
+])
+def test_openai_fields_the_server_cannot_honour_are_422_not_ignored(http, body, says):
+    """They were accepted and dropped: a client asking for logprobs or a JSON reply got a reply without them."""
+    response = chat(http, **body)
+    assert says in _error(response, 422)
+
+
+@pytest.mark.parametrize("body", [{"logprobs": False, "top_logprobs": 0}, {"response_format": {"type": "text"}},
+                                  {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}])
+def test_their_harmless_values_are_answered(http, body):
+    assert chat(http, **body).status_code == 200
+
+
+def test_developer_messages_are_system_messages_and_usage_ends_a_stream_that_asks_for_it(http):
+    """`developer` (OpenAI's newer system role) failed as "roles must alternate"; stream_options.include_usage was
+    ignored, so a client counting tokens from the stream got none."""
+    messages = [{"role": "developer", "content": "reply briefly"}, {"role": "user", "content": "happy"}]
+    assert chat(http, messages=messages).status_code == 200
+    with http.stream("POST", "/v1/chat/completions", headers=AUTH,
+                     json={"model": "tiny", "messages": messages, "max_tokens": 2, "stream": True,
+                           "stream_options": {"include_usage": True}}) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+    assert all(json.loads(e)["choices"] for e in events[:-2])  # only the usage chunk has no choices
+
+
+def test_a_model_is_retrieved_by_its_id(http):
+    """OpenAI's GET /v1/models/{model} (openai.models.retrieve) was 404 for every model."""
+    card = http.get("/v1/models/tiny", headers=AUTH)
+    assert card.status_code == 200 and card.json()["id"] == "tiny" and card.json()["object"] == "model"
+    missing = http.get("/v1/models/nope", headers=AUTH)
+    assert "does not exist" in _error(missing, 404)
+
+
+@pytest.mark.parametrize(("content", "content_type", "status", "says"), [
+    (b'{"model": "tiny", "input": "\xff\xfe"}', "application/json", 400, "could not be read as JSON (bytes that are not UTF-8"),
+    (b"[" * 5_000 + b"]" * 5_000, "application/json", 400, "could not be read as JSON"),
+    (b'{"model": "tiny", "input": hello}', "application/json", 400, "is not valid JSON (Expecting value at character 27)"),
+    (b'{"model": "tiny", "input": "happy"}', "text/plain", 415, "was sent as `text/plain`, not JSON"),
+    (b"model=tiny&input=happy", "application/x-www-form-urlencoded", 415, "not JSON"),
+])
+def test_a_body_that_is_not_a_json_object_says_what_to_send(http, content, content_type, status, says):
+    """These were "There was an error parsing the body", "0: JSON decode error" or "Input should be a valid
+    dictionary", which leave a client guessing."""
+    response = http.post("/v1/classify", headers={**AUTH, "Content-Type": content_type}, content=content)
+    message = _error(response, status)
+    assert says in message and "Content-Type: application/json" in message

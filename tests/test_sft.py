@@ -118,7 +118,7 @@ def test_classification_loss_and_gradients_unchanged(model, tokenizer, tiny_mode
 
     cfg = load_config(None, [f"data.source={data_dir}", f"data.label_names=[{', '.join(LABELS)}]"])
     data = load_data(cfg.data, cfg.seed)
-    rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, 40,
+    rows = encode_examples(data.splits["train"], tokenizer, cfg.prompt, data.labels, 256,
                            class_weights={label: 1.0 + i / 10 for i, label in enumerate(LABELS)})[:8]
     rows.append(Example(rows[0].input_ids, len(rows[0].input_ids)))  # a row whose label was cut away
     new, old = collate(rows, tokenizer.pad_token_id, torch.device("cpu")), _reference_collate(rows, tokenizer.pad_token_id)
@@ -231,3 +231,37 @@ def test_comparison_with_probe_and_intervals():
     assert comparison["intervals"]["rouge_l"]["low"] == pytest.approx(0.3)
     assert comparison["probe"]["flagged"] is True
     assert "Flagged" in _probe_section(comparison, None) and "response perplexity" in format_comparison(comparison)
+
+
+def test_answers_with_weight_0_carry_no_loss_and_the_data_keeps_the_mark(tokenizer, tmp_path):
+    """OpenAI's fine-tuning format marks answers not to learn with "weight": 0; they were trained on like any other."""
+    from emotune.core.config.sft import SftColumns
+    from emotune.data.conversations import OPENAI_TAGS, normalise
+
+    row = {"messages": [{"role": "user", "content": "i feel so lonely today"},
+                        {"role": "assistant", "content": "joy", "weight": 0},
+                        {"role": "user", "content": "this morning was great"},
+                        {"role": "assistant", "content": "joy really", "weight": 1}]}
+    conversation = normalise(row, "messages", SftColumns(), OPENAI_TAGS, "f")
+    assert conversation.untrained == (0,)
+    assert Conversation.from_row(json.loads(json.dumps(conversation.as_row()))) == conversation  # as saved in data/
+    _, spans = loss_spans(tokenizer, conversation.chat())
+    assert encode(conversation, tokenizer, None, mask_history=False).loss_spans == (spans[1],)
+    row["messages"][3]["weight"] = 0
+    assert "last assistant turn has weight 0" in normalise(row, "messages", SftColumns(), OPENAI_TAGS, "f")
+    row["messages"][3]["weight"] = 0.5
+    assert "other than 0 or 1" in normalise(row, "messages", SftColumns(), OPENAI_TAGS, "f")
+
+
+def test_training_rows_all_cut_before_their_answer_are_refused(tokenizer):
+    """Every row cut at train.max_length before its answer trained on nothing (loss 0) and reported the base as trained."""
+    from emotune.core.config.load import load_config
+    from emotune.core.errors import UserError
+    from emotune.data.conversation_data import ConversationData
+    from emotune.tasks.sft.task import training_rows
+
+    data = ConversationData({"train": [CONVERSATION] * 3, "validation": [CONVERSATION], "test": [CONVERSATION]}, "x")
+    with pytest.raises(UserError, match="Every one of the 3 train rows is cut at train.max_length=8 before its answer"):
+        training_rows(data, tokenizer, load_config(None, ["task=sft", "train.max_length=8"]))
+    train, validation = training_rows(data, tokenizer, load_config(None, ["task=sft", "train.max_length=256"]))
+    assert len(train) == 3 and len(validation) == 1

@@ -226,3 +226,76 @@ def test_sft_config_refuses_classify_keys():
     with pytest.raises(UserError) as err:
         load_config(None, ["task=sft", "prompt.user_template={text}", "data.label_names=[a, b]", "eval.method=score"])
     assert "3 problems" in str(err.value)
+
+
+def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
+    """Arrow wants one type per field across rows, so a valid OpenAI file whose content is a string in one message and a
+    list of text parts in another (or tool arguments as text and as an object) was refused whole."""
+    rows = [{"messages": [{"role": "developer", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": f"q {i}"}] if i % 2 else f"q {i}"},
+                          {"role": "assistant", "content": f"a {i}",
+                           "tool_calls": [{"function": {"arguments": {"x": 1} if i % 3 else "{}"}}]}]} for i in range(20)]
+    data = _data(write_jsonl(tmp_path / "m.jsonl", rows))
+    every = [c for split in data.splits.values() for c in split]
+    assert len(every) == 20 and all(c.system == "be brief" for c in every)  # `developer` is OpenAI's system role
+    assert {c.messages[0][1] for c in every} == {f"q {i}" for i in range(20)}
+
+
+@pytest.mark.parametrize(("rows", "says"), [
+    ([{"conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]}],
+     r"the role 'user', which is none of data.tags \(user_tag 'human'.*data.tags.user_tag=user"),
+    ([{"conversations": [{"speaker": "human", "text": "q"}, {"speaker": "gpt", "text": "a"}]}],
+     r"a turn has no `from` key \(data.tags.role_tag; its keys: `speaker`, `text`\)"),
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "gpt", "content": "a"}]}],
+     r"the role 'gpt', which is not one of OpenAI's"),
+    ([{"conversations": [{"from": "human", "value": "q"}, {"from": "system", "value": "s"}, {"from": "gpt", "value": "a"}]}],
+     r"a system turn comes after the first turn"),
+    ([{"messages": [{"role": "user", "content": "<image>what is it"}, {"role": "assistant", "content": "a cat"}],
+       "images": ["cat.png"]}], r"holds images, audio or video"),
+    ([{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                    {"role": "assistant", "content": "a cat"}]}], r"holds images, audio or video"),
+    ([{"instruction": "q", "output": ["good answer", "bad answer"]}], r"the response is a list, as in a ranking dataset"),
+    ([{"instruction": "q", "chosen": "good", "rejected": "bad"}], r"is a preference dataset \(columns `chosen` and `rejected`\)"),
+    ([], r"holds no rows"),
+])
+def test_rows_emotune_cannot_train_on_say_why(tmp_path, rows, says):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{**row, "kind": str(i)} for i in range(10) for row in rows]))
+    with pytest.raises(UserError, match=says) as err:
+        _data(path)
+    assert ("skip_bad_rows" in str(err.value)) == ("` rows " in str(err.value))  # the row hint only for row problems
+
+
+@pytest.mark.parametrize(("entry", "says"), [
+    ({"file_name": "s.jsonl", "columns": ["conversations"]}, r"`columns` must be an object of column names, not list"),
+    ({"file_name": "s.jsonl", "tags": "from"}, r"`tags` must be an object of tags, not str"),
+    ({"file_name": 5}, r"`file_name` must be a file or folder name, not int 5"),
+    ({"file_name": "s.jsonl", "num_samples": "10"}, r"`num_samples` must be a whole number of rows >= 1, not '10'"),
+    ({"file_name": "s.jsonl", "num_samples": -3}, r"`num_samples` must be a whole number of rows >= 1, not -3"),
+    ({"file_name": "s.jsonl", "num_samples": 2.5}, r"`num_samples` must be a whole number of rows >= 1, not 2.5"),
+    ({"file_name": "LICENSE"}, r"`.*LICENSE`: unsupported file type `\(no ending\)`"),
+])
+def test_dataset_info_entries_of_the_wrong_types_are_named(tmp_path, entry, says):
+    """A list of columns or a file name that is a number ended in an AttributeError or TypeError; a negative
+    num_samples silently took len - 3 rows."""
+    write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "human", "value": f"q{i}"},
+                                                          {"from": "gpt", "value": f"a{i}"}]} for i in range(20)])
+    (tmp_path / "LICENSE").write_text("MIT")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"d": {"formatting": "sharegpt", **entry}}))
+    with pytest.raises(UserError, match=says):
+        _data(tmp_path, "data.datasets=[d]")
+
+
+def test_save_to_disk_folders_of_conversations(tmp_path):
+    """save_to_disk writes its own dataset_info.json, which was taken for LLaMA-Factory's ("name the datasets to
+    train on"), and a DatasetDict's split folders were "no train file"."""
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(30)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    assert sum(len(s) for s in _data(tmp_path / "one").splits.values()) == 30
+    parts = {"train": rows[:20], "eval": rows[20:25], "test": rows[25:]}
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in parts.items()}).save_to_disk(str(tmp_path / "dict"))
+    data = _data(tmp_path / "dict")
+    assert {s: len(r) for s, r in data.splits.items()} == {"train": 20, "validation": 5, "test": 5}

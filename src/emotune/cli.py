@@ -255,6 +255,9 @@ OVERRIDE_EXAMPLES = {
 }
 
 
+TRAILING = ("overrides", "items", "texts")  # each command's list of positional arguments that takes any number
+
+
 def build_parser() -> argparse.ArgumentParser:
     from emotune import __version__
 
@@ -395,9 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     interruptible()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # `emotune plan CONFIG --device-memory 24GB train.batch_size=8`: argparse ends the overrides at the first flag
-    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
-        args.overrides += extra
+    # `emotune plan CONFIG --device-memory 24GB train.batch_size=8`, `emotune serve RUN --no-auth serve.port=8001`,
+    # `emotune predict RUN --device cpu "text"`: argparse ends a trailing list at the first flag; what follows the
+    # flags belongs to it
+    trailing = next((name for name in TRAILING if hasattr(args, name)), None)
+    if extra and trailing and all(not e.startswith("-") and ("=" in e or trailing != "overrides") for e in extra):
+        setattr(args, trailing, getattr(args, trailing) + extra)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = COMMANDS[args.command][0]

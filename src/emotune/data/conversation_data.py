@@ -9,7 +9,7 @@ conversations (system prompt and every turn). A held-out split is stratified by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -23,8 +23,8 @@ from emotune.data import clean
 from emotune.data import splits as split_ops
 from emotune.data.conversations import Conversation, detect_format, normalise, required_columns
 from emotune.data.dataset_info import Entry, has_dataset_info, read_entries
-from emotune.data.read import read_table
-from emotune.data.sources import HUB_PREFIXES, SPLITS, download_hub_dataset, split_files
+from emotune.data.read import read_records
+from emotune.data.sources import HUB_PREFIXES, SPLITS, download_hub_dataset, is_saved_dataset, saved_splits, split_files
 
 
 @dataclass
@@ -51,7 +51,7 @@ def load_conversations(cfg: SftDataConfig, seed: int) -> ConversationData:
         rows = _read_entry(entry, cfg, seed, problems, skipped)
         pools.setdefault(split, []).extend(rows)
     raise_problems("The data", problems, "Fix those rows, or set data.skip_bad_rows=true to skip them (counted)."
-                   if any("row" in p for p in problems) else "")
+                   if any("` rows " in p for p in problems) else "")
     for what, count in skipped.items():
         print(f"Note: skipped {count} malformed rows of {what} (data.skip_bad_rows=true).", flush=True)
     report: dict = {"source": cfg.source, "datasets": sorted({e.name for _, e in entries}),
@@ -87,6 +87,8 @@ def _entries(cfg: SftDataConfig) -> list[tuple[str, Entry]]:
     if not folder.is_dir():
         raise UserError(f"data.source `{cfg.source}` does not exist. Give a JSON/JSONL/Parquet file, a folder of split "
                         "files, a folder with LLaMA-Factory's dataset_info.json, `embedded`, or a hub dataset (hf:owner/name).")
+    if is_saved_dataset(folder):  # before dataset_info.json: save_to_disk writes a file of that name too
+        return [(split, plain(f"{split} ({folder.name})", [path])) for split, path in saved_splits(folder).items()]
     if has_dataset_info(folder):
         return _named_entries(folder, cfg)
     if cfg.datasets or cfg.eval_datasets:
@@ -112,22 +114,29 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     out: list[Conversation] = []
     for path in entry.files:
         try:
-            table = read_table(path, cfg.encoding, entry.columns.prompt, entry.columns.response, [])
+            column_names, rows = read_records(path, cfg.encoding, entry.columns.prompt, entry.columns.response)
         except UserError as err:
             problems.append(str(err).rstrip("."))
             continue
-        rows = table.to_pylist()
-        fmt = entry.formatting if entry.formatting != "auto" else detect_format(table.column_names, rows[0] if rows else None,
+        if not rows:
+            problems.append(f"`{path}` holds no rows; give it conversations, or remove it")
+            continue
+        if {"chosen", "rejected"} <= set(column_names):
+            problems.append(f"`{path}` is a preference dataset (columns `chosen` and `rejected`), for DPO/ORPO-style "
+                            "training; the sft task trains on one answer per prompt. Give an SFT dataset, or keep only "
+                            "the chosen answers as its response")
+            continue
+        fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
                                                                                  entry.columns)
         if fmt is None:
             problems.append(f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
-                            f"(conversations) or messages (columns found: {', '.join(table.column_names)}); set "
+                            f"(conversations) or messages (columns found: {', '.join(column_names)}); set "
                             "data.format and data.columns to match it")
             continue
-        missing = [c for c in required_columns(fmt, entry.columns, table.column_names) if c not in table.column_names]
+        missing = [c for c in required_columns(fmt, entry.columns, column_names) if c not in column_names]
         if missing:
             problems.append(f"`{path}` ({fmt} format) has no column {', '.join(map(repr, missing))} (columns found: "
-                            f"{', '.join(table.column_names)}); set data.columns (or the entry's `columns`) to its names")
+                            f"{', '.join(column_names)}); set data.columns (or the entry's `columns`) to its names")
             continue
         bad: dict[str, list[int]] = {}
         for number, row in enumerate(rows, start=1):
@@ -170,8 +179,7 @@ def _clean(pools: dict[str, list[Conversation]], cfg: SftDataConfig) -> tuple[di
         cleaned, changed = clean.clean_text(pa.array(texts, pa.string()), steps) if texts else ([], {})
         report["changed_turns"][split] = sum(changed.values()) if changed else 0
         values = iter(cleaned.to_pylist() if texts else [])
-        rows = [Conversation(tuple((role, next(values)) for role, _ in c.messages), c.system, c.kind, c.source)
-                for c in rows]
+        rows = [replace(c, messages=tuple((role, next(values)) for role, _ in c.messages)) for c in rows]
         if cfg.cleaning.duplicates != "keep" and rows:
             firsts = clean.first_occurrences(_hashes(rows, cfg.cleaning.duplicates))
             report["duplicates"][split] = len(rows) - len(firsts)

@@ -31,7 +31,16 @@ EMPTY_PROMPT = "a user turn is empty"
 NOT_ALTERNATING = "the turns do not alternate user/assistant, starting with the user and ending with the assistant"
 BAD_HISTORY = "`history` is not a list of [instruction, answer] pairs"
 BAD_TURNS = "the turns are not a list of objects with a role and a text"
-UNKNOWN_ROLE = "a turn has a role that is none of the configured tags (data.tags)"
+LATE_SYSTEM = ("a system turn comes after the first turn; a system prompt goes first (or in the row's `system` "
+               "column)")
+BAD_WEIGHT = "an assistant turn has a `weight` other than 0 or 1 (OpenAI's fine-tuning format allows only those)"
+UNTRAINED_RESPONSE = ("the last assistant turn has weight 0: the response that evaluation measures would not be "
+                      "trained on; give it weight 1 or remove the row")
+MEDIA = ("the row holds images, audio or video (an `images`, `videos` or `audios` column, or a content part that is "
+         "not text); the sft task trains on text conversations only, so remove them (or the row)")
+LIST_RESPONSE = ("the response is a list, as in a ranking dataset's [chosen, rejected] pair; the sft task trains on "
+                 "one text answer per prompt")
+MEDIA_COLUMNS = ("images", "videos", "audios")
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,8 @@ class Conversation:
     kind: str | None = None
     source: str = ""
     """The dataset the row came from (a dataset_info.json name, or the file), for mixing and stratifying."""
+    untrained: tuple[int, ...] = ()
+    """Assistant turns (0 = the first answer) not trained on: OpenAI's `"weight": 0`. Never the last one."""
 
     def chat(self, default_system: str | None = None, turns: int | None = None) -> list[dict[str, str]]:
         """The chat-template messages: the system prompt (the row's, else `default_system`) and the first
@@ -66,12 +77,12 @@ class Conversation:
 
     def as_row(self) -> dict:
         return {"system": self.system, "kind": self.kind, "source": self.source,
-                "messages": [{"role": r, "content": t} for r, t in self.messages]}
+                "messages": [{"role": r, "content": t} for r, t in self.messages], "untrained": list(self.untrained)}
 
     @classmethod
     def from_row(cls, row: dict) -> Conversation:
         return cls(tuple((m["role"], m["content"]) for m in row["messages"]), row.get("system"), row.get("kind"),
-                   row.get("source") or "")
+                   row.get("source") or "", tuple(row.get("untrained") or ()))
 
 
 def detect_format(column_names: list[str], first_row: dict | None, columns: SftColumns) -> str | None:
@@ -101,6 +112,8 @@ def required_columns(fmt: str, columns: SftColumns, column_names: list[str]) -> 
 
 def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: str) -> Conversation | str:
     """The row as a Conversation, or the reason it is refused."""
+    if any(row.get(column) for column in MEDIA_COLUMNS):
+        return MEDIA
     if fmt == "alpaca":
         found = _alpaca(row, columns)
     else:
@@ -108,18 +121,23 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
         found = _turns(row.get(name), OPENAI_TAGS if fmt == "messages" else tags, row.get(columns.system))
     if isinstance(found, str):
         return found
-    system, messages = found
+    system, messages, untrained = found
     tools = _text(row.get(columns.tools))
     if tools and tools.strip() not in ("", "[]"):
         system = (system + "\n\n" if system else "") + "Tools available:\n" + tools
     problem = _check(messages)
     if problem:
         return problem
+    if untrained and untrained[-1] == sum(role == "assistant" for role, _ in messages) - 1:
+        return UNTRAINED_RESPONSE
     kind = row.get(columns.kind)
-    return Conversation(tuple(messages), system or None, None if kind is None else str(kind), source)
+    return Conversation(tuple(messages), system or None, None if kind is None else str(kind), source, tuple(untrained))
 
 
-def _alpaca(row: dict, columns: SftColumns) -> tuple[str | None, list[tuple[str, str]]] | str:
+Turns = tuple[str | None, list[tuple[str, str]], list[int]]  # system prompt, (role, text) turns, untrained answers
+
+
+def _alpaca(row: dict, columns: SftColumns) -> Turns | str:
     messages: list[tuple[str, str]] = []
     history = row.get(columns.history) or []
     if not isinstance(history, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in history):
@@ -129,28 +147,64 @@ def _alpaca(row: dict, columns: SftColumns) -> tuple[str | None, list[tuple[str,
     prompt = _text(row.get(columns.prompt))
     query = _text(row.get(columns.query))
     messages.append(("user", "\n\n".join(p for p in (prompt, query) if p.strip())))
-    messages.append(("assistant", _text(row.get(columns.response))))
-    return _text(row.get(columns.system)) or None, messages
+    response = row.get(columns.response)
+    if isinstance(response, list):
+        return LIST_RESPONSE
+    messages.append(("assistant", _text(response)))
+    return _text(row.get(columns.system)) or None, messages, []
 
 
-def _turns(turns, tags: SftTags, system: object) -> tuple[str | None, list[tuple[str, str]]] | str:
+def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return BAD_TURNS
     user_side, assistant_side = {tags.user_tag, tags.observation_tag}, {tags.assistant_tag, tags.function_tag}
+    system_side = {tags.system_tag}
+    if tags is OPENAI_TAGS:  # OpenAI's newer name for the system role, and its older one for a tool's result
+        system_side, user_side = {tags.system_tag, "developer"}, user_side | {"function"}
     system_text = _text(system) or None
-    messages = []
+    messages: list[tuple[str, str]] = []
+    untrained: list[int] = []
     for i, turn in enumerate(turns):
         role = turn.get(tags.role_tag)
+        if isinstance(turn.get(tags.content_tag), list) and any(
+                isinstance(p, dict) and p.get("type", "text") != "text" for p in turn[tags.content_tag]):
+            return MEDIA
         text = _content(turn, tags)
-        if role == tags.system_tag and i == 0:
+        if role in system_side and i == 0:
             system_text = text or system_text
+        elif role in system_side:
+            return LATE_SYSTEM
         elif role in user_side:
             messages.append(("user", text))
         elif role in assistant_side:
+            weight = turn.get("weight", 1)
+            if weight not in (0, 1) or isinstance(weight, bool):
+                return BAD_WEIGHT
+            if weight == 0:
+                untrained.append(sum(r == "assistant" for r, _ in messages))
             messages.append(("assistant", text))
         else:
-            return UNKNOWN_ROLE
-    return system_text, messages
+            return _unknown_role(turn, tags)
+    return system_text, messages, untrained
+
+
+def _unknown_role(turn: dict, tags: SftTags) -> str:
+    """Why a turn's role is none of the tags: the key is missing, or its value is another one (shown, so that rows
+    with the same role are reported together)."""
+    named = (f"data.tags (user_tag {tags.user_tag!r}, assistant_tag {tags.assistant_tag!r}, observation_tag "
+             f"{tags.observation_tag!r}, function_tag {tags.function_tag!r}, system_tag {tags.system_tag!r})")
+    if tags.role_tag not in turn:
+        keys = ", ".join(f"`{k}`" for k in list(turn)[:6]) or "none"
+        return (f"a turn has no `{tags.role_tag}` key (data.tags.role_tag; its keys: {keys}); set data.tags.role_tag "
+                "and data.tags.content_tag to the keys of the role and the text (in dataset_info.json: the entry's "
+                "\"tags\"), e.g. role and content for OpenAI-style turns")
+    role = str(turn[tags.role_tag])[:40]
+    if tags is OPENAI_TAGS:
+        return (f"a turn has the role {role!r}, which is not one of OpenAI's (system, developer, user, assistant, tool, "
+                "function); for other role names set data.format=sharegpt and data.tags to them")
+    hint = (" For OpenAI-style role names set data.tags.user_tag=user and data.tags.assistant_tag=assistant (in "
+            "dataset_info.json: the entry's \"tags\")") if role in ("user", "assistant") else ""
+    return f"a turn has the role {role!r}, which is none of {named}.{hint}"
 
 
 def _content(turn: dict, tags: SftTags) -> str:

@@ -74,6 +74,10 @@ def _entry(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
                         "on one answer per prompt. Name an SFT dataset instead, or register its chosen answers as an "
                         "alpaca/sharegpt dataset")
         return None
+    wrong = _wrong_types(raw)
+    if wrong:
+        problems.append(f"{where}: {'; '.join(wrong)} (as LLaMA-Factory's dataset_info.json writes them)")
+        return None
     columns = raw.get("columns") or {}
     refused = [c for c in REFUSED_COLUMNS if columns.get(c)]
     if refused:
@@ -94,6 +98,18 @@ def _entry(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
     if files is None:
         return None
     return Entry(name, files, formatting, names, tags, raw.get("num_samples"))
+
+
+def _wrong_types(raw: dict) -> list[str]:
+    """The entry's keys whose values have a type LLaMA-Factory's loader would not take, each with the type it takes."""
+    wrong = [f"`{key}` must be {what}, not {type(raw[key]).__name__} {raw[key]!r:.60}"
+             for key, kind, what in (("file_name", str, "a file or folder name"), ("formatting", str, "alpaca or sharegpt"),
+                                     ("columns", dict, "an object of column names"), ("tags", dict, "an object of tags"))
+             if raw.get(key) is not None and not isinstance(raw[key], kind)]
+    samples = raw.get("num_samples")
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
+        wrong.append(f"`num_samples` must be a whole number of rows >= 1, not {samples!r:.60}")
+    return wrong
 
 
 def _files(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: list[str]) -> list[Path] | None:

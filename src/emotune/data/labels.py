@@ -1,7 +1,8 @@
 """Labels: decide the label names once, then turn every split's label column into those names.
 
 Names come from `data.label_names`, else a `ClassLabel`, else the values found. Integer labels are ids
-into the names; string labels match a name or an alias ignoring case and surrounding whitespace.
+into the names (unless data.label_names are all numbers that hold every value: then they are those names);
+string labels match a name or an alias ignoring case and surrounding whitespace.
 All work is on the few distinct values, then one Arrow `take` maps the whole column.
 """
 
@@ -103,6 +104,8 @@ def _names_as_found(cfg: DataConfig, tables: dict[str, pa.Table]) -> list[str]:
 def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, problems: list[str]) -> pa.Table | None:
     """The label column as names from `names`, or None with a problem listing unknown labels and example rows."""
     label = table.column("label")
+    if pa.types.is_integer(label.type) and names == cfg.label_names:
+        label = _numbers_as_names(label, names) or label
     if pa.types.is_integer(label.type):
         bad = pc.or_(pc.less(label, 0), pc.greater_equal(label, len(names)))
         if pc.any(bad).as_py():
@@ -126,6 +129,21 @@ def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, 
         return None
     positions = pc.index_in(label, value_set=pa.array(distinct, pa.string()))
     return table.set_column(1, "label", pc.take(pa.array(mapped, pa.string()), positions))
+
+
+def _numbers_as_names(label: pa.ChunkedArray, names: list[str]) -> pa.ChunkedArray | None:
+    """Ids of the names the integer labels spell, when data.label_names are all numbers and hold every value: star
+    ratings 1..5 with data.label_names=[1, 2, 3, 4, 5] are those names. Read as ids they shifted every rating one
+    name down (without a word unless the data held a 5, which then failed as an id out of range)."""
+    try:
+        numbers = [int(name) for name in names]
+    except ValueError:
+        return None
+    if [str(n) for n in numbers] != [name.strip() for name in names] or len(set(numbers)) != len(numbers):
+        return None
+    if not set(pc.unique(label).to_pylist()) <= set(numbers):
+        return None  # 0..4 with names 1..5: ids after all
+    return pc.index_in(label, value_set=pa.array(numbers, pa.int64())).cast(pa.int64())
 
 
 def _ids_written_as_text(label: pa.ChunkedArray) -> pa.ChunkedArray | None:

@@ -23,6 +23,8 @@ from emotune.data.csvfile import Lines, read_csv
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
 BOM = b"\xef\xbb\xbf"
+UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
 JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
 
 
@@ -30,7 +32,7 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
     """One file as a table; things worth a look that are not errors go to `notes`."""
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise UserError(f"data.source `{path}`: unsupported file type `{path.suffix}`. Use one of "
+        raise UserError(f"`{path}`: unsupported file type `{path.suffix or '(no ending)'}`. Use one of "
                         f"{', '.join(FORMATS)} (TXT holds one `text;label` per line).")
     if fmt == "parquet":
         return _read_parquet(path)
@@ -47,12 +49,87 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         if not text.strip():
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
         if fmt in ("json", "txt"):
-            return _read_json(path, text) if fmt == "json" else _read_txt(path, text, text_column, label_column)
+            if fmt == "json":
+                return _read_json(path, text, (text_column, label_column))
+            return _read_txt(path, text, text_column, label_column)
         lines = lambda: io.StringIO(text, newline="")  # noqa: E731
         source = pa.py_buffer(text.encode("utf-8"))
     if fmt == "jsonl":
-        return _read_jsonl(path, source, lines)
-    return read_csv(path, source, "\t" if fmt == "tsv" else ",", lines, text_column, label_column, notes)
+        return _read_jsonl(path, source, lines, (text_column, label_column))
+    return read_csv(path, source, _delimiter(path, fmt, lines, notes), lines, text_column, label_column, notes)
+
+
+def _delimiter(path: Path, fmt: str, lines: Lines, notes: list[str]) -> str:
+    """The file ending's delimiter, unless the header has none of it and another one instead: spreadsheets set to
+    a locale with a decimal comma write `;`-separated `.csv` files, which read as one column named `text;label`."""
+    expected = "\t" if fmt == "tsv" else ","
+    header = next(iter(lines()), "")
+    if expected in header:
+        return expected
+    found = next((d for d in (";", "\t", ",", "|") if d != expected and d in header), None)
+    if found is None:
+        return expected
+    names = {";": "`;`", "\t": "tabs", ",": "commas", "|": "`|`"}
+    notes.append(f"`{path}`: the header is separated by {names[found]}, not {names[expected]}; read with "
+                 f"{names[found]} as the delimiter.")
+    return found
+
+
+def read_records(path: Path, encoding: str, text_column: str, label_column: str) -> tuple[list[str], list[dict]]:
+    """One file's column names and rows as Python objects, for conversation data. JSON and JSON Lines are parsed by
+    Python's json, not Arrow: Arrow wants one type per field across all rows, and conversations legally mix them (an
+    OpenAI message's content is a string in one message and a list of parts in the next; tool arguments are text or
+    an object), so Arrow refused valid files whole."""
+    if path.is_dir():  # one split of a save_to_disk folder (emotune.data.sources.saved_splits)
+        return _saved_rows(path)
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt not in ("json", "jsonl"):
+        table = read_table(path, encoding, text_column, label_column, [])
+        return table.column_names, table.to_pylist()
+    text = _decode(path, path.read_bytes(), encoding)
+    if not text.strip():
+        raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
+    rows = _json_lines(path, text) if fmt == "jsonl" else _json_rows(path, text, text_column, label_column)
+    return list(dict.fromkeys(key for row in rows for key in row)), rows
+
+
+def _saved_rows(folder: Path) -> tuple[list[str], list[dict]]:
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(str(folder))
+    except Exception as err:  # a damaged or foreign folder
+        raise UserError(f"`{folder}` looks like a `save_to_disk` folder but could not be loaded "
+                        f"({first_line(err) or type(err).__name__}). Save it again.") from None
+    return list(saved.column_names), saved.to_list()
+
+
+def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> list[dict]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and text.lstrip().startswith("{"):
+            return _json_lines(path, text)  # many `.json` files are really JSON Lines
+        value = None
+    if isinstance(value, dict):
+        lists = [v for v in value.values() if isinstance(v, list)]
+        value = lists[0] if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]) else value
+    if isinstance(value, list) and all(isinstance(r, dict) for r in value):
+        return value
+    return _read_json(path, text).to_pylist()  # columns of an object, or the error that says what is wrong
+
+
+def _json_lines(path: Path, text: str) -> list[dict]:
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        problem = _bad_json_line(iter([line]))
+        if problem is not None:
+            raise UserError(f"`{path}` {problem.replace('line 1 ', f'line {number} ', 1)}. Each line must be one JSON "
+                            "object; fix or remove that line.")
+        rows.append(json.loads(line))
+    return rows
 
 
 def _file_lines(path: Path) -> Iterator[str]:
@@ -101,6 +178,8 @@ def _read_parquet(path: Path) -> pa.Table:
 def _decode(path: Path, raw: bytes, encoding: str) -> str:
     """The file as text, or a UserError naming the line and column of the first byte that does not decode."""
     codec = "utf-8-sig" if _is_utf8(encoding) else encoding
+    if _is_utf8(encoding) and raw.startswith(UTF16_BOMS):  # e.g. a spreadsheet's "Unicode text": the mark says which
+        codec = "utf-32" if raw.startswith(UTF32_BOMS) else "utf-16"
     try:
         return raw.decode(codec)
     except UnicodeDecodeError as err:
@@ -113,7 +192,7 @@ def _decode(path: Path, raw: bytes, encoding: str) -> str:
         raise UserError(f"`{path}` cannot be decoded as {encoding} ({err}). Set data.encoding to the file's encoding.") from None
 
 
-def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines) -> pa.Table:
+def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[str, ...] = ()) -> pa.Table:
     try:
         reader = source if isinstance(source, str) else pa.BufferReader(source)
         return pa_json.read_json(reader, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
@@ -122,8 +201,33 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines) -> pa.Table:
         if problem:
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
+        if used:
+            return _rows_table(path, [json.loads(line) for line in lines() if line.strip()], used)
         raise UserError(f"`{path}` could not be read as JSON Lines ({first_line(err)}). Give every row the "
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
+
+
+def _rows_table(path: Path, rows: list[dict], used: tuple[str, ...]) -> pa.Table:
+    """Rows that are valid JSON, yet Arrow wants one type per field across all rows, also in fields emotune never
+    reads (an `id` that is a number here and text there, nested metadata): the table built from Python's values.
+    The fields emotune uses keep their values (a text that is a number becomes its text); every other field is kept
+    as its JSON text, so its name is still there for messages."""
+    names = list(dict.fromkeys(key for row in rows for key in row))
+    text_column = used[0]
+    columns = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if name == text_column:
+            values = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
+        elif name not in used:
+            values = [None if v is None else json.dumps(v, ensure_ascii=False) for v in values]
+        try:
+            columns[name] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            kinds = sorted({type(v).__name__ for v in values if v is not None})
+            raise UserError(f"`{path}`: the `{name}` field holds values of several types ({', '.join(kinds)}); give "
+                            "it one type in every row (e.g. all labels names, or all integer ids).") from None
+    return pa.table(columns)
 
 
 class _RepeatedKey(Exception):
@@ -154,14 +258,14 @@ def _bad_json_line(lines: Iterator[str]) -> str | None:
     return None
 
 
-def _read_json(path: Path, text: str) -> pa.Table:
+def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
     """A JSON array of objects, an object of columns, or `{"data": [...]}`; JSON Lines under .json too."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
             # many `.json` files are really JSON Lines
-            return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""))
+            return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""), used)
         raise UserError(f"`{path}` is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}. "
                         "Fix the file there.") from None
     if isinstance(value, dict):
@@ -173,6 +277,11 @@ def _read_json(path: Path, text: str) -> pa.Table:
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
         raise UserError(f"`{path}` must hold a JSON array of objects such as "
                         '[{"text": "...", "label": "..."}] (or JSON Lines); it holds something else.')
+    if used:
+        try:
+            return pa.Table.from_pylist(value)
+        except (pa.ArrowException, ValueError, TypeError):
+            return _rows_table(path, value, used)
     return _arrow(path, lambda: pa.Table.from_pylist(value))
 
 

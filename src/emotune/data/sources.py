@@ -10,6 +10,7 @@ when the source is one file to be split) with the configured text and label colu
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -24,7 +25,8 @@ from emotune.core.errors import UserError
 from emotune.data.read import FORMATS, read_table
 
 SPLITS = ("train", "validation", "test")
-SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev"), "test": ("test",)}
+SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev", "eval", "evaluation"),
+                 "test": ("test", "testing")}
 SPLIT_FILE = re.compile(r"^(?P<split>[a-z]+)(?:[-_.].*)?$")  # train.csv, train-00000-of-00001.parquet
 HUB_PREFIXES = ("hf:", "modelscope:")
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # never rows
@@ -73,7 +75,7 @@ def read_source(cfg: DataConfig) -> dict[str, RawSplit]:
     if folder is None:
         path = Path(cfg.source).expanduser()
         return {"all": _read_files([path], cfg)}
-    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+    if is_saved_dataset(folder):
         return _read_saved_dataset(folder, cfg)
     out, problems = {}, []
     for split, paths in split_files(folder).items():
@@ -181,6 +183,28 @@ def _label_metadata(table: pa.Table, label_column: str) -> dict | None:
     return Features({"label": feature}).arrow_schema.metadata
 
 
+def is_saved_dataset(folder: Path) -> bool:
+    """A folder `datasets`' save_to_disk wrote: a DatasetDict (dataset_dict.json) or one Dataset (state.json)."""
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+def saved_splits(folder: Path) -> dict[str, Path]:
+    """Split -> the folder of each split a save_to_disk folder holds (`all` for one Dataset); splits of no known name
+    are left out, and a folder without a train split is refused."""
+    if (folder / "state.json").is_file():
+        return {"all": folder}
+    try:
+        names = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"`{folder}/dataset_dict.json` is not the file save_to_disk writes. Save the dataset again.") from None
+    found = {next((s for s, aliases in SPLIT_ALIASES.items() if str(n).lower() in aliases), None): folder / str(n)
+             for n in names}
+    found.pop(None, None)
+    if "train" not in found:
+        raise UserError(f"The saved dataset `{folder}` has splits {names} but no train split. Rename one to `train`.")
+    return found
+
+
 def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
     import datasets
 
@@ -190,11 +214,12 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
         raise UserError(f"`{folder}` looks like a `save_to_disk` folder but could not be loaded "
                         f"({str(err).splitlines()[0][:300] if str(err) else type(err).__name__}). Save it again.") from None
     parts = {"all": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
-    out = {}
+    out, unused = {}, []
     for name, ds in parts.items():
         split = next((s for s, aliases in SPLIT_ALIASES.items() if name.lower() in aliases), "all" if name == "all" else None)
         if split is None:
-            continue  # e.g. an `unsupervised` split
+            unused.append(name)  # e.g. an `unsupervised` split
+            continue
         table = ds.flatten_indices().data.table if ds._indices is not None else ds.data.table
         selected = _select_columns(table, f"{folder} [{name}]", cfg)
         label = ds.features.get(cfg.label_column)
@@ -202,6 +227,9 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
         out[split] = RawSplit(table=selected, origin=f"`{folder}` [{name}]", class_names=names)
     if "train" not in out and "all" not in out:
         raise UserError(f"The saved dataset `{folder}` has splits {list(parts)} but no train split. Rename one to `train`.")
+    if unused:  # said, not silently left out
+        next(iter(out.values())).notes.append(f"`{folder}`: split(s) {', '.join(map(repr, unused))} are not train, "
+                                              "validation or test by any name emotune knows; they are not used.")
     return out
 
 

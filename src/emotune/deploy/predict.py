@@ -151,10 +151,22 @@ def _read_table(path: Path, text_column: str) -> pd.DataFrame:
         rows = reader(path)
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as err:
         raise UserError(f"Could not read `{path}`: {str(err).splitlines()[0][:300]}. Check the file's format.") from None
+    other = _other_delimiter(rows.columns, text_column)
+    if other is not None:  # a `;`-separated .csv (spreadsheets in decimal-comma locales): one column `text;id`
+        print(f"Note: `{path}`'s header is separated by {other!r}; read with it as the delimiter.", flush=True)
+        rows = pd.read_csv(path, sep=other, dtype=str, keep_default_na=False)
     if text_column not in rows.columns:
         raise UserError(f"`{path}` has no column `{text_column}` (columns: {', '.join(map(str, rows.columns))}). "
                         "Pass --text-column NAME.")
     return rows
+
+
+def _other_delimiter(columns, text_column: str) -> str | None:
+    """The delimiter of a header read as one column that names the text column once split by it, else None."""
+    if len(columns) != 1 or text_column in columns:
+        return None
+    header = str(columns[0])
+    return next((d for d in (";", "\t", "|", ",") if text_column in header.split(d)), None)
 
 
 def _write_table(rows: pd.DataFrame, probs: torch.Tensor, labels: list[str], out: Path) -> None:

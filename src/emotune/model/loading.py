@@ -72,6 +72,10 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
+        if (path / "adapter_config.json").is_file() or (path / "adapter").is_dir() or (path / "run.json").is_file():
+            raise UserError(f"model.source `{source}` is an adapter or an emotune run folder, not a base model. Keep "
+                            "model.source at the base it was trained on and set lora.adapter to this folder to train on "
+                            "from it, or export a merged model (emotune export RUN --merge) and point model.source at it.")
         raise UserError(f"model.source `{source}` is a folder without config.json, so it is not a Hugging Face "
                         "model folder. Point it at the folder that holds config.json and the weights, or at a .gguf file.")
     raise UserError(f"model.source `{source}` is neither `embedded`, an existing folder, a .gguf file, nor a hub id "
@@ -343,8 +347,9 @@ def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
     if path.is_file() and path.suffix == ".gguf":
         _check_gguf_readable(path)
         return path.parent, path.name
-    if path.is_dir():
-        return path, None
+    if path.exists() or not (cfg.source.startswith(HUB_PREFIXES) or looks_like_hub_id(cfg.source)):
+        # a local folder is checked as a run checks it; a path that is not there is named as such, not sent to the hub
+        return resolve_model_dir(cfg), None
     return _download_tokenizer(cfg), None
 
 

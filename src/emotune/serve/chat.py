@@ -38,6 +38,7 @@ def check_chat(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Serve
     if body.n != 1:
         raise APIError(422, f"n={body.n}: this server returns one choice per request (n=1). For several different "
                             "replies send several requests with temperature > 0 and different seeds.")
+    _refuse_what_is_not_done(body)
     if not body.messages:
         raise APIError(422, "`messages` is empty; send at least one user message.")
     if len(body.messages) > cfg.max_messages:
@@ -53,6 +54,20 @@ def check_chat(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Serve
     max_tokens = _asked(body) or _default_tokens(cfg)
     if max_tokens > cfg.max_new_tokens:
         raise APIError(422, f"max_tokens={max_tokens} is outside 1..serve.max_new_tokens={cfg.max_new_tokens}.")
+
+
+def _refuse_what_is_not_done(body: ChatRequest) -> None:
+    """OpenAI fields whose answer would silently differ from what the client asked for (no log-probabilities in the
+    reply, text that is not JSON, no tool call where one was required): 422 naming the field, not a reply without it."""
+    if body.logprobs or body.top_logprobs:
+        raise APIError(422, "logprobs: this server does not return log-probabilities. Leave `logprobs` and "
+                            "`top_logprobs` out; /v1/classify answers every label's probability.")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(422, f"response_format type {body.response_format.type!r}: this server cannot constrain a reply to "
+                            "JSON. Leave `response_format` out (or send type `text`) and ask for JSON in the prompt.")
+    if body.tool_choice not in (None, "auto", "none"):
+        raise APIError(422, f"tool_choice {body.tool_choice!r:.80}: this server does not make the model call a tool. "
+                            "Send `auto` or `none`, or leave it out.")
 
 
 def _asked(body: ChatRequest) -> int | None:
@@ -77,7 +92,7 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": loaded.name,
             "prompt": prompt, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
             "top_p": top_p, "seed": body.seed, "stop": body.stop or [], "cancel": threading.Event(),
-            "stopping": state.stopping}
+            "stopping": state.stopping, "include_usage": bool(body.stream_options and body.stream_options.include_usage)}
 
 
 def _render(body: ChatRequest, loaded: Loaded) -> str:
@@ -162,11 +177,13 @@ async def stream_chat(job: dict, engine: Engine, state: Server, ticket: Ticket, 
             piece = visible.feed(piece)
             if piece:
                 yield _chunk(job, {"content": piece})
-        _, finish, _ = await done
+        _, finish, usage = await done
         rest = visible.flush()
         if rest:
             yield _chunk(job, {"content": rest})
         yield _chunk(job, {}, finish)
+        if job.get("include_usage"):  # stream_options.include_usage: OpenAI's last chunk, no choices and the usage
+            yield _chunk(job, None, usage=usage)
     except Exception as err:  # noqa: BLE001 (the status line is sent: the error can only go in-band)
         log.error("chat stream %s failed", job["id"], exc_info=err)
         setattr(request_state, STREAM_FAILED, True)
@@ -179,7 +196,9 @@ async def stream_chat(job: dict, engine: Engine, state: Server, ticket: Ticket, 
     yield "data: [DONE]\n\n"
 
 
-def _chunk(job: dict, delta: dict, finish: str | None = None) -> str:
+def _chunk(job: dict, delta: dict | None, finish: str | None = None, usage: dict | None = None) -> str:
     payload = {"id": job["id"], "object": "chat.completion.chunk", "created": job["created"], "model": job["model"],
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+               "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        payload["usage"] = usage
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

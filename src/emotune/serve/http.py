@@ -42,13 +42,29 @@ async def api_error(request: Request, err: APIError):
     return error_response(err.status, err.message, err.kind)
 
 
+JSON_BODY = "Send one JSON object, UTF-8 encoded, with `Content-Type: application/json`."
+
+
 async def invalid_request(request: Request, err: RequestValidationError):
-    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in err.errors())
+    errors = err.errors()
+    if any(e["type"] == "json_invalid" for e in errors):  # FastAPI's loc is ("body", character): say it in words
+        where = next(e for e in errors if e["type"] == "json_invalid")
+        detail = (where.get("ctx") or {}).get("error", "JSON decode error")
+        return error_response(400, f"The body is not valid JSON ({detail} at character {where['loc'][-1]}). {JSON_BODY}")
+    content_type = request.headers.get("content-type", "")
+    if errors and tuple(errors[0]["loc"]) == ("body",) and "json" not in content_type.lower():
+        # FastAPI reads a body as JSON only under a JSON content type; anything else arrives as no object at all
+        return error_response(415 if content_type else 422, f"The body was sent as `{content_type[:80] or 'no content type'}`, "
+                                                           f"not JSON. {JSON_BODY}")
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors)
     return error_response(422, f"Invalid request: {problems}.")
 
 
 async def http_error(request: Request, err: StarletteHTTPException):
-    return error_response(err.status_code, str(err.detail), "not_found_error" if err.status_code == 404 else "invalid_request_error")
+    message = str(err.detail)
+    if err.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's words, nothing more
+        message = f"The body could not be read as JSON (bytes that are not UTF-8, or nesting too deep). {JSON_BODY}"
+    return error_response(err.status_code, message, "not_found_error" if err.status_code == 404 else "invalid_request_error")
 
 
 async def server_error(request: Request, err: Exception):

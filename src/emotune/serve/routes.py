@@ -81,6 +81,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse, dependencies=user,
           responses=TEXT_ROUTE_ERRORS)
     route("/v1/models", list_models, methods=["GET"], response_model=ModelList, dependencies=user)
+    route("/v1/models/{model}", retrieve_model, methods=["GET"], response_model=ModelCard, dependencies=user)
     route("/v1/classify", classify, methods=["POST"], response_model=ClassifyResponse, dependencies=user)
     route("/v1/chat/completions", chat, methods=["POST"], response_model=ChatCompletion, dependencies=user,
           responses={**ERRORS, **SSE})
@@ -133,6 +134,11 @@ async def metrics(state: ServerState):
 
 async def list_models(state: ServerState):
     return {"object": "list", "data": [_model_card(m, state.engine) for m in state.engine.models.values()]}
+
+
+async def retrieve_model(model: str, state: ServerState):
+    """OpenAI's GET /v1/models/{model}: one model's card, or 404."""
+    return _model_card(state.loaded(model), state.engine)
 
 
 async def classify(body: ClassifyRequest, state: ServerState, request: Request):

@@ -71,8 +71,14 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Name
+    """`developer` (OpenAI's newer name for the system role) is read as `system`: no chat template knows it."""
     content: Text | list[ContentPart]
     """Required: a message without content has nothing for the template to render."""
+
+    @field_validator("role")
+    @classmethod
+    def _system_by_its_newer_name(cls, value: str) -> str:
+        return "system" if value == "developer" else value
 
     @field_validator("content")
     @classmethod
@@ -81,6 +87,17 @@ class ChatMessage(BaseModel):
         if isinstance(value, list):
             return "".join(part.text or "" for part in value if part.type == "text")
         return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool = False
+    """A last chunk with empty `choices` and the request's `usage`, before `[DONE]` (OpenAI's)."""
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
 
 
 class ChatRequest(BaseModel):
@@ -101,6 +118,15 @@ class ChatRequest(BaseModel):
     """Up to 4 texts; the reply ends before the first of them (OpenAI's `stop`). Read as a list."""
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     """The range torch's generator takes."""
+    stream_options: StreamOptions | None = None
+    logprobs: StrictBool | None = None
+    """Only false: the reply carries no log-probabilities (refused rather than silently left out)."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Only 0, as `logprobs`."""
+    response_format: ResponseFormat | None = None
+    """Only `{"type": "text"}`: nothing constrains the reply to JSON, so asking for it is refused."""
+    tool_choice: str | dict | None = None
+    """`auto` or `none`: the model is never made to call a tool (`tools` are accepted and not shown to it)."""
 
 
     @field_validator("stop")

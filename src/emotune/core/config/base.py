@@ -58,6 +58,14 @@ class Range:
 
 
 RUN_NAME = re.compile(r"[\w.-]{1,100}")
+
+
+def named_source(value: str) -> str:
+    """A source (model or data) must name something: an empty one is the current folder to pathlib, so
+    `data.source=` read whatever train.* files the working directory held, without a word."""
+    if not value.strip():
+        raise ValueError("is empty; name a file, a folder, a hub id or `embedded`")
+    return value
 DEVICE_NAME = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 
 

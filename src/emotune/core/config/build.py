@@ -6,7 +6,8 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -27,10 +28,13 @@ TASK_CONFIGS: dict[str, type[RunConfigBase]] = {"classify": ClassifyConfig, "sft
 
 
 def build_config(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), path: str | Path | None = None,
-                 problems: list[str] | None = None, check=None) -> RunConfigBase:
+                 problems: list[str] | None = None, check=None, written: dict[str, Any] | None = None) -> RunConfigBase:
     """Apply the overrides to `raw` and validate it against its task's class; `problems` found before (by a
-    translation) and those of `check(raw)` (run after the overrides) are reported with the others, all at once."""
+    translation) and those of `check(raw)` (run after the overrides) are reported with the others, all at once.
+    `written` is `raw` as written (read_yaml_as_written): text fields take their values from it (see restore_text)."""
     problems = list(problems or [])
+    written = dict(written or {})
+    typed_text: dict[tuple[str, ...], str] = {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -40,10 +44,14 @@ def build_config(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (
             _set_dotted(raw, key.strip(), _parse_value(value))
         except DuplicateKeyError as err:
             problems.append(f"`{item}`: {err}")
+            continue
+        _set_dotted(written, key.strip(), _as_written(value))
+        typed_text[tuple(key.strip().split("."))] = value
     if check is not None:
         problems += check(raw)
     schema = _task_config(raw, problems)
     problems += _unknown_keys(raw, schema)
+    restore_text(raw, written, typed_text, schema)
     if path is not None and "name" not in raw:
         raw["name"] = _name_from_file(Path(path))
     try:
@@ -82,6 +90,9 @@ def _name_from_file(path: Path) -> str:
     return re.sub(r"[^\w.-]+", "-", path.stem).strip("-")[:100].strip(".") or "default"
 
 
+DATA_ENDINGS = (".csv", ".tsv", ".jsonl", ".parquet", ".txt", ".arrow")  # never a config, always a data.source
+
+
 class DuplicateKeyError(yaml.YAMLError):
     pass
 
@@ -114,8 +125,16 @@ def _yaml(text: str) -> Any:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """The YAML mapping in `path` (duplicate keys refused, naming both lines), or a UserError saying what is wrong."""
+    if path.is_dir():
+        saved = path / "config.yaml"
+        hint = (f"; it looks like a run folder, whose config is `{saved}` (pass that to resume or repeat the run)"
+                if saved.is_file() else "")
+        raise UserError(f"Config file `{path}` is a folder{hint}. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
     if not path.is_file():
         raise UserError(f"Config file `{path}` does not exist. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
+    if path.suffix.lower() in DATA_ENDINGS:
+        raise UserError(f"`{path}` is a data file, not a config. Give it as data.source after a config, e.g. "
+                        f"emotune run configs/cpu-own-data.yaml data.source={path}")
     try:
         data = _yaml(path.read_text(encoding="utf-8"))
     except DuplicateKeyError as err:
@@ -127,8 +146,86 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"Config file `{path}` must hold a mapping of sections (model:, data:, ...), not a {type(data).__name__}.")
+        data_file = " (rows of data? give a data file as data.source=FILE)" if isinstance(data, list) else ""
+        raise UserError(f"Config file `{path}` must hold a mapping of sections (model:, data:, ...), not a "
+                        f"{type(data).__name__}{data_file}.")
     return data
+
+
+def read_yaml_as_written(path: Path) -> dict[str, Any]:
+    """The YAML mapping in `path` with every scalar as the text written (`yes`, `1.0` and `007` stay text); call it
+    after read_yaml, which has already refused what is not a valid mapping."""
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml.BaseLoader)  # noqa: S506 (no constructors)
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _as_written(text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=yaml.BaseLoader) if text.strip() else ""  # noqa: S506 (no constructors)
+    except yaml.YAMLError:
+        return text
+
+
+def restore_text(raw: dict[str, Any], written: dict[str, Any], typed: dict[tuple[str, ...], str],
+                 model: type[BaseModel], where: tuple[str, ...] = ()) -> None:
+    """Give text fields the text that was written. YAML turns `yes`/`no`/`on`/`off` into booleans and `123`, `0.10`
+    into numbers, so `data.label_names: [yes, no]` or `name: 2024` would fail as "not a valid string" (or lose the
+    spelling); where a field holds text (str, list[str], dict[str, str]), such values get their written spelling
+    back. A key=value override (`typed`: path -> the text after `=`) of a text field is taken as typed whenever YAML
+    read something else into it, so `prompt.user_template=Review: {text}` is that text, not a mapping."""
+    for key, value in raw.items():
+        info = model.model_fields.get(key) if isinstance(key, str) else None
+        if info is None:
+            continue
+        path, original = (*where, key), written.get(key) if isinstance(written, dict) else None
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if isinstance(value, dict):
+                restore_text(value, original if isinstance(original, dict) else {}, typed, annotation, path)
+            continue
+        shapes = _text_shapes(annotation)
+        if "text" in shapes and path in typed and not _fits(value, shapes):
+            raw[key] = typed[path].strip()
+        elif shapes:
+            raw[key] = _respelled(value, original, shapes)
+
+
+def _respelled(value: Any, original: Any, shapes: set[str]) -> Any:
+    if "text" in shapes and isinstance(value, (bool, int, float)) and isinstance(original, str):
+        return original
+    if "list" in shapes and isinstance(value, list) and isinstance(original, list) and len(value) == len(original):
+        return [_respelled(v, o, {"text"}) for v, o in zip(value, original, strict=True)]
+    if "dict" in shapes and isinstance(value, dict) and isinstance(original, dict) and len(value) == len(original):
+        pairs = zip(value.items(), original.items(), strict=True)
+        return {_respelled(k, ok, {"text"}): _respelled(v, ov, {"text"}) for (k, v), (ok, ov) in pairs}
+    return value
+
+
+def _fits(value: Any, shapes: set[str]) -> bool:
+    """Whether YAML's reading of a value is already one of the shapes the field takes (or null)."""
+    return (value is None or isinstance(value, str) or (isinstance(value, list) and "list" in shapes)
+            or (isinstance(value, dict) and "dict" in shapes))
+
+
+def _text_shapes(annotation: Any) -> set[str]:
+    """Which of `text` (str), `list` (list[str]) and `dict` (dict[str, str]) a field's type takes; none where it also
+    takes a number or a boolean, which YAML's reading then decides."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    shapes: set[str] = set()
+    for option in options:
+        origin, args = get_origin(option), get_args(option)
+        if option in (int, float, bool):
+            return set()
+        if option is str or (origin is Annotated and args[0] is str):
+            shapes.add("text")
+        elif origin is list and args == (str,):
+            shapes.add("list")
+        elif origin is dict and args == (str, str):
+            shapes.add("dict")
+    return shapes
 
 
 def _parse_value(text: str) -> Any:
@@ -151,15 +248,28 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+# Other tools' names for emotune's keys (transformers' TrainingArguments, PEFT, Axolotl, TRL), for the message that
+# refuses them at the top level of an emotune config: a LLaMA-Factory file is translated whole instead.
+OTHER_TOOLS_NAMES = {
+    "per_device_train_batch_size": "train.batch_size", "micro_batch_size": "train.batch_size",
+    "num_epochs": "train.num_train_epochs", "lr_scheduler": "train.lr_scheduler_type", "optimizer": "train.optim",
+    "sequence_len": "train.max_length", "max_seq_length": "train.max_length", "cutoff_len": "train.max_length",
+    "base_model": "model.source", "model_name_or_path": "model.source", "lora_r": "lora.r", "lora_rank": "lora.r",
+    "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules",
+    "lora_target": "lora.target_modules", "datasets": "data.source", "dataset": "data.source",
+    "dataset_name": "data.source", "val_set_size": "data.validation_size", "bf16": "train.precision",
+    "fp16": "train.precision", "load_in_4bit": "model.quantization", "load_in_8bit": "model.quantization",
+    "adapter": "train.finetuning",
+}
+
+
 def _unknown_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str = "") -> list[str]:
     problems = []
     fields = model.model_fields
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys here: {', '.join(fields)}"
-            problems.append(f"`{dotted}` is not a config key{hint}")
+            problems.append(f"`{dotted}` is not a config key{_closest(str(key), model, prefix)}")
             continue
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -170,11 +280,32 @@ def _unknown_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str = "")
     return problems
 
 
+def _closest(key: str, model: type[BaseModel], prefix: str) -> str:
+    """What the user probably meant: another tool's name for a key, a key of a section written at the top level
+    (`learning_rate` for `train.learning_rate`), or the closest spelling here."""
+    fields = model.model_fields
+    if not prefix:
+        sections = {name: info.annotation for name, info in fields.items()
+                    if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}
+        inside = next((f"{name}.{key}" for name, section in sections.items() if key in section.model_fields), None)
+        meant = OTHER_TOOLS_NAMES.get(key) or inside
+        if meant is not None:
+            return f"; did you mean `{meant}` (keys of a section go under it: {meant.split('.')[0]}: ...)?"
+    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    return f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys here: {', '.join(fields)}"
+
+
 def _describe(error: dict[str, Any]) -> str:
     where = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-after")) or "config"
     message = error["msg"].removeprefix("Value error, ")
     got = error.get("input")
     shown = "" if isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
+    if error["type"] == "string_type" and isinstance(got, (dict, list)):
+        # `user_template: {text}` is a YAML mapping; the braces of a template need quotes in YAML
+        shown = (f" (YAML read a {'mapping' if isinstance(got, dict) else 'list'} there: put the value in quotes, e.g. "
+                 f"{where.rsplit('.', 1)[-1]}: 'Review: {{text}}')")
+    elif error["type"] == "list_type" and isinstance(got, str):
+        shown = f" (got {got!r}; write a list in brackets, e.g. {where}=[{got}] or {where}=[a, b])"
     return f"`{where}`: {message}{shown}"
 
 

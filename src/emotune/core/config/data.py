@@ -5,13 +5,14 @@ from __future__ import annotations
 import codecs
 from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from emotune.core.config.base import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_USER_TEMPLATE,
     Range,
     Section,
+    named_source,
 )
 
 TextAction = Literal["keep", "replace", "drop"]
@@ -108,11 +109,36 @@ class DataConfig(Section):
     the largest class; `class_weight` leaves the rows alone and computes per-class loss weights
     (n / (classes x n_class), in data_report.json) that weight each training row's completion loss."""
     cleaning: CleaningConfig = CleaningConfig()
+    _named = field_validator("source")(named_source)
 
     @field_validator("encoding")
     @classmethod
     def _known_encoding(cls, value: str) -> str:
         return known_encoding(value)
+
+    @model_validator(mode="after")
+    def _text_is_not_the_label(self) -> DataConfig:
+        """One column as both gave every text its own label ("labels [...] have no training rows"), or trained
+        the model to repeat the label it was shown."""
+        if self.text_column == self.label_column:
+            raise ValueError(f"data.text_column and data.label_column name the same column `{self.text_column}`; "
+                             "point each at its own column")
+        return self
+
+    @field_validator("label_names")
+    @classmethod
+    def _distinct_names(cls, names: list[str] | None) -> list[str] | None:
+        """Labels are matched ignoring case and surrounding whitespace, so `joy` and `Joy ` are one label."""
+        if names is None:
+            return None
+        if any(not name.strip() for name in names):
+            raise ValueError("holds an empty name; every label needs one")
+        keys = [name.strip().casefold() for name in names]
+        twice = sorted({name for name, key in zip(names, keys, strict=True) if keys.count(key) > 1})
+        if twice:
+            raise ValueError(f"names {twice} as more than one label, but case and surrounding whitespace never "
+                             "matter; give each label once")
+        return names
 
 
 def known_encoding(value: str) -> str:

@@ -15,6 +15,7 @@ LLaMA-Factory's `TrainingArguments` (training_args.py) extends, read in the tran
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -36,6 +37,7 @@ from emotune.core.config.llamafactory_keys import (
 )
 from emotune.core.config.llamafactory_templates import template_check
 from emotune.core.config.run import RunConfigBase
+from emotune.core.errors import UserError
 
 # every translated key with its default: LLaMA-Factory's `stage` (which names emotune's task) and the rest
 DEFAULTS: dict[str, tuple[Any, str]] = {"stage": ("sft", FINETUNING), **KEY_DEFAULTS}
@@ -76,8 +78,14 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     t.set("task", "sft", "stage")
     for step in (_refusals, _model, _method, _dataset, _schedule, _precision, _steps, _output):
         step(t)
+    known = [*DEFAULTS, *REFUSED, *IGNORED]
     for key in file:
-        if key not in DEFAULTS and key not in REFUSED:
+        if key in DEFAULTS or key in REFUSED:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.85) if key not in IGNORED else []
+        if close:  # a misspelt key would be one setting silently left at its default; LLaMA-Factory refuses it too
+            t.problems.append(f"`{key}` is not a LLaMA-Factory key; did you mean `{close[0]}`?")
+        else:
             t.ignored.append((key, IGNORED.get(key, "not a LLaMA-Factory key emotune translates")))
     return t
 
@@ -390,9 +398,15 @@ def announce(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> N
 def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """`emotune config --from-llamafactory FILE`: the emotune YAML the file means (overrides applied), with the
     translation as comments. The file need not look like one; every problem is reported at once, as by `run`."""
-    from emotune.core.config.build import read_yaml
+    from emotune.core.config.build import TASK_CONFIGS, read_yaml
 
-    t = translate(read_yaml(Path(path)), overrides)
+    file = read_yaml(Path(path))
+    emotune_keys = {key for schema in TASK_CONFIGS.values() for key in schema.model_fields}
+    if file and not is_llamafactory(file) and set(file) <= emotune_keys:
+        raise UserError(f"`{path}` is an emotune config already (its keys {', '.join(map(str, file))} are emotune's), "
+                        f"not a LLaMA-Factory training file; it needs no translation: `emotune config {path}` prints it "
+                        "resolved.")
+    t = translate(file, overrides)
     raw = _with_overrides(t)
     build_config(json.loads(json.dumps(t.raw)), t.overrides, path, t.problems,
                  check=lambda r: template_check(t.template, r)[0])

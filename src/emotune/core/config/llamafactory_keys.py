@@ -88,6 +88,16 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "use_llama_pro": (False, "LLaMA Pro block expansion is not something emotune does; remove use_llama_pro"),
     "streaming": (False, "emotune reads the whole dataset; remove streaming"),
     "mix_strategy": ("concat", "emotune mixes datasets by concatenation only; remove mix_strategy"),
+    "neftune_noise_alpha": (None, "emotune adds no noise to the embeddings while training (NEFTune); remove it"),
+    "rope_scaling": (None, "emotune trains the model with its own position encoding; remove rope_scaling"),
+    "train_from_scratch": (False, "emotune fine-tunes the model's trained weights; remove train_from_scratch"),
+    "resize_vocab": (False, "emotune keeps the model's vocabulary; remove resize_vocab"),
+    "label_smoothing_factor": (0.0, "emotune's loss is plain cross-entropy; remove label_smoothing_factor"),
+    "use_adam_mini": (False, "Adam-mini is not an optimizer emotune has; use optim"),
+    "lr_scheduler_kwargs": (None, "emotune's schedules take no extra arguments; remove lr_scheduler_kwargs"),
+    "dataset_name": (None, "it is a TRL script's key, not LLaMA-Factory's, which names dataset_info.json entries in "
+                           "`dataset`; for a hub dataset write an emotune config with task: sft and "
+                           "data.source: hf:OWNER/NAME"),
 }
 
 PERFORMANCE = "a speed or memory setting of LLaMA-Factory's; it does not change what is learned"

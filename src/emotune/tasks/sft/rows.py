@@ -64,8 +64,10 @@ def _span_by_difference(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
 
 def encode(conversation: Conversation, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,
            mask_history: bool) -> Example:
-    """One conversation as token ids with its loss spans (only the last answer's with `mask_history`)."""
+    """One conversation as token ids with its loss spans (only the last answer's with `mask_history`; never those of
+    the answers the data marks untrained, OpenAI's `"weight": 0`)."""
     ids, spans = loss_spans(tokenizer, conversation.chat(system_prompt))
+    spans = [span for k, span in enumerate(spans) if k not in conversation.untrained]
     if mask_history:
         spans = spans[-1:]
     return Example(ids, spans[0][0], spans=tuple(spans))

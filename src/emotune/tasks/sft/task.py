@@ -128,6 +128,10 @@ def training_rows(data: ConversationData, tokenizer: PreTrainedTokenizerBase, cf
     for split in ("train", "validation"):
         encoded = encode_all(data.splits[split], tokenizer, cfg.prompt.system_prompt, cfg.prompt.mask_history,
                              cfg.train.max_length)
+        if encoded.examples and encoded.lost == len(encoded.examples):  # training would learn nothing, loss 0
+            raise UserError(f"Every one of the {encoded.lost} {split} rows is cut at train.max_length="
+                            f"{cfg.train.max_length} before its answer, so training would learn nothing; raise "
+                            "train.max_length.")
         if encoded.truncated:
             print(f"{split}: {encoded.truncated} of {len(encoded.examples)} rows cut at train.max_length="
                   f"{cfg.train.max_length}" + (f"; {encoded.lost} of them kept no answer token and teach nothing — raise "
