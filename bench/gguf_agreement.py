@@ -10,7 +10,9 @@ For the run's test split (the first N rows with --limit), greedy answers with th
 - each GGUF through llama.cpp (llama-cpp-python, when installed), and the adapter GGUF applied to the base model's
   GGUF (`lora_path`) against the merged f16 GGUF.
 Each line: engine, model, rows, agreement (share of labels equal to the reference's), macro_f1 of its labels against
-the gold labels, and the reference's macro_f1.
+the gold labels, and the reference's macro_f1; for every row whose label differs (`flips`): the row, both labels, and
+the merged model's margin at the answer's first token (log-probability of its top token minus the runner-up's, in
+nats) with that margin's rank among all rows (0: the closest call), so a flip can be told from a tie.
 """
 
 from __future__ import annotations
@@ -47,6 +49,23 @@ def emotune_answers(model_dir: Path, cfg, dataset, labels: list[str], method: st
     return [(row["predicted"], row["raw_output"]) for row in result.rows]
 
 
+def prompt_text(tokenizer, cfg, labels: list[str], text: str) -> str:
+    return tokenizer.apply_chat_template(prompt_messages(text, cfg.prompt, labels), tokenize=False, add_generation_prompt=True)
+
+
+def first_token_margins(model_dir: Path, cfg, labels: list[str], texts: list[str]) -> list[float]:
+    """Per row, how far the merged model's first answer token leads the runner-up (log-probabilities, nats)."""
+    model = load_model(model_dir, torch.float32, torch.device("cpu")).eval()
+    tokenizer = load_tokenizer(model_dir, ModelConfig())
+    margins = []
+    with torch.no_grad():
+        for text in texts:
+            ids = tokenizer(prompt_text(tokenizer, cfg, labels, text), add_special_tokens=False, return_tensors="pt").input_ids
+            top = model(input_ids=ids).logits[0, -1].float().log_softmax(-1).topk(2).values
+            margins.append(float(top[0] - top[1]))
+    return margins
+
+
 def llama_cpp_labels(gguf_file: Path, tokenizer, cfg, labels: list[str], texts: list[str], lora: Path | None = None) -> list[str]:
     from llama_cpp import Llama
 
@@ -55,7 +74,7 @@ def llama_cpp_labels(gguf_file: Path, tokenizer, cfg, labels: list[str], texts: 
     pattern = label_pattern(labels)
     predicted = []
     for text in texts:
-        prompt = tokenizer.apply_chat_template(prompt_messages(text, cfg.prompt, labels), tokenize=False, add_generation_prompt=True)
+        prompt = prompt_text(tokenizer, cfg, labels, text)
         tokens = llm.tokenize(prompt.encode(), add_bos=False, special=True)  # the template already starts with BOS
         reply = llm.create_completion(prompt=tokens, max_tokens=cfg.eval.max_new_tokens, temperature=0.0, top_k=1)
         predicted.append(extract_label(reply["choices"][0]["text"], labels, pattern))
@@ -63,14 +82,18 @@ def llama_cpp_labels(gguf_file: Path, tokenizer, cfg, labels: list[str], texts: 
 
 
 def line(engine: str, model: str, predicted: list[str], reference: list[str], gold: list[str], labels: list[str],
-         replies: tuple[list[str], list[str]] | None = None) -> None:
+         replies: tuple[list[str], list[str]] | None = None, margins: list[float] | None = None) -> None:
     """`agreement`: equal labels; `reply_agreement` (emotune engine): equal raw replies, which also counts two
-    different invalid answers as a disagreement."""
+    different invalid answers as a disagreement; `flips`: [row, reference label, label, margin, margin rank]."""
     agreement = sum(p == r for p, r in zip(predicted, reference, strict=True)) / len(reference)
     found = {"engine": engine, "model": model, "rows": len(reference), "agreement": round(agreement, 4),
              "macro_f1": round(compute_metrics(gold, predicted, labels)["macro_f1"], 4),
              "reference_macro_f1": round(compute_metrics(gold, reference, labels)["macro_f1"], 4),
              "reference_invalid": sum(r not in labels for r in reference)}
+    if margins:
+        ranked = sorted(margins)
+        found["flips"] = [[i, r, p, round(margins[i], 3), ranked.index(margins[i])]
+                          for i, (p, r) in enumerate(zip(predicted, reference, strict=True)) if p != r]
     if replies:
         found["reply_agreement"] = round(sum(a == b for a, b in zip(*replies, strict=True)) / len(reference), 4)
     print(json.dumps(found), flush=True)
@@ -106,13 +129,15 @@ def main() -> int:
     gold, texts = list(dataset["label"]), list(dataset["text"])
     merged_answers = emotune_answers(run.export / "merged", cfg, dataset, labels, args.method)
     reference = [label for label, _ in merged_answers]
+    margins = first_token_margins(run.export / "merged", cfg, labels, texts)
     if "emotune" in args.engines:
         with tempfile.TemporaryDirectory() as cache:
             for quant, path in files.items():
                 converted = resolve_model_dir(ModelConfig(source=str(path), cache_dir=cache))
                 answers = emotune_answers(converted, cfg, dataset, labels, args.method)
                 line(f"emotune ({args.method})", quant, [label for label, _ in answers], reference, gold, labels,
-                     ([reply for _, reply in answers], [reply for _, reply in merged_answers]) if args.method == "generate" else None)
+                     ([reply for _, reply in answers], [reply for _, reply in merged_answers]) if args.method == "generate" else None,
+                     margins)
     if "llama.cpp" in args.engines:
         try:
             import llama_cpp  # noqa: F401
@@ -121,7 +146,7 @@ def main() -> int:
             return 0
         tokenizer = load_tokenizer(run.export / "merged", ModelConfig())
         for quant, path in files.items():
-            line("llama.cpp", quant, llama_cpp_labels(path, tokenizer, cfg, labels, texts), reference, gold, labels)
+            line("llama.cpp", quant, llama_cpp_labels(path, tokenizer, cfg, labels, texts), reference, gold, labels, margins=margins)
         base_file = folder / "base-f16.gguf"
         if not base_file.is_file():
             write_gguf(resolve_model_dir(artifact.model_cfg), base_file, "f16", {"name": "base"})
