@@ -187,7 +187,9 @@ class LabelScorer:
 
         # Positions as if each row stood alone: the suffix follows the head, each path follows its row's suffix.
         suffix_pos = n_prefix + (valid.long().cumsum(1) - 1).clamp(min=0)
-        tree_pos = n_prefix + lengths[:, None] + torch.tensor(tree_depth, device=device)
+        # dtype long: with single-token labels the tree is empty, and an empty torch.tensor([]) is float32, which
+        # would make every position float (harmless under RoPE, an index error in a learned position table: GPT-2)
+        tree_pos = n_prefix + lengths[:, None] + torch.tensor(tree_depth, dtype=torch.long, device=device)
         query_pos = torch.cat([suffix_pos, tree_pos], 1)
         key_pos = torch.cat([torch.arange(n_prefix, device=device).expand(rows, -1), query_pos], 1)
         group = torch.tensor([0] * width + tree_group, device=device)
