@@ -26,10 +26,16 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model import init_methods
+
+
+LINEAR = (torch.nn.Linear, Conv1D)
+"""What `all-linear` adapts, as PEFT's own `all-linear` does: GPT-2's projections are transformers' Conv1D (a linear
+layer with its weight stored transposed), which PEFT's LoRA wraps like an nn.Linear."""
 
 
 def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str:
@@ -39,7 +45,7 @@ def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | No
     prefix = next(name for name, module in model.named_modules() if module is decoder)
     output = model.get_output_embeddings()
     linears = {f"{prefix}.{name}".lstrip(".") for name, module in decoder.named_modules()
-               if isinstance(module, torch.nn.Linear) and module is not output and name}
+               if isinstance(module, LINEAR) and module is not output and name}
     if layers is not None:
         path = decoder_layers_path(model)
         linears = {name for name in linears if any(name.startswith(f"{path}.{i}.") for i in layers)}
@@ -67,9 +73,14 @@ def _leaf(name: str) -> str:
 
 
 def decoder_layers_path(model: PreTrainedModel) -> str:
-    """The module name of the language model's list of decoder layers: `model.layers`, `model.language_model.layers`."""
+    """The module name of the language model's list of decoder layers: `model.layers`, `model.language_model.layers`,
+    `transformer.h` (GPT-2, Falcon): the language model's `layers`, else its one child list of `num_hidden_layers`."""
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        count = decoder_layer_count(model.config)
+        lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+        layers = lists[0] if len(lists) == 1 else None
     if not isinstance(layers, torch.nn.ModuleList):
         raise UserError(f"lora.layers: emotune could not find the decoder layers of {type(model).__name__} (no "
                         "`layers` list in its language model). Set lora.layers=null to adapt every layer.")
