@@ -120,3 +120,17 @@ def test_ctrl_c_stops_a_run_that_inherited_sigint_ignored(tiny_overrides, tmp_pa
     finally:
         process.kill()
     assert code == 130, process.stderr.read()[-2000:]
+
+
+def test_serve_takes_overrides_and_targets_after_its_flags(monkeypatch, tmp_path):
+    """`emotune serve RUN --no-auth serve.port=8001`: what follows a flag is still a target or an override, as
+    before it (argparse alone ends the positional list at the flag and calls the rest unrecognized)."""
+    import emotune.serve
+
+    seen = {}
+    monkeypatch.setattr(emotune.serve, "serve", lambda cfg, targets, fallback: seen.update(cfg=cfg, targets=targets))
+    assert main(["serve", str(tmp_path / "a"), "--no-auth", "serve.port=8123", str(tmp_path / "b")]) == 0
+    assert seen["cfg"].serve.port == 8123 and seen["cfg"].serve.no_auth
+    assert seen["targets"] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path / "a"), "--no-auth", "--bogus"])

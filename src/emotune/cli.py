@@ -395,9 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     interruptible()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # `emotune plan CONFIG --device-memory 24GB train.batch_size=8`: argparse ends the overrides at the first flag
+    # `emotune plan CONFIG --device-memory 24GB train.batch_size=8`, `emotune serve RUN --no-auth serve.port=8001`:
+    # argparse ends the positional list at the first flag
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides += extra
+    elif extra and hasattr(args, "items") and not any(e.startswith("-") for e in extra):
+        args.items += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = COMMANDS[args.command][0]
