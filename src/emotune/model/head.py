@@ -32,7 +32,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from emotune.core.errors import UserError
-from emotune.model.text import float32_logits
+from emotune.model.text import float32_logits, language_model
 from emotune.runtime.oom import run_in_batches
 
 HEAD = "score"  # transformers' name for the head of decoder-only sequence classifiers
@@ -124,7 +124,7 @@ def _body(causal: PreTrainedModel) -> tuple:
     where transformers has the classifier class (both keep it under the same `base_model_prefix`)."""
     if library_class(causal.config) is not None:
         return copy.deepcopy(causal.config), getattr(causal, body_prefix(causal.config))
-    return copy.deepcopy(causal.config.get_text_config()), causal.get_decoder()
+    return copy.deepcopy(causal.config.get_text_config()), language_model(causal)
 
 
 def classifier_from_causal(causal: PreTrainedModel, labels: list[str], seed: int = 0, init_std: float = 0.0
