@@ -94,9 +94,14 @@ def model_inputs(model, batch: dict[str, torch.Tensor]):
     if "prefix_ids" not in batch:
         yield {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
         return
-    checkpointed = [m for m in _unwrapped(model).modules()
-                    if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    with _layers_set(checkpointed, "_can_checkpoint_with_cache", True):
+    modules = list(_unwrapped(model).modules())
+    checkpointed = [m for m in modules if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    # GPT-2's model drops the cache itself before its layers see it when checkpointing is on (`cache if not
+    # (self.gradient_checkpointing and self.training) else None`): its own flag is off while the rows run (the
+    # layers keep theirs, so they are still checkpointed, and read the prefix's cache)
+    dropping = [m for m in modules if not isinstance(m, GradientCheckpointingLayer)
+                and vars(m).get("gradient_checkpointing") is True]
+    with _layers_set(checkpointed, "_can_checkpoint_with_cache", True), _layers_set(dropping, "gradient_checkpointing", False):
         with _layers_set(checkpointed, "gradient_checkpointing", False):
             cache = _run_prefix(model, batch["prefix_ids"])
         yield {"input_ids": batch["input_ids"], "cache": cache, "use_cache": False,
