@@ -222,6 +222,23 @@ def tiny_gemma4_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory) -> Path:
+    """A 2-layer random GPT-2 (learned position table, Conv1D projections, fused c_attn; openai-community/gpt2's
+    layout scaled to hidden 64) with the same tokenizer, saved as a Hugging Face folder."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("tiny-gpt2")
+    tokenizer = build_tokenizer(folder)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def tiny_overrides(tiny_model_dir, data_dir, tmp_path) -> list[str]:
     """Overrides that point a run at the tiny model and fixture data, 2 training steps, fp32."""

@@ -217,6 +217,47 @@ def phi4_mini(tokenizer):
                                       **_ids(tokenizer)))
 
 
+def granite(tokenizer):
+    """ibm-granite/granite-3.3-2b-instruct config.json: hidden 2,048, 40 layers, 32 heads / 8 KV heads, embeddings
+    times 12, residual branches times 0.22, attention scale 1/64 and logits divided by 8 after the output layer, tied
+    embeddings. Scaled: hidden 64, 2 layers, 4 heads / 2 KV heads; the multipliers as released."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return GraniteForCausalLM(GraniteConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            embedding_multiplier=12.0, residual_multiplier=0.22,
+                                            attention_multiplier=0.015625, logits_scaling=8.0, rms_norm_eps=1e-5,
+                                            tie_word_embeddings=True, max_position_embeddings=512, **_ids(tokenizer)))
+
+
+def cohere(tokenizer):
+    """CohereForAI/aya-23-8B config.json (Command R's architecture): hidden 4,096, 32 layers, 32 heads / 8 KV heads,
+    parallel attention and MLP after one LayerNorm, logits times 0.0625 after the output layer, tied embeddings.
+    Scaled: hidden 64, 2 layers, 4 heads / 2 KV heads; the logit scale as released."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    return CohereForCausalLM(CohereConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          logit_scale=0.0625, use_qk_norm=False, tie_word_embeddings=True,
+                                          max_position_embeddings=512, **_ids(tokenizer)))
+
+
+def llama4_text(tokenizer):
+    """meta-llama/Llama-4-Scout-17B-16E-Instruct config.json text_config, as `Llama4ForCausalLM`: hidden 5,120, 48
+    layers, 40 heads / 8 KV heads, head dim 128, chunked attention (8,192) in the RoPE layers and full attention
+    without RoPE in every 4th, query/key norms, 16 routed experts (1 per token) beside a shared one in every layer,
+    untied. Scaled: hidden 64, 2 layers (chunked + RoPE, full + no RoPE), chunks of `WINDOW`, 2 experts."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    return Llama4ForCausalLM(Llama4TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64,
+                                              intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                              num_experts_per_tok=1, interleave_moe_layer_step=1,
+                                              no_rope_layers=[1, 0], attention_chunk_size=WINDOW, use_qk_norm=True,
+                                              tie_word_embeddings=False, max_position_embeddings=512,
+                                              **_ids(tokenizer)))
+
+
 FAMILIES: dict[str, Callable] = {
     "gemma4-e4b": gemma4_multimodal,
     "gemma4-e2b": lambda tokenizer: gemma4_multimodal(tokenizer, "e2b"),
@@ -231,6 +272,10 @@ FAMILIES: dict[str, Callable] = {
     "phi3": phi3_mini,
     "phi4": phi4_mini,
 }
+# Beyond the matrix: families with one thing the matrix lacks, each checked on the paths it changes
+# (tests/test_equivalence.py): logits scaled after the output layer (Granite, Cohere), chunked attention and a
+# `get_decoder()` that returns the causal model itself (Llama 4).
+MORE_FAMILIES: dict[str, Callable] = {"granite": granite, "cohere": cohere, "llama4-text": llama4_text}
 SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n"}
 
 
@@ -245,7 +290,7 @@ def _built(name: str, tokenizer_dir: str):
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
-    model = FAMILIES[name](tokenizer).float().eval()
+    model = {**FAMILIES, **MORE_FAMILIES}[name](tokenizer).float().eval()
     spread_logits(model, tokenizer)
     return model
 
@@ -257,8 +302,9 @@ def build(name: str, tokenizer_dir: Path):
 
 def final_norm(model) -> torch.nn.Module:
     """The text model's last norm, before the output projection."""
-    decoder = model.get_decoder()
-    return decoder.norm
+    from emotune.model.text import language_model
+
+    return language_model(model).norm
 
 
 @torch.no_grad()

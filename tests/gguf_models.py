@@ -42,10 +42,11 @@ def byte_level_tokenizer(folder: Path, specials: list[str], bos: str | None, eos
     return fast
 
 
-def tiny_llama(folder: Path, model_type: str = "llama"):
+def tiny_llama(folder: Path, model_type: str = "llama", **changes):
     """Scaled from meta-llama/Llama-3.2-1B-Instruct's config.json (GQA 32/8 heads -> 4/2, head_dim 64 -> 16, tied
     embeddings), with default RoPE (transformers' GGUF reader knows no rope_freqs). `qwen2`: Qwen2.5-0.5B-Instruct's
-    shape (q/k/v biases, tied). `mistral`: Mistral-7B-v0.1's (untied)."""
+    shape (q/k/v biases, tied). `mistral`: Mistral-7B-v0.1's (untied). `changes`: config values to set beside
+    (head_dim=32: Mistral Nemo's heads wider than hidden / heads; attention_bias=True)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -62,7 +63,7 @@ def tiny_llama(folder: Path, model_type: str = "llama"):
                "mistral": (MistralConfig, MistralForCausalLM, dict(head_dim=16, tie_word_embeddings=False))}
     config_class, model_class, extra = classes[model_type]
     torch.manual_seed(0)
-    model = model_class(config_class(**shape, **extra))
+    model = model_class(config_class(**shape, **{**extra, **changes}))
     with torch.no_grad():  # random norms and biases, so a layout mistake in them changes the output
         for name, weight in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):

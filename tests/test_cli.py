@@ -142,3 +142,17 @@ def test_an_override_without_its_value_after_a_flag_is_still_refused(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "c.yaml", "--json", "train.batch_size"])
     assert "unrecognized arguments: train.batch_size" in capsys.readouterr().err
+
+
+def test_serve_takes_overrides_and_targets_after_its_flags(monkeypatch, tmp_path):
+    """`emotune serve RUN --no-auth serve.port=8001`: what follows a flag is still a target or an override, as
+    before it (argparse alone ends the positional list at the flag and calls the rest unrecognized)."""
+    import emotune.serve
+
+    seen = {}
+    monkeypatch.setattr(emotune.serve, "serve", lambda cfg, targets, fallback: seen.update(cfg=cfg, targets=targets))
+    assert main(["serve", str(tmp_path / "a"), "--no-auth", "serve.port=8123", str(tmp_path / "b")]) == 0
+    assert seen["cfg"].serve.port == 8123 and seen["cfg"].serve.no_auth
+    assert seen["targets"] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path / "a"), "--no-auth", "--bogus"])

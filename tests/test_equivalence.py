@@ -42,7 +42,7 @@ from emotune.model.prefix import cannot_share
 from emotune.tasks.classify.task import encode_examples
 from emotune.tasks.classify_head.objective import head_loss
 from emotune.train.batches import LANGUAGE_MODEL, Example, collate, completion_loss, share_prefix
-from families import FAMILIES, SOFT_CAPPED, build
+from families import FAMILIES, MORE_FAMILIES, SOFT_CAPPED, build
 
 CPU = torch.device("cpu")
 SMALL_CHUNK = 5  # loss positions per projection chunk: every pass below has more, so the chunked path runs
@@ -250,6 +250,19 @@ def test_label_scores_equal_the_models_own(name, tokenizer, tokenizer_dir):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_label_scores_equal_the_models_own_every_family(name, tokenizer, tokenizer_dir):
     check_scoring(name, tokenizer, tokenizer_dir, with_adapter=True)
+
+
+@pytest.mark.parametrize("name", list(MORE_FAMILIES))
+def test_label_scores_equal_the_models_own_beyond_the_matrix(name, tokenizer, tokenizer_dir):
+    """Granite divides its logits by 8 and Cohere multiplies them by 1/16 after the output layer; Llama 4 attends in
+    chunks of positions and its `get_decoder()` is the causal model itself: the scores are still the model's own."""
+    check_scoring(name, tokenizer, tokenizer_dir, with_adapter=True)
+
+
+def test_llama4_trains_after_a_shared_prefix_on_every_path(tokenizer, tokenizer_dir):
+    """Chunked attention under the shared prefix's explicit masks: the same update as the model's own loss."""
+    choice = check_training("llama4-text", tokenizer, tokenizer_dir, ALL_PATHS)
+    assert choice["used"], choice
 
 
 def check_head(name: str, tokenizer, tokenizer_dir) -> None:

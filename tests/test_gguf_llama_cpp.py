@@ -30,7 +30,10 @@ def _hf_logits(model) -> np.ndarray:
         return model(torch.tensor([IDS])).logits[0].numpy()
 
 
-BUILDERS = {"llama": tiny_llama, "gemma3": tiny_gemma3, "gemma4-e2b": lambda f: tiny_gemma4(f, "e2b"),
+BUILDERS = {"llama": tiny_llama, "gemma3": tiny_gemma3,
+            # Mistral Nemo's layout (heads of 128 in a hidden size of 5,120 / 32 heads = 160) and a Llama with q/k/v biases
+            "mistral-wide-heads": lambda f: tiny_llama(f, "mistral", head_dim=32),
+            "llama-attention-bias": lambda f: tiny_llama(f, attention_bias=True), "gemma4-e2b": lambda f: tiny_gemma4(f, "e2b"),
             "gemma4-dense": lambda f: tiny_gemma4(f, "dense"), "gemma4-multimodal": lambda f: tiny_gemma4(f, "e2b", True)}
 
 

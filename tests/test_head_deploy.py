@@ -334,3 +334,26 @@ def test_the_engine_puts_a_head_adapter_on_a_multimodal_base(tmp_path):
     assert any(".language_model.layers." in name and "lora_A" in name for name, _ in engine.model.named_parameters())
     probs = engine.classify("mm", TEXTS, PromptConfig(), LABELS, batch_size=3)
     assert torch.allclose(probs, reference_probs(run, TEXTS), atol=1e-5)
+
+
+def test_a_gpt2_head_adapter_serves_and_merges_like_training_built_it(tiny_gpt2_dir, tmp_path, capsys):
+    """GPT-2 keeps its language model at `transformer` (its base_model_prefix, in the causal model and in transformers'
+    classifier alike) and its projections are Conv1D: the head adapter's LoRA covers them, the engine puts it on the
+    causal model under the same names, and the merged folder predicts the same probabilities."""
+    from emotune.core.config.model import ModelConfig
+    from emotune.model.artifacts import find_artifact
+    from emotune.serve.engine import Engine
+
+    run = write_tiny_adapter(tiny_gpt2_dir, tmp_path / "gpt2", seed=6, task="classify_head")
+    saved = load_file(run / "adapter" / "adapter_model.safetensors")
+    assert any(k.startswith("base_model.model.transformer.h.") and ".c_attn.lora_A" in k for k in saved)
+    expected = reference_probs(run, TEXTS)
+    engine = Engine(ModelConfig(source=str(tiny_gpt2_dir), dtype="float32"), "cpu")
+    engine.add_adapter(find_artifact(run))
+    assert torch.allclose(engine.classify("gpt2", TEXTS, PromptConfig(), LABELS, batch_size=3), expected, atol=1e-5)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--merge", "--dtype", "float32", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["predict", str(out / "merged"), *TEXTS]) == 0
+    for line, want in zip(_json_lines(capsys.readouterr().out), expected.tolist(), strict=True):
+        assert [line["probs"][label] for label in LABELS] == pytest.approx(want, abs=1e-5)

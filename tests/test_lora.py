@@ -96,6 +96,22 @@ def test_all_linear_on_a_text_model_matches_every_decoder_linear(tiny_model_dir)
     assert len(_adapted_modules(adapted)) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
 
 
+def test_all_linear_and_layers_on_gpt2_conv1d(tiny_gpt2_dir):
+    """GPT-2's projections are transformers' Conv1D and its decoder layers are `transformer.h`: `all-linear` adapts
+    the four per block (not the tied output layer), and `lora.layers` finds the blocks by their count."""
+    from transformers import AutoModelForCausalLM
+
+    def build():
+        return AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir, dtype=torch.float32)
+
+    every = _adapted_modules(attach_lora(build(), LoraSettings()))
+    assert {n.split(".", 3)[-1] for n in every} == {"h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.c_fc",
+                                                   "h.0.mlp.c_proj", "h.1.attn.c_attn", "h.1.attn.c_proj",
+                                                   "h.1.mlp.c_fc", "h.1.mlp.c_proj"}
+    top = _adapted_modules(attach_lora(build(), LoraSettings(layers=[1])))
+    assert len(top) == 4 and all(".transformer.h.1." in n for n in top)
+
+
 def test_rslora_dora_and_modules_to_save(tiny_model_dir, capsys):
     plain = attach_lora(_tiny_gemma3(tiny_model_dir), LoraSettings(r=4, alpha=8))
     stable = attach_lora(_tiny_gemma3(tiny_model_dir), LoraSettings(r=4, alpha=8, use_rslora=True))

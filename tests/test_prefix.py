@@ -76,6 +76,18 @@ def _gemma4(tokenizer):
     return Gemma4ForCausalLM(config)
 
 
+def _gpt2(tokenizer):
+    """GPT-2 (learned positions, Conv1D projections), without its dropout: its model drops the cache itself when
+    checkpointing (not only its layers do)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
 def _lora(model, checkpointing: bool):
     from peft import LoraConfig, get_peft_model
 
@@ -117,8 +129,9 @@ def _assert_same_update(whole, shared) -> None:
 
 @pytest.mark.parametrize("build, padding, checkpointing", [
     (_gemma3, "right", False), (_gemma3, "left", False), (_gemma3, "right", True), (_gemma3, "left", True),
-    (_gemma4, "left", True)], ids=["gemma3-right", "gemma3-left", "gemma3-right-checkpointing",
-                                   "gemma3-left-checkpointing", "gemma4-text-left-checkpointing"])
+    (_gemma4, "left", True), (_gpt2, "right", True)],
+    ids=["gemma3-right", "gemma3-left", "gemma3-right-checkpointing", "gemma3-left-checkpointing",
+         "gemma4-text-left-checkpointing", "gpt2-right-checkpointing"])
 def test_shared_prefix_gives_the_update_of_whole_rows(tokenizer, build, padding, checkpointing):
     rows = _rows(tokenizer)
     model = _lora(build(tokenizer), checkpointing)
@@ -133,7 +146,7 @@ def test_shared_prefix_gives_the_update_of_whole_rows(tokenizer, build, padding,
     if padding == "left":
         batches = [_left_padded(b) for b in batches]
     calls = []
-    attention = model.get_base_model().model.layers[0].self_attn
+    attention = next(m for n, m in model.named_modules() if n.endswith(("layers.0.self_attn", "h.0.attn")))
     handle = attention.register_forward_hook(lambda *args: calls.append(1))
     _assert_same_update(whole, _update(model, batches))
     handle.remove()

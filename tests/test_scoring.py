@@ -132,3 +132,18 @@ def test_real_model_scores_equal_brute_force(packaged_model):
     expected = brute_force_log_probs(model, tokenizer, texts, PromptConfig(), labels)
     got = LabelScorer(model, tokenizer, PromptConfig(), labels).log_probs(texts, batch_size=2)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+
+
+def test_single_token_labels_on_learned_positions(tiny_gpt2_dir):
+    """GPT-2 looks positions up in a learned table: with every label a single token (no label tree after the prompt)
+    the positions must still be integers, and the scores equal the brute-force ones."""
+    from emotune.core.config.model import ModelConfig
+    from emotune.model.loading import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_gpt2_dir, ModelConfig())
+    model = load_model(tiny_gpt2_dir, torch.float32, torch.device("cpu"))
+    labels = ["sadness", "joy", "love"]
+    assert all(len(s) == 1 for s in label_token_ids(tokenizer, PromptConfig(), labels))
+    expected = brute_force_log_probs(model, tokenizer, TEXTS[:4], PromptConfig(), labels)
+    got = LabelScorer(model, tokenizer, PromptConfig(), labels).log_probs(TEXTS[:4], batch_size=3)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -112,7 +112,9 @@ def write_hparams(writer: GGUFWriter, model_type: str, family: Family, config, v
     rope = _rope(config)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    if family.key_length:
+    # llama.cpp takes a head's width as hidden / heads unless told: Mistral Nemo (hidden 5,120, 32 heads of 128)
+    # and any config whose head_dim differs must say it, or llama.cpp refuses to load the file
+    if family.key_length or head_dim * int(config.num_attention_heads) != int(config.hidden_size):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if family.arch == MODEL_ARCH.LLAMA:
@@ -153,8 +155,9 @@ def transform(name: str, data: np.ndarray, family: Family, config) -> np.ndarray
     """A text-model weight (transformers' name) as llama.cpp expects it."""
     if family.norm_offset and name.endswith("norm.weight"):
         data = data + np.float32(family.norm_offset)
-    if family.permute_qk and name.endswith("self_attn.q_proj.weight"):
+    # a bias adds to the same rows, so it moves with them (Llama-type checkpoints with attention_bias=true)
+    if family.permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
         data = permute_rows(data, int(config.num_attention_heads))
-    elif family.permute_qk and name.endswith("self_attn.k_proj.weight"):
+    elif family.permute_qk and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
         data = permute_rows(data, int(config.num_key_value_heads))
     return data

@@ -16,7 +16,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.prefix import MASKED_ATTENTION, attention_masks
-from emotune.model.text import float32_logits, logit_softcap, soft_capped, unwrapped
+from emotune.model.text import float32_logits, language_model, logit_scale, logit_softcap, soft_capped, unwrapped
 from emotune.model.turns import end_of_turn_text
 from emotune.runtime.oom import run_in_batches
 from emotune.train.batches import common_prefix_length
@@ -89,7 +89,7 @@ def _body_and_head(model):
     """The transformer body (hidden states), the output projection and the text model's final logit soft-cap (a
     multimodal wrapper keeps it in its text config), looking through a PEFT wrapper."""
     base = unwrapped(model)
-    return base.get_decoder(), base.get_output_embeddings(), logit_softcap(base)
+    return language_model(base), base.get_output_embeddings(), logit_softcap(base)
 
 
 class LabelScorer:
@@ -108,6 +108,7 @@ class LabelScorer:
     def __init__(self, model, tokenizer, prompt: PromptConfig, labels: list[str], padding_side: str = "left"):
         self.model, self.tokenizer, self.prompt, self.labels = model, tokenizer, prompt, labels
         self.body, self.head, self.softcap = _body_and_head(model)
+        self.scale = logit_scale(model)
         self.trie = LabelTrie.build(label_token_ids(tokenizer, prompt, labels))
         self.padding_side = padding_side
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -187,7 +188,9 @@ class LabelScorer:
 
         # Positions as if each row stood alone: the suffix follows the head, each path follows its row's suffix.
         suffix_pos = n_prefix + (valid.long().cumsum(1) - 1).clamp(min=0)
-        tree_pos = n_prefix + lengths[:, None] + torch.tensor(tree_depth, device=device)
+        # dtype long: with single-token labels the tree is empty, and an empty torch.tensor([]) is float32, which
+        # would make every position float (harmless under RoPE, an index error in a learned position table: GPT-2)
+        tree_pos = n_prefix + lengths[:, None] + torch.tensor(tree_depth, dtype=torch.long, device=device)
         query_pos = torch.cat([suffix_pos, tree_pos], 1)
         key_pos = torch.cat([torch.arange(n_prefix, device=device).expand(rows, -1), query_pos], 1)
         group = torch.tensor([0] * width + tree_group, device=device)
@@ -205,7 +208,10 @@ class LabelScorer:
         last = torch.full_like(lengths, width - 1) if self.padding_side == "left" else lengths - 1
         columns = [last] + [torch.full_like(lengths, width + path_start[m] + j) for m, j in self.trie.node_at]
         node_hidden = hidden[torch.arange(rows, device=device)[:, None], torch.stack(columns, 1)]  # [rows, nodes, hidden]
-        node_logp = soft_capped(float32_logits(self.head, node_hidden), self.softcap).log_softmax(-1)
+        logits = float32_logits(self.head, node_hidden)
+        if self.scale != 1.0:  # Granite's / logits_scaling, Cohere's * logit_scale, as their forwards apply them
+            logits = logits * self.scale
+        node_logp = soft_capped(logits, self.softcap).log_softmax(-1)
         scores = torch.zeros(rows, len(self.labels), device=device)
         for i, steps in enumerate(self.trie.steps):
             for node, token in steps:

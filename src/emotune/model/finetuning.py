@@ -24,6 +24,7 @@ from emotune.core.config.model import ModelConfig
 from emotune.core.config.train import LoraSettings, TrainConfig
 from emotune.core.errors import UserError
 from emotune.model.lora import count_parameters, decoder_layer_count, decoder_layers_path
+from emotune.model.text import language_model
 
 WHOLE = ("full", "freeze")  # the finetuning kinds that train the model's own weights and save a whole model
 
@@ -137,7 +138,7 @@ def _beside_language_model(model: torch.nn.Module) -> list[str]:
     """Modules beside the language model under its ancestors: a multimodal checkpoint's vision and audio towers and
     their projections (Gemma 3n / Gemma 4: `model.vision_tower`, ... beside `model.language_model`); none in a text
     model, whose language model hangs off the root next to the output layer (and a classification head)."""
-    decoder = model.get_decoder()
+    decoder = language_model(model)
     path = next(name for name, module in model.named_modules() if module is decoder)
     parts = path.split(".") if path else []
     on_path = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}

@@ -32,11 +32,11 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from emotune.core.errors import UserError
-from emotune.model.text import float32_logits
+from emotune.model.text import float32_logits, language_model
 from emotune.runtime.oom import run_in_batches
 
 HEAD = "score"  # transformers' name for the head of decoder-only sequence classifiers
-BODY = "model"  # where both kinds of classifier hold the language model (GenericForSequenceClassification.base_model_prefix)
+BODY = "model"  # where emotune's own classifier holds the language model (GenericForSequenceClassification.base_model_prefix)
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before module names in an adapter's weights file
 
 
@@ -48,9 +48,8 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 class MaskPooledHead:
     """Mixin: the forward of a sequence classifier that pools by the attention mask. The head runs in float32,
-    whatever the dtype of its weights (emotune.model.text.float32_logits)."""
-
-    base_model_prefix = BODY
+    whatever the dtype of its weights (emotune.model.text.float32_logits). The language model sits where the class
+    it is mixed into keeps it (`base_model_prefix`: `model` for most, `transformer` for GPT-2 and Falcon)."""
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
@@ -114,11 +113,18 @@ def _own_class(config) -> type:
                 {"__module__": __name__, "config_class": type(config)})
 
 
+def body_prefix(config) -> str:
+    """The attribute under which the classifier for `config` holds its language model (its `base_model_prefix`)."""
+    library = library_class(config)
+    return library.base_model_prefix if library is not None else BODY
+
+
 def _body(causal: PreTrainedModel) -> tuple:
-    """(the classifier's config, the language model it wraps) for a loaded causal model."""
+    """(the classifier's config, the language model it wraps) for a loaded causal model: the causal model's own body
+    where transformers has the classifier class (both keep it under the same `base_model_prefix`)."""
     if library_class(causal.config) is not None:
-        return copy.deepcopy(causal.config), causal.model
-    return copy.deepcopy(causal.config.get_text_config()), causal.get_decoder()
+        return copy.deepcopy(causal.config), getattr(causal, body_prefix(causal.config))
+    return copy.deepcopy(causal.config.get_text_config()), language_model(causal)
 
 
 def classifier_from_causal(causal: PreTrainedModel, labels: list[str], seed: int = 0, init_std: float = 0.0
@@ -207,8 +213,9 @@ def head_probabilities(model, tokenizer, texts: list[str], max_length: int, batc
 def causal_adapter(causal: PreTrainedModel, adapter_dir: Path):
     """(LoRA config, LoRA weights, head weight) of a head adapter, with the LoRA named as in `causal`.
 
-    A head adapter's modules are named as in the classifier, whose language model sits at `model`; in the causal
-    model it sits at `model` too (text-only models, and every architecture with a library class) or deeper
+    A head adapter's modules are named as in the classifier, whose language model sits at its `base_model_prefix`
+    (`model`, GPT-2's `transformer`); in the causal model it sits at the same name (text-only models, and every
+    architecture with a library class) or deeper
     (`model.language_model` of a multimodal Gemma 3n / Gemma 4). Renamed, the LoRA joins the causal model's
     other adapters, and `classifier_from_causal(causal, ...)` with the head weight reads through it."""
     from peft import LoraConfig
@@ -222,10 +229,11 @@ def causal_adapter(causal: PreTrainedModel, adapter_dir: Path):
                         "emotune wrote. Re-export the run that trained it.")
     _, body = _body(causal)
     where = next(name for name, module in causal.named_modules() if module is body)
+    prefix = body_prefix(causal.config)
 
     def rename(key: str) -> str:
         name = key.removeprefix(PEFT_PREFIX)
-        return PEFT_PREFIX + (where + name[len(BODY):] if name.startswith(BODY + ".") else name)
+        return PEFT_PREFIX + (where + name[len(prefix):] if name.startswith(prefix + ".") else name)
 
     weights = {rename(key): value for key, value in weights.items()}
     # exactly the modules the adapter holds LoRA for, as a regex PEFT full-matches (cf. lora.py's all-linear)

@@ -3,7 +3,7 @@
 `all-linear` is resolved here rather than by PEFT, because PEFT's `all-linear` adapts every linear
 layer of the checkpoint, including the vision and audio towers of multimodal Gemma 3n / Gemma 4
 checkpoints, which a text classifier never runs. We restrict it to the language model (the module
-`get_decoder()` returns) and write the result as a regex PEFT full-matches against module names.
+`emotune.model.text.language_model` returns) and write the result as a regex PEFT full-matches against module names.
 
 `lora.layers` restricts the adapters to some decoder layers. A list of targets gets PEFT's own
 `layers_to_transform`, with `layers_pattern` set to the full path of the language model's layer list
@@ -26,20 +26,33 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model import init_methods
+from emotune.model.text import language_model
+
+LINEAR = (torch.nn.Linear, Conv1D)
+"""What `all-linear` adapts, as PEFT's own `all-linear` does: GPT-2's projections are transformers' Conv1D (a linear
+layer with its weight stored transposed), which PEFT's LoRA wraps like an nn.Linear."""
+
+
+def _adaptable(module: torch.nn.Module) -> bool:
+    """A linear layer `all-linear` adapts. Mixture-of-experts routers are left out: Llama 4's and PhiMoE's subclass
+    nn.Linear but return the routing (scores and logits, a tuple), which a LoRA branch cannot add to, and the other
+    families' routers are no linear layers at all, so no family's routing changes under `all-linear`."""
+    return isinstance(module, LINEAR) and not type(module).__name__.endswith("Router")
 
 
 def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str:
     """A regex matching every linear layer inside the language model (inside decoder `layers` only, when given),
     and nothing outside it."""
-    decoder = model.get_decoder()
+    decoder = language_model(model)
     prefix = next(name for name, module in model.named_modules() if module is decoder)
     output = model.get_output_embeddings()
     linears = {f"{prefix}.{name}".lstrip(".") for name, module in decoder.named_modules()
-               if isinstance(module, torch.nn.Linear) and module is not output and name}
+               if _adaptable(module) and module is not output and name}
     if layers is not None:
         path = decoder_layers_path(model)
         linears = {name for name in linears if any(name.startswith(f"{path}.{i}.") for i in layers)}
@@ -67,9 +80,14 @@ def _leaf(name: str) -> str:
 
 
 def decoder_layers_path(model: PreTrainedModel) -> str:
-    """The module name of the language model's list of decoder layers: `model.layers`, `model.language_model.layers`."""
-    decoder = model.get_decoder()
+    """The module name of the language model's list of decoder layers: `model.layers`, `model.language_model.layers`,
+    `transformer.h` (GPT-2, Falcon): the language model's `layers`, else its one child list of `num_hidden_layers`."""
+    decoder = language_model(model)
     layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        count = decoder_layer_count(model.config)
+        lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+        layers = lists[0] if len(lists) == 1 else None
     if not isinstance(layers, torch.nn.ModuleList):
         raise UserError(f"lora.layers: emotune could not find the decoder layers of {type(model).__name__} (no "
                         "`layers` list in its language model). Set lora.layers=null to adapt every layer.")

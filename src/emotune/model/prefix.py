@@ -36,20 +36,22 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 MASKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take an explicit mask per layer type (flash attention takes none)."""
-LAYER_KINDS = {"full_attention", "sliding_attention"}
+LAYER_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
 """The layer types whose masks `attention_masks` knows how to build."""
 
 
 def attention_masks(config, dtype: torch.dtype, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
     """`allowed` [rows, queries, keys] in the form the model's attention takes: one mask per layer type, where a
-    sliding-window layer also hides keys `sliding_window` or more positions behind the query (by position, not
-    index, so rows padded in the middle are masked as if each stood alone); boolean for sdpa, additive for eager.
+    sliding-window layer also hides keys `sliding_window` or more positions behind the query, and a chunked layer
+    (Llama 4) the keys outside the query's chunk of `attention_chunk_size` positions (by position, not index, so rows
+    padded in the middle are masked as if each stood alone); boolean for sdpa, additive for eager.
     A config without `layer_types` but with a `sliding_window` (Mistral v0.1, Phi-3) slides every layer, as its
     model does.
     Used by label scoring (emotune.eval.scoring) and by shared-prefix training."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = sorted(set(getattr(text, "layer_types", None) or []))
     window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
     eager = getattr(config, "_attn_implementation", None) == "eager"
 
     def as_mask(keep: torch.Tensor) -> torch.Tensor:
@@ -65,6 +67,8 @@ def attention_masks(config, dtype: torch.dtype, allowed: torch.Tensor, query_pos
         keep = allowed
         if kind == "sliding_attention" and window:
             keep = allowed & (query_pos[:, :, None] - key_pos[:, None, :] < window)
+        elif kind == "chunked_attention" and chunk:  # Llama 4: a query sees the keys of its own chunk of positions
+            keep = allowed & (query_pos[:, :, None] // chunk == key_pos[:, None, :] // chunk)
         masks[kind] = as_mask(keep)
     return masks
 
@@ -90,9 +94,14 @@ def model_inputs(model, batch: dict[str, torch.Tensor]):
     if "prefix_ids" not in batch:
         yield {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
         return
-    checkpointed = [m for m in _unwrapped(model).modules()
-                    if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    with _layers_set(checkpointed, "_can_checkpoint_with_cache", True):
+    modules = list(_unwrapped(model).modules())
+    checkpointed = [m for m in modules if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    # GPT-2's model drops the cache itself before its layers see it when checkpointing is on (`cache if not
+    # (self.gradient_checkpointing and self.training) else None`): its own flag is off while the rows run (the
+    # layers keep theirs, so they are still checkpointed, and read the prefix's cache)
+    dropping = [m for m in modules if not isinstance(m, GradientCheckpointingLayer)
+                and vars(m).get("gradient_checkpointing") is True]
+    with _layers_set(checkpointed, "_can_checkpoint_with_cache", True), _layers_set(dropping, "gradient_checkpointing", False):
         with _layers_set(checkpointed, "gradient_checkpointing", False):
             cache = _run_prefix(model, batch["prefix_ids"])
         yield {"input_ids": batch["input_ids"], "cache": cache, "use_cache": False,

@@ -1,4 +1,5 @@
-"""The text model inside whatever class loaded: its config, its final logit soft-cap, and exact float32 logits.
+"""The text model inside whatever class loaded: its config, its language model, what its forward does to the logits
+after the output projection (a scale, a final soft-cap), and exact float32 logits.
 
 `AutoModelForCausalLM` loads Gemma 3 4B+, Gemma 3n and Gemma 4 as their multimodal wrappers
 (`Gemma4ForConditionalGeneration`), whose top-level config holds `text_config` and none of the text model's
@@ -33,6 +34,31 @@ def unwrapped(model):
     """The transformers model under DDP (`module`) and PEFT (`get_base_model`) wrappers."""
     model = getattr(model, "module", model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def language_model(model) -> torch.nn.Module:
+    """The module that turns ids into the last hidden states: transformers' `get_decoder()`, except where its lookup
+    falls back to the causal model itself. Llama4ForCausalLM names `language_model` as its base_model_prefix but keeps
+    the decoder at `model`, so `get_decoder()` returns the whole causal model (logits, no hidden states); the
+    language model is then the child that holds the input embeddings."""
+    decoder = model.get_decoder()
+    if decoder is not model or model.get_output_embeddings() is None:
+        return decoder
+    embeddings = model.get_input_embeddings()
+    return next((child for child in model.children() if any(m is embeddings for m in child.modules())), decoder)
+
+
+def logit_scale(model) -> float:
+    """What the model's own forward multiplies the output projection's logits by (1 for most families): Granite
+    divides them by `logits_scaling`, Cohere (Command R) multiplies them by `logit_scale`. Code that projects hidden
+    states itself (label scoring) applies it as the model does."""
+    config = text_config(unwrapped(model).config)
+    scale = 1.0
+    if getattr(config, "logits_scaling", None):
+        scale /= float(config.logits_scaling)
+    if getattr(config, "logit_scale", None):
+        scale *= float(config.logit_scale)
+    return scale
 
 
 def logit_softcap(model) -> float | None:

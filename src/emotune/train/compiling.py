@@ -30,6 +30,7 @@ import torch
 
 from emotune.core.config.train import TrainConfig
 from emotune.core.errors import UserError
+from emotune.model.text import language_model
 from emotune.runtime.oom import is_out_of_memory
 
 
@@ -85,8 +86,7 @@ def restore(model: torch.nn.Module) -> None:
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    get_decoder = getattr(model, "get_decoder", None)
-    layers = getattr(get_decoder(), "layers", None) if callable(get_decoder) else None
+    layers = getattr(language_model(model), "layers", None) if callable(getattr(model, "get_decoder", None)) else None
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from emotune.core.config.train import LoraSettings, TrainConfig
 from emotune.core.errors import UserError
 from emotune.model import finetuning, lean_lora, lean_norm
+from emotune.model.text import language_model
 
 PROBE_ROWS = 2
 PROBE_LENGTHS = (16, 32, 64)
@@ -196,7 +197,7 @@ def _one_layer_of_each_kind(text) -> tuple[object, list[str]]:
 
 
 def _decoder_layers(model, count: int) -> list[torch.nn.Module]:
-    decoder = model.get_decoder()
+    decoder = language_model(model)
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, torch.nn.ModuleList) and len(layers) == count:
         return list(layers)
