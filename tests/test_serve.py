@@ -229,7 +229,7 @@ def test_request_errors(http, client):
     assert "max_inputs" in _error(http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": ["a"] * 21}), 422)
     _error(http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": []}), 422)
     _error(http.post("/v1/classify", headers=AUTH, json={"model": "tiny"}), 422)
-    _error(http.post("/v1/classify", headers={**AUTH, "Content-Type": "application/json"}, content=b"{not json"), 422)
+    _error(http.post("/v1/classify", headers={**AUTH, "Content-Type": "application/json"}, content=b"{not json"), 400)
     assert "max_body_bytes" in _error(http.post("/v1/classify", headers=AUTH,
                                                 json={"model": "tiny", "input": ["a" * 400] * 60}), 413)
     chunked = http.post("/v1/classify", headers={**AUTH, "Content-Type": "application/json"},
