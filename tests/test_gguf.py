@@ -157,6 +157,24 @@ def test_word_level_tokenizer_is_refused(llama_dir, tmp_path):
         write_gguf(folder, tmp_path / "x.gguf", "f16", META)
 
 
+def test_export_refuses_a_word_level_tokenizer_before_merging(llama_dir, tmp_path):
+    """`emotune export RUN --format gguf` on a base whose tokenizer llama.cpp cannot read: refused with exit 2 before
+    the adapter export and the merged folder are written."""
+    import shutil
+
+    from conftest import build_tokenizer
+
+    base = tmp_path / "word-level"
+    shutil.copytree(llama_dir, base)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (base / name).unlink()
+    build_tokenizer(base)
+    run = write_tiny_adapter(base, tmp_path / "run", r=4)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--format", "gguf", "--out", str(out)]) == 2
+    assert not out.exists()
+
+
 def test_lora_adapter_gguf_round_trip(llama_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -38,8 +38,9 @@ def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama:
                         "(transformers) and serve it with `emotune serve`.")
     base_dir = resolve_model_dir(artifact.model_cfg)
     base_config = AutoConfig.from_pretrained(base_dir)
-    model_type, _, text_config = gguf_arch.family_of(base_config)  # refuse before merging anything
+    model_type, family, text_config = gguf_arch.family_of(base_config)  # refuse before merging anything
     gguf_arch.check_layout(model_type, text_config)
+    _check_vocabulary(base_dir, family, text_config)
 
     out = export(run_dir, out=out, merge=True, vllm=vllm, force=force)
     folder = out / "gguf"
@@ -63,6 +64,16 @@ def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama:
               flush=True)
     print(f"GGUF: {model_file}", flush=True)
     return out
+
+
+def _check_vocabulary(base_dir: Path, family, text_config) -> None:
+    """Build the vocabulary the GGUF file will hold (from the base model's tokenizer) once before the merge, so a
+    tokenizer llama.cpp cannot read (a WordLevel one, an unnamed split pattern) is refused before anything is written."""
+    from transformers import AutoTokenizer
+
+    from emotune.deploy.gguf_vocab import build_vocab
+
+    build_vocab(base_dir, AutoTokenizer.from_pretrained(base_dir), text_config.vocab_size, family.vocab_model)
 
 
 def _write_lora(artifact, base_config, folder: Path) -> Path | None:
