@@ -260,9 +260,12 @@ def test_label_scores_equal_the_models_own_beyond_the_matrix(name, tokenizer, to
     check_scoring(name, tokenizer, tokenizer_dir, with_adapter=True)
 
 
-def test_llama4_trains_after_a_shared_prefix_on_every_path(tokenizer, tokenizer_dir):
-    """Chunked attention under the shared prefix's explicit masks: the same update as the model's own loss."""
-    choice = check_training("llama4-text", tokenizer, tokenizer_dir, ALL_PATHS)
+@pytest.mark.parametrize("name", list(MORE_FAMILIES))
+def test_more_families_train_on_every_path(name, tokenizer, tokenizer_dir):
+    """Llama 4's chunked attention under the shared prefix's explicit masks; Granite's and Cohere's logit scale in the
+    chunked loss (their forwards scale what the identity head passes through, which the chunks then project): the
+    same update as the model's own loss."""
+    choice = check_training(name, tokenizer, tokenizer_dir, ALL_PATHS)
     assert choice["used"], choice
 
 
