@@ -9,7 +9,8 @@ final soft-cap) with every width scaled down (hidden 64, heads 2/1, head dims 16
 negligible and the time of an update is the host's: Python, the dispatcher, autograd, the optimizer's loops.
 The rows: the packaged emotion data with the reference recipe's prompt (configs/gemma4-e4b-emotion.yaml), through
 gpu_check's word-level tokenizer (about the real token counts); the recipe's update of 4 rows x 4 accumulation
-(16 rows), LoRA r16 on all linear layers, gradient checkpointing, AdamW, the precision emotune picks here.
+(16 rows), LoRA r16 on all linear layers, the recipe's train.gradient_checkpointing=auto, AdamW, the precision
+emotune picks here.
 
 Measured per side in this one process, one after the other (a fresh model each, the same seed):
   seconds_per_update  the median time from the start of one optimizer step to the start of the next, over the
@@ -20,12 +21,14 @@ Measured per side in this one process, one after the other (a fresh model each, 
   ops_per_update      the same calls, not divided: what a whole update (the same 16 rows on every side) launches
   passes_per_update   forward passes in an update (emotune: train.max_tokens_per_pass cuts the update's rows)
   pass_size           emotune `auto`: how train.max_tokens_per_pass=auto sized the passes (run.json's
-                      stages.train.passes: the free RAM seen, bytes per padded token estimated, the cap)
+                      stages.train.passes: the free RAM seen, bytes per padded token estimated, the cap, and
+                      whether train.gradient_checkpointing=auto kept checkpointing, with why)
 Sides: `auto` (emotune's defaults: lean LoRA forwards, with the base layer's product in the same function, and lean
 norm forwards, the shared prompt prefix, passes sized from the free RAM by train.max_tokens_per_pass=auto, a whole
-update in one pass when it fits, the optimizer and clipping in their foreach implementations; train.compile=auto is
-eager on a CPU), `off` (every one of those off: OFF below; one pass per accumulation micro-batch),
-and `trl` (SFTTrainer, prompt-completion rows, loss on the completion only, the same LoRA, batch and optimizer).
+update in one pass when it fits, gradient checkpointing only where the passes need it, the optimizer and clipping
+in their foreach implementations; train.compile=auto is eager on a CPU), `off` (every one of those off: OFF below; one
+pass per accumulation micro-batch, checkpointing on), and `trl` (SFTTrainer, prompt-completion rows, loss on the
+completion only, the same LoRA, batch and optimizer, gradient checkpointing on as in the recipe's 16-24 GB setting).
 A TorchDispatchMode makes compiled regions run eager, so on a GPU with train.compile on the counted update's
 operators are the eager ones (and that update is left out of the timing).
 Prints one JSON line: speedup = off / auto, ratio = trl / auto (seconds per update), ops_ratio = auto / off (per
@@ -56,7 +59,7 @@ HOST_TEXT = {**E4B_TEXT, "hidden_size": 64, "intermediate_size": 128, "num_atten
              "head_dim": 16, "global_head_dim": 32, "hidden_size_per_layer_input": 8, "vocab_size": 0,
              "vocab_size_per_layer_input": 0}  # the vocabulary: the word tokenizer's
 OFF = {"lean_lora": False, "lean_norm": False, "shared_prefix": "off", "max_tokens_per_pass": 0, "foreach": "off",
-       "compile": "off"}
+       "compile": "off", "gradient_checkpointing": True}
 """Every switch that changes how much work a pass launches, off: the `off` side (and bench/gpu_speed.py's `off`)."""
 WARMUP = 2  # updates left out of the median
 
@@ -83,6 +86,8 @@ class OpCounter(TorchDispatchMode):
 
 class StepClock:
     """Start times of updates and the passes in each; counts the operators of update `counted` (the last one)."""
+
+    top = 6  # operators listed in top_ops
 
     def __init__(self, counted: int, device: torch.device | None = None):
         self.device = device
@@ -117,16 +122,21 @@ class StepClock:
                 "timed_seconds": round(sum(durations), 4),
                 "passes_per_update": passes, "ops_per_pass": round(sum(self.counter.calls.values()) / passes, 1),
                 "ops_per_update": sum(self.counter.calls.values()),
-                "top_ops": dict(self.counter.calls.most_common(6))}
+                "top_ops": dict(self.counter.calls.most_common(self.top))}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per side (the first two are warm-up)")
     parser.add_argument("--sides", default="auto,off,trl", help="which sides to run, comma-separated")
+    parser.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                        help="another train.* setting for both emotune sides (e.g. optim=adamw_torch_fused; the `off` side's "
+                             "switches win over it); repeatable")
+    parser.add_argument("--top", type=int, default=6, help="operators listed per side in top_ops, most called first")
     parser.add_argument("--layers", type=int, default=42, help="decoder layers (E4B: 42), E4B's pattern and share of "
                                                                  "KV-sharing layers kept; fewer for a quick check")
     args = parser.parse_args(argv)
+    StepClock.top = args.top
     if args.steps < WARMUP + 4:
         parser.error(f"--steps must be at least {WARMUP + 4}: {WARMUP} warm-up updates, two timed, one counted, the last")
 
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu")
     cfg = load_config(RECIPE, ["data.source=embedded", "data.train_limit=400", "train.logging_steps=1",
                                f"train.max_steps={args.steps}", "train.save_steps=1000000", "train.eval_steps=1000000",
-                               "device=cpu"])
+                               "device=cpu", *(f"train.{setting}" for setting in args.train)])
     precision = choose_precision(device, cfg.train.precision)
     with contextlib.redirect_stdout(sys.stderr):
         data = load_data(cfg)
@@ -188,7 +198,8 @@ def emotune_side(model, tokenizer, rows, cfg, precision, steps: int, overrides: 
         history = json.loads((Path(folder) / "train" / "log_history.json").read_text())
     losses = [e["loss"] for e in history if "loss" in e]
     passes = recorded.get("passes", {})
-    pass_size = {k: passes[k] for k in ("setting", "cap", "free_bytes", "bytes_per_token") if k in passes}
+    pass_size = {k: passes[k] for k in ("setting", "cap", "free_bytes", "bytes_per_token", "checkpointing",
+                                         "checkpointing_note") if k in passes}
     return {**clock.result(), "settings": overrides or "defaults", "pass_size": pass_size,
             "last_loss": round(losses[-1], 4)}
 
@@ -222,7 +233,7 @@ def trl_side(model, tokenizer, data, cfg, precision, steps: int, device=None, **
     with tempfile.TemporaryDirectory() as out:
         config = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=t.batch_size,
                            gradient_accumulation_steps=t.gradient_accumulation_steps, learning_rate=t.learning_rate,
-                           max_length=t.max_length, packing=False, gradient_checkpointing=t.gradient_checkpointing,
+                           max_length=t.max_length, packing=False, gradient_checkpointing=t.gradient_checkpointing is not False,
                            bf16=precision.name == "bf16", logging_steps=1, save_strategy="no", report_to="none",
                            seed=cfg.seed, use_cpu=device is None or device.type == "cpu", dataloader_num_workers=0,
                            disable_tqdm=True, optim="adamw_torch", max_grad_norm=t.max_grad_norm, **extra)

@@ -55,6 +55,7 @@ def plan(folder: Path, memory: str, quantization: str, extra: list[str]) -> dict
     return {"memory": memory, "quantization": quantization, "verdict": found["verdict"],
             "peak_gib": round(found["peak"]["bytes"] / GIB, 2), "peak_stage": found["peak"]["stage"],
             "parameters": found["parameters"], "trainable_parameters": found["trainable_parameters"],
+            "gradient_checkpointing": training["gradient_checkpointing"],
             "training_gib": {part: round(n / GIB, 2) for part, n in training[setting].items()},
             "first_fix": first_fix}
 

@@ -66,7 +66,7 @@ def test_one_pass_per_update_gives_the_micro_batched_update(tiny_overrides, tmp_
     assert merged[0]["free_bytes"] > 0 and merged[0]["bytes_per_token"] > 0 and merged[0]["cap"] >= 6 * 10
     assert merged[0]["memory_share"] == pass_size.MEMORY_SHARE
     assert micro[0] == {"setting": 0, "cap": 0, "passes_per_update": {"min": 3, "max": 3, "mean": 3, "updates": 6},
-                        "note": "set in the config"}
+                        "note": "set in the config", "checkpointing": False, "checkpointing_note": "set in the config"}
     assert alone[0]["free_bytes"] == 0 and alone[0]["cap"] == 1 and alone[0]["passes_per_update"]["min"] == 6
     assert "train.max_tokens_per_pass=auto" in counted["merged_out"] and ": 1 per update" in counted["merged_out"]
     assert "one forward pass per batch (micro-batch): 3 per update" in counted["micro_out"]
@@ -137,3 +137,73 @@ def test_auto_falls_back_to_one_pass_per_micro_batch_where_memory_is_not_modelle
     fixed = chosen("train.max_tokens_per_pass=20")
     assert fixed.cap == 20 and fixed.free_bytes is None and fixed.passes_per_update["max"] >= 2
     assert chosen().cap >= 4 * 15 and chosen().passes_per_update == {"min": 1, "max": 1, "mean": 1, "updates": 2}
+
+
+def test_checkpointing_auto_is_off_only_where_the_update_needs_no_more_passes_without_it(tiny_model_dir, tiny_overrides,
+                                                                                         monkeypatch):
+    """`train.gradient_checkpointing=auto`: with memory to spare the update runs as one pass without recomputation;
+    with just enough free memory for the whole update's pass with checkpointing but not without it, on (without it
+    the update would take more passes); where the free memory is unknown, on; with a cap in the config, off when its
+    widest pass fits without it; `true`/`false` are taken as written; a model without checkpointing support, off."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from emotune.train.batches import Example
+    from emotune.train.passes import make_plan
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    rows = [Example(list(range(30 + i)), 6) for i in range(8)]  # 30-37 tokens, 4 rows an update
+    one_process = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+
+    def chosen(*overrides: str, free: int | None = 64 * 2**30, device=one_process) -> pass_size.PassSize:
+        monkeypatch.setattr(pass_size, "free_bytes", lambda device: free)
+        cfg = load_config(None, [*tiny_overrides, "train.batch_size=2", "train.gradient_accumulation_steps=2",
+                                 "train.gradient_checkpointing=auto", *overrides])
+        return pass_size.choose(cfg, model, rows, 0, make_plan(cfg.train, len(rows), 1), device, False)
+
+    spare = chosen()
+    assert not spare.checkpointing and spare.passes_per_update["max"] == 1
+    assert spare.checkpointing_note == "auto: off, an update fits in 1 forward pass without it (1 forward pass with it)"
+    assert "gradient checkpointing off (auto: off" in spare.words()
+
+    cfg = load_config(None, [*tiny_overrides, "train.batch_size=2", "train.gradient_accumulation_steps=2",
+                             "train.gradient_checkpointing=auto"])
+    arch, work, _ = pass_size._estimate(cfg, model, rows, torch.device("cpu"), False)  # what choose() estimates
+    # the cap is the fewest tokens that fit at either length (rows of 30 and of 37): the update's 4 rows padded to 37
+    # (148 tokens) pass as one where 5 rows of 30 (150) fit too
+    on_bytes = max(pass_bytes(arch, work, 4, 37, True), pass_bytes(arch, work, 5, 30, True))
+    assert pass_bytes(arch, work, 4, 37, False) > 1.2 * on_bytes  # what recomputation saves here
+    just = pass_size.reserved_bytes(arch, True) + int(on_bytes / pass_size.MEMORY_SHARE) + 1
+    tight = chosen(free=just)
+    assert tight.checkpointing and tight.passes_per_update["max"] == 1, tight
+    assert tight.checkpointing_note.startswith("auto: on, without it an update would need 2 forward passes")
+
+    unknown = chosen(free=None)
+    assert unknown.checkpointing and unknown.cap == 0 and "not known" in unknown.checkpointing_note
+    fixed = chosen("train.max_tokens_per_pass=80")
+    assert not fixed.checkpointing and fixed.cap == 80 and "a pass needs about" in fixed.checkpointing_note
+    assert chosen("train.max_tokens_per_pass=80", free=just // 4).checkpointing
+    assert chosen("train.gradient_checkpointing=true").checkpointing_note == "set in the config"
+    assert chosen("train.gradient_checkpointing=true").checkpointing
+    assert not chosen("train.gradient_checkpointing=off", free=0).checkpointing
+    monkeypatch.setattr(type(model), "supports_gradient_checkpointing", False)
+    assert not chosen().checkpointing and "does not support" in chosen().checkpointing_note
+
+
+def test_checkpointing_auto_trains_as_checkpointing_does(tiny_overrides, tmp_path, monkeypatch):
+    """A run with `train.gradient_checkpointing=auto` and memory to spare trains without recomputation, records so,
+    and ends with the adapter a run with checkpointing on gives (recomputation changes memory, not the gradients;
+    the dropout masks are the same draws: non-reentrant checkpointing restores the random state); with no memory
+    free, `auto` turns it on."""
+    common = [*tiny_overrides, "device=cpu", "train.max_steps=2", "train.batch_size=2", "lora.dropout=0.1",
+              "train.gradient_accumulation_steps=2", "train.eval_steps=2", "train.save_steps=10"]
+    train_only(load_config(None, [*common, "name=auto", "train.gradient_checkpointing=auto"]))
+    train_only(load_config(None, [*common, "name=on", "train.gradient_checkpointing=true"]))
+    monkeypatch.setattr(pass_size, "free_bytes", lambda device: 0)
+    train_only(load_config(None, [*common, "name=none_free", "train.gradient_checkpointing=auto"]))
+    auto, on, none_free = (_run(tmp_path, n) for n in ("auto", "on", "none_free"))
+    assert auto[0]["checkpointing"] is False and auto[0]["checkpointing_note"].startswith("auto: off")
+    assert on[0]["checkpointing"] is True and none_free[0]["checkpointing"] is True
+    assert auto[1] == pytest.approx(on[1], rel=1e-5)
+    assert all(torch.allclose(auto[2][k], on[2][k], atol=1e-5) for k in on[2])

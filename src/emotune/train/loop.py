@@ -147,15 +147,18 @@ def _setup(model: PreTrainedModel, cfg: RunConfig, precision: Precision, rows: l
         adapted, initial = _attach_adapters(model, cfg, objective, fsdp, run, accelerator.is_main_process)
     if t.lean_norm and not fsdp:
         lean_norm.install(adapted)
-    if t.gradient_checkpointing:
-        checkpoint_activations(adapted)  # the frozen layers below the trained ones stay out of the backward pass
-    compiling.install(adapted, t, accelerator.device, record)  # train.compile: after the lean forwards it traces
+    if fsdp and t.gradient_checkpointing:  # before sharding, as Accelerate's FSDP expects (`auto` is on under FSDP)
+        checkpoint_activations(adapted)
     upcast = fsdp_dtypes(fsdp, adapted) if fsdp else upcast
     autocast, scaler = mixed_precision(precision, adapted, always=whole)
     optimizer = build_optimizer(t, adapted)
     wrapped, trainable = prepare(accelerator, adapted, optimizer, fsdp)
-    # the passes' size once the model, its adapters and the optimizer are in place (`auto`: from the free memory)
+    # the passes' size and checkpointing once the model, its adapters and the optimizer are in place (`auto`: from
+    # the free memory); both change only how the layers run, so they are installed after the wrapping
     passes = pass_size.choose(cfg, model, rows, len(objective.prefix), plan, accelerator, fsdp is not None)
+    if passes.checkpointing and not fsdp:
+        checkpoint_activations(adapted)  # the frozen layers below the trained ones stay out of the backward pass
+    compiling.install(adapted, t, accelerator.device, record)  # train.compile: after the lean forwards it traces
     announce(plan, t, len(rows), len(val_rows), passes.words(), objective)
     cap = passes.cap
     if t.time_budget:  # the steps that fit, measured on the prepared model before the schedule needs them
@@ -190,7 +193,7 @@ def _attach_adapters(model: PreTrainedModel, cfg: RunConfig, objective: Objectiv
 def _recovery(s: Session, progress: Progress, train_rows: list[Example], t: TrainConfig, record, fault) -> oom.Recovery:
     """Out-of-memory recovery with the forward-pass limits from the config, or with those a resumed run had reached."""
     limits = (oom.MemoryLimits(**progress.memory) if progress.memory else
-              oom.MemoryLimits(s.cap, gradient_checkpointing=t.gradient_checkpointing))
+              oom.MemoryLimits(s.cap, gradient_checkpointing=bool(s.passes.checkpointing)))
     if limits.changes and s.accelerator.is_main_process:
         print(f"Resuming with the {len(limits.changes)} change(s) out-of-memory recovery made: "
               + "; ".join(f"{c['setting']} {c['from']} -> {c['to']}" for c in limits.changes), flush=True)
@@ -287,7 +290,7 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     lean_lora.restore(adapted)
     lean_norm.restore(adapted)
     compiling.restore(adapted)
-    if t.gradient_checkpointing or progress.memory["gradient_checkpointing"]:
+    if (s.passes is not None and s.passes.checkpointing) or progress.memory["gradient_checkpointing"]:
         adapted.gradient_checkpointing_disable()
     if progress.memory["changes"] and main:
         print(oom.summary(oom.MemoryLimits(**progress.memory), t.batch_size, t.gradient_accumulation_steps), flush=True)

@@ -23,7 +23,13 @@ few as fit. The loss is divided by the update's completion tokens either way, so
    every row as long as the shortest and as the longest training row; the cap is the most padded tokens whose
    estimate fits at both.
 
-Every process takes the smallest cap any process chose (all must run the same number of passes). The choice is
+`train.gradient_checkpointing=auto` is decided from the same estimate: recomputing each layer's activations in the
+backward pass only buys room for larger passes, so it is off when, without it, an update needs no more passes than
+with it (a cap set in the config: when the widest pass it allows fits without it), and on otherwise; on where no
+estimate can be made (the free memory unknown, a model the memory model cannot build) and under FSDP.
+
+Every process takes the smallest cap any process chose (all must run the same number of passes), and checkpointing
+when any process needs it. The choice is
 printed with the plan and recorded in run.json (`stages.train.passes`); out-of-memory recovery lowers it like any
 cap (emotune.train.recovery), and a resumed run keeps the cap its checkpoint recorded. Devices whose free memory
 cannot be read, and models the memory model cannot build, run one pass per micro-batch.
@@ -63,6 +69,10 @@ class PassSize:
     bytes_per_token: float | None = None
     """`auto`: the estimated bytes of one padded token in a pass of the cap's size, at the binding row length."""
     note: str = ""
+    checkpointing: bool | None = None
+    """Whether the decoder layers recompute their activations in the backward pass (gradient checkpointing)."""
+    checkpointing_note: str = ""
+    """Why: `set in the config`, or what `train.gradient_checkpointing=auto` saw."""
 
     def as_record(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if v is not None and v != ""}
@@ -86,27 +96,96 @@ class PassSize:
                      f"{size_text(self.bytes_per_token)} per padded token)")
         elif self.note:
             what += f" ({self.note})"
+        if self.checkpointing is not None:
+            what += f"; gradient checkpointing {'on' if self.checkpointing else 'off'} ({self.checkpointing_note})"
         return what
 
 
 def choose(cfg: RunConfig, model, rows: list[Example], shared_tokens: int, plan, accelerator,
            sharded: bool) -> PassSize:
-    """The cap for this training (`train.max_tokens_per_pass`, or `auto` sized now), with its passes per update.
+    """The cap for this training (`train.max_tokens_per_pass`, or `auto` sized now), with its passes per update, and
+    whether layers recompute their activations (`train.gradient_checkpointing`, or `auto` decided now).
     `plan`: emotune.train.passes.Plan; `shared_tokens`: a shared prefix's, which a pass does not count per row."""
     t = cfg.train
     lengths = [len(r.input_ids) - shared_tokens for r in rows]
+    count = lambda cap: passes_per_update(lengths, plan, t, cfg.seed, cap)  # noqa: E731
+    checkpointing = t.gradient_checkpointing
+    size, why = None, "set in the config"
+    if checkpointing == "auto":
+        checkpointing, size, why = _auto_checkpointing(cfg, model, rows, lengths, accelerator.device, sharded, count)
+    if accelerator.num_processes > 1 and (t.max_tokens_per_pass == "auto" or t.gradient_checkpointing == "auto"):
+        size = size or _fixed_or_auto(cfg, model, rows, lengths, accelerator.device, sharded, checkpointing)
+        # every process must cut the same passes (the smallest cap wins) and recompute alike (any process's need wins)
+        mine = torch.tensor([size.cap, int(checkpointing)], device=accelerator.device)
+        everyone = accelerator.gather(mine).reshape(-1, 2)
+        size = replace(size, cap=int(everyone[:, 0].min()))
+        if t.gradient_checkpointing == "auto" and bool(everyone[:, 1].max()) != checkpointing:
+            checkpointing, why = True, "auto: another process needs it"
+    size = size or _fixed_or_auto(cfg, model, rows, lengths, accelerator.device, sharded, checkpointing)
+    return replace(size, passes_per_update=count(size.cap), checkpointing=bool(checkpointing), checkpointing_note=why)
+
+
+def _fixed_or_auto(cfg: RunConfig, model, rows, lengths, device, sharded: bool, checkpointing: bool) -> PassSize:
+    t = cfg.train
     if t.max_tokens_per_pass != "auto":
-        size = PassSize(t.max_tokens_per_pass, t.max_tokens_per_pass, note="set in the config")
-    else:
-        size = _auto(cfg, model, rows, lengths, accelerator.device, sharded)
-        if accelerator.num_processes > 1:  # every process must cut the same passes: the smallest cap wins
-            caps = accelerator.gather(torch.tensor([size.cap], device=accelerator.device))
-            size = replace(size, cap=int(caps.min()))
-    return replace(size, passes_per_update=passes_per_update(lengths, plan, t, cfg.seed, size.cap))
+        return PassSize(t.max_tokens_per_pass, t.max_tokens_per_pass, note="set in the config")
+    estimate = _estimate(cfg, model, rows, device, sharded)
+    if isinstance(estimate, PassSize):
+        return estimate
+    arch, work, free = estimate
+    return auto_size(arch, work, _shortest_longest(lengths), checkpointing, device.type == "cpu", free)
 
 
-def _auto(cfg: RunConfig, model, rows: list[Example], lengths: list[int], device: torch.device,
-          sharded: bool) -> PassSize:
+def _auto_checkpointing(cfg: RunConfig, model, rows, lengths, device, sharded: bool,
+                        count) -> tuple[bool, PassSize | None, str]:
+    """`train.gradient_checkpointing=auto`: (on?, the pass size that goes with it or None, why)."""
+    t = cfg.train
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return False, None, "auto: off, this model does not support it"
+    if sharded:
+        return True, None, "auto: on under FSDP"
+    estimate = _estimate(cfg, model, rows, device, sharded)
+    if isinstance(estimate, PassSize):  # no free memory or no estimate: the choice that saves memory
+        return True, (estimate if t.max_tokens_per_pass == "auto" else None), f"auto: on ({estimate.note})"
+    arch, work, free = estimate
+    return decide_checkpointing(arch, work, _shortest_longest(lengths), device.type == "cpu", free, t, count)
+
+
+def decide_checkpointing(arch: Architecture, work: Workload, extremes: tuple[int, int], host: bool, free: int, t,
+                         count) -> tuple[bool, PassSize | None, str]:
+    """`train.gradient_checkpointing=auto` with `free` bytes free and rows from `extremes[0]` to `extremes[1]` tokens:
+    (on?, with `max_tokens_per_pass=auto` the pass size that goes with it, why); `count(cap)`: passes per update
+    under a cap ({"max": ...}). Off when, without it, an update needs no more passes than with it (a fixed cap:
+    when its widest pass fits without it), within the same share of the free memory as the cap's."""
+    if t.max_tokens_per_pass == "auto":
+        on, off = (auto_size(arch, work, extremes, gc, host, free) for gc in (True, False))
+        most_on, most_off = count(on.cap)["max"], count(off.cap)["max"]
+        if not off.note and most_off <= most_on:
+            return False, off, (f"auto: off, an update fits in {_passes(most_off)} without it "
+                                f"({_passes(most_on)} with it)")
+        return True, on, f"auto: on, without it an update would need {_passes(most_off)} instead of {_passes(most_on)}"
+    cap = t.max_tokens_per_pass
+    update_rows = t.batch_size * t.gradient_accumulation_steps
+    budget = MEMORY_SHARE * (free - reserved_bytes(arch, host))
+    widest = [(min(update_rows, max(1, cap // n)) if cap else t.batch_size, n) for n in extremes]
+    need = max(pass_bytes(arch, work, n_rows, n, False) for n_rows, n in widest)
+    if need <= budget:
+        return False, None, f"auto: off, a pass needs about {size_text(need)} without it ({size_text(budget)} to spare)"
+    return True, None, f"auto: on, a pass would need about {size_text(need)} without it ({size_text(budget)} to spare)"
+
+
+def _passes(n: int) -> str:
+    return f"{n} forward pass{'es' if n != 1 else ''}"
+
+
+def _shortest_longest(lengths: list[int]) -> tuple[int, int]:
+    positive = [n for n in lengths if n > 0] or [1]
+    return min(positive), max(positive)
+
+
+def _estimate(cfg: RunConfig, model, rows: list[Example], device: torch.device, sharded: bool):
+    """(architecture, workload, free bytes) for the memory model, or a PassSize of one pass per micro-batch that
+    says why there is none (free memory unknown, a model the memory model cannot build)."""
     t = cfg.train
     free = free_bytes(device)
     if free is None:
@@ -123,8 +202,7 @@ def _auto(cfg: RunConfig, model, rows: list[Example], lengths: list[int], device
         return PassSize("auto", 0, note=f"no memory estimate for this model ({what})")
     finally:
         ckpt.set_rng_state(state)
-    positive = [n for n in lengths if n > 0] or [1]
-    return auto_size(arch, work, (min(positive), max(positive)), t.gradient_checkpointing, device.type == "cpu", free)
+    return arch, work, free
 
 
 def _stored_dtype(model) -> torch.dtype:
@@ -140,8 +218,7 @@ def auto_size(arch: Architecture, work: Workload, lengths: tuple[int, int], chec
     """The cap `auto` takes with `free` bytes free: the most padded tokens of a pass whose estimated memory fits
     `MEMORY_SHARE` of what the step's fixed needs leave, with rows all as long as each of `lengths` (the shortest
     and longest row); at least 1 (every row alone), which out-of-memory recovery takes over from."""
-    reserved = (arch.trainable_bytes + arch.optimizer_bytes + arch.dequantized_bytes
-                + (2 * arch.trainable_bytes if host else 0))
+    reserved = reserved_bytes(arch, host)
     budget = MEMORY_SHARE * (free - reserved)
     fits = []
     for length in sorted(set(lengths)):
@@ -152,6 +229,13 @@ def auto_size(arch: Architecture, work: Workload, lengths: tuple[int, int], chec
     note = "" if rows else f"the estimate says even one row of {length} tokens may not fit: every row alone"
     return PassSize("auto", max(cap, 1), free_bytes=int(free), reserved_bytes=int(reserved),
                     bytes_per_token=round(per_token, 1), note=note)
+
+
+def reserved_bytes(arch: Architecture, host: bool) -> int:
+    """What a step allocates besides its passes: gradients, optimizer state, a quantized base's dequantized layer and,
+    on a CPU, the two host copies of what trains."""
+    return (arch.trainable_bytes + arch.optimizer_bytes + arch.dequantized_bytes
+            + (2 * arch.trainable_bytes if host else 0))
 
 
 def _most_rows(cost, budget: float) -> int:

@@ -12,6 +12,7 @@ checkpointing, then shorter rows, then fewer adapted modules.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from emotune.core.errors import UserError
 from emotune.model import finetuning
 from emotune.runtime.device import Precision, choose_precision, resolve_device
 from emotune.train.memory import Architecture, Workload, auto_eval_rows, describe, evaluation_parts, size_text, training_parts
-from emotune.train.pass_size import auto_size
+from emotune.train.pass_size import auto_size, decide_checkpointing
 
 FITS = 0.8  # the estimate is checked to within about ±30% of measured peaks (tests/test_plan.py): keep that room
 GiB = 2**30
@@ -90,12 +91,17 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     arch = _describe(config, cfg, dtype, work)
     t = cfg.train
     host = target.kind == "cpu"
+    update_rows = t.batch_size * t.gradient_accumulation_steps
+    # sized as training sizes it (emotune.train.pass_size) from what this memory leaves once the weights and adapters
+    # are placed, rows as long as train.max_length: up to the whole update in one pass
+    free = max(0, target.memory - target.runtime - arch.frozen_bytes - arch.trainable_bytes)
+    extremes = (t.max_length, t.max_length)
+    checkpointing, sized, _ = (decide_checkpointing(arch, work, extremes, host, free, t, lambda cap: {
+        "max": math.ceil(update_rows / max(1, min(update_rows, cap // t.max_length)))})
+        if t.gradient_checkpointing == "auto" else (t.gradient_checkpointing, None, ""))
     if t.max_tokens_per_pass == "auto":
-        # sized as training sizes it (emotune.train.pass_size) from what this memory leaves once the weights and
-        # adapters are placed, rows as long as train.max_length: up to the whole update in one pass
-        free = max(0, target.memory - target.runtime - arch.frozen_bytes - arch.trainable_bytes)
-        cap = auto_size(arch, work, (t.max_length, t.max_length), t.gradient_checkpointing, host, free).cap
-        rows = max(1, min(t.batch_size * t.gradient_accumulation_steps, cap // t.max_length))
+        cap = (sized or auto_size(arch, work, extremes, checkpointing, host, free)).cap
+        rows = max(1, min(update_rows, cap // t.max_length))
     else:
         cap = t.max_tokens_per_pass
         rows = t.batch_size if not cap else min(t.batch_size, max(1, cap // t.max_length))
@@ -104,7 +110,7 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     for method, ev in work.evaluations.items():
         batch = auto_eval_rows(arch, ev, target.memory - target.runtime)
         evaluations[method] = (batch, evaluation_parts(arch, ev, batch))
-    plan = Plan(cfg.model.source, cfg.task, target, arch, rows, t.max_length, t.gradient_checkpointing, training,
+    plan = Plan(cfg.model.source, cfg.task, target, arch, rows, t.max_length, checkpointing, training,
                 evaluations, auto_passes=t.max_tokens_per_pass == "auto")
     if plan.verdict() != "fits":
         plan.fixes = _fixes(plan, cfg, config, dtype, work)

@@ -133,8 +133,15 @@ class TrainConfig(Section):
     """AdamW weight decay."""
     max_length: Annotated[int, Range(1)] = 256
     """Longest tokenized prompt+completion; longer rows are truncated."""
-    gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass: less memory, about 30% slower."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them: far less memory,
+    about 30% more arithmetic and a second forward's launches per pass. `true` / `false` = always / never.
+    `auto` = decided when training starts, from the same free memory and per-token estimate as
+    `max_tokens_per_pass=auto` (emotune.train.pass_size): off when, without it, an update needs no more forward
+    passes than with it (a cap in the config: when its passes fit without it), on otherwise, and on where the free
+    memory cannot be read, under FSDP and for models that do not support it (then off). The gradients are the same
+    either way; the choice is printed and recorded in run.json (`stages.train.passes`), and out-of-memory recovery
+    turns it on when a step runs out of memory."""
     max_tokens_per_pass: Annotated[int | Literal["auto"], Range(0, also="0 = no cap, or `auto`")] = "auto"
     """Most padded tokens (rows x longest row) in one forward/backward pass. The rows of each optimizer update
     (`batch_size` x `gradient_accumulation_steps` on each process) are sorted by length and cut into passes under
@@ -260,6 +267,12 @@ class TrainConfig(Section):
     @classmethod
     def _one_tracker_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_words(cls, value: Any) -> Any:
+        # `on`/`off` as the other switches take them; pydantic's own bool parsing covers true/false/yes/no/1/0
+        return {"on": True, "off": False}.get(value.strip().lower(), value) if isinstance(value, str) else value
 
     @field_validator("shared_prefix", "foreach", "compile", mode="before")
     @classmethod
