@@ -96,6 +96,17 @@ def test_overwrite_with_an_invalid_new_run_keeps_the_finished_run(tiny_overrides
         assert snapshot(root) == before, what  # adapter, metrics, report.html, run.json: byte for byte
         assert run_json(root)["status"] == "finished" and RunDir(root).is_finished(), what
         assert leftovers(tmp_path / "runs") == [], what  # no .previous, no .partial
+    # found only in the data stage, with the tokenizer, after the old run was moved aside: it is put back
+    unknown = {"joy": "😀", "sadness": "حزن", "fear": "恐惧"}
+    rows = [{"text": f"row {i}", "label": unknown[name]} for i, name in enumerate(["joy", "sadness", "fear"] * 4)]
+    tokenizer_refuses = [f"data.source={write_jsonl(tmp_path / 'unk.jsonl', rows)}", "data.label_names=[😀, حزن, 恐惧]"]
+    for command in ("run", "train", "data"):
+        code = main([command, *tiny_overrides, "overwrite=true", *tokenizer_refuses])
+        out, err = capsys.readouterr()
+        assert code == 2 and "are the same tokens to this model's tokenizer" in err and "Traceback" not in err, command
+        assert f"the old run is back in {root}" in out, command
+        assert snapshot(root) == before and RunDir(root).is_finished(), command
+        assert leftovers(tmp_path / "runs") == [], command
 
 
 # --------------------------------------------------------------------------------------------------

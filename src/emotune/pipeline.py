@@ -24,7 +24,7 @@ from transformers import AutoConfig, set_seed
 from emotune.core.config.build import dump_config
 from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
-from emotune.core.rundir import RunDir, RunLog, drop_previous, holds_run_lock, open_run, read_json
+from emotune.core.rundir import RunDir, RunLog, drop_previous, holds_run_lock, old_run_back_on_refusal, open_run, read_json
 from emotune.eval.merged import CHECK_ROWS, describe, merged_for_eval
 from emotune.model import finetuning, init_methods, quantization
 from emotune.model.artifacts import find_artifact, has_trained, is_adapter, load_artifact_model
@@ -255,7 +255,8 @@ def run(cfg: RunConfig) -> dict:
     ctx.validate()
     print(f"Device {ctx.device}; precision {ctx.precision.name}: {ctx.precision.reason}", flush=True)
     ctx.open()
-    run_stages(ctx, (DATA,))
+    with old_run_back_on_refusal(ctx.run):
+        run_stages(ctx, (DATA,))
     print(ctx.task.describe_data(ctx.data), flush=True)
     run_stages(ctx, RUN[1:])
     ctx.log.finish(ctx.task.outputs(ctx.run, cfg))
@@ -276,7 +277,8 @@ def data_only(cfg: RunConfig) -> None:
     if not DATA.done(ctx):
         ctx.tokenizer = load_tokenizer_only(cfg.model)
         ctx.run = open_run(cfg.run_dir, dump_config(cfg), cfg.overwrite, ctx.fingerprint)
-        data_stage(ctx)
+        with old_run_back_on_refusal(ctx.run):
+            data_stage(ctx)
     print(ctx.task.describe_data(ctx.data))
     print(f"\nPrepared data: {ctx.run.data}; `emotune run` with the same config reuses it.")
 
@@ -306,7 +308,8 @@ def train_only(cfg: RunConfig, fault=None) -> Path:
         print(f"Device {ctx.device} x {state.num_processes} processes; precision {ctx.precision.name}: "
               f"{ctx.precision.reason}", flush=True)
         ctx.open()
-        run_stages(ctx, (DATA,))
+        with old_run_back_on_refusal(ctx.run):
+            run_stages(ctx, (DATA,))
         print(ctx.task.describe_data(ctx.data), flush=True)
     state.wait_for_everyone()
     if not state.is_main_process:

@@ -8,7 +8,8 @@ not at all, so a crash never leaves a half-written file where a good one was.
 Life cycle (`open_run`):
 - a folder is `finished` only when run.json says so *and* every output it lists exists;
 - `overwrite=true` moves an old run aside (`<name>.previous`) only after the new run's config, data and
-  model source have validated, and deletes it when the new run finishes;
+  model source have validated, and deletes it when the new run finishes; input the data stage refuses (checks
+  that need the tokenizer) puts it back;
 - an unfinished folder made with the same config is resumed stage by stage; one made with another
   config is refused.
 """
@@ -128,6 +129,7 @@ class RunDir:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self.replacing = False  # open_run moved an old run aside for this one (overwrite=true)
 
     def __fspath__(self) -> str:
         return str(self.root)
@@ -238,6 +240,7 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
     if run.has_run():  # prepared data alone (`emotune data`) is simply prepared again
         if overwrite:
             move_aside(run)
+            run.replacing = True  # the old run waits as `.previous`; bad input found next puts it back
         elif run.is_finished():
             raise UserError(f"The run folder `{root}` holds a finished run{' made with other data' if other_data else ''}. "
                             "Pass overwrite=true to replace it (the old "
@@ -266,6 +269,22 @@ def move_aside(run: RunDir) -> None:
         shutil.rmtree(run.previous)  # an older run emotune itself moved aside earlier
     os.replace(run.root, run.previous)
     print(f"The old run in {run.root} is kept as {run.previous} until this run finishes.", flush=True)
+
+
+@contextmanager
+def old_run_back_on_refusal(run: RunDir) -> Iterator[None]:
+    """Checks that need the tokenizer (labels it cannot tell apart, prompts longer than `train.max_length`) run in
+    the data stage, after `overwrite=true` moved the old run aside: when one refuses the input, the new run's folder
+    is removed and the old run put back where it was, so a refused run never leaves the user without the run they had."""
+    try:
+        yield
+    except UserError:
+        if run.replacing and run.previous.exists():
+            shutil.rmtree(run.root, ignore_errors=True)
+            os.replace(run.previous, run.root)
+            run.replacing = False
+            print(f"Nothing was changed: the old run is back in {run.root}.", flush=True)
+        raise
 
 
 def drop_previous(run: RunDir) -> None:
