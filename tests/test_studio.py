@@ -181,6 +181,17 @@ def test_form_has_every_config_field_with_doc_and_default(runs):
     assert client(runs).get("/new?task=nope").status_code == 404
 
 
+def test_a_switch_with_auto_is_a_drop_down_of_its_three_values(runs, tmp_path):
+    """`train.gradient_checkpointing: bool | "auto"`: a drop-down of true / false / auto with auto selected, and the
+    choice comes back as the config's boolean."""
+    page = client(runs).get("/new").text
+    select = re.search(r'<select[^>]*name="train.gradient_checkpointing".*?</select>', page, re.S)
+    assert select and re.findall(r"<option[^>]*>(\w+)</option>", select[0]) == ["true", "false", "auto"]
+    assert "<option selected>auto</option>" in select[0]
+    raw = form.to_raw("classify", {"train.gradient_checkpointing": "false"}, tmp_path)
+    assert raw["train"] == {"gradient_checkpointing": False}
+
+
 def test_invalid_form_shows_each_problem_beside_its_field_and_starts_nothing(runs):
     studio = client(runs)
     csrf = csrf_of(studio.get("/new").text)
