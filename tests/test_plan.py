@@ -15,7 +15,8 @@ from emotune.cli import main
 from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.tasks import task_for
-from emotune.train.memory import training_parts
+from emotune.train import pass_size
+from emotune.train.memory import pass_bytes, training_parts
 from emotune.train.plan import FITS, make_plan, parse_memory
 
 BENCH = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "plan_accuracy.py"))
@@ -48,6 +49,29 @@ def test_auto_passes_are_planned_as_training_sizes_them(tiny_model_dir, capsys):
     tight = plan_json(capsys, *auto, "--device-memory", f"{memory / 2**20:.3f}MB")
     assert 1 <= tight["training"]["pass_rows"] < 4, tight["training"]
     assert sum(tight["training"]["no_checkpointing"].values()) <= memory
+
+
+def test_checkpointing_auto_is_planned_as_training_decides_it(tiny_model_dir, capsys):
+    """train.gradient_checkpointing=auto: off where the whole update fits in one pass without it, said in the table's
+    header and the JSON; on where, without it, the update would take more passes."""
+    auto = [*gpu(tiny_model_dir, "train.gradient_accumulation_steps=2"), "train.max_tokens_per_pass=auto",
+            "train.gradient_checkpointing=auto"]
+    roomy = plan_json(capsys, *auto, "--device-memory", "8GB")["training"]
+    assert roomy["gradient_checkpointing"] is False and roomy["pass_rows"] == 8
+    assert roomy["checkpointing_note"].startswith("auto: off, an update fits in 1 forward pass without it")
+    cfg = load_config(None, auto)
+    plan = make_plan(cfg, task_for(cfg), "8GB")
+    work = task_for(cfg).memory_workload(cfg, "cuda")
+    # what training's sizing leaves for passes (emotune.train.pass_size): half of the memory after the weights,
+    # adapters, gradients and optimizer state; here just the whole update's pass with checkpointing
+    placed = plan.arch.frozen_bytes + plan.arch.trainable_bytes + pass_size.reserved_bytes(plan.arch, False)
+    memory = placed + 1.05 * pass_bytes(plan.arch, work, 8, 64, True) / pass_size.MEMORY_SHARE
+    assert pass_bytes(plan.arch, work, 8, 64, False) > 1.2 * pass_bytes(plan.arch, work, 8, 64, True)
+    tight = plan_json(capsys, *auto, "--device-memory", f"{memory / 2**20:.3f}MB")["training"]
+    assert tight["gradient_checkpointing"] is True and tight["pass_rows"] == 8, tight
+    assert tight["checkpointing_note"].startswith("auto: on, without it an update would need")
+    assert main(["plan", *auto, "--device-memory", "8GB"]) == 0
+    assert "* = this config (train.gradient_checkpointing=auto: off" in capsys.readouterr().out
 
 
 def test_memory_amounts_read_as_gib_by_default():

@@ -62,6 +62,7 @@ class Plan:
     evaluations: dict[str, tuple[int, dict[str, int]]]  # method -> (rows, parts)
     fixes: list[dict] = field(default_factory=list)
     auto_passes: bool = False  # train.max_tokens_per_pass=auto: pass_rows as training would size them here
+    checkpointing_note: str = ""  # train.gradient_checkpointing=auto: what decided it
 
     def peak(self) -> tuple[str, int]:
         needs = {"training": _total(self.training[self.checkpointing], self.target)}
@@ -96,7 +97,7 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
     # are placed, rows as long as train.max_length: up to the whole update in one pass
     free = max(0, target.memory - target.runtime - arch.frozen_bytes - arch.trainable_bytes)
     extremes = (t.max_length, t.max_length)
-    checkpointing, sized, _ = (decide_checkpointing(arch, work, extremes, host, free, t, lambda cap: {
+    checkpointing, sized, why = (decide_checkpointing(arch, work, extremes, host, free, t, lambda cap: {
         "max": math.ceil(update_rows / max(1, min(update_rows, cap // t.max_length)))})
         if t.gradient_checkpointing == "auto" else (t.gradient_checkpointing, None, ""))
     if t.max_tokens_per_pass == "auto":
@@ -111,7 +112,7 @@ def make_plan(cfg: RunConfig, task, device_memory: str | None = None) -> Plan:
         batch = auto_eval_rows(arch, ev, target.memory - target.runtime)
         evaluations[method] = (batch, evaluation_parts(arch, ev, batch))
     plan = Plan(cfg.model.source, cfg.task, target, arch, rows, t.max_length, checkpointing, training,
-                evaluations, auto_passes=t.max_tokens_per_pass == "auto")
+                evaluations, auto_passes=t.max_tokens_per_pass == "auto", checkpointing_note=why)
     if plan.verdict() != "fits":
         plan.fixes = _fixes(plan, cfg, config, dtype, work)
     return plan
@@ -327,7 +328,8 @@ def format_plan(plan: Plan) -> str:
              f"({share:.2f}%)",
              f"  training: forward passes of {plan.pass_rows} rows x {plan.length} tokens (every row as long as "
              "train.max_length: the worst case" + ("; train.max_tokens_per_pass=auto sized them for this memory"
-                                                   if plan.auto_passes else "") + "); * = this config"]
+                                                   if plan.auto_passes else "") + "); * = this config"
+             + (f" (train.gradient_checkpointing={plan.checkpointing_note})" if plan.checkpointing_note else "")]
     # three header lines per column: what, how, batch
     columns = [(("training", "checkpointing" + ("*" if plan.checkpointing else ""), ""), plan.training[True]),
                (("training", "no checkpointing" + ("" if plan.checkpointing else "*"), ""), plan.training[False])]
@@ -367,7 +369,7 @@ def plan_json(plan: Plan) -> dict:
         "precision": {"name": plan.target.precision.name, "reason": plan.target.precision.reason},
         "parameters": arch.parameters, "trainable_parameters": arch.trainable,
         "training": {"pass_rows": plan.pass_rows, "auto_passes": plan.auto_passes, "length": plan.length,
-                     "gradient_checkpointing": plan.checkpointing,
+                     "gradient_checkpointing": plan.checkpointing, "checkpointing_note": plan.checkpointing_note,
                      "checkpointing": plan.training[True], "no_checkpointing": plan.training[False]},
         "evaluation": {m: {"rows": rows, "parts": parts} for m, (rows, parts) in plan.evaluations.items()},
         "peak": {"stage": stage, "bytes": peak}, "verdict": plan.verdict(), "fits_below": FITS, "fixes": plan.fixes,
