@@ -357,13 +357,14 @@ def _free_port() -> int:
 @pytest.mark.slow  # subprocesses / several runs
 def test_two_processes_match_one_with_the_same_global_batch(tiny_overrides, tmp_path):
     common = ["train", *tiny_overrides, "train.max_steps=3", "train.save_steps=2", "train.eval_steps=3",
-              "lora.dropout=0.0", "device=cpu"]
+              "lora.dropout=0.0", "device=cpu", "train.gradient_checkpointing=auto"]  # both processes decide it alike
     assert main(common + ["name=single", "train.batch_size=8"]) == 0  # in-process: one process needs no launcher
     ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(_free_port()), "-m", "emotune", *common, "name=ddp", "train.batch_size=4"],
                          capture_output=True, text=True, env=_env(), timeout=300)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert "x 2 processes" in ddp.stdout and "effective batch 8" in ddp.stdout
+    assert "gradient checkpointing off (auto: off, an update fits in 1 forward pass without it" in ddp.stdout
 
     runs = tmp_path / "runs"
     histories = {n: json.loads((runs / n / "train" / "log_history.json").read_text()) for n in ("single", "ddp")}
