@@ -72,7 +72,7 @@ def _only_choices(annotation: Any) -> bool:
         return True
     args = get_args(annotation)
     return get_origin(annotation) in (Union, types.UnionType) and all(
-        get_origin(a) is Literal or a is type(None) for a in args)
+        get_origin(a) is Literal or a is type(None) or a is bool for a in args)  # `bool | Literal["auto"]`
 
 
 def _is_text(annotation: Any) -> bool:
@@ -88,6 +88,8 @@ def _literals(annotation: Any) -> list[Any]:
 
     if get_origin(annotation) is Literal:
         return list(get_args(annotation))
+    if annotation is bool:
+        return [True, False]
     return [v for arg in get_args(annotation) for v in _literals(arg)]
 
 
