@@ -122,6 +122,25 @@ def test_label_aliases_case_and_whitespace(tmp_path):
         load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_names=LABELS), seed=0)
 
 
+def test_a_label_composed_or_decomposed_is_one_label(tmp_path):
+    """`café` typed composed (NFC) and exported decomposed (`e` + U+0301, NFD) look the same: the values found
+    gave two labels printed alike, and data.label_names=[café] refused the NFD rows as "['café'] not in the
+    label set ['café', ...]"."""
+    import unicodedata
+
+    nfc, nfd = "café", unicodedata.normalize("NFD", "café")
+    rows = [{"text": r["text"], "label": (nfc, nfd)[i % 2] if r["label"] == "joy" else r["label"]}
+            for i, r in enumerate(make_rows(8, seed=1))]
+    write_jsonl(tmp_path / "all.jsonl", rows)
+    found = load_data(DataConfig(source=str(tmp_path / "all.jsonl")), seed=0)
+    assert nfc in found.labels and nfd not in found.labels and len(found.labels) == len(LABELS)
+    named = [nfd if label == "joy" else label for label in LABELS]
+    data = load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_names=named), seed=0)
+    assert sum(n[nfd] for n in data.counts().values()) == 8
+    with pytest.raises(ValueError, match="more than one label"):
+        DataConfig(label_names=[nfc, nfd, "tea"])
+
+
 def test_alias_to_an_unknown_label_is_an_error(tmp_path):
     write_jsonl(tmp_path / "all.jsonl", make_rows(4, seed=1))
     with pytest.raises(UserError, match="label_aliases maps 'glad' to 'gladness'"):

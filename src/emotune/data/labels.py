@@ -2,12 +2,14 @@
 
 Names come from `data.label_names`, else a `ClassLabel`, else the values found. Integer labels are ids
 into the names (unless data.label_names are all numbers that hold every value: then they are those names);
-string labels match a name or an alias ignoring case and surrounding whitespace.
+string labels match a name or an alias ignoring case, surrounding whitespace and Unicode form (`café` composed
+or as `e` + combining accent is one label, written composed, NFC, when it comes from the values found).
 All work is on the few distinct values, then one Arrow `take` maps the whole column.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections import Counter
 
 import pyarrow as pa
@@ -24,7 +26,7 @@ MISSING_SPELLINGS = ["", "nan", "null", "n/a", "#n/a"]
 
 
 def label_key(value: str) -> str:
-    return value.strip().casefold()
+    return unicodedata.normalize("NFC", value.strip()).casefold()
 
 
 def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
@@ -96,7 +98,7 @@ def _names_as_found(cfg: DataConfig, tables: dict[str, pa.Table]) -> list[str]:
     for table in tables.values():
         counts = pc.value_counts(pc.utf8_trim_whitespace(table.column("label")))
         for entry in counts.to_pylist():
-            spelling = aliases.get(label_key(entry["values"]), entry["values"])
+            spelling = aliases.get(label_key(entry["values"]), unicodedata.normalize("NFC", entry["values"]))
             spellings.setdefault(label_key(spelling), Counter())[spelling] += entry["counts"]
     return sorted(counter.most_common(1)[0][0] for counter in spellings.values())
 
