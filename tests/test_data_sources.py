@@ -174,6 +174,21 @@ def test_extraction_keeps_word_boundaries_for_spaced_scripts():
     assert extract_label("Joy!", ["joy", "anger"]) == "joy"
 
 
+def test_extraction_reads_labels_in_any_case_form_and_spacing():
+    """A Turkish label set crashed generate-based evaluation with StopIteration: IGNORECASE matches `iyi` to
+    `İyi`, but the match was mapped back by comparing case folds, which differ (`i̇yi`). A reply in the other
+    Unicode form (NFD `café`) or with a line break inside a two-word label read as INVALID or as the shorter label."""
+    import unicodedata
+
+    assert extract_label("Cevap: iyi", ["İyi", "Kötü"]) == "İyi"
+    assert extract_label("İĞRENME", ["İğrenme", "Öfke"]) == "İğrenme"
+    assert extract_label(unicodedata.normalize("NFD", "café au lait"), ["café", "thé"]) == "café"
+    assert extract_label(unicodedata.normalize("NFC", "café"), [unicodedata.normalize("NFD", "café"), "thé"]) \
+        == unicodedata.normalize("NFD", "café")
+    assert extract_label("very\npositive", ["positive", "very positive"]) == "very positive"
+    assert extract_label("pos.", ["positive", "pos"]) == "pos" and extract_label("positive", ["pos", "positive"]) == "positive"
+
+
 # --------------------------------------------------------------------------------------------------
 # Hub sources, offline: a mocked client writes the snapshot a real download would.
 

@@ -13,15 +13,18 @@ def label_pattern(labels: list[str]) -> re.Pattern[str]:
     """Whole-word, case-insensitive match of any label; longer names first so `joyful` never reads as `joy`.
 
     Scripts written without spaces (Chinese, Japanese, Thai, ...) have no word boundaries to test, so
-    a label edge in such a script matches next to anything (`我觉得是喜悦。` -> 喜悦).
+    a label edge in such a script matches next to anything (`我觉得是喜悦。` -> 喜悦). Labels are matched in NFC
+    form (`extract_label` normalises the reply too), and a space inside a label matches any run of
+    whitespace (`very\npositive`). Alternative `_<i>` is `labels[i]`.
     """
     def bounded(label: str) -> str:
+        label = unicodedata.normalize("NFC", label).strip()
         before = "" if _unspaced(label[:1]) else r"(?<!\w)"
         after = "" if _unspaced(label[-1:]) else r"(?!\w)"
-        return before + re.escape(label) + after
+        return before + r"\s+".join(re.escape(word) for word in label.split()) + after
 
-    alternatives = "|".join(bounded(label) for label in sorted(labels, key=len, reverse=True))
-    return re.compile(rf"({alternatives})", re.IGNORECASE)
+    order = sorted(range(len(labels)), key=lambda i: len(labels[i]), reverse=True)
+    return re.compile("|".join(f"(?P<_{i}>{bounded(labels[i])})" for i in order), re.IGNORECASE)
 
 
 def _unspaced(char: str) -> bool:
@@ -29,8 +32,9 @@ def _unspaced(char: str) -> bool:
 
 
 def extract_label(output: str, labels: list[str], pattern: re.Pattern[str] | None = None) -> str:
-    match = (pattern or label_pattern(labels)).search(output)
+    """The label whose alternative matched first in the reply (by group, not by comparing case-folded text:
+    `iyi` matches `İyi` under IGNORECASE, though their case folds differ)."""
+    match = (pattern or label_pattern(labels)).search(unicodedata.normalize("NFC", output))
     if match is None:
         return INVALID
-    found = match.group(1).casefold()
-    return next(label for label in labels if label.casefold() == found)
+    return labels[int(match.lastgroup[1:])]
