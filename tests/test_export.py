@@ -155,6 +155,16 @@ def test_predict_reads_a_file_whose_header_uses_another_delimiter(tmp_path, deli
         _read_table(source, "text")
 
 
+def test_predict_reads_a_jsonl_file_that_starts_with_a_byte_order_mark(tmp_path):
+    """A JSONL file saved as UTF-8 with a BOM (PowerShell, Notepad) was refused: "Expected object or value at
+    position 0"; training data in the same file loaded, as the data readers skip the mark."""
+    from emotune.deploy.predict import _read_table
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "今天很开心", "id": 1}\n{"text": "so happy", "id": 2}\n', encoding="utf-8-sig")
+    assert _read_table(source, "text").to_dict("records") == [{"text": "今天很开心", "id": 1}, {"text": "so happy", "id": 2}]
+
+
 def test_serve_with_vllm_engine_needs_vllm(tiny_run_dir, capsys):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")

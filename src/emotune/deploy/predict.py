@@ -27,7 +27,8 @@ from emotune.runtime import device as device_mod
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
-           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False)}
+           # utf-8-sig: a byte-order mark (PowerShell's and Notepad's UTF-8) is not JSON; read_csv skips it itself
+           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False, encoding="utf-8-sig")}
 
 
 DEFAULT_MAX_NEW_TOKENS = 128  # sft models whose emotune.json records no eval.max_new_tokens
