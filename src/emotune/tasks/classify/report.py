@@ -312,7 +312,7 @@ def _uncertainty_table(method: str, before: list[dict], after: list[dict] | None
 
 def _lookup(metrics: dict, key: str) -> float:
     if "/" in key:
-        label, score = key.split("/")
+        label, score = key.rsplit("/", 1)  # a label may hold a slash (`anger/disgust`); a score never does
         return metrics["per_class"][label][score]
     return metrics[key]
 
