@@ -174,6 +174,14 @@ def test_extraction_keeps_word_boundaries_for_spaced_scripts():
     assert extract_label("Joy!", ["joy", "anger"]) == "joy"
 
 
+def test_extraction_keeps_word_boundaries_where_a_word_ends_in_a_combining_mark():
+    """Python's `\\w` lacks combining marks, so the Hindi label `खुश` (happy) was read inside `खुशी` (happiness),
+    whose last letter is a vowel sign: the whole-word rule that keeps `joy` out of `enjoyment` did not hold."""
+    assert extract_label("उत्तर: खुशी", ["खुश", "दुख"]) == "INVALID"
+    assert extract_label("मैं खुश हूँ", ["खुश", "दुख"]) == "खुश"
+    assert extract_label("नदुख", ["खुश", "दुख"]) == "INVALID"  # nor after a letter
+
+
 def test_extraction_reads_labels_in_any_case_form_and_spacing():
     """A Turkish label set crashed generate-based evaluation with StopIteration: IGNORECASE matches `iyi` to
     `İyi`, but the match was mapped back by comparing case folds, which differ (`i̇yi`). A reply in the other
