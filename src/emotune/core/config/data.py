@@ -154,7 +154,7 @@ def known_encoding(value: str) -> str:
 class PromptConfig(Section):
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     """System prompt shared by training and both evaluations. `{labels}` is replaced by the data's
-    label names, comma-separated."""
+    label names, comma-separated (each in double quotes when a name holds a comma)."""
     user_template: str = DEFAULT_USER_TEMPLATE
     """User turn; `{text}` is replaced by the row's text."""
 
