@@ -141,6 +141,18 @@ def test_a_label_composed_or_decomposed_is_one_label(tmp_path):
         DataConfig(label_names=[nfc, nfd, "tea"])
 
 
+def test_invisible_characters_in_a_label_do_not_make_another_label(tmp_path):
+    """A label pasted with a zero-width space or a right-to-left mark (`joy` + U+200B, `שמח` + U+200F) was a label of
+    its own, printed exactly like the real one, or refused as "not in the label set" beside an identical name."""
+    rows = [{"text": r["text"], "label": r["label"] + ("\u200b" if i % 3 == 0 else "")} for i, r in enumerate(make_rows(8, seed=1))]
+    rows += [{"text": f"שמח מאוד {i}", "label": ("שמח", "\u200fשמח")[i % 2]} for i in range(8)]
+    write_jsonl(tmp_path / "all.jsonl", rows)
+    found = load_data(DataConfig(source=str(tmp_path / "all.jsonl")), seed=0)
+    assert sorted(found.labels) == sorted([*LABELS, "שמח"])
+    named = load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_names=[*LABELS, "שמח"]), seed=0)
+    assert sum(n["שמח"] for n in named.counts().values()) == 8
+
+
 def test_alias_to_an_unknown_label_is_an_error(tmp_path):
     write_jsonl(tmp_path / "all.jsonl", make_rows(4, seed=1))
     with pytest.raises(UserError, match="label_aliases maps 'glad' to 'gladness'"):

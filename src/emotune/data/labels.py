@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from emotune.core.config.data import DataConfig
 from emotune.core.errors import listed
+from emotune.data.clean import CONTROL_CHARS
 from emotune.data.sources import RawSplit
 
 # How a missing label is written in CSV exports (pandas writes NaN as an empty cell or `NaN`). Never a class:
@@ -45,6 +46,8 @@ def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
         label = label.cast(label.type.value_type)
     if pa.types.is_boolean(label.type) or pa.types.is_null(label.type) or pa.types.is_large_string(label.type):
         label = label.cast(pa.string())
+    if pa.types.is_string(label.type):  # invisible characters (zero-width space, direction marks, a stray BOM), as
+        label = pc.replace_substring_regex(label, CONTROL_CHARS, "")  # cleaning removes them from texts
     missing = _missing(label)
     if pc.any(missing).as_py():
         rows = [r + 1 for r in pc.indices_nonzero(missing).to_pylist()]
