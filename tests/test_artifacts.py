@@ -41,6 +41,28 @@ def test_own_adapter_round_trips_through_the_writer(tiny_run_dir):
     assert json.loads((artifact.path / META).read_text(encoding="utf-8"))["task"] == "classify"
 
 
+def test_a_label_holding_a_comma_is_quoted_in_the_prompt_and_older_adapters_keep_theirs(tiny_run_dir, tmp_path):
+    """`joy, really` among the labels made the system prompt list `anger, joy, really, fear`: four labels to read,
+    two of them not labels. Labels are quoted when one holds a comma; an adapter trained with the old list is
+    still served the prompt it was trained with (emotune.json records it)."""
+    import shutil
+
+    from emotune.model.prompt import system_prompt
+
+    labels = ["anger", "joy, really", "喜悦、开心"]
+    template = PromptConfig().system_prompt
+    assert '"anger", "joy, really", "喜悦、开心"' in system_prompt(PromptConfig(), labels)
+    assert "sadness, joy, love" in system_prompt(PromptConfig(), LABELS)  # no comma in any label: unchanged
+    for recorded in (template.replace("{labels}", ", ".join(labels)), system_prompt(PromptConfig(), labels)):
+        run = shutil.copytree(tiny_run_dir, tmp_path / str(len(list(tmp_path.iterdir()))))
+        meta_path = run / "adapter" / META
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta_path.write_text(json.dumps({**meta, "labels": labels, "system_prompt_template": template,
+                                         "system_prompt": recorded}), encoding="utf-8")
+        artifact = find_artifact(run)
+        assert system_prompt(artifact.prompt, artifact.labels) == recorded
+
+
 def test_foreign_adapter_without_labels_or_prompt_names_what_is_missing(foreign):
     with pytest.raises(UserError) as err:
         find_artifact(foreign)

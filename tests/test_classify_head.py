@@ -165,6 +165,8 @@ def test_validation_macro_f1_counts_every_label():
     metrics = class_metrics(torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 1, 2]), num_labels=3)
     assert metrics["eval_accuracy"] == 0.75
     assert metrics["eval_macro_f1"] == pytest.approx((1 + 2 / 3 + 0) / 3)
+    # a label the validation rows lack and the head never predicts has no F1: it capped a perfect head at 2/3
+    assert class_metrics(torch.tensor([0, 1]), torch.tensor([0, 1]), num_labels=3)["eval_macro_f1"] == 1.0
 
 
 # --------------------------------------------------------------------------------------------------

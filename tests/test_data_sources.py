@@ -122,6 +122,37 @@ def test_label_aliases_case_and_whitespace(tmp_path):
         load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_names=LABELS), seed=0)
 
 
+def test_a_label_composed_or_decomposed_is_one_label(tmp_path):
+    """`café` typed composed (NFC) and exported decomposed (`e` + U+0301, NFD) look the same: the values found
+    gave two labels printed alike, and data.label_names=[café] refused the NFD rows as "['café'] not in the
+    label set ['café', ...]"."""
+    import unicodedata
+
+    nfc, nfd = "café", unicodedata.normalize("NFD", "café")
+    rows = [{"text": r["text"], "label": (nfc, nfd)[i % 2] if r["label"] == "joy" else r["label"]}
+            for i, r in enumerate(make_rows(8, seed=1))]
+    write_jsonl(tmp_path / "all.jsonl", rows)
+    found = load_data(DataConfig(source=str(tmp_path / "all.jsonl")), seed=0)
+    assert nfc in found.labels and nfd not in found.labels and len(found.labels) == len(LABELS)
+    named = [nfd if label == "joy" else label for label in LABELS]
+    data = load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_names=named), seed=0)
+    assert sum(n[nfd] for n in data.counts().values()) == 8
+    with pytest.raises(ValueError, match="more than one label"):
+        DataConfig(label_names=[nfc, nfd, "tea"])
+
+
+def test_invisible_characters_in_a_label_do_not_make_another_label(tmp_path):
+    """A label pasted with a zero-width space or a right-to-left mark (`joy` + U+200B, `שמח` + U+200F) was a label of
+    its own, printed exactly like the real one, or refused as "not in the label set" beside an identical name."""
+    rows = [{"text": r["text"], "label": r["label"] + ("\u200b" if i % 3 == 0 else "")} for i, r in enumerate(make_rows(8, seed=1))]
+    rows += [{"text": f"שמח מאוד {i}", "label": ("שמח", "\u200fשמח")[i % 2]} for i in range(8)]
+    write_jsonl(tmp_path / "all.jsonl", rows)
+    found = load_data(DataConfig(source=str(tmp_path / "all.jsonl")), seed=0)
+    assert sorted(found.labels) == sorted([*LABELS, "שמח"])
+    named = load_data(DataConfig(source=str(tmp_path / "all.jsonl"), label_names=[*LABELS, "שמח"]), seed=0)
+    assert sum(n["שמח"] for n in named.counts().values()) == 8
+
+
 def test_alias_to_an_unknown_label_is_an_error(tmp_path):
     write_jsonl(tmp_path / "all.jsonl", make_rows(4, seed=1))
     with pytest.raises(UserError, match="label_aliases maps 'glad' to 'gladness'"):
@@ -153,6 +184,29 @@ def test_chinese_labels_end_to_end(tmp_path):
 def test_extraction_keeps_word_boundaries_for_spaced_scripts():
     assert extract_label("enjoyment", ["joy", "anger"]) == "INVALID"
     assert extract_label("Joy!", ["joy", "anger"]) == "joy"
+
+
+def test_extraction_keeps_word_boundaries_where_a_word_ends_in_a_combining_mark():
+    """Python's `\\w` lacks combining marks, so the Hindi label `खुश` (happy) was read inside `खुशी` (happiness),
+    whose last letter is a vowel sign: the whole-word rule that keeps `joy` out of `enjoyment` did not hold."""
+    assert extract_label("उत्तर: खुशी", ["खुश", "दुख"]) == "INVALID"
+    assert extract_label("मैं खुश हूँ", ["खुश", "दुख"]) == "खुश"
+    assert extract_label("नदुख", ["खुश", "दुख"]) == "INVALID"  # nor after a letter
+
+
+def test_extraction_reads_labels_in_any_case_form_and_spacing():
+    """A Turkish label set crashed generate-based evaluation with StopIteration: IGNORECASE matches `iyi` to
+    `İyi`, but the match was mapped back by comparing case folds, which differ (`i̇yi`). A reply in the other
+    Unicode form (NFD `café`) or with a line break inside a two-word label read as INVALID or as the shorter label."""
+    import unicodedata
+
+    assert extract_label("Cevap: iyi", ["İyi", "Kötü"]) == "İyi"
+    assert extract_label("İĞRENME", ["İğrenme", "Öfke"]) == "İğrenme"
+    assert extract_label(unicodedata.normalize("NFD", "café au lait"), ["café", "thé"]) == "café"
+    assert extract_label(unicodedata.normalize("NFC", "café"), [unicodedata.normalize("NFD", "café"), "thé"]) \
+        == unicodedata.normalize("NFD", "café")
+    assert extract_label("very\npositive", ["positive", "very positive"]) == "very positive"
+    assert extract_label("pos.", ["positive", "pos"]) == "pos" and extract_label("positive", ["pos", "positive"]) == "positive"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -130,6 +130,19 @@ def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
         assert float(row["p_joy"]) == pytest.approx(line["probs"]["joy"], abs=1e-5)
 
 
+def test_predict_keeps_a_label_column_the_input_file_already_has(tiny_run_dir, tmp_path, capsys):
+    """Predicting on a labelled test file wrote the predicted label over the file's gold `label` column."""
+    source = tmp_path / "labelled.csv"
+    with source.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([["text", "label"], *[[t, "gold"] for t in TEXTS]])
+    out = tmp_path / "out.csv"
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(out)]) == 0
+    assert "prediction written as `predicted_label`" in capsys.readouterr().out
+    rows = list(csv.DictReader(out.open(encoding="utf-8")))
+    assert [r["label"] for r in rows] == ["gold"] * len(TEXTS)
+    assert all(r["predicted_label"] in LABELS and "p_joy" in r for r in rows)
+
+
 def test_predict_errors(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir)]) == 2
     assert "Give texts" in capsys.readouterr().err
@@ -153,6 +166,16 @@ def test_predict_reads_a_file_whose_header_uses_another_delimiter(tmp_path, deli
     source.write_text("sentence;id\nhello;1\n")
     with pytest.raises(UserError, match="--text-column"):
         _read_table(source, "text")
+
+
+def test_predict_reads_a_jsonl_file_that_starts_with_a_byte_order_mark(tmp_path):
+    """A JSONL file saved as UTF-8 with a BOM (PowerShell, Notepad) was refused: "Expected object or value at
+    position 0"; training data in the same file loaded, as the data readers skip the mark."""
+    from emotune.deploy.predict import _read_table
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "今天很开心", "id": 1}\n{"text": "so happy", "id": 2}\n', encoding="utf-8-sig")
+    assert _read_table(source, "text").to_dict("records") == [{"text": "今天很开心", "id": 1}, {"text": "so happy", "id": 2}]
 
 
 def test_serve_with_vllm_engine_needs_vllm(tiny_run_dir, capsys):

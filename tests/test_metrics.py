@@ -25,6 +25,14 @@ def test_classification_metrics_by_hand():
     assert m["confusion_matrix"] == {"labels": ["a", "b", INVALID], "matrix": [[1, 1, 0], [0, 1, 1], [0, 0, 0]]}
 
 
+def test_macro_f1_leaves_out_a_label_the_split_lacks_and_nobody_predicts():
+    """A rare label the stratified split left out of the test rows scored F1 0: a model right on every row got
+    macro-F1 2/3. Predicted though absent, it still scores 0 (false positives)."""
+    m = compute_metrics(["a", "b", "a"], ["a", "b", "a"], ["a", "b", "c"])
+    assert m["macro_f1"] == 1.0 and m["per_class"]["c"]["support"] == 0
+    assert compute_metrics(["a", "b", "a"], ["a", "b", "c"], ["a", "b", "c"])["macro_f1"] == pytest.approx((2 / 3 + 1 + 0) / 3)
+
+
 def test_probability_metrics_by_hand():
     labels = ["a", "b", "c"]
     gold = ["a", "b", "c", "a"]
@@ -79,6 +87,7 @@ def test_majority_chance_equals_the_metrics_of_always_answering_it():
     assert chance["majority"]["label"] == "b"
     assert chance["majority"]["accuracy"] == pytest.approx(measured["accuracy"])
     assert chance["majority"]["macro_f1"] == pytest.approx(measured["macro_f1"], abs=1e-6)
+    assert chance["majority"]["macro_f1"] == pytest.approx(0.75 / 2, abs=1e-6)  # F1_b over a and b: c has no F1
     assert chance_levels({"a": 2, "b": 2})["majority"]["label"] == "a"
 
 

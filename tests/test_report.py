@@ -181,3 +181,17 @@ def test_the_cpu_recipe_measures_both_methods():
     from emotune.core.config.load import load_config
 
     assert load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu.yaml").eval.method == "both"
+
+
+def test_report_page_takes_labels_with_a_slash():
+    """A label such as `anger/disgust` ended the run's report stage in "ValueError: too many values to unpack": the
+    per-class key `anger/disgust/f1` was split at every slash."""
+    from emotune.eval.evaluate import compute_metrics
+    from emotune.tasks.classify.report import _metrics_table, chance_levels
+
+    labels = ["anger/disgust", "</b>joy"]
+    gold, predicted = ["anger/disgust", "</b>joy", "</b>joy"], ["anger/disgust", "anger/disgust", "</b>joy"]
+    metrics = compute_metrics(gold, predicted, labels)
+    chance = chance_levels({label: int(metrics["per_class"][label]["support"]) for label in labels})
+    table = _metrics_table("score", metrics, metrics, labels, chance)
+    assert "F1 anger/disgust" in table and "F1 &lt;/b&gt;joy" in table and "</b>joy" not in table

@@ -83,6 +83,15 @@ def test_labels_holding_too_many_tokens_together_are_refused(http):
         "model": "base", "input": "happy", "labels": labels}), 422)
 
 
+def test_labels_the_tokenizer_reads_alike_are_refused(http):
+    """The base model scored request labels the tokenizer cannot tell apart (`喜悦` and `愤怒` both its unknown
+    token; `joy` and `joy ` one word) as a tie, 0.5 each, and answered the first: an answer the text played no
+    part in. Training refuses such labels."""
+    for labels in (["喜悦", "愤怒"], ["joy", "joy "]):
+        message = error(http.post("/v1/classify", headers=AUTH, json={"model": "base", "input": "happy", "labels": labels}), 422)
+        assert "same tokens" in message and repr(labels[0]) in message
+
+
 def test_too_many_messages_and_a_prompt_beyond_the_context_are_refused(http):
     many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "happy"} for i in range(65)]
     assert "serve.max_messages=64" in error(http.post("/v1/chat/completions", headers=AUTH,

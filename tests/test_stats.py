@@ -76,14 +76,25 @@ def test_verdict_needs_the_paired_test_and_the_macro_f1_interval_to_agree(b, c, 
 
 def test_intervals_of_two_rows_can_be_listed_by_hand():
     # rows x = (gold a, predicted a) and y = (gold b, predicted a); a resample is xx, xy/yx or yy:
-    # accuracy 1, 1/2, 0; macro-F1 over [a, b] 1/2 (F1_a 1, b absent scores 0), 1/3 (F1_a 2/3), 0
+    # accuracy 1, 1/2, 0; macro-F1 1 (F1_a 1; b neither drawn nor predicted has no F1), 1/3 (F1_a 2/3, F1_b 0), 0
     found = classification_intervals(["a", "b"], ["a", "a"], ["a", "b"])
     assert found["accuracy"] == {"value": 0.5, "interval": [0.0, 1.0]}
-    assert found["macro_f1"] == {"value": pytest.approx(1 / 3, abs=1e-6), "interval": [0.0, 0.5]}
+    assert found["macro_f1"] == {"value": pytest.approx(1 / 3, abs=1e-6), "interval": [0.0, 1.0]}
     # every row right: no resample can be anything else; an INVALID prediction is wrong for every label
     assert classification_intervals(["a", "b", "b"], ["a", "b", "b"], LABELS)["accuracy"]["interval"] == [1.0, 1.0]
     invalid = classification_intervals(["a", "a"], ["INVALID", "INVALID"], LABELS)
     assert invalid["accuracy"] == invalid["macro_f1"] == {"value": 0.0, "interval": [0.0, 0.0]}
+
+
+def test_a_label_the_split_lacks_does_not_cap_macro_f1():
+    """emotune's own stratified split can leave a rare label without test rows; it scored F1 0 there, so a model
+    right on every row got macro-F1 2/3 (interval [2/3, 2/3]) instead of 1. A label predicted but absent still
+    counts (its F1 is 0)."""
+    gold = ["a", "b", "a", "b"]
+    assert classification_intervals(gold, gold, ["a", "b", "c"], resamples=200)["macro_f1"] == \
+        {"value": 1.0, "interval": [1.0, 1.0]}
+    assert classification_intervals(gold, ["a", "b", "a", "c"], ["a", "b", "c"], resamples=200)["macro_f1"]["value"] == \
+        pytest.approx((1 + 2 / 3 + 0) / 3, abs=1e-6)
 
 
 def test_point_values_match_sklearn_and_paired_intervals_agree_with_single_ones():
@@ -93,11 +104,15 @@ def test_point_values_match_sklearn_and_paired_intervals_agree_with_single_ones(
         single = classification_intervals(gold, predicted, LABELS, resamples=500, seed=2)  # the same draws
         assert paired["accuracy"][side] == single["accuracy"]["interval"]
         assert paired["macro_f1"][side] == single["macro_f1"]["interval"]
-        assert single["macro_f1"]["value"] == pytest.approx(
-            f1_score(gold, predicted, labels=LABELS, average="macro", zero_division=0), abs=1e-6)
-    delta = f1_score(gold, after, labels=LABELS, average="macro", zero_division=0) - \
-        f1_score(gold, before, labels=LABELS, average="macro", zero_division=0)
+        assert single["macro_f1"]["value"] == pytest.approx(_macro_f1(gold, predicted), abs=1e-6)
+    delta = _macro_f1(gold, after) - _macro_f1(gold, before)
     assert paired["macro_f1"]["delta"]["delta"] == pytest.approx(delta, abs=1e-6)
+
+
+def _macro_f1(gold: list[str], predicted: list[str]) -> float:
+    """sklearn's macro-F1 over the labels drawn or predicted (never INVALID), as emotune averages it."""
+    present = [label for label in LABELS if label in set(gold) | set(predicted)]
+    return f1_score(gold, predicted, labels=present, average="macro", zero_division=0)
 
 
 def _random_case(n: int, seed: int):
@@ -114,8 +129,7 @@ def test_macro_f1_bootstrap_equals_a_slow_sklearn_loop_over_the_same_draws():
     reference_f1, reference_accuracy = [], []
     for idx in np.concatenate(list(resample_indices(len(gold), resamples, seed))):
         g = [gold[i] for i in idx]
-        reference_f1.append([f1_score(g, [p[i] for i in idx], labels=LABELS, average="macro", zero_division=0)
-                             for p in (before, after)])
+        reference_f1.append([_macro_f1(g, [p[i] for i in idx]) for p in (before, after)])
         reference_accuracy.append([np.mean([gold[i] == p[i] for i in idx]) for p in (before, after)])
     found = paired_classification(gold, before, after, LABELS, resamples=resamples, seed=seed)
     for name, samples in (("macro_f1", np.array(reference_f1)), ("accuracy", np.array(reference_accuracy))):

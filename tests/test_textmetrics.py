@@ -27,6 +27,19 @@ def test_tokenizer_splits_cjk_characters_and_keeps_other_words_whole():
         "hello", "世", "界", "café", "3", "5", "こ", "ん", "に", "ち", "は", "안", "녕", "abc"]
 
 
+def test_words_keep_their_marks_and_thai_is_scored_by_character():
+    """Python's `\\w` lacks combining marks, so Hindi words fell apart at every vowel sign (`नमस्ते` -> `नमस`, `त`)
+    and Thai, written without spaces, was one token per phrase: a near-identical Thai answer scored BLEU 0."""
+    tokenize = CJKTokenizer().tokenize
+    assert tokenize("नमस्ते दुनिया") == ["नमस्ते", "दुनिया"]
+    assert tokenize("שָׁלוֹם עולם") == ["שָׁלוֹם", "עולם"]
+    assert tokenize("สวัสดี") == ["ส", "วั", "ส", "ดี"]  # each character with its vowel and tone marks
+    # LCS(नमस्ते दुनिया, नमस्ते भारत) = नमस्ते: P = R = 1/2
+    assert rouge_l(["नमस्ते दुनिया"], ["नमस्ते भारत"]) == pytest.approx([0.5])
+    pred, ref = "วันนี้อากาศดีมาก", "วันนี้อากาศไม่ดี"
+    assert bleu_tokenize([ref]) == "char" and 0 < sentence_bleu(pred, ref) < 1 and 0 < rouge_l([pred], [ref])[0] < 1
+
+
 def test_rouge_l_refuses_unpaired_lists():
     with pytest.raises(ValueError, match="pair up"):
         rouge_l(["a", "b"], ["a"])

@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("texts", nargs="*", help="texts to classify (sft models: prompts to answer)")
             p.add_argument("--file", help="CSV/TSV/JSONL file of texts to classify or answer (with --out)")
             p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label> "
-                                         "(sft models: + output)")
+                                         "(sft models: + output); predicted_<name> where the input has that column")
             p.add_argument("--text-column", default="text", help="column of --file holding the text (default: text)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
             p.add_argument("--max-new-tokens", type=int,

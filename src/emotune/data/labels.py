@@ -2,12 +2,14 @@
 
 Names come from `data.label_names`, else a `ClassLabel`, else the values found. Integer labels are ids
 into the names (unless data.label_names are all numbers that hold every value: then they are those names);
-string labels match a name or an alias ignoring case and surrounding whitespace.
+string labels match a name or an alias ignoring case, surrounding whitespace and Unicode form (`café` composed
+or as `e` + combining accent is one label, written composed, NFC, when it comes from the values found).
 All work is on the few distinct values, then one Arrow `take` maps the whole column.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections import Counter
 
 import pyarrow as pa
@@ -15,6 +17,7 @@ import pyarrow.compute as pc
 
 from emotune.core.config.data import DataConfig
 from emotune.core.errors import listed
+from emotune.data.clean import CONTROL_CHARS
 from emotune.data.sources import RawSplit
 
 # How a missing label is written in CSV exports (pandas writes NaN as an empty cell or `NaN`). Never a class:
@@ -24,7 +27,7 @@ MISSING_SPELLINGS = ["", "nan", "null", "n/a", "#n/a"]
 
 
 def label_key(value: str) -> str:
-    return value.strip().casefold()
+    return unicodedata.normalize("NFC", value.strip()).casefold()
 
 
 def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
@@ -43,6 +46,8 @@ def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
         label = label.cast(label.type.value_type)
     if pa.types.is_boolean(label.type) or pa.types.is_null(label.type) or pa.types.is_large_string(label.type):
         label = label.cast(pa.string())
+    if pa.types.is_string(label.type):  # invisible characters (zero-width space, direction marks, a stray BOM), as
+        label = pc.replace_substring_regex(label, CONTROL_CHARS, "")  # cleaning removes them from texts
     missing = _missing(label)
     if pc.any(missing).as_py():
         rows = [r + 1 for r in pc.indices_nonzero(missing).to_pylist()]
@@ -96,7 +101,7 @@ def _names_as_found(cfg: DataConfig, tables: dict[str, pa.Table]) -> list[str]:
     for table in tables.values():
         counts = pc.value_counts(pc.utf8_trim_whitespace(table.column("label")))
         for entry in counts.to_pylist():
-            spelling = aliases.get(label_key(entry["values"]), entry["values"])
+            spelling = aliases.get(label_key(entry["values"]), unicodedata.normalize("NFC", entry["values"]))
             spellings.setdefault(label_key(spelling), Counter())[spelling] += entry["counts"]
     return sorted(counter.most_common(1)[0][0] for counter in spellings.values())
 

@@ -27,7 +27,8 @@ from emotune.runtime import device as device_mod
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
-           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False)}
+           # utf-8-sig: a byte-order mark (PowerShell's and Notepad's UTF-8) is not JSON; read_csv skips it itself
+           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False, encoding="utf-8-sig")}
 
 
 DEFAULT_MAX_NEW_TOKENS = 128  # sft models whose emotune.json records no eval.max_new_tokens
@@ -119,7 +120,8 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, t
             print(json.dumps({"text": text, "output": reply}, ensure_ascii=False))
         return 0
     result = rows.copy()
-    result["output"] = generator.replies(rows[text_column].astype(str).tolist(), max_new_tokens, batch_size, "predict")
+    _add_column(result, "output", generator.replies(rows[text_column].astype(str).tolist(), max_new_tokens, batch_size,
+                                                    "predict"))
     with atomic_file(out) as tmp:
         result.to_csv(tmp, index=False)
     print(f"Wrote {len(rows)} replies to {out}", flush=True)
@@ -171,8 +173,20 @@ def _other_delimiter(columns, text_column: str) -> str | None:
 
 def _write_table(rows: pd.DataFrame, probs: torch.Tensor, labels: list[str], out: Path) -> None:
     result = rows.copy()
-    result["label"] = [labels[i] for i in probs.argmax(-1).tolist()] if len(rows) else []
+    _add_column(result, "label", [labels[i] for i in probs.argmax(-1).tolist()] if len(rows) else [])
     for j, label in enumerate(labels):
-        result[f"p_{label}"] = probs[:, j].tolist() if len(rows) else []
+        _add_column(result, f"p_{label}", probs[:, j].tolist() if len(rows) else [])
     with atomic_file(out) as tmp:
         result.to_csv(tmp, index=False)
+
+
+def _add_column(result: pd.DataFrame, name: str, values: list) -> None:
+    """`values` as column `name`, or `predicted_<name>` where the input already has a `name` (a labelled test file's
+    gold `label`, an Alpaca file's reference `output`): writing over it lost the input's column without a word."""
+    column = name
+    while column in result.columns:
+        column = f"predicted_{column}"
+    if column != name:
+        print(f"Note: the input already has a column `{name}`; kept, and the prediction written as `{column}`.",
+              flush=True)
+    result[column] = values

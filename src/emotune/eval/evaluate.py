@@ -175,14 +175,19 @@ def compute_metrics(gold: list[str], predicted: list[str], labels: list[str]) ->
     """Accuracy, macro/weighted F1 over the label set, per-class scores, invalid count, confusion matrix.
 
     INVALID predictions count as wrong for every class; the confusion matrix has an INVALID column
-    (and row, always zero, so the matrix stays square).
+    (and row, always zero, so the matrix stays square). Macro-F1 averages the labels the split holds or the model
+    predicts: a label with neither has no F1 (its per-class row shows support 0), and counting it as 0 capped a
+    perfect model's macro-F1 below 1 wherever a rare label had no test rows (scikit-learn's own label set when
+    none is given).
     """
     matrix_labels = [*labels, INVALID]
     precision, recall, f1, support = precision_recall_fscore_support(gold, predicted, labels=labels, zero_division=0)
+    seen = set(gold) | set(predicted)
+    scored = [label for label in labels if label in seen] or labels
     return {
         "rows": len(gold),
         "accuracy": float(accuracy_score(gold, predicted)),
-        "macro_f1": float(f1_score(gold, predicted, labels=labels, average="macro", zero_division=0)),
+        "macro_f1": float(f1_score(gold, predicted, labels=scored, average="macro", zero_division=0)),
         "weighted_f1": float(f1_score(gold, predicted, labels=labels, average="weighted", zero_division=0)),
         "invalid": sum(p == INVALID for p in predicted),
         "per_class": {

@@ -106,13 +106,15 @@ def _label_indices(gold: list[str], predictions: list[list[str]], labels: list[s
 
 def _scores(counts: np.ndarray, k: int, n: int, models: int) -> tuple[np.ndarray, np.ndarray]:
     """Accuracy and macro-F1 [rows, models] from confusion counts [rows, k * (1 + 2 * models)]: gold per label,
-    then each model's predicted and correct per label. F1_k = 2 TP / (gold_k + predicted_k), 0 when both are 0."""
+    then each model's predicted and correct per label. F1_k = 2 TP / (gold_k + predicted_k); macro-F1 averages the
+    labels with gold_k + predicted_k > 0, as evaluate.compute_metrics does (a label neither drawn nor predicted has
+    no F1)."""
     gold = counts[:, None, :k]
     model_counts = counts[:, k:].reshape(len(counts), models, 2, k)
     predicted, correct = model_counts[:, :, 0], model_counts[:, :, 1]
     denominator = gold + predicted
     f1 = np.divide(2 * correct, denominator, out=np.zeros_like(correct), where=denominator > 0)
-    return correct.sum(axis=2) / n, f1.mean(axis=2)
+    return correct.sum(axis=2) / n, f1.sum(axis=2) / np.maximum((denominator > 0).sum(axis=2), 1)
 
 
 def _indicators(gold: np.ndarray, predictions: list[np.ndarray], k: int) -> np.ndarray:

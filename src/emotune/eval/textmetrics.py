@@ -2,7 +2,9 @@
 
 The scoring itself is the `rouge_score` and `sacrebleu` packages'; this module chooses how text is split into
 tokens. `rouge_score`'s default tokenizer keeps only `[a-z0-9]`, so every CJK character is dropped and a Chinese
-answer scores 0 against any reference; here CJK characters are single tokens. Every score is a 0–1 fraction.
+answer scores 0 against any reference; here CJK characters are single tokens, and so are the characters (with
+their marks) of Thai, Lao, Khmer and Myanmar, also written without spaces between words. A word keeps its
+combining marks (Hindi's vowel signs, Hebrew points). Every score is a 0–1 fraction.
 Intervals over these per-row scores come from `emotune.eval.stats` (`bootstrap_ci`, `paired_bootstrap_delta`).
 """
 
@@ -14,6 +16,7 @@ import unicodedata
 from collections import defaultdict
 
 import numpy as np
+import regex
 from rouge_score import rouge_scorer
 from sacrebleu.metrics import BLEU
 
@@ -21,14 +24,18 @@ _HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
 _KANA = "\u3040-\u309f\u30a0-\u30ff\u31f0-\u31ff\uff66-\uff9f"
 _HANGUL = "\uac00-\ud7af\u1100-\u11ff\u3130-\u318f"
 _CJK = _HAN + _KANA + _HANGUL
-# one CJK character, or a run of other letters/digits (`[^\W_]` is a Unicode letter or digit) that are not CJK
-_TOKEN = re.compile(f"[{_CJK}]|(?:(?![{_CJK}])[^\\W_])+")
+_SOUTHEAST_ASIAN = "\u0e00-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u19e0-\u19ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff"
+_UNSPACED = _CJK + _SOUTHEAST_ASIAN  # scripts written without spaces between words
+# one character of an unspaced script with its combining marks (a grapheme cluster), or a run of other letters,
+# digits and marks (`regex`'s \p classes: Python's `\w` lacks the marks, so `नमस्ते` fell apart into `नमस`, `त`)
+_TOKEN = regex.compile(f"(?=[{_UNSPACED}])\\X|(?:(?![{_UNSPACED}])[\\p{{L}}\\p{{N}}\\p{{M}}])+")
 _QUOTES_AND_PUNCT = "\"'`“”‘’「」『』《》〈〉()（）[]【】.,;:!?。，、；：！？…·~-—*"
 
 
 class CJKTokenizer:
-    """`rouge_score` tokenizer: each CJK character (Han, kana, Hangul syllable) is one token; other scripts are
-    lowercased runs of letters and digits (no stemming). Punctuation and symbols are dropped."""
+    """`rouge_score` tokenizer: each CJK character (Han, kana, Hangul syllable) and each Thai, Lao, Khmer or Myanmar
+    character with its marks is one token; other scripts are lowercased runs of letters, digits and combining marks
+    (no stemming). Punctuation and symbols are dropped."""
 
     def tokenize(self, text: str) -> list[str]:
         return _TOKEN.findall(unicodedata.normalize("NFKC", text).lower())
@@ -52,10 +59,11 @@ def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
 
 def bleu_tokenize(references: list[str]) -> str:
     """The sacrebleu tokenizer for these references: `char` when any has kana (Japanese has no spaces and
-    sacrebleu's `ja-mecab` needs MeCab), `zh` when any has Han characters (each one a token, other text as
-    `13a`), else `13a` (which also suits Korean, whose words are space-separated)."""
+    sacrebleu's `ja-mecab` needs MeCab) or Thai, Lao, Khmer or Myanmar (no spaces between words either), `zh`
+    when any has Han characters (each one a token, other text as `13a`), else `13a` (which also suits Korean,
+    whose words are space-separated)."""
     text = "".join(references)
-    if re.search(f"[{_KANA}]", text):
+    if re.search(f"[{_KANA}{_SOUTHEAST_ASIAN}]", text):
         return "char"
     return "zh" if re.search(f"[{_HAN}]", text) else "13a"
 

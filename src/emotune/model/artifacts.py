@@ -26,6 +26,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, read_json
+from emotune.model.prompt import system_prompt
 
 META = "emotune.json"
 PEFT_CONFIG = "adapter_config.json"
@@ -92,7 +93,13 @@ class Artifact:
 
     @property
     def prompt(self) -> PromptConfig:
-        return PromptConfig(system_prompt=self.meta["system_prompt_template"], user_template=self.meta["user_template"])
+        """The prompt the model was trained with: its template, or the system prompt recorded whole where the
+        template renders differently now (an adapter trained before labels holding a comma were quoted)."""
+        template, recorded = self.meta["system_prompt_template"], self.meta.get("system_prompt")
+        if recorded and "{labels}" in template and self.task == "classify" and \
+                system_prompt(PromptConfig(system_prompt=template), self.labels) != recorded:
+            template = recorded
+        return PromptConfig(system_prompt=template, user_template=self.meta["user_template"])
 
     @property
     def answers_freely(self) -> bool:

@@ -6,9 +6,19 @@ from datasets import Dataset
 
 from emotune.core.config.data import PromptConfig
 
+LIST_SEPARATORS = (",", "，", "、")  # ASCII, full-width and ideographic commas
+
+
+def label_list(labels: list[str]) -> str:
+    """The labels as the system prompt lists them: comma-separated, each in double quotes when any label holds a
+    comma, which would otherwise read as two labels (`joy, really` among `anger, joy, really, fear`)."""
+    if any(sep in label for label in labels for sep in LIST_SEPARATORS):
+        return ", ".join(f'"{label}"' for label in labels)
+    return ", ".join(labels)
+
 
 def system_prompt(prompt: PromptConfig, labels: list[str]) -> str:
-    return prompt.system_prompt.replace("{labels}", ", ".join(labels))
+    return prompt.system_prompt.replace("{labels}", label_list(labels))
 
 
 def prompt_messages(text: str, prompt: PromptConfig, labels: list[str]) -> list[dict[str, str]]:

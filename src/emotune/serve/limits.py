@@ -71,10 +71,19 @@ def check_labels(labels: list[str], tokenizer, cfg: ServeConfig) -> None:
                             "Classify into fewer labels per request.")
     if sum(len(label) for label in labels) > cfg.max_label_tokens * 64:  # no tokenizer makes tokens that long
         raise APIError(422, f"`labels` hold more text than serve.max_label_tokens={cfg.max_label_tokens} tokens can.")
-    tokens = sum(len(ids) for ids in tokenizer(labels, add_special_tokens=False)["input_ids"])
+    encoded = tokenizer(labels, add_special_tokens=False)["input_ids"]
+    tokens = sum(len(ids) for ids in encoded)
     if tokens > cfg.max_label_tokens:
         raise APIError(422, f"`labels` hold {tokens} tokens together; the limit is serve.max_label_tokens="
                             f"{cfg.max_label_tokens}. Use fewer or shorter label names.")
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for label, ids in zip(labels, encoded, strict=True):
+        groups.setdefault(tuple(ids), []).append(label)
+    same = [names for names in groups.values() if len(names) > 1]
+    if same:  # as training refuses them (tasks.classify.task.check_labels_tell_apart)
+        raise APIError(422, f"`labels` {'; '.join(map(repr, same))} are the same tokens to this model's tokenizer "
+                            "(characters it does not know read as its unknown token; or they differ only in spacing or "
+                            "Unicode form), so their scores would tie and the first would always win. Rename or drop them.")
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context: int | None) -> None:

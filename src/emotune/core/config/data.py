@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import unicodedata
 from typing import Annotated, Literal
 
 from pydantic import field_validator, model_validator
@@ -128,12 +129,13 @@ class DataConfig(Section):
     @field_validator("label_names")
     @classmethod
     def _distinct_names(cls, names: list[str] | None) -> list[str] | None:
-        """Labels are matched ignoring case and surrounding whitespace, so `joy` and `Joy ` are one label."""
+        """Labels are matched ignoring case, surrounding whitespace and Unicode form, so `joy` and `Joy ` are one
+        label, and so are `café` composed and `cafe` + a combining accent."""
         if names is None:
             return None
         if any(not name.strip() for name in names):
             raise ValueError("holds an empty name; every label needs one")
-        keys = [name.strip().casefold() for name in names]
+        keys = [unicodedata.normalize("NFC", name.strip()).casefold() for name in names]
         twice = sorted({name for name, key in zip(names, keys, strict=True) if keys.count(key) > 1})
         if twice:
             raise ValueError(f"names {twice} as more than one label, but case and surrounding whitespace never "
@@ -152,7 +154,7 @@ def known_encoding(value: str) -> str:
 class PromptConfig(Section):
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     """System prompt shared by training and both evaluations. `{labels}` is replaced by the data's
-    label names, comma-separated."""
+    label names, comma-separated (each in double quotes when a name holds a comma)."""
     user_template: str = DEFAULT_USER_TEMPLATE
     """User turn; `{text}` is replaced by the row's text."""
 

@@ -96,15 +96,16 @@ def chance_levels(support: dict[str, int]) -> dict:
     taken from the expected confusion matrix (true positives of k: N p_k q_k; predicted k: N q_k), so
     class k has precision p_k and recall q_k, F1_k = 2 p_k q_k / (p_k + q_k): what a large split converges
     to (F1 is a ratio, so the exact expectation over N rows differs by O(1/N)). Uniform: F1_k =
-    2 p_k / (K p_k + 1); stratified: F1_k = p_k, so macro-F1 = 1/K. Macro-F1 averages over all K labels,
-    as compute_metrics does; a label absent from the split scores 0.
+    2 p_k / (K p_k + 1); stratified: F1_k = p_k, so macro-F1 = 1/K. Macro-F1 averages the labels the split holds
+    or the guesser guesses, as compute_metrics does; a label absent from the split scores 0 only when guessed.
     """
     rows, k = sum(support.values()), len(support)
     share = {label: n / rows if rows else 0.0 for label, n in support.items()}
 
     def guesser(guess: dict[str, float]) -> dict[str, float]:
         f1 = [2 * share[lb] * guess[lb] / (share[lb] + guess[lb]) if share[lb] + guess[lb] else 0.0 for lb in support]
-        return {"accuracy": round(sum(share[lb] * guess[lb] for lb in support), 6), "macro_f1": round(sum(f1) / k, 6)}
+        scored = max(sum(share[lb] + guess[lb] > 0 for lb in support), 1)
+        return {"accuracy": round(sum(share[lb] * guess[lb] for lb in support), 6), "macro_f1": round(sum(f1) / scored, 6)}
 
     majority = max(support, key=support.get)
     return {"rows": rows,
@@ -311,7 +312,7 @@ def _uncertainty_table(method: str, before: list[dict], after: list[dict] | None
 
 def _lookup(metrics: dict, key: str) -> float:
     if "/" in key:
-        label, score = key.split("/")
+        label, score = key.rsplit("/", 1)  # a label may hold a slash (`anger/disgust`); a score never does
         return metrics["per_class"][label][score]
     return metrics[key]
 

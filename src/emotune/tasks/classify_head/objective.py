@@ -32,13 +32,15 @@ def head_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossPar
 
 
 def class_metrics(predicted: torch.Tensor, gold: torch.Tensor, num_labels: int) -> dict[str, float]:
-    """Validation accuracy and macro-F1 over the whole label set (a class never predicted scores 0), as evaluation."""
+    """Validation accuracy and macro-F1 over the labels the rows hold or the head predicts (a class never predicted
+    scores 0; one neither held nor predicted has no F1), as evaluation."""
     from sklearn.metrics import f1_score
 
     gold_, predicted_ = gold.tolist(), predicted.tolist()
+    seen = set(gold_) | set(predicted_)
     return {"eval_accuracy": sum(g == p for g, p in zip(gold_, predicted_, strict=False)) / max(len(gold_), 1),
-            "eval_macro_f1": float(f1_score(gold_, predicted_, labels=list(range(num_labels)), average="macro",
-                                            zero_division=0))}
+            "eval_macro_f1": float(f1_score(gold_, predicted_, labels=[k for k in range(num_labels) if k in seen] or None,
+                                            average="macro", zero_division=0))}
 
 
 SELECT = {"macro_f1": "eval_macro_f1", "accuracy": "eval_accuracy", "loss": "eval_loss"}
