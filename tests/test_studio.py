@@ -80,7 +80,9 @@ def test_run_page_shows_config_report_artifacts_and_escapes(runs):
 
 @pytest.mark.parametrize("path", ["/runs/nope", "/runs/alpha/files/nope.txt", "/runs/alpha/files/../../secret.txt",
                                   "/runs/alpha/files/..%2F..%2Fsecret.txt", "/runs/..%2Fsecret.txt/files/x",
-                                  "/runs/alpha/files/train", "/runs/beta.partial", "/runs/alpha/files/link/secret.txt"])
+                                  "/runs/alpha/files/train", "/runs/beta.partial", "/runs/alpha/files/link/secret.txt",
+                                  "/runs/a%00b", "/runs/alpha/files/a%00b", "/runs/a%00b/events", "/runs/a%00b/try",
+                                  "/sweeps/a%00b", "/compare?run=alpha&run=a%00b"])
 def test_paths_outside_the_runs_folder_are_404(runs, path):
     (runs / "alpha" / "link").symlink_to(runs.parent)
     assert client(runs).get(path).status_code == 404
