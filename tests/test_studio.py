@@ -197,6 +197,17 @@ def test_invalid_form_shows_each_problem_beside_its_field_and_starts_nothing(run
     assert studio.app.state.queue.jobs() == []
 
 
+def test_a_form_that_is_not_utf8_is_refused_beside_its_field(runs):
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    sent = studio.post("/new", content=f"csrf={csrf}&task=classify&name=".encode() + b"caf\xe9",
+                       headers={"content-type": "application/x-www-form-urlencoded"}, follow_redirects=False)
+    assert sent.status_code == 400
+    field = re.search(r'<div class="field invalid"><label for="f-name">.*?</div>', sent.text, re.S)
+    assert field and "plain folder name" in field[0]
+    assert studio.app.state.queue.jobs() == []
+
+
 def test_posts_need_the_csrf_token(runs):
     studio = client(runs)
     assert studio.post("/new", data={"task": "classify"}).status_code == 403

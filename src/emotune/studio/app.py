@@ -193,7 +193,8 @@ def _job_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str) -> None:
 
     @app.post("/new")
     async def submit_run(request: Request) -> Response:
-        submitted = {k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8"), keep_blank_values=True).items()}
+        body = (await request.body()).decode("utf-8", errors="replace")  # bytes that are not UTF-8: refused by the field
+        submitted = {k: v[0] for k, v in parse_qs(body, keep_blank_values=True).items()}
         task = submitted.get("task", DEFAULT_TASK)
         config_yaml, problems = form.validate(task, form.to_raw(task, submitted, runs) if task in TASK_CONFIGS else {}, runs)
         if config_yaml is None:
