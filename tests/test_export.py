@@ -81,6 +81,21 @@ def test_vllm_launch_scripts_pass_the_right_flags(tiny_run_dir, tmp_path):
     assert '{"structured_outputs": {"choice": LABELS}}' in client and f"LABELS = {LABELS!r}" in client
 
 
+def test_a_newline_in_the_export_path_cannot_put_a_command_into_the_launch_script(tiny_run_dir, tmp_path):
+    marker = tmp_path / "ran"
+    out = tmp_path / f"export\ntouch {marker}\nend"
+    assert main(["export", str(tiny_run_dir), "--vllm", "--out", str(out)]) == 0
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "vllm").write_text('#!/usr/bin/env bash\nprintf "%s\\0" "$@"\n')  # NUL-separated: paths hold newlines
+    (fake_bin / "vllm").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    lora = subprocess.run(["bash", str(out / "vllm" / "serve_lora.sh")], env=env, capture_output=True, text=True,
+                          check=True).stdout.split("\0")
+    assert not marker.exists()  # the path stayed inside its comment
+    assert lora[lora.index("--lora-modules") + 1] == f"tiny={out.resolve()}/adapter"
+
+
 def test_dora_adapter_gets_the_merged_route(tiny_model_dir, tmp_path, capsys):
     run_dir = write_tiny_adapter(tiny_model_dir, tmp_path / "dora", use_dora=True)
     out = tmp_path / "export"

@@ -274,7 +274,8 @@ def _write_script(path: Path, export_dir: Path, args: list[str], what: str) -> N
         f"# {what}\n"
         "# Written by `emotune export --vllm`. Extra vLLM flags are passed through: ./serve_*.sh --port 8001\n"
         "set -euo pipefail\n"
-        f'EXPORT="$(cd "$(dirname "${{BASH_SOURCE[0]}}")/.." && pwd)"  # written at {export_dir}\n'
+        # the path as a quoted literal: a newline in a folder name would end the comment and run what followed
+        f'EXPORT="$(cd "$(dirname "${{BASH_SOURCE[0]}}")/.." && pwd)"  # written at {str(export_dir)!r}\n'
         f'exec vllm {quoted} "$@"\n',
         encoding="utf-8")
     path.chmod(0o755)
