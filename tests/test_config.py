@@ -130,6 +130,8 @@ def test_duplicate_yaml_key_is_refused(tmp_path):
 def test_run_name_that_escapes_output_dir_is_refused(tmp_path):
     for name in ("../../..", "..", ".", "a/b", "a\\\\b", "/etc", "two words", ""):
         assert "`name`: must be a plain folder name" in _problem(f"name={name}"), name
+    for name in ("alpha.previous", "alpha.partial", "alpha.1f3e.partial"):  # what emotune moves aside and deletes
+        assert "`name`: must not end in `.partial` or `.previous`" in _problem(f"name={name}"), name
     assert load_config(None, ["name=gemma_r16-v1.2"]).run_dir == Path("runs/gemma_r16-v1.2")
     path = tmp_path / "my config (1).yaml"  # the default taken from the file name is made plain
     path.write_text("train:\n  max_steps: 2\n")
