@@ -153,6 +153,9 @@ def test_predict_errors(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(tmp_path / "o.csv")]) == 2
     assert "--text-column" in capsys.readouterr().err
     assert not (tmp_path / "o.csv").exists()
+    source.write_text("text\nhello\n")
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(tmp_path)]) == 2
+    assert f"--out `{tmp_path}` is a folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("delimiter", [";", "\t", "|"])
