@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -120,6 +121,17 @@ def test_export_errors(tiny_run_dir, tmp_path, capsys):
     assert main(["export", str(tiny_run_dir), "--out", str(tiny_run_dir)]) == 2
     assert "delete the source" in capsys.readouterr().err
     assert (tiny_run_dir / "adapter" / "adapter_config.json").is_file()
+    mine = tmp_path / "project"  # --force replaces an earlier export whole; a folder it did not write is refused
+    (mine / "src").mkdir(parents=True)
+    (mine / "notes.txt").write_text("the user's own file")
+    other_run = tmp_path / "other-run"
+    shutil.copytree(tiny_run_dir, other_run)
+    (other_run / "run.json").write_text('{"status": "finished"}')
+    for out in (mine, mine / "notes.txt", other_run):
+        assert main(["export", str(tiny_run_dir), "--out", str(out), "--force"]) == 2
+        assert "is not a folder `emotune export` wrote" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "the user's own file" and (mine / "src").is_dir()
+    assert (other_run / "run.json").is_file() and (other_run / "adapter" / "adapter_config.json").is_file()
 
 
 def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
