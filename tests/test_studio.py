@@ -208,6 +208,19 @@ def test_a_form_that_is_not_utf8_is_refused_beside_its_field(runs):
     assert studio.app.state.queue.jobs() == []
 
 
+def test_a_name_a_queued_job_holds_is_refused_beside_the_field(runs):
+    studio = client(runs)
+    assert submit(studio, name="gamma") == "/runs/gamma"
+    csrf = csrf_of(studio.get("/new").text)
+    again = studio.post("/new", data={"csrf": csrf, "task": "classify", "name": "gamma"}, follow_redirects=False)
+    assert again.status_code == 400
+    field = re.search(r'<div class="field invalid"><label for="f-name">.*?</div>', again.text, re.S)
+    assert field and "job 1 (queued) will write the run folder `gamma`" in field[0]
+    assert [j.name for j in studio.app.state.queue.jobs()] == ["gamma"]
+    studio.post("/jobs/1/stop", data={"csrf": csrf})  # a job that ended frees its name
+    assert submit(studio, name="gamma") == "/runs/gamma"
+
+
 def test_posts_need_the_csrf_token(runs):
     studio = client(runs)
     assert studio.post("/new", data={"task": "classify"}).status_code == 403

@@ -36,7 +36,7 @@ from emotune.report.compare import comparison_table
 from emotune.report.table import html_sections
 from emotune.serve.guards import TrustedHosts, is_loopback
 from emotune.studio import form, pages
-from emotune.studio.jobs import FINAL, JobQueue, worker
+from emotune.studio.jobs import FINAL, JobQueue, NameTaken, worker
 from emotune.studio.runs import (
     NotInRuns,
     any_run,
@@ -201,7 +201,11 @@ def _job_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str) -> None:
             fields = form.fields(task) if task in TASK_CONFIGS else []
             return HTMLResponse(pages.form_page(task, list(TASK_CONFIGS), fields, submitted, problems, csrf), status_code=400)
         name = form.run_name(config_yaml)
-        queue.submit(name, config_yaml)
+        try:
+            queue.submit(name, config_yaml)
+        except NameTaken as err:
+            return HTMLResponse(pages.form_page(task, list(TASK_CONFIGS), form.fields(task), submitted, {"name": [str(err)]},
+                                                csrf), status_code=400)
         return RedirectResponse(f"/runs/{quote(name)}", status_code=303)
 
     @app.post("/new/llamafactory", response_class=HTMLResponse)
