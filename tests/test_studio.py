@@ -104,6 +104,9 @@ def test_events_replay_the_history_and_only_what_was_missed(runs):
     assert json.loads(events[-1]["data"]) == {"status": "finished", "entries": 3}
     resumed = parse_events(client(runs).get("/runs/alpha/events", headers={"Last-Event-ID": "2"}).text)
     assert [e.get("id") for e in resumed] == ["3", None]
+    for junk in ("9" * 5000, "-1", "x"):  # an id this stream never sent replays the whole log
+        replayed = parse_events(client(runs).get("/runs/alpha/events", headers={"Last-Event-ID": junk}).text)
+        assert [e.get("id") for e in replayed] == ["1", "2", "3", None], junk
 
 
 def test_events_follow_a_running_run_until_it_ends(runs):

@@ -179,7 +179,8 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
         if run is None:
             return HTMLResponse(pages.not_found(f"No run folder `{name}` in the runs folder."), status_code=404)
         last = request.headers.get("last-event-id", "0")
-        start = int(last) if last.isdigit() else 0
+        # only ids this stream could have sent: int() refuses 4,300 digits and more, and isdigit() passes "²"
+        start = int(last) if last.isascii() and last.isdigit() and len(last) <= 18 else 0
         return StreamingResponse(_events(run, queue, start, request, poll_s, stream_s), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
