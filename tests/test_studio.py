@@ -224,6 +224,14 @@ def test_a_name_a_queued_job_holds_is_refused_beside_the_field(runs):
     assert submit(studio, name="gamma") == "/runs/gamma"
 
 
+def test_a_chat_whose_messages_are_not_a_json_list_is_422_before_any_model(runs):
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    for messages in ("[" * 100_000, "not json"):  # nested deeper than json.loads follows; not JSON at all
+        sent = studio.post("/runs/alpha/chat", data={"csrf": csrf, "messages": messages})
+        assert sent.status_code == 422 and "must be a JSON list" in sent.json()["error"]
+
+
 def test_posts_need_the_csrf_token(runs):
     studio = client(runs)
     assert studio.post("/new", data={"task": "classify"}).status_code == 403

@@ -310,7 +310,7 @@ def _try_routes(app: FastAPI, runs: Path, tryout: Tryout, csrf: str) -> None:
         try:
             messages = json.loads((fields.get("messages") or ["[]"])[0])
             max_tokens = int((fields.get("max_tokens") or ["128"])[0])
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser follows
             return JSONResponse({"error": "`messages` must be a JSON list and `max_tokens` a whole number."},
                                 status_code=422)
         try:
