@@ -111,6 +111,11 @@ def test_push_without_a_token_is_refused(run_dir, fake, monkeypatch, capsys):
 def test_bad_destination(run_dir, capsys):
     assert main(["push", str(run_dir), "--to", "github:me/tiny", "--dry-run", "x"]) == 2
     assert "hf:ORG/NAME" in capsys.readouterr().err
+    (run_dir / "notes.txt").write_text("mine")
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny", "--dry-run", str(run_dir / "notes.txt")]) == 2
+    assert "is a file. Give a new or empty folder" in capsys.readouterr().err
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny", "--dry-run", str(run_dir)]) == 2
+    assert "is not empty" in capsys.readouterr().err
 
 
 def test_embedded_base_names_the_released_model():
