@@ -546,6 +546,8 @@ def test_try_chat_streams_the_sft_models_greedy_reply(tmp_path, tiny_model_dir):
     assert studio.post("/runs/chatty/classify", data={"csrf": csrf, "text": "x"}).status_code == 422
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": "not json"}).status_code == 422
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": "[]"}).status_code == 422
+    lone_surrogate = '[{"role": "user", "content": "happy \\ud800"}]'  # a 200 whose reply said "generation failed"
+    assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": lone_surrogate}).status_code == 422
     bad_role = json.dumps([{"role": "tool", "content": "x"}])
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": bad_role}).status_code == 422
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": json.dumps(messages),
