@@ -340,6 +340,8 @@ def test_a_model_is_retrieved_by_its_id(http):
 @pytest.mark.parametrize(("content", "content_type", "status", "says"), [
     (b'{"model": "tiny", "input": "\xff\xfe"}', "application/json", 400, "could not be read as JSON (bytes that are not UTF-8"),
     (b"[" * 5_000 + b"]" * 5_000, "application/json", 400, "could not be read as JSON"),
+    (b'{"model": "tiny", "input": "happy", "n": ' + b"9" * 5_000 + b"}", "application/json", 400,
+     "a number of more than 4,300 digits"),
     (b'{"model": "tiny", "input": hello}', "application/json", 400, "is not valid JSON (Expecting value at character 27)"),
     (b'{"model": "tiny", "input": "happy"}', "text/plain", 415, "was sent as `text/plain`, not JSON"),
     (b"model=tiny&input=happy", "application/x-www-form-urlencoded", 415, "not JSON"),
