@@ -232,6 +232,22 @@ def test_a_chat_whose_messages_are_not_a_json_list_is_422_before_any_model(runs)
         assert sent.status_code == 422 and "must be a JSON list" in sent.json()["error"]
 
 
+def test_yaml_alias_bombs_in_a_form_field_or_a_pasted_llamafactory_file_are_refused(runs):
+    """A few hundred bytes of aliases of aliases: nine to the sixth (531,441) values, or one 20,000-character name
+    repeated 2,000 times. The studio expanded them into the page, the translation and the queued config."""
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    levels = ["&l0 [x, x, x, x, x, x, x, x, x]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 6)]
+    nested, wide = f"[{', '.join(levels)}]", "[&a " + "q" * 20_000 + ", " + ", ".join(["*a"] * 2_000) + "]"
+    pasted = f"model_name_or_path: m\nstage: sft\nfinetuning_type: lora\nlora_target: {nested}\n"
+    sent = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": pasted})
+    assert sent.status_code == 400 and "expands to more than 100,000 values" in sent.text and len(sent.text) < 100_000
+    sent = studio.post("/new", data={"csrf": csrf, "task": "classify", "lora.target_modules": wide}, follow_redirects=False)
+    field = re.search(r'<div class="field invalid"><label for="f-lora.target_modules">.*?</div>', sent.text, re.S)
+    assert sent.status_code == 400 and field and "YAML aliases that repeat aliases" in field[0]
+    assert studio.app.state.queue.jobs() == []
+
+
 def test_posts_need_the_csrf_token(runs):
     studio = client(runs)
     assert studio.post("/new", data={"task": "classify"}).status_code == 403
