@@ -127,9 +127,19 @@ def test_duplicate_yaml_key_is_refused(tmp_path):
     assert load_config(merged).serve.port == 2
 
 
+def test_a_yaml_alias_bomb_is_quoted_short_in_the_message():
+    """Nine aliases of nine make 9^8 items from a few hundred bytes (a studio form field, a key=value override); the
+    message quoted the value whole: 738 MB, and seconds per request."""
+    levels = ["&l0 [x, x, x, x, x, x, x, x, x]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 8)]
+    said = _problem(f"train.max_steps=[{', '.join(levels)}]")
+    assert "`train.max_steps`: must be an integer" in said and len(said) < 2_000
+
+
 def test_run_name_that_escapes_output_dir_is_refused(tmp_path):
     for name in ("../../..", "..", ".", "a/b", "a\\\\b", "/etc", "two words", ""):
         assert "`name`: must be a plain folder name" in _problem(f"name={name}"), name
+    for name in ("alpha.previous", "alpha.partial", "alpha.1f3e.partial"):  # what emotune moves aside and deletes
+        assert "`name`: must not end in `.partial` or `.previous`" in _problem(f"name={name}"), name
     assert load_config(None, ["name=gemma_r16-v1.2"]).run_dir == Path("runs/gemma_r16-v1.2")
     path = tmp_path / "my config (1).yaml"  # the default taken from the file name is made plain
     path.write_text("train:\n  max_steps: 2\n")

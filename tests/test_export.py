@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -81,6 +82,21 @@ def test_vllm_launch_scripts_pass_the_right_flags(tiny_run_dir, tmp_path):
     assert '{"structured_outputs": {"choice": LABELS}}' in client and f"LABELS = {LABELS!r}" in client
 
 
+def test_a_newline_in_the_export_path_cannot_put_a_command_into_the_launch_script(tiny_run_dir, tmp_path):
+    marker = tmp_path / "ran"
+    out = tmp_path / f"export\ntouch {marker}\nend"
+    assert main(["export", str(tiny_run_dir), "--vllm", "--out", str(out)]) == 0
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "vllm").write_text('#!/usr/bin/env bash\nprintf "%s\\0" "$@"\n')  # NUL-separated: paths hold newlines
+    (fake_bin / "vllm").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    lora = subprocess.run(["bash", str(out / "vllm" / "serve_lora.sh")], env=env, capture_output=True, text=True,
+                          check=True).stdout.split("\0")
+    assert not marker.exists()  # the path stayed inside its comment
+    assert lora[lora.index("--lora-modules") + 1] == f"tiny={out.resolve()}/adapter"
+
+
 def test_dora_adapter_gets_the_merged_route(tiny_model_dir, tmp_path, capsys):
     run_dir = write_tiny_adapter(tiny_model_dir, tmp_path / "dora", use_dora=True)
     out = tmp_path / "export"
@@ -105,6 +121,17 @@ def test_export_errors(tiny_run_dir, tmp_path, capsys):
     assert main(["export", str(tiny_run_dir), "--out", str(tiny_run_dir)]) == 2
     assert "delete the source" in capsys.readouterr().err
     assert (tiny_run_dir / "adapter" / "adapter_config.json").is_file()
+    mine = tmp_path / "project"  # --force replaces an earlier export whole; a folder it did not write is refused
+    (mine / "src").mkdir(parents=True)
+    (mine / "notes.txt").write_text("the user's own file")
+    other_run = tmp_path / "other-run"
+    shutil.copytree(tiny_run_dir, other_run)
+    (other_run / "run.json").write_text('{"status": "finished"}')
+    for out in (mine, mine / "notes.txt", other_run):
+        assert main(["export", str(tiny_run_dir), "--out", str(out), "--force"]) == 2
+        assert "is not a folder `emotune export` wrote" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "the user's own file" and (mine / "src").is_dir()
+    assert (other_run / "run.json").is_file() and (other_run / "adapter" / "adapter_config.json").is_file()
 
 
 def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
@@ -151,6 +178,9 @@ def test_predict_errors(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(tmp_path / "o.csv")]) == 2
     assert "--text-column" in capsys.readouterr().err
     assert not (tmp_path / "o.csv").exists()
+    source.write_text("text\nhello\n")
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(tmp_path)]) == 2
+    assert f"--out `{tmp_path}` is a folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("delimiter", [";", "\t", "|"])

@@ -95,3 +95,24 @@ def test_the_report_says_when_no_font_has_a_label_s_characters(capsys):
     assert capsys.readouterr().out == ""
     _note_missing_glyphs(["喜悦", "\U00012000"])  # a cuneiform sign: in neither DejaVu Sans nor Noto Sans SC
     assert "\U00012000" in capsys.readouterr().out
+
+
+def test_labels_with_dollar_signs_are_drawn_as_written_not_as_mathtext(tmp_path):
+    """A label set like ["$x^$", "a $5 fee", "b$10$"] made the data stage's label figure (and the report's) fail:
+    matplotlib read the text between two `$` as mathtext, which `x^` is not."""
+    from datasets import Dataset
+
+    from emotune.data.load import LabeledData
+    from emotune.data.prepare import plot_label_distribution
+
+    labels = ["$x^$", "a $5 fee", "b$10$"]
+    rows = Dataset.from_dict({"text": ["t"] * 3, "label": labels})
+    data = LabeledData(splits={"train": rows, "test": rows}, labels=labels, source="$HOME/data$")
+    plot_label_distribution(data, tmp_path / "labels.png")
+    assert (tmp_path / "labels.png").stat().st_size > 0
+    with fonts.figure_fonts():
+        fig, ax = plt.subplots()
+        ax.set_xticks(range(3), labels)
+        fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == labels
+    plt.close(fig)

@@ -217,6 +217,21 @@ def test_export_format_gguf_and_ollama(llama_dir, tmp_path, capsys):
     assert keys["labels"] == LABELS and "{labels}" not in keys["system_prompt"]
 
 
+def test_a_system_prompt_ollama_cannot_hold_is_refused_before_an_earlier_export_is_replaced(llama_dir, tmp_path,
+                                                                                         capsys):
+    out = tmp_path / "export"
+    good = write_tiny_adapter(llama_dir, tmp_path / "good", r=4)
+    assert main(["export", str(good), "--format", "ollama", "--quant", "q8_0", "--out", str(out)]) == 0
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    bad = write_tiny_adapter(llama_dir, tmp_path / "bad", r=4, overrides=('prompt.system_prompt=say """yes"""',))
+    capsys.readouterr()
+    assert main(["export", str(bad), "--format", "ollama", "--quant", "q8_0", "--out", str(out), "--force"]) == 2
+    assert "ends a Modelfile string" in capsys.readouterr().err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # the good export, Modelfile and all
+    assert "good" in (out / "ollama" / "Modelfile").read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # nothing half-written beside it
+
+
 def test_k_quant_without_llama_cpp_prints_the_command(llama_dir, tmp_path, capsys, monkeypatch):
     import builtins
 

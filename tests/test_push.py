@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from markdown_it import MarkdownIt
 
-from conftest import LABELS
+from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
+from emotune.core.rundir import RunDir
 from emotune.deploy import hub
+from emotune.deploy.model_card import model_card
+from emotune.model.artifacts import find_artifact
 
 COMPARISON = {"rows": 12, "metrics": {"accuracy": {"before": 0.25, "after": 0.75, "delta": 0.5},
                                       "macro_f1": {"before": 0.2, "after": 0.7, "delta": 0.5}},
@@ -107,6 +111,11 @@ def test_push_without_a_token_is_refused(run_dir, fake, monkeypatch, capsys):
 def test_bad_destination(run_dir, capsys):
     assert main(["push", str(run_dir), "--to", "github:me/tiny", "--dry-run", "x"]) == 2
     assert "hf:ORG/NAME" in capsys.readouterr().err
+    (run_dir / "notes.txt").write_text("mine")
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny", "--dry-run", str(run_dir / "notes.txt")]) == 2
+    assert "is a file. Give a new or empty folder" in capsys.readouterr().err
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny", "--dry-run", str(run_dir)]) == 2
+    assert "is not empty" in capsys.readouterr().err
 
 
 def test_embedded_base_names_the_released_model():
@@ -116,3 +125,14 @@ def test_embedded_base_names_the_released_model():
     assert base_model_id("hf:Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
     assert base_model_id("/no/such/folder") is None
     assert license_of("Qwen/Qwen2.5-0.5B-Instruct", "qwen2") == "apache-2.0"
+
+
+def test_a_prompt_holding_a_code_fence_stays_inside_the_cards_code_block(tiny_model_dir, tmp_path):
+    system = "Answer like this:\n```\n# Injected heading\n[click](https://example.com)\n````"
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "run", overrides=(f"prompt.system_prompt={system}",))
+    artifact = find_artifact(run / "adapter")
+    card = model_card(artifact, RunDir(run), "hf", "me/tiny", False, (run / "config.yaml").read_text())
+    tokens = MarkdownIt().parse(card.split("---", 2)[2])
+    assert not [t for t in tokens if t.type == "inline" and "Injected" in t.content]  # no heading, no paragraph
+    blocks = [t.content for t in tokens if t.type == "fence"]
+    assert any(system in block for block in blocks)  # the prompt whole, inside one code block

@@ -80,7 +80,9 @@ def test_run_page_shows_config_report_artifacts_and_escapes(runs):
 
 @pytest.mark.parametrize("path", ["/runs/nope", "/runs/alpha/files/nope.txt", "/runs/alpha/files/../../secret.txt",
                                   "/runs/alpha/files/..%2F..%2Fsecret.txt", "/runs/..%2Fsecret.txt/files/x",
-                                  "/runs/alpha/files/train", "/runs/beta.partial", "/runs/alpha/files/link/secret.txt"])
+                                  "/runs/alpha/files/train", "/runs/beta.partial", "/runs/alpha/files/link/secret.txt",
+                                  "/runs/a%00b", "/runs/alpha/files/a%00b", "/runs/a%00b/events", "/runs/a%00b/try",
+                                  "/sweeps/a%00b", "/compare?run=alpha&run=a%00b"])
 def test_paths_outside_the_runs_folder_are_404(runs, path):
     (runs / "alpha" / "link").symlink_to(runs.parent)
     assert client(runs).get(path).status_code == 404
@@ -102,6 +104,9 @@ def test_events_replay_the_history_and_only_what_was_missed(runs):
     assert json.loads(events[-1]["data"]) == {"status": "finished", "entries": 3}
     resumed = parse_events(client(runs).get("/runs/alpha/events", headers={"Last-Event-ID": "2"}).text)
     assert [e.get("id") for e in resumed] == ["3", None]
+    for junk in ("9" * 5000, "-1", "x"):  # an id this stream never sent replays the whole log
+        replayed = parse_events(client(runs).get("/runs/alpha/events", headers={"Last-Event-ID": junk}).text)
+        assert [e.get("id") for e in replayed] == ["1", "2", "3", None], junk
 
 
 def test_events_follow_a_running_run_until_it_ends(runs):
@@ -203,6 +208,54 @@ def test_invalid_form_shows_each_problem_beside_its_field_and_starts_nothing(run
         field = re.search(rf'<div class="field invalid"><label for="f-{re.escape(key)}">.*?</div>', sent.text, re.S)
         assert field and says in field[0], key
         assert 'value="abc"' in sent.text  # what was typed stays in the form
+    assert studio.app.state.queue.jobs() == []
+
+
+def test_a_form_that_is_not_utf8_is_refused_beside_its_field(runs):
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    sent = studio.post("/new", content=f"csrf={csrf}&task=classify&name=".encode() + b"caf\xe9",
+                       headers={"content-type": "application/x-www-form-urlencoded"}, follow_redirects=False)
+    assert sent.status_code == 400
+    field = re.search(r'<div class="field invalid"><label for="f-name">.*?</div>', sent.text, re.S)
+    assert field and "plain folder name" in field[0]
+    assert studio.app.state.queue.jobs() == []
+
+
+def test_a_name_a_queued_job_holds_is_refused_beside_the_field(runs):
+    studio = client(runs)
+    assert submit(studio, name="gamma") == "/runs/gamma"
+    csrf = csrf_of(studio.get("/new").text)
+    again = studio.post("/new", data={"csrf": csrf, "task": "classify", "name": "gamma"}, follow_redirects=False)
+    assert again.status_code == 400
+    field = re.search(r'<div class="field invalid"><label for="f-name">.*?</div>', again.text, re.S)
+    assert field and "job 1 (queued) will write the run folder `gamma`" in field[0]
+    assert [j.name for j in studio.app.state.queue.jobs()] == ["gamma"]
+    studio.post("/jobs/1/stop", data={"csrf": csrf})  # a job that ended frees its name
+    assert submit(studio, name="gamma") == "/runs/gamma"
+
+
+def test_a_chat_whose_messages_are_not_a_json_list_is_422_before_any_model(runs):
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    for messages in ("[" * 100_000, "not json"):  # nested deeper than json.loads follows; not JSON at all
+        sent = studio.post("/runs/alpha/chat", data={"csrf": csrf, "messages": messages})
+        assert sent.status_code == 422 and "must be a JSON list" in sent.json()["error"]
+
+
+def test_yaml_alias_bombs_in_a_form_field_or_a_pasted_llamafactory_file_are_refused(runs):
+    """A few hundred bytes of aliases of aliases: nine to the sixth (531,441) values, or one 20,000-character name
+    repeated 2,000 times. The studio expanded them into the page, the translation and the queued config."""
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    levels = ["&l0 [x, x, x, x, x, x, x, x, x]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 6)]
+    nested, wide = f"[{', '.join(levels)}]", "[&a " + "q" * 20_000 + ", " + ", ".join(["*a"] * 2_000) + "]"
+    pasted = f"model_name_or_path: m\nstage: sft\nfinetuning_type: lora\nlora_target: {nested}\n"
+    sent = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": pasted})
+    assert sent.status_code == 400 and "expands to more than 100,000 values" in sent.text and len(sent.text) < 100_000
+    sent = studio.post("/new", data={"csrf": csrf, "task": "classify", "lora.target_modules": wide}, follow_redirects=False)
+    field = re.search(r'<div class="field invalid"><label for="f-lora.target_modules">.*?</div>', sent.text, re.S)
+    assert sent.status_code == 400 and field and "YAML aliases that repeat aliases" in field[0]
     assert studio.app.state.queue.jobs() == []
 
 
@@ -520,6 +573,8 @@ def test_try_chat_streams_the_sft_models_greedy_reply(tmp_path, tiny_model_dir):
     assert studio.post("/runs/chatty/classify", data={"csrf": csrf, "text": "x"}).status_code == 422
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": "not json"}).status_code == 422
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": "[]"}).status_code == 422
+    lone_surrogate = '[{"role": "user", "content": "happy \\ud800"}]'  # a 200 whose reply said "generation failed"
+    assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": lone_surrogate}).status_code == 422
     bad_role = json.dumps([{"role": "tool", "content": "x"}])
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": bad_role}).status_code == 422
     assert studio.post("/runs/chatty/chat", data={"csrf": csrf, "messages": json.dumps(messages),

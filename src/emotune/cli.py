@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                            help="dtype of the merged weights (auto: the base model's own)")
             p.add_argument("--force", action="store_true",
-                           help="replace an existing --out folder (only once the new export is complete)")
+                           help="replace an earlier export in --out (only once the new export is complete; a folder "
+                                "export did not write is refused)")
             p.add_argument("--format", default="hf", choices=["hf", "gguf", "ollama"],
                            help="hf: PEFT adapter (+ merged folder with --merge); gguf: also the merged model as one GGUF "
                                 "file and the LoRA as a llama.cpp adapter GGUF; ollama: gguf plus a Modelfile")

@@ -61,11 +61,13 @@ def families() -> list[str]:
 
 @contextmanager
 def figure_fonts() -> Iterator[list[str]]:
-    """Within this block, new figures draw with `families()`. matplotlib's rc_context restores the settings after."""
+    """Within this block, new figures draw with `families()`, and every text as written: a label or data source with
+    two `$` in it would otherwise be read as mathtext, drawn mangled or, where it does not parse (`$x^$`), fail the
+    whole figure. matplotlib's rc_context restores the settings after."""
     import matplotlib
 
     chain = families()
-    with matplotlib.rc_context({"font.family": chain}):
+    with matplotlib.rc_context({"font.family": chain, "text.parse_math": False}):
         yield chain
 
 

@@ -53,6 +53,12 @@ PROCESSOR_FILES = (PROCESSOR_NAME, FEATURE_EXTRACTOR_NAME, VIDEO_PROCESSOR_NAME)
 # What vLLM can load
 
 
+def _earlier_export(folder: Path) -> bool:
+    """A folder an earlier export wrote (adapter/ or merged/ in it), and not a run folder, which holds them too."""
+    return (folder.is_dir() and not (folder / "run.json").exists()
+            and ((folder / "adapter").is_dir() or (folder / "merged").is_dir()))
+
+
 def adapter_config(adapter_dir: Path) -> dict:
     return json.loads((adapter_dir / PEFT_CONFIG).read_text(encoding="utf-8"))
 
@@ -100,6 +106,10 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
     if out.exists() and not force:
         raise UserError(f"`{out}` already exists (an earlier export?). Pass --force to replace it once the new export is "
                         "complete, or --out <another folder>.")
+    if out.exists() and not _earlier_export(out):  # --force replaces the folder whole: never a folder export did not write
+        raise UserError(f"--out `{out}` exists and is not a folder `emotune export` wrote (no adapter/ or merged/, or it "
+                        "is a run folder), and --force would replace it whole, deleting what it holds. Give a new folder, "
+                        "e.g. --out exports/NAME.")
     if trained_whole:
         return _export_whole(artifact, out, vllm, dtype, merge)
     blockers = vllm_blockers(adapter_config(artifact.path))
@@ -274,7 +284,8 @@ def _write_script(path: Path, export_dir: Path, args: list[str], what: str) -> N
         f"# {what}\n"
         "# Written by `emotune export --vllm`. Extra vLLM flags are passed through: ./serve_*.sh --port 8001\n"
         "set -euo pipefail\n"
-        f'EXPORT="$(cd "$(dirname "${{BASH_SOURCE[0]}}")/.." && pwd)"  # written at {export_dir}\n'
+        # the path as a quoted literal: a newline in a folder name would end the comment and run what followed
+        f'EXPORT="$(cd "$(dirname "${{BASH_SOURCE[0]}}")/.." && pwd)"  # written at {str(export_dir)!r}\n'
         f'exec vllm {quoted} "$@"\n',
         encoding="utf-8")
     path.chmod(0o755)

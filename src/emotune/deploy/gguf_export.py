@@ -41,6 +41,10 @@ def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama:
     model_type, family, text_config = gguf_arch.family_of(base_config)  # refuse before merging anything
     gguf_arch.check_layout(model_type, text_config)
     _check_vocabulary(base_dir, family, text_config)
+    if ollama:
+        from emotune.deploy.ollama import artifact_modelfile
+
+        artifact_modelfile(artifact, model_type, "check.gguf")
 
     out = export(run_dir, out=out, merge=True, vllm=vllm, force=force)
     folder = out / "gguf"

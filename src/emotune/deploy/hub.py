@@ -90,8 +90,9 @@ def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = Fal
                             "folder that would be uploaded without a token.")
     if dry_run is not None:
         target = Path(dry_run).expanduser()
-        if target.exists() and any(target.iterdir()):
-            raise UserError(f"--dry-run folder `{target}` is not empty. Give a new or empty folder.")
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise UserError(f"--dry-run folder `{target}` is {'not empty' if target.is_dir() else 'a file'}. Give a new "
+                            "or empty folder.")
         _assemble(artifact, Path(run_dir), target, hub, repo_id, merged)
         print(f"Dry run: the folder that would be uploaded to {HUBS[hub]} as {repo_id} is {target}", flush=True)
         return target

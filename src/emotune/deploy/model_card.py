@@ -7,6 +7,8 @@ exact resolved config, and how to load it with transformers + PEFT, vLLM and Oll
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from emotune.core.rundir import read_json
@@ -61,15 +63,24 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
     lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on `{base_id or source}`"
                  f" ({'a classifier that answers with one label' if classify else 'instruction tuning'}).")
     if classify:
+        prompt = f"{_system_prompt(artifact)}\n\n{artifact.prompt.user_template}"
         lines += ["", f"Labels: {', '.join(artifact.labels)}.", "", "Prompt (system, then the user template):", "",
-                  "```text", _system_prompt(artifact), "", artifact.prompt.user_template, "```"]
+                  *fenced(prompt, "text")]
     lines += ["", f"License: the base model's terms ({header(artifact, base_id, model_type, merged, dataset)['license']}); "
               "check them on the base model's page before use.", ""]
     lines += results_table(read_json(run.comparison_json))
     if config_text:
-        lines += ["## Training config (exact, resolved)", "", "```yaml", config_text.strip(), "```", ""]
+        lines += ["## Training config (exact, resolved)", "", *fenced(config_text.strip(), "yaml"), ""]
     lines += usage(artifact, hub, repo_id, base_id or str(source), merged)
     return "\n".join(lines) + "\n"
+
+
+def fenced(text: str, language: str) -> list[str]:
+    """`text` as a Markdown code block whose fence is longer than any run of backticks in it (CommonMark's rule), so
+    a prompt holding ``` cannot close the block early and have the rest read as the card's own Markdown."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence + language, text, fence]
 
 
 def _system_prompt(artifact) -> str:

@@ -91,7 +91,8 @@ def modelfile_text(model_type: str, gguf_name: str, system: str | None, max_new_
     lines = [f"FROM ./{gguf_name}", "", f'TEMPLATE """{template}"""', ""]
     if system:
         if '"""' in system:
-            raise UserError('The system prompt contains """, which ends a Modelfile string. Remove it from prompt.system_prompt.')
+            raise UserError('The system prompt contains """, which ends a Modelfile string. Remove it from '
+                            "prompt.system_prompt (or from the label names it lists) and train again.")
         lines += [f'SYSTEM """{system}"""', ""]
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
     if greedy:
@@ -100,19 +101,24 @@ def modelfile_text(model_type: str, gguf_name: str, system: str | None, max_new_
     return "\n".join(lines)
 
 
-def write_modelfile(artifact, model_type: str, gguf_file: Path, folder: Path) -> Path:
-    """ollama/Modelfile beside a link to the GGUF file (Ollama resolves FROM relative to the Modelfile)."""
+def artifact_modelfile(artifact, model_type: str, gguf_name: str) -> str:
+    """The Modelfile of `artifact`'s model. Called once before anything is exported too, so a model type without a
+    template or a system prompt the file cannot hold is refused before the merge, not after it replaced a good export."""
     from emotune.deploy.gguf_write import gguf_meta
     from emotune.deploy.predict import trained_max_new_tokens
 
+    return modelfile_text(model_type, gguf_name, gguf_meta(artifact).get("system_prompt"),
+                          trained_max_new_tokens(artifact), greedy=not artifact.answers_freely)
+
+
+def write_modelfile(artifact, model_type: str, gguf_file: Path, folder: Path) -> Path:
+    """ollama/Modelfile beside a link to the GGUF file (Ollama resolves FROM relative to the Modelfile)."""
+    text = artifact_modelfile(artifact, model_type, gguf_file.name)
     folder.mkdir(exist_ok=True)
     link = folder / gguf_file.name
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(Path("..") / gguf_file.parent.name / gguf_file.name)
-    meta = gguf_meta(artifact)
-    text = modelfile_text(model_type, gguf_file.name, meta.get("system_prompt"), trained_max_new_tokens(artifact),
-                          greedy=not artifact.answers_freely)
     target = folder / "Modelfile"
     target.write_text(text, encoding="utf-8")
     return target

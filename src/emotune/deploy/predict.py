@@ -88,6 +88,8 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
         raise UserError("Give texts as arguments, or --file in.csv --out out.csv (not both, not neither).")
     if file and not out:
         raise UserError("--file needs --out, the CSV file the predictions are written to.")
+    if out and Path(out).is_dir():  # found before the model runs, not when the answers are written
+        raise UserError(f"--out `{out}` is a folder; give the file to write, e.g. --out {Path(out) / 'predictions.csv'}.")
     if batch_size < 1:
         raise UserError("--batch-size must be a positive number of texts.")
     if max_new_tokens is not None and max_new_tokens < 1:

@@ -63,7 +63,8 @@ async def invalid_request(request: Request, err: RequestValidationError):
 async def http_error(request: Request, err: StarletteHTTPException):
     message = str(err.detail)
     if err.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's words, nothing more
-        message = f"The body could not be read as JSON (bytes that are not UTF-8, or nesting too deep). {JSON_BODY}"
+        message = (f"The body could not be read as JSON (bytes that are not UTF-8, nesting too deep, or a number of more "
+                   f"than 4,300 digits). {JSON_BODY}")
     return error_response(err.status_code, message, "not_found_error" if err.status_code == 404 else "invalid_request_error")
 
 

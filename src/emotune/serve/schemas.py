@@ -70,8 +70,9 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Name
-    """`developer` (OpenAI's newer name for the system role) is read as `system`: no chat template knows it."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """OpenAI's roles; any other is refused, since many chat templates write the role into the prompt as it is sent.
+    `developer` (OpenAI's newer name for the system role) is read as `system`: no chat template knows it."""
     content: Text | list[ContentPart]
     """Required: a message without content has nothing for the template to render."""
 

@@ -36,7 +36,7 @@ from emotune.report.compare import comparison_table
 from emotune.report.table import html_sections
 from emotune.serve.guards import TrustedHosts, is_loopback
 from emotune.studio import form, pages
-from emotune.studio.jobs import FINAL, JobQueue, worker
+from emotune.studio.jobs import FINAL, JobQueue, NameTaken, worker
 from emotune.studio.runs import (
     NotInRuns,
     any_run,
@@ -179,7 +179,8 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
         if run is None:
             return HTMLResponse(pages.not_found(f"No run folder `{name}` in the runs folder."), status_code=404)
         last = request.headers.get("last-event-id", "0")
-        start = int(last) if last.isdigit() else 0
+        # only ids this stream could have sent: int() refuses 4,300 digits and more, and isdigit() passes "²"
+        start = int(last) if last.isascii() and last.isdigit() and len(last) <= 18 else 0
         return StreamingResponse(_events(run, queue, start, request, poll_s, stream_s), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
@@ -193,14 +194,19 @@ def _job_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str) -> None:
 
     @app.post("/new")
     async def submit_run(request: Request) -> Response:
-        submitted = {k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8"), keep_blank_values=True).items()}
+        body = (await request.body()).decode("utf-8", errors="replace")  # bytes that are not UTF-8: refused by the field
+        submitted = {k: v[0] for k, v in parse_qs(body, keep_blank_values=True).items()}
         task = submitted.get("task", DEFAULT_TASK)
         config_yaml, problems = form.validate(task, form.to_raw(task, submitted, runs) if task in TASK_CONFIGS else {}, runs)
         if config_yaml is None:
             fields = form.fields(task) if task in TASK_CONFIGS else []
             return HTMLResponse(pages.form_page(task, list(TASK_CONFIGS), fields, submitted, problems, csrf), status_code=400)
         name = form.run_name(config_yaml)
-        queue.submit(name, config_yaml)
+        try:
+            queue.submit(name, config_yaml)
+        except NameTaken as err:
+            return HTMLResponse(pages.form_page(task, list(TASK_CONFIGS), form.fields(task), submitted, {"name": [str(err)]},
+                                                csrf), status_code=400)
         return RedirectResponse(f"/runs/{quote(name)}", status_code=303)
 
     @app.post("/new/llamafactory", response_class=HTMLResponse)
@@ -304,7 +310,7 @@ def _try_routes(app: FastAPI, runs: Path, tryout: Tryout, csrf: str) -> None:
         try:
             messages = json.loads((fields.get("messages") or ["[]"])[0])
             max_tokens = int((fields.get("max_tokens") or ["128"])[0])
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser follows
             return JSONResponse({"error": "`messages` must be a JSON list and `max_tokens` a whole number."},
                                 status_code=422)
         try:

@@ -20,6 +20,9 @@ from pydantic import BaseModel
 from emotune.core.config.build import TASK_CONFIGS, _allowed_values, build_config
 from emotune.core.errors import UserError
 
+# YAML aliases that repeat aliases make billions of values from a few hundred bytes; a form is at most 1 MiB, so a value
+# larger than that once expanded is such a bomb (it held the studio's event loop for minutes, answering gigabytes)
+MAX_VALUES, MAX_CHARS = 100_000, 1 << 20
 PROBLEM_KEY = re.compile(r"^\s*- `([\w.\[\]]+)`")  # `  - `train.max_steps`: ...` in a raise_problems message
 FORCED = ("task", "output_dir")  # set by the studio: the task picked above the form, the studio's runs folder
 
@@ -123,6 +126,9 @@ def validate(task: str, raw: dict[str, Any], runs: Path) -> tuple[str | None, di
     A run name that is taken is a problem too: the studio starts new runs and never overwrites one from a form."""
     if task not in TASK_CONFIGS:
         return None, {"": [f"`task`: {task!r} is not a task emotune knows; choose one of {', '.join(TASK_CONFIGS)}"]}
+    bombs = {f.key: [ALIAS_BOMB] for f in fields(task) if too_large(_at(raw, f.key))}
+    if bombs:
+        return None, bombs
     name = raw.get("name")
     taken = {"name": [f"a run folder `{name}` exists already; choose another name (or overwrite=true to replace it)"]} \
         if isinstance(name, str) and name and (runs / name).exists() and not raw.get("overwrite") else {}
@@ -136,6 +142,35 @@ def validate(task: str, raw: dict[str, Any], runs: Path) -> tuple[str | None, di
     from emotune.core.config.build import dump_config
 
     return dump_config(cfg), {}
+
+
+ALIAS_BOMB = (f"expands to more than {MAX_VALUES:,} values or {MAX_CHARS:,} characters (YAML aliases that repeat "
+              "aliases); write the value out")
+
+
+def too_large(value: Any) -> bool:
+    """Whether `value` holds more than MAX_VALUES values or MAX_CHARS characters of text, counted without expanding
+    it (shared references are counted each time, as a dump or a message would write them)."""
+    count, chars, stack = 0, 0, [value]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += item
+        elif isinstance(item, str):
+            chars += len(item)
+        if count > MAX_VALUES or chars > MAX_CHARS:
+            return True
+    return False
+
+
+def _at(raw: dict[str, Any], key: str) -> Any:
+    node: Any = raw
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _by_field(message: str, keys: set[str]) -> dict[str, list[str]]:
@@ -164,6 +199,8 @@ def from_llamafactory(text: str) -> tuple[str, dict[str, str], dict[str, list[st
         file = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as err:
         return task, {}, {"": [f"The LLaMA-Factory file is not valid YAML: {err}"]}, ""
+    if too_large(file):
+        return task, {}, {"": [f"The LLaMA-Factory file {ALIAS_BOMB}."]}, ""
     if not isinstance(file, dict) or not is_llamafactory(file):
         return task, {}, {"": ["This is not a LLaMA-Factory training config: it has no `model_name_or_path` (nor `stage` "
                                "and `finetuning_type`). Paste or pick the YAML you pass to `llamafactory-cli train`."]}, ""

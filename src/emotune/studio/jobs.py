@@ -32,6 +32,10 @@ STOP_GRACE_S = 30.0
 FINAL = ("finished", "failed", "stopped")
 
 
+class NameTaken(Exception):
+    """A run name a queued or running job holds."""
+
+
 @dataclass
 class Job:
     id: int
@@ -77,8 +81,14 @@ class JobQueue:
         self.lock = threading.Lock()
 
     def submit(self, name: str, config_yaml: str) -> Job:
+        """Queue a run; NameTaken when a job not yet ended will write the same run folder (checked under the lock, so
+        two forms sent at once cannot both get the name)."""
         device = device_key((yaml.safe_load(config_yaml) or {}).get("device", "auto"))
         with self.lock:
+            pending = self.job_for(name)
+            if pending is not None and pending.status not in FINAL:
+                raise NameTaken(f"job {pending.id} ({pending.status}) will write the run folder `{name}` already; choose "
+                                "another name, or stop that job first")
             self.folder.mkdir(parents=True, exist_ok=True)
             job = Job(max((j.id for j in self.jobs()), default=0) + 1, name, submitted=time.time(), device=device)
             write_text(self.folder / f"{job.id}.yaml", config_yaml)

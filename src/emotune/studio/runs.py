@@ -48,7 +48,7 @@ def inside(runs: Path, relative: str) -> Path:
     root = runs.resolve()
     try:
         path = (root / relative).resolve(strict=True)
-    except (OSError, RuntimeError) as err:
+    except (OSError, RuntimeError, ValueError) as err:  # ValueError: a NUL byte, which no path can hold
         raise NotInRuns(relative) from err
     if path != root and root not in path.parents:
         raise NotInRuns(relative)

@@ -175,6 +175,10 @@ def _check_text(text: str, what: str) -> None:
         raise Refused(422, f"`{what}` is empty; type a text.")
     if len(text) > MAX_TEXT_CHARS:
         raise Refused(422, f"`{what}` holds {len(text)} characters; the limit is {MAX_TEXT_CHARS}. Shorten it.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate (`"\ud800"` in the posted JSON): no tokenizer reads it
+        raise Refused(422, f"`{what}` holds a character that is not valid Unicode text (position {err.start}).") from None
 
 
 def _check_messages(messages: list[dict]) -> None:

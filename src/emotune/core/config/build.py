@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -295,17 +296,23 @@ def _closest(key: str, model: type[BaseModel], prefix: str) -> str:
     return f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys here: {', '.join(fields)}"
 
 
+# what a message quotes of a wrong value: YAML aliases make a few hundred bytes a list of 10^8 items, whose whole repr
+# the message (and the studio's form page) would hold
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 2, 8, 8, 200, 200
+
+
 def _describe(error: dict[str, Any]) -> str:
     where = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-after")) or "config"
     message = error["msg"].removeprefix("Value error, ")
     got = error.get("input")
-    shown = "" if isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
+    shown = "" if isinstance(got, (dict, BaseModel)) else f" (got {_QUOTE.repr(got)})"
     if error["type"] == "string_type" and isinstance(got, (dict, list)):
         # `user_template: {text}` is a YAML mapping; the braces of a template need quotes in YAML
         shown = (f" (YAML read a {'mapping' if isinstance(got, dict) else 'list'} there: put the value in quotes, e.g. "
                  f"{where.rsplit('.', 1)[-1]}: 'Review: {{text}}')")
     elif error["type"] == "list_type" and isinstance(got, str):
-        shown = f" (got {got!r}; write a list in brackets, e.g. {where}=[{got}] or {where}=[a, b])"
+        shown = f" (got {_QUOTE.repr(got)}; write a list in brackets, e.g. {where}=[{got}] or {where}=[a, b])"
     return f"`{where}`: {message}{shown}"
 
 

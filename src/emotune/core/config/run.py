@@ -18,6 +18,7 @@ from emotune.core.config.eval import EvalConfig, ServeConfig
 from emotune.core.config.model import ModelConfig
 from emotune.core.config.sweep import SweepConfig
 from emotune.core.config.train import LoraSettings, TrainConfig
+from emotune.core.rundir import PARTIAL, PREVIOUS
 
 
 class RunConfigBase(Section):
@@ -71,6 +72,11 @@ class RunConfigBase(Section):
         if value is not None and (not RUN_NAME.fullmatch(value) or value in (".", "..")):
             raise ValueError("must be a plain folder name of letters, digits, `.`, `-` and `_` (at most 100; no `/`, "
                              "`\\`, spaces, `.` or `..`), e.g. name=gemma-emotion-r16; put parent folders in output_dir")
+        if value is not None and value.endswith((PARTIAL, PREVIOUS)):
+            # emotune's own names for a folder being written and an old run kept aside: overwriting the run `x`
+            # deletes `x.previous`, and the studio lists neither
+            raise ValueError(f"must not end in `{PARTIAL}` or `{PREVIOUS}`: emotune names its half-written folders and "
+                             "the old runs it keeps aside so, and deletes them; choose another name")
         return value
 
 
