@@ -14,6 +14,7 @@ import torch
 
 from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
+from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.deploy.export import max_lora_rank, merge_parity_gap
 from emotune.model.artifacts import find_artifact
@@ -213,3 +214,33 @@ def test_serve_with_vllm_engine_needs_vllm(tiny_run_dir, capsys):
         pytest.skip("vllm is installed here")
     assert main(["serve", "--no-auth", str(tiny_run_dir), "--engine", "vllm"]) == 2
     assert "needs the `vllm` package" in capsys.readouterr().err
+
+
+def test_predict_and_serve_clean_texts_as_the_training_rows_were(tiny_model_dir, tmp_path, capsys):
+    """emotune.json records the text steps of `data.cleaning`; predict and serve's classifier apply them, so a text
+    reads as the training and evaluation rows did (here: a URL replaced, whitespace and a zero-width space gone). An
+    adapter whose emotune.json records none (older, or another tool's) reads texts as sent."""
+    from emotune.serve import build_engine
+
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "runs" / "urls", overrides=("data.cleaning.urls=replace",))
+    meta = json.loads((run / "adapter" / "emotune.json").read_text())
+    assert meta["cleaning"]["urls"] == "replace" and meta["cleaning"]["whitespace"] is True
+    raw, cleaned = "so\u200b happy  about\n http://example.com/x ", "so happy about <url>"
+
+    def probs(folder, texts):
+        assert main(["predict", str(folder), *texts]) == 0
+        return [json.loads(line)["probs"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+    first, second = probs(run, [raw, cleaned])
+    assert first == pytest.approx(second, abs=1e-6)
+    engine, _ = build_engine(load_config(None, ["device=cpu"]), [str(run)])
+    with engine.using("urls") as loaded:
+        prompt, labels = loaded.artifact.prompt, loaded.artifact.labels
+    served = engine.classify("urls", [raw, cleaned], prompt, labels, 2)
+    assert torch.allclose(served[0], served[1], atol=1e-6)
+    assert served[0].tolist() == pytest.approx(list(first.values()), abs=1e-4)
+
+    del meta["cleaning"]  # as an adapter from before it was recorded
+    (run / "adapter" / "emotune.json").write_text(json.dumps(meta))
+    first, second = probs(run, [raw, cleaned])
+    assert first != pytest.approx(second, abs=1e-6)

@@ -69,6 +69,29 @@ def clean_text(texts: pa.Array | pa.ChunkedArray, cfg: CleaningConfig) -> tuple[
     return pa.chunked_array(out, pa.string()), changed
 
 
+TEXT_STEPS = ("unicode_nfc", "control_chars", "whitespace", "urls", "mentions", "emoji", "unicode_nfkc", "weibo_reposts",
+              "weibo_topics", "weibo_emoticons")
+"""The settings of `data.cleaning` that rewrite a text (the rest drop or cut rows): what emotune.json records."""
+
+
+def text_steps(cfg: CleaningConfig) -> dict:
+    """The text-rewriting settings of `cfg`, as emotune.json records them for predict and serve."""
+    return {name: getattr(cfg, name) for name in TEXT_STEPS}
+
+
+def clean_for_inference(texts: list[str], recorded: dict | None) -> list[str]:
+    """`texts` sent to a trained model (predict, serve), rewritten by the text steps of the cleaning its training
+    and evaluation rows went through (emotune.json's `cleaning`), so it reads them as it read those: by default
+    control characters removed, whitespace collapsed, NFC. Row steps (min_chars, long_rows, duplicates) do not
+    apply: every text gets an answer, an empty one too. None (a model recorded before this, or another tool's): as
+    sent."""
+    if not recorded or not texts:
+        return texts
+    known = {k: v for k, v in recorded.items() if k in TEXT_STEPS}  # a newer emotune's extra steps: skipped
+    cleaned, _ = clean_text(pa.array(texts, pa.string()), CleaningConfig(**known))
+    return cleaned.to_pylist()
+
+
 def _reposts(texts: pa.Array, action: str) -> pa.Array:
     """`drop`: the poster's own text, before the chain; `unwrap`: every text, each `//@name:` marker between two
     texts made one space (a marker at the start is removed)."""

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file
+from emotune.data.clean import clean_for_inference
 from emotune.eval.scoring import score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
@@ -47,6 +48,7 @@ class Classifier(Loaded):
     """A loaded classifier: texts in, label probabilities out."""
 
     def probs(self, texts: list[str], batch_size: int = 16) -> torch.Tensor:
+        texts = clean_for_inference(texts, self.artifact.meta.get("cleaning"))  # as its training rows were cleaned
         if self.artifact.has_head:
             return head_probabilities(self.model, self.tokenizer, texts, self.artifact.max_length, batch_size)
         return score_label_probs(self.model, self.tokenizer, texts, self.artifact.prompt, self.artifact.labels, batch_size)

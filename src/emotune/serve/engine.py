@@ -26,6 +26,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.model import ModelConfig
 from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
+from emotune.data.clean import clean_for_inference
 from emotune.eval.scoring import LabelScorer, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import causal_adapter, classifier_from_causal, head_probabilities
@@ -183,6 +184,8 @@ class Engine:
 
     def classify(self, name: str, texts: list[str], prompt: PromptConfig, labels: list[str], batch_size: int) -> torch.Tensor:
         with self.using(name) as loaded:
+            if loaded.artifact is not None:  # texts as the model's training rows were cleaned (emotune.json)
+                texts = clean_for_inference(texts, loaded.artifact.meta.get("cleaning"))
             if loaded.head is not None:  # the head reads the bare text: no prompt, labels from the head
                 return head_probabilities(loaded.head, loaded.tokenizer, texts, loaded.artifact.max_length, batch_size)
             if loaded.artifact is None:  # the base with request-chosen labels: nothing worth keeping

@@ -18,6 +18,7 @@ from emotune.core.config.run import ClassifyConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
 from emotune.data import LabeledData, prompt_messages, system_prompt
+from emotune.data.clean import text_steps
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.eval.evaluate import (
     EvalResult,
@@ -147,7 +148,7 @@ def adapter_meta(cfg: ClassifyConfig, data: LabeledData) -> dict:
     """What emotune.json records, so the adapter is measured and served with its training prompt and labels."""
     return {"task": "classify", "labels": data.labels, "system_prompt": system_prompt(cfg.prompt, data.labels),
             "system_prompt_template": cfg.prompt.system_prompt, "user_template": cfg.prompt.user_template,
-            "base_model": cfg.model.source, "eval": cfg.eval.model_dump()}
+            "base_model": cfg.model.source, "eval": cfg.eval.model_dump(), "cleaning": text_steps(cfg.data.cleaning)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from emotune.core.config.head import ClassifyHeadConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
 from emotune.data import LabeledData, system_prompt
+from emotune.data.clean import text_steps
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.eval.evaluate import (
     EvalResult,
@@ -109,7 +110,8 @@ def load_adapted(model, adapter_dir: Path, cfg: ClassifyHeadConfig, data: Labele
 
 def adapter_meta(cfg: ClassifyHeadConfig, data: LabeledData) -> dict:
     return {"task": "classify_head", "labels": data.labels, "base_model": cfg.model.source,
-            "max_length": cfg.train.max_length, "head_select": cfg.head.select, "eval": cfg.eval.model_dump()}
+            "max_length": cfg.train.max_length, "head_select": cfg.head.select, "eval": cfg.eval.model_dump(),
+            "cleaning": text_steps(cfg.data.cleaning)}
 
 
 # --------------------------------------------------------------------------------------------------
