@@ -257,6 +257,9 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
     ([{"instruction": "q", "output": ["good answer", "bad answer"]}], r"the response is a list, as in a ranking dataset"),
     ([{"instruction": "q", "chosen": "good", "rejected": "bad"}], r"is a preference dataset \(columns `chosen` and `rejected`\)"),
     ([], r"holds no rows"),
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"},
+                    {"role": "assistant", "content": "a"}]}], r"an earlier assistant turn is empty"),
+    ([{"instruction": "q", "output": "a", "history": [["hi", ""]]}], r"an earlier assistant turn is empty"),
 ])
 def test_rows_emotune_cannot_train_on_say_why(tmp_path, rows, says):
     path = tmp_path / "d.json"

@@ -28,6 +28,8 @@ OPENAI_TAGS = SftTags(role_tag="role", content_tag="content", user_tag="user", a
 # Reasons a row is refused; the keys group rows in the error message.
 EMPTY_RESPONSE = "the response (last assistant turn) is empty"
 EMPTY_PROMPT = "a user turn is empty"
+EMPTY_ANSWER = ("an earlier assistant turn is empty (no text and no tool calls): it would train the model to answer that "
+                "turn with nothing; give it its answer, or start the row after it")
 NOT_ALTERNATING = "the turns do not alternate user/assistant, starting with the user and ending with the assistant"
 BAD_HISTORY = "`history` is not a list of [instruction, answer] pairs"
 BAD_TURNS = "the turns are not a list of objects with a role and a text"
@@ -225,6 +227,8 @@ def _check(messages: list[tuple[str, str]]) -> str | None:
         return EMPTY_RESPONSE
     if any(not text.strip() for role, text in messages if role == "user"):
         return EMPTY_PROMPT
+    if any(not text.strip() for role, text in messages if role == "assistant"):
+        return EMPTY_ANSWER
     return None
 
 
