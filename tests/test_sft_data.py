@@ -302,3 +302,19 @@ def test_save_to_disk_folders_of_conversations(tmp_path):
     datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in parts.items()}).save_to_disk(str(tmp_path / "dict"))
     data = _data(tmp_path / "dict")
     assert {s: len(r) for s, r in data.splits.items()} == {"train": 20, "validation": 5, "test": 5}
+
+
+def test_trl_prompt_completion_rows_train_on_the_completion_only(tmp_path):
+    """TRL's prompt-completion datasets were 'in none of the formats'; mapped onto alpaca's columns, a conversational
+    completion was refused as a ranking pair."""
+    plain = [{"prompt": f"question {i}", "completion": f"answer {i}"} for i in range(20)]
+    every = [c for s in _data(write_jsonl(tmp_path / "p.jsonl", plain)).splits.values() for c in s]
+    assert len(every) == 20 and all(c.messages == (("user", c.messages[0][1]), ("assistant", c.messages[1][1]))
+                                    for c in every)
+    assert {c.response for c in every} == {f"answer {i}" for i in range(20)}
+    chat = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"hi {i}"},
+                        {"role": "assistant", "content": "hello"}, {"role": "user", "content": f"question {i}"}],
+             "completion": [{"role": "assistant", "content": f"answer {i}"}]} for i in range(20)]
+    every = [c for s in _data(write_jsonl(tmp_path / "c.jsonl", chat)).splits.values() for c in s]
+    assert len(every) == 20 and all(c.system == "be brief" and len(c.messages) == 4 for c in every)
+    assert all(c.untrained == (0,) for c in every)  # the prompt's answer carries no loss, as in TRL

@@ -2,7 +2,8 @@
 
     alpaca     instruction, input, output (+ optional system, history of [instruction, answer] pairs)
     sharegpt   conversations: [{from: human|gpt|function_call|observation|system, value}], + system, tools
-    messages   OpenAI-style messages: [{role: system|user|assistant|tool, content}]
+    messages   OpenAI-style messages: [{role: system|user|assistant|tool, content}]; also TRL's `prompt` and
+               `completion` columns (each a text or a list of such messages), trained on the completion only
 
 Column and tag names follow LLaMA-Factory's `columns` and `tags` (config: data.columns, data.tags), so a
 dataset registered for LLaMA-Factory reads the same here. Every row becomes a `Conversation`: a system
@@ -43,6 +44,7 @@ MEDIA = ("the row holds images, audio or video (an `images`, `videos` or `audios
 LIST_RESPONSE = ("the response is a list, as in a ranking dataset's [chosen, rejected] pair; the sft task trains on "
                  "one text answer per prompt")
 MEDIA_COLUMNS = ("images", "videos", "audios")
+TRL_COLUMNS = ("prompt", "completion")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ def detect_format(column_names: list[str], first_row: dict | None, columns: SftC
             turns = (first_row or {}).get(name) or []
             first = next((t for t in turns if isinstance(t, dict)), {})
             return "messages" if "role" in first and "from" not in first else "sharegpt"
+    if set(TRL_COLUMNS) <= set(column_names) and columns.response not in TRL_COLUMNS:
+        return "messages"
     if columns.prompt in column_names or columns.response in column_names:
         return "alpaca"
     return None
@@ -109,7 +113,10 @@ def messages_column(fmt: str, columns: SftColumns, column_names: list[str]) -> s
 def required_columns(fmt: str, columns: SftColumns, column_names: list[str]) -> list[str]:
     if fmt == "alpaca":
         return [columns.prompt, columns.response]
-    return [messages_column(fmt, columns, column_names)]
+    name = messages_column(fmt, columns, column_names)
+    if fmt == "messages" and name not in column_names and set(TRL_COLUMNS) <= set(column_names):
+        return list(TRL_COLUMNS)
+    return [name]
 
 
 def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: str) -> Conversation | str:
@@ -118,6 +125,8 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
         return MEDIA
     if fmt == "alpaca":
         found = _alpaca(row, columns)
+    elif fmt == "messages" and columns.messages not in row and "messages" not in row and "prompt" in row:
+        found = _prompt_completion(row, row.get(columns.system))
     else:
         name = columns.messages if columns.messages in row else "messages"
         found = _turns(row.get(name), OPENAI_TAGS if fmt == "messages" else tags, row.get(columns.system))
@@ -188,6 +197,20 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
         else:
             return _unknown_role(turn, tags)
     return system_text, messages, untrained
+
+
+def _prompt_completion(row: dict, system: object) -> Turns | str:
+    """TRL's prompt-completion row: the prompt's turns (a text is one user turn) and the completion's (a text is one
+    assistant turn). As TRL trains on the completion only, the answers inside the prompt carry no loss."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    prompt = prompt if isinstance(prompt, list) else [{"role": "user", "content": _text(prompt)}]
+    completion = completion if isinstance(completion, list) else [{"role": "assistant", "content": _text(completion)}]
+    found = _turns(prompt + completion, OPENAI_TAGS, system)
+    if isinstance(found, str):
+        return found
+    system_text, messages, untrained = found
+    in_prompt = sum(isinstance(t, dict) and t.get("role") == "assistant" for t in prompt)
+    return system_text, messages, sorted(set(untrained) | set(range(in_prompt)))
 
 
 def _unknown_role(turn: dict, tags: SftTags) -> str:
