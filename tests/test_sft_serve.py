@@ -83,6 +83,24 @@ def test_predict_answers_in_free_text_under_the_system_prompt(sft_run, tiny_mode
     assert [r["id"] for r in rows] == ["0", "1"] and [r["output"] for r in rows] == longer
 
 
+def test_predict_answers_a_file_of_conversations(sft_run, tiny_model_dir, tmp_path, capsys):
+    """A JSONL file of the run's own rows (`messages` of turns): each cell's Python text (`[{'role': ...}]`) was
+    sent as one user turn. Now the conversation is the prompt, its reference answer left out, its own system turn
+    in place of the run's."""
+    source, out = tmp_path / "conv.jsonl", tmp_path / "out.csv"
+    rows = [{"id": 0, "messages": [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": "glad"}]},
+            {"id": 1, "messages": [{"role": "system", "content": "be kind"}, {"role": "user", "content": TEXTS[1]}]}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "messages"]) == 0
+    replies = [r["output"] for r in csv.DictReader(out.open(encoding="utf-8"))]
+    adapter = sft_run / "adapter"
+    assert replies == [reference_replies(tiny_model_dir, adapter, TEXTS[:1], TRAINED_MAX_NEW_TOKENS)[0],
+                       reference_replies(tiny_model_dir, adapter, TEXTS[1:], TRAINED_MAX_NEW_TOKENS, "be kind")[0]]
+    source.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n", encoding="utf-8")
+    assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "messages"]) == 2
+    assert "Row 1 of column `messages` has no user turn" in capsys.readouterr().err
+
+
 def test_predict_refuses_max_new_tokens_for_a_classifier(tiny_run_dir, sft_run, capsys):
     assert main(["predict", str(tiny_run_dir), "happy", "--max-new-tokens", "4"]) == 2
     assert "--max-new-tokens is for sft models" in capsys.readouterr().err
