@@ -37,13 +37,19 @@ BAD_TURNS = "the turns are not a list of objects with a role and a text"
 LATE_SYSTEM = ("a system turn comes after the first turn; a system prompt goes first (or in the row's `system` "
                "column)")
 BAD_WEIGHT = "an assistant turn has a `weight` other than 0 or 1 (OpenAI's fine-tuning format allows only those)"
-UNTRAINED_RESPONSE = ("the last assistant turn has weight 0: the response that evaluation measures would not be "
+UNTRAINED_RESPONSE = ("the last assistant turn has weight 0 (or training: false): the response that evaluation measures would not be "
                       "trained on; give it weight 1 or remove the row")
 MEDIA = ("the row holds images, audio or video (an `images`, `videos` or `audios` column, or a content part that is "
          "not text); the sft task trains on text conversations only, so remove them (or the row)")
 LIST_RESPONSE = ("the response is a list, as in a ranking dataset's [chosen, rejected] pair; the sft task trains on "
                  "one text answer per prompt")
 MEDIA_COLUMNS = ("images", "videos", "audios")
+TRAINING_KEYS = ("training", "train")  # Axolotl's per-turn flag (message_field_training), by the names its docs use
+BAD_TRAINING = "a turn's `training` (or `train`) flag is not true or false"
+TRAINED_PROMPT = ("a system, user or tool turn is marked `training: true` (Axolotl's message_field_training); emotune "
+                  "trains assistant turns only, so set it to false or remove it")
+TRAIN_DETAIL = ("a turn has `train_detail` (Axolotl's character spans to train on); emotune trains whole assistant "
+                "turns: remove it, and mark an answer not to train with \"training\": false")
 TRL_COLUMNS = ("prompt", "completion")
 
 
@@ -181,6 +187,13 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
                 isinstance(p, dict) and p.get("type", "text") != "text" for p in turn[tags.content_tag]):
             return MEDIA
         text = _content(turn, tags)
+        flag = next((turn[k] for k in TRAINING_KEYS if k in turn), None)
+        if "train_detail" in turn:
+            return TRAIN_DETAIL
+        if flag is not None and not isinstance(flag, bool):
+            return BAD_TRAINING
+        if flag and role not in assistant_side:
+            return TRAINED_PROMPT
         if role in system_side and i == 0:
             system_text = text or system_text
         elif role in system_side:
@@ -191,7 +204,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
             weight = turn.get("weight", 1)
             if weight not in (0, 1) or isinstance(weight, bool):
                 return BAD_WEIGHT
-            if weight == 0:
+            if weight == 0 or flag is False:
                 untrained.append(sum(r == "assistant" for r, _ in messages))
             messages.append(("assistant", text))
         else:
