@@ -318,3 +318,18 @@ def test_trl_prompt_completion_rows_train_on_the_completion_only(tmp_path):
     every = [c for s in _data(write_jsonl(tmp_path / "c.jsonl", chat)).splits.values() for c in s]
     assert len(every) == 20 and all(c.system == "be brief" and len(c.messages) == 4 for c in every)
     assert all(c.untrained == (0,) for c in every)  # the prompt's answer carries no loss, as in TRL
+
+
+def test_openai_tool_calls_beside_text_and_the_older_function_call_are_kept(tmp_path):
+    """An answer with text and `tool_calls` kept the text only, so the model learnt "Let me check." without the call
+    its tool result answers; the older `function_call` with `content: null` was an empty answer."""
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    rows = [{"messages": [{"role": "user", "content": f"weather {i}?"},
+                          {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                          {"role": "assistant", "content": None, "function_call": {"name": "log", "arguments": "{}"}},
+                          {"role": "function", "name": "log", "content": "ok"},
+                          {"role": "assistant", "content": f"sunny {i}"}]} for i in range(20)]
+    one = _data(write_jsonl(tmp_path / "t.jsonl", rows)).splits["train"][0]
+    assert one.messages[1][1] == "Let me check.\n" + json.dumps([call])
+    assert one.messages[3][1] == json.dumps({"name": "log", "arguments": "{}"})

@@ -246,13 +246,13 @@ def _unknown_role(turn: dict, tags: SftTags) -> str:
 
 
 def _content(turn: dict, tags: SftTags) -> str:
-    """A turn's text; OpenAI content parts are joined, and tool calls without text are kept as their JSON."""
+    """A turn's text; OpenAI content parts are joined, and its tool calls (`tool_calls`, or the older `function_call`)
+    are kept as their JSON, after the text when the turn has both."""
     content = turn.get(tags.content_tag)
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    if not content and turn.get("tool_calls"):
-        content = json.dumps(turn["tool_calls"], ensure_ascii=False)
-    return _text(content)
+    calls = [json.dumps(turn[key], ensure_ascii=False) for key in ("tool_calls", "function_call") if turn.get(key)]
+    return "\n".join(part for part in (_text(content), *calls) if part)
 
 
 def _check(messages: list[tuple[str, str]]) -> str | None:
