@@ -219,6 +219,29 @@ def test_chat_answers_under_the_adapters_own_system_prompt(client, sft_run, tiny
             == client.chat.completions.create(model="base", **plain).usage.prompt_tokens)
 
 
+def test_chat_renders_tool_turns_as_the_adapter_trained_on_them(client, sft_run):
+    """An sft run trains tool calls as the JSON after the answer's text and tool results as user turns. The server sent
+    the `tool` role to the template (Gemma's refused it: 422) and an assistant message with `tool_calls` and null
+    content was refused as having no content."""
+    from transformers import AutoTokenizer
+
+    from emotune.core.config.sft import SftColumns
+    from emotune.data.conversations import OPENAI_TAGS, normalise
+
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    messages = [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    reply = client.chat.completions.create(model="chat", max_tokens=2, temperature=0, messages=messages)
+    trained = normalise({"messages": [*messages, {"role": "assistant", "content": "x"}]}, "messages", SftColumns(),
+                        OPENAI_TAGS, "f")
+    tokenizer = AutoTokenizer.from_pretrained(sft_run / "adapter")
+    prompt = tokenizer.apply_chat_template(trained.chat(SYSTEM, turns=trained.prompt_turns), tokenize=False,
+                                           add_generation_prompt=True)
+    assert reply.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    with pytest.raises(openai.UnprocessableEntityError, match="null only in an assistant message with `tool_calls`"):
+        client.chat.completions.create(model="chat", max_tokens=2, messages=[{"role": "user", "content": None}])
+
+
 def test_streaming_equals_the_plain_reply(client):
     reply = ask(client, TEXTS[1], max_tokens=10)
     text, finish = streamed(client, TEXTS[1], max_tokens=10)

@@ -186,7 +186,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
         if isinstance(turn.get(tags.content_tag), list) and any(
                 isinstance(p, dict) and p.get("type", "text") != "text" for p in turn[tags.content_tag]):
             return MEDIA
-        text = _content(turn, tags)
+        text = turn_text(turn, tags)
         flag = next((turn[k] for k in TRAINING_KEYS if k in turn), None)
         if "train_detail" in turn:
             return TRAIN_DETAIL
@@ -245,7 +245,7 @@ def _unknown_role(turn: dict, tags: SftTags) -> str:
     return f"a turn has the role {role!r}, which is none of {named}.{hint}"
 
 
-def _content(turn: dict, tags: SftTags) -> str:
+def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:
     """A turn's text; OpenAI content parts are joined, and its tool calls (`tool_calls`, or the older `function_call`)
     are kept as their JSON, after the text when the turn has both."""
     content = turn.get(tags.content_tag)

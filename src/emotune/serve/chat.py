@@ -101,8 +101,11 @@ def _render(body: ChatRequest, loaded: Loaded) -> str:
 
 def render_conversation(messages: list[dict], loaded: Loaded) -> str:
     """The prompt for `messages` ({"role", "content"} each) through the model's chat template, the sft adapter's own
-    system prompt first when the conversation has none; APIError 422 when the template rejects the messages."""
+    system prompt first when the conversation has none and its tool results as user turns, as it trained; APIError 422
+    when the template rejects the messages."""
     messages = list(messages)
+    if loaded.artifact is not None and loaded.artifact.task == "sft":  # tool results were trained as user turns
+        messages = [{**m, "role": "user"} if m["role"] == "tool" else m for m in messages]
     system = loaded.artifact.sft_system_prompt if loaded.artifact is not None else None
     if system and not any(m["role"] == "system" for m in messages):  # answer under the prompt it was trained with
         messages.insert(0, {"role": "system", "content": system})
