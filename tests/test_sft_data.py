@@ -13,6 +13,7 @@ from conftest import write_jsonl
 from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.data.conversation_data import load_conversations
+from emotune.data.conversations import Conversation
 
 
 def _data(source: Path | str, *overrides: str):
@@ -48,7 +49,8 @@ def test_sharegpt_with_tags_tools_and_function_turns(tmp_path):
     one = data.splits["train"][0]
     assert [r for r, _ in one.messages] == ["user", "assistant", "user", "assistant"]
     assert one.messages[1][1] == '{"name": "weather"}' and one.messages[2][1] == "sunny"
-    assert one.system.startswith("sys\n\nTools available:\n")
+    assert one.system == "sys" and one.chat("default")[0]["content"] == 'sys\n\nTools available:\n[{"name": "weather"}]'
+    assert Conversation.from_row(json.loads(json.dumps(one.as_row()))) == one  # as saved in the run's data/
 
     custom = [{"dialog": [{"speaker": "u", "text": f"hello {i}"}, {"speaker": "a", "text": f"hi {i}"}]} for i in range(20)]
     data = _data(write_jsonl(tmp_path / "c.jsonl", custom), "data.format=sharegpt", "data.columns.messages=dialog",
@@ -333,3 +335,13 @@ def test_openai_tool_calls_beside_text_and_the_older_function_call_are_kept(tmp_
     one = _data(write_jsonl(tmp_path / "t.jsonl", rows)).splits["train"][0]
     assert one.messages[1][1] == "Let me check.\n" + json.dumps([call])
     assert one.messages[3][1] == json.dumps({"name": "log", "arguments": "{}"})
+
+
+def test_a_row_with_tools_and_no_system_prompt_gets_the_runs_system_prompt(tmp_path):
+    """The tools were written into the row's system prompt, so a row without one had a system prompt of tools only
+    and prompt.system_prompt (LLaMA-Factory's default_system) never reached it."""
+    rows = [{"conversations": [{"from": "human", "value": f"weather in city {i}?"}, {"from": "gpt", "value": f"sunny {i}"}],
+             "tools": '[{"name": "weather"}]'} for i in range(20)]
+    one = _data(write_jsonl(tmp_path / "s.jsonl", rows)).splits["train"][0]
+    assert one.chat("be brief")[0] == {"role": "system", "content": 'be brief\n\nTools available:\n[{"name": "weather"}]'}
+    assert one.chat()[0] == {"role": "system", "content": 'Tools available:\n[{"name": "weather"}]'}

@@ -63,11 +63,13 @@ class Conversation:
     """The dataset the row came from (a dataset_info.json name, or the file), for mixing and stratifying."""
     untrained: tuple[int, ...] = ()
     """Assistant turns (0 = the first answer) not trained on: OpenAI's `"weight": 0`. Never the last one."""
+    tools: str | None = None
+    """The row's tool descriptions as text; they follow the system prompt."""
 
     def chat(self, default_system: str | None = None, turns: int | None = None) -> list[dict[str, str]]:
-        """The chat-template messages: the system prompt (the row's, else `default_system`) and the first
-        `turns` turns (all by default)."""
-        system = self.system if self.system is not None else default_system
+        """The chat-template messages: the system prompt (the row's, else `default_system`) with the row's tools after
+        it, and the first `turns` turns (all by default)."""
+        system = with_tools(self.system if self.system is not None else default_system, self.tools)
         head = [{"role": "system", "content": system}] if system else []
         return head + [{"role": role, "content": text} for role, text in self.messages[:turns]]
 
@@ -82,17 +84,25 @@ class Conversation:
 
     def key(self) -> str:
         """The whole conversation as one string, for duplicate and leakage checks."""
-        parts = [self.system or ""] + [f"{role}: {text}" for role, text in self.messages]
+        parts = [with_tools(self.system, self.tools) or ""] + [f"{role}: {text}" for role, text in self.messages]
         return "\n\x1f".join(parts)
 
     def as_row(self) -> dict:
         return {"system": self.system, "kind": self.kind, "source": self.source,
-                "messages": [{"role": r, "content": t} for r, t in self.messages], "untrained": list(self.untrained)}
+                "messages": [{"role": r, "content": t} for r, t in self.messages], "untrained": list(self.untrained),
+                "tools": self.tools}
 
     @classmethod
     def from_row(cls, row: dict) -> Conversation:
         return cls(tuple((m["role"], m["content"]) for m in row["messages"]), row.get("system"), row.get("kind"),
-                   row.get("source") or "", tuple(row.get("untrained") or ()))
+                   row.get("source") or "", tuple(row.get("untrained") or ()), row.get("tools"))
+
+
+def with_tools(system: str | None, tools: str | None) -> str | None:
+    """The system prompt with the tool descriptions after it (a row's, or a chat request's `tools` as JSON)."""
+    if not tools:
+        return system
+    return (system + "\n\n" if system else "") + "Tools available:\n" + tools
 
 
 def detect_format(column_names: list[str], first_row: dict | None, columns: SftColumns) -> str | None:
@@ -140,15 +150,15 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
         return found
     system, messages, untrained = found
     tools = _text(row.get(columns.tools))
-    if tools and tools.strip() not in ("", "[]"):
-        system = (system + "\n\n" if system else "") + "Tools available:\n" + tools
+    tools = tools if tools.strip() not in ("", "[]") else None
     problem = _check(messages)
     if problem:
         return problem
     if untrained and untrained[-1] == sum(role == "assistant" for role, _ in messages) - 1:
         return UNTRAINED_RESPONSE
     kind = row.get(columns.kind)
-    return Conversation(tuple(messages), system or None, None if kind is None else str(kind), source, tuple(untrained))
+    return Conversation(tuple(messages), system or None, None if kind is None else str(kind), source, tuple(untrained),
+                        tools)
 
 
 Turns = tuple[str | None, list[tuple[str, str]], list[int]]  # system prompt, (role, text) turns, untrained answers
