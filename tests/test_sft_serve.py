@@ -238,6 +238,14 @@ def test_chat_renders_tool_turns_as_the_adapter_trained_on_them(client, sft_run)
     prompt = tokenizer.apply_chat_template(trained.chat(SYSTEM, turns=trained.prompt_turns), tokenize=False,
                                            add_generation_prompt=True)
     assert reply.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    with_tools = client.chat.completions.create(model="chat", max_tokens=2, temperature=0, messages=messages, tools=tools)
+    trained = normalise({"messages": [*messages, {"role": "assistant", "content": "x"}], "tools": tools}, "messages",
+                        SftColumns(), OPENAI_TAGS, "f")
+    prompt = tokenizer.apply_chat_template(trained.chat(SYSTEM, turns=trained.prompt_turns), tokenize=False,
+                                           add_generation_prompt=True)
+    assert "Tools available" in prompt  # the tools follow the adapter's own system prompt, as in its training rows
+    assert with_tools.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     with pytest.raises(openai.UnprocessableEntityError, match="null only in an assistant message with `tool_calls`"):
         client.chat.completions.create(model="chat", max_tokens=2, messages=[{"role": "user", "content": None}])
 

@@ -142,7 +142,8 @@ class ChatRequest(BaseModel):
     response_format: ResponseFormat | None = None
     """Only `{"type": "text"}`: nothing constrains the reply to JSON, so asking for it is refused."""
     tool_choice: str | dict | None = None
-    """`auto` or `none`: the model is never made to call a tool (`tools` are accepted and not shown to it)."""
+    """`auto` or `none`: the model is never made to call a tool (`tools` are shown to an sft adapter after its system
+    prompt, as its data's tools column was, and not shown to other models)."""
 
 
     @field_validator("stop")
