@@ -259,6 +259,7 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
     ([{"instruction": "q", "output": ["good answer", "bad answer"]}], r"the response is a list, as in a ranking dataset"),
     ([{"instruction": "q", "chosen": "good", "rejected": "bad"}], r"is a preference dataset \(columns `chosen` and `rejected`\)"),
     ([], r"holds no rows"),
+    ([{"text": "### Human: q ### Assistant: a"}], r"has a `text` column and no prompt or answer .*language modelling"),
     ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"},
                     {"role": "assistant", "content": "a"}]}], r"an earlier assistant turn is empty"),
     ([{"instruction": "q", "output": "a", "history": [["hi", ""]]}], r"an earlier assistant turn is empty"),
