@@ -96,6 +96,19 @@ def test_predict_answers_a_file_of_conversations(sft_run, tiny_model_dir, tmp_pa
     adapter = sft_run / "adapter"
     assert replies == [reference_replies(tiny_model_dir, adapter, TEXTS[:1], TRAINED_MAX_NEW_TOKENS)[0],
                        reference_replies(tiny_model_dir, adapter, TEXTS[1:], TRAINED_MAX_NEW_TOKENS, "be kind")[0]]
+    # tool turns as the run's data reads them: OpenAI's tool_calls and tool role, ShareGPT's function_call/observation
+    call = [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]
+    tool_rows = [{"messages": [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": None, "tool_calls": call},
+                               {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "ref"}]},
+                 {"messages": [{"from": "human", "value": TEXTS[0]}, {"from": "function_call", "value": json.dumps(call)},
+                               {"from": "observation", "value": "sunny"}]},
+                 {"messages": [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": json.dumps(call)},
+                               {"role": "user", "content": "sunny"}]}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in tool_rows), encoding="utf-8")
+    assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "messages",
+                 "--max-new-tokens", "8"]) == 0
+    replies = [r["output"] for r in csv.DictReader(out.open(encoding="utf-8"))]
+    assert replies[0] == replies[1] == replies[2] and replies[0]
     source.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n", encoding="utf-8")
     assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "messages"]) == 2
     assert "Row 1 of column `messages` has no user turn" in capsys.readouterr().err

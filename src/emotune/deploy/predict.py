@@ -17,9 +17,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from emotune.core.config.sft import SftTags
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file
 from emotune.data.clean import clean_for_inference
+from emotune.data.conversations import OPENAI_TAGS, turn_text
 from emotune.eval.scoring import score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
@@ -134,7 +136,9 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, p
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
-         "gpt": "assistant"}  # OpenAI's roles and ShareGPT's default tags
+         "gpt": "assistant", "tool": "user", "function": "user", "observation": "user", "function_call": "assistant"}
+"""OpenAI's roles and ShareGPT's default tags, tool results on the user's side and tool calls on the assistant's, as
+an sft run's data reads them (emotune.data.conversations)."""
 
 
 def _prompt(cell: object, number: int, column: str) -> str | list[dict]:
@@ -146,7 +150,7 @@ def _prompt(cell: object, number: int, column: str) -> str | list[dict]:
     turns = []
     for turn in cell:
         role = ROLES.get(turn.get("role", turn.get("from"))) if isinstance(turn, dict) else None
-        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
+        content = turn_text(turn, OPENAI_TAGS if "role" in turn else SftTags()) if role else None
         if role is None or not isinstance(content, str) or (role == "system" and turns):
             raise UserError(f"Row {number} of column `{column}` is a list but not a conversation: give each turn a "
                             "`role` (system first, then user and assistant) and a text `content`, as in the run's data.")
