@@ -265,3 +265,29 @@ def test_training_rows_all_cut_before_their_answer_are_refused(tokenizer):
         training_rows(data, tokenizer, load_config(None, ["task=sft", "train.max_length=8"]))
     train, validation = training_rows(data, tokenizer, load_config(None, ["task=sft", "train.max_length=256"]))
     assert len(train) == 3 and len(validation) == 1
+
+
+def test_axolotl_training_flags_are_honoured_or_refused(tokenizer):
+    """Axolotl's per-turn `training` flag (message_field_training) was ignored: an answer marked `training: false` was
+    trained on, and a user turn marked `training: true` was silently not."""
+    from emotune.core.config.sft import SftColumns
+    from emotune.data.conversations import OPENAI_TAGS, normalise
+
+    def turns(*extra):
+        messages = [{"role": "system", "content": "be kind", "training": False},
+                    {"role": "user", "content": "i feel so lonely today", "training": False},
+                    {"role": "assistant", "content": "joy", "training": False},
+                    {"role": "user", "content": "this morning was great"},
+                    {"role": "assistant", "content": "joy really", "train": True}]
+        for index, key, value in extra:
+            messages[index][key] = value
+        return normalise({"messages": messages}, "messages", SftColumns(), OPENAI_TAGS, "f")
+
+    conversation = turns()
+    assert conversation.untrained == (0,) and conversation.system == "be kind"
+    _, spans = loss_spans(tokenizer, conversation.chat())
+    assert encode(conversation, tokenizer, None, mask_history=False).loss_spans == (spans[1],)
+    assert "last assistant turn has weight 0 (or training: false)" in turns((4, "train", False))
+    assert "marked `training: true`" in turns((1, "training", True))
+    assert "not true or false" in turns((2, "training", "no"))
+    assert "`train_detail`" in turns((4, "train_detail", [{"begin_offset": 0, "end_offset": 2, "train": True}]))

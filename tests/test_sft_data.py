@@ -13,6 +13,7 @@ from conftest import write_jsonl
 from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
 from emotune.data.conversation_data import load_conversations
+from emotune.data.conversations import Conversation
 
 
 def _data(source: Path | str, *overrides: str):
@@ -48,7 +49,8 @@ def test_sharegpt_with_tags_tools_and_function_turns(tmp_path):
     one = data.splits["train"][0]
     assert [r for r, _ in one.messages] == ["user", "assistant", "user", "assistant"]
     assert one.messages[1][1] == '{"name": "weather"}' and one.messages[2][1] == "sunny"
-    assert one.system.startswith("sys\n\nTools available:\n")
+    assert one.system == "sys" and one.chat("default")[0]["content"] == 'sys\n\nTools available:\n[{"name": "weather"}]'
+    assert Conversation.from_row(json.loads(json.dumps(one.as_row()))) == one  # as saved in the run's data/
 
     custom = [{"dialog": [{"speaker": "u", "text": f"hello {i}"}, {"speaker": "a", "text": f"hi {i}"}]} for i in range(20)]
     data = _data(write_jsonl(tmp_path / "c.jsonl", custom), "data.format=sharegpt", "data.columns.messages=dialog",
@@ -257,6 +259,10 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
     ([{"instruction": "q", "output": ["good answer", "bad answer"]}], r"the response is a list, as in a ranking dataset"),
     ([{"instruction": "q", "chosen": "good", "rejected": "bad"}], r"is a preference dataset \(columns `chosen` and `rejected`\)"),
     ([], r"holds no rows"),
+    ([{"text": "### Human: q ### Assistant: a"}], r"has a `text` column and no prompt or answer .*language modelling"),
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"},
+                    {"role": "assistant", "content": "a"}]}], r"an earlier assistant turn is empty"),
+    ([{"instruction": "q", "output": "a", "history": [["hi", ""]]}], r"an earlier assistant turn is empty"),
 ])
 def test_rows_emotune_cannot_train_on_say_why(tmp_path, rows, says):
     path = tmp_path / "d.json"
@@ -299,3 +305,44 @@ def test_save_to_disk_folders_of_conversations(tmp_path):
     datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in parts.items()}).save_to_disk(str(tmp_path / "dict"))
     data = _data(tmp_path / "dict")
     assert {s: len(r) for s, r in data.splits.items()} == {"train": 20, "validation": 5, "test": 5}
+
+
+def test_trl_prompt_completion_rows_train_on_the_completion_only(tmp_path):
+    """TRL's prompt-completion datasets were 'in none of the formats'; mapped onto alpaca's columns, a conversational
+    completion was refused as a ranking pair."""
+    plain = [{"prompt": f"question {i}", "completion": f"answer {i}"} for i in range(20)]
+    every = [c for s in _data(write_jsonl(tmp_path / "p.jsonl", plain)).splits.values() for c in s]
+    assert len(every) == 20 and all(c.messages == (("user", c.messages[0][1]), ("assistant", c.messages[1][1]))
+                                    for c in every)
+    assert {c.response for c in every} == {f"answer {i}" for i in range(20)}
+    chat = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"hi {i}"},
+                        {"role": "assistant", "content": "hello"}, {"role": "user", "content": f"question {i}"}],
+             "completion": [{"role": "assistant", "content": f"answer {i}"}]} for i in range(20)]
+    every = [c for s in _data(write_jsonl(tmp_path / "c.jsonl", chat)).splits.values() for c in s]
+    assert len(every) == 20 and all(c.system == "be brief" and len(c.messages) == 4 for c in every)
+    assert all(c.untrained == (0,) for c in every)  # the prompt's answer carries no loss, as in TRL
+
+
+def test_openai_tool_calls_beside_text_and_the_older_function_call_are_kept(tmp_path):
+    """An answer with text and `tool_calls` kept the text only, so the model learnt "Let me check." without the call
+    its tool result answers; the older `function_call` with `content: null` was an empty answer."""
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    rows = [{"messages": [{"role": "user", "content": f"weather {i}?"},
+                          {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                          {"role": "assistant", "content": None, "function_call": {"name": "log", "arguments": "{}"}},
+                          {"role": "function", "name": "log", "content": "ok"},
+                          {"role": "assistant", "content": f"sunny {i}"}]} for i in range(20)]
+    one = _data(write_jsonl(tmp_path / "t.jsonl", rows)).splits["train"][0]
+    assert one.messages[1][1] == "Let me check.\n" + json.dumps([call])
+    assert one.messages[3][1] == json.dumps({"name": "log", "arguments": "{}"})
+
+
+def test_a_row_with_tools_and_no_system_prompt_gets_the_runs_system_prompt(tmp_path):
+    """The tools were written into the row's system prompt, so a row without one had a system prompt of tools only
+    and prompt.system_prompt (LLaMA-Factory's default_system) never reached it."""
+    rows = [{"conversations": [{"from": "human", "value": f"weather in city {i}?"}, {"from": "gpt", "value": f"sunny {i}"}],
+             "tools": '[{"name": "weather"}]'} for i in range(20)]
+    one = _data(write_jsonl(tmp_path / "s.jsonl", rows)).splits["train"][0]
+    assert one.chat("be brief")[0] == {"role": "system", "content": 'be brief\n\nTools available:\n[{"name": "weather"}]'}
+    assert one.chat()[0] == {"role": "system", "content": 'Tools available:\n[{"name": "weather"}]'}

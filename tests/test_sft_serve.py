@@ -83,6 +83,37 @@ def test_predict_answers_in_free_text_under_the_system_prompt(sft_run, tiny_mode
     assert [r["id"] for r in rows] == ["0", "1"] and [r["output"] for r in rows] == longer
 
 
+def test_predict_answers_a_file_of_conversations(sft_run, tiny_model_dir, tmp_path, capsys):
+    """A JSONL file of the run's own rows (`messages` of turns): each cell's Python text (`[{'role': ...}]`) was
+    sent as one user turn. Now the conversation is the prompt, its reference answer left out, its own system turn
+    in place of the run's."""
+    source, out = tmp_path / "conv.jsonl", tmp_path / "out.csv"
+    rows = [{"id": 0, "messages": [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": "glad"}]},
+            {"id": 1, "messages": [{"role": "system", "content": "be kind"}, {"role": "user", "content": TEXTS[1]}]}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "messages"]) == 0
+    replies = [r["output"] for r in csv.DictReader(out.open(encoding="utf-8"))]
+    adapter = sft_run / "adapter"
+    assert replies == [reference_replies(tiny_model_dir, adapter, TEXTS[:1], TRAINED_MAX_NEW_TOKENS)[0],
+                       reference_replies(tiny_model_dir, adapter, TEXTS[1:], TRAINED_MAX_NEW_TOKENS, "be kind")[0]]
+    # tool turns as the run's data reads them: OpenAI's tool_calls and tool role, ShareGPT's function_call/observation
+    call = [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]
+    tool_rows = [{"messages": [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": None, "tool_calls": call},
+                               {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "ref"}]},
+                 {"messages": [{"from": "human", "value": TEXTS[0]}, {"from": "function_call", "value": json.dumps(call)},
+                               {"from": "observation", "value": "sunny"}]},
+                 {"messages": [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": json.dumps(call)},
+                               {"role": "user", "content": "sunny"}]}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in tool_rows), encoding="utf-8")
+    assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "messages",
+                 "--max-new-tokens", "8"]) == 0
+    replies = [r["output"] for r in csv.DictReader(out.open(encoding="utf-8"))]
+    assert replies[0] == replies[1] == replies[2] and replies[0]
+    source.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n", encoding="utf-8")
+    assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "messages"]) == 2
+    assert "Row 1 of column `messages` has no user turn" in capsys.readouterr().err
+
+
 def test_predict_refuses_max_new_tokens_for_a_classifier(tiny_run_dir, sft_run, capsys):
     assert main(["predict", str(tiny_run_dir), "happy", "--max-new-tokens", "4"]) == 2
     assert "--max-new-tokens is for sft models" in capsys.readouterr().err
@@ -199,6 +230,37 @@ def test_chat_answers_under_the_adapters_own_system_prompt(client, sft_run, tiny
     plain = {"messages": [{"role": "user", "content": TEXTS[1]}], "max_tokens": 2}
     assert (client.chat.completions.create(model="tiny", **plain).usage.prompt_tokens
             == client.chat.completions.create(model="base", **plain).usage.prompt_tokens)
+
+
+def test_chat_renders_tool_turns_as_the_adapter_trained_on_them(client, sft_run):
+    """An sft run trains tool calls as the JSON after the answer's text and tool results as user turns. The server sent
+    the `tool` role to the template (Gemma's refused it: 422) and an assistant message with `tool_calls` and null
+    content was refused as having no content."""
+    from transformers import AutoTokenizer
+
+    from emotune.core.config.sft import SftColumns
+    from emotune.data.conversations import OPENAI_TAGS, normalise
+
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    messages = [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    reply = client.chat.completions.create(model="chat", max_tokens=2, temperature=0, messages=messages)
+    trained = normalise({"messages": [*messages, {"role": "assistant", "content": "x"}]}, "messages", SftColumns(),
+                        OPENAI_TAGS, "f")
+    tokenizer = AutoTokenizer.from_pretrained(sft_run / "adapter")
+    prompt = tokenizer.apply_chat_template(trained.chat(SYSTEM, turns=trained.prompt_turns), tokenize=False,
+                                           add_generation_prompt=True)
+    assert reply.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    with_tools = client.chat.completions.create(model="chat", max_tokens=2, temperature=0, messages=messages, tools=tools)
+    trained = normalise({"messages": [*messages, {"role": "assistant", "content": "x"}], "tools": tools}, "messages",
+                        SftColumns(), OPENAI_TAGS, "f")
+    prompt = tokenizer.apply_chat_template(trained.chat(SYSTEM, turns=trained.prompt_turns), tokenize=False,
+                                           add_generation_prompt=True)
+    assert "Tools available" in prompt  # the tools follow the adapter's own system prompt, as in its training rows
+    assert with_tools.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    with pytest.raises(openai.UnprocessableEntityError, match="null only in an assistant message with `tool_calls`"):
+        client.chat.completions.create(model="chat", max_tokens=2, messages=[{"role": "user", "content": None}])
 
 
 def test_streaming_equals_the_plain_reply(client):

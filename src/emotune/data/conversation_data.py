@@ -128,10 +128,16 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
             continue
         fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
                                                                                  entry.columns)
+        if fmt is None and "text" in column_names:
+            problems.append(f"`{path}` has a `text` column and no prompt or answer (columns found: "
+                            f"{', '.join(column_names)}): plain text for language modelling (TRL's text datasets, "
+                            "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "
+                            "conversations (messages, prompt/completion or instruction/output columns)")
+            continue
         if fmt is None:
             problems.append(f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
-                            f"(conversations) or messages (columns found: {', '.join(column_names)}); set "
-                            "data.format and data.columns to match it")
+                            f"(conversations) or messages (messages, or prompt/completion; columns found: "
+                            f"{', '.join(column_names)}); set data.format and data.columns to match it")
             continue
         missing = [c for c in required_columns(fmt, entry.columns, column_names) if c not in column_names]
         if missing:

@@ -2,7 +2,8 @@
 
     alpaca     instruction, input, output (+ optional system, history of [instruction, answer] pairs)
     sharegpt   conversations: [{from: human|gpt|function_call|observation|system, value}], + system, tools
-    messages   OpenAI-style messages: [{role: system|user|assistant|tool, content}]
+    messages   OpenAI-style messages: [{role: system|user|assistant|tool, content}]; also TRL's `prompt` and
+               `completion` columns (each a text or a list of such messages), trained on the completion only
 
 Column and tag names follow LLaMA-Factory's `columns` and `tags` (config: data.columns, data.tags), so a
 dataset registered for LLaMA-Factory reads the same here. Every row becomes a `Conversation`: a system
@@ -28,19 +29,28 @@ OPENAI_TAGS = SftTags(role_tag="role", content_tag="content", user_tag="user", a
 # Reasons a row is refused; the keys group rows in the error message.
 EMPTY_RESPONSE = "the response (last assistant turn) is empty"
 EMPTY_PROMPT = "a user turn is empty"
+EMPTY_ANSWER = ("an earlier assistant turn is empty (no text and no tool calls): it would train the model to answer that "
+                "turn with nothing; give it its answer, or start the row after it")
 NOT_ALTERNATING = "the turns do not alternate user/assistant, starting with the user and ending with the assistant"
 BAD_HISTORY = "`history` is not a list of [instruction, answer] pairs"
 BAD_TURNS = "the turns are not a list of objects with a role and a text"
 LATE_SYSTEM = ("a system turn comes after the first turn; a system prompt goes first (or in the row's `system` "
                "column)")
 BAD_WEIGHT = "an assistant turn has a `weight` other than 0 or 1 (OpenAI's fine-tuning format allows only those)"
-UNTRAINED_RESPONSE = ("the last assistant turn has weight 0: the response that evaluation measures would not be "
+UNTRAINED_RESPONSE = ("the last assistant turn has weight 0 (or training: false): the response that evaluation measures would not be "
                       "trained on; give it weight 1 or remove the row")
 MEDIA = ("the row holds images, audio or video (an `images`, `videos` or `audios` column, or a content part that is "
          "not text); the sft task trains on text conversations only, so remove them (or the row)")
 LIST_RESPONSE = ("the response is a list, as in a ranking dataset's [chosen, rejected] pair; the sft task trains on "
                  "one text answer per prompt")
 MEDIA_COLUMNS = ("images", "videos", "audios")
+TRAINING_KEYS = ("training", "train")  # Axolotl's per-turn flag (message_field_training), by the names its docs use
+BAD_TRAINING = "a turn's `training` (or `train`) flag is not true or false"
+TRAINED_PROMPT = ("a system, user or tool turn is marked `training: true` (Axolotl's message_field_training); emotune "
+                  "trains assistant turns only, so set it to false or remove it")
+TRAIN_DETAIL = ("a turn has `train_detail` (Axolotl's character spans to train on); emotune trains whole assistant "
+                "turns: remove it, and mark an answer not to train with \"training\": false")
+TRL_COLUMNS = ("prompt", "completion")
 
 
 @dataclass(frozen=True)
@@ -53,11 +63,13 @@ class Conversation:
     """The dataset the row came from (a dataset_info.json name, or the file), for mixing and stratifying."""
     untrained: tuple[int, ...] = ()
     """Assistant turns (0 = the first answer) not trained on: OpenAI's `"weight": 0`. Never the last one."""
+    tools: str | None = None
+    """The row's tool descriptions as text; they follow the system prompt."""
 
     def chat(self, default_system: str | None = None, turns: int | None = None) -> list[dict[str, str]]:
-        """The chat-template messages: the system prompt (the row's, else `default_system`) and the first
-        `turns` turns (all by default)."""
-        system = self.system if self.system is not None else default_system
+        """The chat-template messages: the system prompt (the row's, else `default_system`) with the row's tools after
+        it, and the first `turns` turns (all by default)."""
+        system = with_tools(self.system if self.system is not None else default_system, self.tools)
         head = [{"role": "system", "content": system}] if system else []
         return head + [{"role": role, "content": text} for role, text in self.messages[:turns]]
 
@@ -72,17 +84,25 @@ class Conversation:
 
     def key(self) -> str:
         """The whole conversation as one string, for duplicate and leakage checks."""
-        parts = [self.system or ""] + [f"{role}: {text}" for role, text in self.messages]
+        parts = [with_tools(self.system, self.tools) or ""] + [f"{role}: {text}" for role, text in self.messages]
         return "\n\x1f".join(parts)
 
     def as_row(self) -> dict:
         return {"system": self.system, "kind": self.kind, "source": self.source,
-                "messages": [{"role": r, "content": t} for r, t in self.messages], "untrained": list(self.untrained)}
+                "messages": [{"role": r, "content": t} for r, t in self.messages], "untrained": list(self.untrained),
+                "tools": self.tools}
 
     @classmethod
     def from_row(cls, row: dict) -> Conversation:
         return cls(tuple((m["role"], m["content"]) for m in row["messages"]), row.get("system"), row.get("kind"),
-                   row.get("source") or "", tuple(row.get("untrained") or ()))
+                   row.get("source") or "", tuple(row.get("untrained") or ()), row.get("tools"))
+
+
+def with_tools(system: str | None, tools: str | None) -> str | None:
+    """The system prompt with the tool descriptions after it (a row's, or a chat request's `tools` as JSON)."""
+    if not tools:
+        return system
+    return (system + "\n\n" if system else "") + "Tools available:\n" + tools
 
 
 def detect_format(column_names: list[str], first_row: dict | None, columns: SftColumns) -> str | None:
@@ -92,6 +112,8 @@ def detect_format(column_names: list[str], first_row: dict | None, columns: SftC
             turns = (first_row or {}).get(name) or []
             first = next((t for t in turns if isinstance(t, dict)), {})
             return "messages" if "role" in first and "from" not in first else "sharegpt"
+    if set(TRL_COLUMNS) <= set(column_names) and columns.response not in TRL_COLUMNS:
+        return "messages"
     if columns.prompt in column_names or columns.response in column_names:
         return "alpaca"
     return None
@@ -107,7 +129,10 @@ def messages_column(fmt: str, columns: SftColumns, column_names: list[str]) -> s
 def required_columns(fmt: str, columns: SftColumns, column_names: list[str]) -> list[str]:
     if fmt == "alpaca":
         return [columns.prompt, columns.response]
-    return [messages_column(fmt, columns, column_names)]
+    name = messages_column(fmt, columns, column_names)
+    if fmt == "messages" and name not in column_names and set(TRL_COLUMNS) <= set(column_names):
+        return list(TRL_COLUMNS)
+    return [name]
 
 
 def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: str) -> Conversation | str:
@@ -116,6 +141,8 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
         return MEDIA
     if fmt == "alpaca":
         found = _alpaca(row, columns)
+    elif fmt == "messages" and columns.messages not in row and "messages" not in row and "prompt" in row:
+        found = _prompt_completion(row, row.get(columns.system))
     else:
         name = columns.messages if columns.messages in row else "messages"
         found = _turns(row.get(name), OPENAI_TAGS if fmt == "messages" else tags, row.get(columns.system))
@@ -123,15 +150,15 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
         return found
     system, messages, untrained = found
     tools = _text(row.get(columns.tools))
-    if tools and tools.strip() not in ("", "[]"):
-        system = (system + "\n\n" if system else "") + "Tools available:\n" + tools
+    tools = tools if tools.strip() not in ("", "[]") else None
     problem = _check(messages)
     if problem:
         return problem
     if untrained and untrained[-1] == sum(role == "assistant" for role, _ in messages) - 1:
         return UNTRAINED_RESPONSE
     kind = row.get(columns.kind)
-    return Conversation(tuple(messages), system or None, None if kind is None else str(kind), source, tuple(untrained))
+    return Conversation(tuple(messages), system or None, None if kind is None else str(kind), source, tuple(untrained),
+                        tools)
 
 
 Turns = tuple[str | None, list[tuple[str, str]], list[int]]  # system prompt, (role, text) turns, untrained answers
@@ -169,7 +196,14 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
         if isinstance(turn.get(tags.content_tag), list) and any(
                 isinstance(p, dict) and p.get("type", "text") != "text" for p in turn[tags.content_tag]):
             return MEDIA
-        text = _content(turn, tags)
+        text = turn_text(turn, tags)
+        flag = next((turn[k] for k in TRAINING_KEYS if k in turn), None)
+        if "train_detail" in turn:
+            return TRAIN_DETAIL
+        if flag is not None and not isinstance(flag, bool):
+            return BAD_TRAINING
+        if flag and role not in assistant_side:
+            return TRAINED_PROMPT
         if role in system_side and i == 0:
             system_text = text or system_text
         elif role in system_side:
@@ -180,12 +214,26 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
             weight = turn.get("weight", 1)
             if weight not in (0, 1) or isinstance(weight, bool):
                 return BAD_WEIGHT
-            if weight == 0:
+            if weight == 0 or flag is False:
                 untrained.append(sum(r == "assistant" for r, _ in messages))
             messages.append(("assistant", text))
         else:
             return _unknown_role(turn, tags)
     return system_text, messages, untrained
+
+
+def _prompt_completion(row: dict, system: object) -> Turns | str:
+    """TRL's prompt-completion row: the prompt's turns (a text is one user turn) and the completion's (a text is one
+    assistant turn). As TRL trains on the completion only, the answers inside the prompt carry no loss."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    prompt = prompt if isinstance(prompt, list) else [{"role": "user", "content": _text(prompt)}]
+    completion = completion if isinstance(completion, list) else [{"role": "assistant", "content": _text(completion)}]
+    found = _turns(prompt + completion, OPENAI_TAGS, system)
+    if isinstance(found, str):
+        return found
+    system_text, messages, untrained = found
+    in_prompt = sum(isinstance(t, dict) and t.get("role") == "assistant" for t in prompt)
+    return system_text, messages, sorted(set(untrained) | set(range(in_prompt)))
 
 
 def _unknown_role(turn: dict, tags: SftTags) -> str:
@@ -207,14 +255,14 @@ def _unknown_role(turn: dict, tags: SftTags) -> str:
     return f"a turn has the role {role!r}, which is none of {named}.{hint}"
 
 
-def _content(turn: dict, tags: SftTags) -> str:
-    """A turn's text; OpenAI content parts are joined, and tool calls without text are kept as their JSON."""
+def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:
+    """A turn's text; OpenAI content parts are joined, and its tool calls (`tool_calls`, or the older `function_call`)
+    are kept as their JSON, after the text when the turn has both."""
     content = turn.get(tags.content_tag)
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    if not content and turn.get("tool_calls"):
-        content = json.dumps(turn["tool_calls"], ensure_ascii=False)
-    return _text(content)
+    calls = [json.dumps(turn[key], ensure_ascii=False) for key in ("tool_calls", "function_call") if turn.get(key)]
+    return "\n".join(part for part in (_text(content), *calls) if part)
 
 
 def _check(messages: list[tuple[str, str]]) -> str | None:
@@ -225,6 +273,8 @@ def _check(messages: list[tuple[str, str]]) -> str | None:
         return EMPTY_RESPONSE
     if any(not text.strip() for role, text in messages if role == "user"):
         return EMPTY_PROMPT
+    if any(not text.strip() for role, text in messages if role == "assistant"):
+        return EMPTY_ANSWER
     return None
 
 

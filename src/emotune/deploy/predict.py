@@ -17,9 +17,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from emotune.core.config.sft import SftTags
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file
 from emotune.data.clean import clean_for_inference
+from emotune.data.conversations import OPENAI_TAGS, turn_text
 from emotune.eval.scoring import score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
@@ -55,9 +57,9 @@ class Classifier(Loaded):
 
 
 class Generator(Loaded):
-    """A loaded sft model: texts in (each the user turn), greedy replies out."""
+    """A loaded sft model: texts in (each the user turn, or a conversation so far), greedy replies out."""
 
-    def replies(self, texts: list[str], max_new_tokens: int, batch_size: int = 16, desc: str | None = None) -> list[str]:
+    def replies(self, texts: list[str | list[dict]], max_new_tokens: int, batch_size: int = 16, desc: str | None = None) -> list[str]:
         from emotune.eval.evaluate import generate_texts
 
         prompts = [self.artifact.chat_prompt(self.tokenizer, text) for text in texts]
@@ -99,7 +101,9 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
     rows = _read_table(Path(file), text_column) if file else None  # bad input fails before weights load
     artifact = find_artifact(target, fallback=fallback)
     if artifact.answers_freely:
-        return _answer(Generator(artifact, device), texts, rows, text_column, Path(out) if out else None, batch_size,
+        prompts = None if rows is None else [_prompt(cell, number, text_column)  # checked before weights load
+                                             for number, cell in enumerate(rows[text_column].tolist(), start=1)]
+        return _answer(Generator(artifact, device), texts, rows, prompts, Path(out) if out else None, batch_size,
                        max_new_tokens or trained_max_new_tokens(artifact))
     if max_new_tokens is not None:
         raise UserError(f"--max-new-tokens is for sft models, which answer in free text; `{target}` is a classifier, "
@@ -116,7 +120,7 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
     return 0
 
 
-def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, text_column: str, out: Path | None,
+def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, prompts: list | None, out: Path | None,
             batch_size: int, max_new_tokens: int) -> int:
     """An sft model's replies: one JSON line per text, or the input columns plus `output` in `out`."""
     if rows is None:
@@ -124,12 +128,38 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, t
             print(json.dumps({"text": text, "output": reply}, ensure_ascii=False))
         return 0
     result = rows.copy()
-    _add_column(result, "output", generator.replies(rows[text_column].astype(str).tolist(), max_new_tokens, batch_size,
-                                                    "predict"))
+    _add_column(result, "output", generator.replies(prompts, max_new_tokens, batch_size, "predict"))
     with atomic_file(out) as tmp:
         result.to_csv(tmp, index=False)
     print(f"Wrote {len(rows)} replies to {out}", flush=True)
     return 0
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+         "gpt": "assistant", "tool": "user", "function": "user", "observation": "user", "function_call": "assistant"}
+"""OpenAI's roles and ShareGPT's default tags, tool results on the user's side and tool calls on the assistant's, as
+an sft run's data reads them (emotune.data.conversations)."""
+
+
+def _prompt(cell: object, number: int, column: str) -> str | list[dict]:
+    """A file's cell as an sft prompt: a text is the user turn; a conversation (a JSONL list of OpenAI `{role,
+    content}` or ShareGPT `{from, value}` turns) is the conversation so far, its closing answers (the reference)
+    left out. Its Python text (`[{'role': ...}]`) was sent as one user turn."""
+    if not isinstance(cell, list):
+        return "" if cell is None else str(cell)
+    turns = []
+    for turn in cell:
+        role = ROLES.get(turn.get("role", turn.get("from"))) if isinstance(turn, dict) else None
+        content = turn_text(turn, OPENAI_TAGS if "role" in turn else SftTags()) if role else None
+        if role is None or not isinstance(content, str) or (role == "system" and turns):
+            raise UserError(f"Row {number} of column `{column}` is a list but not a conversation: give each turn a "
+                            "`role` (system first, then user and assistant) and a text `content`, as in the run's data.")
+        turns.append({"role": role, "content": content})
+    while turns and turns[-1]["role"] == "assistant":  # the reference answer
+        turns.pop()
+    if not turns or turns[-1]["role"] != "user":
+        raise UserError(f"Row {number} of column `{column}` has no user turn to answer; a conversation must hold one.")
+    return turns
 
 
 def labelled(probs: list[float], labels: list[str]) -> dict:

@@ -112,12 +112,15 @@ class Artifact:
         """The system prompt an sft model was trained with for rows without their own (None: none)."""
         return self.meta.get("system_prompt") if self.task == "sft" else None
 
-    def chat_prompt(self, tokenizer, text: str) -> str:
+    def chat_prompt(self, tokenizer, text: str | list[dict]) -> str:
         """The chat-templated prompt this model answers `text` under: a classifier's system prompt and user
-        template, or an sft model's system prompt with `text` as the user turn."""
+        template, or an sft model's system prompt with `text` as the user turn (or, a list of messages, as the
+        conversation so far; its own system turn replaces the model's)."""
         if self.task == "sft":
             system = self.sft_system_prompt
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            turns = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
+            own = bool(turns) and turns[0]["role"] == "system"
+            messages = ([{"role": "system", "content": system}] if system and not own else []) + turns
         else:
             from emotune.model.prompt import prompt_messages
 

@@ -17,6 +17,7 @@ import time
 import uuid
 
 from emotune.core.config.eval import ServeConfig
+from emotune.data.conversations import with_tools
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.generation import Generation, cut_at_stop
 from emotune.serve.http import STREAM_FAILED, APIError
@@ -96,13 +97,24 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
 
 
 def _render(body: ChatRequest, loaded: Loaded) -> str:
-    return render_conversation([m.model_dump(include={"role", "content"}) for m in body.messages], loaded)
+    messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+    tools = (body.model_extra or {}).get("tools")
+    if tools and loaded.artifact is not None and loaded.artifact.task == "sft":  # after the system prompt, as it trained
+        text = json.dumps(tools, ensure_ascii=False)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": with_tools(messages[0]["content"], text)}
+        else:
+            messages.insert(0, {"role": "system", "content": with_tools(loaded.artifact.sft_system_prompt, text)})
+    return render_conversation(messages, loaded)
 
 
 def render_conversation(messages: list[dict], loaded: Loaded) -> str:
     """The prompt for `messages` ({"role", "content"} each) through the model's chat template, the sft adapter's own
-    system prompt first when the conversation has none; APIError 422 when the template rejects the messages."""
+    system prompt first when the conversation has none and its tool results as user turns, as it trained; APIError 422
+    when the template rejects the messages."""
     messages = list(messages)
+    if loaded.artifact is not None and loaded.artifact.task == "sft":  # tool results were trained as user turns
+        messages = [{**m, "role": "user"} if m["role"] == "tool" else m for m in messages]
     system = loaded.artifact.sft_system_prompt if loaded.artifact is not None else None
     if system and not any(m["role"] == "system" for m in messages):  # answer under the prompt it was trained with
         messages.insert(0, {"role": "system", "content": system})

@@ -16,7 +16,10 @@ from pydantic import (
     Field,
     StrictBool,
     field_validator,
+    model_validator,
 )
+
+from emotune.data.conversations import turn_text
 
 
 def _utf8(value: str) -> str:
@@ -73,8 +76,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     """OpenAI's roles; any other is refused, since many chat templates write the role into the prompt as it is sent.
     `developer` (OpenAI's newer name for the system role) is read as `system`: no chat template knows it."""
-    content: Text | list[ContentPart]
-    """Required: a message without content has nothing for the template to render."""
+    content: Text | list[ContentPart] | None
+    """Required: a message without content has nothing for the template to render. Null only in an assistant
+    message with `tool_calls`, whose JSON is then its text, as an sft run trained on it."""
 
     @field_validator("role")
     @classmethod
@@ -88,6 +92,17 @@ class ChatMessage(BaseModel):
         if isinstance(value, list):
             return "".join(part.text or "" for part in value if part.type == "text")
         return value
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self):
+        """An assistant's tool calls become its text (their JSON after its own), as an sft run's data reads them, so
+        the limits on text count them too."""
+        extra = self.model_extra or {}
+        if self.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
+            self.content = turn_text({"content": self.content, **extra})
+        if self.content is None:
+            raise ValueError("a message needs its `content` (null only in an assistant message with `tool_calls`)")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -127,7 +142,8 @@ class ChatRequest(BaseModel):
     response_format: ResponseFormat | None = None
     """Only `{"type": "text"}`: nothing constrains the reply to JSON, so asking for it is refused."""
     tool_choice: str | dict | None = None
-    """`auto` or `none`: the model is never made to call a tool (`tools` are accepted and not shown to it)."""
+    """`auto` or `none`: the model is never made to call a tool (`tools` are shown to an sft adapter after its system
+    prompt, as its data's tools column was, and not shown to other models)."""
 
 
     @field_validator("stop")
