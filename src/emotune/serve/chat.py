@@ -99,7 +99,8 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
 def _render(body: ChatRequest, loaded: Loaded) -> str:
     messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
     tools = (body.model_extra or {}).get("tools")
-    if tools and loaded.artifact is not None and loaded.artifact.task == "sft":  # after the system prompt, as it trained
+    # a conversation-trained model (the artifact answers freely) read tools after its system prompt while training
+    if tools and loaded.artifact is not None and loaded.artifact.answers_freely:
         text = json.dumps(tools, ensure_ascii=False)
         if messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": with_tools(messages[0]["content"], text)}
@@ -113,7 +114,7 @@ def render_conversation(messages: list[dict], loaded: Loaded) -> str:
     system prompt first when the conversation has none and its tool results as user turns, as it trained; APIError 422
     when the template rejects the messages."""
     messages = list(messages)
-    if loaded.artifact is not None and loaded.artifact.task == "sft":  # tool results were trained as user turns
+    if loaded.artifact is not None and loaded.artifact.answers_freely:  # tool results were trained as user turns
         messages = [{**m, "role": "user"} if m["role"] == "tool" else m for m in messages]
     system = loaded.artifact.sft_system_prompt if loaded.artifact is not None else None
     if system and not any(m["role"] == "system" for m in messages):  # answer under the prompt it was trained with
