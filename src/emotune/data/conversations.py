@@ -181,13 +181,22 @@ def _alpaca(row: dict, columns: SftColumns) -> Turns | str:
     return _text(row.get(columns.system)) or None, messages, []
 
 
+def role_sides(tags: SftTags) -> dict[str, str]:
+    """Each role tag of `tags` -> the side it is trained on: `system`, `user` (tool results too) or `assistant` (tool
+    calls too)."""
+    sides = {tags.system_tag: "system", tags.user_tag: "user", tags.observation_tag: "user",
+             tags.assistant_tag: "assistant", tags.function_tag: "assistant"}
+    if tags is OPENAI_TAGS:  # OpenAI's newer name for the system role, and its older one for a tool's result
+        sides.update(developer="system", function="user")
+    return sides
+
+
 def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return BAD_TURNS
-    user_side, assistant_side = {tags.user_tag, tags.observation_tag}, {tags.assistant_tag, tags.function_tag}
-    system_side = {tags.system_tag}
-    if tags is OPENAI_TAGS:  # OpenAI's newer name for the system role, and its older one for a tool's result
-        system_side, user_side = {tags.system_tag, "developer"}, user_side | {"function"}
+    side = role_sides(tags)
+    system_side, user_side, assistant_side = ({r for r, s in side.items() if s == want}
+                                              for want in ("system", "user", "assistant"))
     system_text = _text(system) or None
     messages: list[tuple[str, str]] = []
     untrained: list[int] = []

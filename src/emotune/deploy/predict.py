@@ -21,7 +21,7 @@ from emotune.core.config.sft import SftTags
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file
 from emotune.data.clean import clean_for_inference
-from emotune.data.conversations import OPENAI_TAGS, turn_text
+from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
 from emotune.eval.scoring import score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
@@ -135,8 +135,7 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, p
     return 0
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
-         "gpt": "assistant", "tool": "user", "function": "user", "observation": "user", "function_call": "assistant"}
+ROLES = {**role_sides(SftTags()), **role_sides(OPENAI_TAGS)}
 """OpenAI's roles and ShareGPT's default tags, tool results on the user's side and tool calls on the assistant's, as
 an sft run's data reads them (emotune.data.conversations)."""
 
