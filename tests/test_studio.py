@@ -266,6 +266,36 @@ def test_posts_need_the_csrf_token(runs):
     assert studio.post("/jobs/1/stop", data={}).status_code == 403
 
 
+def test_a_form_over_1_mib_is_refused_before_it_is_read_whole(runs):
+    """A POST body is bounded before the app reads it: a declared length over 1 MiB is refused before a byte is read,
+    and a body sent in chunks without a length is refused as soon as it passes 1 MiB (never held whole)."""
+    import asyncio
+
+    app = create_app(runs, poll_s=0.01, jobs_interval_s=None)
+    chunk, reads, sent = b"x" * (256 << 10), [], []
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": chunk, "more_body": len(reads) < 1000}  # 250 MiB if read whole
+
+    async def send(message):
+        sent.append(message)
+
+    def post(headers: list) -> int:
+        reads.clear(), sent.clear()
+        scope = {"type": "http", "method": "POST", "path": "/new", "raw_path": b"/new", "query_string": b"",
+                 "headers": [(b"host", b"127.0.0.1:7860"), *headers], "client": ("127.0.0.1", 5000),
+                 "server": ("127.0.0.1", 7860), "scheme": "http", "http_version": "1.1", "root_path": ""}
+        asyncio.run(app(scope, receive, send))
+        return sent[0]["status"]
+
+    assert post([(b"content-length", str(300 << 20).encode())]) == 413 and reads == []
+    assert post([]) == 413 and len(reads) == 5  # 1.25 MiB read, then refused
+    assert b"larger than 1 MiB" in b"".join(m.get("body", b"") for m in sent)
+    studio = client(runs)  # a form within the limit still reaches the CSRF check
+    assert studio.post("/new", data={"task": "classify", "text": "x" * 1000}).status_code == 403
+
+
 def submit(studio: TestClient, **fields) -> str:
     csrf = csrf_of(studio.get("/new").text)
     sent = studio.post("/new", data={"csrf": csrf, "task": "classify", **fields}, follow_redirects=False)

@@ -7,12 +7,14 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from emotune.core.errors import UserError
@@ -134,10 +136,17 @@ class RequireKey:
 
 class BodyLimit:
     """Pure ASGI middleware: a body above `limit` bytes is answered 413, and one not sent whole within `timeout_s`
-    408, before the app parses it."""
+    408, before the app parses it (declared too large: before a byte of it is read; sent too large: as soon as it
+    passes the limit, never held whole). `answers` makes the two answers for another app (the studio's plain text);
+    the default is OpenAI's JSON errors naming serve's settings."""
 
-    def __init__(self, app, limit: int, timeout_s: float = 30.0):
+    def __init__(self, app, limit: int, timeout_s: float = 30.0, answers: BodyAnswers | None = None):
         self.app, self.limit, self.timeout_s = app, limit, timeout_s
+        self.answers = answers or BodyAnswers(
+            too_large=lambda: error_response(413, f"The request body is larger than serve.max_body_bytes={limit} bytes. "
+                                                  "Send fewer or shorter texts per request.", "request_too_large"),
+            too_slow=lambda: error_response(408, f"The request body did not arrive within serve.body_timeout_s="
+                                                 f"{timeout_s:g} s. Send it at once.", "request_timeout"))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -151,9 +160,7 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
             except asyncio.TimeoutError:
-                response = error_response(408, f"The request body did not arrive within serve.body_timeout_s="
-                                               f"{self.timeout_s:g} s. Send it at once.", "request_timeout")
-                return await response(scope, receive, send)
+                return await self.answers.too_slow()(scope, receive, send)
             if message["type"] != "http.request":
                 return await self.app(scope, _replay([message]), send)
             chunks.append(message.get("body", b""))
@@ -165,9 +172,15 @@ class BodyLimit:
                                              receive), send)
 
     async def _reject(self, scope, receive, send):
-        response = error_response(413, f"The request body is larger than serve.max_body_bytes={self.limit} bytes. "
-                                       "Send fewer or shorter texts per request.", "request_too_large")
-        await response(scope, receive, send)
+        await self.answers.too_large()(scope, receive, send)
+
+
+@dataclass(frozen=True)
+class BodyAnswers:
+    """What `BodyLimit` answers: a body over the limit (413) and one that did not arrive in time (408)."""
+
+    too_large: Callable[[], Response]
+    too_slow: Callable[[], Response]
 
 
 class Observed(Protocol):

@@ -35,6 +35,7 @@ from emotune.core.rundir import RunDir
 from emotune.report.compare import comparison_table
 from emotune.report.table import html_sections
 from emotune.serve.guards import TrustedHosts, is_loopback
+from emotune.serve.http import BodyAnswers, BodyLimit
 from emotune.studio import form, pages
 from emotune.studio.jobs import FINAL, JobQueue, NameTaken, worker
 from emotune.studio.runs import (
@@ -93,7 +94,11 @@ def create_app(runs: Path, host: str = "127.0.0.1", token: str | None = None, po
     _compare_routes(app, runs)
     _try_routes(app, runs, tryout, csrf)
     # the same Host/Origin guard as `emotune serve`: no DNS rebinding onto a loopback studio, no cross-site calls
-    guarded = TrustedHosts(app, host, [])
+    # a form over 1 MiB is refused before it is read whole (declared) or as soon as it passes 1 MiB (sent)
+    limited = BodyLimit(app, MAX_FORM_BYTES, answers=BodyAnswers(
+        too_large=lambda: PlainTextResponse("The form is larger than 1 MiB.", status_code=413),
+        too_slow=lambda: PlainTextResponse("The form did not arrive within 30 s: send it again.", status_code=408)))
+    guarded = TrustedHosts(limited, host, [])
     guarded.state = app.state
     return guarded
 
@@ -106,9 +111,7 @@ def _guard_routes(app: FastAPI, token: str | None, csrf: str) -> None:
             if not hmac.compare_digest(sent.encode(), token.encode()):
                 return HTMLResponse(pages.login_page("This studio needs its token."), status_code=401)
         if request.method == "POST" and request.url.path != "/login":
-            body = await request.body()
-            if len(body) > MAX_FORM_BYTES:
-                return PlainTextResponse("The form is larger than 1 MiB.", status_code=413)
+            body = await request.body()  # at most MAX_FORM_BYTES: BodyLimit (create_app) answered larger ones
             sent = (parse_qs(body.decode("utf-8", errors="replace")).get("csrf") or [""])[0]
             if not hmac.compare_digest(sent.encode(), csrf.encode()):
                 return PlainTextResponse("The form's CSRF token is missing or stale: reload the page and send it again.",
