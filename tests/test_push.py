@@ -118,6 +118,13 @@ def test_bad_destination(run_dir, capsys):
     assert "is not empty" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("repo_id", ["me/tiny emotion", "me/-tiny", "me/tiny.", "me/ti--ny", "我/模型", "me/" + "x" * 97])
+def test_a_repo_name_the_hub_would_refuse_is_refused_first_even_in_a_dry_run(run_dir, tmp_path, fake, capsys, repo_id):
+    assert main(["push", str(run_dir), "--to", f"hf:{repo_id}", "--dry-run", str(tmp_path / "out")]) == 2
+    assert "is not a repository name the Hugging Face hub accepts" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and fake.calls == []
+
+
 def test_embedded_base_names_the_released_model():
     from emotune.deploy.model_card import base_model_id, license_of
 

@@ -20,9 +20,19 @@ HUBS = {"hf": "the Hugging Face hub", "modelscope": "ModelScope"}
 
 
 def parse_destination(to: str) -> tuple[str, str]:
+    """(hub, repo id) of `--to`, the repo id checked as the hubs check it (also for a dry run, which never asks them):
+    letters, digits, `-`, `_` and `.`, not starting or ending with `-` or `.`, no `--` or `..`, at most 96 a part."""
     hub, _, repo_id = to.partition(":")
     if hub not in HUBS or repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise UserError(f"--to `{to}` is not a destination. Write hf:ORG/NAME (Hugging Face) or modelscope:ORG/NAME.")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise UserError(f"--to `{to}`: `{repo_id}` is not a repository name {HUBS[hub]} accepts. ORG and NAME may hold "
+                        "ASCII letters, digits, `-`, `_` and `.`, must not start or end with `-` or `.`, must not hold "
+                        "`--` or `..`, and have at most 96 characters each; e.g. hf:my-org/gemma3-emotion.") from None
     return hub, repo_id
 
 
