@@ -184,6 +184,14 @@ def test_max_tokens_zero_is_422(http):
     assert "max_completion_tokens" in _error(chat(http, max_completion_tokens=0), 422)
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", "5"), ("max_tokens", 5.0), ("max_completion_tokens", "4"),
+                                          ("temperature", "0.5"), ("top_p", "1"), ("seed", "7"), ("n", "1"),
+                                          ("top_logprobs", "0"), ("max_tokens", True)])
+def test_a_number_sent_as_a_string_or_a_boolean_is_422_as_openai_types_it(http, field, value):
+    assert field in _error(chat(http, **{field: value}), 422)
+    assert chat(http, temperature=1, top_p=1, max_tokens=2).status_code == 200  # an int where a float is asked
+
+
 @pytest.mark.parametrize("stream", ["yes", "true", 1, None])
 def test_stream_must_be_a_json_boolean(http, stream):
     assert "stream" in _error(chat(http, stream=stream), 422)

@@ -124,20 +124,22 @@ class ChatRequest(BaseModel):
     messages: list[ChatMessage]
     stream: StrictBool = False
     """Strict: `"yes"` or `1` is refused rather than read as true."""
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    n: int = 1
+    # numbers are strict, as OpenAI types them: `"5"` is refused rather than read as 5 (a JSON number is an int where
+    # an int is asked, and an int or a float where a float is)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False, strict=True)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False, strict=True)
+    n: int = Field(default=1, strict=True)
     """Choices to return; only 1 (the reply is greedy unless temperature > 0, and one choice per request)."""
     stop: Text | list[Text] | None = None
     """Up to 4 texts; the reply ends before the first of them (OpenAI's `stop`). Read as a list."""
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1, strict=True)
     """The range torch's generator takes."""
     stream_options: StreamOptions | None = None
     logprobs: StrictBool | None = None
     """Only false: the reply carries no log-probabilities (refused rather than silently left out)."""
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     """Only 0, as `logprobs`."""
     response_format: ResponseFormat | None = None
     """Only `{"type": "text"}`: nothing constrains the reply to JSON, so asking for it is refused."""
