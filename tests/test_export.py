@@ -244,3 +244,23 @@ def test_predict_and_serve_clean_texts_as_the_training_rows_were(tiny_model_dir,
     (run / "adapter" / "emotune.json").write_text(json.dumps(meta))
     first, second = probs(run, [raw, cleaned])
     assert first != pytest.approx(second, abs=1e-6)
+
+
+def test_predict_refuses_texts_past_the_context_and_warns_past_the_trained_length(tiny_run_dir, tmp_path, capsys):
+    """A text whose prompt runs past the model's context (the tiny model's 512 positions) was scored anyway (position
+    ids past the model's range); one longer than the run trained on was scored without a word."""
+    from emotune.model.artifacts import find_artifact
+
+    trained = find_artifact(str(tiny_run_dir)).meta["max_length"]
+    words = lambda n: " ".join(["happy"] * n)  # noqa: E731
+    assert main(["predict", str(tiny_run_dir), "fine", words(600)]) == 2
+    err = capsys.readouterr().err
+    assert "text 2 with the prompt and the longest label come to more tokens" in err and "context of 512" in err
+    source = tmp_path / "in.csv"
+    source.write_text("text\n" + "\n".join(["fine", words(trained + 10), "ok", words(trained + 20)]) + "\n")
+    out = tmp_path / "out.csv"
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "in.csv: rows 2, 4 with the prompt" in err and f"train.max_length={trained}" in err
+    assert len(list(csv.DictReader(out.open()))) == 4
+    assert main(["predict", str(tiny_run_dir), "fine"]) == 0 and "Warning" not in capsys.readouterr().err

@@ -10,6 +10,7 @@ text the user turn.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +23,11 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file
 from emotune.data.clean import clean_for_inference
 from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
-from emotune.eval.scoring import score_label_probs
+from emotune.eval.scoring import label_token_ids, prompt_token_ids, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
 from emotune.model.loading import serving_dtype
+from emotune.model.text import context_length
 from emotune.runtime import device as device_mod
 
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
@@ -54,6 +56,29 @@ class Classifier(Loaded):
         if self.artifact.has_head:
             return head_probabilities(self.model, self.tokenizer, texts, self.artifact.max_length, batch_size)
         return score_label_probs(self.model, self.tokenizer, texts, self.artifact.prompt, self.artifact.labels, batch_size)
+
+    def check_lengths(self, texts: list[str], what: str) -> None:
+        """Before anything is scored: texts whose scoring prompt with the longest label runs past the model's context
+        are refused (row numbers named), and those longer than the run trained on are counted in a warning. A head
+        model cuts its texts at the length it trained with, as it did in training, so nothing is checked there."""
+        if self.artifact.has_head:
+            return
+        a = self.artifact
+        texts = clean_for_inference(texts, a.meta.get("cleaning"))
+        longest_label = max(len(ids) for ids in label_token_ids(self.tokenizer, a.prompt, a.labels))
+        lengths = [len(ids) + longest_label for ids in prompt_token_ids(self.tokenizer, a.prompt, a.labels, texts)]
+        context = context_length(self.model)
+        over = [n for n, length in enumerate(lengths, start=1) if context and length > context]
+        if over:
+            raise UserError(f"{_numbered(over, what)} with the prompt and the longest label come to more tokens "
+                            f"(the longest: {max(lengths):,}) than the model's context of {context:,}: it cannot read "
+                            "them whole. Shorten or split those texts, or leave them out; nothing was predicted.")
+        trained = a.meta.get("max_length")
+        longer = [n for n, length in enumerate(lengths, start=1) if isinstance(trained, int) and length > trained]
+        if longer:
+            print(f"Warning: {_numbered(longer, what)} with the prompt and the longest label come to more tokens than "
+                  f"the run trained on (train.max_length={trained}); the model never saw rows that long, so their "
+                  "labels are less certain.", file=sys.stderr, flush=True)
 
 
 class Generator(Loaded):
@@ -110,11 +135,14 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
                         "whose answer is one of its labels. Leave the flag out.")
     classifier = Classifier(artifact, device)
     if rows is None:
+        classifier.check_lengths(texts, "text")
         probs = classifier.probs(texts, batch_size)
         for text, row in zip(texts, probs.tolist(), strict=False):
             print(json.dumps({"text": text, **labelled(row, artifact.labels)}, ensure_ascii=False))
         return 0
-    probs = _probs_with_progress(classifier, rows[text_column].astype(str).tolist(), batch_size)
+    texts = rows[text_column].astype(str).tolist()
+    classifier.check_lengths(texts, f"{Path(file).name}: row")
+    probs = _probs_with_progress(classifier, texts, batch_size)
     _write_table(rows, probs, artifact.labels, Path(out))
     print(f"Wrote {len(rows)} predictions to {out}", flush=True)
     return 0
@@ -159,6 +187,13 @@ def _prompt(cell: object, number: int, column: str) -> str | list[dict]:
     if not turns or turns[-1]["role"] != "user":
         raise UserError(f"Row {number} of column `{column}` has no user turn to answer; a conversation must hold one.")
     return turns
+
+
+def _numbered(numbers: list[int], what: str) -> str:
+    """`text 3`, `rows 2, 5, 9`, `rows 2, 5, 9, 11, 12 and 40 more`: which inputs, counted from 1."""
+    shown = ", ".join(str(n) for n in numbers[:5])
+    rest = f" and {len(numbers) - 5} more" if len(numbers) > 5 else ""
+    return f"{what}{'s' if len(numbers) > 1 else ''} {shown}{rest}"
 
 
 def labelled(probs: list[float], labels: list[str]) -> dict:

@@ -48,6 +48,14 @@ def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[
     return [completion(label + end) for label in labels] if ambiguous and end else bare
 
 
+def prompt_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], texts: list[str]) -> list[list[int]]:
+    """Each text's scoring prompt (system prompt, user turn, generation prompt) as token ids."""
+    rendered = [tokenizer.apply_chat_template(prompt_messages(t, prompt, labels), tokenize=False,
+                                              add_generation_prompt=True) for t in texts]
+    # the chat template already holds <bos>; adding special tokens again would double it
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 @dataclass(frozen=True)
 class LabelTrie:
     """Where each label token's log-probability is read, with label prefixes shared.
@@ -115,10 +123,7 @@ class LabelScorer:
         self._prefix: tuple[tuple[int, ...], object] | None = None
 
     def prompt_ids(self, texts: list[str]) -> list[list[int]]:
-        rendered = [self.tokenizer.apply_chat_template(prompt_messages(t, self.prompt, self.labels), tokenize=False,
-                                                       add_generation_prompt=True) for t in texts]
-        # the chat template already holds <bos>; adding special tokens again would double it
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return prompt_token_ids(self.tokenizer, self.prompt, self.labels, texts)
 
     def shared_prefix(self, ids: list[list[int]]) -> list[int]:
         """The token prefix every row shares (at least the prompt up to the text), leaving each row ≥ 1 token."""

@@ -30,6 +30,13 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def context_length(model) -> int | None:
+    """The model's context window (its text config's max_position_embeddings), or None when the config does not say."""
+    config = getattr(model, "config", None)
+    value = getattr(text_config(config), "max_position_embeddings", None) if config is not None else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def unwrapped(model):
     """The transformers model under DDP (`module`) and PEFT (`get_base_model`) wrappers."""
     model = getattr(model, "module", model)

@@ -94,14 +94,6 @@ def check_context(prompt_tokens: int, max_tokens: int, context: int | None) -> N
                             "ask for fewer tokens.")
 
 
-def context_length(model) -> int | None:
-    """The model's context window (max_position_embeddings), or None when its config does not say."""
-    config = getattr(model, "config", None)
-    config = getattr(config, "text_config", None) or config
-    value = getattr(config, "max_position_embeddings", None)
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def sampling(temperature: float | None, top_p: float | None) -> tuple[float, float | None]:
     """(temperature, top_p) as generation takes them: 0 (greedy) below MIN_TEMPERATURE."""
     temperature = temperature or 0.0

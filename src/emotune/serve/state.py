@@ -12,10 +12,11 @@ from collections import defaultdict
 from pathlib import Path
 
 from emotune.core.config.eval import ServeConfig
+from emotune.model.text import context_length
 from emotune.serve.batching import MicroBatcher
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.http import APIError, resolve_key
-from emotune.serve.limits import Admission, context_length
+from emotune.serve.limits import Admission
 from emotune.serve.metrics import Metrics
 from emotune.serve.modelthread import ANTICIPATE_S, ModelThread
 

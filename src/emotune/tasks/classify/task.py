@@ -148,7 +148,8 @@ def adapter_meta(cfg: ClassifyConfig, data: LabeledData) -> dict:
     """What emotune.json records, so the adapter is measured and served with its training prompt and labels."""
     return {"task": "classify", "labels": data.labels, "system_prompt": system_prompt(cfg.prompt, data.labels),
             "system_prompt_template": cfg.prompt.system_prompt, "user_template": cfg.prompt.user_template,
-            "base_model": cfg.model.source, "eval": cfg.eval.model_dump(), "cleaning": text_steps(cfg.data.cleaning)}
+            "base_model": cfg.model.source, "eval": cfg.eval.model_dump(), "cleaning": text_steps(cfg.data.cleaning),
+            "max_length": cfg.train.max_length}  # predict warns about texts longer than the run trained on
 
 
 # --------------------------------------------------------------------------------------------------
