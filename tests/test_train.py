@@ -447,3 +447,41 @@ def test_class_weights_scale_each_rows_completion_loss(tiny_model_dir):
         per_row = [completion_loss(model, collate([e], tokenizer.pad_token_id, torch.device("cpu"))).loss_sum for e in plain]
         both = completion_loss(model, collate(weighted, tokenizer.pad_token_id, torch.device("cpu"))).loss_sum
     assert both.item() == pytest.approx(3.0 * per_row[0].item() + per_row[1].item(), rel=1e-5)
+
+
+def _collate_by_tensor_ops(examples, pad_id: int):
+    """collate as it was written before it built lists: tensors filled row by row (the reference)."""
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    predicts = torch.zeros((len(examples), width), dtype=torch.bool)
+    weights = torch.zeros((len(examples), width), dtype=torch.float32)
+    for i, e in enumerate(examples):
+        weights[i, :] = e.weight
+        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention_mask[i, :len(e.input_ids)] = 1
+        for start, end in e.loss_spans:
+            predicts[i, max(start - 1, 0):end - 1] = end > start
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "predicts": predicts,
+            "targets": input_ids[:, 1:][predicts[:, :-1]], "token_weights": weights[:, 1:][predicts[:, :-1]]}
+
+
+def test_collate_gives_the_tensors_row_by_row_filling_gives_on_random_batches():
+    """Random rows: lengths 1-12, completion starts anywhere (also 0 and past the end), several spans, empty and
+    overlapping ones, weights; every tensor equal in dtype, shape and value."""
+    import random
+
+    from emotune.train.batches import Example, collate
+
+    rng = random.Random(0)
+    for _ in range(500):
+        rows = []
+        for _ in range(rng.randint(1, 5)):
+            n = rng.randint(1, 12)
+            ids = [rng.randint(0, 99) for _ in range(n)]
+            points = sorted(rng.randint(0, n) for _ in range(2 * rng.randint(1, 3)))
+            spans = None if rng.random() < 0.5 else tuple(zip(points[::2], points[1::2], strict=True))
+            rows.append(Example(ids, rng.randint(0, n) if spans is None else spans[0][0], rng.choice([1.0, 0.3, 2.0]), spans))
+        got, want = collate(rows, 7, torch.device("cpu")), _collate_by_tensor_ops(rows, 7)
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key

@@ -177,23 +177,27 @@ def truncated(example: Example, max_length: int) -> Example:
 
 
 def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded ids and mask, the positions that predict a completion token, and those tokens."""
+    """Right-padded ids and mask, the positions that predict a completion token, and those tokens. Built as Python
+    lists and made tensors once each: a batch costs five tensor creations, not a few operator calls per row."""
     width = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    predicts = torch.zeros((len(examples), width), dtype=torch.bool)
-    weights = torch.zeros((len(examples), width), dtype=torch.float32)
-    for i, e in enumerate(examples):
-        weights[i, :] = e.weight
-        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
-        attention_mask[i, :len(e.input_ids)] = 1
+    ids, mask, predicts, targets, token_weights = [], [], [], [], []
+    for e in examples:
+        n = len(e.input_ids)
+        row = [*e.input_ids, *[pad_id] * (width - n)]
+        flags = [False] * width
         for start, end in e.loss_spans:
-            predicts[i, max(start - 1, 0):end - 1] = end > start
-    # Position t predicts token t+1; row-major order, the order in which the model returns the kept logits.
-    targets = input_ids[:, 1:][predicts[:, :-1]]
-    token_weights = weights[:, 1:][predicts[:, :-1]]
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-            "predicts": predicts.to(device), "targets": targets.to(device), "token_weights": token_weights.to(device)}
+            span = slice(max(start - 1, 0), end - 1)
+            flags[span] = [end > start] * len(range(*span.indices(width)))
+        # Position t predicts token t+1; row-major order, the order in which the model returns the kept logits.
+        kept = [row[t + 1] for t in range(width - 1) if flags[t]]
+        ids.append(row), mask.append([1] * n + [0] * (width - n)), predicts.append(flags)
+        targets += kept
+        token_weights += [e.weight] * len(kept)
+    return {"input_ids": torch.tensor(ids, dtype=torch.long, device=device),
+            "attention_mask": torch.tensor(mask, dtype=torch.long, device=device),
+            "predicts": torch.tensor(predicts, dtype=torch.bool, device=device),
+            "targets": torch.tensor(targets, dtype=torch.long, device=device),
+            "token_weights": torch.tensor(token_weights, dtype=torch.float32, device=device)}
 
 
 def collate_after_prefix(examples: list[Example], pad_id: int, device: torch.device,
