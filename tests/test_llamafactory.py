@@ -174,11 +174,39 @@ def test_refusals_name_their_keys_all_at_once(lf_yaml):
     ({"train_from_scratch": True}, "`train_from_scratch: true` is not supported"),
     ({"lora_rnak": 16}, "`lora_rnak` is not a LLaMA-Factory key; did you mean `lora_rank`?"),
     ({"dataset_name": "trl-lib/Capybara"}, "it is a TRL script's key, not LLaMA-Factory's"),
+    # the loss and optimizer switches of LLaMA-Factory's examples/extras (dft, asft, eaft, muon, mod) and the trainer's
+    # own AdamW settings were ignored as "not a LLaMA-Factory key emotune translates": another loss, silently
+    ({"use_dft_loss": "true"}, "`use_dft_loss: true` is not supported: DFT reweights"),
+    ({"use_asft_loss": "true"}, "`use_asft_loss: true` is not supported"),
+    ({"use_eaft_loss": "true"}, "`use_eaft_loss: true` is not supported"),
+    ({"use_muon": "true"}, "`use_muon: true` is not supported: Muon"),
+    ({"mixture_of_depths": "convert"}, "`mixture_of_depths: convert` is not supported"),
+    ({"adam_beta2": 0.95}, "`adam_beta2: 0.95` is not supported: emotune's AdamW uses betas (0.9, 0.999)"),
+    ({"adam_epsilon": "1e-6"}, "`adam_epsilon: 1e-6` is not supported"),
+    ({"push_to_hub": "true"}, "`emotune push RUN_FOLDER`"),
+    ({"freeze_language_model": "true"}, "`freeze_language_model: true` is not supported"),
 ])
 def test_each_refusal_is_a_clear_user_error(lf_yaml, change, expected):
     with pytest.raises(UserError, match="1 problem") as err:
         load_config(lf_yaml(**change))
     assert expected in str(err.value)
+
+
+def test_trainer_keys_at_values_that_change_nothing_are_accepted_and_said_ignored(lf_yaml):
+    """transformers' own keys in LLaMA-Factory's examples: at emotune's values (YAML's `1e-8` is text) they change
+    nothing; gradient_checkpointing_kwargs was refused as a misspelt gradient_checkpointing (examples/train_full/
+    mossvl_full_sft.yaml), and the translated save_total_limit was listed as ignored too."""
+    from emotune.core.config.llamafactory import translate
+
+    path = lf_yaml(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon="1e-8", use_dft_loss="false",
+                   gradient_checkpointing_kwargs="{use_reentrant: false}", image_max_pixels=262144,
+                   freeze_vision_tower="true", pref_beta=0.1, save_total_limit=3)
+    cfg = load_config(path)
+    assert cfg.train.save_total_limit == 3
+    ignored = dict(translate(yaml.safe_load(path.read_text())).ignored)
+    assert "save_total_limit" not in ignored
+    assert "does not change what is learned" in ignored["gradient_checkpointing_kwargs"]
+    assert "emotune trains on text" in ignored["image_max_pixels"] and "stage sft" in ignored["pref_beta"]
 
 
 def test_the_translation_is_printed_with_ignored_keys(lf_yaml, capsys):

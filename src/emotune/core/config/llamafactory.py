@@ -133,8 +133,18 @@ def _refusals(t: Translation) -> None:
         t.problems.append("`do_train` is not true, so `llamafactory-cli train` would not train with this file; "
                           "add do_train: true")
     for key, (harmless, why) in REFUSED.items():
-        if s.get(key, harmless) not in (harmless, None, False):
+        if not _harmless(s.get(key, harmless), harmless):
             t.problems.append(f"`{key}: {_show(s[key])}` is not supported: {why}")
+
+
+def _harmless(value: Any, harmless: Any) -> bool:
+    """The value changes nothing emotune does; YAML reads `1e-8` as text, which the parser makes a number."""
+    if isinstance(harmless, float) and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return value is None or value is False or value == harmless
 
 
 def _model(t: Translation) -> None:
