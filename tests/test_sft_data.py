@@ -346,3 +346,28 @@ def test_a_row_with_tools_and_no_system_prompt_gets_the_runs_system_prompt(tmp_p
     one = _data(write_jsonl(tmp_path / "s.jsonl", rows)).splits["train"][0]
     assert one.chat("be brief")[0] == {"role": "system", "content": 'be brief\n\nTools available:\n[{"name": "weather"}]'}
     assert one.chat()[0] == {"role": "system", "content": 'Tools available:\n[{"name": "weather"}]'}
+
+
+def test_h2o_parent_id_chains_give_each_row_its_earlier_turns(tmp_path, capsys):
+    """H2O LLM Studio's conversations are one row per turn, `parent_id` naming the row before; they were read as
+    independent alpaca rows, so a follow-up ("and in Bergen?") trained without the question it follows."""
+    import csv
+
+    with open(tmp_path / "h2o.csv", "w", newline="", encoding="utf-8") as handle:
+        out = csv.writer(handle)
+        out.writerow(["id", "parent_id", "instruction", "output"])
+        for i in range(12):
+            out.writerow([f"a{i}", "", f"weather in Oslo {i}?", f"rain {i}"])
+            out.writerow([f"b{i}", f"a{i}", f"and in Bergen {i}?", f"more rain {i}"])
+            out.writerow([f"c{i}", f"b{i}", f"why {i}?", f"the coast {i}"])
+    every = {c.response: c for s in _data(tmp_path / "h2o.csv").splits.values() for c in s}
+    assert len(every) == 36
+    assert every["the coast 3"].messages == (("user", "weather in Oslo 3?"), ("assistant", "rain 3"),
+                                             ("user", "and in Bergen 3?"), ("assistant", "more rain 3"),
+                                             ("user", "why 3?"), ("assistant", "the coast 3"))
+    assert every["rain 3"].messages == (("user", "weather in Oslo 3?"), ("assistant", "rain 3"))
+    assert "chained by parent_id" in capsys.readouterr().out
+
+    rows = [{"id": i, "parent_id": 99 if i == 4 else None, "instruction": f"q {i}", "output": f"a {i}"} for i in range(20)]
+    with pytest.raises(UserError, match=r"rows 5: the `parent_id` names an `id` no row has"):
+        _data(write_jsonl(tmp_path / "broken.jsonl", rows))

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 
 from emotune.core.config.sft import SftColumns, SftTags
+from emotune.core.errors import listed
 
 FORMATS = ("alpaca", "sharegpt", "messages")
 OPENAI_TAGS = SftTags(role_tag="role", content_tag="content", user_tag="user", assistant_tag="assistant",
@@ -293,3 +294,60 @@ def _text(value: object) -> str:
     if isinstance(value, str):
         return value
     return json.dumps(value, ensure_ascii=False)  # tools given as a list, a number as an answer
+
+
+# H2O LLM Studio's chained conversations: one row per turn, `parent_id` naming the row (by `id`) whose turn comes before
+PARENT_COLUMN, ID_COLUMN = "parent_id", "id"
+
+
+def has_parent_chains(column_names: list[str], rows: list[dict]) -> bool:
+    return PARENT_COLUMN in column_names and any(_id(row.get(PARENT_COLUMN)) for row in rows)
+
+
+def chain_parents(rows: list[dict], columns: SftColumns) -> tuple[list[dict], list[str]]:
+    """Each alpaca row with its ancestors' (prompt, answer) pairs as its history, oldest first, as H2O LLM Studio builds
+    a chained row's conversation (every row is a sample of its own); problems name the rows, without the file."""
+    by_id: dict[str, dict] = {}
+    for row in rows:
+        key = _id(row.get(ID_COLUMN))
+        if key is None:
+            return rows, [f"has a `{PARENT_COLUMN}` column (H2O LLM Studio's chained conversations) but rows without "
+                          f"an `{ID_COLUMN}` for it to name; give every row its `{ID_COLUMN}`"]
+        if key in by_id:
+            return rows, [f"has the `{ID_COLUMN}` {key!r} twice, so a `{PARENT_COLUMN}` naming it is ambiguous; give "
+                          "each row its own id"]
+        by_id[key] = row
+    if any(row.get(columns.history) for row in rows):
+        return rows, [f"has both `{PARENT_COLUMN}` chains and a `{columns.history}` column; give the earlier turns "
+                      "one way, not both"]
+    out, missing, cycles = [], [], []
+    for number, row in enumerate(rows, start=1):
+        pairs, seen, parent = [], {_id(row.get(ID_COLUMN))}, _id(row.get(PARENT_COLUMN))
+        while parent is not None:
+            if parent not in by_id:
+                missing.append(number)
+                break
+            if parent in seen:
+                cycles.append(number)
+                break
+            seen.add(parent)
+            earlier = by_id[parent]
+            question = "\n\n".join(p for p in (_text(earlier.get(columns.prompt)), _text(earlier.get(columns.query)))
+                                   if p.strip())
+            pairs.insert(0, [question, _text(earlier.get(columns.response))])
+            parent = _id(earlier.get(PARENT_COLUMN))
+        out.append({**row, columns.history: pairs})
+    problems = [f"rows {listed(missing)}: the `{PARENT_COLUMN}` names an `{ID_COLUMN}` no row has (a row of the "
+                "chain is missing); add it or remove those rows"] if missing else []
+    problems += [f"rows {listed(cycles)}: the `{PARENT_COLUMN}` chain comes back to a row it passed (a loop); fix "
+                 "the ids"] if cycles else []
+    return out, problems
+
+
+def _id(value: object) -> str | None:
+    """An id as text (`7` and `7.0`, as a column with empty cells reads, are one id); None when empty."""
+    if value is None or (isinstance(value, float) and value != value) or str(value).strip() in ("", "None", "nan"):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
