@@ -278,6 +278,29 @@ def test_json_variants(tmp_path):
         assert sum(_sizes(data).values()) == 30, name
 
 
+def test_compressed_files_are_read_like_the_plain_ones(tmp_path):
+    """Hubs and papers ship `train.jsonl.gz`: one file was "unsupported file type `.gz`", a folder of them "holds no
+    train file" (the split files were not seen at all)."""
+    import bz2
+    import gzip
+
+    rows = make_rows(5, seed=3)
+    lines = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "one.jsonl.gz").write_bytes(gzip.compress(lines))
+    assert sum(_sizes(load_data(DataConfig(source=str(tmp_path / "one.jsonl.gz")), seed=0)).values()) == 30
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for name, seed in (("train", 1), ("validation", 2), ("test", 3)):
+        table = "text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in make_rows(4, seed=seed))
+        (folder / f"{name}.csv.{'bz2' if name == 'test' else 'gz'}").write_bytes(
+            (bz2.compress if name == "test" else gzip.compress)(table.encode()))
+    data = load_data(DataConfig(source=str(folder)), seed=0)
+    assert data.report["split"] == "as given" and _sizes(data) == {"train": 24, "validation": 24, "test": 24}
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(lines)[:40])
+    with pytest.raises(UserError, match=r"cut.jsonl.gz` could not be decompressed as .gz"):
+        load_data(DataConfig(source=str(tmp_path / "cut.jsonl.gz")), seed=0)
+
+
 @pytest.mark.parametrize(("stars", "names", "expected"), [
     ([1, 2, 3, 4, 5], ["1", "2", "3", "4", "5"], ["1", "2", "3", "4", "5"]),  # failed: id 5 is out of 0..4
     ([1, 2, 3, 4], ["1", "2", "3", "4", "5"], "labels ['5'] have no training rows"),  # was: ['1'], as ids one down

@@ -197,8 +197,8 @@ def test_dataset_info_hub_entries_download_once_with_their_subset_and_split(tmp_
     assert train_sources.count("alp") == 24 and train_sources.count("chat") == 20  # metadata JSON is not rows
     assert sorted(c.messages[0][1] for c in data.splits["test"]) == [f"test chat {i}" for i in range(6)]
     # Parquet first; JSON files only for the repository without Parquet; each downloaded once
-    assert calls == [("acme/alpaca", ("*.parquet", "*.md")), ("acme/alpaca", ("*.jsonl", "*.json", "*.csv", "*.tsv", "*.md")),
-                     ("acme/chat", ("*.parquet", "*.md"))]
+    other = ("*.jsonl", "*.json", "*.csv", "*.tsv", "*.jsonl.gz", "*.json.gz", "*.csv.gz", "*.tsv.gz", "*.md")
+    assert calls == [("acme/alpaca", ("*.parquet", "*.md")), ("acme/alpaca", other), ("acme/chat", ("*.parquet", "*.md"))]
     _data(tmp_path, "data.datasets=[alp, chat]", "data.eval_datasets=[chat_test]", cache)
     assert len(calls) == 3  # read from the cache
 
@@ -371,3 +371,12 @@ def test_h2o_parent_id_chains_give_each_row_its_earlier_turns(tmp_path, capsys):
     rows = [{"id": i, "parent_id": 99 if i == 4 else None, "instruction": f"q {i}", "output": f"a {i}"} for i in range(20)]
     with pytest.raises(UserError, match=r"rows 5: the `parent_id` names an `id` no row has"):
         _data(write_jsonl(tmp_path / "broken.jsonl", rows))
+
+
+def test_a_gzip_compressed_conversation_file_is_read(tmp_path):
+    import gzip
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(20)]
+    (tmp_path / "chat.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    assert sum(len(s) for s in _data(tmp_path / "chat.jsonl.gz").splits.values()) == 20

@@ -113,14 +113,14 @@ def _wrong_types(raw: dict) -> list[str]:
 
 
 def _files(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: list[str]) -> list[Path] | None:
-    from emotune.data.read import FORMATS
+    from emotune.data.read import is_data_file
     from emotune.data.sources import download_hub_dataset, split_files
 
     where = f"dataset_info.json entry `{name}`"
     if raw.get("file_name"):
         path = folder / raw["file_name"]
         if path.is_dir():
-            return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS)
+            return sorted(p for p in path.rglob("*") if p.is_file() and is_data_file(p))
         if not path.is_file():
             problems.append(f"{where}: file `{path}` does not exist")
             return None

@@ -22,7 +22,7 @@ from platformdirs import user_cache_dir
 
 from emotune.core.config.data import DataConfig
 from emotune.core.errors import UserError
-from emotune.data.read import FORMATS, read_table
+from emotune.data.read import FORMATS, is_data_file, read_table
 
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev", "eval", "evaluation"),
@@ -114,7 +114,7 @@ def split_files(folder: Path, require_train: bool = True) -> dict[str, list[Path
     """
     groups: dict[Path, dict[str, list[Path]]] = {}
     loose: dict[Path, list[Path]] = {}
-    for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS):
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and is_data_file(p)):
         if file.name.lower() in METADATA_FILES or any(part.startswith(".") for part in file.relative_to(folder).parts):
             continue  # hidden folders: download caches, .git
         match = SPLIT_FILE.match(file.stem.lower())
@@ -239,7 +239,7 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
 # same rows in two formats), else its JSON/JSONL/CSV/TSV files (many instruction datasets are one JSON file).
 
 HF_PARQUET = ["*.parquet", "*.md"]
-HF_OTHER_FORMATS = ["*.jsonl", "*.json", "*.csv", "*.tsv", "*.md"]
+HF_OTHER_FORMATS = ["*.jsonl", "*.json", "*.csv", "*.tsv", "*.jsonl.gz", "*.json.gz", "*.csv.gz", "*.tsv.gz", "*.md"]
 
 
 def cache_dir(cfg: DataConfig) -> Path:
@@ -285,7 +285,7 @@ def download_hub_dataset(cfg: DataConfig) -> Path:
 
 
 def _data_files(folder: Path) -> list[Path]:
-    return [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS
+    return [p for p in folder.rglob("*") if p.is_file() and is_data_file(p)
             and p.name.lower() not in METADATA_FILES and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
 
 
