@@ -330,3 +330,37 @@ def test_llamafactory_adapter_name_or_path_trains_on_from_one_adapter(lf_yaml, t
         load_config(lf_yaml(adapter_name_or_path="a,b"))
     with pytest.raises(UserError, match="`create_new_adapter: true` is not supported"):
         load_config(lf_yaml(create_new_adapter="true"))
+
+
+V1_SFT_YAML = """\
+model: {model}
+model_class: llm
+peft_config:
+  name: lora
+  r: 16
+  target_modules: all
+train_dataset: data/v1_sft_demo.yaml
+output_dir: ./outputs/test_lora
+micro_batch_size: 1
+cutoff_len: 2048
+learning_rate: 1.0e-4
+"""
+
+
+def test_llamafactory_files_of_other_commands_are_named_as_what_they_are(lf_yaml, capsys):
+    """examples/v1 (LLaMA-Factory's v1 layout) got fifteen 'not a config key' lines about its own keys; the
+    examples/merge_lora, examples/inference and extras/nlg_eval files were told to add do_train and a dataset."""
+    with pytest.raises(UserError, match=r"is a LLaMA-Factory v1 config \(`model: .*` with model_class, peft_config, "
+                                        r"train_dataset\)\. emotune reads LLaMA-Factory training files in the layout"):
+        load_config(lf_yaml(V1_SFT_YAML))
+    assert main(["config", "--from-llamafactory", str(lf_yaml(V1_SFT_YAML))]) != 0
+    assert "LLaMA-Factory v1 config" in capsys.readouterr().err
+    head = "model_name_or_path: {model}\nadapter_name_or_path: saves/lora/sft\ntemplate: gemma3\ntrust_remote_code: true\n"
+    cases = [(head + "export_dir: merged\nexport_size: 5\n", "`llamafactory-cli export` file"),
+             (head + "infer_backend: huggingface\n", "`llamafactory-cli chat`/`api` file"),
+             (head + "stage: sft\ndo_predict: true\neval_dataset: emotion_alpaca\npredict_with_generate: true\n",
+              "`do_predict` without do_train only evaluates")]
+    for text, says in cases:
+        with pytest.raises(UserError, match="1 problem") as err:  # the missing dataset is not a second problem
+            load_config(lf_yaml(text))
+        assert says in str(err.value)

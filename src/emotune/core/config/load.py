@@ -23,6 +23,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     written: dict[str, Any] = {}
     if path is not None:
         raw = read_yaml(Path(path))
+        llamafactory.refuse_v1(raw, path)
         if llamafactory.is_llamafactory(raw):
             return llamafactory.load(raw, Path(path), overrides)
         written = read_yaml_as_written(Path(path))
