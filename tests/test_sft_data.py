@@ -380,3 +380,17 @@ def test_a_gzip_compressed_conversation_file_is_read(tmp_path):
             for i in range(20)]
     (tmp_path / "chat.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
     assert sum(len(s) for s in _data(tmp_path / "chat.jsonl.gz").splits.values()) == 20
+
+
+def test_llamafactory_pretraining_entries_are_named_as_plain_text(tmp_path):
+    """LLaMA-Factory's stage pt entries (wiki_demo.txt: one document per line; c4_demo.jsonl: a text column, both
+    registered with columns {prompt: text}) were read as emotune's classification `text;label` lines ('lines have no
+    `;` between text and label') or told to set data.columns to an `output` no such file has."""
+    (tmp_path / "wiki.txt").write_text("Anarchism is a political philosophy.\n\nAutism is a condition; it varies.\n")
+    write_jsonl(tmp_path / "c4.jsonl", [{"text": f"document {i}"} for i in range(5)])
+    info = {"wiki_demo": {"file_name": "wiki.txt", "columns": {"prompt": "text"}},
+            "c4_demo": {"file_name": "c4.jsonl", "columns": {"prompt": "text"}}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
+    for name in info:
+        with pytest.raises(UserError, match=r"has a `text` column and no prompt or answer .*LLaMA-Factory's stage pt"):
+            _data(tmp_path, f"data.datasets=[{name}]")

@@ -135,7 +135,8 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
             continue
         fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
                                                                                  entry.columns)
-        if fmt is None and "text" in column_names:
+        plain = column_names == ["text"] and entry.columns.response not in column_names
+        if (fmt is None or plain) and "text" in column_names:
             problems.append(f"`{path}` has a `text` column and no prompt or answer (columns found: "
                             f"{', '.join(column_names)}): plain text for language modelling (TRL's text datasets, "
                             "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "

@@ -101,12 +101,14 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str)
     if path.is_dir():  # one split of a save_to_disk folder (emotune.data.sources.saved_splits)
         return _saved_rows(path)
     fmt = FORMATS.get(data_suffix(path))
-    if fmt not in ("json", "jsonl"):
+    if fmt not in ("json", "jsonl", "txt"):
         table = read_table(path, encoding, text_column, label_column, [])
         return table.column_names, table.to_pylist()
     text = _decode(path, read_bytes(path), encoding)
     if not text.strip():
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
+    if fmt == "txt":  # one document per line, as LLaMA-Factory's text loader reads it (wiki_demo.txt): not text;label
+        return ["text"], [{"text": line} for line in text.splitlines() if line.strip()]
     rows = _json_lines(path, text) if fmt == "jsonl" else _json_rows(path, text, text_column, label_column)
     return list(dict.fromkeys(key for row in rows for key in row)), rows
 
