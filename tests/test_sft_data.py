@@ -216,6 +216,11 @@ def test_dataset_info_hub_entry_offline_is_a_clear_error(tmp_path):
     (tmp_path / "dataset_info.json").write_text(json.dumps({"alp": {"hf_hub_url": "acme/alpaca"}}), encoding="utf-8")
     with pytest.raises(UserError, match=r"data.source `hf:acme/alpaca`: could not download from the hf hub.*hf download acme/alpaca"):
         _data(tmp_path, "data.datasets=[alp]", f"data.cache_dir={tmp_path / 'cache'}")
+    # the entry named, and how to point it at a downloaded copy (the message told to set data.source, which is the
+    # dataset_info.json folder already)
+    with pytest.raises(UserError, match=r"^dataset_info.json entry `alp` \(hf_hub_url: acme/alpaca\): .*For this entry: put "
+                                        r"the downloaded folder in `.*` as `alpaca` and give the entry \"file_name\": \"alpaca\""):
+        _data(tmp_path, "data.datasets=[alp]", f"data.cache_dir={tmp_path / 'cache'}")
 
 
 def test_embedded_instruct_dataset_and_limits():
