@@ -235,6 +235,14 @@ def test_sft_config_refuses_classify_keys():
     assert "3 problems" in str(err.value)
 
 
+def test_one_content_part_given_alone_is_its_text(tmp_path):
+    """A content of one part not wrapped in a list ({"type": "text", "text": ...}) was trained as its JSON."""
+    rows = [{"messages": [{"role": "user", "content": {"type": "text", "text": f"q {i}"}},
+                          {"role": "assistant", "content": {"type": "text", "text": f"a {i}"}}]} for i in range(20)]
+    every = [c for split in _data(write_jsonl(tmp_path / "m.jsonl", rows)).splits.values() for c in split]
+    assert {c.messages for c in every} == {(("user", f"q {i}"), ("assistant", f"a {i}")) for i in range(20)}
+
+
 def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
     """Arrow wants one type per field across rows, so a valid OpenAI file whose content is a string in one message and a
     list of text parts in another (or tool arguments as text and as an object) was refused whole."""
@@ -268,6 +276,14 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
     ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"},
                     {"role": "assistant", "content": "a"}]}], r"an earlier assistant turn is empty"),
     ([{"instruction": "q", "output": "a", "history": [["hi", ""]]}], r"an earlier assistant turn is empty"),
+    # reasoning datasets (Qwen3/DeepSeek-R1 `reasoning_content`, gpt-oss `thinking`) were read with the reasoning left
+    # out, training the answers without it and without a word
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "so"}]}],
+     r"an assistant turn has its reasoning in a field of its own"),
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "so"}]}],
+     r"an assistant turn has its reasoning in a field of its own"),
+    ([{"messages": [{"role": "user", "content": {"type": "image_url", "image_url": {"url": "x"}}},
+                    {"role": "assistant", "content": "a cat"}]}], r"holds images, audio or video"),
 ])
 def test_rows_emotune_cannot_train_on_say_why(tmp_path, rows, says):
     path = tmp_path / "d.json"

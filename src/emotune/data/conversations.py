@@ -52,6 +52,11 @@ TRAINED_PROMPT = ("a system, user or tool turn is marked `training: true` (Axolo
 TRAIN_DETAIL = ("a turn has `train_detail` (Axolotl's character spans to train on); emotune trains whole assistant "
                 "turns: remove it, and mark an answer not to train with \"training\": false")
 TRL_COLUMNS = ("prompt", "completion")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # Qwen3/DeepSeek-R1, OpenAI, gpt-oss templates' names
+REASONING = ("an assistant turn has its reasoning in a field of its own (`reasoning_content`, `reasoning` or `thinking`), "
+             "which emotune would leave out, training the answers without it; write the reasoning into the content "
+             "the way the model's chat template does (e.g. <think>...</think> before the answer), or remove the field "
+             "to train the answers alone")
 
 
 @dataclass(frozen=True)
@@ -203,9 +208,10 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     untrained: list[int] = []
     for i, turn in enumerate(turns):
         role = turn.get(tags.role_tag)
-        if isinstance(turn.get(tags.content_tag), list) and any(
-                isinstance(p, dict) and p.get("type", "text") != "text" for p in turn[tags.content_tag]):
+        if any(isinstance(p, dict) and p.get("type", "text") != "text" for p in _parts(turn.get(tags.content_tag))):
             return MEDIA
+        if any(turn.get(key) for key in REASONING_KEYS):
+            return REASONING
         text = turn_text(turn, tags)
         flag = next((turn[k] for k in TRAINING_KEYS if k in turn), None)
         if "train_detail" in turn:
@@ -269,10 +275,19 @@ def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:
     """A turn's text; OpenAI content parts are joined, and its tool calls (`tool_calls`, or the older `function_call`)
     are kept as their JSON, after the text when the turn has both."""
     content = turn.get(tags.content_tag)
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    if isinstance(content, list) or _is_part(content):  # [{"type": "text", "text": ...}, ...], or one such part
+        content = "".join(p.get("text") or "" for p in _parts(content) if isinstance(p, dict))
     calls = [json.dumps(turn[key], ensure_ascii=False) for key in ("tool_calls", "function_call") if turn.get(key)]
     return "\n".join(part for part in (_text(content), *calls) if part)
+
+
+def _is_part(content: object) -> bool:
+    """One OpenAI content part given alone, not in a list: {"type": "text", "text": ...}."""
+    return isinstance(content, dict) and "type" in content
+
+
+def _parts(content: object) -> list:
+    return content if isinstance(content, list) else [content] if _is_part(content) else []
 
 
 def _check(messages: list[tuple[str, str]]) -> str | None:
