@@ -246,6 +246,25 @@ def test_csv_unclosed_quote_that_swallows_a_row_is_refused(tmp_path):
         _load(tmp_path / "d.csv")
 
 
+def test_tsv_written_without_quoting_keeps_its_quotes_as_text(tmp_path, capsys):
+    """GLUE's TSV files are written without quoting (its readers use quotechar=None): a sentence that opens with a
+    quote it never closes swallowed the rows after it and the file was refused, with a fix (`""`) no one can make to
+    a published dataset. A TSV whose fields are never wrapped in quotes whole is read with quotes as text, with a note;
+    one that quotes its fields and has one quote wrong keeps its error."""
+    rows = make_rows(5, seed=1)
+    rows[4]["text"] = '" opens a quote it never closes'
+    rows[9]["text"] = 'a "quoted" word'
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in rows))
+    data = _load(tmp_path / "train.tsv")
+    texts = {t for ds in data.splits.values() for t in ds["text"]}
+    assert {'" opens a quote it never closes', 'a "quoted" word'} <= texts and len(texts) == 30
+    assert "read with quotes as part of the text" in capsys.readouterr().out
+    rows[0]["text"] = '"a field quoted whole"'
+    (tmp_path / "quoted.tsv").write_text("text\tlabel\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"quoted.tsv` lines 6-11: a quoted field runs from line 6"):
+        _load(tmp_path / "quoted.tsv")
+
+
 def test_csv_unclosed_quote_to_the_end_of_the_file_names_its_line(tmp_path):
     lines = [f"{r['text']},{r['label']}" for r in make_rows(3, seed=1)]
     lines[4] = '"' + lines[4]
