@@ -1,5 +1,6 @@
-"""LLaMA-Factory files that are not v0 training files: the v1 layout (examples/v1), and the files of its other
-commands (export, chat/api, do_predict evaluation), each refused as what it is, with emotune's command for it."""
+"""Files of other tools that are not LLaMA-Factory v0 training files: LLaMA-Factory's v1 layout (examples/v1), the
+files of its other commands (export, chat/api, do_predict evaluation), and Axolotl configs, each named as what it is,
+with emotune's way to do it."""
 
 from __future__ import annotations
 
@@ -53,3 +54,26 @@ def purpose(given: set[str], settings: dict[str, Any]) -> str | None:
     if not settings["dataset"] and {"infer_backend", "adapter_name_or_path"} & given:
         return "chat"
     return None
+
+
+AXOLOTL_KEYS = ("datasets", "micro_batch_size", "sequence_len", "adapter", "num_epochs", "lora_r")
+AXOLOTL_TYPES = {"alpaca": "alpaca", "sharegpt": "sharegpt", "chat_template": "messages"}
+
+
+def axolotl_lead(file: dict[str, Any], path: str | Path) -> list[str]:
+    """The first problem of an Axolotl config (`base_model`, `datasets`, `micro_batch_size`, ...): what the file is and
+    how its dataset maps; the other keys' lines that follow give each key's emotune name. Empty for other files."""
+    found = [key for key in AXOLOTL_KEYS if key in file]
+    if "base_model" not in file or not found:
+        return []
+    first = file.get("datasets")[0] if isinstance(file.get("datasets"), list) and file["datasets"] else None
+    dataset = ""
+    if isinstance(first, dict) and first.get("path"):
+        kind = str(first.get("type", "")).split(".")[0]
+        form = AXOLOTL_TYPES.get(kind)
+        dataset = (f" Its dataset `path: {first['path']}` is data.source (hf:{first['path']} for a hub dataset, or the "
+                   "local file)" + (f" with data.format: {form}" if form else
+                                    f"; emotune reads alpaca, sharegpt and messages data, not type {kind or 'unset'}") + ".")
+    return [f"`{path}` is an Axolotl config (base_model, {', '.join(found)}): emotune does not read Axolotl files; write "
+            f"an emotune config (task: sft, model.source: {file['base_model']}, ...), whose keys the lines below name."
+            + dataset]
