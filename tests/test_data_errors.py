@@ -333,3 +333,19 @@ def test_too_few_rows_to_split_says_how_many_are_needed(tmp_path):
     write_jsonl(tmp_path / "folder" / "validation.jsonl", one_row)
     with pytest.raises(UserError, match=r"train split has 1 row\(s\) left after cleaning, too few to hold data.test_size=0.1"):
         _load(tmp_path / "folder")
+
+
+def test_a_csv_without_a_header_says_so(tmp_path):
+    """AG News', Yelp's and DBpedia's CSVs have no header, and Excel may write a `sep=;` line above it: both were told
+    to 'set data.text_column / data.label_column to the right names', which no name fixes."""
+    rows = make_rows(3, seed=1)
+    (tmp_path / "train.csv").write_text("".join(f'"{i % 4 + 1}","{r["text"]}"\n' for i, r in enumerate(rows)))
+    with pytest.raises(UserError, match=r"The first line looks like a row, not a header \('1', .*add a header line naming "
+                                        r"the 2 columns \(e.g. `label,text`\)"):
+        _load(tmp_path / "train.csv")
+    (tmp_path / "excel.csv").write_text("sep=;\ntext;label\n" + "".join(f"{r['text']};{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"first line `sep=` is Excel's delimiter hint, not the header: remove that line"):
+        _load(tmp_path / "excel.csv")
+    (tmp_path / "named.csv").write_text("Text,Label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"columns found: Text, Label\)\. Set data.text_column / data.label_column"):
+        _load(tmp_path / "named.csv")  # names that look like names keep the plain fix
