@@ -87,6 +87,14 @@ def test_empty_split_file(tmp_path):
         _load(tmp_path)
 
 
+def test_a_single_file_with_a_header_only_is_named_without_split_jargon(tmp_path):
+    """One file given as data.source, a header and no rows, was "the all split (`d.csv`) has no rows"."""
+    (tmp_path / "d.csv").write_text("text,label\n")
+    with pytest.raises(UserError, match=r"  - `.*d.csv` has no rows \(a header only\); give it rows\.$") as err:
+        _load(tmp_path / "d.csv")
+    assert "all split" not in str(err.value)
+
+
 def test_split_emptied_by_cleaning_names_the_step(tmp_path):
     rows = make_rows(3, seed=1)
     write_jsonl(tmp_path / "train.jsonl", rows)

@@ -90,7 +90,8 @@ def _read_and_map(cfg: DataConfig) -> tuple[dict[str, pa.Table], list[str], dict
     problems += _alias_problems(cfg, labels)
     _raise(problems)
     tables = {split: map_labels(t, labels, cfg, raw[split].origin, problems) for split, t in tables.items()}
-    problems += [f"the {split} split ({raw[split].origin}) has no rows; give it rows or remove the file"
+    problems += [f"{raw[split].origin} has no rows (a header only); give it rows" if split == "all" else
+                 f"the {split} split ({raw[split].origin}) has no rows; give it rows or remove the file"
                  for split, t in tables.items() if t is not None and len(t) == 0]
     _raise(problems)
     _raise(_labels_missing_from_train(tables, raw))
