@@ -246,6 +246,23 @@ def test_other_tools_keys_and_section_keys_at_the_top_level_name_emotunes_key(tm
         assert f"`{key}` is not a config key; did you mean `{meant}`" in message
 
 
+def test_an_axolotl_config_is_named_with_its_dataset_first(tmp_path):
+    """An Axolotl config (examples/llama-3/lora-1b.yml's shape) got thirty lines, one per key, and nothing said that
+    the file is another tool's or how its `datasets` entry maps; the first line now says both."""
+    path = tmp_path / "lora-1b.yml"
+    path.write_text("base_model: NousResearch/Llama-3.2-1B\ndatasets:\n  - path: teknium/GPT4-LLM-Cleaned\n"
+                    "    type: alpaca\nval_set_size: 0.1\nadapter: lora\nsequence_len: 2048\nlora_r: 16\n"
+                    "micro_batch_size: 2\nnum_epochs: 1\n")
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    first = str(err.value).splitlines()[1]
+    assert "lora-1b.yml` is an Axolotl config (base_model, datasets, micro_batch_size" in first
+    assert "model.source: NousResearch/Llama-3.2-1B" in first
+    assert "`path: teknium/GPT4-LLM-Cleaned` is data.source (hf:teknium/GPT4-LLM-Cleaned" in first
+    assert "with data.format: alpaca" in first
+    assert "`lora_r` is not a config key; did you mean `lora.r`" in str(err.value)  # each key's line still follows
+
+
 def test_a_run_folder_or_a_data_file_given_as_the_config_says_what_it_is(tmp_path):
     """`emotune run runs/x` said the config "does not exist", and `emotune run reviews.jsonl` showed a YAML syntax
     error in the first row of data."""

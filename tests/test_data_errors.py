@@ -87,6 +87,14 @@ def test_empty_split_file(tmp_path):
         _load(tmp_path)
 
 
+def test_a_single_file_with_a_header_only_is_named_without_split_jargon(tmp_path):
+    """One file given as data.source, a header and no rows, was "the all split (`d.csv`) has no rows"."""
+    (tmp_path / "d.csv").write_text("text,label\n")
+    with pytest.raises(UserError, match=r"  - `.*d.csv` has no rows \(a header only\); give it rows\.$") as err:
+        _load(tmp_path / "d.csv")
+    assert "all split" not in str(err.value)
+
+
 def test_split_emptied_by_cleaning_names_the_step(tmp_path):
     rows = make_rows(3, seed=1)
     write_jsonl(tmp_path / "train.jsonl", rows)
@@ -246,6 +254,25 @@ def test_csv_unclosed_quote_that_swallows_a_row_is_refused(tmp_path):
         _load(tmp_path / "d.csv")
 
 
+def test_tsv_written_without_quoting_keeps_its_quotes_as_text(tmp_path, capsys):
+    """GLUE's TSV files are written without quoting (its readers use quotechar=None): a sentence that opens with a
+    quote it never closes swallowed the rows after it and the file was refused, with a fix (`""`) no one can make to
+    a published dataset. A TSV whose fields are never wrapped in quotes whole is read with quotes as text, with a note;
+    one that quotes its fields and has one quote wrong keeps its error."""
+    rows = make_rows(5, seed=1)
+    rows[4]["text"] = '" opens a quote it never closes'
+    rows[9]["text"] = 'a "quoted" word'
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in rows))
+    data = _load(tmp_path / "train.tsv")
+    texts = {t for ds in data.splits.values() for t in ds["text"]}
+    assert {'" opens a quote it never closes', 'a "quoted" word'} <= texts and len(texts) == 30
+    assert "read with quotes as part of the text" in capsys.readouterr().out
+    rows[0]["text"] = '"a field quoted whole"'
+    (tmp_path / "quoted.tsv").write_text("text\tlabel\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"quoted.tsv` lines 6-11: a quoted field runs from line 6"):
+        _load(tmp_path / "quoted.tsv")
+
+
 def test_csv_unclosed_quote_to_the_end_of_the_file_names_its_line(tmp_path):
     lines = [f"{r['text']},{r['label']}" for r in make_rows(3, seed=1)]
     lines[4] = '"' + lines[4]
@@ -314,3 +341,19 @@ def test_too_few_rows_to_split_says_how_many_are_needed(tmp_path):
     write_jsonl(tmp_path / "folder" / "validation.jsonl", one_row)
     with pytest.raises(UserError, match=r"train split has 1 row\(s\) left after cleaning, too few to hold data.test_size=0.1"):
         _load(tmp_path / "folder")
+
+
+def test_a_csv_without_a_header_says_so(tmp_path):
+    """AG News', Yelp's and DBpedia's CSVs have no header, and Excel may write a `sep=;` line above it: both were told
+    to 'set data.text_column / data.label_column to the right names', which no name fixes."""
+    rows = make_rows(3, seed=1)
+    (tmp_path / "train.csv").write_text("".join(f'"{i % 4 + 1}","{r["text"]}"\n' for i, r in enumerate(rows)))
+    with pytest.raises(UserError, match=r"The first line looks like a row, not a header \('1', .*add a header line naming "
+                                        r"the 2 columns \(e.g. `label,text`\)"):
+        _load(tmp_path / "train.csv")
+    (tmp_path / "excel.csv").write_text("sep=;\ntext;label\n" + "".join(f"{r['text']};{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"first line `sep=` is Excel's delimiter hint, not the header: remove that line"):
+        _load(tmp_path / "excel.csv")
+    (tmp_path / "named.csv").write_text("Text,Label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"columns found: Text, Label\)\. Set data.text_column / data.label_column"):
+        _load(tmp_path / "named.csv")  # names that look like names keep the plain fix

@@ -278,6 +278,29 @@ def test_json_variants(tmp_path):
         assert sum(_sizes(data).values()) == 30, name
 
 
+def test_compressed_files_are_read_like_the_plain_ones(tmp_path):
+    """Hubs and papers ship `train.jsonl.gz`: one file was "unsupported file type `.gz`", a folder of them "holds no
+    train file" (the split files were not seen at all)."""
+    import bz2
+    import gzip
+
+    rows = make_rows(5, seed=3)
+    lines = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "one.jsonl.gz").write_bytes(gzip.compress(lines))
+    assert sum(_sizes(load_data(DataConfig(source=str(tmp_path / "one.jsonl.gz")), seed=0)).values()) == 30
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for name, seed in (("train", 1), ("validation", 2), ("test", 3)):
+        table = "text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in make_rows(4, seed=seed))
+        (folder / f"{name}.csv.{'bz2' if name == 'test' else 'gz'}").write_bytes(
+            (bz2.compress if name == "test" else gzip.compress)(table.encode()))
+    data = load_data(DataConfig(source=str(folder)), seed=0)
+    assert data.report["split"] == "as given" and _sizes(data) == {"train": 24, "validation": 24, "test": 24}
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(lines)[:40])
+    with pytest.raises(UserError, match=r"cut.jsonl.gz` could not be decompressed as .gz"):
+        load_data(DataConfig(source=str(tmp_path / "cut.jsonl.gz")), seed=0)
+
+
 @pytest.mark.parametrize(("stars", "names", "expected"), [
     ([1, 2, 3, 4, 5], ["1", "2", "3", "4", "5"], ["1", "2", "3", "4", "5"]),  # failed: id 5 is out of 0..4
     ([1, 2, 3, 4], ["1", "2", "3", "4", "5"], "labels ['5'] have no training rows"),  # was: ['1'], as ids one down
@@ -335,3 +358,43 @@ def test_jsonl_whose_other_fields_change_type_between_rows_is_read(tmp_path):
     rows[7]["label"] = rows[8]["label"]
     (tmp_path / "d.json").write_text(json.dumps(rows))  # a JSON array the same
     assert sum(_sizes(load_data(DataConfig(source=str(tmp_path / "d.json")), seed=0)).values()) == 30
+
+
+def test_label_layouts_of_public_datasets(tmp_path):
+    """Three layouts public classification datasets come in, each was refused with a fix that did not apply."""
+    import datasets
+
+    # multi-label rows (a list per row): 'holds list<item: string> values ... Point data.label_column at the label
+    # column', which it was; a list of one label each (multi-label layout, single-label rows) is that label
+    rows = make_rows(5, seed=3)
+    write_jsonl(tmp_path / "many.jsonl", [{"text": r["text"], "label": [r["label"], "joy"]} for r in rows])
+    with pytest.raises(UserError, match=r"lists of labels, and 30 row\(s\) have more than one label or none .*exactly one "
+                                        r"label"):
+        load_data(DataConfig(source=str(tmp_path / "many.jsonl")), seed=0)
+    write_jsonl(tmp_path / "ones.jsonl", [{"text": r["text"], "labels": [LABELS.index(r["label"])]} for r in rows])
+    data = load_data(DataConfig(source=str(tmp_path / "ones.jsonl"), label_column="labels", label_names=LABELS), seed=0)
+    assert {t: lab for ds in data.splits.values() for t, lab in zip(ds["text"], ds["label"], strict=True)} == \
+        {r["text"]: r["label"] for r in rows}
+
+    # GLUE's test splits are published without labels, every row -1: 'ids [-1] outside 0..5 ... Set data.label_names
+    # to the full list'; the split is left out with a note and test rows are held out of train
+    features = datasets.Features({"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=LABELS)})
+    glue = tmp_path / "glue"
+    glue.mkdir()
+    datasets.Dataset.from_list([{"sentence": r["text"], "label": LABELS.index(r["label"])} for r in rows],
+                               features=features).to_parquet(str(glue / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list([{"sentence": f"unlabelled {i}", "label": -1} for i in range(8)],
+                               features=features).to_parquet(str(glue / "test-00000-of-00001.parquet"))
+    data = load_data(DataConfig(source=str(glue), text_column="sentence"), seed=0)
+    assert "test held out of train" in data.report["split"] and sum(_sizes(data).values()) == 30
+    assert any("has no labels (every row is -1" in note for note in data.report["notes"])
+    write_jsonl(tmp_path / "some.jsonl", [{"text": r["text"], "label": -1 if i in (2, 7) else LABELS.index(r["label"])}
+                                          for i, r in enumerate(rows)])
+    with pytest.raises(UserError, match=r"2 row\(s\) have the label -1 \(rows 3, 8\), which is how Hugging Face datasets"):
+        load_data(DataConfig(source=str(tmp_path / "some.jsonl"), label_names=LABELS), seed=0)
+
+    # integer ids without names were told to set six emotion names whatever the data held
+    (tmp_path / "stars.csv").write_text("review,stars\n" + "".join(f"{r['text']},{1 + i % 5}\n" for i, r in enumerate(rows)))
+    with pytest.raises(UserError, match=r"integer ids \(1, 2, 3, 4, 5\) .*one for each id from 0 to 5.*star ratings.*"
+                                        r"data.label_names=\[1, 2, 3, 4, 5\]"):
+        load_data(DataConfig(source=str(tmp_path / "stars.csv"), text_column="review", label_column="stars"), seed=0)

@@ -174,11 +174,39 @@ def test_refusals_name_their_keys_all_at_once(lf_yaml):
     ({"train_from_scratch": True}, "`train_from_scratch: true` is not supported"),
     ({"lora_rnak": 16}, "`lora_rnak` is not a LLaMA-Factory key; did you mean `lora_rank`?"),
     ({"dataset_name": "trl-lib/Capybara"}, "it is a TRL script's key, not LLaMA-Factory's"),
+    # the loss and optimizer switches of LLaMA-Factory's examples/extras (dft, asft, eaft, muon, mod) and the trainer's
+    # own AdamW settings were ignored as "not a LLaMA-Factory key emotune translates": another loss, silently
+    ({"use_dft_loss": "true"}, "`use_dft_loss: true` is not supported: DFT reweights"),
+    ({"use_asft_loss": "true"}, "`use_asft_loss: true` is not supported"),
+    ({"use_eaft_loss": "true"}, "`use_eaft_loss: true` is not supported"),
+    ({"use_muon": "true"}, "`use_muon: true` is not supported: Muon"),
+    ({"mixture_of_depths": "convert"}, "`mixture_of_depths: convert` is not supported"),
+    ({"adam_beta2": 0.95}, "`adam_beta2: 0.95` is not supported: emotune's AdamW uses betas (0.9, 0.999)"),
+    ({"adam_epsilon": "1e-6"}, "`adam_epsilon: 1e-6` is not supported"),
+    ({"push_to_hub": "true"}, "`emotune push RUN_FOLDER`"),
+    ({"freeze_language_model": "true"}, "`freeze_language_model: true` is not supported"),
 ])
 def test_each_refusal_is_a_clear_user_error(lf_yaml, change, expected):
     with pytest.raises(UserError, match="1 problem") as err:
         load_config(lf_yaml(**change))
     assert expected in str(err.value)
+
+
+def test_trainer_keys_at_values_that_change_nothing_are_accepted_and_said_ignored(lf_yaml):
+    """transformers' own keys in LLaMA-Factory's examples: at emotune's values (YAML's `1e-8` is text) they change
+    nothing; gradient_checkpointing_kwargs was refused as a misspelt gradient_checkpointing (examples/train_full/
+    mossvl_full_sft.yaml), and the translated save_total_limit was listed as ignored too."""
+    from emotune.core.config.llamafactory import translate
+
+    path = lf_yaml(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon="1e-8", use_dft_loss="false",
+                   gradient_checkpointing_kwargs="{use_reentrant: false}", image_max_pixels=262144,
+                   freeze_vision_tower="true", pref_beta=0.1, save_total_limit=3)
+    cfg = load_config(path)
+    assert cfg.train.save_total_limit == 3
+    ignored = dict(translate(yaml.safe_load(path.read_text())).ignored)
+    assert "save_total_limit" not in ignored
+    assert "does not change what is learned" in ignored["gradient_checkpointing_kwargs"]
+    assert "emotune trains on text" in ignored["image_max_pixels"] and "stage sft" in ignored["pref_beta"]
 
 
 def test_the_translation_is_printed_with_ignored_keys(lf_yaml, capsys):
@@ -302,3 +330,37 @@ def test_llamafactory_adapter_name_or_path_trains_on_from_one_adapter(lf_yaml, t
         load_config(lf_yaml(adapter_name_or_path="a,b"))
     with pytest.raises(UserError, match="`create_new_adapter: true` is not supported"):
         load_config(lf_yaml(create_new_adapter="true"))
+
+
+V1_SFT_YAML = """\
+model: {model}
+model_class: llm
+peft_config:
+  name: lora
+  r: 16
+  target_modules: all
+train_dataset: data/v1_sft_demo.yaml
+output_dir: ./outputs/test_lora
+micro_batch_size: 1
+cutoff_len: 2048
+learning_rate: 1.0e-4
+"""
+
+
+def test_llamafactory_files_of_other_commands_are_named_as_what_they_are(lf_yaml, capsys):
+    """examples/v1 (LLaMA-Factory's v1 layout) got fifteen 'not a config key' lines about its own keys; the
+    examples/merge_lora, examples/inference and extras/nlg_eval files were told to add do_train and a dataset."""
+    with pytest.raises(UserError, match=r"is a LLaMA-Factory v1 config \(`model: .*` with model_class, peft_config, "
+                                        r"train_dataset\)\. emotune reads LLaMA-Factory training files in the layout"):
+        load_config(lf_yaml(V1_SFT_YAML))
+    assert main(["config", "--from-llamafactory", str(lf_yaml(V1_SFT_YAML))]) != 0
+    assert "LLaMA-Factory v1 config" in capsys.readouterr().err
+    head = "model_name_or_path: {model}\nadapter_name_or_path: saves/lora/sft\ntemplate: gemma3\ntrust_remote_code: true\n"
+    cases = [(head + "export_dir: merged\nexport_size: 5\n", "`llamafactory-cli export` file"),
+             (head + "infer_backend: huggingface\n", "`llamafactory-cli chat`/`api` file"),
+             (head + "stage: sft\ndo_predict: true\neval_dataset: emotion_alpaca\npredict_with_generate: true\n",
+              "`do_predict` without do_train only evaluates")]
+    for text, says in cases:
+        with pytest.raises(UserError, match="1 problem") as err:  # the missing dataset is not a second problem
+            load_config(lf_yaml(text))
+        assert says in str(err.value)

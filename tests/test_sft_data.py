@@ -197,8 +197,8 @@ def test_dataset_info_hub_entries_download_once_with_their_subset_and_split(tmp_
     assert train_sources.count("alp") == 24 and train_sources.count("chat") == 20  # metadata JSON is not rows
     assert sorted(c.messages[0][1] for c in data.splits["test"]) == [f"test chat {i}" for i in range(6)]
     # Parquet first; JSON files only for the repository without Parquet; each downloaded once
-    assert calls == [("acme/alpaca", ("*.parquet", "*.md")), ("acme/alpaca", ("*.jsonl", "*.json", "*.csv", "*.tsv", "*.md")),
-                     ("acme/chat", ("*.parquet", "*.md"))]
+    other = ("*.jsonl", "*.json", "*.csv", "*.tsv", "*.jsonl.gz", "*.json.gz", "*.csv.gz", "*.tsv.gz", "*.md")
+    assert calls == [("acme/alpaca", ("*.parquet", "*.md")), ("acme/alpaca", other), ("acme/chat", ("*.parquet", "*.md"))]
     _data(tmp_path, "data.datasets=[alp, chat]", "data.eval_datasets=[chat_test]", cache)
     assert len(calls) == 3  # read from the cache
 
@@ -216,6 +216,11 @@ def test_dataset_info_hub_entry_offline_is_a_clear_error(tmp_path):
     (tmp_path / "dataset_info.json").write_text(json.dumps({"alp": {"hf_hub_url": "acme/alpaca"}}), encoding="utf-8")
     with pytest.raises(UserError, match=r"data.source `hf:acme/alpaca`: could not download from the hf hub.*hf download acme/alpaca"):
         _data(tmp_path, "data.datasets=[alp]", f"data.cache_dir={tmp_path / 'cache'}")
+    # the entry named, and how to point it at a downloaded copy (the message told to set data.source, which is the
+    # dataset_info.json folder already)
+    with pytest.raises(UserError, match=r"^dataset_info.json entry `alp` \(hf_hub_url: acme/alpaca\): .*For this entry: put "
+                                        r"the downloaded folder in `.*` as `alpaca` and give the entry \"file_name\": \"alpaca\""):
+        _data(tmp_path, "data.datasets=[alp]", f"data.cache_dir={tmp_path / 'cache'}")
 
 
 def test_embedded_instruct_dataset_and_limits():
@@ -228,6 +233,14 @@ def test_sft_config_refuses_classify_keys():
     with pytest.raises(UserError) as err:
         load_config(None, ["task=sft", "prompt.user_template={text}", "data.label_names=[a, b]", "eval.method=score"])
     assert "3 problems" in str(err.value)
+
+
+def test_one_content_part_given_alone_is_its_text(tmp_path):
+    """A content of one part not wrapped in a list ({"type": "text", "text": ...}) was trained as its JSON."""
+    rows = [{"messages": [{"role": "user", "content": {"type": "text", "text": f"q {i}"}},
+                          {"role": "assistant", "content": {"type": "text", "text": f"a {i}"}}]} for i in range(20)]
+    every = [c for split in _data(write_jsonl(tmp_path / "m.jsonl", rows)).splits.values() for c in split]
+    assert {c.messages for c in every} == {(("user", f"q {i}"), ("assistant", f"a {i}")) for i in range(20)}
 
 
 def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
@@ -263,6 +276,14 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
     ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"},
                     {"role": "assistant", "content": "a"}]}], r"an earlier assistant turn is empty"),
     ([{"instruction": "q", "output": "a", "history": [["hi", ""]]}], r"an earlier assistant turn is empty"),
+    # reasoning datasets (Qwen3/DeepSeek-R1 `reasoning_content`, gpt-oss `thinking`) were read with the reasoning left
+    # out, training the answers without it and without a word
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "so"}]}],
+     r"an assistant turn has its reasoning in a field of its own"),
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "so"}]}],
+     r"an assistant turn has its reasoning in a field of its own"),
+    ([{"messages": [{"role": "user", "content": {"type": "image_url", "image_url": {"url": "x"}}},
+                    {"role": "assistant", "content": "a cat"}]}], r"holds images, audio or video"),
 ])
 def test_rows_emotune_cannot_train_on_say_why(tmp_path, rows, says):
     path = tmp_path / "d.json"
@@ -346,3 +367,51 @@ def test_a_row_with_tools_and_no_system_prompt_gets_the_runs_system_prompt(tmp_p
     one = _data(write_jsonl(tmp_path / "s.jsonl", rows)).splits["train"][0]
     assert one.chat("be brief")[0] == {"role": "system", "content": 'be brief\n\nTools available:\n[{"name": "weather"}]'}
     assert one.chat()[0] == {"role": "system", "content": 'Tools available:\n[{"name": "weather"}]'}
+
+
+def test_h2o_parent_id_chains_give_each_row_its_earlier_turns(tmp_path, capsys):
+    """H2O LLM Studio's conversations are one row per turn, `parent_id` naming the row before; they were read as
+    independent alpaca rows, so a follow-up ("and in Bergen?") trained without the question it follows."""
+    import csv
+
+    with open(tmp_path / "h2o.csv", "w", newline="", encoding="utf-8") as handle:
+        out = csv.writer(handle)
+        out.writerow(["id", "parent_id", "instruction", "output"])
+        for i in range(12):
+            out.writerow([f"a{i}", "", f"weather in Oslo {i}?", f"rain {i}"])
+            out.writerow([f"b{i}", f"a{i}", f"and in Bergen {i}?", f"more rain {i}"])
+            out.writerow([f"c{i}", f"b{i}", f"why {i}?", f"the coast {i}"])
+    every = {c.response: c for s in _data(tmp_path / "h2o.csv").splits.values() for c in s}
+    assert len(every) == 36
+    assert every["the coast 3"].messages == (("user", "weather in Oslo 3?"), ("assistant", "rain 3"),
+                                             ("user", "and in Bergen 3?"), ("assistant", "more rain 3"),
+                                             ("user", "why 3?"), ("assistant", "the coast 3"))
+    assert every["rain 3"].messages == (("user", "weather in Oslo 3?"), ("assistant", "rain 3"))
+    assert "chained by parent_id" in capsys.readouterr().out
+
+    rows = [{"id": i, "parent_id": 99 if i == 4 else None, "instruction": f"q {i}", "output": f"a {i}"} for i in range(20)]
+    with pytest.raises(UserError, match=r"rows 5: the `parent_id` names an `id` no row has"):
+        _data(write_jsonl(tmp_path / "broken.jsonl", rows))
+
+
+def test_a_gzip_compressed_conversation_file_is_read(tmp_path):
+    import gzip
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(20)]
+    (tmp_path / "chat.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    assert sum(len(s) for s in _data(tmp_path / "chat.jsonl.gz").splits.values()) == 20
+
+
+def test_llamafactory_pretraining_entries_are_named_as_plain_text(tmp_path):
+    """LLaMA-Factory's stage pt entries (wiki_demo.txt: one document per line; c4_demo.jsonl: a text column, both
+    registered with columns {prompt: text}) were read as emotune's classification `text;label` lines ('lines have no
+    `;` between text and label') or told to set data.columns to an `output` no such file has."""
+    (tmp_path / "wiki.txt").write_text("Anarchism is a political philosophy.\n\nAutism is a condition; it varies.\n")
+    write_jsonl(tmp_path / "c4.jsonl", [{"text": f"document {i}"} for i in range(5)])
+    info = {"wiki_demo": {"file_name": "wiki.txt", "columns": {"prompt": "text"}},
+            "c4_demo": {"file_name": "c4.jsonl", "columns": {"prompt": "text"}}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
+    for name in info:
+        with pytest.raises(UserError, match=r"has a `text` column and no prompt or answer .*LLaMA-Factory's stage pt"):
+            _data(tmp_path, f"data.datasets=[{name}]")

@@ -21,7 +21,14 @@ from emotune.core.config.sft import SftDataConfig
 from emotune.core.errors import UserError, listed, raise_problems
 from emotune.data import clean
 from emotune.data import splits as split_ops
-from emotune.data.conversations import Conversation, detect_format, normalise, required_columns
+from emotune.data.conversations import (
+    Conversation,
+    chain_parents,
+    detect_format,
+    has_parent_chains,
+    normalise,
+    required_columns,
+)
 from emotune.data.dataset_info import Entry, has_dataset_info, read_entries
 from emotune.data.read import read_records
 from emotune.data.sources import HUB_PREFIXES, SPLITS, download_hub_dataset, is_saved_dataset, saved_splits, split_files
@@ -128,7 +135,8 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
             continue
         fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
                                                                                  entry.columns)
-        if fmt is None and "text" in column_names:
+        plain = column_names == ["text"] and entry.columns.response not in column_names
+        if (fmt is None or plain) and "text" in column_names:
             problems.append(f"`{path}` has a `text` column and no prompt or answer (columns found: "
                             f"{', '.join(column_names)}): plain text for language modelling (TRL's text datasets, "
                             "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "
@@ -144,6 +152,14 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
             problems.append(f"`{path}` ({fmt} format) has no column {', '.join(map(repr, missing))} (columns found: "
                             f"{', '.join(column_names)}); set data.columns (or the entry's `columns`) to its names")
             continue
+        if fmt == "alpaca" and has_parent_chains(column_names, rows):
+            rows, chain_problems = chain_parents(rows, entry.columns)
+            if chain_problems:
+                problems += [f"`{path}` {problem}" for problem in chain_problems]
+                continue
+            print(f"Note: `{path}`: rows are chained by parent_id (H2O LLM Studio's conversations); each row is trained "
+                  "with the turns of its parent rows before it, as its history (prompt.mask_history=true trains only "
+                  "its own answer).", flush=True)
         bad: dict[str, list[int]] = {}
         for number, row in enumerate(rows, start=1):
             found = normalise(row, fmt, entry.columns, entry.tags, entry.name)

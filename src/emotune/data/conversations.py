@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 
 from emotune.core.config.sft import SftColumns, SftTags
+from emotune.core.errors import listed
 
 FORMATS = ("alpaca", "sharegpt", "messages")
 OPENAI_TAGS = SftTags(role_tag="role", content_tag="content", user_tag="user", assistant_tag="assistant",
@@ -51,6 +52,11 @@ TRAINED_PROMPT = ("a system, user or tool turn is marked `training: true` (Axolo
 TRAIN_DETAIL = ("a turn has `train_detail` (Axolotl's character spans to train on); emotune trains whole assistant "
                 "turns: remove it, and mark an answer not to train with \"training\": false")
 TRL_COLUMNS = ("prompt", "completion")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # Qwen3/DeepSeek-R1, OpenAI, gpt-oss templates' names
+REASONING = ("an assistant turn has its reasoning in a field of its own (`reasoning_content`, `reasoning` or `thinking`), "
+             "which emotune would leave out, training the answers without it; write the reasoning into the content "
+             "the way the model's chat template does (e.g. <think>...</think> before the answer), or remove the field "
+             "to train the answers alone")
 
 
 @dataclass(frozen=True)
@@ -202,9 +208,10 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     untrained: list[int] = []
     for i, turn in enumerate(turns):
         role = turn.get(tags.role_tag)
-        if isinstance(turn.get(tags.content_tag), list) and any(
-                isinstance(p, dict) and p.get("type", "text") != "text" for p in turn[tags.content_tag]):
+        if any(isinstance(p, dict) and p.get("type", "text") != "text" for p in _parts(turn.get(tags.content_tag))):
             return MEDIA
+        if any(turn.get(key) for key in REASONING_KEYS):
+            return REASONING
         text = turn_text(turn, tags)
         flag = next((turn[k] for k in TRAINING_KEYS if k in turn), None)
         if "train_detail" in turn:
@@ -268,10 +275,19 @@ def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:
     """A turn's text; OpenAI content parts are joined, and its tool calls (`tool_calls`, or the older `function_call`)
     are kept as their JSON, after the text when the turn has both."""
     content = turn.get(tags.content_tag)
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    if isinstance(content, list) or _is_part(content):  # [{"type": "text", "text": ...}, ...], or one such part
+        content = "".join(p.get("text") or "" for p in _parts(content) if isinstance(p, dict))
     calls = [json.dumps(turn[key], ensure_ascii=False) for key in ("tool_calls", "function_call") if turn.get(key)]
     return "\n".join(part for part in (_text(content), *calls) if part)
+
+
+def _is_part(content: object) -> bool:
+    """One OpenAI content part given alone, not in a list: {"type": "text", "text": ...}."""
+    return isinstance(content, dict) and "type" in content
+
+
+def _parts(content: object) -> list:
+    return content if isinstance(content, list) else [content] if _is_part(content) else []
 
 
 def _check(messages: list[tuple[str, str]]) -> str | None:
@@ -293,3 +309,60 @@ def _text(value: object) -> str:
     if isinstance(value, str):
         return value
     return json.dumps(value, ensure_ascii=False)  # tools given as a list, a number as an answer
+
+
+# H2O LLM Studio's chained conversations: one row per turn, `parent_id` naming the row (by `id`) whose turn comes before
+PARENT_COLUMN, ID_COLUMN = "parent_id", "id"
+
+
+def has_parent_chains(column_names: list[str], rows: list[dict]) -> bool:
+    return PARENT_COLUMN in column_names and any(_id(row.get(PARENT_COLUMN)) for row in rows)
+
+
+def chain_parents(rows: list[dict], columns: SftColumns) -> tuple[list[dict], list[str]]:
+    """Each alpaca row with its ancestors' (prompt, answer) pairs as its history, oldest first, as H2O LLM Studio builds
+    a chained row's conversation (every row is a sample of its own); problems name the rows, without the file."""
+    by_id: dict[str, dict] = {}
+    for row in rows:
+        key = _id(row.get(ID_COLUMN))
+        if key is None:
+            return rows, [f"has a `{PARENT_COLUMN}` column (H2O LLM Studio's chained conversations) but rows without "
+                          f"an `{ID_COLUMN}` for it to name; give every row its `{ID_COLUMN}`"]
+        if key in by_id:
+            return rows, [f"has the `{ID_COLUMN}` {key!r} twice, so a `{PARENT_COLUMN}` naming it is ambiguous; give "
+                          "each row its own id"]
+        by_id[key] = row
+    if any(row.get(columns.history) for row in rows):
+        return rows, [f"has both `{PARENT_COLUMN}` chains and a `{columns.history}` column; give the earlier turns "
+                      "one way, not both"]
+    out, missing, cycles = [], [], []
+    for number, row in enumerate(rows, start=1):
+        pairs, seen, parent = [], {_id(row.get(ID_COLUMN))}, _id(row.get(PARENT_COLUMN))
+        while parent is not None:
+            if parent not in by_id:
+                missing.append(number)
+                break
+            if parent in seen:
+                cycles.append(number)
+                break
+            seen.add(parent)
+            earlier = by_id[parent]
+            question = "\n\n".join(p for p in (_text(earlier.get(columns.prompt)), _text(earlier.get(columns.query)))
+                                   if p.strip())
+            pairs.insert(0, [question, _text(earlier.get(columns.response))])
+            parent = _id(earlier.get(PARENT_COLUMN))
+        out.append({**row, columns.history: pairs})
+    problems = [f"rows {listed(missing)}: the `{PARENT_COLUMN}` names an `{ID_COLUMN}` no row has (a row of the "
+                "chain is missing); add it or remove those rows"] if missing else []
+    problems += [f"rows {listed(cycles)}: the `{PARENT_COLUMN}` chain comes back to a row it passed (a loop); fix "
+                 "the ids"] if cycles else []
+    return out, problems
+
+
+def _id(value: object) -> str | None:
+    """An id as text (`7` and `7.0`, as a column with empty cells reads, are one id); None when empty."""
+    if value is None or (isinstance(value, float) and value != value) or str(value).strip() in ("", "None", "nan"):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()

@@ -29,6 +29,21 @@ Lines = Callable[[], Iterable[str]]  # the file's lines, decoded, with their lin
 def read_csv(path: Path, source: str | pa.Buffer, delimiter: str, lines: Lines, text_column: str,
              label_column: str, notes: list[str]) -> pa.Table:
     """The file as a table (the text column always as strings, so `1.50` or a date stay as written)."""
+    try:
+        return _read_quoted(path, source, delimiter, lines, text_column, label_column, notes)
+    except UserError:
+        if delimiter != "\t":
+            raise
+        unquoted = _unquoted_tsv(source, text_column)  # GLUE-style TSV: a quote is text, never a field's fence
+        if unquoted is None:
+            raise
+        notes.append(f"`{path}`: read with quotes as part of the text (a TSV without quoting, as GLUE's files are): "
+                     "read as quoted fields, a quote in the text ran over the rows after it.")
+        return unquoted
+
+
+def _read_quoted(path: Path, source: str | pa.Buffer, delimiter: str, lines: Lines, text_column: str,
+                 label_column: str, notes: list[str]) -> pa.Table:
     kind = "TSV" if delimiter == "\t" else "CSV"
     try:
         table = _arrow_read(source, delimiter, text_column)
@@ -41,8 +56,21 @@ def read_csv(path: Path, source: str | pa.Buffer, delimiter: str, lines: Lines, 
     return table
 
 
-def _arrow_read(source: str | pa.Buffer, delimiter: str, text_column: str) -> pa.Table:
-    parse = pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+def _unquoted_tsv(source: str | pa.Buffer, text_column: str) -> pa.Table | None:
+    """The file read with no quoting, when every row then has the header's number of fields and no field is wrapped
+    in quotes whole (a file that quotes its fields and has one quote wrong keeps its error); None otherwise."""
+    try:
+        table = _arrow_read(source, "\t", text_column, quoting=False)
+    except Exception:  # rows of other lengths: the quotes were fences after all, and the first error stands
+        return None
+    fenced = any(pc.any(pc.match_substring_regex(column, '^".*"$')).as_py()
+                 for column in table.columns if pa.types.is_string(column.type) or pa.types.is_large_string(column.type))
+    return None if fenced else table
+
+
+def _arrow_read(source: str | pa.Buffer, delimiter: str, text_column: str, quoting: bool = True) -> pa.Table:
+    parse = (pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True) if quoting else
+             pa_csv.ParseOptions(delimiter=delimiter, quote_char=False, newlines_in_values=False))
     convert = pa_csv.ConvertOptions(column_types={text_column: pa.string()})
 
     def attempt(block_size: int | None) -> pa.Table:

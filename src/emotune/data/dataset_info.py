@@ -113,14 +113,14 @@ def _wrong_types(raw: dict) -> list[str]:
 
 
 def _files(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: list[str]) -> list[Path] | None:
-    from emotune.data.read import FORMATS
+    from emotune.data.read import is_data_file
     from emotune.data.sources import download_hub_dataset, split_files
 
     where = f"dataset_info.json entry `{name}`"
     if raw.get("file_name"):
         path = folder / raw["file_name"]
         if path.is_dir():
-            return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS)
+            return sorted(p for p in path.rglob("*") if p.is_file() and is_data_file(p))
         if not path.is_file():
             problems.append(f"{where}: file `{path}` does not exist")
             return None
@@ -132,7 +132,13 @@ def _files(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
         return None
     source = SimpleNamespace(source=f"{hub[0]}:{hub[1]}", revision=raw.get("revision") or cfg.revision,
                              cache_dir=cfg.cache_dir)
-    snapshot = download_hub_dataset(source)
+    try:
+        snapshot = download_hub_dataset(source)
+    except UserError as err:  # the entry is what the user named; the hub source is emotune's spelling of its url
+        local = hub[1].split("/")[-1]
+        raise UserError(f"{where} ({'hf_hub_url' if hub[0] == 'hf' else 'ms_hub_url'}: {hub[1]}): {err} For this entry: "
+                        f"put the downloaded folder in `{folder}` as `{local}` and give the entry \"file_name\": "
+                        f"\"{local}\" in place of its hub url.") from None
     for key in ("folder", "subset"):  # LLaMA-Factory's data_dir and configuration name: folders of the repository
         if raw.get(key):
             inner = snapshot / str(raw[key])

@@ -61,11 +61,30 @@ def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
                             f"e.g. {label[fractional[0]].as_py()}); labels are names or integer ids")
             return None
         label = label.cast(pa.int64())
+    if pa.types.is_list(label.type) or pa.types.is_large_list(label.type):
+        label = _one_label_each(label, raw, problems)
+        if label is None:
+            return None
     if not (pa.types.is_string(label.type) or pa.types.is_integer(label.type)):
         problems.append(f"{raw.origin}: the label column holds {label.type} values; labels must be names or integer "
                         "ids. Point data.label_column at the label column")
         return None
     return pa.table({"text": text, "label": label})
+
+
+def _one_label_each(label: pa.ChunkedArray, raw: RawSplit, problems: list[str]) -> pa.ChunkedArray | None:
+    """A list column whose every list holds one label is that label (a multi-label layout with single-label rows);
+    a row with more or none is refused: a classify task gives each text one label."""
+    lengths = pc.fill_null(pc.list_value_length(label), 0)
+    other = pc.indices_nonzero(pc.not_equal(lengths, 1)).to_pylist()
+    if not other:
+        raw.notes.append(f"{raw.origin}: every label is a list of one label; read as that label.")
+        return pc.list_flatten(label)
+    problems.append(f"{raw.origin}: the label column holds lists of labels, and {len(other)} row(s) have more than one "
+                    f"label or none (multi-label rows, e.g. row {other[0] + 1}: {label[other[0]].as_py()!r:.80}); the "
+                    "classify tasks give each text exactly one label. Keep one label per row, write each combination as "
+                    "a label of its own (e.g. `joy+surprise`), or point data.label_column at a single-label column")
+    return None
 
 
 def _missing(label: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -87,9 +106,14 @@ def choose_label_names(cfg: DataConfig, tables: dict[str, pa.Table], raw: dict[s
     for split in tables:
         if raw[split].class_names:
             return raw[split].class_names, f"the ClassLabel of {raw[split].origin}"
-    if any(pa.types.is_integer(t.column("label").type) for t in tables.values()):
-        problems.append("the labels are integer ids but there are no names for them (no ClassLabel in the data). "
-                        "Set data.label_names to the names in id order, e.g. data.label_names=[sadness, joy, love, anger, fear, surprise]")
+    integer = [t.column("label") for t in tables.values() if pa.types.is_integer(t.column("label").type)]
+    if integer:
+        ids = sorted({i for column in integer for i in pc.unique(column).to_pylist()})
+        shown = ", ".join(map(str, ids[:12])) + (f" ... ({len(ids)} values)" if len(ids) > 12 else "")
+        problems.append(f"the labels are integer ids ({shown}) but there are no names for them (no ClassLabel in the "
+                        f"data). Set data.label_names to the names in id order, one for each id from 0 to {ids[-1]}, "
+                        f"e.g. data.label_names=[negative, positive] for ids 0 and 1; where the numbers are the labels "
+                        f"themselves (star ratings), list them as the names: data.label_names=[{', '.join(map(str, ids[:12]))}]")
         return [], "none"
     return _names_as_found(cfg, tables), "the values found"
 
@@ -115,6 +139,11 @@ def map_labels(table: pa.Table, names: list[str], cfg: DataConfig, origin: str, 
         bad = pc.or_(pc.less(label, 0), pc.greater_equal(label, len(names)))
         if pc.any(bad).as_py():
             values = sorted(set(pc.filter(label, bad).to_pylist()))[:10]
+            if values == [-1]:  # how `datasets` writes a ClassLabel row without a label
+                rows = [r + 1 for r in pc.indices_nonzero(pc.equal(label, -1)).to_pylist()]
+                problems.append(f"{origin}: {len(rows)} row(s) have the label -1 (rows {listed(rows)}), which is how "
+                                "Hugging Face datasets write a row without a label; label those rows or remove them")
+                return None
             problems.append(f"{origin}: column `{cfg.label_column}` holds integer ids {values} outside 0..{len(names) - 1} "
                             f"for the {len(names)} label names {names}. Set data.label_names to the full list of names in id order")
             return None
@@ -164,3 +193,10 @@ def example_rows(table: pa.Table, labels: list[str]) -> str:
     rows = pc.indices_nonzero(pc.is_in(table.column("label"), value_set=pa.array(labels, pa.string()))).to_pylist()[:3]
     texts, labels = table.column("text"), table.column("label")
     return "; ".join(f"row {r + 1}: {labels[r].as_py()!r} {texts[r].as_py()[:60]!r}" for r in rows)
+
+
+def is_unlabelled(table: pa.Table | None) -> bool:
+    """Every label is -1: a split published without its labels (GLUE's and SuperGLUE's test splits)."""
+    label = None if table is None else table.column("label")
+    return (label is not None and len(label) > 0 and pa.types.is_integer(label.type)
+            and bool(pc.all(pc.equal(label, -1)).as_py()))

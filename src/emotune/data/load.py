@@ -18,7 +18,14 @@ from emotune.core.config.data import CleaningConfig, DataConfig
 from emotune.core.errors import UserError, raise_problems
 from emotune.data import clean
 from emotune.data import splits as split_ops
-from emotune.data.labels import choose_label_names, coerce_columns, example_rows, label_key, map_labels
+from emotune.data.labels import (
+    choose_label_names,
+    coerce_columns,
+    example_rows,
+    is_unlabelled,
+    label_key,
+    map_labels,
+)
 from emotune.data.sources import SPLITS, packaged_labels, read_source
 
 
@@ -73,12 +80,18 @@ def _read_and_map(cfg: DataConfig) -> tuple[dict[str, pa.Table], list[str], dict
     problems: list[str] = []
     tables = {split: coerce_columns(r, problems) for split, r in raw.items()}
     _raise(problems)
+    for split in [s for s in ("validation", "test") if "train" in tables and is_unlabelled(tables.get(s))]:
+        raw["train"].notes.append(f"the {split} split {raw[split].origin} has no labels (every row is -1, how Hugging "
+                                  f"Face datasets publish a split without them, as GLUE's test splits); it is left "
+                                  f"out, and {split} rows are held out of train instead.")
+        del tables[split], raw[split]
     default = packaged_labels(cfg.source)
     labels, labels_from = choose_label_names(cfg, tables, raw, default, problems)
     problems += _alias_problems(cfg, labels)
     _raise(problems)
     tables = {split: map_labels(t, labels, cfg, raw[split].origin, problems) for split, t in tables.items()}
-    problems += [f"the {split} split ({raw[split].origin}) has no rows; give it rows or remove the file"
+    problems += [f"{raw[split].origin} has no rows (a header only); give it rows" if split == "all" else
+                 f"the {split} split ({raw[split].origin}) has no rows; give it rows or remove the file"
                  for split, t in tables.items() if t is not None and len(t) == 0]
     _raise(problems)
     _raise(_labels_missing_from_train(tables, raw))

@@ -21,7 +21,7 @@ from emotune.core.figures import figure_fonts
 from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.clean import token_lengths
 from emotune.data.load import LabeledData, in_memory_dataset, load_data
-from emotune.data.read import FORMATS
+from emotune.data.read import is_data_file
 from emotune.data.sources import HUB_PREFIXES, SPLITS, embedded_dataset_dir, packaged_name
 from emotune.model.loading import load_tokenizer_only
 
@@ -60,7 +60,7 @@ def _source_stamp(source: str) -> list:
     path = embedded_dataset_dir(packaged) if packaged else Path(source).expanduser()
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
     return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files
-            if f.suffix.lower() in FORMATS or f.suffix in (".arrow", ".json")]
+            if is_data_file(f) or f.suffix in (".arrow", ".json")]
 
 
 def saved_fingerprint(run: RunDir) -> str | None:

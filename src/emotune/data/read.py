@@ -7,9 +7,12 @@ where the problem is and what to do.
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import gzip
 import io
 import json
+import lzma
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,17 +29,32 @@ BOM = b"\xef\xbb\xbf"
 UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
 JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
+# compressed files as hubs and papers ship them (train.jsonl.gz): read whole into memory, then like the plain file
+COMPRESSED = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+
+
+def data_suffix(path: Path) -> str:
+    """The ending that names the file's format, under a compression ending: `.jsonl` for train.jsonl.gz."""
+    suffix = path.suffix.lower()
+    return Path(path.stem).suffix.lower() if suffix in COMPRESSED else suffix
+
+
+def is_data_file(path: Path) -> bool:
+    return data_suffix(path) in FORMATS
 
 
 def read_table(path: Path, encoding: str, text_column: str, label_column: str, notes: list[str]) -> pa.Table:
     """One file as a table; things worth a look that are not errors go to `notes`."""
-    fmt = FORMATS.get(path.suffix.lower())
+    fmt = FORMATS.get(data_suffix(path))
     if fmt is None:
-        raise UserError(f"`{path}`: unsupported file type `{path.suffix or '(no ending)'}`. Use one of "
-                        f"{', '.join(FORMATS)} (TXT holds one `text;label` per line).")
+        raise UserError(f"`{path}`: unsupported file type `{''.join(path.suffixes[-2:]) or '(no ending)'}`. Use one "
+                        f"of {', '.join(FORMATS)} (TXT holds one `text;label` per line), also compressed with "
+                        f"{', '.join(COMPRESSED)} (e.g. train.jsonl.gz).")
     if fmt == "parquet":
         return _read_parquet(path)
-    if fmt != "json" and fmt != "txt" and _is_utf8(encoding) and _valid_utf8_file(path) and not _has_bom(path):
+    compressed = path.suffix.lower() in COMPRESSED
+    if (fmt != "json" and fmt != "txt" and not compressed and _is_utf8(encoding) and _valid_utf8_file(path)
+            and not _has_bom(path)):
         # the common case: Arrow streams the file itself; a Python string of a large file would cost up
         # to four bytes per character, so Python reads the lines (streamed) only to explain a problem
         if _is_blank(path):
@@ -44,7 +62,7 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         lines: Lines = lambda: _file_lines(path)  # noqa: E731
         source: str | pa.Buffer = str(path)
     else:
-        raw = path.read_bytes()
+        raw = read_bytes(path)
         text = _decode(path, raw, encoding)
         if not text.strip():
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
@@ -82,13 +100,15 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str)
     an object), so Arrow refused valid files whole."""
     if path.is_dir():  # one split of a save_to_disk folder (emotune.data.sources.saved_splits)
         return _saved_rows(path)
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt not in ("json", "jsonl"):
+    fmt = FORMATS.get(data_suffix(path))
+    if fmt not in ("json", "jsonl", "txt"):
         table = read_table(path, encoding, text_column, label_column, [])
         return table.column_names, table.to_pylist()
-    text = _decode(path, path.read_bytes(), encoding)
+    text = _decode(path, read_bytes(path), encoding)
     if not text.strip():
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
+    if fmt == "txt":  # one document per line, as LLaMA-Factory's text loader reads it (wiki_demo.txt): not text;label
+        return ["text"], [{"text": line} for line in text.splitlines() if line.strip()]
     rows = _json_lines(path, text) if fmt == "jsonl" else _json_rows(path, text, text_column, label_column)
     return list(dict.fromkeys(key for row in rows for key in row)), rows
 
@@ -132,6 +152,18 @@ def _json_lines(path: Path, text: str) -> list[dict]:
     return rows
 
 
+def read_bytes(path: Path) -> bytes:
+    """The file's bytes, decompressed when its ending names a compression."""
+    decompress = COMPRESSED.get(path.suffix.lower())
+    if decompress is None:
+        return path.read_bytes()
+    try:
+        return decompress(path.read_bytes())
+    except (OSError, EOFError, ValueError, lzma.LZMAError) as err:  # gzip raises BadGzipFile (an OSError), bz2 OSError
+        raise UserError(f"`{path}` could not be decompressed as {path.suffix.lower()} ({first_line(err) or type(err).__name__}); "
+                        "check that it was fully downloaded and that its ending matches its compression.") from None
+
+
 def _file_lines(path: Path) -> Iterator[str]:
     with path.open(encoding="utf-8", newline="") as handle:  # newline="": line ends as written, like Arrow reads them
         yield from handle
@@ -167,7 +199,7 @@ def _is_utf8(encoding: str) -> bool:
 
 def _read_parquet(path: Path) -> pa.Table:
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(pa.BufferReader(read_bytes(path)) if path.suffix.lower() in COMPRESSED else path)
         table.validate(full=True)  # corrupt pages can decode into invalid UTF-8 that would fail much later
         return table
     except Exception as err:  # Arrow raises several types for bad files; the user needs the file and the cause

@@ -22,7 +22,7 @@ from platformdirs import user_cache_dir
 
 from emotune.core.config.data import DataConfig
 from emotune.core.errors import UserError
-from emotune.data.read import FORMATS, read_table
+from emotune.data.read import FORMATS, is_data_file, read_table
 
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev", "eval", "evaluation"),
@@ -114,7 +114,7 @@ def split_files(folder: Path, require_train: bool = True) -> dict[str, list[Path
     """
     groups: dict[Path, dict[str, list[Path]]] = {}
     loose: dict[Path, list[Path]] = {}
-    for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS):
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and is_data_file(p)):
         if file.name.lower() in METADATA_FILES or any(part.startswith(".") for part in file.relative_to(folder).parts):
             continue  # hidden folders: download caches, .git
         match = SPLIT_FILE.match(file.stem.lower())
@@ -152,7 +152,8 @@ def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig) -> pa.Ta
     missing = [c for c in (cfg.text_column, cfg.label_column) if c not in table.column_names]
     if missing:
         raise UserError(f"`{path}` has no column {', '.join(repr(m) for m in missing)} (columns found: "
-                        f"{', '.join(table.column_names) or 'none'}). Set data.text_column / data.label_column to the right names.")
+                        f"{', '.join(table.column_names) or 'none'}). " + (_headerless(table.column_names) or
+                        "Set data.text_column / data.label_column to the right names."))
     repeated = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column)) if table.column_names.count(c) > 1]
     if repeated:
         raise UserError(f"`{path}` has {table.column_names.count(repeated[0])} columns named `{repeated[0]}` (columns: "
@@ -160,6 +161,21 @@ def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig) -> pa.Ta
                         "extra one in the header.")
     return table.select([cfg.text_column, cfg.label_column]).rename_columns(["text", "label"]).replace_schema_metadata(
         _label_metadata(table, cfg.label_column))
+
+
+def _headerless(names: list[str]) -> str | None:
+    """The fix when the first line is no header: Excel's `sep=;` hint line, or a row (AG News', Yelp's and DBpedia's
+    CSVs have no header), seen in a name that is a number or a sentence. None when the names look like names."""
+    if names and names[0].lower().startswith("sep="):
+        return (f"Its first line `{names[0]}` is Excel's delimiter hint, not the header: remove that line, so that "
+                "the header comes first.")
+    values = [name for name in names if name.strip().lstrip("-").replace(".", "", 1).isdigit() or len(name.split()) > 3]
+    if not values:
+        return None
+    example = {2: "label,text", 3: "label,title,text"}.get(len(names), ",".join(f"col{i + 1}" for i in range(len(names))))
+    return (f"The first line looks like a row, not a header ({', '.join(repr(v[:40]) for v in values)}): add a header "
+            f"line naming the {len(names)} columns (e.g. `{example}`) and set data.text_column / data.label_column to "
+            "the names given.")
 
 
 def _class_names(table: pa.Table) -> list[str] | None:
@@ -239,7 +255,7 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
 # same rows in two formats), else its JSON/JSONL/CSV/TSV files (many instruction datasets are one JSON file).
 
 HF_PARQUET = ["*.parquet", "*.md"]
-HF_OTHER_FORMATS = ["*.jsonl", "*.json", "*.csv", "*.tsv", "*.md"]
+HF_OTHER_FORMATS = ["*.jsonl", "*.json", "*.csv", "*.tsv", "*.jsonl.gz", "*.json.gz", "*.csv.gz", "*.tsv.gz", "*.md"]
 
 
 def cache_dir(cfg: DataConfig) -> Path:
@@ -285,7 +301,7 @@ def download_hub_dataset(cfg: DataConfig) -> Path:
 
 
 def _data_files(folder: Path) -> list[Path]:
-    return [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS
+    return [p for p in folder.rglob("*") if p.is_file() and is_data_file(p)
             and p.name.lower() not in METADATA_FILES and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
 
 

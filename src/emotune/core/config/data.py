@@ -77,7 +77,8 @@ class DataConfig(Section):
     `validation.*`/`val.*`/`dev.*`, `test.*`, shards like `train-00000-of-00002.parquet` too); a folder
     saved with `datasets`' `save_to_disk`; one file that is split by `validation_size`/`test_size`; or a hub
     dataset, `hf:dair-ai/emotion` or `modelscope:AI-ModelScope/emotion` (its Parquet files, else its JSON/JSONL/CSV/TSV
-    files, downloaded once into `cache_dir`). Files: CSV, TSV, JSONL, JSON, Parquet, or TXT with one `text;label` per line."""
+    files, downloaded once into `cache_dir`). Files: CSV, TSV, JSONL, JSON, Parquet, or TXT with one `text;label` per line,
+    also gzip-, bz2- or xz-compressed (train.jsonl.gz)."""
     text_column: str = "text"
     """Column holding the text to classify."""
     label_column: str = "label"

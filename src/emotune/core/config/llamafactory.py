@@ -25,6 +25,7 @@ import yaml
 
 from emotune.core.config.base import RUN_NAME
 from emotune.core.config.build import _parse_value, _set_dotted, build_config
+from emotune.core.config.llamafactory_files import not_training, purpose, refuse_v1
 from emotune.core.config.llamafactory_keys import (
     FINETUNING,
     IGNORED,
@@ -130,11 +131,20 @@ def _refusals(t: Translation) -> None:
         t.problems.append(f"`finetuning_type: {s['finetuning_type']}` is not supported: emotune trains LoRA adapters, "
                           "or the model itself (full, freeze); use finetuning_type: lora, full or freeze")
     if s["do_train"] is not True:
-        t.problems.append("`do_train` is not true, so `llamafactory-cli train` would not train with this file; "
-                          "add do_train: true")
+        t.problems.append(not_training(t.given, t.settings))
     for key, (harmless, why) in REFUSED.items():
-        if s.get(key, harmless) not in (harmless, None, False):
+        if not _harmless(s.get(key, harmless), harmless):
             t.problems.append(f"`{key}: {_show(s[key])}` is not supported: {why}")
+
+
+def _harmless(value: Any, harmless: Any) -> bool:
+    """The value changes nothing emotune does; YAML reads `1e-8` as text, which the parser makes a number."""
+    if isinstance(harmless, float) and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return value is None or value is False or value == harmless
 
 
 def _model(t: Translation) -> None:
@@ -232,7 +242,7 @@ def _whole_model(t: Translation) -> None:
 def _dataset(t: Translation) -> None:
     s = t.settings
     names = _names(s["dataset"]) if s["dataset"] else []
-    if not names:
+    if not names and purpose(t.given, t.settings) is None:  # a file for another command is refused as that, not for its dataset
         t.problems.append("`dataset` is missing; name the dataset_info.json entries to train on, e.g. "
                           "dataset: alpaca_en_demo")
     if s["dataset_dir"] == "ONLINE":
@@ -401,6 +411,7 @@ def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     from emotune.core.config.build import TASK_CONFIGS, read_yaml
 
     file = read_yaml(Path(path))
+    refuse_v1(file, path)
     emotune_keys = {key for schema in TASK_CONFIGS.values() for key in schema.model_fields}
     if file and not is_llamafactory(file) and set(file) <= emotune_keys:
         raise UserError(f"`{path}` is an emotune config already (its keys {', '.join(map(str, file))} are emotune's), "

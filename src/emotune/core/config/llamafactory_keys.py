@@ -68,6 +68,7 @@ KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "gradient_checkpointing": (False, TRAINER),
     "logging_steps": (500, TRAINER),
     "save_steps": (500, TRAINER),
+    "save_total_limit": (None, TRAINER),  # None = every checkpoint kept; emotune then keeps its own default
     "eval_steps": (None, TRAINER),  # None = logging_steps
     "eval_strategy": ("no", TRAINER),
     "evaluation_strategy": (None, "transformers before 4.41"),  # eval_strategy's name until 4.41 renamed it
@@ -95,6 +96,24 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "label_smoothing_factor": (0.0, "emotune's loss is plain cross-entropy; remove label_smoothing_factor"),
     "use_adam_mini": (False, "Adam-mini is not an optimizer emotune has; use optim"),
     "lr_scheduler_kwargs": (None, "emotune's schedules take no extra arguments; remove lr_scheduler_kwargs"),
+    "use_dft_loss": (False, "DFT reweights each token's loss by its probability; emotune's loss is plain "
+                            "cross-entropy; remove use_dft_loss"),
+    "use_asft_loss": (False, "ASFT adds a KL term to the loss; emotune's loss is plain cross-entropy; remove "
+                             "use_asft_loss"),
+    "use_eaft_loss": (False, "EAFT reweights the loss by the model's entropy; emotune's loss is plain cross-entropy; "
+                             "remove use_eaft_loss"),
+    "use_muon": (False, "Muon is not an optimizer emotune has; use optim"),
+    "mixture_of_depths": (None, "emotune trains the model's own layers, not a mixture-of-depths conversion; remove "
+                                "mixture_of_depths"),
+    "pure_bf16": (False, "emotune keeps trainable weights in float32 under bf16 autocast; use bf16: true"),
+    "freeze_language_model": (False, "emotune trains the language model (the text side of a multimodal model); "
+                                     "remove freeze_language_model"),
+    "adam_beta1": (0.9, "emotune's AdamW uses betas (0.9, 0.999); remove adam_beta1"),
+    "adam_beta2": (0.999, "emotune's AdamW uses betas (0.9, 0.999); remove adam_beta2"),
+    "adam_epsilon": (1e-8, "emotune's AdamW uses eps 1e-8; remove adam_epsilon"),
+    "optim_args": (None, "emotune's optimizers take no extra arguments; remove optim_args"),
+    "push_to_hub": (False, "emotune uploads a finished run with `emotune push RUN_FOLDER` (adapter and model card); "
+                           "remove push_to_hub"),
     "dataset_name": (None, "it is a TRL script's key, not LLaMA-Factory's, which names dataset_info.json entries in "
                            "`dataset`; for a hub dataset write an emotune config with task: sft and "
                            "data.source: hf:OWNER/NAME"),
@@ -105,7 +124,11 @@ IGNORED: dict[str, str] = {
     **dict.fromkeys(("preprocessing_num_workers", "preprocessing_batch_size", "dataloader_num_workers",
                      "overwrite_cache", "tokenized_path", "data_shared_file_system"),
                     "emotune prepares the data once, in one process, and keeps it in the run folder"),
-    **dict.fromkeys(("flash_attn", "enable_liger_kernel", "use_unsloth", "use_unsloth_gc", "use_reentrant_gc",
+    **dict.fromkeys(("flash_attn", "enable_liger_kernel", "use_v1_kernels", "use_kt", "kt_cpu_activation", "kt_config",
+                     "kt_weight_path", "kt_non_expert_weight_path", "fp8", "fp8_backend",
+                     "fp8_enable_fsdp_float8_all_gather", "torch_compile", "tf32", "gradient_checkpointing_kwargs",
+                     "auto_find_batch_size", "dataloader_pin_memory", "dataloader_persistent_workers",
+                     "use_unsloth", "use_unsloth_gc", "use_reentrant_gc",
                      "upcast_layernorm", "shift_attn", "ddp_timeout", "include_effective_tokens_per_second"),
                     PERFORMANCE),
     **dict.fromkeys(("deepspeed", "fsdp", "fsdp_config", "ddp_find_unused_parameters", "ray_num_workers"),
@@ -120,6 +143,11 @@ IGNORED: dict[str, str] = {
                     "emotune always keeps the adapter with the lowest validation loss"),
     **dict.fromkeys(("save_strategy", "logging_strategy"), "emotune saves and logs by steps"),
     **dict.fromkeys(("run_name", "logging_dir", "project"), "the run is named by output_dir"),
+    **dict.fromkeys(("image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps",
+                     "video_maxlen", "audio_sampling_rate", "freeze_vision_tower", "freeze_multi_modal_projector"),
+                    "a setting for images, video or audio; emotune trains on text, and never the vision tower"),
+    **dict.fromkeys(("pref_beta", "pref_ftx", "pref_loss", "simpo_gamma", "kto_chosen_weight", "kto_rejected_weight"),
+                    "a preference-training (dpo, kto) setting; stage sft does not read it"),
     "trust_remote_code": "emotune loads models with transformers' own classes and never runs code from the hub",
     "cache_dir": "hub models go to Hugging Face's shared cache, or model.cache_dir/hub when that is set",
     "save_only_model": "emotune checkpoints always hold the optimizer state, so a run can resume",

@@ -1,0 +1,79 @@
+"""Files of other tools that are not LLaMA-Factory v0 training files: LLaMA-Factory's v1 layout (examples/v1), the
+files of its other commands (export, chat/api, do_predict evaluation), and Axolotl configs, each named as what it is,
+with emotune's way to do it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from emotune.core.errors import UserError
+
+V1_KEYS = ("model_class", "peft_config", "train_dataset", "dist_config", "kernel_config", "quant_config")
+
+
+def refuse_v1(file: dict[str, Any], path: str | Path) -> None:
+    """LLaMA-Factory's v1 layout (examples/v1: `model: NAME`, peft_config, train_dataset) is no emotune config and no
+    v0 training file; it was answered with a dozen 'not a config key' lines about its own keys."""
+    found = [key for key in V1_KEYS if key in file]
+    if found and isinstance(file.get("model"), str):
+        raise UserError(f"`{path}` is a LLaMA-Factory v1 config (`model: {file['model']}` with {', '.join(found)}). emotune "
+                        "reads LLaMA-Factory training files in the layout of its examples/train_lora/*.yaml "
+                        "(model_name_or_path, stage: sft, do_train: true, finetuning_type, lora_rank, dataset and "
+                        "dataset_dir of a dataset_info.json); write the file that way, or write an emotune config "
+                        "(task: sft, model.source, data.source naming the data file).")
+
+
+
+def not_training(given: set[str], settings: dict[str, Any]) -> str:
+    """What a file without do_train is for: LLaMA-Factory's examples/merge_lora, examples/inference and extras/nlg_eval
+    files have model_name_or_path too, and were told to add do_train (and a dataset) to a file that trains nothing."""
+    kind = purpose(given, settings)
+    if kind == "export":
+        return ("this is a `llamafactory-cli export` file (it has export_dir and no do_train): it merges an adapter into "
+                "its base, it does not train. emotune merges a finished run with `emotune export RUN_FOLDER --merge`; "
+                "to train, give a training file (do_train: true, dataset)")
+    if kind == "predict":
+        return ("`do_predict` without do_train only evaluates, with `llamafactory-cli train`; emotune measures the "
+                "model before and after every run, or alone with `emotune eval CONFIG`. To train, add do_train: true")
+    if kind == "chat":
+        return ("this is a `llamafactory-cli chat`/`api` file (a model to talk to, no do_train and no dataset): it "
+                "trains nothing. emotune serves a finished run with `emotune serve RUN_FOLDER` (an OpenAI-compatible "
+                "API); to train, give a training file (do_train: true, dataset)")
+    return "`do_train` is not true, so `llamafactory-cli train` would not train with this file; add do_train: true"
+
+
+def purpose(given: set[str], settings: dict[str, Any]) -> str | None:
+    """`export`, `predict` or `chat` for a file LLaMA-Factory runs with another command than training; None otherwise."""
+    if "do_train" in given:
+        return None
+    if "export_dir" in given:
+        return "export"
+    if settings.get("do_predict"):
+        return "predict"
+    if not settings["dataset"] and {"infer_backend", "adapter_name_or_path"} & given:
+        return "chat"
+    return None
+
+
+AXOLOTL_KEYS = ("datasets", "micro_batch_size", "sequence_len", "adapter", "num_epochs", "lora_r")
+AXOLOTL_TYPES = {"alpaca": "alpaca", "sharegpt": "sharegpt", "chat_template": "messages"}
+
+
+def axolotl_lead(file: dict[str, Any], path: str | Path) -> list[str]:
+    """The first problem of an Axolotl config (`base_model`, `datasets`, `micro_batch_size`, ...): what the file is and
+    how its dataset maps; the other keys' lines that follow give each key's emotune name. Empty for other files."""
+    found = [key for key in AXOLOTL_KEYS if key in file]
+    if "base_model" not in file or not found:
+        return []
+    first = file.get("datasets")[0] if isinstance(file.get("datasets"), list) and file["datasets"] else None
+    dataset = ""
+    if isinstance(first, dict) and first.get("path"):
+        kind = str(first.get("type", "")).split(".")[0]
+        form = AXOLOTL_TYPES.get(kind)
+        dataset = (f" Its dataset `path: {first['path']}` is data.source (hf:{first['path']} for a hub dataset, or the "
+                   "local file)" + (f" with data.format: {form}" if form else
+                                    f"; emotune reads alpaca, sharegpt and messages data, not type {kind or 'unset'}") + ".")
+    return [f"`{path}` is an Axolotl config (base_model, {', '.join(found)}): emotune does not read Axolotl files; write "
+            f"an emotune config (task: sft, model.source: {file['base_model']}, ...), whose keys the lines below name."
+            + dataset]
