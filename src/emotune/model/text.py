@@ -30,6 +30,21 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def causal_lm_class(config):
+    """The auto class that loads `config`'s model with its output layer, as a causal LM: `AutoModelForCausalLM`, or
+    `AutoModelForImageTextToText` for vision-language checkpoints transformers maps there only (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL, Mistral 3, LLaVA, Idefics 3, PaliGemma: `AutoModelForCausalLM` refuses their configs). Either class's
+    forward takes text alone and returns next-token logits, and the language model sits behind `get_decoder()`, as in
+    Gemma 3's multimodal wrapper that both classes load."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = config.model_type
+    if model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def unwrapped(model):
     """The transformers model under DDP (`module`) and PEFT (`get_base_model`) wrappers."""
     model = getattr(model, "module", model)

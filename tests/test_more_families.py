@@ -1,0 +1,65 @@
+"""Families beyond the matrix, end to end on tiny folders: the real commands (run, export, predict) on checkpoints
+whose class, layout or kind differs from the tested families' (tests/families.py names each released config)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import build_tokenizer
+from emotune.cli import main
+from emotune.core.config.model import ModelConfig
+from emotune.model.attention import check_attention
+from emotune.model.loading import load_model
+from emotune.model.lora import language_model_linear_targets
+from families import qwen2_5_vl
+
+CPU = torch.device("cpu")
+
+
+def _saved(builder, folder):
+    tokenizer = build_tokenizer(folder)
+    torch.manual_seed(0)
+    builder(tokenizer).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen_vl_dir(tmp_path_factory):
+    return _saved(qwen2_5_vl, tmp_path_factory.mktemp("qwen2.5-vl"))
+
+
+def _run_overrides(model_dir, data_dir, tmp_path, name: str) -> list[str]:
+    return [f"model.source={model_dir}", f"data.source={data_dir}", f"output_dir={tmp_path / 'runs'}", f"name={name}",
+            "data.label_names=[sadness, joy, love, anger, fear, surprise]", "train.max_steps=2", "train.batch_size=4",
+            "train.gradient_checkpointing=false", "train.precision=fp32", "train.eval_steps=1", "train.save_steps=1",
+            "train.logging_steps=1", "eval.batch_size=6", f"model.cache_dir={tmp_path / 'cache'}"]
+
+
+def test_a_vision_language_checkpoint_loads_as_its_wrapper(qwen_vl_dir):
+    """Qwen2.5-VL (as Qwen2-VL, Qwen3-VL, Mistral 3, LLaVA) is known to AutoModelForImageTextToText only:
+    AutoModelForCausalLM refused its config with a traceback, before any command could start."""
+    check_attention(ModelConfig(source=str(qwen_vl_dir), attn_implementation="sdpa"), qwen_vl_dir, CPU, torch.float32)
+    model = load_model(qwen_vl_dir, torch.float32, CPU)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    # all-linear adapts the language model's layers only, never the vision tower's
+    targets = language_model_linear_targets(model)
+    assert targets.startswith(r"^model\.language_model\.")
+    adapted = [name for name, _ in model.named_modules() if __import__("re").fullmatch(targets, name)]
+    assert adapted and not any("visual" in name for name in adapted)
+
+
+@pytest.mark.slow  # a run, an export and a prediction
+def test_a_vision_language_checkpoint_runs_exports_and_predicts(qwen_vl_dir, data_dir, tmp_path, capsys):
+    assert main(["run", *_run_overrides(qwen_vl_dir, data_dir, tmp_path, "vl")]) == 0
+    run_dir = tmp_path / "runs" / "vl"
+    merge = json.loads((run_dir / "finetuned" / "metrics.json").read_text())["merge"]
+    assert merge["merged"] is True and merge["max_logit_diff"] < 1e-4
+    assert main(["export", str(run_dir), "--merge", "--dtype", "float32"]) == 0
+    merged = run_dir / "export" / "merged"
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    capsys.readouterr()
+    assert main(["predict", str(merged), "i am so happy today", "--device", "cpu"]) == 0
+    assert any(label in capsys.readouterr().out for label in ("sadness", "joy", "love", "anger", "fear", "surprise"))
