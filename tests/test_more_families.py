@@ -63,3 +63,12 @@ def test_a_vision_language_checkpoint_runs_exports_and_predicts(qwen_vl_dir, dat
     capsys.readouterr()
     assert main(["predict", str(merged), "i am so happy today", "--device", "cpu"]) == 0
     assert any(label in capsys.readouterr().out for label in ("sadness", "joy", "love", "anger", "fear", "surprise"))
+
+
+def test_plan_on_a_vision_language_checkpoint_says_what_it_cannot_measure(qwen_vl_dir, data_dir, capsys):
+    """Qwen2.5-VL's text model (`qwen2_5_vl_text`) has no causal class of its own for plan's one-layer probe: a clear
+    refusal naming what still works, not transformers' traceback."""
+    assert main(["plan", f"model.source={qwen_vl_dir}", f"data.source={data_dir}",
+                 "data.label_names=[sadness, joy, love, anger, fear, surprise]"]) == 2
+    err = capsys.readouterr().err
+    assert "qwen2_5_vl_text" in err and "train.max_steps=2" in err
