@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from conftest import build_tokenizer
+from conftest import build_tokenizer, make_rows, write_jsonl
 from emotune.cli import main
 from emotune.core.config.model import ModelConfig
+from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
 from emotune.model.loading import load_model
 from emotune.model.lora import language_model_linear_targets
@@ -72,3 +73,43 @@ def test_plan_on_a_vision_language_checkpoint_says_what_it_cannot_measure(qwen_v
                  "data.label_names=[sadness, joy, love, anger, fear, surprise]"]) == 2
     err = capsys.readouterr().err
     assert "qwen2_5_vl_text" in err and "train.max_steps=2" in err
+
+
+def _bert(tokenizer):
+    """google-bert/bert-base-uncased config.json: hidden 768, 12 layers, 12 heads, intermediate 3,072, absolute
+    positions 512, bidirectional attention (a masked-LM encoder). Scaled: hidden 64, 2 layers, 4 heads."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=128, pad_token_id=tokenizer.pad_token_id))
+
+
+def _t5(tokenizer):
+    """google-t5/t5-small config.json: d_model 512, 6 encoder and 6 decoder layers, 8 heads of 64, relative position
+    buckets. Scaled: d_model 64, 2 + 2 layers, 4 heads of 16."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                               num_heads=4, pad_token_id=tokenizer.pad_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               decoder_start_token_id=tokenizer.pad_token_id))
+
+
+@pytest.mark.parametrize(("builder", "kind"), [(_bert, "encoder-only"), (_t5, "encoder-decoder")], ids=["bert", "t5"])
+@pytest.mark.parametrize("task", ["classify", "classify_head", "sft"])
+def test_encoder_models_are_refused_by_name_before_the_run_starts(builder, kind, task, data_dir, tmp_path, capsys):
+    """A BERT loaded as transformers' BertLMHeadModel trained and scored without an error, attending in both
+    directions (every position saw the answer it predicted), and classify_head and T5 stopped with tracebacks."""
+    model_dir = _saved(builder, tmp_path / "model")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "enc")
+    if task == "sft":
+        overrides = [o for o in overrides if not o.startswith(("data.source", "data.label_names"))]
+        write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "classify the emotion", "input": row["text"],
+                                              "output": row["label"]} for row in make_rows(6, seed=1)])
+        overrides.append(f"data.source={tmp_path / 'sft.jsonl'}")
+    assert main(["run", f"task={task}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert kind in err and "decoder-only" in err and "Traceback" not in err
+    assert not (tmp_path / "runs" / "enc").exists()
+    with pytest.raises(UserError, match=kind):  # predict, serve and export load through the same door
+        load_model(model_dir, torch.float32, CPU)
