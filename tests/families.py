@@ -258,6 +258,29 @@ def llama4_text(tokenizer):
                                               **_ids(tokenizer)))
 
 
+def qwen2_5_vl(tokenizer):
+    """Qwen/Qwen2.5-VL-3B-Instruct config.json, `Qwen2_5_VLForConditionalGeneration` (transformers maps it to
+    AutoModelForImageTextToText only, not AutoModelForCausalLM): text hidden 2,048, 36 layers, 16 heads / 2 KV heads,
+    multimodal RoPE 1e6 with mrope_section [16, 24, 24] (temporal, height, width: text alone gets one position on all
+    three), tied embeddings; a windowed ViT (32 blocks of 1,280, full attention in blocks 7/15/23/31, patches of 14
+    merged 2x2). Scaled: text hidden 64, 2 layers, 4 heads / 2 KV heads, head dim 16 with mrope_section [2, 3, 3];
+    a 2-block ViT of 32."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab = len(tokenizer)
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rope_parameters=rope, rms_norm_eps=1e-6, max_position_embeddings=512,
+                tie_word_embeddings=True, **_ids(tokenizer))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1])
+    # the multimodal special tokens are ids past the text vocabulary's words, as the released ones (151,652+) are
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=vocab - 1,
+                              video_token_id=vocab - 2, vision_start_token_id=vocab - 3, vision_end_token_id=vocab - 4,
+                              tie_word_embeddings=True)
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
 FAMILIES: dict[str, Callable] = {
     "gemma4-e4b": gemma4_multimodal,
     "gemma4-e2b": lambda tokenizer: gemma4_multimodal(tokenizer, "e2b"),
@@ -274,8 +297,10 @@ FAMILIES: dict[str, Callable] = {
 }
 # Beyond the matrix: families with one thing the matrix lacks, each checked on the paths it changes
 # (tests/test_equivalence.py): logits scaled after the output layer (Granite, Cohere), chunked attention and a
-# `get_decoder()` that returns the causal model itself (Llama 4).
-MORE_FAMILIES: dict[str, Callable] = {"granite": granite, "cohere": cohere, "llama4-text": llama4_text}
+# `get_decoder()` that returns the causal model itself (Llama 4), a vision-language wrapper that only
+# AutoModelForImageTextToText loads, with multimodal RoPE (Qwen2.5-VL).
+MORE_FAMILIES: dict[str, Callable] = {"granite": granite, "cohere": cohere, "llama4-text": llama4_text,
+                                      "qwen2.5-vl": qwen2_5_vl}
 SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n"}
 
 

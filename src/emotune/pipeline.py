@@ -31,6 +31,7 @@ from emotune.model.artifacts import find_artifact, has_trained, is_adapter, load
 from emotune.model.attention import check_attention
 from emotune.model.loading import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.model.lora import check_layers
+from emotune.model.text import causal_lm_class
 from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
 from emotune.train import compiling, optim
@@ -63,6 +64,7 @@ class Context:
         self.data = self.task.load_data(self.cfg)
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
+            causal_lm_class(AutoConfig.from_pretrained(model_dir))  # refuses encoder models before the run folder
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
             dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
             check_attention(self.cfg.model, model_dir, self.device, dtype)

@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError, first_line
+from emotune.model.text import causal_lm_class
 
 FLASH_MAX_HEAD_DIM = 256  # flash-attn 2.x: "FlashAttention forward only supports head dimension at most 256"
 
@@ -86,7 +87,7 @@ def _refused_by_class(config, choice: str) -> str | None:
     refuses sdpa when one of its parts has no SDPA path (Gemma 4's audio tower); `auto` then picks per part."""
     try:
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(config, attn_implementation=choice)
+            causal_lm_class(config).from_config(config, attn_implementation=choice)
     except ValueError as err:  # the model class does not implement it
         return first_line(err).split(" Please request")[0]
     except ImportError:

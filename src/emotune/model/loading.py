@@ -21,6 +21,7 @@ from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.core.rundir import atomic_dir, remove_stale_partials
 from emotune.model import quantization
 from emotune.model.attention import check_attention
+from emotune.model.text import causal_lm_class
 from emotune.runtime.device import Precision, bf16_supported, choose_precision
 
 EMBEDDED_MODEL = "embedded"
@@ -293,8 +294,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attent
     transformers' own choice); `quantized`: a BitsAndBytesConfig (emotune.model.quantization), whose weights are
     quantized as they load, straight onto `device` (a quantized model cannot be moved afterwards)."""
     placed = {"quantization_config": quantized, "device_map": {"": device}} if quantized is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                 attn_implementation=None if attention == "auto" else attention, **placed)
+    loader = causal_lm_class(AutoConfig.from_pretrained(model_dir))
+    model = loader.from_pretrained(model_dir, dtype=dtype, attn_implementation=None if attention == "auto" else attention,
+                                   **placed)
     head = model.get_output_embeddings()
     if head is not None:
         head.register_forward_pre_hook(_contiguous_input)

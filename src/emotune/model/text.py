@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from emotune.core.errors import UserError
+
 VOCAB_ROWS_PER_UPCAST = 16_384
 """Weight rows upcast to float32 at a time: 16,384 x hidden 2,560 is 168 MB, where the whole Gemma 4 E4B
 vocabulary (262,144 rows) would be 2.7 GB held at once."""
@@ -35,6 +37,48 @@ def context_length(model) -> int | None:
     config = getattr(model, "config", None)
     value = getattr(text_config(config), "max_position_embeddings", None) if config is not None else None
     return value if isinstance(value, int) and value > 0 else None
+
+
+def causal_lm_class(config):
+    """The auto class that loads `config`'s model with its output layer, as a causal LM: `AutoModelForCausalLM`, or
+    `AutoModelForImageTextToText` for vision-language checkpoints transformers maps there only (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL, Mistral 3, LLaVA, Idefics 3, PaliGemma: `AutoModelForCausalLM` refuses their configs). Either class's
+    forward takes text alone and returns next-token logits, and the language model sits behind `get_decoder()`, as in
+    Gemma 3's multimodal wrapper that both classes load.
+
+    Encoder and encoder-decoder models are refused by name: transformers' causal classes load BERT-like encoders
+    (`BertLMHeadModel`, `RobertaForCausalLM`) and BART's decoder alone, which would train and score without an error
+    and compute something else (a BERT attends in both directions, so every position sees the answer it predicts)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = config.model_type
+    if getattr(config, "is_encoder_decoder", False) or (
+            model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)):
+        kind = "an encoder-decoder" if getattr(config, "is_encoder_decoder", False) else "an encoder-only (masked-LM)"
+        raise UserError(f"{_named(config)} is {kind} model (`{model_type}`), and emotune fine-tunes decoder-only language "
+                        "models: every task reads the answer from next-token logits (classify, sft) or from the last "
+                        "token's hidden state (classify_head). Use a decoder-only instruction-tuned model (Qwen, Llama, "
+                        "Gemma, Mistral, SmolLM ...); for a BERT-style classifier use transformers' "
+                        "AutoModelForSequenceClassification with its Trainer instead.")
+    if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if model_type in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    raise UserError(f"{_named(config)} is a `{model_type}` model, which transformers {_version()} cannot load as a causal "
+                    "language model (neither AutoModelForCausalLM nor AutoModelForImageTextToText knows it), and "
+                    "emotune fine-tunes decoder-only language models. Use a decoder-only instruction-tuned model, or "
+                    "upgrade transformers if this architecture is newer than it.")
+
+
+def _named(config) -> str:
+    return f"The model `{config.name_or_path}`" if getattr(config, "name_or_path", "") else "The model"
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def unwrapped(model):

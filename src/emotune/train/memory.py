@@ -241,15 +241,15 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     `train`: its `finetuning` (full and freeze train the model's own weights, marked as training marks them:
     emotune.model.finetuning; LoRA otherwise)."""
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from emotune.model.lora import lora_config
+    from emotune.model.text import causal_lm_class
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     whole = train if train is not None and train.finetuning in finetuning.WHOLE else None
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = causal_lm_class(config).from_config(config, dtype=dtype)
         if whole is None:
             adapted = get_peft_model(model, lora_config(lora, model), autocast_adapter_dtype=True)
         else:

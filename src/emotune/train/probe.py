@@ -82,7 +82,17 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     small, kinds = _one_layer_of_each_kind(text)
     attn = attn_implementation if attn_implementation in ("sdpa", "eager") else None  # flash kernels need a GPU
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(small, dtype=dtype, attn_implementation=attn)
+    try:
+        model = AutoModelForCausalLM.from_config(small, dtype=dtype, attn_implementation=attn)
+    except ValueError as err:
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        # a vision-language wrapper whose text model has no causal class of its own (Qwen2-VL's `qwen2_vl_text`)
+        raise UserError(f"emotune plan measures one decoder layer of each kind as a text-only causal model, and "
+                        f"transformers has no causal-LM class for `{small.model_type}` alone (the text model of a "
+                        "vision-language checkpoint). Training, evaluation and serving are not affected; to see the "
+                        "memory a run needs, run it with train.max_steps=2 and read the peak memory it logs "
+                        "(train/log_history.json, peak_memory_mb).") from None
     model.config.use_cache = False
     autocast = None
     if whole is None:

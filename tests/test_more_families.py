@@ -1,0 +1,115 @@
+"""Families beyond the matrix, end to end on tiny folders: the real commands (run, export, predict) on checkpoints
+whose class, layout or kind differs from the tested families' (tests/families.py names each released config)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import build_tokenizer, make_rows, write_jsonl
+from emotune.cli import main
+from emotune.core.config.model import ModelConfig
+from emotune.core.errors import UserError
+from emotune.model.attention import check_attention
+from emotune.model.loading import load_model
+from emotune.model.lora import language_model_linear_targets
+from families import qwen2_5_vl
+
+CPU = torch.device("cpu")
+
+
+def _saved(builder, folder):
+    tokenizer = build_tokenizer(folder)
+    torch.manual_seed(0)
+    builder(tokenizer).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen_vl_dir(tmp_path_factory):
+    return _saved(qwen2_5_vl, tmp_path_factory.mktemp("qwen2.5-vl"))
+
+
+def _run_overrides(model_dir, data_dir, tmp_path, name: str) -> list[str]:
+    return [f"model.source={model_dir}", f"data.source={data_dir}", f"output_dir={tmp_path / 'runs'}", f"name={name}",
+            "data.label_names=[sadness, joy, love, anger, fear, surprise]", "train.max_steps=2", "train.batch_size=4",
+            "train.gradient_checkpointing=false", "train.precision=fp32", "train.eval_steps=1", "train.save_steps=1",
+            "train.logging_steps=1", "eval.batch_size=6", f"model.cache_dir={tmp_path / 'cache'}"]
+
+
+def test_a_vision_language_checkpoint_loads_as_its_wrapper(qwen_vl_dir):
+    """Qwen2.5-VL (as Qwen2-VL, Qwen3-VL, Mistral 3, LLaVA) is known to AutoModelForImageTextToText only:
+    AutoModelForCausalLM refused its config with a traceback, before any command could start."""
+    check_attention(ModelConfig(source=str(qwen_vl_dir), attn_implementation="sdpa"), qwen_vl_dir, CPU, torch.float32)
+    model = load_model(qwen_vl_dir, torch.float32, CPU)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    # all-linear adapts the language model's layers only, never the vision tower's
+    targets = language_model_linear_targets(model)
+    assert targets.startswith(r"^model\.language_model\.")
+    adapted = [name for name, _ in model.named_modules() if __import__("re").fullmatch(targets, name)]
+    assert adapted and not any("visual" in name for name in adapted)
+
+
+@pytest.mark.slow  # a run, an export and a prediction
+def test_a_vision_language_checkpoint_runs_exports_and_predicts(qwen_vl_dir, data_dir, tmp_path, capsys):
+    assert main(["run", *_run_overrides(qwen_vl_dir, data_dir, tmp_path, "vl")]) == 0
+    run_dir = tmp_path / "runs" / "vl"
+    merge = json.loads((run_dir / "finetuned" / "metrics.json").read_text())["merge"]
+    assert merge["merged"] is True and merge["max_logit_diff"] < 1e-4
+    assert main(["export", str(run_dir), "--merge", "--dtype", "float32"]) == 0
+    merged = run_dir / "export" / "merged"
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    capsys.readouterr()
+    assert main(["predict", str(merged), "i am so happy today", "--device", "cpu"]) == 0
+    assert any(label in capsys.readouterr().out for label in ("sadness", "joy", "love", "anger", "fear", "surprise"))
+
+
+def test_plan_on_a_vision_language_checkpoint_says_what_it_cannot_measure(qwen_vl_dir, data_dir, capsys):
+    """Qwen2.5-VL's text model (`qwen2_5_vl_text`) has no causal class of its own for plan's one-layer probe: a clear
+    refusal naming what still works, not transformers' traceback."""
+    assert main(["plan", f"model.source={qwen_vl_dir}", f"data.source={data_dir}",
+                 "data.label_names=[sadness, joy, love, anger, fear, surprise]"]) == 2
+    err = capsys.readouterr().err
+    assert "qwen2_5_vl_text" in err and "train.max_steps=2" in err
+
+
+def _bert(tokenizer):
+    """google-bert/bert-base-uncased config.json: hidden 768, 12 layers, 12 heads, intermediate 3,072, absolute
+    positions 512, bidirectional attention (a masked-LM encoder). Scaled: hidden 64, 2 layers, 4 heads."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=128, pad_token_id=tokenizer.pad_token_id))
+
+
+def _t5(tokenizer):
+    """google-t5/t5-small config.json: d_model 512, 6 encoder and 6 decoder layers, 8 heads of 64, relative position
+    buckets. Scaled: d_model 64, 2 + 2 layers, 4 heads of 16."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                               num_heads=4, pad_token_id=tokenizer.pad_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               decoder_start_token_id=tokenizer.pad_token_id))
+
+
+@pytest.mark.parametrize(("builder", "kind"), [(_bert, "encoder-only"), (_t5, "encoder-decoder")], ids=["bert", "t5"])
+@pytest.mark.parametrize("task", ["classify", "classify_head", "sft"])
+def test_encoder_models_are_refused_by_name_before_the_run_starts(builder, kind, task, data_dir, tmp_path, capsys):
+    """A BERT loaded as transformers' BertLMHeadModel trained and scored without an error, attending in both
+    directions (every position saw the answer it predicted), and classify_head and T5 stopped with tracebacks."""
+    model_dir = _saved(builder, tmp_path / "model")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "enc")
+    if task == "sft":
+        overrides = [o for o in overrides if not o.startswith(("data.source", "data.label_names"))]
+        write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "classify the emotion", "input": row["text"],
+                                              "output": row["label"]} for row in make_rows(6, seed=1)])
+        overrides.append(f"data.source={tmp_path / 'sft.jsonl'}")
+    assert main(["run", f"task={task}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert kind in err and "decoder-only" in err and "Traceback" not in err
+    assert not (tmp_path / "runs" / "enc").exists()
+    with pytest.raises(UserError, match=kind):  # predict, serve and export load through the same door
+        load_model(model_dir, torch.float32, CPU)
