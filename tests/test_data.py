@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -137,3 +138,37 @@ def test_imbalanced_training_classes_are_called_out_with_the_key_to_set(tmp_path
     write_jsonl(tmp_path / "train.jsonl", even)
     balanced = load_data(DataConfig(source=str(tmp_path), validation_size=0.1), seed=0)
     assert not balanced.report["imbalance"]["flagged"] and "imbalanced:" not in format_summary(balanced)
+
+
+@pytest.mark.parametrize(("validation_size", "test_size", "expected"), [
+    (7, 11, {"validation": 7, "test": 11}),
+    (7, 0.25, {"validation": 7, "test": 30}),  # a count beside a share: the share is of all 120 rows, rounded up
+    (0.1, 0.1, {"validation": 12, "test": 12}),  # shares as before
+])
+def test_hold_out_sizes_are_shares_or_counts_of_rows(tmp_path, validation_size, test_size, expected):
+    """validation_size/test_size as scikit-learn's and datasets' train_test_split read them (and LLaMA-Factory's
+    val_size, Axolotl's val_set_size): an integer is a count of rows. A count was refused as out of (0, 0.5)."""
+    write_jsonl(tmp_path / "d.jsonl", make_rows(20, seed=1))  # 120 rows
+    data = load_data(DataConfig(source=str(tmp_path / "d.jsonl"), validation_size=validation_size, test_size=test_size),
+                     seed=0)
+    sizes = {name: len(split) for name, split in data.splits.items()}
+    assert sizes == {"train": 120 - sum(expected.values()), **expected}
+    assert {r["text"] for r in data.splits["train"]}.isdisjoint({r["text"] for r in data.splits["test"]})
+    (tmp_path / "folder").mkdir()
+    write_jsonl(tmp_path / "folder" / "train.jsonl", make_rows(20, seed=1))  # one split file: both carved from train
+    carved = load_data(DataConfig(source=str(tmp_path / "folder"), validation_size=validation_size, test_size=test_size),
+                       seed=0)
+    test_rows = expected["test"]
+    assert len(carved.splits["test"]) == test_rows
+    assert len(carved.splits["validation"]) == (validation_size if isinstance(validation_size, int)
+                                                else math.ceil(validation_size * (120 - test_rows)))
+    with pytest.raises(UserError, match=r"has 120 row\(s\) .* data.validation_size=100 and data.test_size=20: that needs "
+                                        r"at least 121 rows"):
+        load_data(DataConfig(source=str(tmp_path / "d.jsonl"), validation_size=100, test_size=20), seed=0)
+
+
+@pytest.mark.parametrize("value", [0, 0.5, 100.0, True, -3])
+def test_a_hold_out_size_that_is_neither_a_share_nor_a_count_is_refused(value):
+    with pytest.raises(ValueError, match=r"must be a number in \(0, 0.5\), e.g. 0.1, or a whole number of rows >= 1 "
+                                         r"\(an integer, e.g. 500\)"):
+        DataConfig(validation_size=value)

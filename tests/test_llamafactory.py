@@ -148,6 +148,13 @@ def test_yaml_spellings_and_older_key_names(lf_yaml):
     assert (cfg.prompt.system_prompt, cfg.prompt.mask_history) == ("be brief", True)
 
 
+@pytest.mark.parametrize(("val_size", "held_out"), [(500, 500), (100.7, 100), (0.05, 0.05)])
+def test_val_size_above_one_is_a_count_of_rows(lf_yaml, val_size, held_out):
+    """LLaMA-Factory's split_dataset holds out int(val_size) rows when val_size > 1; such a file was refused."""
+    held = load_config(lf_yaml(val_size=val_size)).data.validation_size
+    assert held == held_out and type(held) is type(held_out)
+
+
 def test_refusals_name_their_keys_all_at_once(lf_yaml):
     path = lf_yaml(stage="dpo", quantization_bit=3, finetuning_type="oft", dataset="emotion_alpaca,emotion_prefs")
     with pytest.raises(UserError) as err:
@@ -163,7 +170,7 @@ def test_refusals_name_their_keys_all_at_once(lf_yaml):
     ({"do_train": None}, "`do_train` is not true"),
     ({"model_name_or_path": None}, "`model_name_or_path` is missing"),
     ({"lr_scheduler_type": "polynomial"}, "`lr_scheduler_type: polynomial` is not supported"),
-    ({"val_size": 500}, "`val_size: 500` is not supported"),
+    ({"val_size": 0.7}, "`val_size: 0.7` is not supported"),
     ({"template": "gemma33"}, "`template: gemma33` is not a LLaMA-Factory template; did you mean gemma3?"),
     ({"template": "llama3"}, "`template: llama3` writes <|start_header_id|> turns"),
     ({"learning_rate": "fast"}, "`learning_rate`: 'fast' is not a number"),

@@ -415,3 +415,10 @@ def test_llamafactory_pretraining_entries_are_named_as_plain_text(tmp_path):
     for name in info:
         with pytest.raises(UserError, match=r"has a `text` column and no prompt or answer .*LLaMA-Factory's stage pt"):
             _data(tmp_path, f"data.datasets=[{name}]")
+
+
+def test_hold_out_counts_of_rows_for_conversations(tmp_path):
+    """data.validation_size=5 (a count, as LLaMA-Factory's val_size: 5 and datasets' train_test_split read it) was
+    refused as out of (0, 0.5)."""
+    data = _data(write_jsonl(tmp_path / "a.jsonl", _alpaca(40)), "data.validation_size=5", "data.test_size=3")
+    assert {name: len(rows) for name, rows in data.splits.items()} == {"train": 32, "validation": 5, "test": 3}

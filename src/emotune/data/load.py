@@ -123,8 +123,7 @@ def _labels_missing_from_train(tables: dict[str, pa.Table], raw: dict) -> list[s
 
 def _split(tables: dict[str, pa.Table], cfg: DataConfig, seed: int) -> tuple[dict[str, pa.Table], str]:
     if "all" in tables:
-        sizes = "/".join(_share(f) for f in (1 - cfg.validation_size - cfg.test_size, cfg.validation_size, cfg.test_size))
-        return split_ops.stratified_split(tables["all"], cfg.validation_size, cfg.test_size, seed), f"stratified {sizes}, seed {seed}"
+        return split_ops.stratified_split(tables["all"], cfg.validation_size, cfg.test_size, seed), f"stratified {_sizes(cfg)}, seed {seed}"
     carved = [s for s in SPLITS if s not in tables]
     how = "as given" + (f"; {' and '.join(carved)} held out of train (stratified, seed {seed})" if carved else "")
     return split_ops.carve_missing(tables, cfg.validation_size, cfg.test_size, seed), how
@@ -158,8 +157,14 @@ def in_memory_dataset(table: pa.Table) -> Dataset:
     return Dataset(table, fingerprint=uuid.uuid4().hex)
 
 
-def _share(fraction: float) -> str:
-    return f"{round(100 * fraction):g}"
+def _sizes(cfg: DataConfig) -> str:
+    """80/10/10 for shares; `500 validation and 500 test rows` where a size is a count of rows."""
+    sizes = cfg.validation_size, cfg.test_size
+    if all(isinstance(size, float) for size in sizes):
+        return "/".join(f"{round(100 * f):g}" for f in (1 - sum(sizes), *sizes))
+    shown = [f"{size:g}" if isinstance(size, int) else f"{round(100 * size):g} %" for size in sizes]
+    return f"{shown[0]} validation and {shown[1]} test rows" if all(isinstance(size, int) for size in sizes) else \
+        f"{shown[0]} of the rows for validation and {shown[1]} for test"
 
 
 def _raise(problems: list[str]) -> None:

@@ -13,23 +13,23 @@ from emotune.core.errors import UserError
 from emotune.data.clean import codes
 
 
-def stratified_split(table: pa.Table, validation_size: float, test_size: float, seed: int) -> dict[str, pa.Table]:
+def stratified_split(table: pa.Table, validation_size: float | int, test_size: float | int, seed: int) -> dict[str, pa.Table]:
     """train / validation / test from one collection, each label in proportion (default 80/10/10)."""
     needed = _rows_to_split(validation_size, test_size)
     if len(table) < needed:
         raise UserError(f"The data has {len(table)} row(s) left after cleaning, too few to split into train, validation "
                         f"and test with data.validation_size={validation_size:g} and data.test_size={test_size:g}: that "
                         f"needs at least {needed} rows (one or more in each split). Give more rows, give separate "
-                        "train/validation/test files, or raise data.validation_size and data.test_size.")
+                        "train/validation/test files, or change data.validation_size and data.test_size.")
     labels = codes(table.column("label"))
     index = np.arange(len(table))
-    held = validation_size + test_size
+    held, of_held = _cuts(validation_size, test_size, len(table))
     train_idx, rest_idx = _split(index, labels, held, seed)
-    val_idx, test_idx = _split(rest_idx, labels[rest_idx], test_size / held, seed)
+    val_idx, test_idx = _split(rest_idx, labels[rest_idx], of_held, seed)
     return {"train": table.take(train_idx), "validation": table.take(val_idx), "test": table.take(test_idx)}
 
 
-def carve_missing(splits: dict[str, pa.Table], validation_size: float, test_size: float, seed: int) -> dict[str, pa.Table]:
+def carve_missing(splits: dict[str, pa.Table], validation_size: float | int, test_size: float | int, seed: int) -> dict[str, pa.Table]:
     """Hold a missing validation or test split out of train (stratified); given splits stay as given."""
     out = dict(splits)
     for name, size in (("test", test_size), ("validation", validation_size)):
@@ -59,13 +59,22 @@ def _held_rows(held: float | int, rows: int) -> int:
     return held if isinstance(held, int) else int(np.ceil(held * rows))
 
 
-def _rows_to_split(validation_size: float, test_size: float) -> int:
+def _cuts(validation_size: float | int, test_size: float | int, rows: int) -> tuple[float | int, float | int]:
+    """What `stratified_split` holds out of all rows, then what of those goes to test: shares when both sizes are
+    shares (scikit-learn rounds each cut up), row counts when either is a count."""
+    if isinstance(validation_size, float) and isinstance(test_size, float):
+        return validation_size + test_size, test_size / (validation_size + test_size)
+    test_rows = _held_rows(test_size, rows)
+    return _held_rows(validation_size, rows) + test_rows, test_rows
+
+
+def _rows_to_split(validation_size: float | int, test_size: float | int) -> int:
     """The fewest rows `stratified_split` can cut into three non-empty splits at these sizes."""
-    held, share = validation_size + test_size, test_size / (validation_size + test_size)
 
     def works(rows: int) -> bool:
+        held, of_held = _cuts(validation_size, test_size, rows)
         held_rows = _held_rows(held, rows)
-        return 0 < held_rows < rows and 0 < _held_rows(share, held_rows) < held_rows
+        return 0 < held_rows < rows and 0 < _held_rows(of_held, held_rows) < held_rows
 
     # both conditions only get easier with more rows, so bisect: tiny sizes need millions of rows
     low, high = 2, 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
@@ -32,9 +32,11 @@ class Range:
     high_open: bool = False
     special: tuple[float, ...] = ()
     also: str = ""
+    counts: bool = False
+    """Integers >= 1 are allowed too, as counts (a hold-out size: a share in the range or a number of rows)."""
 
     def allows(self, value: float) -> bool:
-        if value in self.special:
+        if value in self.special or (self.counts and isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return True
         if not math.isfinite(value):
             return False
@@ -54,7 +56,13 @@ class Range:
             bounds = f"{'<' if self.high_open else '<='} {_plain(self.high)}"
         else:
             bounds = "(any finite one)"
-        return f"{kind} {bounds}" + (f", {self.also}" if self.also else "")
+        counted = ", or a whole number of rows >= 1 (an integer, e.g. 500)" if self.counts else ""
+        return f"{kind} {bounds}" + (f", {self.also}" if self.also else "") + counted
+
+
+HeldOut = Annotated[int | float, Range(0, 0.5, low_open=True, high_open=True, counts=True, also="e.g. 0.1")]
+"""A hold-out size as scikit-learn's and `datasets`' train_test_split read one (and LLaMA-Factory's `val_size`,
+Axolotl's `val_set_size`): a share of the rows in (0, 0.5), or a whole number of rows."""
 
 
 RUN_NAME = re.compile(r"[\w.-]{1,100}")

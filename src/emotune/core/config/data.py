@@ -11,6 +11,7 @@ from pydantic import field_validator, model_validator
 from emotune.core.config.base import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_USER_TEMPLATE,
+    HeldOut,
     Range,
     Section,
     named_source,
@@ -96,10 +97,11 @@ class DataConfig(Section):
     """Hub revision (branch, tag or commit) for `hf:` and `modelscope:` sources; null = the default branch."""
     cache_dir: str | None = None
     """Where hub datasets are downloaded; default: `datasets/` in the user cache dir (`~/.cache/emotune`)."""
-    validation_size: Annotated[float, Range(0, 0.5, low_open=True, high_open=True, also="e.g. 0.1")] = 0.1
-    """Share of rows held out for validation when the source has no validation split."""
-    test_size: Annotated[float, Range(0, 0.5, low_open=True, high_open=True, also="e.g. 0.1")] = 0.1
-    """Share of rows held out for testing when the source has no test split."""
+    validation_size: HeldOut = 0.1
+    """Rows held out for validation when the source has no validation split: a share of them (0.1) or a count (500),
+    as scikit-learn's and `datasets`' train_test_split read `test_size`."""
+    test_size: HeldOut = 0.1
+    """Rows held out for testing when the source has no test split: a share of them (0.1) or a count (500)."""
     train_limit: Annotated[int | None, Range(1, also="or null for all rows")] = None
     """Use at most this many training rows (stratified, seeded sample); null = all."""
     validation_limit: Annotated[int | None, Range(1, also="or null for all rows")] = None

@@ -281,15 +281,19 @@ def _preference_data(t: Translation, names: list[str]) -> None:
 
 
 def _val_size(t: Translation) -> None:
+    """LLaMA-Factory's split_dataset: a val_size above 1 is a count of rows (int(val_size)), below it a share."""
     size = t.settings["val_size"]
-    if isinstance(size, (int, float)) and not isinstance(size, bool) and 0 < size < 0.5:
+    number = isinstance(size, (int, float)) and not isinstance(size, bool)
+    if number and 0 < size < 0.5:
         t.set("data.validation_size", float(size), "val_size")
-    elif size in (0, 0.0):
+    elif number and size > 1:
+        t.set("data.validation_size", int(size), "val_size")
+    elif number and size == 0:
         t.notes.append("val_size: 0 (LLaMA-Factory trains on every row): emotune still holds out "
                        "data.validation_size of the training rows to pick the adapter with the lowest validation loss.")
     else:
-        t.problems.append(f"`val_size: {size}` is not supported: emotune takes a share of the rows in (0, 0.5), "
-                          "e.g. val_size: 0.1 (a row count is not accepted)")
+        t.problems.append(f"`val_size: {size}` is not supported: emotune holds out a share of the rows in (0, 0.5), "
+                          "e.g. val_size: 0.1, or a count of rows, e.g. val_size: 500")
 
 
 def _schedule(t: Translation) -> None:

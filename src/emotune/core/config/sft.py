@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import field_validator
 
 from emotune.core.config.base import (
+    HeldOut,
     Range,
     Section,
     named_source,
@@ -101,10 +102,12 @@ class SftDataConfig(Section):
     """Hub revision for `hf:` and `modelscope:` sources; null = the default branch."""
     cache_dir: str | None = None
     """Where hub datasets are downloaded; default: `datasets/` in the user cache dir (`~/.cache/emotune`)."""
-    validation_size: Annotated[float, Range(0, 0.5, low_open=True, high_open=True, also="e.g. 0.1")] = 0.1
-    """Share of rows held out for validation when the source has no validation split."""
-    test_size: Annotated[float, Range(0, 0.5, low_open=True, high_open=True, also="e.g. 0.1")] = 0.1
-    """Share of rows held out for testing when the source has no test split (stratified by dataset and kind)."""
+    validation_size: HeldOut = 0.1
+    """Rows held out for validation when the source has no validation split: a share of them (0.1) or a count (500),
+    as scikit-learn's and `datasets`' train_test_split read `test_size`."""
+    test_size: HeldOut = 0.1
+    """Rows held out for testing when the source has no test split, a share (0.1) or a count (500); stratified by
+    dataset and kind."""
     max_samples: Annotated[int | None, Range(1, also="or null for all rows")] = None
     """Read at most this many rows of each dataset (the first ones, as LLaMA-Factory does); null = all."""
     train_limit: Annotated[int | None, Range(1, also="or null for all rows")] = None
