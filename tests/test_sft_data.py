@@ -243,6 +243,16 @@ def test_one_content_part_given_alone_is_its_text(tmp_path):
     assert {c.messages for c in every} == {(("user", f"q {i}"), ("assistant", f"a {i}")) for i in range(20)}
 
 
+def test_responses_api_text_parts_are_text(tmp_path):
+    """Rows logged from OpenAI's Responses API ({"type": "input_text"} / {"type": "output_text"} parts) were refused
+    as holding images, audio or video."""
+    rows = [{"messages": [{"role": "user", "content": [{"type": "input_text", "text": f"q {i}"}]},
+                          {"role": "assistant", "content": [{"type": "output_text", "text": f"a {i}"}]}]}
+            for i in range(20)]
+    every = [c for split in _data(write_jsonl(tmp_path / "m.jsonl", rows)).splits.values() for c in split]
+    assert {c.messages for c in every} == {(("user", f"q {i}"), ("assistant", f"a {i}")) for i in range(20)}
+
+
 def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
     """Arrow wants one type per field across rows, so a valid OpenAI file whose content is a string in one message and a
     list of text parts in another (or tool arguments as text and as an object) was refused whole."""

@@ -45,6 +45,7 @@ MEDIA = ("the row holds images, audio or video (an `images`, `videos` or `audios
 LIST_RESPONSE = ("the response is a list, as in a ranking dataset's [chosen, rejected] pair; the sft task trains on "
                  "one text answer per prompt")
 MEDIA_COLUMNS = ("images", "videos", "audios")
+TEXT_PARTS = ("text", "input_text", "output_text")  # Chat Completions' text part; the Responses API's, as its logs hold
 TRAINING_KEYS = ("training", "train")  # Axolotl's per-turn flag (message_field_training), by the names its docs use
 BAD_TRAINING = "a turn's `training` (or `train`) flag is not true or false"
 TRAINED_PROMPT = ("a system, user or tool turn is marked `training: true` (Axolotl's message_field_training); emotune "
@@ -208,7 +209,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     untrained: list[int] = []
     for i, turn in enumerate(turns):
         role = turn.get(tags.role_tag)
-        if any(isinstance(p, dict) and p.get("type", "text") != "text" for p in _parts(turn.get(tags.content_tag))):
+        if any(isinstance(p, dict) and p.get("type", "text") not in TEXT_PARTS for p in _parts(turn.get(tags.content_tag))):
             return MEDIA
         if any(turn.get(key) for key in REASONING_KEYS):
             return REASONING
