@@ -11,6 +11,10 @@ generation prompt, system handling); tool calling and multimodal branches are le
   mistral  mistralai/Mistral-7B-Instruct-v0.3 tokenizer_config.json (an answer ends with the EOS token)
   phi3     microsoft/Phi-3-mini-4k-instruct tokenizer_config.json (`<|end|>`; EOS `<|endoftext|>`)
   phi4     microsoft/phi-4 tokenizer_config.json (`<|im_start|>role<|im_sep|> ... <|im_end|>`)
+  gemma2   google/gemma-2-2b-it tokenizer_config.json (also gemma-7b-it's): refuses a system message outright
+  mixtral  mistralai/Mixtral-8x7B-Instruct-v0.1 tokenizer_config.json (also Mistral-7B-Instruct-v0.1/v0.2's shape):
+           roles must alternate from a user message, so a system message is refused too
+Templates without a system role are used as emotune loads them: wrapped by emotune.model.system_role.
 """
 
 from __future__ import annotations
@@ -118,6 +122,21 @@ PHI4 = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
 )
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+MIXTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
 
 
 @dataclass(frozen=True)
@@ -157,15 +176,21 @@ FAMILIES = [
                "<s>", "<|endoftext|>", "<|endoftext|>", "<|end|>", ["<|endoftext|>", "<|assistant|>", "<|end|>"]),
     ChatFamily("phi4", PHI4, ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>", "<unk>"], None, "<|im_end|>",
                "<|endoftext|>", "<|im_end|>", ["<|im_end|>"]),
+    ChatFamily("gemma2", GEMMA2, ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>",
+               "<pad>", "<end_of_turn>", ["<eos>", "<end_of_turn>"]),
+    ChatFamily("mixtral", MIXTRAL, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "</s>", "</s>", ["</s>"]),
 ]
 WORDS = ["joy", "sadness", "anger", "ful", "hi", "i", "am", "happy", "feel", "label", "one", "of", "the", "text", "system",
          "user", "assistant", "model", ":", ".", ",", "\n", "\n\n"]
 
 
 def build_family_tokenizer(family: ChatFamily):
-    """A word-level tokenizer with `family`'s special tokens (never split), template and EOS/BOS/PAD."""
+    """A word-level tokenizer with `family`'s special tokens (never split), template and EOS/BOS/PAD, as emotune's
+    load_tokenizer leaves it (a template without a system role wrapped)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from emotune.model.system_role import fold_system_role
 
     vocab = {token: i for i, token in enumerate(family.specials + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -175,4 +200,5 @@ def build_family_tokenizer(family: ChatFamily):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=family.bos, eos_token=family.eos, pad_token=family.pad,
                                    unk_token="<unk>", additional_special_tokens=[t for t in family.specials if t not in named])
     fast.chat_template = family.template if family.template is not None else _gemma3_template()
+    fold_system_role(fast)
     return fast

@@ -75,3 +75,31 @@ def test_without_a_template_or_a_turn_token_the_eos_token_ends_a_turn():
     assert end.suffix == "\n\n" and end.token is None  # plain text closes the turn: no token to stop on
     tokenizer.chat_template = "{{ raise_exception('no') }}"
     assert turn_end(tokenizer).suffix == "" and stop_token_ids(tokenizer) == [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_templates_without_a_system_role_get_the_system_text_in_the_first_user_message(name):
+    """Gemma 2's template raises `System role not supported`, Mixtral's `Conversation roles must alternate`, on the
+    system message every classify prompt has: `emotune run` stopped with jinja's traceback. Templates with a system
+    role are left as they are."""
+    from emotune.model.prompt import prompt_messages
+    from emotune.model.system_role import FOLD_MARK, fold_system_role
+
+    spec = BY_NAME[name]
+    tokenizer = build_family_tokenizer(spec)
+    raw = spec.template if spec.template is not None else tokenizer.chat_template
+    tokenizer.chat_template = raw  # as the checkpoint ships it, before emotune's loading wraps it
+    assert FOLD_MARK not in raw
+    assert fold_system_role(tokenizer) is (name in ("gemma2", "mixtral"))
+    assert fold_system_role(tokenizer) is False  # once is enough: a saved, wrapped template is not wrapped again
+    messages = prompt_messages("i feel happy", PromptConfig(system_prompt="be brief"), LABELS)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    user = messages[1]["content"]
+    expected = {"gemma2": f"<bos><start_of_turn>user\nbe brief\n\n{user}<end_of_turn>\n<start_of_turn>model\n",
+                "mixtral": f"<s>[INST] be brief\n\n{user} [/INST]"}
+    if name in expected:
+        assert rendered == expected[name]
+        assert tokenizer.apply_chat_template(messages[1:], tokenize=False, add_generation_prompt=True) == \
+            expected[name].replace("be brief\n\n", "")  # without a system message: the template's own rendering
+    else:
+        assert tokenizer.chat_template == raw and "be brief" in rendered

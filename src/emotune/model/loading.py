@@ -21,6 +21,7 @@ from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.core.rundir import atomic_dir, remove_stale_partials
 from emotune.model import quantization
 from emotune.model.attention import check_attention
+from emotune.model.system_role import fold_system_role
 from emotune.model.text import causal_lm_class
 from emotune.runtime.device import Precision, bf16_supported, choose_precision
 
@@ -220,7 +221,16 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
 
 
 def load_tokenizer(model_dir: Path, cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = _with_template(AutoTokenizer.from_pretrained(model_dir), cfg)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    _drop_build_lists(tokenizer)
+    return tokenizer
+
+
+def _with_template(tokenizer: PreTrainedTokenizerBase, cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The chat template training renders: model.chat_template's file, else the tokenizer's own, else Gemma's; one
+    without a system role gets the system text in its first user message (emotune.model.system_role)."""
     if cfg.chat_template:
         template_path = Path(cfg.chat_template).expanduser()
         if not template_path.is_file():
@@ -228,9 +238,9 @@ def load_tokenizer(model_dir: Path, cfg: ModelConfig) -> PreTrainedTokenizerBase
         tokenizer.chat_template = template_path.read_text(encoding="utf-8")
     elif tokenizer.chat_template is None:
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    _drop_build_lists(tokenizer)
+    if fold_system_role(tokenizer):
+        print("The chat template has no system role (it refuses a system message): the system prompt opens the first "
+              "user message, followed by a blank line, as Gemma 3's template writes it.", flush=True)
     return tokenizer
 
 
@@ -324,13 +334,14 @@ def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple | None:
 def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     try:
         folder, gguf_file = _tokenizer_location(cfg)
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
     except UserError:
         raise
     except Exception as err:  # missing files, offline hub, unknown tokenizer class
         raise UserError(f"Could not load the tokenizer of model.source `{cfg.source}` ({type(err).__name__}: "
                         f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). "
                         "Check model.source; token counts need the model's tokenizer.") from None
+    return _with_template(tokenizer, cfg)
 
 
 def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
