@@ -263,6 +263,49 @@ def test_an_axolotl_config_is_named_with_its_dataset_first(tmp_path):
     assert "`lora_r` is not a config key; did you mean `lora.r`" in str(err.value)  # each key's line still follows
 
 
+H2O_CFG = """architecture:
+    backbone_dtype: int4
+dataset:
+    answer_column: output
+    parent_id_column: parent_id
+    prompt_column:
+    - instruction
+    train_dataframe: examples/data_oasst2/train_full.csv
+    validation_size: 0.01
+experiment_name: example_oasst2
+llm_backbone: h2oai/h2o-danube2-1.8b-base
+output_directory: examples/output_oasst2
+problem_type: {problem}
+training:
+    lora_r: 4
+"""
+
+
+@pytest.mark.parametrize(("problem", "says"), [
+    ("text_causal_language_modeling", "write an emotune config instead: task: sft, model.source: "
+     "h2oai/h2o-danube2-1.8b-base, data.source: examples/data_oasst2/train_full.csv, data.columns.prompt: instruction, "
+     "data.columns.response: output; the lines below go through its keys. Rows chained by parent_id"),
+    ("text_causal_classification_modeling", "task: classify_head, model.source: h2oai/h2o-danube2-1.8b-base, data.source: "
+     "examples/data_oasst2/train_full.csv, data.text_column: instruction, data.label_column: output"),
+    ("text_dpo_modeling", "its problem_type `text_dpo_modeling` has no emotune task"),
+])
+def test_an_h2o_llm_studio_config_is_named_with_where_its_backbone_and_data_go(tmp_path, problem, says):
+    """H2O LLM Studio's experiment config (examples/example_oasst2.yaml's shape) got one 'not a config key' line per
+    section and nothing said the file is another tool's; `llm_backbone`, `experiment_name` and `problem_type` were
+    offered the closest spelling or the valid keys instead of their emotune names."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(H2O_CFG.format(problem=problem))
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    message = str(err.value)
+    first = message.splitlines()[1]
+    assert "cfg.yaml` is an H2O LLM Studio experiment config (llm_backbone, problem_type, dataset)" in first
+    assert says in first
+    for key, meant in (("llm_backbone", "model.source"), ("experiment_name", "name"), ("problem_type", "task"),
+                       ("output_directory", "output_dir"), ("training", "train")):
+        assert f"`{key}` is not a config key; did you mean `{meant}`" in message
+
+
 def test_a_run_folder_or_a_data_file_given_as_the_config_says_what_it_is(tmp_path):
     """`emotune run runs/x` said the config "does not exist", and `emotune run reviews.jsonl` showed a YAML syntax
     error in the first row of data."""

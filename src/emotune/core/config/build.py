@@ -249,7 +249,7 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-# Other tools' names for emotune's keys (transformers' TrainingArguments, PEFT, Axolotl, TRL), for the message that
+# Other tools' names for emotune's keys (transformers' TrainingArguments, PEFT, Axolotl, TRL, H2O LLM Studio), for the message that
 # refuses them at the top level of an emotune config: a LLaMA-Factory file is translated whole instead.
 OTHER_TOOLS_NAMES = {
     "per_device_train_batch_size": "train.batch_size", "micro_batch_size": "train.batch_size",
@@ -260,7 +260,8 @@ OTHER_TOOLS_NAMES = {
     "lora_target": "lora.target_modules", "datasets": "data.source", "dataset": "data.source",
     "dataset_name": "data.source", "val_set_size": "data.validation_size", "bf16": "train.precision",
     "fp16": "train.precision", "load_in_4bit": "model.quantization", "load_in_8bit": "model.quantization",
-    "adapter": "train.finetuning",
+    "adapter": "train.finetuning", "llm_backbone": "model.source", "experiment_name": "name",
+    "output_directory": "output_dir", "problem_type": "task",
 }
 
 
@@ -291,7 +292,8 @@ def _closest(key: str, model: type[BaseModel], prefix: str) -> str:
         inside = next((f"{name}.{key}" for name, section in sections.items() if key in section.model_fields), None)
         meant = OTHER_TOOLS_NAMES.get(key) or inside
         if meant is not None:
-            return f"; did you mean `{meant}` (keys of a section go under it: {meant.split('.')[0]}: ...)?"
+            return (f"; did you mean `{meant}` (keys of a section go under it: {meant.split('.')[0]}: ...)?" if "." in meant
+                    else f"; did you mean `{meant}`?")
     close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
     return f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys here: {', '.join(fields)}"
 

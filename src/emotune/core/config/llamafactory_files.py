@@ -77,3 +77,32 @@ def axolotl_lead(file: dict[str, Any], path: str | Path) -> list[str]:
     return [f"`{path}` is an Axolotl config (base_model, {', '.join(found)}): emotune does not read Axolotl files; write "
             f"an emotune config (task: sft, model.source: {file['base_model']}, ...), whose keys the lines below name."
             + dataset]
+
+
+H2O_TASKS = {"text_causal_language_modeling": "sft", "text_causal_classification_modeling": "classify_head"}
+
+
+def h2o_lead(file: dict[str, Any], path: str | Path) -> list[str]:
+    """The first problem of an H2O LLM Studio experiment config (`llm_backbone`, `problem_type`, sections `dataset`,
+    `training`, ...): what the file is and where its backbone, data and columns go. Empty for other files."""
+    if "llm_backbone" not in file or not isinstance(file.get("dataset"), dict):
+        return []
+    problem, dataset = str(file.get("problem_type", "")), file["dataset"]
+    task = H2O_TASKS.get(problem)
+    prompt, answer = dataset.get("prompt_column"), dataset.get("answer_column")
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+    if task == "sft":
+        columns = f"data.columns.prompt: {prompt}, data.columns.response: {answer}"
+    else:
+        columns = f"data.text_column: {prompt}, data.label_column: {answer}"
+    data = f", data.source: {dataset['train_dataframe']}" if dataset.get("train_dataframe") else ""
+    if task is None:
+        what = (f"its problem_type `{problem or 'unset'}` has no emotune task (emotune trains text_causal_language_modeling "
+                "as task: sft and text_causal_classification_modeling as task: classify_head)")
+    else:
+        chained = (" Rows chained by parent_id are read as H2O writes them (columns id and parent_id)."
+                   if task == "sft" and str(dataset.get("parent_id_column", "None")) not in ("None", "") else "")
+        what = (f"write an emotune config instead: task: {task}, model.source: {file['llm_backbone']}{data}, "
+                f"{columns}; the lines below go through its keys.{chained}")
+    return [f"`{path}` is an H2O LLM Studio experiment config (llm_backbone, problem_type, dataset): emotune does not "
+            f"read H2O files; {what}"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from emotune.core.config import llamafactory
 from emotune.core.config.build import build_config, read_yaml, read_yaml_as_written
-from emotune.core.config.llamafactory_files import axolotl_lead
+from emotune.core.config.llamafactory_files import axolotl_lead, h2o_lead
 from emotune.core.config.run import RunConfigBase
 
 # --------------------------------------------------------------------------------------------------
@@ -28,5 +28,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if llamafactory.is_llamafactory(raw):
             return llamafactory.load(raw, Path(path), overrides)
         written = read_yaml_as_written(Path(path))
-    lead = axolotl_lead(raw, path) if path is not None else []
+    lead = (axolotl_lead(raw, path) or h2o_lead(raw, path)) if path is not None else []
     return build_config(raw, overrides, path, lead, written=written)
