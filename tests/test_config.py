@@ -146,6 +146,18 @@ def test_run_name_that_escapes_output_dir_is_refused(tmp_path):
     assert load_config(path).name == "my-config-1"
 
 
+def test_run_names_are_held_to_what_a_file_system_takes(tmp_path):
+    """A run named with 90 Chinese characters passed (90 of 100 characters) and `emotune run` ended in a traceback,
+    `OSError: [Errno 36] File name too long`: 270 bytes in UTF-8, where file systems hold 255 per name. The name is
+    refused naming the limit; a name taken from a long config file name is cut to fit."""
+    said = _problem("name=" + "情" * 90)
+    assert "`name`: must be a plain folder name" in said and "200 bytes" in said
+    assert load_config(None, ["name=" + "情" * 60]).name == "情" * 60
+    path = tmp_path / ("情" * 80 + ".yaml")
+    path.write_text("train:\n  max_steps: 2\n")
+    assert load_config(path).name == "情" * 66
+
+
 def test_unknown_task_is_named_with_the_known_ones(capsys):
     for bad in ("task=sft_typo", "task=[1, 2]"):
         with pytest.raises(UserError) as err:

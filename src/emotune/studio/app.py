@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, quote
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 
-from emotune.core.config.base import RUN_NAME
+from emotune.core.config.base import is_run_name
 from emotune.core.config.build import TASK_CONFIGS
 from emotune.core.errors import UserError
 from emotune.core.figures import packaged_cjk_font
@@ -342,7 +342,7 @@ def _try_routes(app: FastAPI, runs: Path, tryout: Tryout, csrf: str) -> None:
 
 def _run_or_job(runs: Path, queue: JobQueue, name: str):
     """(run folder, its latest studio job): a run folder under `runs`, or the folder a queued job will make."""
-    job = queue.job_for(name) if RUN_NAME.fullmatch(name) and name not in (".", "..") else None
+    job = queue.job_for(name) if is_run_name(name) else None
     try:
         return run_folder(runs, name), job
     except NotInRuns:

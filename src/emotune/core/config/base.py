@@ -58,6 +58,22 @@ class Range:
 
 
 RUN_NAME = re.compile(r"[\w.-]{1,100}")
+# File systems hold 255 bytes per name, and emotune adds to a run's name (`.NAME.lock`, `NAME.previous`): 100 CJK
+# characters are 300 bytes in UTF-8, which no file system takes, so a name is held to bytes as well as characters.
+NAME_BYTES = 200
+
+
+def is_run_name(value: str) -> bool:
+    """A plain folder name emotune can make: RUN_NAME's characters, not `.` or `..`, at most NAME_BYTES in UTF-8."""
+    return bool(RUN_NAME.fullmatch(value)) and value not in (".", "..") and len(value.encode("utf-8")) <= NAME_BYTES
+
+
+def shorten_name(name: str) -> str:
+    """`name` cut to whole characters that fit RUN_NAME's 100 and NAME_BYTES (a derived name: from a file, a trial)."""
+    name = name[:100]
+    while len(name.encode("utf-8")) > NAME_BYTES:
+        name = name[:-1]
+    return name
 
 
 def named_source(value: str) -> str:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from emotune.core.config.base import (
     Range,
     _number_types,
+    shorten_name,
 )
 from emotune.core.config.head import ClassifyHeadConfig
 from emotune.core.config.run import ClassifyConfig, RunConfigBase
@@ -88,7 +89,7 @@ def _known_only(raw: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
 
 def _name_from_file(path: Path) -> str:
     """The default run name: the config file's name, made a plain folder name (see RunConfig.name)."""
-    return re.sub(r"[^\w.-]+", "-", path.stem).strip("-")[:100].strip(".") or "default"
+    return shorten_name(re.sub(r"[^\w.-]+", "-", path.stem).strip("-")).strip(".") or "default"
 
 
 DATA_ENDINGS = (".csv", ".tsv", ".jsonl", ".parquet", ".txt", ".arrow")  # never a config, always a data.source

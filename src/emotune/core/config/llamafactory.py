@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from emotune.core.config.base import RUN_NAME
+from emotune.core.config.base import is_run_name
 from emotune.core.config.build import _parse_value, _set_dotted, build_config
 from emotune.core.config.llamafactory_files import not_training, purpose, refuse_v1
 from emotune.core.config.llamafactory_keys import (
@@ -359,9 +359,9 @@ def _output(t: Translation) -> None:
     s = t.settings
     if s["output_dir"]:
         folder = PurePosixPath(str(s["output_dir"]).rstrip("/"))
-        if not RUN_NAME.fullmatch(folder.name) or folder.name in (".", ".."):
+        if not is_run_name(folder.name):
             t.problems.append(f"`output_dir: {s['output_dir']}` must end in a plain folder name (letters, digits, "
-                              "`.`, `-`, `_`), e.g. saves/gemma/lora/sft")
+                              "`.`, `-`, `_`; at most 100 characters and 200 bytes), e.g. saves/gemma/lora/sft")
         t.set("output_dir", str(folder.parent), "output_dir", note="the run folder is output_dir/name")
         t.set("name", folder.name, "output_dir")
     t.set("overwrite", bool(s["overwrite_output_dir"]), "overwrite_output_dir")
