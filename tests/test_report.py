@@ -195,3 +195,42 @@ def test_report_page_takes_labels_with_a_slash():
     chance = chance_levels({label: int(metrics["per_class"][label]["support"]) for label in labels})
     table = _metrics_table("score", metrics, metrics, labels, chance)
     assert "F1 anger/disgust" in table and "F1 &lt;/b&gt;joy" in table and "</b>joy" not in table
+
+
+def _strict_json(text: str):
+    """JSON as JavaScript's JSON.parse, jq and Go read it: the bare words NaN and Infinity are refused."""
+    def refuse(word):
+        raise ValueError(f"{word} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_diverged_training_log_is_standard_json_and_the_report_still_draws_it(tmp_path):
+    """A window whose every step was skipped as non-finite logged `"loss": NaN, "grad_norm": Infinity` into
+    log_history.json(l) (Python's bare words, which JSON has not): the studio's and any other strict reader refused the
+    whole file. They are null now, and the report's gradient and loss parts draw around them."""
+    import math
+    from types import SimpleNamespace
+
+    from emotune.core.rundir import RunDir, write_json
+    from emotune.report.page import _loss_section
+    from emotune.report.training import _gradient_part
+    from emotune.train.log import TrainLog, Window, write_history
+
+    window = Window()
+    window.add(None, 0, grad_norm=math.inf)  # an overflowed step: skipped, its loss never counted
+    entry = window.entry(SimpleNamespace(step=2, nonfinite_total=1), SimpleNamespace(micro_per_step=1, batches_per_epoch=4),
+                         1e-3, math.inf)
+    good = {**entry, "step": 1, "loss": 2.5, "grad_norm": 1.0, "grad_norm_mean": 1.0, "grad_norm_max": 1.5}
+    run = RunDir(tmp_path / "run")
+    log = TrainLog(run.train / "log_history.jsonl", [], SimpleNamespace(is_main_process=True), [], {})
+    log(good)
+    log(entry)
+    lines = [_strict_json(line) for line in (run.train / "log_history.jsonl").read_text().splitlines()]
+    assert lines[1]["loss"] is None and lines[1]["grad_norm"] is None and lines[1]["grad_norm_max"] is None
+    write_history([good, {**entry, "grad_norm": 3.0}, {"step": 2, "eval_loss": math.nan}], run.train)
+    assert _strict_json((run.train / "log_history.json").read_text())[2]["eval_loss"] is None
+    run.figures.mkdir()
+    (run.root / "config.yaml").write_text("train:\n  max_grad_norm: 1.0\n")  # the clipping line: each window's largest
+    assert "exceeded in 2 of 2" in _gradient_part(run)
+    assert "<img" in _gradient_part(run) and "<img" in _loss_section(run)
+    assert _strict_json(write_json(tmp_path / "m.json", {"a": [math.nan, -math.inf, 1.0]}).read_text()) == {"a": [None, None, 1.0]}

@@ -9,7 +9,6 @@ text the user turn.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from tqdm.auto import tqdm
 
 from emotune.core.config.sft import SftTags
 from emotune.core.errors import UserError
-from emotune.core.rundir import atomic_file
+from emotune.core.rundir import atomic_file, json_text
 from emotune.data.clean import clean_for_inference
 from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
 from emotune.eval.scoring import label_token_ids, prompt_token_ids, score_label_probs
@@ -138,7 +137,7 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
         classifier.check_lengths(texts, "text")
         probs = classifier.probs(texts, batch_size)
         for text, row in zip(texts, probs.tolist(), strict=False):
-            print(json.dumps({"text": text, **labelled(row, artifact.labels)}, ensure_ascii=False))
+            print(json_text({"text": text, **labelled(row, artifact.labels)}, indent=None))
         return 0
     texts = rows[text_column].astype(str).tolist()
     classifier.check_lengths(texts, f"{Path(file).name}: row")
@@ -153,7 +152,7 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, p
     """An sft model's replies: one JSON line per text, or the input columns plus `output` in `out`."""
     if rows is None:
         for text, reply in zip(texts, generator.replies(texts, max_new_tokens, batch_size), strict=False):
-            print(json.dumps({"text": text, "output": reply}, ensure_ascii=False))
+            print(json_text({"text": text, "output": reply}, indent=None))
         return 0
     result = rows.copy()
     _add_column(result, "output", generator.replies(prompts, max_new_tokens, batch_size, "predict"))

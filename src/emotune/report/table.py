@@ -10,12 +10,11 @@ from __future__ import annotations
 import csv
 import html
 import io
-import json
 from pathlib import Path
 
 from emotune.core import terminal
 from emotune.core.errors import UserError
-from emotune.core.rundir import atomic_dir
+from emotune.core.rundir import atomic_dir, json_text
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, format_interval
 from emotune.report.page import html_page as page
 
@@ -233,4 +232,4 @@ def write_outputs(table: dict, out: Path) -> None:
         (tmp / "compare.csv").write_text(csv_text(table), encoding="utf-8")
         (tmp / "compare.md").write_text(markdown(table), encoding="utf-8")
         (tmp / "compare.html").write_text(html_page(table), encoding="utf-8")
-        (tmp / "compare.json").write_text(json.dumps(table, indent=2, ensure_ascii=False), encoding="utf-8")
+        (tmp / "compare.json").write_text(json_text(table), encoding="utf-8")
