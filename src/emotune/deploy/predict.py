@@ -156,8 +156,7 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, p
         return 0
     result = rows.copy()
     _add_column(result, "output", generator.replies(prompts, max_new_tokens, batch_size, "predict"))
-    with atomic_file(out) as tmp:
-        result.to_csv(tmp, index=False)
+    write_csv(result, out)
     print(f"Wrote {len(rows)} replies to {out}", flush=True)
     return 0
 
@@ -243,8 +242,16 @@ def _write_table(rows: pd.DataFrame, probs: torch.Tensor, labels: list[str], out
     _add_column(result, "label", [labels[i] for i in probs.argmax(-1).tolist()] if len(rows) else [])
     for j, label in enumerate(labels):
         _add_column(result, f"p_{label}", probs[:, j].tolist() if len(rows) else [])
+    write_csv(result, out)
+
+
+def write_csv(result: pd.DataFrame, out: Path) -> None:
+    """`result` as CSV that reads back row for row. Lines end in CRLF (RFC 4180's own ending): Python's csv writer
+    before 3.11.9 / 3.12.3 quotes only the line ending's characters, so with pandas' `\n` a text holding a bare `\r`
+    (an old Mac line break, a scraped page) went out unquoted and every reader split its row in two (CPython
+    gh-67044, pandas #10018)."""
     with atomic_file(out) as tmp:
-        result.to_csv(tmp, index=False)
+        result.to_csv(tmp, index=False, lineterminator="\r\n")
 
 
 def _add_column(result: pd.DataFrame, name: str, values: list) -> None:
