@@ -234,3 +234,32 @@ def test_a_diverged_training_log_is_standard_json_and_the_report_still_draws_it(
     assert "exceeded in 2 of 2" in _gradient_part(run)
     assert "<img" in _gradient_part(run) and "<img" in _loss_section(run)
     assert _strict_json(write_json(tmp_path / "m.json", {"a": [math.nan, -math.inf, 1.0]}).read_text()) == {"a": [None, None, 1.0]}
+
+
+def test_summary_csvs_write_a_formula_looking_name_as_text(tmp_path):
+    """A label named `=HYPERLINK("http://evil.example","joy")` (or `@SUM(...)`, `+cmd`) opened in comparison.csv, compare.csv
+    or a sweep's table ran as a formula in Excel, LibreOffice and Google Sheets: quoting the cell does not stop it. Such
+    a text cell is written with a leading `'` now; numbers (a negative delta) are written as they are."""
+    from emotune.core.rundir import RunDir
+    from emotune.core.spreadsheet import spreadsheet_cell
+    from emotune.eval.evaluate import compute_metrics
+    from emotune.sweep.table import Table, write_csv
+    from emotune.tasks.classify.report import compare, write_comparison
+
+    evil = '=HYPERLINK("http://evil.example","joy")'
+    assert [spreadsheet_cell(v) for v in (evil, "@SUM(A1)", "+1", "-x", "\tx", "-0.25", "-1e-4", "joy", -0.5, None)] == [
+        "'" + evil, "'@SUM(A1)", "+1", "'-x", "'\tx", "-0.25", "-1e-4", "joy", -0.5, None]
+    labels = [evil, "joy"]
+    before = {**compute_metrics([evil, "joy"], ["joy", "joy"], labels), "method": "generate"}
+    after = {**compute_metrics([evil, "joy"], [evil, evil], labels), "method": "generate"}
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    write_comparison(compare(before, after, labels), run)
+    with run.comparison_csv.open(newline="", encoding="utf-8") as handle:
+        rows = {r["metric"]: r for r in csv.DictReader(handle)}
+    assert f"'{evil}/f1" in rows and evil + "/f1" not in rows
+    assert float(rows["joy/recall"]["delta"]) == -1.0  # numbers stay numbers
+    table = Table("trials", [], [], [{"trial": "trial-000", "prompt.system_prompt": "=1+1", "value": -0.5}], [])
+    write_csv(table, tmp_path / "trials.csv")
+    with (tmp_path / "trials.csv").open(newline="", encoding="utf-8") as handle:
+        assert list(csv.DictReader(handle)) == [{"trial": "trial-000", "prompt.system_prompt": "'=1+1", "value": "-0.5"}]

@@ -15,6 +15,7 @@ from pathlib import Path
 from emotune.core import terminal
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_dir, json_text
+from emotune.core.spreadsheet import spreadsheet_row
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, format_interval
 from emotune.report.page import html_page as page
 
@@ -122,26 +123,27 @@ def markdown(table: dict) -> str:
 
 
 def csv_text(table: dict) -> str:
-    """One line per row with raw values: scores with their interval bounds, the paired test, per-class F1."""
+    """One line per row with raw values: scores with their interval bounds, the paired test, per-class F1 (a name that
+    looks like a formula written as text: emotune.core.spreadsheet)."""
     kind = table["kind"]
     labels = list(dict.fromkeys(label for row in table["rows"] for label in row["per_class"]))
     per_class = "rouge_l" if kind == "generation" else "f1"
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     score_columns = [f"{key}{part}" for key, _ in SCORES[kind] for part in ("", "_low", "_high")]
-    writer.writerow(["run", "path", "task", "method", *score_columns, *[k for k, _ in EXTRA[kind]], *[k for k, _ in SETUP],
+    writer.writerow(spreadsheet_row(["run", "path", "task", "method", *score_columns, *[k for k, _ in EXTRA[kind]], *[k for k, _ in SETUP],
                      "rows", "fingerprint", "comparable", "vs_first_verdict", "vs_first_delta", "vs_first_low",
-                     "vs_first_high", "vs_first_p_value", *[f"{per_class}/{label}" for label in labels], "note"])
+                     "vs_first_high", "vs_first_p_value", *[f"{per_class}/{label}" for label in labels], "note"]))
     for row in table["rows"]:
         scores = [v for key, _ in SCORES[kind] for v in (row["scores"].get(key, {}).get("value"),
                                                          *row["scores"].get(key, {}).get("interval", [None, None]))]
         found = row["vs_first"] or {}
         delta = found.get("macro_f1_delta") or found.get("rouge_l_delta") or {}
-        writer.writerow([row["run"], row["path"], row["task"], row["method"], *scores,
+        writer.writerow(spreadsheet_row([row["run"], row["path"], row["task"], row["method"], *scores,
                          *[row["metrics"].get(k) for k, _ in EXTRA[kind]], *[row.get(k) for k, _ in SETUP], row["rows"],
                          row["fingerprint"], row["comparable"], found.get("verdict"), delta.get("delta"), delta.get("low"),
                          delta.get("high"), found.get("mcnemar", {}).get("p_value"),
-                         *[row["per_class"].get(label) for label in labels], row["note"]])
+                         *[row["per_class"].get(label) for label in labels], row["note"]]))
     return buffer.getvalue()
 
 

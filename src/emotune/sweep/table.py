@@ -15,6 +15,7 @@ from pathlib import Path
 
 from emotune.core import terminal
 from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
+from emotune.core.spreadsheet import spreadsheet_cell
 from emotune.sweep.space import Trial
 from emotune.tasks import task_named
 
@@ -218,7 +219,7 @@ def write_csv(table: Table, path: Path) -> None:
     with atomic_file(path) as tmp, tmp.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
-        writer.writerows({k: "" if v is None else v for k, v in record.items()} for record in table.records)
+        writer.writerows({k: "" if v is None else spreadsheet_cell(v) for k, v in record.items()} for record in table.records)
 
 
 def write_tables(folder: Path, tables: list[tuple[str, Table]]) -> None:

@@ -15,6 +15,7 @@ from emotune.core import terminal
 from emotune.core.errors import UserError
 from emotune.core.figures import embed_figure
 from emotune.core.rundir import RunDir, atomic_file, write_json
+from emotune.core.spreadsheet import spreadsheet_row
 from emotune.eval.evaluate import EvalResult
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
 
@@ -151,13 +152,14 @@ def _row(before: float, after: float) -> dict[str, float]:
 
 
 def write_comparison(comparison: dict, run: RunDir) -> None:
-    """comparison.csv, then comparison.json (its presence marks the comparison as written)."""
+    """comparison.csv (a label that looks like a formula written as text: emotune.core.spreadsheet), then comparison.json
+    (its presence marks the comparison as written)."""
     with atomic_file(run.comparison_csv) as tmp, tmp.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["metric", "before", "after", "delta", "method"])
         for method, one in comparison.get("methods", {comparison["method"]["after"]: comparison}).items():
             for name, row in one["metrics"].items():
-                writer.writerow([name, row["before"], row["after"], row["delta"], method])
+                writer.writerow(spreadsheet_row([name, row["before"], row["after"], row["delta"], method]))
     write_json(run.comparison_json, comparison)
 
 
