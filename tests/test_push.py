@@ -143,3 +143,22 @@ def test_a_prompt_holding_a_code_fence_stays_inside_the_cards_code_block(tiny_mo
     assert not [t for t in tokens if t.type == "inline" and "Injected" in t.content]  # no heading, no paragraph
     blocks = [t.content for t in tokens if t.type == "fence"]
     assert any(system in block for block in blocks)  # the prompt whole, inside one code block
+
+
+def test_a_label_with_a_pipe_or_a_line_break_stays_one_cell_of_the_cards_table():
+    """A label such as `anger|rage` made the model card's results row one column longer (the hub showed its numbers
+    under the wrong headings), and a label with a line break ended the table; emotune compare's and a sweep's
+    table.md did the same with line breaks. Each is one cell now."""
+    from emotune.deploy.model_card import results_table
+    row = {"before": 0.25, "after": 0.5, "delta": 0.25}
+    lines = results_table({"metrics": {"anger|rage/f1": row, "line\nbreak/f1": row, "accuracy": row}, "rows": 4})
+    tokens = MarkdownIt("commonmark").enable("table").parse("\n".join(lines))
+    rows, inside = [], False
+    for token in tokens:
+        if token.type in ("tr_open", "tr_close"):
+            inside = token.type == "tr_open"
+            rows += [[]] if inside else []
+        elif token.type == "inline" and inside:
+            rows[-1].append(token.content)
+    assert [len(r) for r in rows] == [5, 5, 5, 5]
+    assert [r[0] for r in rows[1:]] == ["anger|rage/f1", "line<br>break/f1", "accuracy"]

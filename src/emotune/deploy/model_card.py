@@ -12,6 +12,7 @@ import re
 import yaml
 
 from emotune.core.rundir import read_json
+from emotune.report.table import markdown_cell
 
 EMBEDDED_BASE = "google/gemma-3-270m"  # the packaged GGUF is a conversion of it (its NOTICE names the source)
 # the licence of each family's released weights, as the hub names it; "other" where it differs by model
@@ -112,7 +113,7 @@ def results_table(comparison: dict | None) -> list[str]:
         before, after = _with_interval(row.get("before"), band.get("before")), _with_interval(row.get("after"), band.get("after"))
         delta = band.get("delta") or {}
         change = f"[{delta['low']:.3f}, {delta['high']:.3f}]" if "low" in delta else ""
-        rows.append(f"| {name} | {before} | {after} | {row.get('delta', 0):+.3f} | {change} |")
+        rows.append(f"| {markdown_cell(name)} | {before} | {after} | {row.get('delta', 0):+.3f} | {change} |")
     rows += ["", f"Rows: {comparison.get('rows', '?')}; intervals: seeded percentile bootstrap over the test rows.", ""]
     return rows
 

@@ -92,9 +92,15 @@ def _text(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([lines[0], "-" * terminal.width(lines[0]), *lines[1:]])
 
 
+def markdown_cell(cell) -> str:
+    """A value as one cell of a Markdown table: a `|` in a label or a run name would start a new column, and a line
+    break would end the row (GitHub and the model hubs render `<br>` as one)."""
+    return "<br>".join(str(cell).replace("|", "\\|").splitlines())
+
+
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
     def line(cells: list[str]) -> str:
-        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+        return "| " + " | ".join(map(markdown_cell, cells)) + " |"
     return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)])
 
 

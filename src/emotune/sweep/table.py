@@ -16,6 +16,7 @@ from pathlib import Path
 from emotune.core import terminal
 from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
 from emotune.core.spreadsheet import spreadsheet_cell
+from emotune.report.table import markdown_cell
 from emotune.sweep.space import Trial
 from emotune.tasks import task_named
 
@@ -207,10 +208,9 @@ def format_text(table: Table) -> str:
 
 
 def format_markdown(table: Table) -> str:
-    escape = lambda cell: str(cell).replace("|", "\\|")  # noqa: E731
-    lines = [f"**{table.title}**", "", "| " + " | ".join(map(escape, table.headers)) + " |",
+    lines = [f"**{table.title}**", "", "| " + " | ".join(map(markdown_cell, table.headers)) + " |",
              "|" + "|".join("---" for _ in table.headers) + "|"]
-    lines += ["| " + " | ".join(map(escape, row)) + " |" for row in table.rows]
+    lines += ["| " + " | ".join(map(markdown_cell, row)) + " |" for row in table.rows]
     return "\n".join(lines) + "\n"
 
 
