@@ -158,6 +158,22 @@ def test_run_names_are_held_to_what_a_file_system_takes(tmp_path):
     assert load_config(path).name == "情" * 66
 
 
+def test_run_names_windows_cannot_hold_are_refused_by_name(tmp_path):
+    """`name=nul`, `name=aux.txt` or `name=run.` passed: on Windows no folder can be named after a device (with any
+    extension) and a trailing `.` is dropped (`run.` would be the folder `run`), so the run failed there with an
+    OSError, or a run folder copied there could not be. Each is refused naming the reason and a name that works;
+    a config file named so gets a default name that works."""
+    for name in ("nul", "CON", "aux.txt", "com1", "LPT9.log"):
+        said = _problem(f"name={name}")
+        assert f"`{name}` is a device name on Windows" in said and f"name={name.split('.')[0]}-run" in said, name
+    assert "ends in `.`, which Windows drops" in _problem("name=run.")
+    for fine in ("console", "auxiliary", "com10", "a.b"):
+        assert load_config(None, [f"name={fine}"]).name == fine
+    path = tmp_path / "aux.yaml"
+    path.write_text("train:\n  max_steps: 2\n")
+    assert load_config(path).name == "aux-run"
+
+
 def test_unknown_task_is_named_with_the_known_ones(capsys):
     for bad in ("task=sft_typo", "task=[1, 2]"):
         with pytest.raises(UserError) as err:

@@ -68,6 +68,23 @@ def is_run_name(value: str) -> bool:
     return bool(RUN_NAME.fullmatch(value)) and value not in (".", "..") and len(value.encode("utf-8")) <= NAME_BYTES
 
 
+# Names Windows gives its devices, with or without an extension (`nul.txt` too): no folder there can have one, so a run
+# named so could not be made there, nor a run folder copied there (its config names it). Refused everywhere.
+WINDOWS_DEVICES = frozenset({"con", "prn", "aux", "nul", *(f"{port}{n}" for port in ("com", "lpt") for n in "123456789")})
+
+
+def windows_problem(name: str) -> str | None:
+    """Why Windows cannot hold a folder named `name` (a device name; a `.` at the end, which it drops), else None."""
+    if name.split(".")[0].lower() in WINDOWS_DEVICES:
+        return (f"`{name}` is a device name on Windows (CON, PRN, AUX, NUL, COM1-9, LPT1-9, with any extension), where no "
+                f"folder can have it, and a run folder may be made or copied there; choose another, e.g. "
+                f"name={name.split('.')[0]}-run")
+    if name.endswith("."):
+        return (f"`{name}` ends in `.`, which Windows drops from a folder name, and a run folder may be made or copied "
+                f"there; choose another, e.g. name={name.rstrip('.')}-1")
+    return None
+
+
 def shorten_name(name: str) -> str:
     """`name` cut to whole characters that fit RUN_NAME's 100 and NAME_BYTES (a derived name: from a file, a trial)."""
     name = name[:100]

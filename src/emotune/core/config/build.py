@@ -17,6 +17,7 @@ from emotune.core.config.base import (
     Range,
     _number_types,
     shorten_name,
+    windows_problem,
 )
 from emotune.core.config.head import ClassifyHeadConfig
 from emotune.core.config.run import ClassifyConfig, RunConfigBase
@@ -89,7 +90,8 @@ def _known_only(raw: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
 
 def _name_from_file(path: Path) -> str:
     """The default run name: the config file's name, made a plain folder name (see RunConfig.name)."""
-    return shorten_name(re.sub(r"[^\w.-]+", "-", path.stem).strip("-")).strip(".") or "default"
+    name = shorten_name(re.sub(r"[^\w.-]+", "-", path.stem).strip("-")).strip(".") or "default"
+    return name if windows_problem(name) is None else shorten_name(name.split(".")[0] + "-run")
 
 
 DATA_ENDINGS = (".csv", ".tsv", ".jsonl", ".parquet", ".txt", ".arrow")  # never a config, always a data.source
