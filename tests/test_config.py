@@ -174,6 +174,15 @@ def test_run_names_windows_cannot_hold_are_refused_by_name(tmp_path):
     assert load_config(path).name == "aux-run"
 
 
+def test_a_nul_character_in_a_config_text_is_refused_by_key():
+    """`output_dir: "runs\\0x"` (YAML's escape for NUL) passed validation and the run ended in a traceback,
+    `ValueError: embedded null byte`, once the folder was made. Any text field holding one is refused by key."""
+    for override, key in (('output_dir="runs\\0x"', "output_dir"), ('model.cache_dir="c\\0"', "model.cache_dir"),
+                          ('data.label_names=["a\\0", b]', "data.label_names"),
+                          ('prompt.system_prompt="a\\0 {labels}"', "prompt.system_prompt")):
+        assert f"`{key}`: holds a NUL character" in _problem(override), key
+
+
 def test_unknown_task_is_named_with_the_known_ones(capsys):
     for bad in ("task=sft_typo", "task=[1, 2]"):
         with pytest.raises(UserError) as err:

@@ -109,11 +109,11 @@ class Section(BaseModel):
     @classmethod
     def _in_range(cls, value: Any, handler, info: ValidationInfo) -> Any:
         """Number fields: refuse true/false (YAML would make `true` a 1), NaN, infinities and values outside the
-        field's `Range`, always with a message that states the range."""
+        field's `Range`, always with a message that states the range. Text fields: refuse a NUL character."""
         field = cls.model_fields[info.field_name]
         allowed = next((m for m in field.metadata if isinstance(m, Range)), None)
         if allowed is None:
-            return handler(value)
+            return _without_nul(handler(value))
         integer = float not in _number_types(field.annotation)
         expected = f"must be {allowed.describe(integer)}"
         if isinstance(value, bool):
@@ -125,6 +125,16 @@ class Section(BaseModel):
         if isinstance(result, (int, float)) and not isinstance(result, bool) and not allowed.allows(result):
             raise ValueError(expected)
         return result
+
+
+def _without_nul(value: Any) -> Any:
+    """`value`, unless a text in it holds a NUL character (YAML's "\\0"): no path can hold one, so `output_dir: "runs\\0"`
+    ended the run in Python's `ValueError: embedded null byte`."""
+    texts = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else [value]
+    if any(isinstance(text, str) and "\0" in text for text in texts):
+        raise ValueError("holds a NUL character (\\0): no file path can hold one, and in any other text it is a slip (a "
+                         "file read in the wrong encoding, a stray escape); remove it")
+    return value
 
 
 def _plain(bound: float) -> str:
