@@ -162,3 +162,20 @@ def test_a_label_with_a_pipe_or_a_line_break_stays_one_cell_of_the_cards_table()
             rows[-1].append(token.content)
     assert [len(r) for r in rows] == [5, 5, 5, 5]
     assert [r[0] for r in rows[1:]] == ["anger|rage/f1", "line<br>break/f1", "accuracy"]
+
+
+def test_labels_are_shown_as_written_not_read_as_the_cards_markdown(tiny_model_dir, tmp_path):
+    """The card listed the labels as raw Markdown: a label `<details>` opened an HTML element that hid the rest of
+    the card on the hub, and one holding a line break and `# ...` became a heading. Each label is a code span now."""
+    labels = ["<details>", "ok\n# Injected", "x`y", "joy"]
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "run")
+    meta = run / "adapter" / "emotune.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "labels": labels}))
+    artifact = find_artifact(run / "adapter")
+    card = model_card(artifact, RunDir(run), "hf", "me/tiny", False, None)
+    blocks = MarkdownIt().parse(card.split("---", 2)[2])
+    headings = [blocks[i + 1].content for i, t in enumerate(blocks) if t.type == "heading_open"]
+    assert not [h for h in headings if "Injected" in h]
+    tokens = [child for t in blocks for child in [t, *(t.children or [])]]
+    assert not [t for t in tokens if t.type in ("html_block", "html_inline")]
+    assert [t.content for t in tokens if t.type == "code_inline"][1:5] == ["<details>", "ok # Injected", "x`y", "joy"]

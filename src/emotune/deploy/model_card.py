@@ -65,7 +65,8 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
                  f" ({'a classifier that answers with one label' if classify else 'instruction tuning'}).")
     if classify:
         prompt = f"{_system_prompt(artifact)}\n\n{artifact.prompt.user_template}"
-        lines += ["", f"Labels: {', '.join(artifact.labels)}.", "", "Prompt (system, then the user template):", "",
+        lines += ["", f"Labels: {', '.join(map(inline_code, artifact.labels))}.", "",
+                  "Prompt (system, then the user template):", "",
                   *fenced(prompt, "text")]
     lines += ["", f"License: the base model's terms ({header(artifact, base_id, model_type, merged, dataset)['license']}); "
               "check them on the base model's page before use.", ""]
@@ -82,6 +83,16 @@ def fenced(text: str, language: str) -> list[str]:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return [fence + language, text, fence]
+
+
+def inline_code(text: str) -> str:
+    """`text` as a Markdown code span, on one line, its backtick fence longer than any run of backticks in it: a label
+    is shown as written, never read as the card's own Markdown or HTML (`<details>` hid the rest of the card,
+    `# ...` after a line break became a heading)."""
+    flat = " ".join(text.split())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", flat)), default=0) + 1)
+    pad = " " if flat.startswith("`") or flat.endswith("`") else ""
+    return f"{fence}{pad}{flat}{pad}{fence}"
 
 
 def _system_prompt(artifact) -> str:
