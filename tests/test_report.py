@@ -263,3 +263,18 @@ def test_summary_csvs_write_a_formula_looking_name_as_text(tmp_path):
     write_csv(table, tmp_path / "trials.csv")
     with (tmp_path / "trials.csv").open(newline="", encoding="utf-8") as handle:
         assert list(csv.DictReader(handle)) == [{"trial": "trial-000", "prompt.system_prompt": "'=1+1", "value": "-0.5"}]
+
+
+
+def test_the_studio_shows_a_sweep_table_cell_as_the_value_it_holds(tmp_path):
+    """The `'` a sweep's trials.csv puts before a formula-looking text is the CSV's, not the value's: the studio's sweep
+    page (HTML, where no formula runs) showed `'=1+1`. Reading takes exactly one off, so every value comes back."""
+    from emotune.core.spreadsheet import from_spreadsheet_cell, spreadsheet_cell
+    from emotune.studio.runs import summarize_sweep
+    from emotune.sweep.table import Table, write_csv
+
+    values = ["=1+1", "'=1+1", "''@x", "-2", "'-2", "'", "", "'plain", "+", "-x", "joy"]
+    assert [from_spreadsheet_cell(spreadsheet_cell(v)) for v in values] == values
+    write_csv(Table("trials", [], [], [{"trial": "t", "value": v} for v in values], []), tmp_path / "trials.csv")
+    (_, header, rows), = summarize_sweep(tmp_path).tables
+    assert header == ["trial", "value"] and [row[1] for row in rows] == values

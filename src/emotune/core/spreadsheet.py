@@ -17,15 +17,28 @@ FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def spreadsheet_cell(value):
-    """`value`, with a `'` before a text a spreadsheet would read as a formula; numbers and anything else unchanged."""
-    if not isinstance(value, str) or not value.startswith(FORMULA_STARTS):
-        return value
-    try:
-        float(value)
-    except ValueError:
+    """`value`, with a `'` before a text a spreadsheet would read as a formula; numbers and anything else unchanged.
+    A text that already starts with `'` before such a start gets one more, so `from_spreadsheet_cell` undoes it
+    exactly."""
+    if isinstance(value, str) and _formula_like(value.lstrip("'")):
         return "'" + value
-    return value  # a number written as text: `-2`, `-1e-4`
+    return value
+
+
+def from_spreadsheet_cell(text: str) -> str:
+    """The value `spreadsheet_cell` wrote as `text` (a page that shows the table, where no formula runs)."""
+    return text[1:] if text.startswith("'") and _formula_like(text.lstrip("'")) else text
 
 
 def spreadsheet_row(cells) -> list:
     return [spreadsheet_cell(cell) for cell in cells]
+
+
+def _formula_like(text: str) -> bool:
+    if not text.startswith(FORMULA_STARTS):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return True
+    return False  # a number written as text: `-2`, `-1e-4`
