@@ -262,6 +262,12 @@ def _compare_routes(app: FastAPI, runs: Path) -> None:
         return _file(runs, name, path, sweep_folder, "sweep")
 
 
+# A run folder's files hold what its data and model wrote (texts, labels, replies), served from the studio's own origin:
+# a page among them runs no script and reaches no studio page (CSP sandbox: an opaque origin), and no file is read as
+# another type than its name says (nosniff). The report has no scripts, so it shows as it does opened from disk.
+FILE_HEADERS = {"Content-Security-Policy": "sandbox", "X-Content-Type-Options": "nosniff"}
+
+
 def _file(runs: Path, name: str, path: str, folder, what: str) -> Response:
     """A file of the run or sweep folder `name` (`folder` checks it is one), resolved inside the runs folder; 404
     for anything else."""
@@ -272,7 +278,7 @@ def _file(runs: Path, name: str, path: str, folder, what: str) -> Response:
         return HTMLResponse(pages.not_found(f"No file `{path}` in {what} `{name}`."), status_code=404)
     if not file.is_file():
         return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
-    return FileResponse(file)
+    return FileResponse(file, headers=FILE_HEADERS)
 
 
 def _trials(folder: Path) -> list[str]:
