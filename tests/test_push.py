@@ -179,3 +179,26 @@ def test_labels_are_shown_as_written_not_read_as_the_cards_markdown(tiny_model_d
     tokens = [child for t in blocks for child in [t, *(t.children or [])]]
     assert not [t for t in tokens if t.type in ("html_block", "html_inline")]
     assert [t.content for t in tokens if t.type == "code_inline"][1:5] == ["<details>", "ok # Injected", "x`y", "joy"]
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_cards_usage_keeps_a_local_base_path_one_argument(merged):
+    """A base that is a local folder is named in the card's usage as written: a path with a space, a `"` or ``` broke
+    the Python line (`from_pretrained("/data/my "best" model")`), split into several words in the vllm command, or
+    closed the code block early. It is a string literal, a quoted shell word, inside a fence longer than its backticks."""
+    import ast
+    import shlex
+    from types import SimpleNamespace
+
+    from emotune.deploy.model_card import usage
+
+    base = '/data/my "best" ```model``` $HOME'
+    card = "\n".join(usage(SimpleNamespace(name="tiny"), "hf", "me/tiny", base, merged))
+    blocks = {t.info: t.content for t in MarkdownIt().parse(card) if t.type == "fence"}
+    calls = [n for n in ast.walk(ast.parse(blocks["python"])) if isinstance(n, ast.Call)]
+    strings = [a.value for c in calls for a in c.args if isinstance(a, ast.Constant)]
+    words = shlex.split(blocks["bash"])
+    if merged:
+        assert strings == ["me/tiny", "me/tiny"] and words[:3] == ["vllm", "serve", "me/tiny"]
+    else:
+        assert base in strings and words[:3] == ["vllm", "serve", base] and "tiny=me/tiny" in words

@@ -7,7 +7,9 @@ exact resolved config, and how to load it with transformers + PEFT, vLLM and Oll
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 
 import yaml
 
@@ -61,7 +63,7 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
              f"# {repo_id.split('/')[-1]}", ""]
     classify = not artifact.answers_freely
     what = "merged model (base + LoRA folded in)" if merged else "LoRA adapter"
-    lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on `{base_id or source}`"
+    lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on {inline_code(str(base_id or source))}"
                  f" ({'a classifier that answers with one label' if classify else 'instruction tuning'}).")
     if classify:
         prompt = f"{_system_prompt(artifact)}\n\n{artifact.prompt.user_template}"
@@ -136,15 +138,19 @@ def _with_interval(value, band) -> str:
 
 
 def usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str]:
+    """How to load the model. `base` may be a local path (a base that is no hub id), so it is a Python string literal
+    and a shell word as written: a path with a space, a quote or ``` in it stays one argument inside its code block."""
     prefix = "modelscope:" if hub == "modelscope" else ""
-    load = (f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")' if merged else
-            f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{repo_id}")')
-    vllm = (f"vllm serve {repo_id} --generation-config auto" if merged else
-            f"vllm serve {base} --enable-lora --lora-modules {artifact.name}={repo_id} --generation-config auto")
-    return ["## How to use", "", "transformers" + ("" if merged else " + PEFT") + ":", "", "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer" + ("" if merged else "\nfrom peft import PeftModel"),
-            load, f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", "",
+    load = (f"model = AutoModelForCausalLM.from_pretrained({json.dumps(repo_id)})" if merged else
+            f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({json.dumps(base)}), {json.dumps(repo_id)})")
+    vllm = (f"vllm serve {shlex.quote(repo_id)} --generation-config auto" if merged else
+            f"vllm serve {shlex.quote(base)} --enable-lora --lora-modules {shlex.quote(f'{artifact.name}={repo_id}')} "
+            "--generation-config auto")
+    python = "\n".join(["from transformers import AutoModelForCausalLM, AutoTokenizer"
+                        + ("" if merged else "\nfrom peft import PeftModel"),
+                        load, f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(repo_id)})"])
+    return ["## How to use", "", "transformers" + ("" if merged else " + PEFT") + ":", "", *fenced(python, "python"), "",
             f"emotune: `emotune predict` / `emotune serve` on a downloaded copy (`{prefix}{repo_id}`).", "",
-            "vLLM:", "", "```bash", vllm, "```", "",
+            "vLLM:", "", *fenced(vllm, "bash"), "",
             "llama.cpp / Ollama: `emotune export RUN --format ollama --quant q8_0` writes the GGUF file and a Modelfile "
             "(system prompt, stop tokens, temperature 0); then `ollama create NAME -f Modelfile`.", ""]
