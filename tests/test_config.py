@@ -183,6 +183,22 @@ def test_a_nul_character_in_a_config_text_is_refused_by_key():
         assert f"`{key}`: holds a NUL character" in _problem(override), key
 
 
+def test_the_saved_config_reads_back_as_the_config(tmp_path):
+    """A prompt holding a NEL (U+0085, what "…" becomes when a cp1252 file is read as Latin-1) was written raw into
+    config.yaml by PyYAML and read back as a space: the saved config named another prompt, and running it again was
+    refused as a different config. The saved text reads back as the config, Chinese still written as it is."""
+    from emotune.core.config.build import dump_config
+
+    cfg = load_config(None, ['prompt.system_prompt="Classify\\N{labels} 情绪\\u2028now"', "name=nel"])
+    assert "\x85" in cfg.prompt.system_prompt
+    saved = tmp_path / "config.yaml"
+    saved.write_text(dump_config(cfg), encoding="utf-8")
+    assert load_config(saved).prompt.system_prompt == cfg.prompt.system_prompt
+    assert dump_config(load_config(saved)) == dump_config(cfg)
+    plain = load_config(None, ["prompt.system_prompt=只回答一个词 {labels}"])
+    assert "只回答一个词" in dump_config(plain)
+
+
 def test_unknown_task_is_named_with_the_known_ones(capsys):
     for bad in ("task=sft_typo", "task=[1, 2]"):
         with pytest.raises(UserError) as err:

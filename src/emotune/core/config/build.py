@@ -320,7 +320,15 @@ def _describe(error: dict[str, Any]) -> str:
 
 
 def dump_config(cfg: RunConfigBase) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=100)
+    return yaml_text(cfg.model_dump(mode="json"), sort_keys=False, width=100)
+
+
+def yaml_text(data, **options) -> str:
+    """`data` as YAML that reads back as `data`, Chinese and other scripts written as they are. PyYAML writes a NEL
+    (U+0085, what "…" becomes when a cp1252 file is read as Latin-1) raw inside a quoted string, which reading folds
+    into a space: a prompt in the saved config.yaml was then another prompt. Such data is written with escapes."""
+    text = yaml.safe_dump(data, allow_unicode=True, **options)
+    return text if yaml.safe_load(text) == data else yaml.safe_dump(data, allow_unicode=False, **options)
 
 
 def field_docs(model: type[BaseModel] = ClassifyConfig, prefix: str = "") -> list[tuple[str, str, str]]:
