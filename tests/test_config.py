@@ -146,6 +146,59 @@ def test_run_name_that_escapes_output_dir_is_refused(tmp_path):
     assert load_config(path).name == "my-config-1"
 
 
+def test_run_names_are_held_to_what_a_file_system_takes(tmp_path):
+    """A run named with 90 Chinese characters passed (90 of 100 characters) and `emotune run` ended in a traceback,
+    `OSError: [Errno 36] File name too long`: 270 bytes in UTF-8, where file systems hold 255 per name. The name is
+    refused naming the limit; a name taken from a long config file name is cut to fit."""
+    said = _problem("name=" + "情" * 90)
+    assert "`name`: must be a plain folder name" in said and "200 bytes" in said
+    assert load_config(None, ["name=" + "情" * 60]).name == "情" * 60
+    path = tmp_path / ("情" * 80 + ".yaml")
+    path.write_text("train:\n  max_steps: 2\n")
+    assert load_config(path).name == "情" * 66
+
+
+def test_run_names_windows_cannot_hold_are_refused_by_name(tmp_path):
+    """`name=nul`, `name=aux.txt` or `name=run.` passed: on Windows no folder can be named after a device (with any
+    extension) and a trailing `.` is dropped (`run.` would be the folder `run`), so the run failed there with an
+    OSError, or a run folder copied there could not be. Each is refused naming the reason and a name that works;
+    a config file named so gets a default name that works."""
+    for name in ("nul", "CON", "aux.txt", "com1", "LPT9.log"):
+        said = _problem(f"name={name}")
+        assert f"`{name}` is a device name on Windows" in said and f"name={name.split('.')[0]}-run" in said, name
+    assert "ends in `.`, which Windows drops" in _problem("name=run.")
+    for fine in ("console", "auxiliary", "com10", "a.b"):
+        assert load_config(None, [f"name={fine}"]).name == fine
+    path = tmp_path / "aux.yaml"
+    path.write_text("train:\n  max_steps: 2\n")
+    assert load_config(path).name == "aux-run"
+
+
+def test_a_nul_character_in_a_config_text_is_refused_by_key():
+    """`output_dir: "runs\\0x"` (YAML's escape for NUL) passed validation and the run ended in a traceback,
+    `ValueError: embedded null byte`, once the folder was made. Any text field holding one is refused by key."""
+    for override, key in (('output_dir="runs\\0x"', "output_dir"), ('model.cache_dir="c\\0"', "model.cache_dir"),
+                          ('data.label_names=["a\\0", b]', "data.label_names"),
+                          ('prompt.system_prompt="a\\0 {labels}"', "prompt.system_prompt")):
+        assert f"`{key}`: holds a NUL character" in _problem(override), key
+
+
+def test_the_saved_config_reads_back_as_the_config(tmp_path):
+    """A prompt holding a NEL (U+0085, what "…" becomes when a cp1252 file is read as Latin-1) was written raw into
+    config.yaml by PyYAML and read back as a space: the saved config named another prompt, and running it again was
+    refused as a different config. The saved text reads back as the config, Chinese still written as it is."""
+    from emotune.core.config.build import dump_config
+
+    cfg = load_config(None, ['prompt.system_prompt="Classify\\N{labels} 情绪\\u2028now"', "name=nel"])
+    assert "\x85" in cfg.prompt.system_prompt
+    saved = tmp_path / "config.yaml"
+    saved.write_text(dump_config(cfg), encoding="utf-8")
+    assert load_config(saved).prompt.system_prompt == cfg.prompt.system_prompt
+    assert dump_config(load_config(saved)) == dump_config(cfg)
+    plain = load_config(None, ["prompt.system_prompt=只回答一个词 {labels}"])
+    assert "只回答一个词" in dump_config(plain)
+
+
 def test_unknown_task_is_named_with_the_known_ones(capsys):
     for bad in ("task=sft_typo", "task=[1, 2]"):
         with pytest.raises(UserError) as err:

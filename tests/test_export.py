@@ -158,6 +158,24 @@ def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
         assert float(row["p_joy"]) == pytest.approx(line["probs"]["joy"], abs=1e-5)
 
 
+def test_predict_out_reads_back_row_for_row_whatever_the_texts_hold(tiny_run_dir, tmp_path):
+    """A text holding a bare carriage return went into --out unquoted (pandas' `\\n` line ending, Python's csv writer
+    before 3.11.9 quoting only its characters), so every CSV reader split that row in two and shifted the rest. The
+    texts come back exactly, formula-looking ones too: --out is data (docs/serving.md)."""
+    import pandas as pd
+
+    texts = ["i am happy\rtoday", "so sad\r\nreally", 'she said "fine", then left', "tab\there", "=HYPERLINK(\"x\")",
+             "-2 + 3", "@friend joy"]
+    source = tmp_path / "in.csv"
+    with source.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([["text"], *[[t] for t in texts]])
+    out = tmp_path / "out.csv"
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", str(out)]) == 0
+    with out.open(newline="", encoding="utf-8") as handle:
+        assert [r["text"] for r in csv.DictReader(handle)] == texts
+    assert pd.read_csv(out, dtype=str, keep_default_na=False)["text"].tolist() == texts
+
+
 def test_predict_keeps_a_label_column_the_input_file_already_has(tiny_run_dir, tmp_path, capsys):
     """Predicting on a labelled test file wrote the predicted label over the file's gold `label` column."""
     source = tmp_path / "labelled.csv"

@@ -116,3 +116,31 @@ def test_labels_with_dollar_signs_are_drawn_as_written_not_as_mathtext(tmp_path)
         fig.canvas.draw()
     assert [t.get_text() for t in ax.get_xticklabels()] == labels
     plt.close(fig)
+
+
+def test_long_and_multi_line_labels_stay_inside_their_figures(tmp_path):
+    """A 400-character label pushed the confusion matrix and the F1 bars off their figures (matplotlib: "Tight layout
+    not applied") and a label with line breaks stacked its lines over the next tick; figures now draw each name on
+    one line, at most 28 columns wide with the middle cut, and the tables keep the whole name."""
+    import warnings
+
+    from datasets import Dataset
+
+    from emotune.data.load import LabeledData
+    from emotune.data.prepare import plot_label_distribution
+    from emotune.eval.evaluate import compute_metrics
+    from emotune.tasks.classify.report import _confusion_figure, _f1_figure
+
+    labels = ["x" * 400, "line1\nline2\nline3", "$x^$", "喜悦" * 50]
+    assert fonts.short_label("line1\nline2") == "line1 line2" and fonts.short_label("joy") == "joy"
+    assert [len(fonts.short_label(label)) for label in labels] == [28, 17, 4, 14]
+    metrics = compute_metrics(labels * 2, labels[1:] + labels[:1] + labels, labels)
+    rows = Dataset.from_dict({"text": ["t"] * 4, "label": labels})
+    with warnings.catch_warnings(), fonts.figure_fonts():
+        warnings.simplefilter("error")  # "Tight layout not applied" is how an overflowing figure shows
+        for figure in (_confusion_figure(metrics, metrics, labels, "score"), _f1_figure(metrics, metrics, labels, "score")):
+            figure.canvas.draw()
+            ticks = [t.get_text() for ax in figure.axes for t in ax.get_xticklabels() + ax.get_yticklabels()]
+            assert "\n" not in "".join(ticks) and max(map(len, ticks)) <= 28
+            plt.close(figure)
+        plot_label_distribution(LabeledData(splits={"train": rows}, labels=labels, source="d" * 300), tmp_path / "l.png")

@@ -65,3 +65,81 @@ def test_modelfile_fields():
     assert "SYSTEM" not in sft and "temperature" not in sft and 'PARAMETER stop "<|im_end|>"' in sft
     with pytest.raises(UserError, match="ends a Modelfile string"):
         modelfile_text("llama", "m.gguf", 'say """', 4, greedy=True)
+
+
+def ollama_parse(text: str) -> list[tuple[str, str]]:
+    """(command, value) pairs as Ollama reads a Modelfile: a port of ParseFile's state machine in ollama/ollama
+    parser/parser.go (a value's `\"\"\"` string ends at the first line break after which it unquotes; a rune
+    outside a state change is kept only where Go's strconv.IsPrint accepts it)."""
+    import unicodedata
+
+    def unquote(s: str) -> tuple[str, bool]:
+        if s[:3] == '"""':
+            return (s[3:-3], True) if len(s) >= 6 and s[-3:] == '"""' else ("", False)
+        if s[:1] == '"':
+            return (s[1:-1], True) if len(s) >= 2 and s[-1] == '"' else ("", False)
+        return s, True
+
+    def printable(ch: str) -> bool:
+        return ch == " " or unicodedata.category(ch)[0] in "LMNPS"
+
+    commands, state, buffer, name = [], "nil", "", ""
+    for ch in text:
+        if state == "nil":
+            state, keep = ("comment", False) if ch == "#" else ("nil", False) if ch in " \t\r\n" else ("name", True)
+        elif state == "name":
+            if ch.isascii() and ch.isalpha():
+                keep = True
+            else:
+                assert ch in " \t", f"invalid command at {ch!r}"
+                name, buffer, state, keep = buffer.lower(), "", "value", False
+                if name == "parameter":
+                    state = "parameter"
+            if state != "name":
+                continue
+        elif state == "parameter":
+            if ch in " \t":
+                name, buffer, state = buffer, "", "value"
+                continue
+            keep = True
+        elif state == "comment":
+            state, keep = ("nil", False) if ch in "\r\n" else ("comment", False)
+        else:  # value
+            if ch in " \t\r\n":
+                value, ok = unquote(buffer.strip(" \t\r\n"))
+                if not ok or ch in " \t":
+                    buffer += ch
+                    continue
+                commands.append((name, value))
+                buffer, state = "", "nil"
+                continue
+            keep = True
+        if keep and printable(ch):
+            buffer += ch
+    if state == "value":
+        value, ok = unquote(buffer.strip(" \t\r\n"))
+        assert ok, "unexpected end of the file"
+        commands.append((name, value))
+    return commands
+
+
+@pytest.mark.parametrize("family", sorted(TEMPLATES))
+def test_modelfile_strings_read_back_as_written(family):
+    """Every field Ollama reads back is what emotune meant: quotes (a prompt ending in `"`, starting with `""`),
+    backslashes, `{{ }}`, line breaks of every kind, tabs and Chinese text come through the Modelfile unchanged."""
+    system = '"Joy", "anger" or "a\\\\b"?\n\tAnswer {{ .Content }} 只回答一个词\r\nthen\rstop."'
+    commands = dict(ollama_parse(modelfile_text(family, "run-f16.gguf", system, 4, greedy=True)))
+    assert commands["system"] == system and commands["template"] == TEMPLATES[family][0]
+    assert commands["from"] == "./run-f16.gguf" and commands["stop"] == TEMPLATES[family][1][-1]
+
+
+def test_a_system_prompt_ollama_would_change_is_refused_by_name():
+    """A Chinese prompt with an ideographic space, a label with a no-break space or an emoji joined by U+200D: Ollama's
+    parser silently leaves those characters out of the SYSTEM string, so `ollama run` sent the model another prompt
+    than the one it was trained and measured with. The export is refused, naming each character and the fix."""
+    for system, named in (("回答：　喜悦或愤怒", "U+3000 (IDEOGRAPHIC SPACE)"), ("joy or\u00a0anger", "U+00A0 (NO-BREAK SPACE)"),
+                          ("❤️\u200d🔥 or joy", "U+200D (ZERO WIDTH JOINER)")):
+        assert ollama_parse(f'FROM x\nSYSTEM """{system}"""\n')[1][1] != system  # what Ollama would have sent
+        with pytest.raises(UserError, match=r"Ollama's Modelfile parser leaves out") as err:
+            modelfile_text("qwen2", "m.gguf", system, 4, greedy=True)
+        assert named in str(err.value) and "prompt.system_prompt" in str(err.value)

@@ -143,3 +143,62 @@ def test_a_prompt_holding_a_code_fence_stays_inside_the_cards_code_block(tiny_mo
     assert not [t for t in tokens if t.type == "inline" and "Injected" in t.content]  # no heading, no paragraph
     blocks = [t.content for t in tokens if t.type == "fence"]
     assert any(system in block for block in blocks)  # the prompt whole, inside one code block
+
+
+def test_a_label_with_a_pipe_or_a_line_break_stays_one_cell_of_the_cards_table():
+    """A label such as `anger|rage` made the model card's results row one column longer (the hub showed its numbers
+    under the wrong headings), and a label with a line break ended the table; emotune compare's and a sweep's
+    table.md did the same with line breaks. Each is one cell now."""
+    from emotune.deploy.model_card import results_table
+    row = {"before": 0.25, "after": 0.5, "delta": 0.25}
+    lines = results_table({"metrics": {"anger|rage/f1": row, "line\nbreak/f1": row, "accuracy": row}, "rows": 4})
+    tokens = MarkdownIt("commonmark").enable("table").parse("\n".join(lines))
+    rows, inside = [], False
+    for token in tokens:
+        if token.type in ("tr_open", "tr_close"):
+            inside = token.type == "tr_open"
+            rows += [[]] if inside else []
+        elif token.type == "inline" and inside:
+            rows[-1].append(token.content)
+    assert [len(r) for r in rows] == [5, 5, 5, 5]
+    assert [r[0] for r in rows[1:]] == ["anger|rage/f1", "line<br>break/f1", "accuracy"]
+
+
+def test_labels_are_shown_as_written_not_read_as_the_cards_markdown(tiny_model_dir, tmp_path):
+    """The card listed the labels as raw Markdown: a label `<details>` opened an HTML element that hid the rest of
+    the card on the hub, and one holding a line break and `# ...` became a heading. Each label is a code span now."""
+    labels = ["<details>", "ok\n# Injected", "x`y", "joy"]
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "run")
+    meta = run / "adapter" / "emotune.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "labels": labels}))
+    artifact = find_artifact(run / "adapter")
+    card = model_card(artifact, RunDir(run), "hf", "me/tiny", False, None)
+    blocks = MarkdownIt().parse(card.split("---", 2)[2])
+    headings = [blocks[i + 1].content for i, t in enumerate(blocks) if t.type == "heading_open"]
+    assert not [h for h in headings if "Injected" in h]
+    tokens = [child for t in blocks for child in [t, *(t.children or [])]]
+    assert not [t for t in tokens if t.type in ("html_block", "html_inline")]
+    assert [t.content for t in tokens if t.type == "code_inline"][1:5] == ["<details>", "ok # Injected", "x`y", "joy"]
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_cards_usage_keeps_a_local_base_path_one_argument(merged):
+    """A base that is a local folder is named in the card's usage as written: a path with a space, a `"` or ``` broke
+    the Python line (`from_pretrained("/data/my "best" model")`), split into several words in the vllm command, or
+    closed the code block early. It is a string literal, a quoted shell word, inside a fence longer than its backticks."""
+    import ast
+    import shlex
+    from types import SimpleNamespace
+
+    from emotune.deploy.model_card import usage
+
+    base = '/data/my "best" ```model``` $HOME'
+    card = "\n".join(usage(SimpleNamespace(name="tiny"), "hf", "me/tiny", base, merged))
+    blocks = {t.info: t.content for t in MarkdownIt().parse(card) if t.type == "fence"}
+    calls = [n for n in ast.walk(ast.parse(blocks["python"])) if isinstance(n, ast.Call)]
+    strings = [a.value for c in calls for a in c.args if isinstance(a, ast.Constant)]
+    words = shlex.split(blocks["bash"])
+    if merged:
+        assert strings == ["me/tiny", "me/tiny"] and words[:3] == ["vllm", "serve", "me/tiny"]
+    else:
+        assert base in strings and words[:3] == ["vllm", "serve", base] and "tiny=me/tiny" in words

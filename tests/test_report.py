@@ -195,3 +195,86 @@ def test_report_page_takes_labels_with_a_slash():
     chance = chance_levels({label: int(metrics["per_class"][label]["support"]) for label in labels})
     table = _metrics_table("score", metrics, metrics, labels, chance)
     assert "F1 anger/disgust" in table and "F1 &lt;/b&gt;joy" in table and "</b>joy" not in table
+
+
+def _strict_json(text: str):
+    """JSON as JavaScript's JSON.parse, jq and Go read it: the bare words NaN and Infinity are refused."""
+    def refuse(word):
+        raise ValueError(f"{word} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_diverged_training_log_is_standard_json_and_the_report_still_draws_it(tmp_path):
+    """A window whose every step was skipped as non-finite logged `"loss": NaN, "grad_norm": Infinity` into
+    log_history.json(l) (Python's bare words, which JSON has not): the studio's and any other strict reader refused the
+    whole file. They are null now, and the report's gradient and loss parts draw around them."""
+    import math
+    from types import SimpleNamespace
+
+    from emotune.core.rundir import RunDir, write_json
+    from emotune.report.page import _loss_section
+    from emotune.report.training import _gradient_part
+    from emotune.train.log import TrainLog, Window, write_history
+
+    window = Window()
+    window.add(None, 0, grad_norm=math.inf)  # an overflowed step: skipped, its loss never counted
+    entry = window.entry(SimpleNamespace(step=2, nonfinite_total=1), SimpleNamespace(micro_per_step=1, batches_per_epoch=4),
+                         1e-3, math.inf)
+    good = {**entry, "step": 1, "loss": 2.5, "grad_norm": 1.0, "grad_norm_mean": 1.0, "grad_norm_max": 1.5}
+    run = RunDir(tmp_path / "run")
+    log = TrainLog(run.train / "log_history.jsonl", [], SimpleNamespace(is_main_process=True), [], {})
+    log(good)
+    log(entry)
+    lines = [_strict_json(line) for line in (run.train / "log_history.jsonl").read_text().splitlines()]
+    assert lines[1]["loss"] is None and lines[1]["grad_norm"] is None and lines[1]["grad_norm_max"] is None
+    write_history([good, {**entry, "grad_norm": 3.0}, {"step": 2, "eval_loss": math.nan}], run.train)
+    assert _strict_json((run.train / "log_history.json").read_text())[2]["eval_loss"] is None
+    run.figures.mkdir()
+    (run.root / "config.yaml").write_text("train:\n  max_grad_norm: 1.0\n")  # the clipping line: each window's largest
+    assert "exceeded in 2 of 2" in _gradient_part(run)
+    assert "<img" in _gradient_part(run) and "<img" in _loss_section(run)
+    assert _strict_json(write_json(tmp_path / "m.json", {"a": [math.nan, -math.inf, 1.0]}).read_text()) == {"a": [None, None, 1.0]}
+
+
+def test_summary_csvs_write_a_formula_looking_name_as_text(tmp_path):
+    """A label named `=HYPERLINK("http://evil.example","joy")` (or `@SUM(...)`, `+cmd`) opened in comparison.csv, compare.csv
+    or a sweep's table ran as a formula in Excel, LibreOffice and Google Sheets: quoting the cell does not stop it. Such
+    a text cell is written with a leading `'` now; numbers (a negative delta) are written as they are."""
+    from emotune.core.rundir import RunDir
+    from emotune.core.spreadsheet import spreadsheet_cell
+    from emotune.eval.evaluate import compute_metrics
+    from emotune.sweep.table import Table, write_csv
+    from emotune.tasks.classify.report import compare, write_comparison
+
+    evil = '=HYPERLINK("http://evil.example","joy")'
+    assert [spreadsheet_cell(v) for v in (evil, "@SUM(A1)", "+1", "-x", "\tx", "-0.25", "-1e-4", "joy", -0.5, None)] == [
+        "'" + evil, "'@SUM(A1)", "+1", "'-x", "'\tx", "-0.25", "-1e-4", "joy", -0.5, None]
+    labels = [evil, "joy"]
+    before = {**compute_metrics([evil, "joy"], ["joy", "joy"], labels), "method": "generate"}
+    after = {**compute_metrics([evil, "joy"], [evil, evil], labels), "method": "generate"}
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    write_comparison(compare(before, after, labels), run)
+    with run.comparison_csv.open(newline="", encoding="utf-8") as handle:
+        rows = {r["metric"]: r for r in csv.DictReader(handle)}
+    assert f"'{evil}/f1" in rows and evil + "/f1" not in rows
+    assert float(rows["joy/recall"]["delta"]) == -1.0  # numbers stay numbers
+    table = Table("trials", [], [], [{"trial": "trial-000", "prompt.system_prompt": "=1+1", "value": -0.5}], [])
+    write_csv(table, tmp_path / "trials.csv")
+    with (tmp_path / "trials.csv").open(newline="", encoding="utf-8") as handle:
+        assert list(csv.DictReader(handle)) == [{"trial": "trial-000", "prompt.system_prompt": "'=1+1", "value": "-0.5"}]
+
+
+
+def test_the_studio_shows_a_sweep_table_cell_as_the_value_it_holds(tmp_path):
+    """The `'` a sweep's trials.csv puts before a formula-looking text is the CSV's, not the value's: the studio's sweep
+    page (HTML, where no formula runs) showed `'=1+1`. Reading takes exactly one off, so every value comes back."""
+    from emotune.core.spreadsheet import from_spreadsheet_cell, spreadsheet_cell
+    from emotune.studio.runs import summarize_sweep
+    from emotune.sweep.table import Table, write_csv
+
+    values = ["=1+1", "'=1+1", "''@x", "-2", "'-2", "'", "", "'plain", "+", "-x", "joy"]
+    assert [from_spreadsheet_cell(spreadsheet_cell(v)) for v in values] == values
+    write_csv(Table("trials", [], [], [{"trial": "t", "value": v} for v in values], []), tmp_path / "trials.csv")
+    (_, header, rows), = summarize_sweep(tmp_path).tables
+    assert header == ["trial", "value"] and [row[1] for row in rows] == values

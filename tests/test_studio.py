@@ -75,7 +75,11 @@ def test_run_page_shows_config_report_artifacts_and_escapes(runs):
     assert 'href="/runs/alpha/files/report.html"' in page.text and "source: tiny-gemma" in page.text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text and "<script>alert" not in page.text
     assert 'href="/runs/alpha/files/train/log_history.jsonl"' in page.text
-    assert client(runs).get("/runs/alpha/files/report.html").text.startswith("<html><body>report of alpha")
+    report = client(runs).get("/runs/alpha/files/report.html")
+    assert report.text.startswith("<html><body>report of alpha")
+    # a file of the run folder holds what its data and model wrote: served sandboxed, so even a page that slipped a
+    # script past the escaping runs nothing and reaches no studio page (its CSRF token, the form that queues runs)
+    assert report.headers["content-security-policy"] == "sandbox" and report.headers["x-content-type-options"] == "nosniff"
 
 
 @pytest.mark.parametrize("path", ["/runs/nope", "/runs/alpha/files/nope.txt", "/runs/alpha/files/../../secret.txt",

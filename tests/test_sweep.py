@@ -52,6 +52,9 @@ def test_grid_is_the_cartesian_product_with_readable_stable_names():
     assert odd[0].name == "trial-000-train_batch_size4-eval_batch_size8-modules-q_proj-v_proj-gc-false-wd0.000123"
     assert odd[0].overrides[2] == 'lora.target_modules=["q_proj", "v_proj"]'
     assert len(trial_name(7, tuple((f"k.key{i}", "x" * 30) for i in range(9)))) <= 100
+    # a swept Chinese prompt: cut to whole characters that fit 200 bytes, not to 100 characters (300 bytes)
+    long = trial_name(7, (("prompt.system_prompt", "情" * 120),))
+    assert len(long.encode()) <= 200 and long.startswith("trial-007-system_prompt-情")
 
 
 def test_ablation_changes_one_factor_at_a_time_from_the_base_with_seeds():

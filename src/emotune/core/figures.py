@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
+from emotune.core import terminal
 from emotune.core.rundir import atomic_file
 
 LATIN = "DejaVu Sans"  # matplotlib's default, shipped inside matplotlib itself
@@ -27,6 +28,7 @@ LATIN = "DejaVu Sans"  # matplotlib's default, shipped inside matplotlib itself
 SYSTEM_CJK_HINTS = ("Noto Sans CJK", "Noto Sans SC", "Source Han Sans", "WenQuanYi", "Droid Sans Fallback",
                     "AR PL", "Microsoft YaHei", "PingFang", "Hiragino Sans GB", "SimHei", "Heiti")
 GENERIC = ("serif", "sans-serif", "cursive", "fantasy", "monospace")
+TICK_COLUMNS = 28  # the widest name a figure draws whole (short_label)
 
 
 def packaged_cjk_font() -> Path | None:
@@ -104,6 +106,28 @@ def missing_glyphs(text: str, prop) -> set[str]:
     boxes."""
     files = font_files(prop)
     return {ch for ch in text if not ch.isspace() and not any(ord(ch) in covered(f) for f in files)}
+
+
+def short_label(text: str, columns: int = TICK_COLUMNS) -> str:
+    """A name as a figure's tick, title or legend shows it: on one line (a line break in a label stacked its lines over
+    the next tick) and at most `columns` wide (a Chinese character counts two), the middle cut to `…` so that names
+    sharing a beginning stay apart. A 400-character label pushed the confusion matrix off its own figure; the tables
+    beside every figure hold the whole name."""
+    flat = " ".join(str(text).split())
+    if terminal.width(flat) <= columns:
+        return flat
+    head, tail = _fit(flat, (columns - 1) * 2 // 3), _fit(flat[::-1], (columns - 1) // 3)[::-1]
+    return f"{head}…{tail}"
+
+
+def _fit(text: str, columns: int) -> str:
+    """The longest beginning of `text` at most `columns` wide."""
+    out = ""
+    for ch in text:
+        if terminal.width(out + ch) > columns:
+            break
+        out += ch
+    return out
 
 
 def embed_figure(fig, path: Path | None, alt: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import time
@@ -90,7 +91,25 @@ def write_text(path: str | Path, text: str) -> Path:
 
 
 def write_json(path: str | Path, data) -> Path:
-    return write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
+    return write_text(path, json_text(data))
+
+
+def json_text(data, indent: int | None = 2) -> str:
+    """`data` as standard JSON: a float that is not finite (a diverged loss, an overflowed gradient norm) is written as
+    null. Python would write the bare words NaN and Infinity, which JSON does not have: JavaScript's JSON.parse, jq
+    and most other readers refuse the whole file."""
+    return json.dumps(finite(data), indent=indent, ensure_ascii=False, allow_nan=False)
+
+
+def finite(data):
+    """`data` with every non-finite float in it replaced by None (dicts, lists and tuples are walked)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: finite(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite(value) for value in data]
+    return data
 
 
 def read_json(path: str | Path) -> dict | None:

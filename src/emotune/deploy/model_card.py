@@ -7,11 +7,14 @@ exact resolved config, and how to load it with transformers + PEFT, vLLM and Oll
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 
 import yaml
 
 from emotune.core.rundir import read_json
+from emotune.report.table import markdown_cell
 
 EMBEDDED_BASE = "google/gemma-3-270m"  # the packaged GGUF is a conversion of it (its NOTICE names the source)
 # the licence of each family's released weights, as the hub names it; "other" where it differs by model
@@ -60,11 +63,12 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
              f"# {repo_id.split('/')[-1]}", ""]
     classify = not artifact.answers_freely
     what = "merged model (base + LoRA folded in)" if merged else "LoRA adapter"
-    lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on `{base_id or source}`"
+    lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on {inline_code(str(base_id or source))}"
                  f" ({'a classifier that answers with one label' if classify else 'instruction tuning'}).")
     if classify:
         prompt = f"{_system_prompt(artifact)}\n\n{artifact.prompt.user_template}"
-        lines += ["", f"Labels: {', '.join(artifact.labels)}.", "", "Prompt (system, then the user template):", "",
+        lines += ["", f"Labels: {', '.join(map(inline_code, artifact.labels))}.", "",
+                  "Prompt (system, then the user template):", "",
                   *fenced(prompt, "text")]
     lines += ["", f"License: the base model's terms ({header(artifact, base_id, model_type, merged, dataset)['license']}); "
               "check them on the base model's page before use.", ""]
@@ -81,6 +85,16 @@ def fenced(text: str, language: str) -> list[str]:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return [fence + language, text, fence]
+
+
+def inline_code(text: str) -> str:
+    """`text` as a Markdown code span, on one line, its backtick fence longer than any run of backticks in it: a label
+    is shown as written, never read as the card's own Markdown or HTML (`<details>` hid the rest of the card,
+    `# ...` after a line break became a heading)."""
+    flat = " ".join(text.split())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", flat)), default=0) + 1)
+    pad = " " if flat.startswith("`") or flat.endswith("`") else ""
+    return f"{fence}{pad}{flat}{pad}{fence}"
 
 
 def _system_prompt(artifact) -> str:
@@ -112,7 +126,7 @@ def results_table(comparison: dict | None) -> list[str]:
         before, after = _with_interval(row.get("before"), band.get("before")), _with_interval(row.get("after"), band.get("after"))
         delta = band.get("delta") or {}
         change = f"[{delta['low']:.3f}, {delta['high']:.3f}]" if "low" in delta else ""
-        rows.append(f"| {name} | {before} | {after} | {row.get('delta', 0):+.3f} | {change} |")
+        rows.append(f"| {markdown_cell(name)} | {before} | {after} | {row.get('delta', 0):+.3f} | {change} |")
     rows += ["", f"Rows: {comparison.get('rows', '?')}; intervals: seeded percentile bootstrap over the test rows.", ""]
     return rows
 
@@ -124,15 +138,19 @@ def _with_interval(value, band) -> str:
 
 
 def usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str]:
+    """How to load the model. `base` may be a local path (a base that is no hub id), so it is a Python string literal
+    and a shell word as written: a path with a space, a quote or ``` in it stays one argument inside its code block."""
     prefix = "modelscope:" if hub == "modelscope" else ""
-    load = (f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")' if merged else
-            f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{repo_id}")')
-    vllm = (f"vllm serve {repo_id} --generation-config auto" if merged else
-            f"vllm serve {base} --enable-lora --lora-modules {artifact.name}={repo_id} --generation-config auto")
-    return ["## How to use", "", "transformers" + ("" if merged else " + PEFT") + ":", "", "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer" + ("" if merged else "\nfrom peft import PeftModel"),
-            load, f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", "",
+    load = (f"model = AutoModelForCausalLM.from_pretrained({json.dumps(repo_id)})" if merged else
+            f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({json.dumps(base)}), {json.dumps(repo_id)})")
+    vllm = (f"vllm serve {shlex.quote(repo_id)} --generation-config auto" if merged else
+            f"vllm serve {shlex.quote(base)} --enable-lora --lora-modules {shlex.quote(f'{artifact.name}={repo_id}')} "
+            "--generation-config auto")
+    python = "\n".join(["from transformers import AutoModelForCausalLM, AutoTokenizer"
+                        + ("" if merged else "\nfrom peft import PeftModel"),
+                        load, f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(repo_id)})"])
+    return ["## How to use", "", "transformers" + ("" if merged else " + PEFT") + ":", "", *fenced(python, "python"), "",
             f"emotune: `emotune predict` / `emotune serve` on a downloaded copy (`{prefix}{repo_id}`).", "",
-            "vLLM:", "", "```bash", vllm, "```", "",
+            "vLLM:", "", *fenced(vllm, "bash"), "",
             "llama.cpp / Ollama: `emotune export RUN --format ollama --quant q8_0` writes the GGUF file and a Modelfile "
             "(system prompt, stop tokens, temperature 0); then `ollama create NAME -f Modelfile`.", ""]

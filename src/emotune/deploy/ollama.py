@@ -12,6 +12,7 @@ greedy one emotune measured; the user message is the user template with the text
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 
 from emotune.core.errors import UserError
@@ -93,12 +94,27 @@ def modelfile_text(model_type: str, gguf_name: str, system: str | None, max_new_
         if '"""' in system:
             raise UserError('The system prompt contains """, which ends a Modelfile string. Remove it from '
                             "prompt.system_prompt (or from the label names it lists) and train again.")
+        dropped = dropped_by_ollama(system)
+        if dropped:
+            names = ", ".join(f"U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')})" for ch in dropped)
+            raise UserError(f"The system prompt holds {names}, which Ollama's Modelfile parser leaves out of a string "
+                            "(it keeps letters, marks, numbers, punctuation, symbols, spaces, tabs and line breaks), so "
+                            "Ollama would send the model another prompt than the one it was trained with. Replace them in "
+                            "prompt.system_prompt (or in the label names it lists), e.g. a no-break or ideographic space "
+                            "with a plain space, and train again.")
         lines += [f'SYSTEM """{system}"""', ""]
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
     if greedy:
         lines += ["PARAMETER temperature 0", "PARAMETER top_k 1"]
     lines += [f"PARAMETER num_predict {max_new_tokens}", ""]
     return "\n".join(lines)
+
+
+def dropped_by_ollama(text: str) -> list[str]:
+    """The characters of `text` that Ollama's Modelfile parser drops from a string (parser/parser.go: a value keeps
+    spaces, tabs and line breaks, and any other rune only where Go's strconv.IsPrint accepts it: the Unicode categories
+    L, M, N, P and S). No-break and ideographic spaces, zero-width joiners (in emoji) and control characters are not."""
+    return sorted({ch for ch in text if ch not in " \t\r\n" and unicodedata.category(ch)[0] not in "LMNPS"})
 
 
 def artifact_modelfile(artifact, model_type: str, gguf_name: str) -> str:

@@ -9,7 +9,6 @@ text the user turn.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from tqdm.auto import tqdm
 
 from emotune.core.config.sft import SftTags
 from emotune.core.errors import UserError
-from emotune.core.rundir import atomic_file
+from emotune.core.rundir import atomic_file, json_text
 from emotune.data.clean import clean_for_inference
 from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
 from emotune.eval.scoring import label_token_ids, prompt_token_ids, score_label_probs
@@ -138,7 +137,7 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
         classifier.check_lengths(texts, "text")
         probs = classifier.probs(texts, batch_size)
         for text, row in zip(texts, probs.tolist(), strict=False):
-            print(json.dumps({"text": text, **labelled(row, artifact.labels)}, ensure_ascii=False))
+            print(json_text({"text": text, **labelled(row, artifact.labels)}, indent=None))
         return 0
     texts = rows[text_column].astype(str).tolist()
     classifier.check_lengths(texts, f"{Path(file).name}: row")
@@ -153,12 +152,11 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, p
     """An sft model's replies: one JSON line per text, or the input columns plus `output` in `out`."""
     if rows is None:
         for text, reply in zip(texts, generator.replies(texts, max_new_tokens, batch_size), strict=False):
-            print(json.dumps({"text": text, "output": reply}, ensure_ascii=False))
+            print(json_text({"text": text, "output": reply}, indent=None))
         return 0
     result = rows.copy()
     _add_column(result, "output", generator.replies(prompts, max_new_tokens, batch_size, "predict"))
-    with atomic_file(out) as tmp:
-        result.to_csv(tmp, index=False)
+    write_csv(result, out)
     print(f"Wrote {len(rows)} replies to {out}", flush=True)
     return 0
 
@@ -244,8 +242,16 @@ def _write_table(rows: pd.DataFrame, probs: torch.Tensor, labels: list[str], out
     _add_column(result, "label", [labels[i] for i in probs.argmax(-1).tolist()] if len(rows) else [])
     for j, label in enumerate(labels):
         _add_column(result, f"p_{label}", probs[:, j].tolist() if len(rows) else [])
+    write_csv(result, out)
+
+
+def write_csv(result: pd.DataFrame, out: Path) -> None:
+    """`result` as CSV that reads back row for row. Lines end in CRLF (RFC 4180's own ending): Python's csv writer
+    before 3.11.9 / 3.12.3 quotes only the line ending's characters, so with pandas' `\n` a text holding a bare `\r`
+    (an old Mac line break, a scraped page) went out unquoted and every reader split its row in two (CPython
+    gh-67044, pandas #10018)."""
     with atomic_file(out) as tmp:
-        result.to_csv(tmp, index=False)
+        result.to_csv(tmp, index=False, lineterminator="\r\n")
 
 
 def _add_column(result: pd.DataFrame, name: str, values: list) -> None:

@@ -11,6 +11,7 @@ emotune.tasks.
 from __future__ import annotations
 
 import html
+import math
 import re
 from pathlib import Path
 
@@ -109,8 +110,9 @@ def _loss_section(run: RunDir) -> str:
     history = run.history()
     if not history:
         return "<section id=loss><h2>Training and validation loss</h2><p>No training log in this run folder.</p></section>"
-    train = [(e["step"], e["loss"]) for e in history if "loss" in e and "step" in e]
-    val = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e and "step" in e]
+    # a diverged loss is null in the JSON: NaN leaves a gap in the curve, as it did before it was written as null
+    train = [(e["step"], _number(e["loss"])) for e in history if "loss" in e and "step" in e]
+    val = [(e["step"], _number(e["eval_loss"])) for e in history if "eval_loss" in e and "step" in e]
 
     import matplotlib
 
@@ -128,6 +130,10 @@ def _loss_section(run: RunDir) -> str:
     fig.tight_layout()
     return ("<section id=loss><h2>Training and validation loss</h2>"
             + embed_figure(fig, run.figures / "loss.png", "training and validation loss") + "</section>")
+
+
+def _number(value) -> float:
+    return value if isinstance(value, (int, float)) else math.nan
 
 
 def _telemetry_section(run: RunDir, info: dict) -> str:

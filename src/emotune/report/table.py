@@ -10,12 +10,12 @@ from __future__ import annotations
 import csv
 import html
 import io
-import json
 from pathlib import Path
 
 from emotune.core import terminal
 from emotune.core.errors import UserError
-from emotune.core.rundir import atomic_dir
+from emotune.core.rundir import atomic_dir, json_text
+from emotune.core.spreadsheet import spreadsheet_row
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, format_interval
 from emotune.report.page import html_page as page
 
@@ -92,9 +92,15 @@ def _text(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([lines[0], "-" * terminal.width(lines[0]), *lines[1:]])
 
 
+def markdown_cell(cell) -> str:
+    """A value as one cell of a Markdown table: a `|` in a label or a run name would start a new column, and a line
+    break would end the row (GitHub and the model hubs render `<br>` as one)."""
+    return "<br>".join(str(cell).replace("|", "\\|").splitlines())
+
+
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
     def line(cells: list[str]) -> str:
-        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+        return "| " + " | ".join(map(markdown_cell, cells)) + " |"
     return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)])
 
 
@@ -123,26 +129,27 @@ def markdown(table: dict) -> str:
 
 
 def csv_text(table: dict) -> str:
-    """One line per row with raw values: scores with their interval bounds, the paired test, per-class F1."""
+    """One line per row with raw values: scores with their interval bounds, the paired test, per-class F1 (a name that
+    looks like a formula written as text: emotune.core.spreadsheet)."""
     kind = table["kind"]
     labels = list(dict.fromkeys(label for row in table["rows"] for label in row["per_class"]))
     per_class = "rouge_l" if kind == "generation" else "f1"
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     score_columns = [f"{key}{part}" for key, _ in SCORES[kind] for part in ("", "_low", "_high")]
-    writer.writerow(["run", "path", "task", "method", *score_columns, *[k for k, _ in EXTRA[kind]], *[k for k, _ in SETUP],
+    writer.writerow(spreadsheet_row(["run", "path", "task", "method", *score_columns, *[k for k, _ in EXTRA[kind]], *[k for k, _ in SETUP],
                      "rows", "fingerprint", "comparable", "vs_first_verdict", "vs_first_delta", "vs_first_low",
-                     "vs_first_high", "vs_first_p_value", *[f"{per_class}/{label}" for label in labels], "note"])
+                     "vs_first_high", "vs_first_p_value", *[f"{per_class}/{label}" for label in labels], "note"]))
     for row in table["rows"]:
         scores = [v for key, _ in SCORES[kind] for v in (row["scores"].get(key, {}).get("value"),
                                                          *row["scores"].get(key, {}).get("interval", [None, None]))]
         found = row["vs_first"] or {}
         delta = found.get("macro_f1_delta") or found.get("rouge_l_delta") or {}
-        writer.writerow([row["run"], row["path"], row["task"], row["method"], *scores,
+        writer.writerow(spreadsheet_row([row["run"], row["path"], row["task"], row["method"], *scores,
                          *[row["metrics"].get(k) for k, _ in EXTRA[kind]], *[row.get(k) for k, _ in SETUP], row["rows"],
                          row["fingerprint"], row["comparable"], found.get("verdict"), delta.get("delta"), delta.get("low"),
                          delta.get("high"), found.get("mcnemar", {}).get("p_value"),
-                         *[row["per_class"].get(label) for label in labels], row["note"]])
+                         *[row["per_class"].get(label) for label in labels], row["note"]]))
     return buffer.getvalue()
 
 
@@ -196,12 +203,12 @@ def score_figure(table: dict) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from emotune.core.figures import embed_figure, figure_fonts
+    from emotune.core.figures import embed_figure, figure_fonts, short_label
 
     rows, scores = table["rows"], SCORES[table["kind"]]
     with figure_fonts():
         fig, axes = plt.subplots(1, len(scores), figsize=(4.2 * len(scores), 0.5 * len(rows) + 1.4), squeeze=False)
-        names = [f"{row['run']} ({row['name']})" for row in rows]
+        names = [short_label(f"{row['run']} ({row['name']})", 40) for row in rows]
         for ax, (key, title) in zip(axes[0], scores, strict=True):
             for y, row in enumerate(rows):
                 score = row["scores"].get(key) or {}
@@ -233,4 +240,4 @@ def write_outputs(table: dict, out: Path) -> None:
         (tmp / "compare.csv").write_text(csv_text(table), encoding="utf-8")
         (tmp / "compare.md").write_text(markdown(table), encoding="utf-8")
         (tmp / "compare.html").write_text(html_page(table), encoding="utf-8")
-        (tmp / "compare.json").write_text(json.dumps(table, indent=2, ensure_ascii=False), encoding="utf-8")
+        (tmp / "compare.json").write_text(json_text(table), encoding="utf-8")

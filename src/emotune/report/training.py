@@ -34,7 +34,7 @@ def _gradient_part(run: RunDir) -> str:
         return "<h3>Gradient norm</h3><p>No gradient norms in the training log.</p>"
     clip = _max_grad_norm(run)
     fig = _gradient_figure(logged, clip)
-    over = sum(1 for e in logged if clip and e.get("grad_norm_max", e["grad_norm"]) > clip)
+    over = sum(1 for e in logged if clip and _largest(e) > clip)
     note = ("The total L2 norm of the gradient over all trainable parameters, before clipping, averaged over the "
             "optimizer steps between two log lines (the dashed line: the largest step of each window)"
             + (f"; the dotted line is the clipping threshold train.max_grad_norm = {clip:g}, exceeded in {over} of "
@@ -54,7 +54,8 @@ def _gradient_figure(logged: list[dict], clip: float | None):
     fig, ax = plt.subplots(figsize=(7, 3.4))
     ax.plot(steps, mean, marker=".", label="mean of the window")
     if all("grad_norm_max" in e for e in logged):
-        ax.plot(steps, [e["grad_norm_max"] for e in logged], linestyle="--", alpha=0.7, label="largest step")
+        ax.plot(steps, [e["grad_norm_max"] if _finite(e["grad_norm_max"]) else math.nan for e in logged], linestyle="--",
+                alpha=0.7, label="largest step")
     if clip:
         ax.axhline(clip, color="grey", linestyle=":", label=f"clipping threshold ({clip:g})")
     values = [v for v in mean if v > 0]
@@ -72,6 +73,12 @@ def _max_grad_norm(run: RunDir) -> float | None:
         return float(config["train"]["max_grad_norm"]) or None
     except (yaml.YAMLError, KeyError, TypeError, ValueError):
         return None
+
+
+def _largest(entry: dict) -> float:
+    """The largest step's gradient norm of a log line's window (null in the JSON when no step of it was finite)."""
+    largest = entry.get("grad_norm_max")
+    return largest if _finite(largest) else entry["grad_norm"]
 
 
 def _finite(value) -> bool:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from emotune.core.rundir import json_text
+
 MiB = 2**20
 
 UNITS = {"allocated_mb": "MiB", "reserved_mb": "MiB", "peak_allocated_mb": "MiB", "gpu_util_pct": "%",
@@ -275,7 +277,7 @@ class Sampler:
                 continue
         self.samples.append(row)
         with self.path.open("a", encoding="utf-8") as handle:  # one whole line per sample; appended across stages
-            handle.write(json.dumps(row) + "\n")
+            handle.write(json_text(row, indent=None) + "\n")
 
     def summary(self) -> dict:
         fields = {}

@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, quote
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 
-from emotune.core.config.base import RUN_NAME
+from emotune.core.config.base import is_run_name
 from emotune.core.config.build import TASK_CONFIGS
 from emotune.core.errors import UserError
 from emotune.core.figures import packaged_cjk_font
@@ -262,6 +262,12 @@ def _compare_routes(app: FastAPI, runs: Path) -> None:
         return _file(runs, name, path, sweep_folder, "sweep")
 
 
+# A run folder's files hold what its data and model wrote (texts, labels, replies), served from the studio's own origin:
+# a page among them runs no script and reaches no studio page (CSP sandbox: an opaque origin), and no file is read as
+# another type than its name says (nosniff). The report has no scripts, so it shows as it does opened from disk.
+FILE_HEADERS = {"Content-Security-Policy": "sandbox", "X-Content-Type-Options": "nosniff"}
+
+
 def _file(runs: Path, name: str, path: str, folder, what: str) -> Response:
     """A file of the run or sweep folder `name` (`folder` checks it is one), resolved inside the runs folder; 404
     for anything else."""
@@ -272,7 +278,7 @@ def _file(runs: Path, name: str, path: str, folder, what: str) -> Response:
         return HTMLResponse(pages.not_found(f"No file `{path}` in {what} `{name}`."), status_code=404)
     if not file.is_file():
         return HTMLResponse(pages.not_found(f"`{path}` is not a file."), status_code=404)
-    return FileResponse(file)
+    return FileResponse(file, headers=FILE_HEADERS)
 
 
 def _trials(folder: Path) -> list[str]:
@@ -342,7 +348,7 @@ def _try_routes(app: FastAPI, runs: Path, tryout: Tryout, csrf: str) -> None:
 
 def _run_or_job(runs: Path, queue: JobQueue, name: str):
     """(run folder, its latest studio job): a run folder under `runs`, or the folder a queued job will make."""
-    job = queue.job_for(name) if RUN_NAME.fullmatch(name) and name not in (".", "..") else None
+    job = queue.job_for(name) if is_run_name(name) else None
     try:
         return run_folder(runs, name), job
     except NotInRuns:

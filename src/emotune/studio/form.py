@@ -17,7 +17,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel
 
-from emotune.core.config.build import TASK_CONFIGS, _allowed_values, build_config
+from emotune.core.config.build import TASK_CONFIGS, _allowed_values, build_config, yaml_text
 from emotune.core.errors import UserError
 
 # YAML aliases that repeat aliases make billions of values from a few hundred bytes; a form is at most 1 MiB, so a value
@@ -64,7 +64,7 @@ def shown(value: Any) -> str:
     """A value as the form shows it: text as is, everything else as one line of YAML."""
     if isinstance(value, str):
         return value
-    return yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10_000).strip().removesuffix("\n...")
+    return yaml_text(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...")
 
 
 def _only_choices(annotation: Any) -> bool:

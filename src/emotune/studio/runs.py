@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from emotune.core.rundir import PARTIAL, PREVIOUS, RunDir, read_json
+from emotune.core.spreadsheet import from_spreadsheet_cell
 from emotune.sweep.runner import MANIFEST
 
 HISTORY_LIVE = "log_history.jsonl"  # appended by emotune.train.log.TrainLog while training
@@ -240,7 +241,8 @@ def list_sweeps(runs: Path) -> list[SweepSummary]:
 
 def summarize_sweep(folder: Path) -> SweepSummary:
     """sweep.json (the plan and every trial's state, rewritten as trials start and end) and the tables the sweep
-    wrote when it ended (ablation.csv first, then trials.csv)."""
+    wrote when it ended (ablation.csv first, then trials.csv), each cell as the value it holds (the `'` the CSV puts
+    before a text a spreadsheet would run as a formula taken off: emotune.core.spreadsheet)."""
     manifest = read_json(folder / MANIFEST) or {}
     plan = manifest.get("plan") or {}
     tables = []
@@ -248,7 +250,7 @@ def summarize_sweep(folder: Path) -> SweepSummary:
         path = folder / f"{name}.csv"
         if path.is_file():
             with path.open(encoding="utf-8", newline="") as handle:
-                rows = list(csv.reader(handle))
+                rows = [[from_spreadsheet_cell(cell) for cell in row] for row in csv.reader(handle)]
             if rows:
                 tables.append((name, rows[0], rows[1:]))
     best = folder / "best.yaml"

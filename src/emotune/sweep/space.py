@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from emotune.core.config.base import shorten_name
 from emotune.core.config.sweep import Param  # the grammar of sweep.grid
 
 # short names in trial folder names; any other key is named by its last part
@@ -23,7 +24,6 @@ SHORT_NAMES = {"learning_rate": "lr", "batch_size": "bs", "gradient_accumulation
                "gradient_checkpointing": "gc", "max_length": "len", "num_train_epochs": "ep", "max_steps": "steps",
                "weight_decay": "wd", "warmup_ratio": "warmup", "lr_scheduler_type": "sched", "dropout": "drop",
                "target_modules": "modules", "use_rslora": "rslora", "use_dora": "dora"}
-MAX_NAME = 100  # the longest run name (config.RUN_NAME)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def trial_name(index: int, params: tuple[tuple[str, str], ...], seed: int | None
     parts = ["base"] if base else [_name_part(key, text, keys) for key, text in params]
     parts += [f"seed{seed}"] if seed is not None else []
     name = "-".join([f"trial-{index:03d}", *parts])
-    return name[:MAX_NAME].rstrip("-.")
+    return shorten_name(name).rstrip("-.")
 
 
 def _name_part(key: str, text: str, keys: list[str]) -> str:

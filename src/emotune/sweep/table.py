@@ -15,6 +15,8 @@ from pathlib import Path
 
 from emotune.core import terminal
 from emotune.core.rundir import RunDir, atomic_file, read_json, write_text
+from emotune.core.spreadsheet import spreadsheet_cell
+from emotune.report.table import markdown_cell
 from emotune.sweep.space import Trial
 from emotune.tasks import task_named
 
@@ -206,10 +208,9 @@ def format_text(table: Table) -> str:
 
 
 def format_markdown(table: Table) -> str:
-    escape = lambda cell: str(cell).replace("|", "\\|")  # noqa: E731
-    lines = [f"**{table.title}**", "", "| " + " | ".join(map(escape, table.headers)) + " |",
+    lines = [f"**{table.title}**", "", "| " + " | ".join(map(markdown_cell, table.headers)) + " |",
              "|" + "|".join("---" for _ in table.headers) + "|"]
-    lines += ["| " + " | ".join(map(escape, row)) + " |" for row in table.rows]
+    lines += ["| " + " | ".join(map(markdown_cell, row)) + " |" for row in table.rows]
     return "\n".join(lines) + "\n"
 
 
@@ -218,7 +219,7 @@ def write_csv(table: Table, path: Path) -> None:
     with atomic_file(path) as tmp, tmp.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
-        writer.writerows({k: "" if v is None else v for k, v in record.items()} for record in table.records)
+        writer.writerows({k: "" if v is None else spreadsheet_cell(v) for k, v in record.items()} for record in table.records)
 
 
 def write_tables(folder: Path, tables: list[tuple[str, Table]]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import resource
 import time
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from emotune.core.rundir import atomic_file, write_json
+from emotune.core.rundir import atomic_file, json_text, write_json
 
 
 class TrainLog:
@@ -21,15 +20,15 @@ class TrainLog:
         self.main = accelerator.is_main_process
         if self.main:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(json.dumps(e) + "\n" for e in history))
+            path.write_text("".join(json_text(e, indent=None) + "\n" for e in history), encoding="utf-8")
             if self.trackers:
                 accelerator.init_trackers("emotune", config=_flat(hyperparameters))
 
     def __call__(self, entry: dict) -> None:
         self.history.append(entry)
         if self.main:
-            with self.path.open("a") as handle:
-                handle.write(json.dumps(entry) + "\n")
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json_text(entry, indent=None) + "\n")
         if self.trackers:
             self.accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 

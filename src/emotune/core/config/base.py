@@ -66,6 +66,39 @@ Axolotl's `val_set_size`): a share of the rows in (0, 0.5), or a whole number of
 
 
 RUN_NAME = re.compile(r"[\w.-]{1,100}")
+# File systems hold 255 bytes per name, and emotune adds to a run's name (`.NAME.lock`, `NAME.previous`): 100 CJK
+# characters are 300 bytes in UTF-8, which no file system takes, so a name is held to bytes as well as characters.
+NAME_BYTES = 200
+
+
+def is_run_name(value: str) -> bool:
+    """A plain folder name emotune can make: RUN_NAME's characters, not `.` or `..`, at most NAME_BYTES in UTF-8."""
+    return bool(RUN_NAME.fullmatch(value)) and value not in (".", "..") and len(value.encode("utf-8")) <= NAME_BYTES
+
+
+# Names Windows gives its devices, with or without an extension (`nul.txt` too): no folder there can have one, so a run
+# named so could not be made there, nor a run folder copied there (its config names it). Refused everywhere.
+WINDOWS_DEVICES = frozenset({"con", "prn", "aux", "nul", *(f"{port}{n}" for port in ("com", "lpt") for n in "123456789")})
+
+
+def windows_problem(name: str) -> str | None:
+    """Why Windows cannot hold a folder named `name` (a device name; a `.` at the end, which it drops), else None."""
+    if name.split(".")[0].lower() in WINDOWS_DEVICES:
+        return (f"`{name}` is a device name on Windows (CON, PRN, AUX, NUL, COM1-9, LPT1-9, with any extension), where no "
+                f"folder can have it, and a run folder may be made or copied there; choose another, e.g. "
+                f"name={name.split('.')[0]}-run")
+    if name.endswith("."):
+        return (f"`{name}` ends in `.`, which Windows drops from a folder name, and a run folder may be made or copied "
+                f"there; choose another, e.g. name={name.rstrip('.')}-1")
+    return None
+
+
+def shorten_name(name: str) -> str:
+    """`name` cut to whole characters that fit RUN_NAME's 100 and NAME_BYTES (a derived name: from a file, a trial)."""
+    name = name[:100]
+    while len(name.encode("utf-8")) > NAME_BYTES:
+        name = name[:-1]
+    return name
 
 
 def named_source(value: str) -> str:
@@ -84,11 +117,11 @@ class Section(BaseModel):
     @classmethod
     def _in_range(cls, value: Any, handler, info: ValidationInfo) -> Any:
         """Number fields: refuse true/false (YAML would make `true` a 1), NaN, infinities and values outside the
-        field's `Range`, always with a message that states the range."""
+        field's `Range`, always with a message that states the range. Text fields: refuse a NUL character."""
         field = cls.model_fields[info.field_name]
         allowed = next((m for m in field.metadata if isinstance(m, Range)), None)
         if allowed is None:
-            return handler(value)
+            return _without_nul(handler(value))
         integer = float not in _number_types(field.annotation)
         expected = f"must be {allowed.describe(integer)}"
         if isinstance(value, bool):
@@ -100,6 +133,16 @@ class Section(BaseModel):
         if isinstance(result, (int, float)) and not isinstance(result, bool) and not allowed.allows(result):
             raise ValueError(expected)
         return result
+
+
+def _without_nul(value: Any) -> Any:
+    """`value`, unless a text in it holds a NUL character (YAML's "\\0"): no path can hold one, so `output_dir: "runs\\0"`
+    ended the run in Python's `ValueError: embedded null byte`."""
+    texts = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else [value]
+    if any(isinstance(text, str) and "\0" in text for text in texts):
+        raise ValueError("holds a NUL character (\\0): no file path can hold one, and in any other text it is a slip (a "
+                         "file read in the wrong encoding, a stray escape); remove it")
+    return value
 
 
 def _plain(bound: float) -> str:

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ValidationError
 from emotune.core.config.base import (
     Range,
     _number_types,
+    shorten_name,
+    windows_problem,
 )
 from emotune.core.config.head import ClassifyHeadConfig
 from emotune.core.config.run import ClassifyConfig, RunConfigBase
@@ -88,7 +90,8 @@ def _known_only(raw: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
 
 def _name_from_file(path: Path) -> str:
     """The default run name: the config file's name, made a plain folder name (see RunConfig.name)."""
-    return re.sub(r"[^\w.-]+", "-", path.stem).strip("-")[:100].strip(".") or "default"
+    name = shorten_name(re.sub(r"[^\w.-]+", "-", path.stem).strip("-")).strip(".") or "default"
+    return name if windows_problem(name) is None else shorten_name(name.split(".")[0] + "-run")
 
 
 DATA_ENDINGS = (".csv", ".tsv", ".jsonl", ".parquet", ".txt", ".arrow")  # never a config, always a data.source
@@ -319,7 +322,15 @@ def _describe(error: dict[str, Any]) -> str:
 
 
 def dump_config(cfg: RunConfigBase) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=100)
+    return yaml_text(cfg.model_dump(mode="json"), sort_keys=False, width=100)
+
+
+def yaml_text(data, **options) -> str:
+    """`data` as YAML that reads back as `data`, Chinese and other scripts written as they are. PyYAML writes a NEL
+    (U+0085, what "…" becomes when a cp1252 file is read as Latin-1) raw inside a quoted string, which reading folds
+    into a space: a prompt in the saved config.yaml was then another prompt. Such data is written with escapes."""
+    text = yaml.safe_dump(data, allow_unicode=True, **options)
+    return text if yaml.safe_load(text) == data else yaml.safe_dump(data, allow_unicode=False, **options)
 
 
 def field_docs(model: type[BaseModel] = ClassifyConfig, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -21,10 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import yaml
-
-from emotune.core.config.base import RUN_NAME
-from emotune.core.config.build import _parse_value, _set_dotted, build_config
+from emotune.core.config.base import is_run_name
+from emotune.core.config.build import _parse_value, _set_dotted, build_config, yaml_text
 from emotune.core.config.llamafactory_files import not_training, purpose, refuse_v1
 from emotune.core.config.llamafactory_keys import (
     FINETUNING,
@@ -363,9 +361,9 @@ def _output(t: Translation) -> None:
     s = t.settings
     if s["output_dir"]:
         folder = PurePosixPath(str(s["output_dir"]).rstrip("/"))
-        if not RUN_NAME.fullmatch(folder.name) or folder.name in (".", ".."):
+        if not is_run_name(folder.name):
             t.problems.append(f"`output_dir: {s['output_dir']}` must end in a plain folder name (letters, digits, "
-                              "`.`, `-`, `_`), e.g. saves/gemma/lora/sft")
+                              "`.`, `-`, `_`; at most 100 characters and 200 bytes), e.g. saves/gemma/lora/sft")
         t.set("output_dir", str(folder.parent), "output_dir", note="the run folder is output_dir/name")
         t.set("name", folder.name, "output_dir")
     t.set("overwrite", bool(s["overwrite_output_dir"]), "overwrite_output_dir")
@@ -426,7 +424,7 @@ def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     build_config(json.loads(json.dumps(t.raw)), t.overrides, path, t.problems,
                  check=lambda r: template_check(t.template, r)[0])
     comments = "\n".join(f"# {line}" for line in describe(t, Path(path)).splitlines())
-    return comments + "\n" + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True, width=100)
+    return comments + "\n" + yaml_text(raw, sort_keys=False, width=100)
 
 
 def _with_overrides(t: Translation) -> dict[str, Any]:

@@ -9,9 +9,11 @@ from pydantic import field_validator
 
 from emotune.core.config.base import (
     DEVICE_NAME,
-    RUN_NAME,
+    NAME_BYTES,
     Range,
     Section,
+    is_run_name,
+    windows_problem,
 )
 from emotune.core.config.data import DataConfig, PromptConfig
 from emotune.core.config.eval import EvalConfig, ServeConfig
@@ -30,7 +32,9 @@ class RunConfigBase(Section):
     conversations. The task decides which `data`, `prompt` and `eval` keys exist (TASK_CONFIGS)."""
     name: str | None = None
     """Run folder name under `output_dir`: letters, digits, `.`, `-` and `_` only, so it stays inside
-    `output_dir`; default: the config file's name (other characters become `-`), or `default`."""
+    `output_dir`; at most 100 characters and 200 bytes in UTF-8 (what file systems take), not a Windows device
+    name (CON, NUL, AUX, ...) nor ending in `.`; default: the config file's name (other characters become `-`), or
+    `default`."""
     output_dir: str = "runs"
     """Parent folder of run folders."""
     overwrite: bool = False
@@ -69,9 +73,12 @@ class RunConfigBase(Section):
     @classmethod
     def _plain_folder_name(cls, value: str | None) -> str | None:
         # the run folder is output_dir/name and `overwrite` deletes it: a path here could point anywhere
-        if value is not None and (not RUN_NAME.fullmatch(value) or value in (".", "..")):
-            raise ValueError("must be a plain folder name of letters, digits, `.`, `-` and `_` (at most 100; no `/`, "
-                             "`\\`, spaces, `.` or `..`), e.g. name=gemma-emotion-r16; put parent folders in output_dir")
+        if value is not None and not is_run_name(value):
+            raise ValueError(f"must be a plain folder name of letters, digits, `.`, `-` and `_` (at most 100 characters "
+                             f"and {NAME_BYTES} bytes in UTF-8, where a Chinese character takes 3; no `/`, `\\`, spaces, "
+                             "`.` or `..`), e.g. name=gemma-emotion-r16; put parent folders in output_dir")
+        if value is not None and windows_problem(value):
+            raise ValueError(windows_problem(value))
         if value is not None and value.endswith((PARTIAL, PREVIOUS)):
             # emotune's own names for a folder being written and an old run kept aside: overwriting the run `x`
             # deletes `x.previous`, and the studio lists neither

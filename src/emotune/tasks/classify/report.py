@@ -13,8 +13,9 @@ import numpy as np
 
 from emotune.core import terminal
 from emotune.core.errors import UserError
-from emotune.core.figures import embed_figure
+from emotune.core.figures import embed_figure, short_label
 from emotune.core.rundir import RunDir, atomic_file, write_json
+from emotune.core.spreadsheet import spreadsheet_row
 from emotune.eval.evaluate import EvalResult
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
 
@@ -151,13 +152,14 @@ def _row(before: float, after: float) -> dict[str, float]:
 
 
 def write_comparison(comparison: dict, run: RunDir) -> None:
-    """comparison.csv, then comparison.json (its presence marks the comparison as written)."""
+    """comparison.csv (a label that looks like a formula written as text: emotune.core.spreadsheet), then comparison.json
+    (its presence marks the comparison as written)."""
     with atomic_file(run.comparison_csv) as tmp, tmp.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["metric", "before", "after", "delta", "method"])
         for method, one in comparison.get("methods", {comparison["method"]["after"]: comparison}).items():
             for name, row in one["metrics"].items():
-                writer.writerow([name, row["before"], row["after"], row["delta"], method])
+                writer.writerow(spreadsheet_row([name, row["before"], row["after"], row["delta"], method]))
     write_json(run.comparison_json, comparison)
 
 
@@ -338,8 +340,8 @@ def _confusion_figure(before: dict, after: dict | None, labels: list[str], metho
             matrix, names = matrix[:, :-1], names[:-1]
         share = matrix / np.maximum(matrix.sum(1, keepdims=True), 1)
         ax.imshow(share, vmin=0, vmax=1, cmap="Blues")
-        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
-        ax.set_yticks(range(len(labels)), labels)
+        ax.set_xticks(range(len(names)), [short_label(n) for n in names], rotation=45, ha="right")
+        ax.set_yticks(range(len(labels)), [short_label(label) for label in labels])
         ax.set_xlabel("predicted")
         ax.set_ylabel("gold")
         ax.set_title(f"{name} ({method}), row-normalised")
@@ -361,7 +363,7 @@ def _f1_figure(before: dict, after: dict | None, labels: list[str], method: str)
     ax.bar(x - (width / 2 if after else 0), [before["per_class"][lb]["f1"] for lb in labels], width, label="before")
     if after:
         ax.bar(x + width / 2, [after["per_class"][lb]["f1"] for lb in labels], width, label="after")
-    ax.set_xticks(x, labels, rotation=30, ha="right")
+    ax.set_xticks(x, [short_label(label) for label in labels], rotation=30, ha="right")
     ax.set_ylim(0, 1)
     ax.set_ylabel("F1")
     ax.set_title(f"Per-class F1 ({method})")
