@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from emotune.core.config.head import ClassifyHeadConfig
+from emotune.core.config.sft import SftConfig
 from emotune.core.errors import UserError
 
 V1_KEYS = ("model_class", "peft_config", "train_dataset", "dist_config", "kernel_config", "quant_config")
@@ -79,7 +81,9 @@ def axolotl_lead(file: dict[str, Any], path: str | Path) -> list[str]:
             + dataset]
 
 
-H2O_TASKS = {"text_causal_language_modeling": "sft", "text_causal_classification_modeling": "classify_head"}
+# H2O's problem types emotune has a task for: causal LM fine-tuning, and classification with a head on the last token
+H2O_TASKS = {"text_causal_language_modeling": SftConfig.model_fields["task"].default,
+             "text_causal_classification_modeling": ClassifyHeadConfig.model_fields["task"].default}
 
 
 def h2o_lead(file: dict[str, Any], path: str | Path) -> list[str]:
@@ -91,7 +95,8 @@ def h2o_lead(file: dict[str, Any], path: str | Path) -> list[str]:
     task = H2O_TASKS.get(problem)
     prompt, answer = dataset.get("prompt_column"), dataset.get("answer_column")
     prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
-    if task == "sft":
+    language_modelling = problem == "text_causal_language_modeling"  # rows of prompt and answer, not text and label
+    if language_modelling:
         columns = f"data.columns.prompt: {prompt}, data.columns.response: {answer}"
     else:
         columns = f"data.text_column: {prompt}, data.label_column: {answer}"
@@ -101,7 +106,7 @@ def h2o_lead(file: dict[str, Any], path: str | Path) -> list[str]:
                 "as task: sft and text_causal_classification_modeling as task: classify_head)")
     else:
         chained = (" Rows chained by parent_id are read as H2O writes them (columns id and parent_id)."
-                   if task == "sft" and str(dataset.get("parent_id_column", "None")) not in ("None", "") else "")
+                   if language_modelling and str(dataset.get("parent_id_column", "None")) not in ("None", "") else "")
         what = (f"write an emotune config instead: task: {task}, model.source: {file['llm_backbone']}{data}, "
                 f"{columns}; the lines below go through its keys.{chained}")
     return [f"`{path}` is an H2O LLM Studio experiment config (llm_backbone, problem_type, dataset): emotune does not "
