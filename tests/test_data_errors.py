@@ -149,6 +149,17 @@ def test_no_train_file_in_folder(tmp_path):
         _load(tmp_path)
 
 
+@pytest.mark.parametrize("inside", ["\u2028", "\u2029", "\x85", "\x0c", "\x1c", "\x1e"])
+def test_a_txt_text_holding_a_unicode_line_separator_stays_one_row(tmp_path, inside):
+    """str.splitlines ends a line at U+2028, U+0085, form feeds and \\x1c-\\x1e too, which pasted web texts hold:
+    such a row became two lines and the file was refused (`a line has no ; between text and label`)."""
+    rows = make_rows(4, seed=1)
+    rows[0]["text"] = rows[0]["text"].replace(" ", f" {inside}", 1)
+    (tmp_path / "d.txt").write_text("".join(f"{r['text']};{r['label']}\r\n" for r in rows), encoding="utf-8")
+    data = _load(tmp_path / "d.txt")
+    assert sum(len(split) for split in data.splits.values()) == len(rows)
+
+
 # --------------------------------------------------------------------------------------------------
 # Random bytes and truncated files: a clear error or a valid dataset, never anything else.
 

@@ -108,7 +108,7 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str)
     if not text.strip():
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
     if fmt == "txt":  # one document per line, as LLaMA-Factory's text loader reads it (wiki_demo.txt): not text;label
-        return ["text"], [{"text": line} for line in text.splitlines() if line.strip()]
+        return ["text"], [{"text": line} for line in _lines(text) if line.strip()]
     rows = _json_lines(path, text) if fmt == "jsonl" else _json_rows(path, text, text_column, label_column)
     return list(dict.fromkeys(key for row in rows for key in row)), rows
 
@@ -325,9 +325,16 @@ def _arrow(path: Path, build) -> pa.Table:
                         "Give every row the same fields with the same types.") from None
 
 
+def _lines(text: str) -> list[str]:
+    """The lines of a text file as editors and line-numbering tools count them: ends at \\n, \\r\\n or \\r only.
+    str.splitlines also ends a line at U+2028/U+2029, U+0085, form feeds and \\x1c-\\x1e, which texts hold (pasted
+    web text): a text with one became two lines, one of them without its `;label`."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
 def _read_txt(path: Path, text: str, text_column: str, label_column: str) -> pa.Table:
     """The `text;label` format of the common copies of the emotion dataset; the label follows the last `;`."""
-    numbered = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    numbered = [(number, line) for number, line in enumerate(_lines(text), start=1) if line.strip()]
     if numbered and numbered[0][1].strip().lower() in (f"{text_column};{label_column}", "text;label"):
         numbered = numbered[1:]  # a header row
     bad = [number for number, line in numbered if ";" not in line]
