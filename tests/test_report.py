@@ -278,3 +278,18 @@ def test_the_studio_shows_a_sweep_table_cell_as_the_value_it_holds(tmp_path):
     write_csv(Table("trials", [], [], [{"trial": "t", "value": v} for v in values], []), tmp_path / "trials.csv")
     (_, header, rows), = summarize_sweep(tmp_path).tables
     assert header == ["trial", "value"] and [row[1] for row in rows] == values
+
+
+def test_the_summary_names_the_sources_as_the_config_holds_them():
+    """The summary read model.source and data.source out of config.yaml with a regular expression, so a path YAML
+    quotes (a colon and space, a leading @ or quote) was shown with YAML's quoting; and a source the dump wrote on
+    two lines was shown cut."""
+    import yaml
+
+    from emotune.report.page import _sources
+
+    model, data = "C:/models/gemma: it", "@team/'reviews'.csv"
+    text = yaml.safe_dump({"task": "classify", "model": {"source": model}, "data": {"source": data}})
+    assert "'" in text  # YAML quotes both
+    assert _sources(text) == (model, data)
+    assert _sources("task: classify\n") == ("?", "?")

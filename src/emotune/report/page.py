@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import html
 import math
-import re
 from pathlib import Path
+
+import yaml
 
 from emotune.core.errors import UserError
 from emotune.core.figures import embed_figure, families, figure_fonts, missing_glyphs
@@ -61,16 +62,29 @@ def _note_missing_glyphs(labels: list[str]) -> None:
               "matplotlib finds after DejaVu Sans and Noto Sans SC.", flush=True)
 
 
+def _sources(config_text: str) -> tuple[str, str]:
+    """model.source and data.source as the config holds them (YAML's quoting undone), `?` where it does not say."""
+    try:
+        config = yaml.safe_load(config_text) or {}
+    except yaml.YAMLError:
+        config = {}
+
+    def source(section: str) -> str:
+        value = config.get(section, {}).get("source") if isinstance(config.get(section), dict) else None
+        return str(value) if value is not None else "?"
+
+    return source("model"), source("data")
+
+
 def _summary_section(run: dict, folder: RunDir) -> str:
     hardware = run.get("hardware", {})
     gpus = ", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in hardware.get("gpus", [])) or "none"
     config_text = folder.saved_config() or ""
-    model = re.search(r"^model:\n  source: (.*)$", config_text, re.M)
-    data = re.search(r"^data:\n  source: (.*)$", config_text, re.M)
+    model, data = _sources(config_text)
     facts = [
         ("status", f"{run.get('status')} (started {run.get('started')}, finished {run.get('finished', '—')})"),
-        ("model", model.group(1) if model else "?"),
-        ("data", f"{data.group(1) if data else '?'} — " + ", ".join(f"{k} {v} rows" for k, v in run.get("rows", {}).items())),
+        ("model", model),
+        ("data", f"{data} — " + ", ".join(f"{k} {v} rows" for k, v in run.get("rows", {}).items())),
         *([("labels", ", ".join(run["labels"]))] if run.get("labels") else []),
         *([("kinds of instruction", ", ".join(run["kinds"]))] if run.get("kinds") else []),
         ("hardware", f"{run.get('device')} · backend {hardware.get('backend')} · GPUs: {gpus} · "
