@@ -196,6 +196,17 @@ def _error(response, status):
     return body["error"]["message"]
 
 
+def test_a_text_past_the_models_context_is_a_422_naming_it(http):
+    """A text whose prompt and longest label run past the model's context (the tiny model's 512 positions; the
+    word-level tokenizer reads each comma as a token) was scored at positions the model never had; a model with
+    learned positions (GPT-2's 1,024) failed inside its forward, a 500. predict refuses such texts too."""
+    for model, extra in (("tiny", {}), ("base", {"labels": LABELS})):
+        request = {"model": model, "input": ["fine", "," * 499], **extra}
+        message = _error(http.post("/v1/classify", headers=AUTH, json=request), 422)
+        assert "input[1]" in message and "context of 512" in message
+    assert http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": "," * 300}).status_code == 200
+
+
 def test_auth_errors(server, http):
     _error(http.get("/v1/models"), 401)
     _error(http.get("/v1/models", headers={"Authorization": "Bearer nope"}), 401)

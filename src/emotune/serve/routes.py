@@ -149,6 +149,7 @@ async def classify(body: ClassifyRequest, state: ServerState, request: Request):
     for i, text in enumerate(texts):
         state.check_text(text, f"input[{i}]")
     prompt, labels = _task(loaded, body.labels, state)
+    await asyncio.to_thread(state.check_context, loaded, texts, prompt, labels)  # tokenizing: off the event loop
     with model_gone_is_404():
         probs = await unless_client_leaves(request, state.batcher.submit(loaded.name, texts, prompt, labels))
     data = []

@@ -104,6 +104,24 @@ class Server:
             raise APIError(422, f"{what} has {len(text)} characters; the limit is serve.max_input_chars="
                                 f"{self.cfg.max_input_chars}. Shorten it.")
 
+    def check_context(self, loaded: Loaded, texts: list[str], prompt, labels: list[str]) -> None:
+        """A text whose scoring prompt and longest label run past the model's context is a 422 naming it, as `predict`
+        refuses it: a model with learned positions (GPT-2's 1,024) failed inside its forward (a 500), one with rotary
+        positions scored it at positions it never saw. Texts as the model reads them (the run's cleaning); a head
+        model cuts its texts at the length it trained with, so nothing is checked there."""
+        if self.context is None or loaded.head is not None:
+            return
+        from emotune.data.clean import clean_for_inference
+        from emotune.eval.scoring import label_token_ids, prompt_token_ids
+
+        if loaded.artifact is not None:
+            texts = clean_for_inference(texts, loaded.artifact.meta.get("cleaning"))
+        longest = max(len(ids) for ids in label_token_ids(loaded.tokenizer, prompt, labels))
+        for i, ids in enumerate(prompt_token_ids(loaded.tokenizer, prompt, labels, texts)):
+            if len(ids) + longest > self.context:
+                raise APIError(422, f"input[{i}] with the prompt and the longest label comes to {len(ids) + longest:,} "
+                                    f"tokens, more than the model's context of {self.context:,}. Shorten or split it.")
+
     def allowed_adapter_path(self, path: str) -> Path:
         """The resolved adapter folder, if it lies inside one of serve.adapter_dirs (links and `..` resolved)."""
         roots = [Path(d).expanduser().resolve() for d in self.cfg.adapter_dirs]
