@@ -83,6 +83,20 @@ def test_predict_answers_in_free_text_under_the_system_prompt(sft_run, tiny_mode
     assert [r["id"] for r in rows] == ["0", "1"] and [r["output"] for r in rows] == longer
 
 
+def test_predict_refuses_prompts_whose_reply_would_run_past_the_context(sft_run, tmp_path, capsys):
+    """A prompt that with --max-new-tokens runs past the model's context (the tiny model's 512 positions; the
+    word-level tokenizer reads each comma as a token) was generated from positions the model never had."""
+    assert main(["predict", str(sft_run), "hi", "," * 400, "--max-new-tokens", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "text 2 with a reply of up to 200 tokens come to more tokens" in err and "context of 512" in err
+    source, out = tmp_path / "in.csv", tmp_path / "out.csv"
+    source.write_text('prompt\nhi\n"' + "," * 400 + '"\n', encoding="utf-8")
+    assert main(["predict", str(sft_run), "--file", str(source), "--out", str(out), "--text-column", "prompt",
+                 "--max-new-tokens", "200"]) == 2
+    assert "in.csv: row 2 with a reply" in capsys.readouterr().err and not out.exists()
+    assert main(["predict", str(sft_run), "," * 400, "--max-new-tokens", "2"]) == 0  # room for a short reply
+
+
 def test_predict_answers_a_file_of_conversations(sft_run, tiny_model_dir, tmp_path, capsys):
     """A JSONL file of the run's own rows (`messages` of turns): each cell's Python text (`[{'role': ...}]`) was
     sent as one user turn. Now the conversation is the prompt, its reference answer left out, its own system turn

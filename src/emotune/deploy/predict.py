@@ -89,6 +89,21 @@ class Generator(Loaded):
         prompts = [self.artifact.chat_prompt(self.tokenizer, text) for text in texts]
         return generate_texts(self.model, self.tokenizer, prompts, max_new_tokens, batch_size, desc)
 
+    def check_lengths(self, texts: list[str | list[dict]], what: str, max_new_tokens: int) -> None:
+        """Before anything is generated: prompts that with a reply of `max_new_tokens` run past the model's context
+        are refused, rows named (a model with learned positions fails inside its forward, a rotary one generates
+        from positions it never saw), as serve refuses such a chat with a 422."""
+        context = context_length(self.model)
+        if not context:
+            return
+        prompts = [self.artifact.chat_prompt(self.tokenizer, text) for text in texts]
+        lengths = [len(ids) for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        over = [n for n, length in enumerate(lengths, start=1) if length + max_new_tokens > context]
+        if over:
+            raise UserError(f"{_numbered(over, what)} with a reply of up to {max_new_tokens:,} tokens come to more tokens "
+                            f"(the longest prompt: {max(lengths):,}) than the model's context of {context:,}. Shorten "
+                            "those texts, lower --max-new-tokens, or leave them out; nothing was predicted.")
+
 
 def trained_max_new_tokens(artifact: Artifact) -> int:
     """The generation length the sft model was evaluated with, so predict answers as its report measured."""
@@ -127,8 +142,10 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
     if artifact.answers_freely:
         prompts = None if rows is None else [_prompt(cell, number, text_column)  # checked before weights load
                                              for number, cell in enumerate(rows[text_column].tolist(), start=1)]
-        return _answer(Generator(artifact, device), texts, rows, prompts, Path(out) if out else None, batch_size,
-                       max_new_tokens or trained_max_new_tokens(artifact))
+        generator, new_tokens = Generator(artifact, device), max_new_tokens or trained_max_new_tokens(artifact)
+        generator.check_lengths(texts if rows is None else prompts, "text" if rows is None else f"{Path(file).name}: row",
+                                new_tokens)
+        return _answer(generator, texts, rows, prompts, Path(out) if out else None, batch_size, new_tokens)
     if max_new_tokens is not None:
         raise UserError(f"--max-new-tokens is for sft models, which answer in free text; `{target}` is a classifier, "
                         "whose answer is one of its labels. Leave the flag out.")
