@@ -153,6 +153,9 @@ def test_hold_out_sizes_are_shares_or_counts_of_rows(tmp_path, validation_size, 
                      seed=0)
     sizes = {name: len(split) for name, split in data.splits.items()}
     assert sizes == {"train": 120 - sum(expected.values()), **expected}
+    assert data.report["split"] == {(7, 11): "stratified 7 validation and 11 test rows, seed 0",
+                                    (7, 0.25): "stratified 7 rows for validation and 25 % for test, seed 0",
+                                    (0.1, 0.1): "stratified 80/10/10, seed 0"}[(validation_size, test_size)]
     assert {r["text"] for r in data.splits["train"]}.isdisjoint({r["text"] for r in data.splits["test"]})
     (tmp_path / "folder").mkdir()
     write_jsonl(tmp_path / "folder" / "train.jsonl", make_rows(20, seed=1))  # one split file: both carved from train

@@ -162,9 +162,10 @@ def _sizes(cfg: DataConfig) -> str:
     sizes = cfg.validation_size, cfg.test_size
     if all(isinstance(size, float) for size in sizes):
         return "/".join(f"{round(100 * f):g}" for f in (1 - sum(sizes), *sizes))
-    shown = [f"{size:g}" if isinstance(size, int) else f"{round(100 * size):g} %" for size in sizes]
-    return f"{shown[0]} validation and {shown[1]} test rows" if all(isinstance(size, int) for size in sizes) else \
-        f"{shown[0]} of the rows for validation and {shown[1]} for test"
+    if all(isinstance(size, int) for size in sizes):
+        return f"{sizes[0]} validation and {sizes[1]} test rows"
+    shown = [f"{size} rows" if isinstance(size, int) else f"{round(100 * size):g} %" for size in sizes]
+    return f"{shown[0]} for validation and {shown[1]} for test"
 
 
 def _raise(problems: list[str]) -> None:
