@@ -15,7 +15,7 @@ from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
 from emotune.model.loading import load_model
 from emotune.model.lora import language_model_linear_targets
-from families import qwen2_5_vl
+from families import falcon, qwen2_5_vl
 
 CPU = torch.device("cpu")
 
@@ -113,3 +113,15 @@ def test_encoder_models_are_refused_by_name_before_the_run_starts(builder, kind,
     assert not (tmp_path / "runs" / "enc").exists()
     with pytest.raises(UserError, match=kind):  # predict, serve and export load through the same door
         load_model(model_dir, torch.float32, CPU)
+
+
+@pytest.mark.slow  # a run
+def test_an_alibi_checkpoint_trains_and_scores_whole_rows(data_dir, tmp_path, capsys):
+    """Falcon-RW (tiiuae/falcon-rw-1b) counts its ALiBi positions from the attention mask: `emotune run` stopped with
+    a traceback inside Falcon's forward (the shared prefix's and the scorer's explicit masks); it now trains and
+    scores whole rows, and says why."""
+    model_dir = _saved(lambda tokenizer: falcon(tokenizer, alibi=True), tmp_path / "falcon-rw")
+    assert main(["run", *_run_overrides(model_dir, data_dir, tmp_path, "alibi"), "eval.method=score"]) == 0
+    assert "ALiBi position bias is counted from the attention mask" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "runs" / "alibi" / "finetuned" / "metrics.json").read_text())
+    assert metrics["rows"] == 12 and metrics["method"] == "score" and metrics["invalid"] == 0
