@@ -13,7 +13,7 @@ from emotune.cli import main
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
-from emotune.model.loading import load_model
+from emotune.model.loading import load_model, load_tokenizer
 from emotune.model.lora import language_model_linear_targets
 from families import falcon, qwen2_5_vl
 
@@ -125,3 +125,48 @@ def test_an_alibi_checkpoint_trains_and_scores_whole_rows(data_dir, tmp_path, ca
     assert "ALiBi position bias is counted from the attention mask" in capsys.readouterr().out
     metrics = json.loads((tmp_path / "runs" / "alibi" / "finetuned" / "metrics.json").read_text())
     assert metrics["rows"] == 12 and metrics["method"] == "score" and metrics["invalid"] == 0
+
+
+def _base_model_tokenizer(folder, keep_unk: bool = True):
+    """The suite's tokenizer as many base models ship theirs: no chat template, no pad token, and here no
+    end-of-sequence token either (and no unknown token unless `keep_unk`); a GPT-2 body beside it."""
+    from families import gpt2
+
+    tokenizer = build_tokenizer(folder)
+    torch.manual_seed(0)
+    gpt2(tokenizer).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink()
+    tokenizer.chat_template = None
+    tokenizer.pad_token = tokenizer.eos_token = None
+    if not keep_unk:
+        tokenizer.unk_token = None
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_tokenizer_without_pad_or_eos_pads_with_its_unknown_token(tmp_path, capsys):
+    """Without a pad or end-of-sequence token, classify and sft stopped with transformers' "Asking to pad but the
+    tokenizer does not have a padding token" and classify_head with a TypeError in its collate; now the unknown token
+    pads (every batch masks it), and the run says what it filled in."""
+    folder = _base_model_tokenizer(tmp_path / "base")
+    tokenizer = load_tokenizer(folder, ModelConfig(), announce=True)
+    assert tokenizer.pad_token == "<unk>" and tokenizer.chat_template
+    said = capsys.readouterr().out
+    assert "no chat template" in said and "model.chat_template=FILE" in said and "unk_token `<unk>`" in said
+    bare = _base_model_tokenizer(tmp_path / "bare", keep_unk=False)
+    with pytest.raises(UserError, match="pad_token.*tokenizer_config.json"):
+        load_tokenizer(bare, ModelConfig())
+
+
+@pytest.mark.parametrize("task", ["classify", "classify_head", "sft"])
+def test_a_base_model_tokenizer_runs_every_task(task, data_dir, tmp_path):
+    model_dir = _base_model_tokenizer(tmp_path / "base")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "base")
+    if task == "sft":
+        overrides = [o for o in overrides if not o.startswith(("data.source", "data.label_names"))]
+        write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "classify the emotion", "input": row["text"],
+                                              "output": row["label"]} for row in make_rows(6, seed=1)])
+        overrides.append(f"data.source={tmp_path / 'sft.jsonl'}")
+    assert main(["run", f"task={task}", *overrides]) == 0
+    assert main(["predict", str(tmp_path / "runs" / "base"), "i am so happy today", "--device", "cpu"]) == 0

@@ -65,7 +65,7 @@ class Context:
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
             causal_lm_class(AutoConfig.from_pretrained(model_dir))  # refuses encoder models before the run folder
-            self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
+            self.tokenizer = load_tokenizer(model_dir, self.cfg.model, announce=True)
             dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
             check_attention(self.cfg.model, model_dir, self.device, dtype)
             quantization.check(self.cfg.model, model_dir, self.device, dtype, self.cfg.lora.use_dora)
