@@ -15,7 +15,7 @@ from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
 from emotune.model.loading import load_model, load_tokenizer
 from emotune.model.lora import language_model_linear_targets
-from families import falcon, qwen2_5_vl
+from families import falcon, qwen2_5_vl, qwen3_moe
 
 CPU = torch.device("cpu")
 
@@ -170,3 +170,20 @@ def test_a_base_model_tokenizer_runs_every_task(task, data_dir, tmp_path):
         overrides.append(f"data.source={tmp_path / 'sft.jsonl'}")
     assert main(["run", f"task={task}", *overrides]) == 0
     assert main(["predict", str(tmp_path / "runs" / "base"), "i am so happy today", "--device", "cpu"]) == 0
+
+
+def test_a_target_that_names_the_experts_weights_is_refused_before_the_run(data_dir, tmp_path, capsys):
+    """Qwen3-MoE's routed experts are 3-D parameters in transformers 5 (`experts.gate_up_proj`), not modules: PEFT
+    adapted `[q_proj, gate_up_proj]` as q_proj alone, without a word, since it refuses a list only when no name
+    matches. Refused now, naming the weight and what LoRA adapts, before the run folder exists."""
+    model_dir = _saved(qwen3_moe, tmp_path / "qwen3-moe")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "moe")
+    assert main(["run", *overrides, "lora.target_modules=[q_proj, gate_up_proj]"]) == 2
+    err = capsys.readouterr().err
+    assert "`gate_up_proj` is a weight of Qwen3MoeExperts" in err and "lora.target_modules" in err
+    assert not (tmp_path / "runs" / "moe").exists()
+    with pytest.raises(UserError, match="`no_such_proj` names no module"):
+        from emotune.core.config.train import LoraSettings
+        from emotune.model.lora import attach_lora
+
+        attach_lora(load_model(model_dir, torch.float32, CPU), LoraSettings(target_modules=["q_proj", "no_such_proj"]))
