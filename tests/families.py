@@ -316,6 +316,15 @@ def falcon(tokenizer, alibi: bool):
                                           max_position_embeddings=512, **_ids(tokenizer)))
 
 
+def bloom(tokenizer):
+    """bigscience/bloom-560m config.json: hidden 1,024, 24 layers, 16 heads, ALiBi (its forward takes no position
+    ids), a LayerNorm on the embeddings, q/k/v fused, tied. Scaled: hidden 64, 2 layers, 4 heads."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=2, n_head=4,
+                                        **_ids(tokenizer)))
+
+
 def olmo2(tokenizer):
     """allenai/OLMo-2-0425-1B-Instruct config.json: hidden 2,048, 16 layers, 16 heads, RMSNorm after attention and
     MLP (not before), query/key RMSNorm over the whole projection, RoPE 500,000, untied. Scaled: hidden 64, 2 layers."""
@@ -397,10 +406,11 @@ FAMILIES: dict[str, Callable] = {
 MORE_FAMILIES: dict[str, Callable] = {"granite": granite, "cohere": cohere, "llama4-text": llama4_text,
                                       "qwen2.5-vl": qwen2_5_vl}
 # Families users bring, each with what changes its arithmetic (the builders name it): checked like MORE_FAMILIES.
-# Falcon-RW's ALiBi counts positions from the attention mask, so it runs whole rows (no shared prefix).
+# Falcon-RW's and BLOOM's ALiBi counts positions from the attention mask, so they run whole rows (no shared prefix).
+WHOLE_ROWS = {"falcon-rw", "bloom"}
 BROUGHT_FAMILIES: dict[str, Callable] = {
     "gpt2": gpt2, "pythia": pythia, "falcon-rw": lambda tokenizer: falcon(tokenizer, alibi=True),
-    "falcon-7b": lambda tokenizer: falcon(tokenizer, alibi=False), "olmo2": olmo2, "gemma2": gemma2,
+    "falcon-7b": lambda tokenizer: falcon(tokenizer, alibi=False), "bloom": bloom, "olmo2": olmo2, "gemma2": gemma2,
     "smollm3": smollm3, "qwen3-moe": qwen3_moe, "phi2": phi2}
 SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n"}
 
@@ -428,11 +438,11 @@ def build(name: str, tokenizer_dir: Path):
 
 def final_norm(model) -> torch.nn.Module:
     """The text model's last norm, before the output projection: `norm`, or GPT-2's and Falcon's `ln_f`, GPT-NeoX's
-    `final_layer_norm`, Phi-2's `final_layernorm`."""
+    `final_layer_norm`, Phi-2's `final_layernorm`, MPT's `norm_f`."""
     from emotune.model.text import language_model
 
     decoder = language_model(model)
-    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm"):
+    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f"):
         if isinstance(getattr(decoder, name, None), torch.nn.Module):
             return getattr(decoder, name)
     raise AttributeError(f"no final norm found in {type(decoder).__name__}")

@@ -43,7 +43,7 @@ from emotune.model.prefix import cannot_share
 from emotune.tasks.classify.task import encode_examples
 from emotune.tasks.classify_head.objective import head_loss
 from emotune.train.batches import LANGUAGE_MODEL, Example, collate, completion_loss, share_prefix
-from families import BROUGHT_FAMILIES, FAMILIES, MORE_FAMILIES, SOFT_CAPPED, build
+from families import BROUGHT_FAMILIES, FAMILIES, MORE_FAMILIES, SOFT_CAPPED, WHOLE_ROWS, build
 
 CPU = torch.device("cpu")
 SMALL_CHUNK = 5  # loss positions per projection chunk: every pass below has more, so the chunked path runs
@@ -286,12 +286,12 @@ def test_more_families_train_on_every_path(name, tokenizer, tokenizer_dir):
 def test_brought_families_score_and_train_as_their_own_forward(name, tokenizer, tokenizer_dir):
     """GPT-2's Conv1D layers, GPT-NeoX's and Phi-2's partial rotary, Falcon's fused qkv and ALiBi, OLMo 2's norms after
     the blocks, Gemma 2's attention and final soft-caps, SmolLM3's NoPE layers, Qwen3-MoE's fused experts: label scores
-    and the update on every training path are the model's own. Falcon-RW's ALiBi counts positions from the attention
-    mask, which no explicit position reaches: it scores and trains whole rows (the prefix path stopped with a
-    traceback in Falcon's forward)."""
+    and the update on every training path are the model's own. Falcon-RW's and BLOOM's ALiBi counts positions from
+    the attention mask, which no explicit position reaches: they score and train whole rows (the prefix path stopped
+    with a traceback in their forwards)."""
     check_scoring(name, tokenizer, tokenizer_dir, with_adapter=True)
     choice = check_training(name, tokenizer, tokenizer_dir, ALL_PATHS)
-    assert choice["used"] == (name != "falcon-rw"), choice
+    assert choice["used"] == (name not in WHOLE_ROWS), choice
 
 
 def check_head(name: str, tokenizer, tokenizer_dir) -> None:
