@@ -187,3 +187,16 @@ def test_a_target_that_names_the_experts_weights_is_refused_before_the_run(data_
         from emotune.model.lora import attach_lora
 
         attach_lora(load_model(model_dir, torch.float32, CPU), LoraSettings(target_modules=["q_proj", "no_such_proj"]))
+
+
+def test_olora_on_gpt2_conv1d_layers_is_refused_before_the_run(data_dir, tmp_path, capsys):
+    """GPT-2's projections are transformers' Conv1D (weights stored transposed), which PEFT's OLoRA factors as they are:
+    the first training pass stopped with 'mat1 and mat2 shapes cannot be multiplied' after the baseline evaluation.
+    Refused from config.json now, naming PiSSA (which transposes them) as the fix."""
+    from families import gpt2
+
+    model_dir = _saved(gpt2, tmp_path / "gpt2")
+    assert main(["run", *_run_overrides(model_dir, data_dir, tmp_path, "olora"), "lora.init=olora"]) == 2
+    err = capsys.readouterr().err
+    assert "lora.init=olora" in err and "Conv1D" in err and "lora.init=pissa" in err
+    assert not (tmp_path / "runs" / "olora").exists()

@@ -184,16 +184,33 @@ def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAU
 
 
 def check_targets(cfg: LoraSettings, model_config) -> None:
-    """Refuse, before any weights load, names in a `lora.target_modules` list that match no module of the model,
-    read from an empty (meta-device) copy built from its config.json."""
-    if not isinstance(cfg.target_modules, list):
+    """Refuse, before any weights load, what the adapted modules cannot take, read from an empty (meta-device) copy
+    built from config.json: names in a `lora.target_modules` list that match no module, and OLoRA on transformers'
+    Conv1D layers (GPT-2's), whose weights PEFT's OLoRA factors untransposed: the first forward pass stopped with a
+    shape error (PEFT's PiSSA transposes them; issue huggingface/peft#2991 is the same gap in CoRDA)."""
+    if not isinstance(cfg.target_modules, list) and cfg.init != "olora":
         return
     try:
         with torch.device("meta"):
             model = causal_lm_class(model_config).from_config(model_config)
     except (ImportError, RuntimeError, ValueError):  # a part that cannot be built empty here: attach_lora checks
         return
-    _check_named_targets(model, cfg.target_modules)
+    if isinstance(cfg.target_modules, list):
+        _check_named_targets(model, cfg.target_modules)
+    if cfg.init == "olora":
+        _check_olora(model, cfg)
+
+
+def _check_olora(model: PreTrainedModel, cfg: LoraSettings) -> None:
+    targets = lora_config(cfg.model_copy(update={"init": "default"}), model).target_modules
+    conv1d = [name for name, module in model.named_modules() if isinstance(module, Conv1D)
+              and (re.fullmatch(targets, name) if isinstance(targets, str)
+                   else any(name == t or name.endswith(f".{t}") for t in targets))]
+    if conv1d:
+        raise UserError(f"lora.init=olora cannot start from {type(model).__name__}'s Conv1D layers ({conv1d[0]} and "
+                        f"{len(conv1d) - 1} more: weights stored transposed, which PEFT's OLoRA factors as they are, "
+                        "so the first forward pass fails). Use lora.init=pissa, which starts from the base weights too "
+                        "and handles them, or lora.init=default.")
 
 
 def _check_named_targets(model: PreTrainedModel, targets: list[str]) -> None:
