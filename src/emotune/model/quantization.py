@@ -16,7 +16,8 @@ k-bit preparation (`prepare_for_training`) differs from PEFT's `prepare_model_fo
 casts every parameter it does not quantize to fp32, and Gemma 4 E4B's ~3.5 B embedding parameters (262,144 x
 (2,560 + 42 x 256)) would then take ~14 GB, more than the quantized rest of the model. Here the embeddings keep
 the compute dtype and only the norms go to fp32 (their few weights set the scale of every activation, as in
-LLaMA-Factory's `upcast_layernorm`); gradient checkpointing is emotune.model.lora's non-reentrant kind, which needs
+LLaMA-Factory's `upcast_layernorm`), handing their output on in the compute dtype as Gemma's norms do; gradient
+checkpointing is emotune.model.lora's non-reentrant kind, which needs
 no input that requires grad.
 """
 
@@ -209,6 +210,7 @@ def prepare_for_training(model: torch.nn.Module) -> dict[str, int]:
     keep_trainable_layout(model)
     seen: set[int] = set()  # tied weights (Gemma's embeddings and output layer) are one parameter
     for module in model.modules():
+        upcast = False
         for param in module.parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -219,9 +221,24 @@ def prepare_for_training(model: torch.nn.Module) -> dict[str, int]:
             elif _is_norm(module):
                 param.data = param.data.float()
                 counts["fp32 norms"] += param.numel()
+                upcast = True
             else:
                 counts["unquantized"] += param.numel()
+        if upcast and not getattr(module, "_emotune_returns_input_dtype", False):
+            module.register_forward_hook(_output_in_input_dtype, with_kwargs=True)
+            module._emotune_returns_input_dtype = True
     return counts
+
+
+def _output_in_input_dtype(module: torch.nn.Module, args: tuple, kwargs: dict, output):
+    """A norm in fp32 returns the dtype of its input (the compute dtype), as Gemma's norms do themselves. Llama's,
+    Qwen's, Mistral's, OLMo's and SmolLM3's return `weight * x.to(input dtype)`, which an fp32 weight promotes to fp32:
+    the output layer, a mixture-of-experts router and its 3-D experts then multiplied fp32 activations by
+    compute-dtype weights ('expected m1 and m2 to have the same dtype'); bitsandbytes' layers cast, they do not."""
+    given = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    if given is None or not isinstance(output, torch.Tensor) or output.dtype == given.dtype:
+        return output
+    return output.to(given.dtype)
 
 
 def _logical_numel(param: torch.Tensor) -> int:
