@@ -161,7 +161,9 @@ class LabelScorer:
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         if impl not in MASKED_ATTENTION:
             raise UserError(f"eval.method=score needs the `sdpa` or `eager` attention implementation (the model uses "
-                            f"`{impl}`), because it passes its own attention mask. Load the model with sdpa.")
+                            f"`{impl}`), because it passes its own attention mask. Set model.attn_implementation=sdpa "
+                            "(eager for models without an sdpa path, such as Gemma 2's soft-capped attention), or "
+                            "eval.method=generate.")
         return attention_masks(self.model.config, self.head.weight.dtype, allowed, query_pos, key_pos)
 
     def _prefix_cache(self, prefix: list[int]):
