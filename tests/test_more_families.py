@@ -159,6 +159,7 @@ def test_a_tokenizer_without_pad_or_eos_pads_with_its_unknown_token(tmp_path, ca
         load_tokenizer(bare, ModelConfig())
 
 
+@pytest.mark.slow  # three runs (sft's with its forgetting probe)
 @pytest.mark.parametrize("task", ["classify", "classify_head", "sft"])
 def test_a_base_model_tokenizer_runs_every_task(task, data_dir, tmp_path):
     model_dir = _base_model_tokenizer(tmp_path / "base")
