@@ -274,3 +274,16 @@ def test_norms_in_fp32_hand_on_the_compute_dtype_in_llama_style_and_moe_models(t
     loss = adapted(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss) and loss.dtype == torch.float32
+
+
+def test_a_model_whose_linear_layers_are_subclasses_is_refused_before_loading(tmp_path):
+    """transformers' bitsandbytes integration replaces layers whose type is exactly nn.Linear (and Conv1D): Falcon's
+    are FalconLinear, so a 4-bit Falcon run quantized nothing and trained the base at full size, saying only '0 weights
+    quantized'. Refused from config.json now, naming the layer class and model.quantization=none."""
+    from conftest import build_tokenizer
+    from families import falcon
+
+    tokenizer = build_tokenizer(tmp_path)
+    falcon(tokenizer, alibi=False).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="FalconLinear.*model.quantization=none"):
+        quantization.check(ModelConfig(quantization="4bit"), tmp_path, CPU, torch.bfloat16)

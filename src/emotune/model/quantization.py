@@ -108,7 +108,7 @@ def check(cfg: ModelConfig, model_dir: Path | None, device: torch.device, comput
         problems.append("bitsandbytes has no Apple MPS backend: train on a CUDA or ROCm GPU or on the CPU "
                         "(device=cpu), or set model.quantization=none")
     if model_dir is not None:
-        problems += _already_quantized(model_dir)
+        problems += _already_quantized(model_dir) or _nothing_to_quantize(model_dir)
     if importlib.util.find_spec("bitsandbytes") is None:
         problems.append(f"the bitsandbytes package is not installed: {INSTALL}")
     elif not problems:
@@ -117,6 +117,32 @@ def check(cfg: ModelConfig, model_dir: Path | None, device: torch.device, comput
             problems.append(problem)
     if problems:
         raise UserError(f"{what} cannot be used here: {'; '.join(problems)}.")
+
+
+def _nothing_to_quantize(model_dir: Path) -> list[str]:
+    """A model none of whose layers transformers' bitsandbytes integration replaces: it takes layers whose type is
+    exactly `torch.nn.Linear`, and GPT-2's Conv1D (`replace_with_bnb_linear`), so Falcon's `FalconLinear` (a subclass)
+    stayed in the compute dtype and the 'quantized' run trained an unquantized base at full size, saying only '0
+    weights quantized'. Read from an empty (meta-device) copy built from config.json."""
+    from transformers import AutoConfig
+    from transformers.pytorch_utils import Conv1D
+
+    from emotune.model.text import causal_lm_class
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = causal_lm_class(config).from_config(config)
+    except Exception:  # noqa: BLE001 (loading reports an unreadable model itself)
+        return []
+    output = model.get_output_embeddings()
+    linear = [m for m in model.modules() if m is not output and (type(m) is torch.nn.Linear or isinstance(m, Conv1D))]
+    if linear:
+        return []
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output})
+    return [f"transformers' bitsandbytes integration quantizes layers of type torch.nn.Linear (and GPT-2's Conv1D) "
+            f"only, and {type(model).__name__}'s are {', '.join(kinds) or 'none'}, so nothing would be quantized and "
+            "the base would train at full size; set model.quantization=none (LoRA over the unquantized base)"]
 
 
 def _already_quantized(model_dir: Path) -> list[str]:
