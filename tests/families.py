@@ -412,7 +412,7 @@ BROUGHT_FAMILIES: dict[str, Callable] = {
     "gpt2": gpt2, "pythia": pythia, "falcon-rw": lambda tokenizer: falcon(tokenizer, alibi=True),
     "falcon-7b": lambda tokenizer: falcon(tokenizer, alibi=False), "bloom": bloom, "olmo2": olmo2, "gemma2": gemma2,
     "smollm3": smollm3, "qwen3-moe": qwen3_moe, "phi2": phi2}
-SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n"}
+SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n", "gemma2"}
 
 
 def _ids(tokenizer) -> dict:
@@ -428,6 +428,7 @@ def _built(name: str, tokenizer_dir: str):
     torch.manual_seed(0)
     model = {**FAMILIES, **MORE_FAMILIES, **BROUGHT_FAMILIES}[name](tokenizer).float().eval()
     spread_logits(model, tokenizer)
+    sharpen_attention(model)
     return model
 
 
@@ -460,3 +461,20 @@ def spread_logits(model, tokenizer) -> None:
         norm.weight.copy_((1 + norm.weight) * factor - 1)
     else:
         norm.weight.mul_(factor)
+
+
+ATTENTION_SCALE = 30.0
+
+
+@torch.no_grad()
+def sharpen_attention(model) -> None:
+    """Scale the query and key projections of a model with an attention soft-cap (Gemma 2: 50) by `ATTENTION_SCALE`
+    each, so that attention logits reach past the cap as a trained model's do (~70; random weights give ~0.1, where a cap
+    of 50 changes nothing and a path that lost it would go unseen)."""
+    from emotune.model.text import text_config
+
+    if not getattr(text_config(model.config), "attn_logit_softcapping", None):
+        return
+    for name, module in model.named_modules():
+        if name.endswith(("q_proj", "k_proj")):
+            module.weight.mul_(ATTENTION_SCALE)

@@ -226,6 +226,16 @@ def test_soft_capped_families_really_cap(tokenizer, tokenizer_dir):
             with softcap_suspended(model):
                 uncapped = model(input_ids=ids).logits.log_softmax(-1)
         assert float((capped - uncapped).abs().max()) > 0.5, name
+    # Gemma 2 also caps its attention logits (at 50): the fixture's reach past it, so every path is checked with it
+    gemma2 = build("gemma2", tokenizer_dir)
+    config = gemma2.config
+    with torch.no_grad():
+        capped = gemma2(input_ids=ids).logits
+        object.__setattr__(config, "attn_logit_softcapping", None)
+        for layer in gemma2.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = gemma2(input_ids=ids).logits
+    assert float((capped - uncapped).abs().max()) > 0.5
 
 
 # --------------------------------------------------------------------------------------------------
