@@ -281,6 +281,110 @@ def qwen2_5_vl(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
+def gpt2(tokenizer):
+    """openai-community/gpt2 config.json: n_embd 768, 12 layers, 12 heads, a learned position table of 1,024,
+    transformers' Conv1D projections (weights stored transposed: PEFT's `fan_in_fan_out`) with q/k/v fused in `c_attn`,
+    tied embeddings, dropout 0.1. Scaled: n_embd 64, 2 layers, 4 heads; dropout 0 so that training is deterministic."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_ids(tokenizer)))
+
+
+def pythia(tokenizer):
+    """EleutherAI/pythia-160m config.json (GPT-NeoX): hidden 768, 12 layers, 12 heads, q/k/v fused in
+    `query_key_value`, rotary on 25% of each head (rotary_pct 0.25), parallel attention and MLP residuals, untied.
+    Scaled: hidden 64, 2 layers, 4 heads."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256,
+                                            num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.25,
+                                            use_parallel_residual=True, tie_word_embeddings=False,
+                                            max_position_embeddings=512, **_ids(tokenizer)))
+
+
+def falcon(tokenizer, alibi: bool):
+    """tiiuae/falcon-rw-1b config.json (`alibi`): hidden 2,048, 24 layers, 32 heads, ALiBi position biases (counted from
+    the attention mask), biases on every projection, q/k/v fused, sequential attention and MLP. tiiuae/falcon-7b:
+    hidden 4,544, 32 layers, 71 heads sharing one key/value head (multi_query), rotary, parallel attention and MLP, no
+    biases. Scaled: hidden 64, 2 layers, 4 heads."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(FalconConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, alibi=alibi, bias=alibi, multi_query=not alibi,
+                                          parallel_attn=not alibi, new_decoder_architecture=False,
+                                          max_position_embeddings=512, **_ids(tokenizer)))
+
+
+def bloom(tokenizer):
+    """bigscience/bloom-560m config.json: hidden 1,024, 24 layers, 16 heads, ALiBi (its forward takes no position
+    ids), a LayerNorm on the embeddings, q/k/v fused, tied. Scaled: hidden 64, 2 layers, 4 heads."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=2, n_head=4,
+                                        **_ids(tokenizer)))
+
+
+def olmo2(tokenizer):
+    """allenai/OLMo-2-0425-1B-Instruct config.json: hidden 2,048, 16 layers, 16 heads, RMSNorm after attention and
+    MLP (not before), query/key RMSNorm over the whole projection, RoPE 500,000, untied. Scaled: hidden 64, 2 layers."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                        rope_theta=500_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                        max_position_embeddings=512, **_ids(tokenizer)))
+
+
+def gemma2(tokenizer):
+    """google/gemma-2-2b-it config.json: hidden 2,304, 26 layers alternating sliding (4,096) and full, 8 heads / 4 KV
+    heads, head dim 256, attention logits soft-capped at 50 and final logits at 30 (transformers runs it eager: sdpa
+    has no soft-cap), tied. Scaled: hidden 64, 2 layers, head dim 16, window 16 (more than the padding of a batch: a
+    padded position that sees no key is NaN in the float64 reference)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=16, query_pre_attn_scalar=16, sliding_window=2 * WINDOW,
+                                          attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                          max_position_embeddings=512, **_ids(tokenizer)))
+
+
+def smollm3(tokenizer):
+    """HuggingFaceTB/SmolLM3-3B config.json: hidden 2,048, 36 layers, 16 heads / 4 KV heads, every 4th layer without
+    RoPE (NoPE, no_rope_layer_interval 4), RoPE 5e6, tied. Scaled: hidden 64, 4 layers (the last one NoPE)."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    return SmolLM3ForCausalLM(SmolLM3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            no_rope_layer_interval=4, tie_word_embeddings=True,
+                                            max_position_embeddings=512, **_ids(tokenizer)))
+
+
+def qwen3_moe(tokenizer):
+    """Qwen/Qwen3-30B-A3B config.json: hidden 2,048, 48 layers, 32 heads / 4 KV heads, head dim 128, 128 routed experts
+    (8 per token, weights renormalised) in every layer, kept by transformers 5 as fused 3-D parameters, untied.
+    Scaled: hidden 64, 2 layers, 4 experts (2 per token)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                              moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                              norm_topk_prob=True, tie_word_embeddings=False,
+                                              max_position_embeddings=512, **_ids(tokenizer)))
+
+
+def phi2(tokenizer):
+    """microsoft/phi-2 config.json: hidden 2,560, 32 layers, 32 heads, parallel attention and MLP after one LayerNorm,
+    rotary on 40% of each head, biases, untied, residual dropout 0.1. Scaled: hidden 64, 2 layers, 4 heads, dropout 0."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    return PhiForCausalLM(PhiConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256,
+                                    num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.4,
+                                    resid_pdrop=0.0, tie_word_embeddings=False, max_position_embeddings=512,
+                                    **_ids(tokenizer)))
+
+
 FAMILIES: dict[str, Callable] = {
     "gemma4-e4b": gemma4_multimodal,
     "gemma4-e2b": lambda tokenizer: gemma4_multimodal(tokenizer, "e2b"),
@@ -301,7 +405,14 @@ FAMILIES: dict[str, Callable] = {
 # AutoModelForImageTextToText loads, with multimodal RoPE (Qwen2.5-VL).
 MORE_FAMILIES: dict[str, Callable] = {"granite": granite, "cohere": cohere, "llama4-text": llama4_text,
                                       "qwen2.5-vl": qwen2_5_vl}
-SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n"}
+# Families users bring, each with what changes its arithmetic (the builders name it): checked like MORE_FAMILIES.
+# Falcon-RW's and BLOOM's ALiBi counts positions from the attention mask, so they run whole rows (no shared prefix).
+WHOLE_ROWS = {"falcon-rw", "bloom"}
+BROUGHT_FAMILIES: dict[str, Callable] = {
+    "gpt2": gpt2, "pythia": pythia, "falcon-rw": lambda tokenizer: falcon(tokenizer, alibi=True),
+    "falcon-7b": lambda tokenizer: falcon(tokenizer, alibi=False), "bloom": bloom, "olmo2": olmo2, "gemma2": gemma2,
+    "smollm3": smollm3, "qwen3-moe": qwen3_moe, "phi2": phi2}
+SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n", "gemma2"}
 
 
 def _ids(tokenizer) -> dict:
@@ -315,8 +426,9 @@ def _built(name: str, tokenizer_dir: str):
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
-    model = {**FAMILIES, **MORE_FAMILIES}[name](tokenizer).float().eval()
+    model = {**FAMILIES, **MORE_FAMILIES, **BROUGHT_FAMILIES}[name](tokenizer).float().eval()
     spread_logits(model, tokenizer)
+    sharpen_attention(model)
     return model
 
 
@@ -326,10 +438,15 @@ def build(name: str, tokenizer_dir: Path):
 
 
 def final_norm(model) -> torch.nn.Module:
-    """The text model's last norm, before the output projection."""
+    """The text model's last norm, before the output projection: `norm`, or GPT-2's and Falcon's `ln_f`, GPT-NeoX's
+    `final_layer_norm`, Phi-2's `final_layernorm`, MPT's `norm_f`."""
     from emotune.model.text import language_model
 
-    return language_model(model).norm
+    decoder = language_model(model)
+    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f"):
+        if isinstance(getattr(decoder, name, None), torch.nn.Module):
+            return getattr(decoder, name)
+    raise AttributeError(f"no final norm found in {type(decoder).__name__}")
 
 
 @torch.no_grad()
@@ -344,3 +461,20 @@ def spread_logits(model, tokenizer) -> None:
         norm.weight.copy_((1 + norm.weight) * factor - 1)
     else:
         norm.weight.mul_(factor)
+
+
+ATTENTION_SCALE = 30.0
+
+
+@torch.no_grad()
+def sharpen_attention(model) -> None:
+    """Scale the query and key projections of a model with an attention soft-cap (Gemma 2: 50) by `ATTENTION_SCALE`
+    each, so that attention logits reach past the cap as a trained model's do (~70; random weights give ~0.1, where a cap
+    of 50 changes nothing and a path that lost it would go unseen)."""
+    from emotune.model.text import text_config
+
+    if not getattr(text_config(model.config), "attn_logit_softcapping", None):
+        return
+    for name, module in model.named_modules():
+        if name.endswith(("q_proj", "k_proj")):
+            module.weight.mul_(ATTENTION_SCALE)

@@ -65,3 +65,21 @@ def test_auto_batch_size_follows_free_memory(tiny_model_dir, monkeypatch):
     assert ev.choose_batch_size(model, tokenizer, texts, PromptConfig(), labels, EvalConfig(), "generate") == 16
     monkeypatch.setattr(ev, "_free_memory", lambda device: 1)
     assert ev.choose_batch_size(model, tokenizer, texts, PromptConfig(), labels, EvalConfig(), "score") == 1
+
+
+def test_auto_batch_size_reads_a_config_whose_head_dim_is_none(tmp_path, monkeypatch):
+    """mistralai/Mixtral-8x7B-Instruct-v0.1's config.json has no head_dim, which MixtralConfig keeps as None: every run
+    with eval.batch_size=auto (the default) stopped at the baseline with "unsupported operand type(s) for *: 'int' and
+    'NoneType'". The head dim is then hidden_size / num_attention_heads, as the model computes it."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from conftest import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path)
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    assert config.head_dim is None
+    monkeypatch.setattr(ev, "_free_memory", lambda device: 1 << 40)
+    batch = ev.choose_batch_size(MixtralForCausalLM(config), tokenizer, ["i am happy"], PromptConfig(), ["joy", "sadness"],
+                                 EvalConfig(), "score")
+    assert batch == 32  # the CPU cap: the estimate was computed

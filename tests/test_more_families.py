@@ -13,9 +13,9 @@ from emotune.cli import main
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
-from emotune.model.loading import load_model
+from emotune.model.loading import load_model, load_tokenizer
 from emotune.model.lora import language_model_linear_targets
-from families import qwen2_5_vl
+from families import falcon, qwen2_5_vl, qwen3_moe
 
 CPU = torch.device("cpu")
 
@@ -113,3 +113,91 @@ def test_encoder_models_are_refused_by_name_before_the_run_starts(builder, kind,
     assert not (tmp_path / "runs" / "enc").exists()
     with pytest.raises(UserError, match=kind):  # predict, serve and export load through the same door
         load_model(model_dir, torch.float32, CPU)
+
+
+@pytest.mark.slow  # a run
+def test_an_alibi_checkpoint_trains_and_scores_whole_rows(data_dir, tmp_path, capsys):
+    """Falcon-RW (tiiuae/falcon-rw-1b) counts its ALiBi positions from the attention mask: `emotune run` stopped with
+    a traceback inside Falcon's forward (the shared prefix's and the scorer's explicit masks); it now trains and
+    scores whole rows, and says why."""
+    model_dir = _saved(lambda tokenizer: falcon(tokenizer, alibi=True), tmp_path / "falcon-rw")
+    assert main(["run", *_run_overrides(model_dir, data_dir, tmp_path, "alibi"), "eval.method=score"]) == 0
+    assert "ALiBi position bias is counted from the attention mask" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "runs" / "alibi" / "finetuned" / "metrics.json").read_text())
+    assert metrics["rows"] == 12 and metrics["method"] == "score" and metrics["invalid"] == 0
+
+
+def _base_model_tokenizer(folder, keep_unk: bool = True):
+    """The suite's tokenizer as many base models ship theirs: no chat template, no pad token, and here no
+    end-of-sequence token either (and no unknown token unless `keep_unk`); a GPT-2 body beside it."""
+    from families import gpt2
+
+    tokenizer = build_tokenizer(folder)
+    torch.manual_seed(0)
+    gpt2(tokenizer).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink()
+    tokenizer.chat_template = None
+    tokenizer.pad_token = tokenizer.eos_token = None
+    if not keep_unk:
+        tokenizer.unk_token = None
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_tokenizer_without_pad_or_eos_pads_with_its_unknown_token(tmp_path, capsys):
+    """Without a pad or end-of-sequence token, classify and sft stopped with transformers' "Asking to pad but the
+    tokenizer does not have a padding token" and classify_head with a TypeError in its collate; now the unknown token
+    pads (every batch masks it), and the run says what it filled in."""
+    folder = _base_model_tokenizer(tmp_path / "base")
+    tokenizer = load_tokenizer(folder, ModelConfig(), announce=True)
+    assert tokenizer.pad_token == "<unk>" and tokenizer.chat_template
+    said = capsys.readouterr().out
+    assert "no chat template" in said and "model.chat_template=FILE" in said and "unk_token `<unk>`" in said
+    bare = _base_model_tokenizer(tmp_path / "bare", keep_unk=False)
+    with pytest.raises(UserError, match="pad_token.*tokenizer_config.json"):
+        load_tokenizer(bare, ModelConfig())
+
+
+@pytest.mark.slow  # three runs (sft's with its forgetting probe)
+@pytest.mark.parametrize("task", ["classify", "classify_head", "sft"])
+def test_a_base_model_tokenizer_runs_every_task(task, data_dir, tmp_path):
+    model_dir = _base_model_tokenizer(tmp_path / "base")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "base")
+    if task == "sft":
+        overrides = [o for o in overrides if not o.startswith(("data.source", "data.label_names"))]
+        write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "classify the emotion", "input": row["text"],
+                                              "output": row["label"]} for row in make_rows(6, seed=1)])
+        overrides.append(f"data.source={tmp_path / 'sft.jsonl'}")
+    assert main(["run", f"task={task}", *overrides]) == 0
+    assert main(["predict", str(tmp_path / "runs" / "base"), "i am so happy today", "--device", "cpu"]) == 0
+
+
+def test_a_target_that_names_the_experts_weights_is_refused_before_the_run(data_dir, tmp_path, capsys):
+    """Qwen3-MoE's routed experts are 3-D parameters in transformers 5 (`experts.gate_up_proj`), not modules: PEFT
+    adapted `[q_proj, gate_up_proj]` as q_proj alone, without a word, since it refuses a list only when no name
+    matches. Refused now, naming the weight and what LoRA adapts, before the run folder exists."""
+    model_dir = _saved(qwen3_moe, tmp_path / "qwen3-moe")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "moe")
+    assert main(["run", *overrides, "lora.target_modules=[q_proj, gate_up_proj]"]) == 2
+    err = capsys.readouterr().err
+    assert "`gate_up_proj` is a weight of Qwen3MoeExperts" in err and "lora.target_modules" in err
+    assert not (tmp_path / "runs" / "moe").exists()
+    with pytest.raises(UserError, match="`no_such_proj` names no module"):
+        from emotune.core.config.train import LoraSettings
+        from emotune.model.lora import attach_lora
+
+        attach_lora(load_model(model_dir, torch.float32, CPU), LoraSettings(target_modules=["q_proj", "no_such_proj"]))
+
+
+def test_olora_on_gpt2_conv1d_layers_is_refused_before_the_run(data_dir, tmp_path, capsys):
+    """GPT-2's projections are transformers' Conv1D (weights stored transposed), which PEFT's OLoRA factors as they are:
+    the first training pass stopped with 'mat1 and mat2 shapes cannot be multiplied' after the baseline evaluation.
+    Refused from config.json now, naming PiSSA (which transposes them) as the fix."""
+    from families import gpt2
+
+    model_dir = _saved(gpt2, tmp_path / "gpt2")
+    assert main(["run", *_run_overrides(model_dir, data_dir, tmp_path, "olora"), "lora.init=olora"]) == 2
+    err = capsys.readouterr().err
+    assert "lora.init=olora" in err and "Conv1D" in err and "lora.init=pissa" in err
+    assert not (tmp_path / "runs" / "olora").exists()

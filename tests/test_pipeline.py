@@ -86,8 +86,8 @@ def test_bad_data_fails_before_run_folder(tiny_overrides, tmp_path, capsys):
 def test_lora_matching_no_module_refuses_to_train(tiny_overrides, tmp_path, capsys):
     assert main(["run", *tiny_overrides, "lora.target_modules=[no_such_proj]"]) == 2
     err = capsys.readouterr().err
-    assert "LoRA matched no module" in err and "lora.target_modules" in err
-    assert not (tmp_path / "runs" / "tiny" / "adapter").exists()
+    assert "`no_such_proj` names no module" in err and "lora.target_modules" in err
+    assert not (tmp_path / "runs" / "tiny").exists()  # refused from config.json, before the run folder
 
 
 @pytest.mark.slow  # subprocesses / several runs

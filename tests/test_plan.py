@@ -242,3 +242,14 @@ def test_a_quantized_base_is_planned_at_its_bits_and_proposed_when_the_weights_d
     assert out["verdict"] != "fits"
     assert out["fixes"][0]["overrides"] == ["model.quantization=8bit", "train.optim=adamw_8bit"]
     assert out["fixes"][0]["peak"] <= FITS * memory
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_initialisation_from_the_base_weights_is_planned_as_the_default_one(init, tiny_model_dir, capsys):
+    """PiSSA's and OLoRA's factorisations of the base weights cannot run on the empty (meta-device) model plan builds:
+    `emotune plan lora.init=pissa` stopped with 'could not build Gemma3TextConfig ... Check model.source and
+    lora.target_modules', and a run lost its memory estimate. They change the adapters' values, not their shapes."""
+    keys = ("parameters", "trainable_parameters", "training", "evaluation")
+    default = plan_json(capsys, *gpu(tiny_model_dir))
+    planned = plan_json(capsys, *gpu(tiny_model_dir, f"lora.init={init}"))
+    assert {k: planned[k] for k in keys} == {k: default[k] for k in keys}

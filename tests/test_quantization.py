@@ -254,3 +254,36 @@ print(asked, hub.HF_HUB_OFFLINE)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-2:] == ["[]", "False"]  # no lookup, and the hub is online again for model downloads
+
+
+def test_norms_in_fp32_hand_on_the_compute_dtype_in_llama_style_and_moe_models(tmp_path):
+    """Llama's, Qwen's, Mistral's, OLMo's and SmolLM3's norms return `weight * x.to(input dtype)`, which the fp32 norm
+    weight promoted to fp32: in bf16 the output layer (and a mixture-of-experts router and its 3-D experts) then
+    multiplied fp32 activations by bf16 weights, and every 4-bit run of those families stopped with 'expected m1 and
+    m2 to have the same dtype'. Gemma's norms cast back themselves, which is why the Gemma runs passed."""
+    from conftest import build_tokenizer
+    from families import qwen3_moe
+
+    tokenizer = build_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    qwen3_moe(tokenizer).save_pretrained(tmp_path)
+    model = _quantized(tmp_path, "bf16", quantization="4bit")
+    assert {p.dtype for n, p in model.named_parameters() if "norm" in n} == {torch.float32}
+    adapted = attach_lora(model, LoraSettings(r=4))
+    ids = torch.randint(6, 40, (2, 12))
+    loss = adapted(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and loss.dtype == torch.float32
+
+
+def test_a_model_whose_linear_layers_are_subclasses_is_refused_before_loading(tmp_path):
+    """transformers' bitsandbytes integration replaces layers whose type is exactly nn.Linear (and Conv1D): Falcon's
+    are FalconLinear, so a 4-bit Falcon run quantized nothing and trained the base at full size, saying only '0 weights
+    quantized'. Refused from config.json now, naming the layer class and model.quantization=none."""
+    from conftest import build_tokenizer
+    from families import falcon
+
+    tokenizer = build_tokenizer(tmp_path)
+    falcon(tokenizer, alibi=False).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="FalconLinear.*model.quantization=none"):
+        quantization.check(ModelConfig(quantization="4bit"), tmp_path, CPU, torch.bfloat16)

@@ -147,3 +147,17 @@ def test_single_token_labels_on_learned_positions(tiny_gpt2_dir):
     expected = brute_force_log_probs(model, tokenizer, TEXTS[:4], PromptConfig(), labels)
     got = LabelScorer(model, tokenizer, PromptConfig(), labels).log_probs(TEXTS[:4], batch_size=3)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_scoring_under_flash_attention_names_the_setting_to_change(tiny_gpt2_dir):
+    """The scorer passes its own masks, which flash attention takes none of: the error named no setting ('Load the
+    model with sdpa'), and sdpa is no choice for every model (Gemma 2 runs eager only)."""
+    from emotune.core.config.model import ModelConfig
+    from emotune.core.errors import UserError
+    from emotune.model.loading import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_gpt2_dir, ModelConfig())
+    model = load_model(tiny_gpt2_dir, torch.float32, torch.device("cpu"))
+    model.config._attn_implementation = "flash_attention_2"  # as loaded on a GPU with flash-attn
+    with pytest.raises(UserError, match="model.attn_implementation=sdpa .*eager.*eval.method=generate"):
+        LabelScorer(model, tokenizer, PromptConfig(), ["joy", "sadness"]).log_probs(["i am happy"])

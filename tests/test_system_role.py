@@ -38,7 +38,7 @@ def test_a_template_without_a_system_role_trains_scores_and_predicts(data_dir, t
     model_dir = _gemma2_templated(tmp_path / "model")
     assert main(["run", "task=classify", f"data.source={data_dir}", "data.label_names=[sadness, joy, love, anger, fear, "
                  "surprise]", "prompt.system_prompt=be brief", *_overrides(model_dir, tmp_path, "g2")]) == 0
-    assert "no system role" in capsys.readouterr().out
+    assert "its chat template has no system role" in capsys.readouterr().out
     adapter = tmp_path / "runs" / "g2" / "adapter"
     assert (adapter / "chat_template.jinja").read_text(encoding="utf-8").startswith(FOLD_MARK)
     tokenizer = load_tokenizer(adapter, ModelConfig())  # as serve and predict load it: wrapped once

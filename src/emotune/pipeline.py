@@ -30,7 +30,7 @@ from emotune.model import finetuning, init_methods, quantization
 from emotune.model.artifacts import find_artifact, has_trained, is_adapter, load_artifact_model
 from emotune.model.attention import check_attention
 from emotune.model.loading import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
-from emotune.model.lora import check_layers
+from emotune.model.lora import check_layers, check_targets
 from emotune.model.text import causal_lm_class
 from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
@@ -65,7 +65,7 @@ class Context:
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
             causal_lm_class(AutoConfig.from_pretrained(model_dir))  # refuses encoder models before the run folder
-            self.tokenizer = load_tokenizer(model_dir, self.cfg.model)
+            self.tokenizer = load_tokenizer(model_dir, self.cfg.model, announce=True)
             dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
             check_attention(self.cfg.model, model_dir, self.device, dtype)
             quantization.check(self.cfg.model, model_dir, self.device, dtype, self.cfg.lora.use_dora)
@@ -75,6 +75,8 @@ class Context:
             if self.cfg.lora.adapter:
                 self.start = self.task.find_adapter(self.cfg.lora.adapter, self.cfg, self.data)
                 init_methods.check_start(self.cfg.lora, self.start)
+            if self.cfg.train.finetuning == "lora" and not self.cfg.lora.adapter:
+                check_targets(self.cfg.lora, AutoConfig.from_pretrained(model_dir))
             if self.cfg.lora.layers is not None or self.cfg.train.finetuning in finetuning.WHOLE:
                 model_config = AutoConfig.from_pretrained(model_dir)  # the layer count, from config.json alone
                 finetuning.check(self.cfg.train, self.cfg.lora, self.cfg.model, model_config)

@@ -149,15 +149,18 @@ def auto_batch_cap(method: str, device_type: str) -> int:
 
 
 def _bytes_per_row(config, tokens: int, new_tokens: int, method: str, element: int, n_labels: int) -> int:
-    hidden = getattr(config, "hidden_size", 4096)
-    layers = getattr(config, "num_hidden_layers", 32)
-    heads = getattr(config, "num_attention_heads", 32)
-    kv = getattr(config, "num_key_value_heads", heads) * getattr(config, "head_dim", hidden // heads)
+    def size(name: str, default: int) -> int:
+        # a config may hold a field as None: Mixtral's head_dim (its config.json has none), GPT-2 has no KV heads
+        value = getattr(config, name, None)
+        return value if isinstance(value, int) and value > 0 else default
+
+    hidden, layers, heads = size("hidden_size", 4096), size("num_hidden_layers", 32), size("num_attention_heads", 32)
+    kv = size("num_key_value_heads", heads) * size("head_dim", hidden // heads)
     tokens += new_tokens if method == "generate" else 2 * n_labels
     cache = 2 * layers * kv * tokens * element
-    activations = tokens * (4 * hidden + 2 * getattr(config, "intermediate_size", 4 * hidden) + heads * tokens) * 4
+    activations = tokens * (4 * hidden + 2 * size("intermediate_size", 4 * hidden) + heads * tokens) * 4
     positions = (n_labels + 1) if method == "score" else 1
-    logits = 3 * positions * getattr(config, "vocab_size", 32000) * 4
+    logits = 3 * positions * size("vocab_size", 32000) * 4
     return cache + activations + logits
 
 

@@ -15,7 +15,7 @@ import torch
 from emotune.core.config.data import PromptConfig
 from emotune.core.errors import UserError
 from emotune.data import prompt_messages
-from emotune.model.prefix import MASKED_ATTENTION, attention_masks
+from emotune.model.prefix import MASKED_ATTENTION, attention_masks, positions_from_mask
 from emotune.model.text import float32_logits, language_model, logit_scale, logit_softcap, soft_capped, unwrapped
 from emotune.model.turns import end_of_turn_text
 from emotune.runtime.oom import run_in_batches
@@ -111,13 +111,18 @@ class LabelScorer:
     a row scores as it would alone. The vocabulary projection runs only at the end of each prompt and at
     the label-tree nodes, in float32 whatever the model's dtype (emotune.model.text.float32_logits), then
     the model's own final soft-cap and the log-softmax, also in float32.
+
+    A model that takes no explicit positions (ALiBi: `positions_from_mask`) scores whole rows instead: each prompt
+    followed by each label, right-padded under a 2-D mask, one sequence per row and label.
     """
 
     def __init__(self, model, tokenizer, prompt: PromptConfig, labels: list[str], padding_side: str = "left"):
         self.model, self.tokenizer, self.prompt, self.labels = model, tokenizer, prompt, labels
         self.body, self.head, self.softcap = _body_and_head(model)
         self.scale = logit_scale(model)
-        self.trie = LabelTrie.build(label_token_ids(tokenizer, prompt, labels))
+        self.label_ids = label_token_ids(tokenizer, prompt, labels)
+        self.trie = LabelTrie.build(self.label_ids)
+        self.whole_rows = positions_from_mask(model) is not None
         self.padding_side = padding_side
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._prefix: tuple[tuple[int, ...], object] | None = None
@@ -138,12 +143,13 @@ class LabelScorer:
         self.model.eval()
         try:
             ids = self.prompt_ids(texts)
-            prefix = self.shared_prefix(ids)
+            prefix = [] if self.whole_rows else self.shared_prefix(ids)
             suffixes = [seq[len(prefix):] for seq in ids]
             out = torch.empty(len(texts), len(self.labels), dtype=torch.float32)
 
             def score(batch: list[int]) -> None:
-                out[batch] = self._score_batch(prefix, [suffixes[i] for i in batch])
+                rows = [suffixes[i] for i in batch]
+                out[batch] = self._score_whole_rows(rows) if self.whole_rows else self._score_batch(prefix, rows)
 
             run_in_batches(sorted(range(len(texts)), key=lambda i: len(suffixes[i])), batch_size, score, desc)
         finally:
@@ -155,7 +161,9 @@ class LabelScorer:
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         if impl not in MASKED_ATTENTION:
             raise UserError(f"eval.method=score needs the `sdpa` or `eager` attention implementation (the model uses "
-                            f"`{impl}`), because it passes its own attention mask. Load the model with sdpa.")
+                            f"`{impl}`), because it passes its own attention mask. Set model.attn_implementation=sdpa "
+                            "(eager for models without an sdpa path, such as Gemma 2's soft-capped attention), or "
+                            "eval.method=generate.")
         return attention_masks(self.model.config, self.head.weight.dtype, allowed, query_pos, key_pos)
 
     def _prefix_cache(self, prefix: list[int]):
@@ -222,6 +230,29 @@ class LabelScorer:
             for node, token in steps:
                 scores[:, i] += node_logp[:, node, token]
         return scores.cpu()
+
+
+    def _score_whole_rows(self, prompts: list[list[int]]) -> torch.Tensor:
+        """[rows, labels] log-probabilities from one sequence per row and label (prompt + label tokens), right-padded
+        under a 2-D mask: no cache, no explicit positions, each sequence starting at position 0."""
+        device = self.head.weight.device
+        sequences = [(r, i, prompt + label) for r, prompt in enumerate(prompts) for i, label in enumerate(self.label_ids)]
+        width = max(len(seq) for _, _, seq in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
+        for s, (_, _, seq) in enumerate(sequences):
+            input_ids[s, :len(seq)] = torch.tensor(seq, device=device)
+            mask[s, :len(seq)] = 1
+        hidden = self.body(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+        # every label token is read at the position before it: (sequence, position, token)
+        reads = [(s, len(prompts[r]) - 1 + k, token) for s, (r, i, _) in enumerate(sequences)
+                 for k, token in enumerate(self.label_ids[i])]
+        at = torch.tensor([[s, pos] for s, pos, _ in reads], device=device)
+        logits = float32_logits(self.head, hidden[at[:, 0], at[:, 1]]) * self.scale
+        token_logp = soft_capped(logits, self.softcap).log_softmax(-1)
+        token_logp = token_logp[torch.arange(len(reads), device=device), torch.tensor([t for *_, t in reads], device=device)]
+        scores = torch.zeros(len(sequences), device=device).index_add_(0, at[:, 0], token_logp)
+        return scores.view(len(prompts), len(self.labels)).cpu()
 
 
 def score_label_probs(model, tokenizer, texts: list[str], prompt: PromptConfig, labels: list[str],

@@ -220,17 +220,25 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
     return Path(path)
 
 
-def load_tokenizer(model_dir: Path, cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    tokenizer = _with_template(AutoTokenizer.from_pretrained(model_dir), cfg)
+def load_tokenizer(model_dir: Path, cfg: ModelConfig, announce: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer with a chat template and a pad token, whatever the folder lacks (base models often have
+    neither): Gemma's turn format, and the end-of-sequence (else the unknown) token as padding, which every batch
+    masks. `announce`: say what was filled in or changed (a run prints it once, at the start)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    filled = _with_template(tokenizer, cfg)
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        filled.append(_pad_with_a_special_token(tokenizer, model_dir))
+    if announce and filled:
+        print(f"Tokenizer: {'; '.join(filled)}.", flush=True)
     _drop_build_lists(tokenizer)
     return tokenizer
 
 
-def _with_template(tokenizer: PreTrainedTokenizerBase, cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The chat template training renders: model.chat_template's file, else the tokenizer's own, else Gemma's; one
-    without a system role gets the system text in its first user message (emotune.model.system_role)."""
+def _with_template(tokenizer: PreTrainedTokenizerBase, cfg: ModelConfig) -> list[str]:
+    """Give `tokenizer` the chat template training renders: model.chat_template's file, else its own, else Gemma's;
+    one without a system role gets the system text in its first user message (emotune.model.system_role). What was
+    filled in or changed, in phrases."""
+    filled = []
     if cfg.chat_template:
         template_path = Path(cfg.chat_template).expanduser()
         if not template_path.is_file():
@@ -238,10 +246,27 @@ def _with_template(tokenizer: PreTrainedTokenizerBase, cfg: ModelConfig) -> PreT
         tokenizer.chat_template = template_path.read_text(encoding="utf-8")
     elif tokenizer.chat_template is None:
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+        filled.append("it has no chat template, so prompts take Gemma's turn format (<start_of_turn>user ... "
+                      "<end_of_turn>), which the adapter and the merged model keep; model.chat_template=FILE sets another")
     if fold_system_role(tokenizer):
-        print("The chat template has no system role (it refuses a system message): the system prompt opens the first "
-              "user message, followed by a blank line, as Gemma 3's template writes it.", flush=True)
+        filled.append("its chat template has no system role (it refuses a system message), so the system prompt opens "
+                      "the first user message, followed by a blank line, as Gemma 3's template writes it")
+    return filled
     return tokenizer
+
+
+def _pad_with_a_special_token(tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> str:
+    """Set the missing pad token to the end-of-sequence token, else the unknown token (padded positions are masked, so
+    which token pads changes nothing); what was chosen, in a phrase."""
+    for role in ("eos_token", "unk_token"):
+        token = getattr(tokenizer, role)
+        if token is not None:
+            tokenizer.pad_token = token
+            return f"it has no pad token, so batches are padded with its {role} `{token}` (masked wherever it pads)"
+    raise UserError(f"The tokenizer in {model_dir} has no pad token and no end-of-sequence or unknown token to pad "
+                    "with, so rows of different lengths cannot be batched. Name one of its special tokens as "
+                    "\"pad_token\" in its tokenizer_config.json (or add a pad token to the tokenizer and save it "
+                    "there), then run again.")
 
 
 def _drop_build_lists(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -341,7 +366,8 @@ def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         raise UserError(f"Could not load the tokenizer of model.source `{cfg.source}` ({type(err).__name__}: "
                         f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). "
                         "Check model.source; token counts need the model's tokenizer.") from None
-    return _with_template(tokenizer, cfg)
+    _with_template(tokenizer, cfg)
+    return tokenizer
 
 
 def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:

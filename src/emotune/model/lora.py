@@ -31,7 +31,7 @@ from transformers.pytorch_utils import Conv1D
 from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model import init_methods
-from emotune.model.text import language_model
+from emotune.model.text import causal_lm_class, language_model
 
 LINEAR = (torch.nn.Linear, Conv1D)
 """What `all-linear` adapts, as PEFT's own `all-linear` does: GPT-2's projections are transformers' Conv1D (a linear
@@ -163,6 +163,8 @@ def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAU
         trainable, total = count_parameters(model)
         print(f"Adapter {model.active_adapter} kept; trainable parameters: {trainable:,} / {total:,}", flush=True)
         return model
+    if isinstance(cfg.target_modules, list):
+        _check_named_targets(model, cfg.target_modules)
     try:
         adapted = get_peft_model(model, lora_config(cfg, model, task_type, extra_modules_to_save))
     except ValueError as err:  # PEFT names the module it could not find
@@ -179,6 +181,56 @@ def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAU
     print(f"{variant} r={cfg.r} alpha={cfg.alpha} dropout={cfg.dropout}{where}; trainable parameters: {trainable:,} / "
           f"{total:,} ({100 * trainable / total:.2f}%)", flush=True)
     return adapted
+
+
+def check_targets(cfg: LoraSettings, model_config) -> None:
+    """Refuse, before any weights load, what the adapted modules cannot take, read from an empty (meta-device) copy
+    built from config.json: names in a `lora.target_modules` list that match no module, and OLoRA on transformers'
+    Conv1D layers (GPT-2's), whose weights PEFT's OLoRA factors untransposed: the first forward pass stopped with a
+    shape error (PEFT's PiSSA transposes them; issue huggingface/peft#2991 is the same gap in CoRDA)."""
+    if not isinstance(cfg.target_modules, list) and cfg.init != "olora":
+        return
+    try:
+        with torch.device("meta"):
+            model = causal_lm_class(model_config).from_config(model_config)
+    except (ImportError, RuntimeError, ValueError):  # a part that cannot be built empty here: attach_lora checks
+        return
+    if isinstance(cfg.target_modules, list):
+        _check_named_targets(model, cfg.target_modules)
+    if cfg.init == "olora":
+        _check_olora(model, cfg)
+
+
+def _check_olora(model: PreTrainedModel, cfg: LoraSettings) -> None:
+    targets = lora_config(cfg.model_copy(update={"init": "default"}), model).target_modules
+    conv1d = [name for name, module in model.named_modules() if isinstance(module, Conv1D)
+              and (re.fullmatch(targets, name) if isinstance(targets, str)
+                   else any(name == t or name.endswith(f".{t}") for t in targets))]
+    if conv1d:
+        raise UserError(f"lora.init=olora cannot start from {type(model).__name__}'s Conv1D layers ({conv1d[0]} and "
+                        f"{len(conv1d) - 1} more: weights stored transposed, which PEFT's OLoRA factors as they are, "
+                        "so the first forward pass fails). Use lora.init=pissa, which starts from the base weights too "
+                        "and handles them, or lora.init=default.")
+
+
+def _check_named_targets(model: PreTrainedModel, targets: list[str]) -> None:
+    """Refuse names in a `lora.target_modules` list that match no module. PEFT refuses a list only when none of its
+    names matches, so `[q_proj, gate_up_proj]` on a mixture-of-experts model adapted q_proj alone, without a word:
+    transformers 5 keeps each layer's routed experts as 3-D parameters (`experts.gate_up_proj`), not modules. PEFT
+    matches a list's name against a module name or its last dotted parts."""
+    modules = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in modules)]
+    if not missing:
+        return
+    parameters = {t: owner for t in missing
+                  for name, param in model.named_parameters() if name == t or name.endswith(f".{t}")
+                  for owner in [type(model.get_submodule(name.rpartition(".")[0])).__name__]}
+    said = [f"`{t}` is a weight of {parameters[t]}, not a module (a mixture-of-experts layer keeps its routed experts "
+            "as one 3-D tensor, which LoRA's module targets cannot adapt)" if t in parameters
+            else f"`{t}` names no module" for t in missing]
+    raise UserError(f"lora.target_modules: {'; '.join(said)} in {type(model).__name__}, so it would not be adapted. "
+                    "Remove it from lora.target_modules, or use `all-linear` (every linear layer of the language "
+                    "model: attention, MLPs and shared experts).")
 
 
 def checkpoint_activations(model: PreTrainedModel) -> None:

@@ -28,11 +28,14 @@ pass is not checkpointed: it is one row, whose activations cost less memory than
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
+
+from emotune.model.text import language_model, text_config, unwrapped
 
 MASKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take an explicit mask per layer type (flash attention takes none)."""
@@ -73,12 +76,34 @@ def attention_masks(config, dtype: torch.dtype, allowed: torch.Tensor, query_pos
     return masks
 
 
+def positions_from_mask(model) -> str | None:
+    """Why `model` cannot take explicit positions and per-layer masks, in a phrase; None when it can.
+
+    ALiBi models add a position bias counted from the running sum of the 2-D attention mask, not from
+    `position_ids`: Falcon with `alibi` set (tiiuae/falcon-rw-1b), MPT (`attn_config.alibi`), BLOOM. Falcon's
+    forward refuses the explicit masks with a traceback; BLOOM's and MPT's take no `position_ids` at all. Rows after
+    a shared prefix, or padded in the middle as label scoring pads them, would see other positions than alone, so
+    these models run whole rows, right-padded under a 2-D mask, where the running sum counts each row's own
+    positions."""
+    inner = unwrapped(model)
+    text = text_config(inner.config)
+    attention = getattr(text, "attn_config", None)
+    alibi = attention.get("alibi") if isinstance(attention, dict) else getattr(attention, "alibi", False)
+    if getattr(text, "alibi", False) or alibi:
+        return "the model's ALiBi position bias is counted from the attention mask, not from explicit positions"
+    if "position_ids" not in inspect.signature(language_model(inner).forward).parameters:
+        return "the model's forward takes no position_ids"
+    return None
+
+
 def cannot_share(model) -> str | None:
     """Why `model` cannot run rows after a shared prefix, in a phrase; None when it can."""
     config = _unwrapped(model).config
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
     if impl not in MASKED_ATTENTION:
         return f"the model's attention implementation `{impl}` takes no explicit mask (sdpa and eager do)"
+    if (fixed := positions_from_mask(model)) is not None:
+        return fixed
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     other = set(getattr(text, "layer_types", None) or []) - LAYER_KINDS
     if other:

@@ -16,7 +16,8 @@ k-bit preparation (`prepare_for_training`) differs from PEFT's `prepare_model_fo
 casts every parameter it does not quantize to fp32, and Gemma 4 E4B's ~3.5 B embedding parameters (262,144 x
 (2,560 + 42 x 256)) would then take ~14 GB, more than the quantized rest of the model. Here the embeddings keep
 the compute dtype and only the norms go to fp32 (their few weights set the scale of every activation, as in
-LLaMA-Factory's `upcast_layernorm`); gradient checkpointing is emotune.model.lora's non-reentrant kind, which needs
+LLaMA-Factory's `upcast_layernorm`), handing their output on in the compute dtype as Gemma's norms do; gradient
+checkpointing is emotune.model.lora's non-reentrant kind, which needs
 no input that requires grad.
 """
 
@@ -107,7 +108,7 @@ def check(cfg: ModelConfig, model_dir: Path | None, device: torch.device, comput
         problems.append("bitsandbytes has no Apple MPS backend: train on a CUDA or ROCm GPU or on the CPU "
                         "(device=cpu), or set model.quantization=none")
     if model_dir is not None:
-        problems += _already_quantized(model_dir)
+        problems += _already_quantized(model_dir) or _nothing_to_quantize(model_dir)
     if importlib.util.find_spec("bitsandbytes") is None:
         problems.append(f"the bitsandbytes package is not installed: {INSTALL}")
     elif not problems:
@@ -116,6 +117,32 @@ def check(cfg: ModelConfig, model_dir: Path | None, device: torch.device, comput
             problems.append(problem)
     if problems:
         raise UserError(f"{what} cannot be used here: {'; '.join(problems)}.")
+
+
+def _nothing_to_quantize(model_dir: Path) -> list[str]:
+    """A model none of whose layers transformers' bitsandbytes integration replaces: it takes layers whose type is
+    exactly `torch.nn.Linear`, and GPT-2's Conv1D (`replace_with_bnb_linear`), so Falcon's `FalconLinear` (a subclass)
+    stayed in the compute dtype and the 'quantized' run trained an unquantized base at full size, saying only '0
+    weights quantized'. Read from an empty (meta-device) copy built from config.json."""
+    from transformers import AutoConfig
+    from transformers.pytorch_utils import Conv1D
+
+    from emotune.model.text import causal_lm_class
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = causal_lm_class(config).from_config(config)
+    except Exception:  # noqa: BLE001 (loading reports an unreadable model itself)
+        return []
+    output = model.get_output_embeddings()
+    linear = [m for m in model.modules() if m is not output and (type(m) is torch.nn.Linear or isinstance(m, Conv1D))]
+    if linear:
+        return []
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output})
+    return [f"transformers' bitsandbytes integration quantizes layers of type torch.nn.Linear (and GPT-2's Conv1D) "
+            f"only, and {type(model).__name__}'s are {', '.join(kinds) or 'none'}, so nothing would be quantized and "
+            "the base would train at full size; set model.quantization=none (LoRA over the unquantized base)"]
 
 
 def _already_quantized(model_dir: Path) -> list[str]:
@@ -209,6 +236,7 @@ def prepare_for_training(model: torch.nn.Module) -> dict[str, int]:
     keep_trainable_layout(model)
     seen: set[int] = set()  # tied weights (Gemma's embeddings and output layer) are one parameter
     for module in model.modules():
+        upcast = False
         for param in module.parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -219,9 +247,24 @@ def prepare_for_training(model: torch.nn.Module) -> dict[str, int]:
             elif _is_norm(module):
                 param.data = param.data.float()
                 counts["fp32 norms"] += param.numel()
+                upcast = True
             else:
                 counts["unquantized"] += param.numel()
+        if upcast and not getattr(module, "_emotune_returns_input_dtype", False):
+            module.register_forward_hook(_output_in_input_dtype, with_kwargs=True)
+            module._emotune_returns_input_dtype = True
     return counts
+
+
+def _output_in_input_dtype(module: torch.nn.Module, args: tuple, kwargs: dict, output):
+    """A norm in fp32 returns the dtype of its input (the compute dtype), as Gemma's norms do themselves. Llama's,
+    Qwen's, Mistral's, OLMo's and SmolLM3's return `weight * x.to(input dtype)`, which an fp32 weight promotes to fp32:
+    the output layer, a mixture-of-experts router and its 3-D experts then multiplied fp32 activations by
+    compute-dtype weights ('expected m1 and m2 to have the same dtype'); bitsandbytes' layers cast, they do not."""
+    given = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    if given is None or not isinstance(output, torch.Tensor) or output.dtype == given.dtype:
+        return output
+    return output.to(given.dtype)
 
 
 def _logical_numel(param: torch.Tensor) -> int:

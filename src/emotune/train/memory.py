@@ -251,7 +251,9 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
         with torch.device("meta"):
             model = causal_lm_class(config).from_config(config, dtype=dtype)
         if whole is None:
-            adapted = get_peft_model(model, lora_config(lora, model), autocast_adapter_dtype=True)
+            # the initialisation changes values, not shapes: PiSSA's and OLoRA's factorisations cannot run on meta
+            adapted = get_peft_model(model, lora_config(lora.model_copy(update={"init": "default"}), model),
+                                     autocast_adapter_dtype=True)
         else:
             adapted = model
             finetuning.mark(model, whole)

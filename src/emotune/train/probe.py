@@ -98,7 +98,8 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     if whole is None:
         # The probe keeps one layer of each kind, so lora.layers' indices mean nothing here: every probe layer is
         # adapted, which bounds what a frozen layer below the adapters keeps for backward (nothing) from above.
-        adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None}), model),
+        # The initialisation (PiSSA's, OLoRA's factorisations) changes values, not what training keeps.
+        adapted = get_peft_model(model, lora_config(lora.model_copy(update={"layers": None, "init": "default"}), model),
                                  autocast_adapter_dtype=True)
     else:
         adapted = model
