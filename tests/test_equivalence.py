@@ -84,12 +84,16 @@ def sft_rows(tokenizer) -> list[Example]:
 
 
 def adapted(model, seed: int = 0):
-    """emotune's LoRA (all-linear on the language model, dropout 0) with B != 0, so every adapter has a gradient."""
+    """emotune's LoRA (all-linear on the language model, dropout 0) with B != 0, so every adapter has a gradient. A is
+    drawn from the seeded generator too, as PEFT's default draws it (uniform in +-1/sqrt(fan_in)), not from the global
+    random state, which the tests before it move: the float checks here compare roundings, which depend on the values."""
     model = attach_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, weight in model.named_parameters():
-            if "lora_B" in name:
+            if "lora_A" in name:
+                weight.copy_((torch.rand(weight.shape, generator=generator) * 2 - 1) / weight.shape[-1] ** 0.5)
+            elif "lora_B" in name:
                 weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
     return model.train()
 
@@ -163,7 +167,7 @@ def in_float64(model):
     """A float64 copy of `model`; mixture-of-experts layers loop over their experts (transformers' grouped-matmul
     kernel takes no float64)."""
     exact = copy.deepcopy(model).double()
-    base = exact.get_base_model()
+    base = exact.get_base_model() if hasattr(exact, "get_base_model") else exact  # an adapted model, or a bare one
     if getattr(base.config, "_experts_implementation", None) not in (None, "eager"):
         base.set_experts_implementation("eager")
     return exact
@@ -305,26 +309,41 @@ def test_brought_families_score_and_train_as_their_own_forward(name, tokenizer, 
 
 
 def check_head(name: str, tokenizer, tokenizer_dir) -> None:
+    """The head's probabilities and loss on a padded batch against the model's own last hidden state, row by row,
+    judged in float64: emotune's float32 may be no further from it than 3x the model's own float32 is (a fixed
+    float32 tolerance failed on gemma3-4b where the batched result was the closer of the two: 3.2e-5 against 6.0e-5)."""
     causal = build(name, tokenizer_dir)
     classifier = classifier_from_causal(causal, LABELS, seed=0, init_std=1.0)
     probs = head_probabilities(classifier, tokenizer, TEXTS, max_length=64, batch_size=3)
-    body, score = causal.get_decoder(), classifier.score.weight
-    expected = []
-    for text in TEXTS:
-        ids = torch.tensor([tokenizer(text)["input_ids"]])
-        with torch.no_grad():
-            hidden = body(input_ids=ids).last_hidden_state[0, -1]
-        expected.append(F.linear(hidden.float(), score.float()))
-    expected = torch.stack(expected)
-    torch.testing.assert_close(probs, expected.softmax(-1), rtol=1e-5, atol=1e-5)
+    score = classifier.score.weight.detach()
+    own = _head_logits(causal, score, tokenizer, torch.float32)
+    exact = _head_logits(in_float64(causal), score, tokenizer, torch.float64)
+    _no_further_than_own(probs.double(), own.softmax(-1).double(), exact.softmax(-1))
     from emotune.tasks.classify_head.objective import collate_rows
 
     rows = [Example(tokenizer(t)["input_ids"], 0, label=i % len(LABELS)) for i, t in enumerate(TEXTS)]
     batch = collate_rows(rows, tokenizer.pad_token_id, CPU)
     with torch.no_grad():
         loss = head_loss(classifier, batch).loss_sum
-    own = F.cross_entropy(expected, batch["labels"], reduction="sum")
-    assert float(loss) == pytest.approx(float(own), rel=1e-5)
+    losses = [F.cross_entropy(logits, batch["labels"], reduction="sum").double() for logits in (own, exact)]
+    _no_further_than_own(loss.double().reshape(1), losses[0].reshape(1), losses[1].reshape(1))
+
+
+def _head_logits(causal, score: torch.Tensor, tokenizer, dtype: torch.dtype) -> torch.Tensor:
+    """Each text alone through the model's own decoder, its last hidden state times the head's weight."""
+    body, rows = causal.get_decoder(), []
+    for text in TEXTS:
+        ids = torch.tensor([tokenizer(text)["input_ids"]])
+        with torch.no_grad():
+            hidden = body(input_ids=ids).last_hidden_state[0, -1]
+        rows.append(F.linear(hidden.to(dtype), score.to(dtype)))
+    return torch.stack(rows)
+
+
+def _no_further_than_own(ours: torch.Tensor, own: torch.Tensor, exact: torch.Tensor) -> None:
+    ours_error, own_error = float((ours - exact).abs().max()), float((own - exact).abs().max())
+    scale = float(exact.abs().max())
+    assert ours_error <= 3 * own_error + 1e-6 * scale, (ours_error, own_error)
 
 
 @pytest.mark.parametrize("name", [REFERENCE, "gemma3-4b", "qwen2.5"])
