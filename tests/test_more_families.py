@@ -201,3 +201,21 @@ def test_olora_on_gpt2_conv1d_layers_is_refused_before_the_run(data_dir, tmp_pat
     err = capsys.readouterr().err
     assert "lora.init=olora" in err and "Conv1D" in err and "lora.init=pissa" in err
     assert not (tmp_path / "runs" / "olora").exists()
+
+
+def test_generation_ends_at_a_learned_position_table(tmp_path):
+    """GPT-2's learned positions (openai-community/gpt2: n_positions 1,024; here 40): sft evaluation generated past the
+    table and stopped with an IndexError inside the model's forward; a reply now ends at the context, and a prompt
+    that fills it gets an empty reply."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from emotune.eval.evaluate import generate_texts
+
+    tokenizer = build_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=40,
+                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    prompts = [" ".join(["happy"] * n) for n in (30, 12, 40)]
+    replies = generate_texts(model, tokenizer, prompts, max_new_tokens=64, batch_size=2, desc=None)
+    lengths = [len(tokenizer(reply, add_special_tokens=False)["input_ids"]) for reply in replies]
+    assert lengths[0] <= 10 and lengths[1] <= 28 and replies[2] == ""

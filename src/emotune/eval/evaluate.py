@@ -28,6 +28,7 @@ from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.core.rundir import atomic_file, write_json
 from emotune.data import prompt_messages, system_prompt
 from emotune.eval.scoring import LabelScorer
+from emotune.model.text import context_length
 from emotune.model.turns import stop_token_ids
 from emotune.runtime.oom import run_in_batches
 
@@ -60,15 +61,21 @@ def generate_outputs(model, tokenizer, texts: list[str], asked: LabelPrompt, cfg
 @torch.inference_mode()
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, desc: str | None) -> list[str]:
     """Greedy continuations of chat-templated `prompts` (each stops at EOS or the end of the turn), stripped;
-    batched with left padding, rows sorted by length."""
+    batched with left padding, rows sorted by length. A reply ends at the model's context: a model with a learned
+    position table (GPT-2's 1,024) failed inside its forward past it, a rotary one generates from positions it never
+    saw; a prompt that fills the context gets an empty reply."""
     device = next(model.parameters()).device
     outputs: list[str] = [""] * len(prompts)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens must follow the real prompt directly
+    context = context_length(model)
 
     def step(batch: list[int]) -> None:
         # the chat template already holds <bos>; adding special tokens again would double it
         enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        generated = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+        room = max_new_tokens if context is None else min(max_new_tokens, context - enc["input_ids"].shape[1])
+        if room < 1:
+            return  # the prompt fills the context: nothing can follow it
+        generated = model.generate(**enc, max_new_tokens=room, do_sample=False, num_beams=1,
                                    eos_token_id=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
                                    pad_token_id=tokenizer.pad_token_id, top_p=None, top_k=None, temperature=None)
         new_tokens = generated[:, enc["input_ids"].shape[1]:]
