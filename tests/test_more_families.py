@@ -39,6 +39,16 @@ def _run_overrides(model_dir, data_dir, tmp_path, name: str) -> list[str]:
             "train.logging_steps=1", "eval.batch_size=6", f"model.cache_dir={tmp_path / 'cache'}"]
 
 
+def _task_overrides(task: str, overrides: list[str], tmp_path) -> list[str]:
+    """The classify run's overrides, or for sft the same with an alpaca file of the same rows as its data."""
+    if task != "sft":
+        return overrides
+    write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "classify the emotion", "input": row["text"],
+                                          "output": row["label"]} for row in make_rows(6, seed=1)])
+    kept = [o for o in overrides if not o.startswith(("data.source", "data.label_names"))]
+    return [*kept, f"data.source={tmp_path / 'sft.jsonl'}"]
+
+
 def test_a_vision_language_checkpoint_loads_as_its_wrapper(qwen_vl_dir):
     """Qwen2.5-VL (as Qwen2-VL, Qwen3-VL, Mistral 3, LLaVA) is known to AutoModelForImageTextToText only:
     AutoModelForCausalLM refused its config with a traceback, before any command could start."""
@@ -101,12 +111,7 @@ def test_encoder_models_are_refused_by_name_before_the_run_starts(builder, kind,
     """A BERT loaded as transformers' BertLMHeadModel trained and scored without an error, attending in both
     directions (every position saw the answer it predicted), and classify_head and T5 stopped with tracebacks."""
     model_dir = _saved(builder, tmp_path / "model")
-    overrides = _run_overrides(model_dir, data_dir, tmp_path, "enc")
-    if task == "sft":
-        overrides = [o for o in overrides if not o.startswith(("data.source", "data.label_names"))]
-        write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "classify the emotion", "input": row["text"],
-                                              "output": row["label"]} for row in make_rows(6, seed=1)])
-        overrides.append(f"data.source={tmp_path / 'sft.jsonl'}")
+    overrides = _task_overrides(task, _run_overrides(model_dir, data_dir, tmp_path, "enc"), tmp_path)
     assert main(["run", f"task={task}", *overrides]) == 2
     err = capsys.readouterr().err
     assert kind in err and "decoder-only" in err and "Traceback" not in err
@@ -163,12 +168,7 @@ def test_a_tokenizer_without_pad_or_eos_pads_with_its_unknown_token(tmp_path, ca
 @pytest.mark.parametrize("task", ["classify", "classify_head", "sft"])
 def test_a_base_model_tokenizer_runs_every_task(task, data_dir, tmp_path):
     model_dir = _base_model_tokenizer(tmp_path / "base")
-    overrides = _run_overrides(model_dir, data_dir, tmp_path, "base")
-    if task == "sft":
-        overrides = [o for o in overrides if not o.startswith(("data.source", "data.label_names"))]
-        write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "classify the emotion", "input": row["text"],
-                                              "output": row["label"]} for row in make_rows(6, seed=1)])
-        overrides.append(f"data.source={tmp_path / 'sft.jsonl'}")
+    overrides = _task_overrides(task, _run_overrides(model_dir, data_dir, tmp_path, "base"), tmp_path)
     assert main(["run", f"task={task}", *overrides]) == 0
     assert main(["predict", str(tmp_path / "runs" / "base"), "i am so happy today", "--device", "cpu"]) == 0
 
