@@ -369,3 +369,23 @@ def crash_after_checkpoint(monkeypatch, at_step: int) -> None:
         return path
 
     monkeypatch.setattr(ckpt, "write_checkpoint", write_then_crash)
+
+
+def collate_row_by_row(examples, pad_id: int, spans_of):
+    """The training batch as emotune.train.batches.collate was first written, tensors filled row by row: the reference
+    the list-built collate is checked against. `spans_of(example)` gives the (start, end) token spans carrying loss."""
+    import torch
+
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    predicts = torch.zeros((len(examples), width), dtype=torch.bool)
+    weights = torch.zeros((len(examples), width), dtype=torch.float32)
+    for i, e in enumerate(examples):
+        weights[i, :] = e.weight
+        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention_mask[i, :len(e.input_ids)] = 1
+        for start, end in spans_of(e):
+            predicts[i, max(start - 1, 0):end - 1] = end > start
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "predicts": predicts,
+            "targets": input_ids[:, 1:][predicts[:, :-1]], "token_weights": weights[:, 1:][predicts[:, :-1]]}

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CUES, FILLER, LABELS, write_jsonl
+from conftest import CUES, FILLER, LABELS, collate_row_by_row, write_jsonl
 from emotune.data.conversations import Conversation
 from emotune.tasks.sft.rows import encode, loss_spans, truncate
 from emotune.train.batches import Example, chunked_loss, collate, completion_loss
@@ -87,18 +87,7 @@ def test_truncation_clips_spans():
 
 def _reference_collate(examples, pad_id):
     """collate as it was before rows could carry several spans (classification's single tail span)."""
-    width = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    predicts = torch.zeros((len(examples), width), dtype=torch.bool)
-    weights = torch.zeros((len(examples), width), dtype=torch.float32)
-    for i, e in enumerate(examples):
-        weights[i, :] = e.weight
-        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
-        attention_mask[i, :len(e.input_ids)] = 1
-        predicts[i, max(e.completion_start - 1, 0):len(e.input_ids) - 1] = len(e.input_ids) - e.completion_start > 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "predicts": predicts,
-            "targets": input_ids[:, 1:][predicts[:, :-1]], "token_weights": weights[:, 1:][predicts[:, :-1]]}
+    return collate_row_by_row(examples, pad_id, lambda e: [(e.completion_start, len(e.input_ids))])
 
 
 def _reference_loss(model, batch):

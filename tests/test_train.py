@@ -16,7 +16,7 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-from conftest import LABELS, crash_after_checkpoint, make_rows
+from conftest import LABELS, collate_row_by_row, crash_after_checkpoint, make_rows
 from emotune.cli import main
 from emotune.core.config.data import PromptConfig
 from emotune.tasks.classify.task import encode_examples
@@ -451,19 +451,7 @@ def test_class_weights_scale_each_rows_completion_loss(tiny_model_dir):
 
 def _collate_by_tensor_ops(examples, pad_id: int):
     """collate as it was written before it built lists: tensors filled row by row (the reference)."""
-    width = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    predicts = torch.zeros((len(examples), width), dtype=torch.bool)
-    weights = torch.zeros((len(examples), width), dtype=torch.float32)
-    for i, e in enumerate(examples):
-        weights[i, :] = e.weight
-        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
-        attention_mask[i, :len(e.input_ids)] = 1
-        for start, end in e.loss_spans:
-            predicts[i, max(start - 1, 0):end - 1] = end > start
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "predicts": predicts,
-            "targets": input_ids[:, 1:][predicts[:, :-1]], "token_weights": weights[:, 1:][predicts[:, :-1]]}
+    return collate_row_by_row(examples, pad_id, lambda e: e.loss_spans)
 
 
 def test_collate_gives_the_tensors_row_by_row_filling_gives_on_random_batches():
