@@ -22,6 +22,7 @@ from emotune.serve.modelthread import ANTICIPATE_S, ModelThread
 
 log = logging.getLogger("emotune.serve")
 RESTART_DELAY_S = 0.5
+BYTE_SLACK = 64  # tokens a tokenizer may add beyond one per byte (a leading space marker, the end of turn after a label)
 
 
 class Server:
@@ -111,13 +112,24 @@ class Server:
         model cuts its texts at the length it trained with, so nothing is checked there."""
         if self.context is None or loaded.head is not None:
             return
+        from emotune.data import prompt_messages
         from emotune.data.clean import clean_for_inference
         from emotune.eval.scoring import label_token_ids, prompt_token_ids
 
         if loaded.artifact is not None:
             texts = clean_for_inference(texts, loaded.artifact.meta.get("cleaning"))
+        # a token covers at least one byte of what it reads, so only texts whose prompt and label come to more bytes
+        # than the context can run past it: only those are tokenized (none at max_input_chars on Gemma's 32k), and the
+        # request's hot path keeps one template rendering, not one per text
+        rendered = loaded.tokenizer.apply_chat_template(prompt_messages("", prompt, labels), tokenize=False,
+                                                        add_generation_prompt=True)
+        bound = len(rendered.encode()) + max(len(label.encode()) for label in labels) + BYTE_SLACK
+        suspects = [i for i, text in enumerate(texts) if bound + len(text.encode()) > self.context]
+        if not suspects:
+            return
         longest = max(len(ids) for ids in label_token_ids(loaded.tokenizer, prompt, labels))
-        for i, ids in enumerate(prompt_token_ids(loaded.tokenizer, prompt, labels, texts)):
+        counted = prompt_token_ids(loaded.tokenizer, prompt, labels, [texts[i] for i in suspects])
+        for i, ids in zip(suspects, counted, strict=True):
             if len(ids) + longest > self.context:
                 raise APIError(422, f"input[{i}] with the prompt and the longest label comes to {len(ids) + longest:,} "
                                     f"tokens, more than the model's context of {self.context:,}. Shorten or split it.")
