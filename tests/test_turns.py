@@ -55,6 +55,24 @@ def test_the_trained_completion_ends_with_the_token_scoring_appends(family):
     assert after_label in stop_token_ids(tokenizer)
 
 
+def test_a_trained_row_is_the_scoring_prompt_then_the_scored_label_then_the_turn_s_closing(family):
+    """What training teaches is what scoring and generation read: the generation prompt as scoring renders it (Gemma 4's
+    empty thought channel, Mistral v0.3's system prompt in the last user turn), then the label's scored tokens (no
+    Qwen3 <think> block in between), then what the template writes after an answer."""
+    from emotune.eval.scoring import label_token_ids, prompt_token_ids
+    from emotune.tasks.classify.task import encode_examples
+
+    tokenizer, prompt = family.tokenizer, PromptConfig()
+    rows = Dataset.from_list([{"text": "i feel happy", "label": "sadness"}, {"text": "so angry", "label": "anger"}])
+    examples = encode_examples(rows, tokenizer, prompt, LABELS, max_length=512)
+    scored = dict(zip(LABELS, label_token_ids(tokenizer, prompt, LABELS), strict=True))
+    closing = tokenizer(turn_end(tokenizer).suffix, add_special_tokens=False)["input_ids"]
+    for example, row, prompt_ids in zip(examples, rows, prompt_token_ids(tokenizer, prompt, LABELS, rows["text"]),
+                                        strict=True):
+        assert example.input_ids[:example.completion_start] == prompt_ids
+        assert example.input_ids[example.completion_start:] == scored[row["label"]] + closing
+
+
 def test_scoring_appends_the_family_s_turn_token_to_ambiguous_labels(family):
     """`joy` and `joy ful` share a prefix, so every label is scored with its end of turn: `joy` then stop."""
     from emotune.eval.scoring import label_token_ids

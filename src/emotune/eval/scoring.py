@@ -17,7 +17,7 @@ from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.prefix import MASKED_ATTENTION, attention_masks, positions_from_mask
 from emotune.model.text import float32_logits, language_model, logit_scale, logit_softcap, soft_capped, unwrapped
-from emotune.model.turns import end_of_turn_text
+from emotune.model.turns import continuation_ids, end_of_turn_text
 from emotune.runtime.oom import run_in_batches
 from emotune.train.batches import common_prefix_length
 
@@ -33,19 +33,18 @@ def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[
     projection per label and row, which is why it is added only where it changes the answer. Tokens are
     cut from the label rendered in context, so tokenizers that merge across the boundary are handled.
     """
+    end = end_of_turn_text(tokenizer)  # what the chat template closes the answer with, as training saw it
+    bare = answer_token_ids(tokenizer, prompt, labels, labels)
+    ambiguous = any(i != j and b[:len(a)] == a for i, a in enumerate(bare) for j, b in enumerate(bare))
+    return answer_token_ids(tokenizer, prompt, labels, [label + end for label in labels]) if ambiguous and end else bare
+
+
+def answer_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], answers: list[str]) -> list[list[int]]:
+    """Each answer's tokens as the model reads them right after the generation prompt (the same for every text: the
+    text sits inside the user turn, before the template closes it)."""
     probe = tokenizer.apply_chat_template(prompt_messages("x", prompt, labels), tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    end = end_of_turn_text(tokenizer)  # what the chat template closes the answer with, as training saw it
-
-    def completion(text: str) -> list[int]:
-        full = tokenizer(probe + text, add_special_tokens=False)["input_ids"]
-        if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
-            return full[len(prompt_ids):]
-        return tokenizer(text, add_special_tokens=False)["input_ids"]  # merged into the prompt: take it alone
-
-    bare = [completion(label) for label in labels]
-    ambiguous = any(i != j and b[:len(a)] == a for i, a in enumerate(bare) for j, b in enumerate(bare))
-    return [completion(label + end) for label in labels] if ambiguous and end else bare
+    return [continuation_ids(tokenizer, probe, prompt_ids, answer) for answer in answers]
 
 
 def prompt_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], texts: list[str]) -> list[list[int]]:

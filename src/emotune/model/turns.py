@@ -46,6 +46,22 @@ def end_of_turn_text(tokenizer) -> str:
     return turn_end(tokenizer).token or tokenizer.eos_token or ""
 
 
+def answer_end(tokenizer) -> str:
+    """What a trained answer ends with: everything the chat template writes after an assistant's content
+    (`<end_of_turn>\\n`, `<turn|>\\n`, `</s>`), else the EOS token, else ''."""
+    return turn_end(tokenizer).suffix or tokenizer.eos_token or ""
+
+
+def continuation_ids(tokenizer, prompt_text: str, prompt_ids: list[int], text: str) -> list[int]:
+    """`text`'s tokens as the model reads them right after `prompt_text` (tokenized as `prompt_ids`): cut from the
+    tokenization of both together, so a tokenizer that would merge across the boundary is read as it runs; `text`
+    alone where the joined tokenization changes the prompt's own tokens."""
+    full = tokenizer(prompt_text + text, add_special_tokens=False)["input_ids"]
+    if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+        return list(full[len(prompt_ids):])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
     """The ids generation stops on: the tokenizer's EOS, the chat template's end-of-turn token, and the
     model's generation config EOS ids (Llama 3 lists `<|end_of_text|>`, `<|eom_id|>` and `<|eot_id|>`)."""

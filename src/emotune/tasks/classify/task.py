@@ -17,7 +17,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.run import ClassifyConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
-from emotune.data import LabeledData, prompt_messages, system_prompt
+from emotune.data import LabeledData, system_prompt
 from emotune.data.clean import text_steps
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
 from emotune.eval.evaluate import (
@@ -30,9 +30,11 @@ from emotune.eval.evaluate import (
     read_evaluation,
     write_results,
 )
+from emotune.eval.scoring import answer_token_ids, prompt_token_ids
 from emotune.model.artifacts import Artifact, Fallback, check_matches, find_artifact, trained_outputs
+from emotune.model.turns import answer_end
 from emotune.tasks.classify.report import baseline_notes, compare_methods, format_table, measurements, report_sections, write_comparison
-from emotune.train.batches import LANGUAGE_MODEL, Example, Objective, common_prefix_length
+from emotune.train.batches import LANGUAGE_MODEL, Example, Objective
 
 __all__ = ["COMPARED_METRICS", "CONFIG", "DEFAULT_METRIC", "MEASUREMENT", "SHOWN_METRICS", "SWEEP_COLUMNS",
            "adapter_meta", "compare", "data_fingerprint", "describe_data", "encode_examples", "evaluate",
@@ -73,9 +75,9 @@ def check_room_for_the_label(tokenizer, prompt: PromptConfig, labels: list[str],
     cuts every row's label: training would run on no answer token at all and report the base model as trained."""
     if tokenizer.chat_template is None:  # `emotune data` reads the tokenizer alone; the run checks its rows
         return
-    longest = max(labels, key=lambda label: len(tokenizer(label, add_special_tokens=False)["input_ids"]))
-    messages = prompt_messages("", prompt, labels) + [{"role": "assistant", "content": longest}]
-    needed = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    prompt_ids = prompt_token_ids(tokenizer, prompt, labels, [""])[0]
+    needed = len(prompt_ids) + max(map(len, answer_token_ids(tokenizer, prompt, labels,
+                                                             [label + answer_end(tokenizer) for label in labels])))
     if needed > max_length:
         raise UserError(f"The prompt and a label take {needed} tokens before any text (the system prompt names all "
                         f"{len(labels)} labels), more than train.max_length={max_length}: every row would lose its "
@@ -122,18 +124,21 @@ def training_rows(data: LabeledData, tokenizer: PreTrainedTokenizerBase, cfg: Cl
 
 def encode_examples(ds: Dataset, tokenizer: PreTrainedTokenizerBase, prompt: PromptConfig, labels: list[str],
                     max_length: int, class_weights: dict[str, float] | None = None) -> list[Example]:
-    """Tokenize like TRL's conversational prompt-completion rows: the completion starts where the prompt
-    (with the generation prompt) and prompt+completion stop agreeing; rows are cut at `max_length`."""
+    """Each row is the scoring prompt (system prompt, user turn and generation prompt: the very tokens label scoring and
+    generation read) followed by the label and the template's closing of an answer (emotune.model.turns.answer_end),
+    the loss on those; rows are cut at `max_length`. The finished conversation's own rendering is not used: templates
+    render an answer differently from the prompt that asks for it (Gemma 4's generation prompt opens and closes an
+    empty thought channel, Qwen3 writes an empty <think> block into the last answer, Mistral v0.3 puts the system
+    prompt into the last user turn only), and training on that rendering would teach a prompt the model never sees."""
+    answers = sorted(set(ds["label"]))
+    completions = dict(zip(answers, answer_token_ids(tokenizer, prompt, labels,
+                                                     [a + answer_end(tokenizer) for a in answers]), strict=True))
     examples = []
-    for row in ds:
-        messages = prompt_messages(row["text"], prompt, labels)
-        prompt_ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-        full_ids = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": row["label"]}],
-                                                 tokenize=True, return_dict=False)
-        start = common_prefix_length(prompt_ids, full_ids)
-        full_ids = list(full_ids[:max_length])
-        weight = class_weights[row["label"]] if class_weights else 1.0
-        examples.append(Example(full_ids, min(start, len(full_ids)), weight))
+    prompts = prompt_token_ids(tokenizer, prompt, labels, ds["text"]) if len(ds) else []
+    for prompt_ids, label in zip(prompts, ds["label"], strict=True):
+        full_ids = list(prompt_ids) + completions[label]
+        weight = class_weights[label] if class_weights else 1.0
+        examples.append(Example(full_ids[:max_length], min(len(prompt_ids), max_length), weight))
     cut = sum(e.completion_tokens == 0 for e in examples)
     if examples and cut == len(examples):
         raise UserError(f"Every one of the {cut} rows lost its label to train.max_length={max_length}, so training would "
@@ -167,8 +172,7 @@ def merge_check_inputs(tokenizer: PreTrainedTokenizerBase, data: LabeledData, cf
     """The first `rows` evaluated prompts as token ids, as both methods read them (chat template, generation prompt)."""
     split = data.splits[cfg.eval.split]
     texts = split.select(range(min(rows, len(split))))["text"]
-    return [tokenizer.apply_chat_template(prompt_messages(t, cfg.prompt, data.labels), tokenize=True,
-                                          add_generation_prompt=True, return_dict=False) for t in texts]
+    return prompt_token_ids(tokenizer, cfg.prompt, data.labels, texts)
 
 
 def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, EvalResult] | None:
