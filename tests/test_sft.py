@@ -280,3 +280,32 @@ def test_axolotl_training_flags_are_honoured_or_refused(tokenizer):
     assert "marked `training: true`" in turns((1, "training", True))
     assert "not true or false" in turns((2, "training", "no"))
     assert "`train_detail`" in turns((4, "train_detail", [{"begin_offset": 0, "end_offset": 2, "train": True}]))
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen3", "llama3", "mistral", "phi4"])
+def test_the_last_answer_is_learned_after_the_generation_prompt_generation_reads(name):
+    """A row ends with the prompt evaluation, serving and vLLM render for its last answer (Gemma 4's empty thought
+    channel, Mistral v0.3's system prompt in the last user turn), then the answer and its closing; earlier answers keep
+    their own text as spans (Mistral v0.3's no longer reach into the user turn before them); templates where the
+    generation prompt already starts the finished answer keep their rendering."""
+    from chat_families import FAMILIES, build_family_tokenizer
+
+    tokenizer = build_family_tokenizer(next(f for f in FAMILIES if f.name == name))
+    messages = Conversation((("user", "i feel happy"), ("assistant", "joy"), ("user", "i am sad"),
+                             ("assistant", "sadness one"), ("user", "hi"), ("assistant", "anger")),
+                            system="label the text").chat()
+    ids, spans = loss_spans(tokenizer, messages)
+    asked = tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=False)
+    finished = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert ids[:spans[-1][0]] == asked
+    last = tokenizer.decode(ids[spans[-1][0]:spans[-1][1]])  # Qwen3's finished answer opens with an empty <think>
+    assert last.startswith("<think>" if name == "qwen3" else "anger") and "anger" in last
+    assert ids == finished if finished[:len(asked)] == asked else ids != finished
+    for (start, end), answer in zip(spans[:-1], ["joy", "sadness one"], strict=True):
+        assert tokenizer.decode(ids[start:end]).startswith(answer) and turn_token(tokenizer) in ids[start:end]
+
+
+def turn_token(tokenizer) -> int:
+    from emotune.model.turns import stop_token_ids
+
+    return stop_token_ids(tokenizer)[-1] if len(stop_token_ids(tokenizer)) > 1 else tokenizer.eos_token_id

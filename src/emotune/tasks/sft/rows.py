@@ -1,13 +1,16 @@
 """sft training rows: a conversation rendered by the model's chat template, the loss on its assistant turns.
 
-The token ids are exactly the template's rendering of the whole conversation. The loss spans come from
-the template too: turn k's answer starts where the rendering of the turns before it, with the generation
-prompt, stops agreeing with the rendering of the turns up to it (TRL's prompt-completion rule, the one
-classification uses), and runs to the end of that rendering, so it includes the end-of-turn token. That
-needs each shorter rendering to be a prefix of the whole one. Some templates rewrite earlier turns (those
-that drop past reasoning from the history, for one): for a turn whose rendering is not a prefix, the span
-is found in the whole rendering itself, by comparing it with the rendering where that turn's text is
-empty (the tokens that differ are the text), then extended through the next end-of-turn token.
+The token ids are the template's rendering of the whole conversation, with one exception: where the rendering of
+the conversation up to its last answer, with the generation prompt, is not where the finished rendering's last
+answer starts (Gemma 4's generation prompt opens and closes an empty thought channel, Mistral v0.3's puts the system
+prompt into the last user turn), the row is that generation prompt followed by the last answer as the finished
+rendering writes it: the context the model answers in when it generates, evaluated, served or run by vLLM.
+The loss spans come from the template too: turn k's answer starts where the rendering of the turns before it, with
+the generation prompt, stops agreeing with the rendering of the turns up to it (TRL's prompt-completion rule), and
+runs to the end of that rendering, so it includes the end-of-turn token. That needs each shorter rendering to be a
+prefix of the row. Some templates rewrite earlier turns (those that drop past reasoning from the history, for one):
+for a turn whose rendering is not a prefix, the span is found in the row itself, by comparing it with the row where
+that turn's text is empty (the tokens that differ are the text), then extended through the next end-of-turn token.
 """
 
 from __future__ import annotations
@@ -35,16 +38,39 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_
                                               return_dict=False))
 
 
-def loss_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
-    """(ids of the whole conversation, [start, end) of every assistant turn, end-of-turn token included)."""
+def row_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], int | None]:
+    """(the row's token ids, where its last answer starts when the row is the generation prompt followed by that
+    answer, else None: the finished rendering is the row; see the module docstring)."""
     full = render(tokenizer, messages)
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or not isinstance(last.get("content"), str) or set(last) - {"role", "content"}:
+        return full, None  # tool calls, reasoning fields or content parts: the template's own rendering decides
+    asked = render(tokenizer, messages[:-1], generation_prompt=True)
+    if full[:len(asked)] == asked:
+        return full, None
+    start = common_prefix_length(full, render(tokenizer, [*messages[:-1], {**last, "content": ""}]))
+    if start >= len(full):
+        return full, None
+    return asked + full[start:], len(asked)
+
+
+def loss_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
+    """(the row's token ids, [start, end) of every assistant turn, end-of-turn token included)."""
+    full, last_start = row_ids(tokenizer, messages)
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        if last_start is not None and k == len(messages) - 1:
+            spans.append((last_start, len(full)))
+            continue
         upto = render(tokenizer, messages[:k + 1])
         if full[:len(upto)] == upto:
-            start = common_prefix_length(render(tokenizer, messages[:k], generation_prompt=True), upto)
+            asked = render(tokenizer, messages[:k], generation_prompt=True)
+            start = common_prefix_length(asked, upto)
+            if start < len(asked):  # the template renders the turns before differently once answered (Mistral v0.3's
+                blank = render(tokenizer, [*messages[:k], {**message, "content": ""}])  # system prompt): where the
+                start = max(start, common_prefix_length(upto, blank))  # answer's own text starts
             spans.append((start, len(upto)))
         else:
             spans.append(_span_by_difference(tokenizer, messages, k, full))
@@ -52,7 +78,7 @@ def loss_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tupl
 
 
 def _span_by_difference(tokenizer: PreTrainedTokenizerBase, messages: list[dict], k: int, full: list[int]) -> tuple[int, int]:
-    blank = render(tokenizer, [*messages[:k], {**messages[k], "content": ""}, *messages[k + 1:]])
+    blank, _ = row_ids(tokenizer, [*messages[:k], {**messages[k], "content": ""}, *messages[k + 1:]])
     start = common_prefix_length(full, blank)
     suffix = common_prefix_length(full[::-1], blank[::-1])
     end = max(start, len(full) - suffix)
