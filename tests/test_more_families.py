@@ -190,6 +190,62 @@ def test_a_target_that_names_the_experts_weights_is_refused_before_the_run(data_
         attach_lora(load_model(model_dir, torch.float32, CPU), LoraSettings(target_modules=["q_proj", "no_such_proj"]))
 
 
+def test_routed_experts_take_lora_through_target_parameters(data_dir, tmp_path, capsys):
+    """`lora.target_parameters=experts` adapts every routed expert weight of the language model (lora.layers
+    restricts it like the modules); left out, the run says the experts stay frozen; a list naming no weight, or
+    `experts` on a model without routed experts, is refused before the run folder exists."""
+    from emotune.core.config.train import LoraSettings
+    from emotune.model.lora import attach_lora, expert_weights
+
+    model_dir = _saved(qwen3_moe, tmp_path / "qwen3-moe")
+    experts = ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj",
+               "model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"]
+    assert sorted(expert_weights(load_model(model_dir, torch.float32, CPU))) == experts
+    adapted = attach_lora(load_model(model_dir, torch.float32, CPU), LoraSettings(target_parameters="experts", dropout=0))
+    assert sorted(adapted.peft_config["default"].target_parameters) == experts
+    top = attach_lora(load_model(model_dir, torch.float32, CPU),
+                      LoraSettings(target_parameters=["experts.down_proj"], dropout=0, layers=[1]))
+    assert set(top.peft_config["default"].target_parameters) == {"model.layers.1.mlp.experts.down_proj"}
+    assert "on decoder layers 1 of 0-1 and 1 weights (lora.target_parameters)" in capsys.readouterr().out
+    attach_lora(load_model(model_dir, torch.float32, CPU), LoraSettings())
+    assert "routed experts of Qwen3MoeForCausalLM (4 3-D weights) stay frozen" in capsys.readouterr().out
+
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "moe")
+    assert main(["run", *overrides, "lora.target_parameters=experts"]) == 2  # lora.dropout's default 0.05
+    assert "set lora.dropout=0" in capsys.readouterr().err
+    assert main(["run", *overrides, "lora.dropout=0", "lora.target_parameters=[experts.up_proj]"]) == 2
+    assert "`experts.up_proj` names no weight of Qwen3MoeForCausalLM" in capsys.readouterr().err
+    dense = _saved(qwen2_5_vl, tmp_path / "dense")
+    assert main(["run", *_run_overrides(dense, data_dir, tmp_path, "dense"), "lora.dropout=0",
+                 "lora.target_parameters=experts"]) == 2
+    assert "has no routed experts" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow  # a run and a prediction
+def test_a_run_with_lora_on_the_routed_experts_merges_and_predicts(data_dir, tmp_path, capsys):
+    """The experts' LoRA trains, the merge check holds (PEFT merges each expert's update into its 3-D weight),
+    predict reads the run folder, and the vLLM hand-off names the merged model instead of the adapter."""
+    from safetensors.torch import load_file
+
+    from emotune.deploy.export import adapter_config, vllm_blockers
+
+    model_dir = _saved(qwen3_moe, tmp_path / "qwen3-moe")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "moe")
+    assert main(["run", *overrides, "lora.dropout=0", "lora.target_parameters=experts", "train.max_steps=3",
+                 "train.learning_rate=5e-3"]) == 0
+    run_dir = tmp_path / "runs" / "moe"
+    merge = json.loads((run_dir / "finetuned" / "metrics.json").read_text())["merge"]
+    assert merge["merged"] is True and merge["max_logit_diff"] < 1e-4
+    weights = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    expert_b = [w for name, w in weights.items() if "experts" in name and "lora_B" in name]
+    assert len(expert_b) == 4 and all(w.abs().max() > 0 for w in expert_b)  # trained from zero
+    assert any("target_parameters" in b for b in vllm_blockers(adapter_config(run_dir / "adapter")))
+    capsys.readouterr()
+    assert main(["predict", str(run_dir), "i am so happy today", "--device", "cpu"]) == 0
+    assert any(label in capsys.readouterr().out for label in ("sadness", "joy", "love", "anger", "fear", "surprise"))
+
+
 def test_olora_on_gpt2_conv1d_layers_is_refused_before_the_run(data_dir, tmp_path, capsys):
     """GPT-2's projections are transformers' Conv1D (weights stored transposed), which PEFT's OLoRA factors as they are:
     the first training pass stopped with 'mat1 and mat2 shapes cannot be multiplied' after the baseline evaluation.

@@ -89,6 +89,8 @@ def _check_plain_lora(config: dict) -> None:
         problems.append("it is DoRA (use_dora=true), whose magnitude vectors llama.cpp does not apply")
     if config.get("modules_to_save"):
         problems.append(f"it trains whole modules besides LoRA ({config['modules_to_save']})")
+    if config.get("target_parameters"):
+        problems.append("it adapts routed expert weights (target_parameters), which a LoRA GGUF does not carry")
     if problems:
         raise UserError(f"llama.cpp cannot apply this adapter as a LoRA GGUF: {'; '.join(problems)}. Export the merged "
                         "model as GGUF instead (--format gguf writes both; the adapter file is then left out).")

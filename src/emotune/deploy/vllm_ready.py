@@ -26,6 +26,9 @@ def lora_blockers(config: dict) -> list[str]:
     if unsupported:
         blockers.append(f"it trains modules vLLM's LoRA does not cover ({', '.join(unsupported)}; vLLM covers "
                         f"{', '.join(sorted(VLLM_LORA_MODULES))})")
+    if config.get("target_parameters"):
+        blockers.append(f"it adapts weights rather than modules (target_parameters: {len(config['target_parameters'])} "
+                        "routed expert weights), which vLLM's LoRA loader does not apply as PEFT trained them")
     ranks = [int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())]
     if max(ranks) > VLLM_MAX_LORA_RANK:
         blockers.append(f"its rank {max(ranks)} is above vLLM's largest --max-lora-rank ({VLLM_MAX_LORA_RANK})")

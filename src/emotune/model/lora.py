@@ -45,6 +45,40 @@ def _adaptable(module: torch.nn.Module) -> bool:
     return isinstance(module, LINEAR) and not type(module).__name__.endswith("Router")
 
 
+def expert_weights(model: PreTrainedModel) -> list[str]:
+    """The names of the language model's routed expert weights: the 3-D tensors of its experts modules (transformers 5's
+    `Qwen3MoeExperts.gate_up_proj`, `MixtralExperts.down_proj`), one per layer and projection."""
+    decoder = language_model(model)
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    return [f"{prefix}.{name}".lstrip(".") for name, param in decoder.named_parameters()
+            if param.ndim == 3 and "Expert" in type(decoder.get_submodule(name.rpartition(".")[0])).__name__]
+
+
+def parameter_targets(model: PreTrainedModel, cfg: LoraSettings, layers: list[int] | None = None) -> list[str]:
+    """The full names of the weights `lora.target_parameters` adapts (inside decoder `layers` only, when given);
+    empty when it is null. Names a list gives must each match a weight (by its name or last dotted parts)."""
+    if cfg.target_parameters is None:
+        return []
+    if cfg.target_parameters == "experts":
+        names = expert_weights(model)
+        if not names:
+            raise UserError(f"lora.target_parameters=experts: {type(model).__name__} has no routed experts (no "
+                            "mixture-of-experts layer with 3-D expert weights in its language model), so nothing would be "
+                            "adapted. Set lora.target_parameters=null; lora.target_modules adapts its linear layers.")
+    else:
+        weights = [name for name, _ in model.named_parameters()]
+        missing = [t for t in cfg.target_parameters if not any(n == t or n.endswith(f".{t}") for n in weights)]
+        if missing:
+            raise UserError(f"lora.target_parameters: {', '.join(f'`{t}`' for t in missing)} names no weight of "
+                            f"{type(model).__name__}, so it would not be adapted. Use the weights' names as "
+                            "model.named_parameters() gives them (e.g. mlp.experts.gate_up_proj), or `experts`.")
+        names = [n for n in weights if any(n == t or n.endswith(f".{t}") for t in cfg.target_parameters)]
+    if layers is not None:
+        path = decoder_layers_path(model)
+        names = [n for n in names if any(n.startswith(f"{path}.{i}.") for i in layers)]
+    return names
+
+
 def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str:
     """A regex matching every linear layer inside the language model (inside decoder `layers` only, when given),
     and nothing outside it."""
@@ -137,6 +171,7 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAU
         targets = cfg.target_modules
         by_index = ({} if layers is None else
                     {"layers_to_transform": layers, "layers_pattern": re.escape(decoder_layers_path(model))})
+    weights = parameter_targets(model, cfg, layers)
     modules_to_save = cfg.modules_to_save
     if extra_modules_to_save:
         modules_to_save = [*(modules_to_save or []), *(m for m in extra_modules_to_save if m not in (modules_to_save or []))]
@@ -151,6 +186,7 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAU
         task_type=task_type,
         **by_index,
         **init_methods.peft_init(cfg),
+        **({"target_parameters": weights} if weights else {}),
     )
 
 
@@ -165,6 +201,9 @@ def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAU
         return model
     if isinstance(cfg.target_modules, list):
         _check_named_targets(model, cfg.target_modules)
+    count = decoder_layer_count(model.config)
+    layers = resolve_layers(cfg.layers, count)
+    experts, weights = expert_weights(model), parameter_targets(model, cfg, layers)  # named as before PEFT wraps them
     try:
         adapted = get_peft_model(model, lora_config(cfg, model, task_type, extra_modules_to_save))
     except ValueError as err:  # PEFT names the module it could not find
@@ -175,20 +214,24 @@ def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAU
         raise UserError(f"LoRA matched no module: lora.target_modules={cfg.target_modules!r} found nothing to adapt "
                         f"in {type(model).__name__}. Use `all-linear` or names of its linear layers (e.g. [q_proj, v_proj]).")
     variant = " + ".join(["rsLoRA" if cfg.use_rslora else "LoRA"] + (["DoRA"] if cfg.use_dora else []))
-    count = decoder_layer_count(model.config)
-    layers = resolve_layers(cfg.layers, count)
     where = "" if layers is None else f" on decoder layers {_ranges(layers)} of 0-{count - 1}"
-    print(f"{variant} r={cfg.r} alpha={cfg.alpha} dropout={cfg.dropout}{where}; trainable parameters: {trainable:,} / "
-          f"{total:,} ({100 * trainable / total:.2f}%)", flush=True)
+    also = f" and {len(weights)} weights (lora.target_parameters)" if weights else ""
+    print(f"{variant} r={cfg.r} alpha={cfg.alpha} dropout={cfg.dropout}{where}{also}; trainable parameters: "
+          f"{trainable:,} / {total:,} ({100 * trainable / total:.2f}%)", flush=True)
+    if experts and cfg.target_parameters is None:
+        print(f"Note: the routed experts of {type(model).__name__} ({len(experts)} 3-D weights) stay frozen: "
+              "lora.target_modules adapts linear layers only. lora.target_parameters=experts (with lora.dropout=0) "
+              "adapts them too.", flush=True)
     return adapted
 
 
 def check_targets(cfg: LoraSettings, model_config) -> None:
     """Refuse, before any weights load, what the adapted modules cannot take, read from an empty (meta-device) copy
-    built from config.json: names in a `lora.target_modules` list that match no module, and OLoRA on transformers'
+    built from config.json: names in a `lora.target_modules` list that match no module, `lora.target_parameters` that
+    match no weight, and OLoRA on transformers'
     Conv1D layers (GPT-2's), whose weights PEFT's OLoRA factors untransposed: the first forward pass stopped with a
     shape error (PEFT's PiSSA transposes them; issue huggingface/peft#2991 is the same gap in CoRDA)."""
-    if not isinstance(cfg.target_modules, list) and cfg.init != "olora":
+    if not isinstance(cfg.target_modules, list) and cfg.init != "olora" and cfg.target_parameters is None:
         return
     try:
         with torch.device("meta"):
@@ -199,6 +242,7 @@ def check_targets(cfg: LoraSettings, model_config) -> None:
         _check_named_targets(model, cfg.target_modules)
     if cfg.init == "olora":
         _check_olora(model, cfg)
+    parameter_targets(model, cfg)
 
 
 def _check_olora(model: PreTrainedModel, cfg: LoraSettings) -> None:
@@ -230,7 +274,8 @@ def _check_named_targets(model: PreTrainedModel, targets: list[str]) -> None:
             else f"`{t}` names no module" for t in missing]
     raise UserError(f"lora.target_modules: {'; '.join(said)} in {type(model).__name__}, so it would not be adapted. "
                     "Remove it from lora.target_modules, or use `all-linear` (every linear layer of the language "
-                    "model: attention, MLPs and shared experts).")
+                    "model: attention, MLPs and shared experts); routed experts take lora.target_parameters=experts "
+                    "(with lora.dropout=0).")
 
 
 def checkpoint_activations(model: PreTrainedModel) -> None:

@@ -27,6 +27,14 @@ class LoraSettings(Section):
     """Modules that get adapters: `all-linear`, or a list of module-name suffixes such as
     [q_proj, v_proj]. `all-linear` means every linear layer of the language model, never the vision or
     audio towers of multimodal checkpoints (Gemma 3n, Gemma 4) nor the output projection."""
+    target_parameters: str | list[str] | None = None
+    """Weights that get LoRA besides `target_modules` (PEFT's `target_parameters`): `experts` = the routed experts of
+    every mixture-of-experts layer of the language model, which transformers 5 keeps as one 3-D tensor per layer and
+    projection where `all-linear` cannot reach them (Qwen2/3-MoE, Mixtral, Llama 4, gpt-oss, Gemma 4 26B-A4B); or a
+    list of parameter names or their last dotted parts, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj];
+    null = none (a mixture-of-experts run then says its routed experts stay frozen). PEFT's LoRA on a weight takes
+    no dropout (set lora.dropout=0), no DoRA and only lora.init=default. Such an adapter is served by emotune and
+    exported merged; vLLM and llama.cpp get the merged model, not the adapter."""
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r, so higher ranks keep learning."""
     use_dora: bool = False
@@ -56,6 +64,32 @@ class LoraSettings(Section):
     decoder layers (`num_hidden_layers`; the text model's for multimodal Gemma 3n / Gemma 4) before any weights
     load. Frozen layers below the lowest adapted one get no backward pass, so adapting only the top layers makes
     a training step cheaper. A classification head (task classify_head) is trained in full either way."""
+
+    @field_validator("target_parameters", mode="before")
+    @classmethod
+    def _experts_or_names(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "experts":
+            raise ValueError("must be `experts` (every routed expert weight of the language model), a list of weight "
+                             "names such as [mlp.experts.gate_up_proj, mlp.experts.down_proj], or null (a single name "
+                             "goes in a list: [" + value + "])")
+        if isinstance(value, list) and (not value or not all(isinstance(v, str) and v.strip() for v in value)):
+            raise ValueError("a list must name at least one weight, each a non-empty name such as mlp.experts.down_proj; "
+                             "null adapts no weight beside lora.target_modules")
+        return value
+
+    @model_validator(mode="after")
+    def _parameter_lora_limits(self) -> LoraSettings:
+        if self.target_parameters is None:
+            return self
+        said = [what for what, wrong in (
+            (f"lora.dropout={self.dropout} (set lora.dropout=0: dropout cannot be factored out of a weight's LoRA)",
+             self.dropout != 0),
+            ("lora.use_dora=true (set lora.use_dora=false)", self.use_dora),
+            (f"lora.init={self.init} (set lora.init=default)", self.init != "default")) if wrong]
+        if said:
+            raise ValueError(f"`lora.target_parameters` ({self.target_parameters}) runs PEFT's LoRA on weights, which "
+                             f"does not take {'; nor '.join(said)}; or set lora.target_parameters=null")
+        return self
 
     @field_validator("layers", mode="before")
     @classmethod
