@@ -124,6 +124,21 @@ def test_a_lora_sft_file_translates_to_the_expected_config(lf_yaml, lf_folder, t
     assert cfg.eval.batch_size == 8 and cfg.prompt.mask_history is False
 
 
+def test_alpaca_rows_of_a_llamafactory_file_join_instruction_and_input_with_one_newline(lf_yaml, lf_folder):
+    """LLaMA-Factory's AlpacaDatasetConverter joins them with "\\n"; emotune's blank line made every translated run
+    train on other prompts than LLaMA-Factory's, without a word. A history pair is the turns it holds."""
+    from emotune.data.conversation_data import load_conversations
+
+    rows = [{"instruction": f"classify the emotion {i}", "input": f"text {i}", "output": f"label {i}",
+             "history": [[f"earlier question {i}", f"earlier answer {i}"]]} for i in range(20)]
+    (lf_folder / "emotion_alpaca.json").write_text(json.dumps(rows), encoding="utf-8")
+    cfg = load_config(lf_yaml(dataset="emotion_alpaca"))
+    assert cfg.data.input_separator == "\n"
+    every = {c.response: c for split in load_conversations(cfg.data, cfg.seed).splits.values() for c in split}
+    assert every["label 3"].messages == (("user", "earlier question 3"), ("assistant", "earlier answer 3"),
+                                         ("user", "classify the emotion 3\ntext 3"), ("assistant", "label 3"))
+
+
 def test_keys_the_file_leaves_out_take_llamafactorys_defaults(lf_yaml):
     minimal = "model_name_or_path: {model}\nstage: sft\ndo_train: true\ndataset: emotion_alpaca\ndataset_dir: {data}\n"
     cfg = load_config(lf_yaml(minimal))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -37,6 +38,50 @@ def test_alpaca_with_system_and_history(tmp_path):
                               ("user", "q question 0"), ("assistant", "answer 0"))
     second = next(c for c in every if c.messages[0][1].startswith("q question 1\n"))
     assert second.messages[0][1] == "q question 1\n\ncontext 1"
+
+
+def test_input_separator_joins_instruction_and_input_and_decides_reuse(tmp_path):
+    """data.input_separator: a blank line by default (the rows of every run made before it existed), any other text
+    joins the row's own instruction and input and those of its H2O parent rows; prepared rows made with one separator
+    are not the rows of another."""
+    from emotune.tasks.sft.task import data_fingerprint
+
+    rows = [{"id": i, "parent_id": i - 1 if i % 2 else None, "instruction": f"q {i}", "input": f"context {i}",
+             "output": f"a {i}"} for i in range(20)]
+    path = write_jsonl(tmp_path / "chained.jsonl", rows)
+    for overrides, joined in (((), "\n\n"), (('data.input_separator=" | "',), " | ")):
+        cfg = load_config(None, ["task=sft", f"data.source={path}", *overrides])
+        assert cfg.data.input_separator == joined
+        every = {c.response: c for split in load_conversations(cfg.data, cfg.seed).splits.values() for c in split}
+        assert every["a 3"].messages == (("user", f"q 2{joined}context 2"), ("assistant", "a 2"),
+                                         ("user", f"q 3{joined}context 3"), ("assistant", "a 3"))
+    default, newline = (load_config(None, ["task=sft", *more]) for more in ((), ['data.input_separator="\\n"']))
+    assert data_fingerprint(default) != data_fingerprint(newline)
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("data.input_separator=\\n", "holds `\\n` as two characters"),  # unquoted: a backslash and an n
+    ("data.input_separator=", "is empty"),
+    ("data.input_separator=null", "must be text")])
+def test_an_input_separator_that_joins_nothing_useful_is_refused_by_name(override, says):
+    with pytest.raises(UserError, match=r"`data\.input_separator`: " + re.escape(says) + r".*in double quotes"):
+        load_config(None, ["task=sft", override])
+
+
+def test_an_sft_run_begun_before_the_input_separator_existed_resumes_with_the_blank_line_only(tmp_path):
+    from emotune.core.config.build import dump_config
+    from emotune.core.rundir import RunDir, open_run, write_json, write_text
+    from emotune.tasks.sft.task import data_fingerprint
+
+    default, newline = (load_config(None, ["task=sft", *more]) for more in ((), ['data.input_separator="\\n"']))
+    assert '  input_separator: "\\n\\n"' in dump_config(default).splitlines()  # one line in config.yaml, not blank ones
+    run = RunDir(tmp_path / "run")
+    write_text(run.config, "\n".join(line for line in dump_config(default).splitlines() if "input_separator" not in line))
+    write_json(run.run_json, {"status": "failed"})
+    write_json(run.data_report, {"fingerprint": data_fingerprint(default)})
+    with pytest.raises(UserError, match="different config or data"):
+        open_run(run.root, dump_config(newline), overwrite=False, data_fingerprint=data_fingerprint(newline))
+    open_run(run.root, dump_config(default), overwrite=False, data_fingerprint=data_fingerprint(default))
 
 
 def test_sharegpt_with_tags_tools_and_function_turns(tmp_path):

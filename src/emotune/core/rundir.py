@@ -321,8 +321,9 @@ def _other_data(run: RunDir, fingerprint: str | None) -> bool:
 # train.shared_prefix or train.telemetry_interval existed, or with them changed).
 NOT_COMPARED = ("overwrite:", "  fsdp:", "  shared_prefix:", "  telemetry_interval:")
 # Keys compared like any other, except at a default that computes what the config meant before the key existed: a
-# run begun before lora.layers resumes with it null (every layer), and not with any other value.
-SAME_AS_ABSENT = ("  layers: null",)
+# run begun before lora.layers resumes with it null (every layer), and not with any other value; one begun before
+# data.input_separator with its blank line (how sft rows joined an instruction and its input then).
+SAME_AS_ABSENT = ("  layers: null", '  input_separator: "\\n\\n"')
 
 
 def _comparable(config_yaml: str | None) -> str | None:

@@ -153,7 +153,7 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
                             f"{', '.join(column_names)}); set data.columns (or the entry's `columns`) to its names")
             continue
         if fmt == "alpaca" and has_parent_chains(column_names, rows):
-            rows, chain_problems = chain_parents(rows, entry.columns)
+            rows, chain_problems = chain_parents(rows, entry.columns, cfg.input_separator)
             if chain_problems:
                 problems += [f"`{path}` {problem}" for problem in chain_problems]
                 continue
@@ -162,7 +162,7 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
                   "its own answer).", flush=True)
         bad: dict[str, list[int]] = {}
         for number, row in enumerate(rows, start=1):
-            found = normalise(row, fmt, entry.columns, entry.tags, entry.name)
+            found = normalise(row, fmt, entry.columns, entry.tags, entry.name, input_separator=cfg.input_separator)
             if isinstance(found, str):
                 bad.setdefault(found, []).append(number)
             else:

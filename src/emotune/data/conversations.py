@@ -7,7 +7,9 @@
 
 Column and tag names follow LLaMA-Factory's `columns` and `tags` (config: data.columns, data.tags), so a
 dataset registered for LLaMA-Factory reads the same here. Every row becomes a `Conversation`: a system
-prompt (or None), turns alternating user/assistant and ending with the assistant, and the row's kind.
+prompt (or None), turns alternating user/assistant and ending with the assistant, and the row's kind. An Alpaca
+row's instruction and input become one user turn, joined by data.input_separator (a blank line; one newline in a
+translated LLaMA-Factory config, as LLaMA-Factory joins them).
 Tool calls count as assistant turns and tool results as user turns, both kept as plain text (LLaMA-Factory
 trains on tool calls the same way); a row's tool descriptions are appended to its system prompt as text.
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from emotune.core.config.sft import SftColumns, SftTags
+from emotune.core.config.sft import INPUT_SEPARATOR, SftColumns, SftTags
 from emotune.core.errors import listed
 
 FORMATS = ("alpaca", "sharegpt", "messages")
@@ -142,12 +144,14 @@ def required_columns(fmt: str, columns: SftColumns, column_names: list[str]) -> 
     return [name]
 
 
-def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: str) -> Conversation | str:
-    """The row as a Conversation, or the reason it is refused."""
+def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: str, *,
+              input_separator: str = INPUT_SEPARATOR) -> Conversation | str:
+    """The row as a Conversation, or the reason it is refused; an Alpaca row's instruction and input are joined by
+    `input_separator` (data.input_separator)."""
     if any(row.get(column) for column in MEDIA_COLUMNS):
         return MEDIA
     if fmt == "alpaca":
-        found = _alpaca(row, columns)
+        found = _alpaca(row, columns, input_separator)
     elif fmt == "messages" and columns.messages not in row and "messages" not in row and "prompt" in row:
         found = _prompt_completion(row, row.get(columns.system))
     else:
@@ -171,21 +175,25 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
 Turns = tuple[str | None, list[tuple[str, str]], list[int]]  # system prompt, (role, text) turns, untrained answers
 
 
-def _alpaca(row: dict, columns: SftColumns) -> Turns | str:
+def _alpaca(row: dict, columns: SftColumns, separator: str) -> Turns | str:
     messages: list[tuple[str, str]] = []
     history = row.get(columns.history) or []
     if not isinstance(history, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in history):
         return BAD_HISTORY
     for question, answer in history:
         messages += [("user", _text(question)), ("assistant", _text(answer))]
-    prompt = _text(row.get(columns.prompt))
-    query = _text(row.get(columns.query))
-    messages.append(("user", "\n\n".join(p for p in (prompt, query) if p.strip())))
+    messages.append(("user", _instruction_and_input(row, columns, separator)))
     response = row.get(columns.response)
     if isinstance(response, list):
         return LIST_RESPONSE
     messages.append(("assistant", _text(response)))
     return _text(row.get(columns.system)) or None, messages, []
+
+
+def _instruction_and_input(row: dict, columns: SftColumns, separator: str) -> str:
+    """An Alpaca row's user message: its instruction and its input joined by `separator`; either alone when the other
+    is empty."""
+    return separator.join(p for p in (_text(row.get(columns.prompt)), _text(row.get(columns.query))) if p.strip())
 
 
 def role_sides(tags: SftTags) -> dict[str, str]:
@@ -320,9 +328,11 @@ def has_parent_chains(column_names: list[str], rows: list[dict]) -> bool:
     return PARENT_COLUMN in column_names and any(_id(row.get(PARENT_COLUMN)) for row in rows)
 
 
-def chain_parents(rows: list[dict], columns: SftColumns) -> tuple[list[dict], list[str]]:
+def chain_parents(rows: list[dict], columns: SftColumns, input_separator: str = INPUT_SEPARATOR
+                  ) -> tuple[list[dict], list[str]]:
     """Each alpaca row with its ancestors' (prompt, answer) pairs as its history, oldest first, as H2O LLM Studio builds
-    a chained row's conversation (every row is a sample of its own); problems name the rows, without the file."""
+    a chained row's conversation (every row is a sample of its own; an ancestor's instruction and input joined by
+    `input_separator`, as the row's own are); problems name the rows, without the file."""
     by_id: dict[str, dict] = {}
     for row in rows:
         key = _id(row.get(ID_COLUMN))
@@ -348,8 +358,7 @@ def chain_parents(rows: list[dict], columns: SftColumns) -> tuple[list[dict], li
                 break
             seen.add(parent)
             earlier = by_id[parent]
-            question = "\n\n".join(p for p in (_text(earlier.get(columns.prompt)), _text(earlier.get(columns.query)))
-                                   if p.strip())
+            question = _instruction_and_input(earlier, columns, input_separator)
             pairs.insert(0, [question, _text(earlier.get(columns.response))])
             parent = _id(earlier.get(PARENT_COLUMN))
         out.append({**row, columns.history: pairs})

@@ -184,13 +184,14 @@ def _field_html(field, value: str, problems: list[str]) -> str:
         choices = field.choices + (["null"] if field.default == "null" and "null" not in field.choices else [])
         options = "".join(f'<option{" selected" if c == value else ""}>{escape(c)}</option>' for c in choices)
         control = f'<select id="f-{key}" name="{key}">{options}</select>'
-    elif field.multiline:
-        control = f'<textarea id="f-{key}" name="{key}" rows="3" cols="80">{escape(value)}</textarea>'
+    elif field.multiline:  # a browser drops one line break right after <textarea>: the one written there, not the value's
+        control = f'<textarea id="f-{key}" name="{key}" rows="3" cols="80">\n{escape(value)}</textarea>'
     else:
         control = f'<input id="f-{key}" name="{key}" value="{escape(value)}" size="40">'
     wrong = "".join(f'<span class="problem" role="alert">{escape(p)}</span>' for p in problems)
+    default = json.dumps(field.default) if field.default and not field.default.strip() else field.default  # "\n\n", not blank
     return (f'<div class="field{" invalid" if problems else ""}"><label for="f-{key}"><code>{key}</code></label> {control}'
-            f'{wrong}<small>default <code>{escape(field.default)}</code> · {escape(field.doc)}</small></div>')
+            f'{wrong}<small>default <code>{escape(default)}</code> · {escape(field.doc)}</small></div>')
 
 
 def jobs_list(jobs: list, csrf: str) -> str:

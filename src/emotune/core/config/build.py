@@ -325,12 +325,26 @@ def dump_config(cfg: RunConfigBase) -> str:
     return yaml_text(cfg.model_dump(mode="json"), sort_keys=False, width=100)
 
 
+class _Dumper(yaml.SafeDumper):
+    """Text of nothing but whitespace with a line break (data.input_separator's "\\n\\n") is written in double quotes,
+    `"\\n\\n"`, as one line a reader can see; PyYAML's own choice is a single-quoted scalar over several lines, which
+    reads back the same but shows as blank lines."""
+
+
+def _represent_text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = '"' if "\n" in value and not value.strip() else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _represent_text)
+
+
 def yaml_text(data, **options) -> str:
     """`data` as YAML that reads back as `data`, Chinese and other scripts written as they are. PyYAML writes a NEL
     (U+0085, what "…" becomes when a cp1252 file is read as Latin-1) raw inside a quoted string, which reading folds
     into a space: a prompt in the saved config.yaml was then another prompt. Such data is written with escapes."""
-    text = yaml.safe_dump(data, allow_unicode=True, **options)
-    return text if yaml.safe_load(text) == data else yaml.safe_dump(data, allow_unicode=False, **options)
+    text = yaml.dump(data, Dumper=_Dumper, allow_unicode=True, **options)
+    return text if yaml.safe_load(text) == data else yaml.dump(data, Dumper=_Dumper, allow_unicode=False, **options)
 
 
 def field_docs(model: type[BaseModel] = ClassifyConfig, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -36,6 +36,7 @@ from emotune.core.config.llamafactory_keys import (
 )
 from emotune.core.config.llamafactory_templates import template_check
 from emotune.core.config.run import RunConfigBase
+from emotune.core.config.sft import LLAMAFACTORY_INPUT_SEPARATOR
 from emotune.core.errors import UserError
 
 # every translated key with its default: LLaMA-Factory's `stage` (which names emotune's task) and the rest
@@ -248,6 +249,9 @@ def _dataset(t: Translation) -> None:
                           "dataset_info.json (hf_hub_url) and give its folder")
     t.set("data.source", str(s["dataset_dir"]), "dataset_dir")
     t.set("data.datasets", names, "dataset")
+    _set_dotted(t.raw, "data.input_separator", LLAMAFACTORY_INPUT_SEPARATOR)
+    t.rows.append(("(alpaca rows: instruction + input)", f"data.input_separator: {_show(LLAMAFACTORY_INPUT_SEPARATOR)}  "
+                   "(one newline, as LLaMA-Factory joins them; emotune's default is a blank line)"))
     if s["eval_dataset"]:
         t.set("data.eval_datasets", _names(s["eval_dataset"]), "eval_dataset",
               note="the test split, measured before and after training")
@@ -443,4 +447,7 @@ def _names(value: Any) -> list[str]:
 
 
 def _show(value: Any) -> str:
+    """A value as the translation prints it; text with a line break or a tab as JSON (`"\\n"`), on one line."""
+    if isinstance(value, str) and any(c in value for c in "\n\r\t"):
+        return json.dumps(value, ensure_ascii=False)
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

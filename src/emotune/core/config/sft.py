@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import field_validator
@@ -20,6 +21,29 @@ from emotune.core.config.run import RunConfigBase
 # task: sft (instruction tuning on conversations)
 
 SftFormat = Literal["auto", "alpaca", "sharegpt", "messages"]
+INPUT_SEPARATOR = "\n\n"
+"""data.input_separator's default: a blank line between an Alpaca row's instruction and its input."""
+LLAMAFACTORY_INPUT_SEPARATOR = "\n"
+"""LLaMA-Factory's join of the instruction and the input (AlpacaDatasetConverter: `"\\n".join(query)`)."""
+SEPARATOR_EXAMPLES = ('"\\n\\n" (a blank line, the default) or "\\n" (one newline, as LLaMA-Factory joins them), in double '
+                      'quotes: YAML and key=value overrides read escapes only there')
+
+
+def input_separator_text(value: object) -> object:
+    """data.input_separator must be text that separates something. `\\n` unquoted or in single quotes is a backslash
+    and an `n` to YAML (and to a key=value override), which would have joined every instruction and input with it."""
+    if not isinstance(value, str):
+        raise ValueError(f"must be text, what joins an Alpaca row's instruction and its input: {SEPARATOR_EXAMPLES}")
+    if not value:
+        raise ValueError("is empty, which runs an Alpaca row's instruction and input together (`Translate to "
+                         f"FrenchGood morning`); give what joins them: {SEPARATOR_EXAMPLES}")
+    escape = re.search(r"\\[nrt]", value)
+    if escape:
+        raise ValueError(f"holds `{escape[0]}` as two characters, a backslash and a letter, as YAML reads it unquoted or "
+                         "in single quotes and as a key=value override reads it unquoted; for a line break write it "
+                         'in double quotes: input_separator: "\\n" in YAML, \'data.input_separator="\\n"\' on the command '
+                         "line")
+    return value
 
 
 class SftColumns(Section):
@@ -28,7 +52,7 @@ class SftColumns(Section):
     prompt: str = "instruction"
     """Alpaca: the instruction."""
     query: str = "input"
-    """Alpaca: the input appended to the instruction (after a blank line); may be empty or absent."""
+    """Alpaca: the input appended to the instruction (after data.input_separator); may be empty or absent."""
     response: str = "output"
     """Alpaca: the reference answer."""
     history: str = "history"
@@ -116,6 +140,13 @@ class SftDataConfig(Section):
     """Use at most this many validation rows (stratified by kind, seeded); null = all."""
     test_limit: Annotated[int | None, Range(1, also="or null for all rows")] = None
     """Use at most this many test rows (stratified by kind, seeded); null = all."""
+    input_separator: str = INPUT_SEPARATOR
+    """What joins an Alpaca row's instruction and its input into one user message (and, in H2O LLM Studio's
+    parent_id chains, those of the earlier rows); a row without input is its instruction alone. Default: a blank
+    line, "\\n\\n". A translated LLaMA-Factory config sets "\\n", the one newline LLaMA-Factory joins them with,
+    so its rows are those LLaMA-Factory trains on. In YAML write it in double quotes (input_separator: "\\n");
+    on the command line, quote it too: 'data.input_separator="\\n"'."""
+    _input_separator = field_validator("input_separator", mode="before")(input_separator_text)
     skip_bad_rows: bool = False
     """Malformed rows (empty response, turns not alternating user/assistant, a missing field): false =
     report them all and stop; true = skip them with a count (LLaMA-Factory's behaviour)."""

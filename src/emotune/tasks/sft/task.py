@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from emotune.core.config.sft import SftConfig
+from emotune.core.config.sft import INPUT_SEPARATOR, SftConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
@@ -57,7 +57,12 @@ def load_data(cfg: SftConfig) -> ConversationData:
 
 
 def data_fingerprint(cfg: SftConfig) -> str:
-    parts = {"data": cfg.data.model_dump(mode="json"), "seed": cfg.seed, "files": _source_stamp(cfg.data.source)}
+    """What decides whether a run folder's prepared rows are reused: every data key, the seed and the files. The blank
+    line data.input_separator defaults to is left out, as it joined the rows of runs made before the key existed: their
+    prepared data stays theirs, and any other separator is other rows."""
+    data = cfg.data.model_dump(mode="json", exclude={"input_separator"} if cfg.data.input_separator == INPUT_SEPARATOR
+                               else None)
+    parts = {"data": data, "seed": cfg.seed, "files": _source_stamp(cfg.data.source)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
