@@ -74,7 +74,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                                overrides=("eval.method=both",)),
         "head": make_run(root, "head", {"head": _predictions(0.95, seed=3)}, task="classify_head",
                          overrides=("lora.r=32", "lora.alpha=64", "train.learning_rate=5e-4", "train.batch_size=4",
-                                    "train.gradient_accumulation_steps=2", "train.max_length=128")),
+                                    "train.gradient_accumulation_steps=2", "train.max_length=128",
+                                    "lora.dropout=0", "lora.target_parameters=experts")),
         "reordered": make_run(root, "reordered", {"generate": [weak[i] for i in order]},
                               texts=[TEXTS[i] for i in order], gold=[GOLD[i] for i in order]),
         "other_rows": make_run(root, "other_rows", {"generate": weak}, texts=[t + "!" for t in TEXTS]),
@@ -112,6 +113,7 @@ def test_the_table_holds_setup_scores_intervals_and_the_paired_test(runs, tmp_pa
     assert list(rows) == [("generative", "generate"), ("generative", "score"), ("head", "head"), ("reordered", "generate")]
     head = rows[("head", "head")]
     assert head["name"] == "classify_head/head" and head["lora_r"] == 32 and head["lora_alpha"] == 64
+    assert head["lora_targets"] == "all-linear + experts" and rows[("generative", "score")]["lora_targets"] == "all-linear"
     assert head["learning_rate"] == 5e-4 and head["batch"] == 8 and head["max_length"] == 128
     assert head["steps"] == 2 and head["tokens_per_s"] == 200.0 and head["peak_memory_mb"] == 700.0
     assert head["adapter_mb"] == 3.0 and head["eval_rows_per_s"] == 12.5 and head["train_seconds"] is not None

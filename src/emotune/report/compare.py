@@ -121,10 +121,18 @@ def _setup(run: RunDir) -> dict:
     targets = lora.get("target_modules")
     batch, accumulation = train.get("batch_size"), train.get("gradient_accumulation_steps", 1)
     return {"model": config.get("model", {}).get("source"), "lora_r": lora.get("r"), "lora_alpha": lora.get("alpha"),
-            "lora_targets": ",".join(targets) if isinstance(targets, list) else targets,
+            "lora_targets": _targets(targets, lora.get("target_parameters")),
             "learning_rate": train.get("learning_rate"),
             "batch": batch * accumulation if isinstance(batch, int) and isinstance(accumulation, int) else batch,
             "max_length": train.get("max_length"), "max_steps": train.get("max_steps")}
+
+
+def _targets(modules, weights) -> str | None:
+    """lora.target_modules as the table shows it, with lora.target_parameters (the routed experts) after a `+`."""
+    shown = ",".join(modules) if isinstance(modules, list) else modules
+    if weights:
+        return f"{shown} + {','.join(weights) if isinstance(weights, list) else weights}"
+    return shown
 
 
 def _cost(run: RunDir, info: dict) -> dict:
