@@ -60,6 +60,23 @@ def gemma4_text(tokenizer, variant: str = "e4b"):
     return Gemma4ForCausalLM(Gemma4TextConfig(**text))
 
 
+def gemma4_moe(tokenizer):
+    """google/gemma-4-26B-A4B-it config.json text_config: hidden 2,816, 30 layers (5 sliding : 1 full), 16 heads / 8 KV
+    heads (2 for full attention, keys reused as values), head dim 256 / 512, a dense MLP (intermediate 2,112) beside
+    128 routed experts (8 per token, intermediate 704) whose router holds its projection as a linear layer (`router.proj`),
+    no per-layer inputs or shared KV layers, soft-cap 30, tied embeddings. Scaled: hidden 64, 4 layers (3 : 1), 8
+    experts (2 per token)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    return Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+        top_k_experts=2, enable_moe_block=True, attention_k_eq_v=True, num_global_key_value_heads=1,
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=WINDOW, max_position_embeddings=512,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], **_ids(tokenizer)))
+
+
 def gemma4_multimodal(tokenizer, variant: str = "e4b"):
     """`Gemma4ForConditionalGeneration`, the class `AutoModelForCausalLM` loads the released E4B/E2B as: the text
     model above inside the wrapper, with a vision tower and an audio tower (tiny; released: SigLIP-style vision of 16
@@ -411,8 +428,8 @@ WHOLE_ROWS = {"falcon-rw", "bloom"}
 BROUGHT_FAMILIES: dict[str, Callable] = {
     "gpt2": gpt2, "pythia": pythia, "falcon-rw": lambda tokenizer: falcon(tokenizer, alibi=True),
     "falcon-7b": lambda tokenizer: falcon(tokenizer, alibi=False), "bloom": bloom, "olmo2": olmo2, "gemma2": gemma2,
-    "smollm3": smollm3, "qwen3-moe": qwen3_moe, "phi2": phi2}
-SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n", "gemma2"}
+    "smollm3": smollm3, "qwen3-moe": qwen3_moe, "phi2": phi2, "gemma4-moe": gemma4_moe}
+SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n", "gemma2", "gemma4-moe"}
 
 
 def _ids(tokenizer) -> dict:

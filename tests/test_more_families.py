@@ -3,6 +3,7 @@ whose class, layout or kind differs from the tested families' (tests/families.py
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
 from emotune.model.loading import load_model, load_tokenizer
 from emotune.model.lora import language_model_linear_targets
-from families import falcon, qwen2_5_vl, qwen3_moe
+from families import falcon, gemma4_moe, qwen2_5_vl, qwen3_moe
 
 CPU = torch.device("cpu")
 
@@ -220,6 +221,34 @@ def test_routed_experts_take_lora_through_target_parameters(data_dir, tmp_path, 
                  "lora.target_parameters=experts"]) == 2
     assert "has no routed experts" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_gemma4_moe_keeps_its_router_frozen_and_merges_expert_lora(tmp_path):
+    """Gemma 4 26B-A4B's router holds its projection as a linear layer (`router.proj`): `all-linear` leaves it out,
+    as every family's routing; `lora.target_parameters=experts` adapts its 3-D experts, and the merged weights give
+    the adapter's logits after training steps."""
+    from emotune.core.config.train import LoraSettings
+    from emotune.model.lora import attach_lora
+
+    tokenizer = build_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    base = gemma4_moe(tokenizer).float().eval()
+    targets = language_model_linear_targets(base)
+    adapted = [name for name, _ in base.named_modules() if __import__("re").fullmatch(targets, name)]
+    assert "model.layers.0.mlp.gate_proj" in adapted and not any("router" in name for name in adapted)
+    model = attach_lora(copy.deepcopy(base), LoraSettings(target_parameters="experts", dropout=0))
+    assert len(model.peft_config["default"].target_parameters) == 8  # gate_up_proj and down_proj of 4 layers
+    ids = torch.randint(3, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        trained = model.eval()(input_ids=ids).logits
+        merged = model.merge_and_unload()(input_ids=ids).logits
+        assert (trained - base(input_ids=ids).logits).abs().max() > 1e-3
+    assert torch.allclose(merged, trained, atol=1e-5)
 
 
 @pytest.mark.slow  # a run and a prediction

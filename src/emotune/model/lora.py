@@ -38,11 +38,17 @@ LINEAR = (torch.nn.Linear, Conv1D)
 layer with its weight stored transposed), which PEFT's LoRA wraps like an nn.Linear."""
 
 
+def _is_router(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Router")
+
+
 def _adaptable(module: torch.nn.Module) -> bool:
     """A linear layer `all-linear` adapts. Mixture-of-experts routers are left out: Llama 4's and PhiMoE's subclass
-    nn.Linear but return the routing (scores and logits, a tuple), which a LoRA branch cannot add to, and the other
-    families' routers are no linear layers at all, so no family's routing changes under `all-linear`."""
-    return isinstance(module, LINEAR) and not type(module).__name__.endswith("Router")
+    nn.Linear but return the routing (scores and logits, a tuple), which a LoRA branch cannot add to; Gemma 4's, DBRX's
+    and AFMoE's hold their projection as a linear layer inside (`router.proj`), which `language_model_linear_targets`
+    leaves out with its router; the other families' routers are no linear layers at all. So no family's routing
+    changes under `all-linear`."""
+    return isinstance(module, LINEAR) and not _is_router(module)
 
 
 def expert_weights(model: PreTrainedModel) -> list[str]:
@@ -85,8 +91,10 @@ def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | No
     decoder = language_model(model)
     prefix = next(name for name, module in model.named_modules() if module is decoder)
     output = model.get_output_embeddings()
+    routers = [name for name, module in decoder.named_modules() if _is_router(module)]
     linears = {f"{prefix}.{name}".lstrip(".") for name, module in decoder.named_modules()
-               if _adaptable(module) and module is not output and name}
+               if _adaptable(module) and module is not output and name
+               and not any(name.startswith(f"{router}.") for router in routers)}
     if layers is not None:
         path = decoder_layers_path(model)
         linears = {name for name in linears if any(name.startswith(f"{path}.{i}.") for i in layers)}
