@@ -144,3 +144,24 @@ def test_long_and_multi_line_labels_stay_inside_their_figures(tmp_path):
             assert "\n" not in "".join(ticks) and max(map(len, ticks)) <= 28
             plt.close(figure)
         plot_label_distribution(LabeledData(splits={"train": rows}, labels=labels, source="d" * 300), tmp_path / "l.png")
+
+
+def test_labels_that_cut_to_the_same_tick_are_kept_apart():
+    """Two long labels sharing their first 18 and last 9 columns cut to one tick: a figure drew two identical bars or
+    matrix rows. The clashing ones end with their place in the list; the others stay as they were."""
+    from emotune.eval.evaluate import compute_metrics
+    from emotune.tasks.classify.report import _f1_figure
+
+    first, second = "a" * 18 + "first middle" + "z" * 9, "a" * 18 + "second middle" + "z" * 9
+    labels = [first, second, "joy"]
+    assert fonts.short_label(first) == fonts.short_label(second)
+    ticks = fonts.short_labels(labels)
+    assert len(set(ticks)) == 3 and ticks[2] == "joy" and ticks[0].endswith(" #1") and ticks[1].endswith(" #2")
+    assert all(fonts.terminal.width(t) <= fonts.TICK_COLUMNS for t in ticks)
+    metrics = compute_metrics(labels * 2, labels[1:] + labels[:1] + labels, labels)
+    with fonts.figure_fonts():
+        figure = _f1_figure(metrics, metrics, labels, "score")
+        figure.canvas.draw()
+        drawn = [t.get_text() for ax in figure.axes for t in ax.get_xticklabels()]
+        plt.close(figure)
+    assert drawn[:3] == ticks

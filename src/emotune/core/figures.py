@@ -120,6 +120,15 @@ def short_label(text: str, columns: int = TICK_COLUMNS) -> str:
     return f"{head}…{tail}"
 
 
+def short_labels(texts: list[str], columns: int = TICK_COLUMNS) -> list[str]:
+    """`short_label` of each name, kept apart: names that would cut to the same tick (sharing their first and last
+    columns) end with their place in the list instead (`…ending #3`), so two bars or matrix rows never read alike."""
+    shown = [short_label(text, columns) for text in texts]
+    clashes = {tick for tick in shown if shown.count(tick) > 1}
+    return [short_label(text, columns - len(f" #{i + 1}")) + f" #{i + 1}" if tick in clashes else tick
+            for i, (text, tick) in enumerate(zip(texts, shown, strict=True))]
+
+
 def _fit(text: str, columns: int) -> str:
     """The longest beginning of `text` at most `columns` wide."""
     out = ""

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from emotune.core import terminal
 from emotune.core.config.run import RunConfig
-from emotune.core.figures import figure_fonts, short_label
+from emotune.core.figures import figure_fonts, short_label, short_labels
 from emotune.core.rundir import RunDir, atomic_dir, read_json
 from emotune.data.clean import token_lengths
 from emotune.data.load import LabeledData, in_memory_dataset, load_data
@@ -180,7 +180,7 @@ def plot_label_distribution(data: LabeledData, path: Path) -> None:
         x = np.arange(len(data.labels))
         for i, (split, per_label) in enumerate(counts.items()):
             ax.bar(x + i * width, [per_label[label] for label in data.labels], width, label=split)
-        ax.set_xticks(x + width * (len(counts) - 1) / 2, [short_label(label) for label in data.labels])
+        ax.set_xticks(x + width * (len(counts) - 1) / 2, short_labels(data.labels))
         ax.set_ylabel("rows")
         ax.set_title(f"Label distribution: {short_label(data.source, 60)}")
         ax.legend()

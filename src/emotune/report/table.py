@@ -203,12 +203,12 @@ def score_figure(table: dict) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from emotune.core.figures import embed_figure, figure_fonts, short_label
+    from emotune.core.figures import embed_figure, figure_fonts, short_labels
 
     rows, scores = table["rows"], SCORES[table["kind"]]
     with figure_fonts():
         fig, axes = plt.subplots(1, len(scores), figsize=(4.2 * len(scores), 0.5 * len(rows) + 1.4), squeeze=False)
-        names = [short_label(f"{row['run']} ({row['name']})", 40) for row in rows]
+        names = short_labels([f"{row['run']} ({row['name']})" for row in rows], 40)
         for ax, (key, title) in zip(axes[0], scores, strict=True):
             for y, row in enumerate(rows):
                 score = row["scores"].get(key) or {}

@@ -13,7 +13,7 @@ import numpy as np
 
 from emotune.core import terminal
 from emotune.core.errors import UserError
-from emotune.core.figures import embed_figure, short_label
+from emotune.core.figures import embed_figure, short_labels
 from emotune.core.rundir import RunDir, atomic_file, write_json
 from emotune.core.spreadsheet import spreadsheet_row
 from emotune.eval.evaluate import EvalResult
@@ -340,8 +340,8 @@ def _confusion_figure(before: dict, after: dict | None, labels: list[str], metho
             matrix, names = matrix[:, :-1], names[:-1]
         share = matrix / np.maximum(matrix.sum(1, keepdims=True), 1)
         ax.imshow(share, vmin=0, vmax=1, cmap="Blues")
-        ax.set_xticks(range(len(names)), [short_label(n) for n in names], rotation=45, ha="right")
-        ax.set_yticks(range(len(labels)), [short_label(label) for label in labels])
+        ax.set_xticks(range(len(names)), short_labels(names), rotation=45, ha="right")
+        ax.set_yticks(range(len(labels)), short_labels(labels))
         ax.set_xlabel("predicted")
         ax.set_ylabel("gold")
         ax.set_title(f"{name} ({method}), row-normalised")
@@ -363,7 +363,7 @@ def _f1_figure(before: dict, after: dict | None, labels: list[str], method: str)
     ax.bar(x - (width / 2 if after else 0), [before["per_class"][lb]["f1"] for lb in labels], width, label="before")
     if after:
         ax.bar(x + width / 2, [after["per_class"][lb]["f1"] for lb in labels], width, label="after")
-    ax.set_xticks(x, [short_label(label) for label in labels], rotation=30, ha="right")
+    ax.set_xticks(x, short_labels(labels), rotation=30, ha="right")
     ax.set_ylim(0, 1)
     ax.set_ylabel("F1")
     ax.set_title(f"Per-class F1 ({method})")
