@@ -22,6 +22,7 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file, json_text
 from emotune.data.clean import clean_for_inference
 from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
+from emotune.data.read import read_records
 from emotune.eval.scoring import label_token_ids, prompt_token_ids, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
@@ -29,10 +30,18 @@ from emotune.model.loading import serving_dtype
 from emotune.model.text import context_length
 from emotune.runtime import device as device_mod
 
+
+def _json_file(path: Path) -> pd.DataFrame:
+    """A JSON file (an array of rows, as Alpaca datasets ship) read as the sft data layer reads it."""
+    names, records = read_records(path, "utf-8", "text", "label")
+    return pd.DataFrame.from_records(records, columns=names)
+
+
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
            # utf-8-sig: a byte-order mark (PowerShell's and Notepad's UTF-8) is not JSON; read_csv skips it itself
-           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False, encoding="utf-8-sig")}
+           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False, encoding="utf-8-sig"),
+           ".json": _json_file}
 
 
 DEFAULT_MAX_NEW_TOKENS = 128  # sft models whose emotune.json records no eval.max_new_tokens
