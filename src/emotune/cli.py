@@ -311,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--file", help="CSV/TSV/JSONL/JSON file of texts to classify or answer (with --out)")
             p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label> "
                                          "(sft models: + output); predicted_<name> where the input has that column")
-            p.add_argument("--text-column", default="text", help="column of --file holding the text (default: text)")
+            p.add_argument("--text-column", help="column of --file holding the text (default: text; an sft model reads "
+                                                 "a file without one as rows of its training data's format: alpaca, "
+                                                 "sharegpt or messages, each prompt built as training built it)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
             p.add_argument("--max-new-tokens", type=int,
                            help="sft models: most tokens per greedy reply (default: the run's eval.max_new_tokens)")
