@@ -227,6 +227,17 @@ def test_predict_reads_a_jsonl_file_that_starts_with_a_byte_order_mark(tmp_path)
     assert _read_table(source, "text").to_dict("records") == [{"text": "今天很开心", "id": 1}, {"text": "so happy", "id": 2}]
 
 
+def test_predict_reads_a_json_file_of_rows(tmp_path):
+    """A JSON array of rows (as Alpaca datasets and LLaMA-Factory's demos ship) was refused as an unsupported type."""
+    from emotune.deploy.predict import _read_table
+
+    source = tmp_path / "in.json"
+    source.write_text(json.dumps([{"text": "so happy", "id": 1}, {"text": "今天很开心", "tags": ["a"]}], ensure_ascii=False),
+                      encoding="utf-8")
+    rows = _read_table(source, "text")
+    assert rows["text"].tolist() == ["so happy", "今天很开心"] and rows["tags"].tolist()[1] == ["a"]
+
+
 def test_serve_with_vllm_engine_needs_vllm(tiny_run_dir, capsys):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")

@@ -308,10 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "predict":
             p.add_argument("target", help="run folder, export folder, adapter folder or merged model folder")
             p.add_argument("texts", nargs="*", help="texts to classify (sft models: prompts to answer)")
-            p.add_argument("--file", help="CSV/TSV/JSONL file of texts to classify or answer (with --out)")
+            p.add_argument("--file", help="CSV/TSV/JSONL/JSON file of texts to classify or answer (with --out)")
             p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label> "
                                          "(sft models: + output); predicted_<name> where the input has that column")
-            p.add_argument("--text-column", default="text", help="column of --file holding the text (default: text)")
+            p.add_argument("--text-column", help="column of --file holding the text (default: text; an sft model reads "
+                                                 "a file without one as rows of its training data's format: alpaca, "
+                                                 "sharegpt or messages, each prompt built as training built it)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
             p.add_argument("--max-new-tokens", type=int,
                            help="sft models: most tokens per greedy reply (default: the run's eval.max_new_tokens)")

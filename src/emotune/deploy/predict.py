@@ -4,7 +4,8 @@ A classifier's labels come from the scoring method (the probability of each labe
 over the label set), with its own system prompt, user template and chat template; a classification-head
 model's from its `score` head over the bare text (emotune.model.head), with the token limit it was trained with.
 An sft model answers in free text: a greedy generation with its own system prompt and chat template, each
-text the user turn.
+text the user turn; a file without a text column is read as rows of the run's training data format, each prompt
+built as training built it (emotune.deploy.predict_rows).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file, json_text
 from emotune.data.clean import clean_for_inference
 from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
+from emotune.data.read import read_records
+from emotune.deploy.predict_rows import row_prompts
 from emotune.eval.scoring import label_token_ids, prompt_token_ids, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
 from emotune.model.head import head_probabilities
@@ -29,13 +32,22 @@ from emotune.model.loading import serving_dtype
 from emotune.model.text import context_length
 from emotune.runtime import device as device_mod
 
+
+def _json_file(path: Path) -> pd.DataFrame:
+    """A JSON file (an array of rows, as Alpaca datasets ship) read as the sft data layer reads it."""
+    names, records = read_records(path, "utf-8", "text", "label")
+    return pd.DataFrame.from_records(records, columns=names)
+
+
 READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
            ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
            # utf-8-sig: a byte-order mark (PowerShell's and Notepad's UTF-8) is not JSON; read_csv skips it itself
-           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False, encoding="utf-8-sig")}
+           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False, encoding="utf-8-sig"),
+           ".json": _json_file}
 
 
 DEFAULT_MAX_NEW_TOKENS = 128  # sft models whose emotune.json records no eval.max_new_tokens
+TEXT_COLUMN = "text"  # --text-column's default
 
 
 class Loaded:
@@ -114,12 +126,13 @@ def trained_max_new_tokens(artifact: Artifact) -> int:
 @dataclass(frozen=True)
 class PredictIO:
     """Where `emotune predict` reads texts and puts answers: `texts` given as arguments (answers printed, one JSON
-    line each), or the `text_column` of a CSV/JSONL `file`, written with the answers added to `out`."""
+    line each), or the `text_column` of a CSV/JSONL `file`, written with the answers added to `out`. No
+    `text_column` (--text-column not given): `text`, or for an sft model a file without one read in its data's format."""
 
     texts: list[str]
     file: str | None = None
     out: str | None = None
-    text_column: str = "text"
+    text_column: str | None = None
 
 
 def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallback: Fallback | None = None,
@@ -137,11 +150,15 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
         raise UserError("--batch-size must be a positive number of texts.")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise UserError("--max-new-tokens must be a positive number of tokens.")
-    rows = _read_table(Path(file), text_column) if file else None  # bad input fails before weights load
-    artifact = find_artifact(target, fallback=fallback)
+    artifact = find_artifact(target, fallback=fallback)  # emotune.json only: no weights yet
+    column = text_column or TEXT_COLUMN
+    # bad input fails before weights load; an sft model's file without --text-column may be rows of its data's format
+    required = text_column is not None or not artifact.answers_freely
+    rows = _read_table(Path(file), column, required) if file else None
     if artifact.answers_freely:
-        prompts = None if rows is None else [_prompt(cell, number, text_column)  # checked before weights load
-                                             for number, cell in enumerate(rows[text_column].tolist(), start=1)]
+        prompts = None
+        if rows is not None:
+            rows, prompts = _sft_prompts(rows, artifact, Path(file), text_column)
         generator, new_tokens = Generator(artifact, device), max_new_tokens or trained_max_new_tokens(artifact)
         generator.check_lengths(texts if rows is None else prompts, "text" if rows is None else f"{Path(file).name}: row",
                                 new_tokens)
@@ -156,7 +173,7 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
         for text, row in zip(texts, probs.tolist(), strict=False):
             print(json_text({"text": text, **labelled(row, artifact.labels)}, indent=None))
         return 0
-    texts = rows[text_column].astype(str).tolist()
+    texts = rows[column].astype(str).tolist()
     classifier.check_lengths(texts, f"{Path(file).name}: row")
     probs = _probs_with_progress(classifier, texts, batch_size)
     _write_table(rows, probs, artifact.labels, Path(out))
@@ -181,6 +198,23 @@ def _answer(generator: Generator, texts: list[str], rows: pd.DataFrame | None, p
 ROLES = {**role_sides(SftTags()), **role_sides(OPENAI_TAGS)}
 """OpenAI's roles and ShareGPT's default tags, tool results on the user's side and tool calls on the assistant's, as
 an sft run's data reads them (emotune.data.conversations)."""
+
+
+def _sft_prompts(rows: pd.DataFrame, artifact: Artifact, path: Path, text_column: str | None
+                 ) -> tuple[pd.DataFrame, list[str | list[dict]]]:
+    """The rows to write the replies beside and each row's prompt: the text column's cells (`text_column`, or the
+    file's `text`), or else the rows read in the run's data format, a `reference` column added where the file keeps
+    its references inside the turns."""
+    column = text_column or (TEXT_COLUMN if TEXT_COLUMN in rows.columns else None)
+    if column is not None:
+        return rows, [_prompt(cell, number, column) for number, cell in enumerate(rows[column].tolist(), start=1)]
+    found = row_prompts(rows, artifact, path)
+    print(found.description, flush=True)
+    if found.references is None:
+        return rows, found.prompts
+    rows = rows.copy()
+    _add_column(rows, "reference", found.references)
+    return rows, found.prompts
 
 
 def _prompt(cell: object, number: int, column: str) -> str | list[dict]:
@@ -226,7 +260,9 @@ def _probs_with_progress(classifier: Classifier, texts: list[str], batch_size: i
     return torch.cat(parts) if parts else torch.empty(0, len(classifier.artifact.labels))
 
 
-def _read_table(path: Path, text_column: str) -> pd.DataFrame:
+def _read_table(path: Path, text_column: str, required: bool = True) -> pd.DataFrame:
+    """The file as a table of strings (CSV, TSV) or of JSON values (JSONL); without `text_column` refused where it is
+    `required` (not for an sft model's file of rows in its data's format, emotune.deploy.predict_rows)."""
     reader = READERS.get(path.suffix.lower())
     if reader is None:
         raise UserError(f"--file `{path}`: unsupported type `{path.suffix}`. Use {', '.join(READERS)}.")
@@ -240,7 +276,7 @@ def _read_table(path: Path, text_column: str) -> pd.DataFrame:
     if other is not None:  # a `;`-separated .csv (spreadsheets in decimal-comma locales): one column `text;id`
         print(f"Note: `{path}`'s header is separated by {other!r}; read with it as the delimiter.", flush=True)
         rows = pd.read_csv(path, sep=other, dtype=str, keep_default_na=False)
-    if text_column not in rows.columns:
+    if required and text_column not in rows.columns:
         raise UserError(f"`{path}` has no column `{text_column}` (columns: {', '.join(map(str, rows.columns))}). "
                         "Pass --text-column NAME.")
     return rows

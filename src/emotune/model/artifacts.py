@@ -59,6 +59,10 @@ class Artifact:
     merged: bool
     meta: dict
     model_cfg: ModelConfig = field(default_factory=ModelConfig)  # how to find the base model (unused when merged)
+    config: dict = field(default_factory=dict)
+    """The run's resolved config as saved (its config.yaml, beside the folder given or the model folder); {} when
+    none is at hand (an adapter folder alone, another tool's adapter). An export's config.yaml holds its `model`
+    section only."""
 
     @property
     def task(self) -> str:
@@ -240,9 +244,10 @@ def find_artifact(target: str | Path, name: str | None = None, fallback: Fallbac
     for folder, merged in candidates:
         marker = folder / ("config.json" if merged else PEFT_CONFIG)
         if marker.is_file() and (folder / META).is_file():
-            meta = read_meta(folder)
+            meta, config = read_meta(folder), _run_config(target, folder)
             return Artifact(name=name or default_name(target), path=folder, merged=merged, meta=meta,
-                            model_cfg=_model_cfg(target, folder, meta["base_model"]))
+                            model_cfg=ModelConfig.model_validate(config.get("model") or {"source": meta["base_model"]}),
+                            config=config)
     for folder in (run.adapter, target):
         if is_adapter(folder):
             return _foreign_adapter(folder, name or default_name(target), fallback)
@@ -342,13 +347,14 @@ def default_name(target: Path) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "adapter"
 
 
-def _model_cfg(target: Path, folder: Path, base_model: str) -> ModelConfig:
-    """The run's model section (source, cache, chat template) when its config.yaml is at hand."""
+def _run_config(target: Path, folder: Path) -> dict:
+    """The run's config.yaml (source, cache and chat template of its model; an sft run's data columns) when it is at
+    hand, beside `target` or the model folder; else {}."""
     for config_file in (RunDir(target).config, RunDir(folder.parent).config):
         if config_file.is_file():
-            raw = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-            return ModelConfig.model_validate(raw.get("model") or {"source": base_model})
-    return ModelConfig(source=base_model)
+            raw = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+            return raw if isinstance(raw, dict) else {}
+    return {}
 
 
 def check_matches(artifact: Artifact, labels: list[str], system_prompt_text: str) -> None:

@@ -1,0 +1,141 @@
+"""`emotune predict` of an sft model on a file in its training data's format (Alpaca, ShareGPT, OpenAI messages, the
+run's own split): each prompt is the one training built from the row (emotune.data.conversations), its reference
+answer kept beside the reply; a file in no format is refused before weights load. Generation is replaced by a stub
+that records the prompts: what is checked is what the model is asked."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from conftest import write_tiny_adapter
+from emotune.cli import main
+from emotune.core.config.sft import SftColumns, SftTags
+from emotune.data.conversations import Conversation, normalise, with_tools
+
+SYSTEM = "answer briefly"
+SEPARATOR = "\n"  # not the default blank line: the run's own data.input_separator must be the one used
+
+
+@pytest.fixture(scope="module")
+def sft_run(tiny_model_dir, tmp_path_factory):
+    return write_tiny_adapter(tiny_model_dir, tmp_path_factory.mktemp("sft-rows") / "rows", seed=2, task="sft",
+                              overrides=(f"prompt.system_prompt={SYSTEM}", 'data.input_separator="\\n"',
+                                         "eval.max_new_tokens=4"))
+
+
+@pytest.fixture
+def asked(monkeypatch):
+    """The chat-templated prompts generation was given; each reply is `reply N`."""
+    prompts: list[str] = []
+
+    def generate(model, tokenizer, texts, max_new_tokens, batch_size, desc):
+        prompts.extend(texts)
+        return [f"reply {n}" for n in range(len(texts))]
+
+    monkeypatch.setattr("emotune.eval.evaluate.generate_texts", generate)
+    return prompts
+
+
+def _tokenizer(run):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(run / "adapter")
+
+
+def _trained_prompt(tokenizer, conversation: Conversation) -> str:
+    """The prompt part of the training row, as evaluation renders it (tasks/sft/task.py merge_check_inputs)."""
+    return tokenizer.apply_chat_template(conversation.chat(SYSTEM, conversation.prompt_turns), tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def _predict(run, source, out) -> int:
+    return main(["predict", str(run), "--file", str(source), "--out", str(out)])
+
+
+def test_an_alpaca_file_is_prompted_as_its_rows_were_trained(sft_run, asked, tmp_path, capsys):
+    """An Alpaca file (a JSON array, as Alpaca datasets ship) had no `text` column and was refused; with
+    --text-column instruction its `input` and `system` were dropped from the prompt without a word."""
+    rows = [{"instruction": "translate to french", "input": "good morning", "system": "you translate",
+             "output": "bonjour"},
+            {"instruction": "say hi", "input": "", "output": "hi",
+             "history": [["who are you", "a model"]]}]
+    source, out = tmp_path / "alpaca.json", tmp_path / "out.csv"
+    source.write_text(json.dumps(rows), encoding="utf-8")
+    assert _predict(sft_run, source, out) == 0
+    said = capsys.readouterr().out
+    assert "read as alpaca rows with the run's data.columns and data.tags" in said and "`instruction`, `input`, `history`, `system`" in said
+    assert "the reference (`output`) is kept beside the reply" in said
+    tokenizer = _tokenizer(sft_run)
+    expected = [_trained_prompt(tokenizer, normalise(row, "alpaca", SftColumns(), SftTags(), "x", input_separator=SEPARATOR))
+                for row in rows]
+    assert asked == expected
+    assert "translate to french\ngood morning" in asked[0] and "you translate" in asked[0] and SYSTEM in asked[1]
+    assert "bonjour" not in asked[0] and "a model" in asked[1]  # the reference left out; earlier turns kept
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in asked]
+    assert ids == [tokenizer.apply_chat_template(c.chat(SYSTEM, c.prompt_turns), add_generation_prompt=True,
+                                                 return_dict=False)
+                   for c in (normalise(r, "alpaca", SftColumns(), SftTags(), "x", input_separator=SEPARATOR) for r in rows)]
+    written = list(csv.DictReader(out.open(encoding="utf-8")))
+    assert [(r["output"], r["predicted_output"]) for r in written] == [("bonjour", "reply 0"), ("hi", "reply 1")]
+
+
+def test_sharegpt_and_messages_rows_bring_their_system_prompt_and_tools(sft_run, asked, tmp_path, capsys):
+    tools = [{"name": "weather", "description": "today's weather", "parameters": {}}]
+    rows = [{"conversations": [{"from": "human", "value": "is it sunny"}, {"from": "gpt", "value": "yes"}],
+             "system": "you forecast", "tools": json.dumps(tools)},
+            {"conversations": [{"from": "human", "value": "and tomorrow"}], "tools": tools}]
+    source, out = tmp_path / "sharegpt.jsonl", tmp_path / "out.csv"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert _predict(sft_run, source, out) == 0
+    assert "read as sharegpt rows" in capsys.readouterr().out
+    tokenizer, text = _tokenizer(sft_run), json.dumps(tools)
+    assert asked == [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) for messages in (
+        [{"role": "system", "content": with_tools("you forecast", text)}, {"role": "user", "content": "is it sunny"}],
+        [{"role": "system", "content": with_tools(SYSTEM, text)}, {"role": "user", "content": "and tomorrow"}])]
+    assert all("Tools available:" in p and "today's weather" in p for p in asked)
+    written = list(csv.DictReader(out.open(encoding="utf-8")))
+    assert [(r["reference"], r["output"]) for r in written] == [("yes", "reply 0"), ("", "reply 1")]
+
+    # the run's own prepared split (data/test.jsonl) and OpenAI messages with tools: the same prompts
+    asked.clear()
+    saved = Conversation((("user", "is it sunny"), ("assistant", "yes")), "you forecast", "weather", "x", (), text)
+    openai_row = {"messages": [{"role": "user", "content": "and tomorrow"}], "tools": tools}
+    source.write_text(json.dumps(saved.as_row()) + "\n" + json.dumps(openai_row) + "\n", encoding="utf-8")
+    assert _predict(sft_run, source, out) == 0
+    assert asked == [_trained_prompt(tokenizer, saved), _trained_prompt(tokenizer, Conversation(
+        (("user", "and tomorrow"), ("assistant", "-")), tools=text))]
+    assert [r["reference"] for r in csv.DictReader(out.open(encoding="utf-8"))] == ["yes", ""]
+
+    # a `text` column, or --text-column, is the prompt as before
+    asked.clear()
+    source.write_text(json.dumps({"text": "hello there", **rows[0]}) + "\n", encoding="utf-8")
+    assert _predict(sft_run, source, out) == 0
+    assert asked == [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": "hello there"}],
+                                                   tokenize=False, add_generation_prompt=True)]
+
+
+def test_a_file_in_no_format_is_refused_before_weights_load(sft_run, tmp_path, monkeypatch, capsys):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded for a file that is refused")
+
+    monkeypatch.setattr("emotune.deploy.predict.load_artifact_model", no_weights)
+    source, out = tmp_path / "rows.jsonl", tmp_path / "out.csv"
+    source.write_text(json.dumps({"question": "is it sunny", "answer": "yes"}) + "\n", encoding="utf-8")
+    assert _predict(sft_run, source, out) == 2
+    err = capsys.readouterr().err
+    assert "reads as none of the sft formats (columns found: question, answer)" in err
+    assert "--text-column NAME" in err and "alpaca (`instruction`" in err and "sharegpt (`conversations`" in err
+    assert "Traceback" not in err and not out.exists()
+
+    # a row that cannot be a prompt: refused with its number, and a good earlier output is left as it was
+    out.write_text("kept\n", encoding="utf-8")
+    source.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                      + json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n", encoding="utf-8")
+    assert _predict(sft_run, source, out) == 2
+    err = capsys.readouterr().err
+    assert "read as messages rows" in err and "row 2: the turns do not alternate" in err
+    assert out.read_text(encoding="utf-8") == "kept\n"
