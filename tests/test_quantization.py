@@ -287,3 +287,20 @@ def test_a_model_whose_linear_layers_are_subclasses_is_refused_before_loading(tm
     falcon(tokenizer, alibi=False).save_pretrained(tmp_path)
     with pytest.raises(UserError, match="FalconLinear.*model.quantization=none"):
         quantization.check(ModelConfig(quantization="4bit"), tmp_path, CPU, torch.bfloat16)
+
+
+def test_a_mixture_of_experts_base_says_its_routed_experts_stay_unquantized(tiny_model_dir, tmp_path, capsys):
+    """bitsandbytes quantizes linear layers only, and transformers 5 keeps routed experts as 3-D weights: a 4-bit
+    Qwen3-MoE (or Gemma 4 26B-A4B) keeps most of its parameters in the compute dtype. Said before loading, with how
+    much; a dense model says nothing."""
+    from conftest import build_tokenizer
+    from families import qwen3_moe
+
+    torch.manual_seed(0)
+    qwen3_moe(build_tokenizer(tmp_path)).save_pretrained(tmp_path)
+    quantization.check(ModelConfig(quantization="4bit"), tmp_path, CPU, torch.bfloat16)
+    note = capsys.readouterr().out
+    assert "Qwen3MoeForCausalLM's routed experts (49,152 of its 110,016 parameters, 45%; 0.00 GiB" in note
+    assert "stay unquantized" in note and "in bfloat16" in note
+    quantization.check(ModelConfig(quantization="4bit"), tiny_model_dir, CPU, torch.bfloat16)
+    assert "routed experts" not in capsys.readouterr().out

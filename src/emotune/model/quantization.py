@@ -117,6 +117,43 @@ def check(cfg: ModelConfig, model_dir: Path | None, device: torch.device, comput
             problems.append(problem)
     if problems:
         raise UserError(f"{what} cannot be used here: {'; '.join(problems)}.")
+    if model_dir is not None:
+        note = _unquantized_experts(model_dir, compute_dtype)
+        if note:
+            print(note, flush=True)
+
+
+def _meta_model(model_dir: Path):
+    """An empty (meta-device) copy of the model built from config.json, None when it cannot be built here."""
+    from transformers import AutoConfig
+
+    from emotune.model.text import causal_lm_class
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            return causal_lm_class(config).from_config(config)
+    except Exception:  # noqa: BLE001 (loading reports an unreadable model itself)
+        return None
+
+
+def _unquantized_experts(model_dir: Path, compute_dtype: torch.dtype) -> str | None:
+    """A mixture-of-experts model's routed experts are 3-D weights, which bitsandbytes does not quantize (transformers
+    replaces linear layers only): say how much of the base stays in the compute dtype, so 4 bits is not read as a
+    quarter of the model. None for other models."""
+    from emotune.model.lora import expert_weights
+
+    model = _meta_model(model_dir)
+    names = set(expert_weights(model)) if model is not None else set()
+    if not names:
+        return None
+    experts = sum(p.numel() for name, p in model.named_parameters() if name in names)
+    total = sum(p.numel() for p in model.parameters())
+    size = experts * torch.empty((), dtype=compute_dtype).element_size() / 2**30
+    return (f"Note: {type(model).__name__}'s routed experts ({experts:,} of its {total:,} parameters, "
+            f"{100 * experts / total:.0f}%; {size:.2f} GiB in {str(compute_dtype).removeprefix('torch.')}) stay unquantized: bitsandbytes "
+            "quantizes linear layers only, and transformers keeps the experts as 3-D weights. `emotune plan` counts "
+            "them so.")
 
 
 def _nothing_to_quantize(model_dir: Path) -> list[str]:
@@ -124,16 +161,10 @@ def _nothing_to_quantize(model_dir: Path) -> list[str]:
     exactly `torch.nn.Linear`, and GPT-2's Conv1D (`replace_with_bnb_linear`), so Falcon's `FalconLinear` (a subclass)
     stayed in the compute dtype and the 'quantized' run trained an unquantized base at full size, saying only '0
     weights quantized'. Read from an empty (meta-device) copy built from config.json."""
-    from transformers import AutoConfig
     from transformers.pytorch_utils import Conv1D
 
-    from emotune.model.text import causal_lm_class
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
-            model = causal_lm_class(config).from_config(config)
-    except Exception:  # noqa: BLE001 (loading reports an unreadable model itself)
+    model = _meta_model(model_dir)
+    if model is None:
         return []
     output = model.get_output_embeddings()
     linear = [m for m in model.modules() if m is not output and (type(m) is torch.nn.Linear or isinstance(m, Conv1D))]
