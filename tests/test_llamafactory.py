@@ -110,7 +110,7 @@ def test_a_lora_sft_file_translates_to_the_expected_config(lf_yaml, lf_folder, t
     assert (cfg.model.source, cfg.data.source) == (str(tiny_model_dir), str(lf_folder))
     assert cfg.data.datasets == ["emotion_alpaca", "emotion_chat"] and cfg.data.eval_datasets is None
     assert (cfg.data.max_samples, cfg.train.max_length) == (40, 128)
-    assert cfg.lora.model_dump() == {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
+    assert cfg.lora.model_dump() == {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "target_parameters": None,
                                      "use_rslora": False, "use_dora": False, "modules_to_save": None, "init": "default",
                                      "pissa_iter": 16, "adapter": None, "layers": None}
     train = cfg.train

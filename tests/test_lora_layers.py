@@ -237,6 +237,17 @@ def test_a_run_begun_before_the_key_existed_resumes_with_every_layer_only(tmp_pa
     open_run(tmp_path / "run", _config_text(), overwrite=False)
 
 
+def test_a_run_begun_before_target_parameters_existed_resumes_without_them_only(tmp_path):
+    from emotune.core.rundir import open_run
+
+    older = "\n".join(line for line in _config_text().splitlines() if line != "  target_parameters: null")
+    assert older != _config_text()
+    _unfinished_run(tmp_path / "run", older)
+    with pytest.raises(UserError, match="different config"):
+        open_run(tmp_path / "run", _config_text("lora.target_parameters=experts", "lora.dropout=0"), overwrite=False)
+    open_run(tmp_path / "run", _config_text(), overwrite=False)
+
+
 @pytest.mark.parametrize("task", ["classify", "classify_head"])
 def test_merged_export_of_a_top_layer_adapter(task, tiny_model_dir, tmp_path):
     """The saved adapter holds layer 1's LoRA only; merging it leaves layer 0 as the base had it and matches the

@@ -322,8 +322,9 @@ def _other_data(run: RunDir, fingerprint: str | None) -> bool:
 NOT_COMPARED = ("overwrite:", "  fsdp:", "  shared_prefix:", "  telemetry_interval:")
 # Keys compared like any other, except at a default that computes what the config meant before the key existed: a
 # run begun before lora.layers resumes with it null (every layer), and not with any other value; one begun before
-# data.input_separator with its blank line (how sft rows joined an instruction and its input then).
-SAME_AS_ABSENT = ("  layers: null", '  input_separator: "\\n\\n"')
+# data.input_separator with its blank line (how sft rows joined an instruction and its input then); one begun before
+# lora.target_parameters with it null (LoRA on modules only).
+SAME_AS_ABSENT = ("  layers: null", '  input_separator: "\\n\\n"', "  target_parameters: null")
 
 
 def _comparable(config_yaml: str | None) -> str | None:
