@@ -59,8 +59,9 @@ def test_classification_runs_between_the_slices_of_a_long_reply(tiny_model_dir, 
             time.sleep(0.05)
             return scores
 
-    def slow_generate(**kwargs):
-        return generate(**kwargs, logits_processor=LogitsProcessorList([Slow()]), min_new_tokens=kwargs["max_new_tokens"])
+    def slow_generate(logits_processor=(), **kwargs):  # after the server's own processors
+        return generate(**kwargs, logits_processor=LogitsProcessorList([*logits_processor, Slow()]),
+                        min_new_tokens=kwargs["max_new_tokens"])
 
     engine.model.generate = slow_generate
     try:

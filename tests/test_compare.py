@@ -188,3 +188,27 @@ def test_sft_runs_show_rouge_l_and_perplexity(runs, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "ROUGE-L" in text and "perplexity" in text and "worse (ΔROUGE-L -" in text
     assert "ROUGE-L per kind of instruction" in (tmp_path / "sft" / "compare.html").read_text(encoding="utf-8")
+
+
+def test_a_note_with_line_breaks_stays_one_note_in_every_output(runs, tmp_path, capsys):
+    import shutil
+
+    from emotune.report.table import notes
+
+    # a folder name may hold line breaks; the notes quote run names, and a blank line or `- ` after a break would
+    # end the Markdown bullet and start a paragraph or another bullet
+    first = shutil.copytree(runs["head"], tmp_path / "head\n\n# copy")
+    other = shutil.copytree(runs["other_rows"], tmp_path / "other\n- rows")
+    table = compare_runs([str(first), str(other)], out=tmp_path / "out", allow_mismatch=True)
+    shown = notes(table)
+    assert any("\n" in note for note in shown)
+    bullets = (tmp_path / "out" / "compare.md").read_text(encoding="utf-8").split("## Setup and cost")[1]
+    bullets = [line for line in bullets.splitlines() if line and not line.startswith("|")]
+    assert len(bullets) == len(shown) and all(line.startswith("- ") for line in bullets)
+    assert "- Scores after fine-tuning" in bullets[0] and "head<br><br># copy (classify_head/head)" in bullets[0]
+    assert bullets[-1].startswith("- other<br>- rows (classify/generate) is not comparable: other test rows")
+    page = (tmp_path / "out" / "compare.html").read_text(encoding="utf-8")
+    section = page.split("<section id=notes>")[1].split("</section>")[0]
+    assert section.count("<p>") == len(shown) and "other<br>- rows (classify/generate) is not comparable" in section
+    printed = capsys.readouterr().out  # a note's later lines indented under its first
+    assert "\nother\n  - rows (classify/generate) is not comparable" in printed

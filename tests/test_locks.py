@@ -3,6 +3,7 @@ unique temp names, and checkpoints read with `torch.load(weights_only=True)`, ol
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -134,6 +135,24 @@ def test_a_checkpoint_that_would_run_code_is_refused_with_how_to_restart(tmp_pat
     with pytest.raises(UnsafeCheckpoint):  # refused, not quietly set aside as damaged
         checkpoint_problem(step)
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_progress_json_is_standard_json_and_one_with_nan_from_an_earlier_version_still_reads(tmp_path):
+    from emotune.train import checkpoints as ckpt
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    progress = {"step": 2, "best_loss": float("nan"), "log_history": [{"step": 1, "loss": float("inf"), "grad_norm": 1.5}]}
+    state = ckpt.TrainingState({"w": weight.detach()}, optimizer.state_dict(), scheduler, None, [rng_state()], progress,
+                               None)
+    path = ckpt.write_checkpoint(tmp_path, 2, state, keep=1)
+    text = (path / "progress.json").read_text(encoding="utf-8")
+    written = json.loads(text, parse_constant=lambda word: pytest.fail(f"progress.json holds {word}, which is not JSON"))
+    assert written == {"step": 2, "best_loss": None, "log_history": [{"step": 1, "loss": None, "grad_norm": 1.5}]}
+    assert checkpoint_problem(path) is None
+    (path / "progress.json").write_text('{"step": 2, "best_loss": NaN, "log_history": [{"loss": Infinity}]}')
+    assert checkpoint_problem(path) is None  # as earlier versions wrote it: still resumed from
 
 
 def test_the_packaged_models_conversion_into_the_cache_waits_for_another_process_then_names_it(tmp_path, monkeypatch,

@@ -338,8 +338,9 @@ def test_a_generation_whose_client_leaves_stops_at_its_next_token(served, monkey
             time.sleep(0.05)
             return scores
 
-    def slow_generate(**kwargs):  # each slice of the reply (serve.chat_slice_tokens) in full unless cancelled
-        output = generate(**kwargs, logits_processor=LogitsProcessorList([Slow()]), min_new_tokens=kwargs["max_new_tokens"])
+    def slow_generate(logits_processor=(), **kwargs):  # each slice (serve.chat_slice_tokens) in full unless cancelled
+        output = generate(**kwargs, logits_processor=LogitsProcessorList([*logits_processor, Slow()]),
+                          min_new_tokens=kwargs["max_new_tokens"])
         produced.append(output.sequences.shape[1] - kwargs["input_ids"].shape[1])
         return output
 
@@ -372,7 +373,7 @@ def test_a_chat_whose_client_leaves_before_it_is_admitted_never_generates_in_ful
     url, engine = served[0], served[1]
     generate, produced = engine.model.generate, []
 
-    def slow_generate(**kwargs):
+    def slow_generate(logits_processor=(), **kwargs):
         from transformers import LogitsProcessor, LogitsProcessorList
 
         class Slow(LogitsProcessor):
@@ -380,7 +381,8 @@ def test_a_chat_whose_client_leaves_before_it_is_admitted_never_generates_in_ful
                 time.sleep(0.05)
                 return scores
 
-        output = generate(**kwargs, logits_processor=LogitsProcessorList([Slow()]), min_new_tokens=kwargs["max_new_tokens"])
+        output = generate(**kwargs, logits_processor=LogitsProcessorList([*logits_processor, Slow()]),
+                          min_new_tokens=kwargs["max_new_tokens"])
         produced.append(output.sequences.shape[1] - kwargs["input_ids"].shape[1])
         return output
 

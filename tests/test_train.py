@@ -157,6 +157,16 @@ def test_early_stopping_keeps_the_best_adapter(tiny_overrides, tmp_path, monkeyp
         "lora_B.", "lora_B.default.")]) for k in adapter)
 
 
+def test_a_nan_best_so_far_is_beaten_by_the_next_validation_as_a_resumed_run_reads_it():
+    from dataclasses import replace
+
+    from emotune.train.batches import LANGUAGE_MODEL
+
+    for objective in (LANGUAGE_MODEL, replace(LANGUAGE_MODEL, select="eval_macro_f1", higher_is_better=True)):
+        assert objective.better(0.5, float("nan")) and objective.better(0.5, None)  # progress.json writes NaN as null
+        assert not objective.better(0.5, 0.5)
+
+
 def _poison_losses(monkeypatch, bad_steps: set[int]):
     """Make the loss NaN on the given optimizer steps (1-based), as an fp16 overflow would."""
     calls = {"n": 0}

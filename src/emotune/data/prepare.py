@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from emotune.core import terminal
 from emotune.core.config.run import RunConfig
 from emotune.core.figures import figure_fonts, short_label, short_labels
-from emotune.core.rundir import RunDir, atomic_dir, read_json
+from emotune.core.rundir import RunDir, atomic_dir, json_text, read_json
 from emotune.data.clean import token_lengths
 from emotune.data.load import LabeledData, in_memory_dataset, load_data
 from emotune.data.read import is_data_file
@@ -75,7 +75,7 @@ def save_prepared(data: LabeledData, run: RunDir, tokenizer, cfg: RunConfig) -> 
     with atomic_dir(run.data) as partial:
         for split, ds in data.splits.items():
             pq.write_table(ds.with_format("arrow")[:], partial / f"{split}.parquet")
-        (partial / run.data_report.name).write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
+        (partial / run.data_report.name).write_text(json_text(report), encoding="utf-8")
         plot_label_distribution(data, partial / "label_distribution.png")
     return run.data
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pandas as pd
 import torch
@@ -27,6 +28,7 @@ from emotune.data.read import read_records
 from emotune.deploy.predict_rows import row_prompts
 from emotune.eval.scoring import label_token_ids, prompt_token_ids, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
+from emotune.model.finite import FiniteLogits, NonFiniteOutput, nonfinite_rows, nonfinite_weights, not_finite_message
 from emotune.model.head import head_probabilities
 from emotune.model.loading import serving_dtype
 from emotune.model.text import context_length
@@ -58,6 +60,12 @@ class Loaded:
         dtype = serving_dtype(artifact.model_cfg, torch_device, artifact.measured_dtype)
         self.model, self.tokenizer = load_artifact_model(artifact, dtype, torch_device)
 
+    def refuse_nonfinite(self, where: str) -> NoReturn:
+        """NonFiniteOutput for NaN or infinite scores at `where`, naming the weights at fault (one pass over them)."""
+        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+        raise NonFiniteOutput(not_finite_message(f"The model `{self.artifact.name}`", where, dtype,
+                                                 nonfinite_weights(self.model)) + " Nothing was predicted.")
+
 
 class Classifier(Loaded):
     """A loaded classifier: texts in, label probabilities out."""
@@ -67,6 +75,12 @@ class Classifier(Loaded):
         if self.artifact.has_head:
             return head_probabilities(self.model, self.tokenizer, texts, self.artifact.max_length, batch_size)
         return score_label_probs(self.model, self.tokenizer, texts, self.artifact.prompt, self.artifact.labels, batch_size)
+
+    def check_finite(self, probs: torch.Tensor, what: str, first: int = 1) -> None:
+        """Refuse probabilities that are NaN or infinite (texts `first`, `first` + 1, ... of `what`): no answer."""
+        bad = nonfinite_rows(probs)
+        if bad:
+            self.refuse_nonfinite(_numbered([first + i for i in bad], what))
 
     def check_lengths(self, texts: list[str], what: str) -> None:
         """Before anything is scored: texts whose scoring prompt with the longest label runs past the model's context
@@ -96,10 +110,16 @@ class Generator(Loaded):
     """A loaded sft model: texts in (each the user turn, or a conversation so far), greedy replies out."""
 
     def replies(self, texts: list[str | list[dict]], max_new_tokens: int, batch_size: int = 16, desc: str | None = None) -> list[str]:
+        from transformers import LogitsProcessorList
+
         from emotune.eval.evaluate import generate_texts
 
         prompts = [self.artifact.chat_prompt(self.tokenizer, text) for text in texts]
-        return generate_texts(self.model, self.tokenizer, prompts, max_new_tokens, batch_size, desc)
+        try:
+            return generate_texts(self.model, self.tokenizer, prompts, max_new_tokens, batch_size, desc,
+                                  LogitsProcessorList([FiniteLogits()]))
+        except NonFiniteOutput:  # NaN logits: greedy decoding would reply with token 0
+            self.refuse_nonfinite("the next token of a reply")
 
     def check_lengths(self, texts: list[str | list[dict]], what: str, max_new_tokens: int) -> None:
         """Before anything is generated: prompts that with a reply of `max_new_tokens` run past the model's context
@@ -170,12 +190,13 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
     if rows is None:
         classifier.check_lengths(texts, "text")
         probs = classifier.probs(texts, batch_size)
+        classifier.check_finite(probs, "text")  # before a line is printed
         for text, row in zip(texts, probs.tolist(), strict=False):
             print(json_text({"text": text, **labelled(row, artifact.labels)}, indent=None))
         return 0
     texts = rows[column].astype(str).tolist()
     classifier.check_lengths(texts, f"{Path(file).name}: row")
-    probs = _probs_with_progress(classifier, texts, batch_size)
+    probs = _probs_with_progress(classifier, texts, batch_size, f"{Path(file).name}: row")
     _write_table(rows, probs, artifact.labels, Path(out))
     print(f"Wrote {len(rows)} predictions to {out}", flush=True)
     return 0
@@ -250,12 +271,14 @@ def labelled(probs: list[float], labels: list[str]) -> dict:
     return {"label": labels[best], "probs": {label: round(p, 6) for label, p in zip(labels, probs, strict=False)}}
 
 
-def _probs_with_progress(classifier: Classifier, texts: list[str], batch_size: int) -> torch.Tensor:
+def _probs_with_progress(classifier: Classifier, texts: list[str], batch_size: int, what: str) -> torch.Tensor:
+    """Every text's probabilities, a chunk at a time; a chunk with NaN stops it there (a broken model, found early)."""
     chunk = batch_size * 8  # large enough that the shared prompt head is computed rarely
     parts = []
     with tqdm(total=len(texts), desc="predict", unit="text") as bar:
         for start in range(0, len(texts), chunk):
             parts.append(classifier.probs(texts[start:start + chunk], batch_size))
+            classifier.check_finite(parts[-1], what, first=start + 1)
             bar.update(len(parts[-1]))
     return torch.cat(parts) if parts else torch.empty(0, len(classifier.artifact.labels))
 

@@ -16,12 +16,12 @@ prompt with its labels, an sft model's user turn, a head model's text).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from emotune.core.config.model import ModelConfig
+from emotune.core.rundir import json_text
 from emotune.model import quantization
 from emotune.model.artifacts import Artifact
 
@@ -52,7 +52,7 @@ def merge_report(artifact: Artifact, merged_dir: Path, parity: float, full, text
         "note": "parity: merged folder vs adapter on the unquantized base; quantized_base: adapter on the unquantized "
                 "base vs adapter on the quantized base it was trained and evaluated on",
     }
-    (merged_dir / REPORT).write_text(json.dumps(record, indent=2), encoding="utf-8")
+    (merged_dir / REPORT).write_text(json_text(record), encoding="utf-8")
     print(f"Merged onto the unquantized base (the run trained on a {artifact.model_cfg.quantization} base): largest "
           f"logit difference to the adapter on that base {parity:.2e} (the merge), to the adapter on the "
           f"{artifact.model_cfg.quantization} base it was trained on {gap:.2e} (leaving the quantized weights); "

@@ -59,11 +59,12 @@ def generate_outputs(model, tokenizer, texts: list[str], asked: LabelPrompt, cfg
 
 
 @torch.inference_mode()
-def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, desc: str | None) -> list[str]:
+def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, desc: str | None,
+                   logits_processor=None) -> list[str]:
     """Greedy continuations of chat-templated `prompts` (each stops at EOS or the end of the turn), stripped;
     batched with left padding, rows sorted by length. A reply ends at the model's context: a model with a learned
     position table (GPT-2's 1,024) failed inside its forward past it, a rotary one generates from positions it never
-    saw; a prompt that fills the context gets an empty reply."""
+    saw; a prompt that fills the context gets an empty reply. `logits_processor`: generate's (a LogitsProcessorList)."""
     device = next(model.parameters()).device
     outputs: list[str] = [""] * len(prompts)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens must follow the real prompt directly
@@ -77,7 +78,8 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
             return  # the prompt fills the context: nothing can follow it
         generated = model.generate(**enc, max_new_tokens=room, do_sample=False, num_beams=1,
                                    eos_token_id=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-                                   pad_token_id=tokenizer.pad_token_id, top_p=None, top_k=None, temperature=None)
+                                   pad_token_id=tokenizer.pad_token_id, top_p=None, top_k=None, temperature=None,
+                                   logits_processor=logits_processor)
         new_tokens = generated[:, enc["input_ids"].shape[1]:]
         for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=False):
             outputs[i] = text.strip()

@@ -15,7 +15,6 @@ error says which pieces are missing.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import yaml
 from emotune.core.config.data import PromptConfig
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
-from emotune.core.rundir import RunDir, atomic_dir, read_json
+from emotune.core.rundir import RunDir, atomic_dir, json_text, read_json
 from emotune.model.prompt import system_prompt
 
 META = "emotune.json"
@@ -152,7 +151,7 @@ def write_adapter(model, tokenizer, target: Path, meta: dict, state_dict: dict |
     with atomic_dir(target) as partial:
         model.save_pretrained(partial, **extra)
         tokenizer.save_pretrained(partial)
-        (partial / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
+        (partial / META).write_text(json_text(meta), encoding="utf-8")
     return target
 
 
@@ -168,7 +167,7 @@ def write_full_model(model, tokenizer, target: Path, meta: dict) -> Path:
             model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(partial, safe_serialization=True)
         tokenizer.save_pretrained(partial)
-        (partial / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
+        (partial / META).write_text(json_text(meta), encoding="utf-8")
     return target
 
 

@@ -7,7 +7,6 @@ Every source ends as a local Hugging Face folder; GGUF files are dequantized onc
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.core.locks import LOCK_SUFFIX, locked
-from emotune.core.rundir import atomic_dir, remove_stale_partials
+from emotune.core.rundir import atomic_dir, json_text, remove_stale_partials
 from emotune.model import quantization
 from emotune.model.attention import check_attention
 from emotune.model.system_role import fold_system_role
@@ -167,7 +166,7 @@ def _dequantize(gguf: Path, target: Path) -> None:
     with atomic_dir(target) as partial:  # a killed conversion never leaves a half folder in place
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-        (partial / "emotune_source.json").write_text(json.dumps({"gguf": str(gguf)}, indent=2))
+        (partial / "emotune_source.json").write_text(json_text({"gguf": str(gguf)}), encoding="utf-8")
 
 
 def hf_cache_dir(cfg: ModelConfig) -> str | None:

@@ -92,10 +92,17 @@ def _text(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([lines[0], "-" * terminal.width(lines[0]), *lines[1:]])
 
 
+def markdown_line(text) -> str:
+    """Text as one line of Markdown, each line break a `<br>` (GitHub and the model hubs render it as one): a break
+    would end the table row or bullet the text is in, and a blank line, `- ...`, `# ...` or `---` after it would
+    start a paragraph, list, heading or rule of its own."""
+    return "<br>".join(str(text).splitlines())
+
+
 def markdown_cell(cell) -> str:
     """A value as one cell of a Markdown table: a `|` in a label or a run name would start a new column, and a line
-    break would end the row (GitHub and the model hubs render `<br>` as one)."""
-    return "<br>".join(str(cell).replace("|", "\\|").splitlines())
+    break would end the row."""
+    return markdown_line(str(cell).replace("|", "\\|"))
 
 
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -120,12 +127,14 @@ def notes(table: dict) -> list[str]:
 
 def render(table: dict) -> str:
     """The terminal text: the quality table, the setup and cost table, and what the verdicts mean."""
-    return "\n".join(["", _text(*quality_table(table)), "", _text(*setup_table(table)), "", *notes(table)])
+    # a note's later lines indented under its first, so each note still reads as one
+    return "\n".join(["", _text(*quality_table(table)), "", _text(*setup_table(table)), "",
+                      *["\n  ".join(note.splitlines()) for note in notes(table)]])
 
 
 def markdown(table: dict) -> str:
     return "\n".join(["## Quality", "", _markdown(*quality_table(table)), "", "## Setup and cost", "",
-                      _markdown(*setup_table(table)), "", *[f"- {note}" for note in notes(table)], ""])
+                      _markdown(*setup_table(table)), "", *[f"- {markdown_line(note)}" for note in notes(table)], ""])
 
 
 def csv_text(table: dict) -> str:
@@ -187,7 +196,12 @@ def html_sections(table: dict) -> list[str]:
             f"<section id=setup><h2>Setup and cost</h2>"
             f"{_html_table(*setup_table(table), 'from config.yaml, run.json and the training log')}</section>",
             _per_class_table(table),
-            "<section id=notes><h2>Notes</h2>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes(table)) + "</section>"]
+            "<section id=notes><h2>Notes</h2>" + "".join(f"<p>{_html_lines(n)}</p>" for n in notes(table)) + "</section>"]
+
+
+def _html_lines(text: str) -> str:
+    """`text` escaped, its line breaks kept (HTML would run its lines together)."""
+    return "<br>".join(html.escape(line) for line in text.splitlines())
 
 
 def html_page(table: dict) -> str:

@@ -29,11 +29,13 @@ from emotune.core.errors import UserError
 from emotune.data.clean import clean_for_inference
 from emotune.eval.scoring import LabelScorer, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
+from emotune.model.finite import NonFiniteOutput, nonfinite_rows, nonfinite_weights, not_finite_message
 from emotune.model.head import causal_adapter, classifier_from_causal, head_probabilities
 from emotune.model.loading import load_base, load_tokenizer, serving_dtype
 from emotune.runtime import device as device_mod
 
 BASE_MODEL = "base"
+PROBE_TEXT = "Hello"  # the text every model answers once when loaded (Engine._probe)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
@@ -87,13 +89,16 @@ class Engine:
             served = self.model
             try:
                 head = self._attach_head(artifact) if artifact.has_head else self._attach(artifact)
+                loaded = Loaded(artifact.name, artifact, tokenizer, head=head)
+                with self._active(loaded):
+                    self._probe(loaded)
             except BaseException:
                 self._detach(artifact.peft_name)
                 raise
             finally:
                 if self.model is not served:  # the first adapter wrapped the model: every scorer starts afresh
                     self.scorers.clear()
-            self.models[artifact.name] = Loaded(artifact.name, artifact, tokenizer, head=head)
+            self.models[artifact.name] = loaded
 
     def tokenizer_for(self, artifact: Artifact) -> Any:
         """The adapter folder's tokenizer; one already loaded from identical files is shared (a tokenizer of a
@@ -166,13 +171,48 @@ class Engine:
         with self.lock, self._busy():
             if name not in self.models:
                 raise ModelGone(f"The model `{name}` was unloaded before this request's turn came.")
-            context = nullcontext()  # the plain base, or a merged model served alone
-            if self.is_peft and name == BASE_MODEL:
-                context = self.model.disable_adapter()
-            elif self.is_peft:
-                self.model.set_adapter(self.models[name].artifact.peft_name)
-            with context:
-                yield self.models[name]
+            with self._active(self.models[name]) as loaded:
+                yield loaded
+
+    @contextmanager
+    def _active(self, loaded: Loaded):
+        """`loaded` active (the lock held by the caller): the base with every adapter disabled."""
+        context = nullcontext()  # the plain base, or a merged model served alone
+        if self.is_peft and loaded.artifact is None:
+            context = self.model.disable_adapter()
+        elif self.is_peft:
+            self.model.set_adapter(loaded.artifact.peft_name)
+        with context:
+            yield loaded
+
+    def check_finite(self, name: str) -> None:
+        """The base or merged model answers PROBE_TEXT with finite scores (adapters are probed as they load)."""
+        with self.using(name) as loaded:
+            self._probe(loaded)
+
+    def _probe(self, loaded: Loaded) -> None:
+        """One forward pass over a short text, `loaded` active: a model whose weights hold NaN or infinity (a broken
+        checkpoint or conversion) answers every request with NaN, which is refused here, when it loads, naming the
+        weights at fault (NonFiniteOutput), instead of failing every request it is sent."""
+        with torch.no_grad():
+            if loaded.head is not None:
+                scores = head_probabilities(loaded.head, loaded.tokenizer, [PROBE_TEXT], 16, 1)
+            else:
+                ids = loaded.tokenizer(PROBE_TEXT, return_tensors="pt")["input_ids"].to(self.device)
+                scores = self.model(input_ids=ids).logits[:, -1]
+        if not nonfinite_rows(scores):
+            return
+        model = loaded.head if loaded.head is not None else self.model
+        others = tuple(m.artifact.peft_name for m in self.models.values()
+                       if m.artifact is not None and m.name != loaded.name and not m.artifact.merged)
+        raise NonFiniteOutput(not_finite_message(f"The model `{loaded.name}`", "a short test text when it was loaded",
+                                                 self.dtype_of(loaded), nonfinite_weights(model, skip=others))
+                              + " It was not loaded.")
+
+    def dtype_of(self, loaded: Loaded) -> torch.dtype:
+        """The dtype `loaded` computes in (its first floating-point weight's)."""
+        model = loaded.head if loaded.head is not None else self.model
+        return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
     @contextmanager
     def _busy(self):
@@ -246,6 +286,7 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
     if merged:
         print(f"Loading merged model {merged[0].name} from {merged[0].path} ...", flush=True)
         engine = Engine(cfg.model, cfg.device, merged=merged[0])
+        engine.check_finite(merged[0].name)
         print(f"Serving merged model {merged[0].name} ({describe(merged[0])})", flush=True)
         return engine, artifacts
     model_cfg = base_config(artifacts, cfg.model, cfg.device)
@@ -253,6 +294,7 @@ def build_engine(cfg: RunConfig, targets: list[str], fallback: Fallback | None =
         check_base(artifact, model_cfg.source)
     print(f"Loading base model {model_cfg.source} ...", flush=True)
     engine = Engine(model_cfg, cfg.device)
+    engine.check_finite(BASE_MODEL)
     for artifact in artifacts:
         engine.add_adapter(artifact)
         print(f"Loaded adapter {artifact.name} ({describe(artifact)}) from {artifact.path}", flush=True)

@@ -15,15 +15,19 @@ first slice.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 import torch
-from transformers import DynamicCache, StoppingCriteria
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
+from emotune.model.finite import FiniteLogits, NonFiniteOutput, not_finite_message
 from emotune.model.turns import stop_token_ids
 from emotune.serve.engine import Engine
+from emotune.serve.http import APIError
 
+log = logging.getLogger("emotune.serve")
 EXACT_IN_CHUNKS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
 """Cache layers a chunked prefill fills as one pass does (exact classes: a subclass may keep keys differently)."""
 
@@ -77,7 +81,13 @@ class Generation:
             budget = min(self.slice_tokens, job["max_tokens"] - len(self.new_tokens))
             before = len(self.new_tokens)
             with self._own_random_stream():
-                self._generate(tokenizer, budget)
+                try:
+                    self._generate(tokenizer, budget)
+                except NonFiniteOutput:  # NaN logits: greedy would reply with token 0, sampling fail in torch
+                    message = not_finite_message(f"The model `{loaded.name}`", "the next token of this reply",
+                                                 self.engine.dtype_of(loaded))
+                    log.error("%s", message)
+                    raise APIError(500, message, "server_error") from None
             self.text = tokenizer.decode(self.new_tokens, skip_special_tokens=True)
         made = len(self.new_tokens) - before
         text, stopped = cut_at_stop(self.text, job["stop"])
@@ -128,7 +138,8 @@ class Generation:
             input_ids=self.ids, attention_mask=torch.ones_like(self.ids), cache=self.cache, cache_implementation=None,
             max_new_tokens=budget, do_sample=sampling, temperature=job["temperature"] if sampling else None,
             top_p=job["top_p"] if sampling else None, top_k=None, eos_token_id=self.stops,
-            pad_token_id=tokenizer.pad_token_id, stopping_criteria=criteria, return_dict_in_generate=True)
+            pad_token_id=tokenizer.pad_token_id, stopping_criteria=criteria, return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([FiniteLogits()]))
         self.ids, self.cache = output.sequences, output.cache
 
     @contextmanager

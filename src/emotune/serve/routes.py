@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
@@ -20,6 +21,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import ServeConfig
 from emotune.core.errors import UserError
 from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
+from emotune.model.finite import NonFiniteOutput, nonfinite_rows, not_finite_message
 from emotune.serve.chat import Generation, chat_job, check_chat, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.guards import TrustedHosts
@@ -48,6 +50,7 @@ from emotune.serve.schemas import (
 )
 from emotune.serve.state import Server
 
+log = logging.getLogger("emotune.serve")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -152,6 +155,7 @@ async def classify(body: ClassifyRequest, state: ServerState, request: Request):
     await asyncio.to_thread(state.check_context, loaded, texts, prompt, labels)  # tokenizing: off the event loop
     with model_gone_is_404():
         probs = await unless_client_leaves(request, state.batcher.submit(loaded.name, texts, prompt, labels))
+    _check_finite(probs, loaded, state)
     data = []
     for i, row in enumerate(probs.tolist()):
         best = max(range(len(labels)), key=row.__getitem__)
@@ -237,7 +241,10 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
                                 "first.", "conflict_error")
         artifact = await asyncio.to_thread(_adapter_artifact, state, body)  # reads files: off the event loop
         tokenizer = await asyncio.to_thread(engine.tokenizer_for, artifact)  # off the model thread too
-        await asyncio.get_running_loop().run_in_executor(state.chat_executor, engine.add_adapter, artifact, tokenizer)
+        try:
+            await asyncio.get_running_loop().run_in_executor(state.chat_executor, engine.add_adapter, artifact, tokenizer)
+        except NonFiniteOutput as err:  # its weights hold NaN: refused, the models served before unchanged
+            raise APIError(422, str(err)) from None
     return _model_card(engine.models[artifact.name], engine)
 
 
@@ -252,6 +259,18 @@ async def unload_adapter(name: str, state: ServerState):
             await asyncio.get_running_loop().run_in_executor(state.chat_executor, state.engine.remove_adapter, name)
     state.name_locks.pop(name, None)
     return {"id": name, "object": "model", "deleted": True}
+
+
+def _check_finite(probs, loaded: Loaded, state: Server) -> None:
+    """A 500 naming the texts whose probabilities are NaN or infinite (no answer, and not JSON either), rather than
+    one from the JSON encoder. The weights were finite when the model loaded (Engine._probe), so this is an overflow
+    on these texts or a weight only they reach."""
+    bad = nonfinite_rows(probs)
+    if bad:
+        where = ", ".join(f"input[{i}]" for i in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        message = not_finite_message(f"The model `{loaded.name}`", where, state.engine.dtype_of(loaded))
+        log.error("%s", message)
+        raise APIError(500, message, "server_error")
 
 
 @contextmanager

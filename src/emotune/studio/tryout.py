@@ -21,6 +21,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
 from emotune.model.artifacts import Artifact, find_artifact
+from emotune.model.finite import NonFiniteOutput, nonfinite_rows, not_finite_message
 from emotune.serve.chat import Generation, render_conversation
 from emotune.serve.engine import Engine, base_config
 
@@ -74,7 +75,11 @@ class Tryout:
                 raise Refused(422, f"Run `{run.root.name}` is an {artifact.task} model: it answers in free text, so it "
                                    "has no labels to classify into. Chat with it instead.")
             prompt = PromptConfig() if artifact.has_head else artifact.prompt  # a head reads the bare text
-            probs = self.engine.classify(artifact.name, [text], prompt, artifact.labels, 1)[0].tolist()
+            probs = self.engine.classify(artifact.name, [text], prompt, artifact.labels, 1)
+            if nonfinite_rows(probs):  # the weights were finite when they loaded: an overflow on this text
+                raise Refused(500, not_finite_message(f"The model `{artifact.name}`", "this text",
+                                                      self.engine.dtype_of(self.engine.models[artifact.name])))
+            probs = probs[0].tolist()
         return sorted(zip(artifact.labels, probs, strict=True), key=lambda pair: -pair[1])
 
     def chat(self, run: RunDir, messages: list[dict], max_tokens: int) -> Reply:
@@ -164,8 +169,10 @@ class Tryout:
             self.unload()
             engine = Engine(base_config([artifact], artifact.model_cfg, self.device), self.device,
                             merged=artifact if artifact.merged else None)
-            if not artifact.merged:
-                engine.add_adapter(artifact)
+            try:  # a model whose weights hold NaN is refused as `emotune serve` refuses it
+                engine.check_finite(artifact.name) if artifact.merged else engine.add_adapter(artifact)
+            except NonFiniteOutput as err:
+                raise Refused(422, str(err)) from None
             self.engine, self.artifact, self.key = engine, artifact, key
         return self.artifact
 

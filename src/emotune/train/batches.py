@@ -20,6 +20,7 @@ When every row starts with the same tokens (a classifier's system prompt and use
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -259,7 +260,10 @@ class Objective:
     """The tokens every row starts with, run once per forward pass (set by `share_prefix`); () = whole rows."""
 
     def better(self, value: float, best: float | None) -> bool:
-        return best is None or (value > best if self.higher_is_better else value < best)
+        """Whether `value` beats the best so far. A NaN best (a validation loss that came out NaN) is none: every
+        comparison with it is false, which kept its adapter and counted every later evaluation towards early stopping;
+        and a checkpoint stores it as null, so a resumed run must judge it as an uninterrupted one does."""
+        return best is None or math.isnan(best) or (value > best if self.higher_is_better else value < best)
 
 
 LANGUAGE_MODEL = Objective(can_share_prefix=True)

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from emotune.core.errors import UserError, first_line
-from emotune.core.rundir import atomic_dir
+from emotune.core.rundir import atomic_dir, json_text
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 BEST_FILE = "best.safetensors"
@@ -192,7 +192,9 @@ def write_checkpoint(folder: Path, step: int, state: TrainingState, keep: int) -
         torch.save({"optimizer": state.optimizer, "scheduler": state.scheduler.state_dict(),
                     "scaler": state.scaler.state_dict() if state.scaler is not None else None}, partial / "optimizer.pt")
         torch.save(state.rng_states, partial / "rng.pt")
-        (partial / "progress.json").write_text(json.dumps(state.progress, indent=1))
+        # standard JSON: a NaN validation loss (best_loss) or log entry is null, as in log_history.jsonl; files of earlier
+        # versions, which wrote the bare word NaN, still read back (json.loads accepts it)
+        (partial / "progress.json").write_text(json_text(state.progress, indent=1), encoding="utf-8")
     for old in complete_checkpoints(folder)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
@@ -229,7 +231,7 @@ def checkpoint_problem(path: Path) -> str | None:
         except Exception as err:  # noqa: BLE001 (a cut pickle or zip fails in many ways)
             return f"{name} is unreadable ({type(err).__name__}: {err})"
     try:
-        progress = json.loads((path / "progress.json").read_text())
+        progress = json.loads((path / "progress.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         return f"progress.json is unreadable ({err})"
     return None if isinstance(progress, dict) and "step" in progress else "progress.json has no step"
@@ -266,4 +268,4 @@ def read_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sc
     # state is the closest start.
     set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
     best = load_file(path / BEST_FILE) if (path / BEST_FILE).is_file() else None
-    return json.loads((path / "progress.json").read_text()), best
+    return json.loads((path / "progress.json").read_text(encoding="utf-8")), best

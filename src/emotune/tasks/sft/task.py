@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from emotune.core.config.sft import INPUT_SEPARATOR, SftConfig
 from emotune.core.errors import UserError
-from emotune.core.rundir import RunDir, atomic_dir, read_json
+from emotune.core.rundir import RunDir, atomic_dir, json_text, read_json
 from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
 from emotune.data.sources import HUB_PREFIXES, SPLITS
 from emotune.eval.probe import load_probe
@@ -83,9 +83,9 @@ def save_data(data: ConversationData, run: RunDir, tokenizer: PreTrainedTokenize
     report = {**data.report, "tokens": _token_report(data, tokenizer, cfg)}
     with atomic_dir(run.data) as folder:
         for split, rows in data.splits.items():
-            (folder / f"{split}.jsonl").write_text("".join(json.dumps(c.as_row(), ensure_ascii=False) + "\n" for c in rows),
+            (folder / f"{split}.jsonl").write_text("".join(json_text(c.as_row(), indent=None) + "\n" for c in rows),
                                                    encoding="utf-8")
-        (folder / DATA_REPORT).write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
+        (folder / DATA_REPORT).write_text(json_text(report), encoding="utf-8")
     data.report = report
 
 

@@ -1,0 +1,103 @@
+"""A model whose weights hold NaN (a broken checkpoint, adapter or conversion): `emotune serve` refuses to load it,
+naming the weights; a served model that turns out to compute NaN is a 500 that says so (classify, chat, a stream),
+not a JSON encoder's error or a reply of padding; `emotune predict` exits 2 with the same message and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import write_tiny_adapter
+from emotune.cli import main
+from emotune.core.config.eval import ServeConfig
+from emotune.core.config.load import load_config
+from emotune.model.finite import NonFiniteOutput, not_finite_message
+from emotune.serve import build_engine, create_app
+from server_harness import running
+
+BROKEN = "mlp.down_proj.lora_B"  # NaN there reaches every logit (NaN in a query can vanish inside CPU attention)
+SAYS = "computed scores that are not numbers (NaN or infinity)"
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+def poison(run_dir):
+    """NaN in one LoRA matrix of the run's adapter file, as a diverged or broken checkpoint holds it."""
+    path = run_dir / "adapter" / "adapter_model.safetensors"
+    weights = load_file(path)
+    weights[next(k for k in sorted(weights) if BROKEN in k)].fill_(float("nan"))
+    save_file(weights, path)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("nonfinite")
+    write_tiny_adapter(tiny_model_dir, root / "good")
+    poison(write_tiny_adapter(tiny_model_dir, root / "broken"))
+    poison(write_tiny_adapter(tiny_model_dir, root / "chat", task="sft", overrides=("eval.max_new_tokens=3",)))
+    return root
+
+
+def test_serve_refuses_to_load_a_model_whose_weights_hold_nan(runs):
+    with pytest.raises(NonFiniteOutput, match=rf"`broken` {re.escape(SAYS)}.*{BROKEN}.*It was not loaded"):
+        build_engine(load_config(None, ["device=cpu"]), [str(runs / "broken")])
+
+
+def test_a_served_model_computing_nan_is_a_500_saying_so_and_a_broken_adapter_load_422(runs):
+    engine, _ = build_engine(load_config(None, ["device=cpu"]), [str(runs / "good")])
+    with torch.no_grad():  # broken after it loaded (as an overflow on some texts only would show)
+        next(p for n, p in engine.model.named_parameters() if BROKEN in n and "good" in n).fill_(float("nan"))
+    cfg = ServeConfig(admin_key="admin-key", adapter_dirs=[str(runs)])
+    with running(create_app(engine, cfg)) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        answer = http.post("/v1/classify", json={"model": "good", "input": ["i am happy", "so sad"]})
+        assert answer.status_code == 500
+        error = answer.json()["error"]
+        assert error["type"] == "server_error" and f"`good` {SAYS} for input[0], input[1]" in error["message"]
+        chat = {"model": "good", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+        for temperature in (0, 1):  # greedy replied with padding, sampling failed inside torch.multinomial
+            answer = http.post("/v1/chat/completions", json={**chat, "temperature": temperature})
+            assert answer.status_code == 500 and SAYS in answer.json()["error"]["message"]
+        events = http.post("/v1/chat/completions", json={**chat, "stream": True}).text.split("\n\n")
+        assert SAYS in json.loads(events[-3].removeprefix("data: "))["error"]["message"] and events[-2] == "data: [DONE]"
+        refused = http.post("/v1/adapters", headers=ADMIN, json={"name": "again", "path": "broken"})
+        assert refused.status_code == 422 and BROKEN in refused.json()["error"]["message"]
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["base", "good"]
+        base = http.post("/v1/classify", json={"model": "base", "input": "i am happy", "labels": ["joy", "anger"]})
+        assert base.status_code == 200, base.text  # the base model, adapters disabled, still answers
+
+
+def test_predict_exits_2_naming_the_weights_and_writes_nothing(runs, tmp_path, capsys):
+    assert main(["predict", str(runs / "broken"), "i am happy", "so sad"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and f"{SAYS} for texts 1, 2" in out.err and BROKEN in out.err
+    (tmp_path / "in.csv").write_text("text\ni am happy\n", encoding="utf-8")
+    (tmp_path / "out.csv").write_text("an earlier,good file\n", encoding="utf-8")
+    assert main(["predict", str(runs / "broken"), "--file", str(tmp_path / "in.csv"), "--out",
+                 str(tmp_path / "out.csv")]) == 2
+    assert "in.csv: row 1" in capsys.readouterr().err
+    assert (tmp_path / "out.csv").read_text(encoding="utf-8") == "an earlier,good file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.csv", "out.csv"]
+    assert main(["predict", str(runs / "chat"), "hi"]) == 2  # greedy replies of padding before
+    out = capsys.readouterr()
+    assert out.out == "" and f"{SAYS} for the next token of a reply" in out.err
+
+
+def test_an_overflow_with_finite_weights_is_blamed_on_the_dtype():
+    fp16 = not_finite_message("The model `x`", "input[0]", torch.float16, weights=[])
+    assert "weights are all finite" in fp16 and "bfloat16 or float32" in fp16
+    assert "float16" not in not_finite_message("The model `x`", "input[0]", torch.float32, weights=None)
+
+
+def test_the_studio_refuses_to_try_a_model_whose_weights_hold_nan(runs):
+    from emotune.core.rundir import RunDir
+    from emotune.studio.tryout import Refused, Tryout
+
+    tryout = Tryout(training=lambda: None, device="cpu")
+    with pytest.raises(Refused, match=re.escape(SAYS)) as refused:
+        tryout.classify(RunDir(runs / "broken"), "i am happy")
+    assert refused.value.status == 422 and tryout.engine is None
