@@ -19,7 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from emotune.core.config.sft import INPUT_SEPARATOR, SftConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, read_json
-from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
+from emotune.data.clean import text_steps
+from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations, turn_cleaning
 from emotune.data.sources import HUB_PREFIXES, SPLITS
 from emotune.eval.probe import load_probe
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, trained_outputs
@@ -157,8 +158,10 @@ def find_adapter(path: str, cfg: SftConfig, data: ConversationData) -> Artifact:
 
 
 def adapter_meta(cfg: SftConfig, data: ConversationData) -> dict:
+    """emotune.json: besides the system prompt and base, the text steps every turn was cleaned with (predict and serve
+    clean their prompts' turns the same way)."""
     return {"task": "sft", "system_prompt": cfg.prompt.system_prompt, "base_model": cfg.model.source,
-            "eval": cfg.eval.model_dump()}
+            "eval": cfg.eval.model_dump(), "cleaning": text_steps(turn_cleaning(cfg.data.cleaning))}
 
 
 # --------------------------------------------------------------------------------------------------
