@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from conftest import trained_conversation, write_tiny_adapter
 from emotune.cli import main
@@ -180,3 +181,45 @@ def test_prompts_are_cleaned_as_the_training_turns_were(sft_run, asked, tmp_path
     assert asked == [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": DIRTY}],
                                                    tokenize=False, add_generation_prompt=True)]
 
+
+RENAMED = SftColumns(prompt="question", query="context", response="answer")
+
+
+@pytest.fixture(scope="module")
+def renamed_run(tiny_model_dir, tmp_path_factory):
+    """A run whose Alpaca rows name their columns otherwise, with a separator other than the default."""
+    return write_tiny_adapter(tiny_model_dir, tmp_path_factory.mktemp("sft-renamed") / "renamed", seed=3, task="sft",
+                              overrides=(f"prompt.system_prompt={SYSTEM}", 'data.input_separator="\\n"',
+                                         *(f"data.columns.{key}={value}" for key, value in
+                                           RENAMED.model_dump(exclude_defaults=True).items())))
+
+
+def test_an_export_reads_rows_with_the_columns_its_emotune_json_records(renamed_run, asked, tmp_path, capsys):
+    """An export's config.yaml holds the model section only, and an adapter folder may travel without its run: predict
+    read their files with emotune's default column names, so a file with the run's own columns was refused. The sft
+    adapter's emotune.json records them now; one saved before it did falls back to the defaults, as before."""
+    export, alone = tmp_path / "export", tmp_path / "elsewhere" / "adapter-copy"
+    assert main(["export", str(renamed_run), "--out", str(export)]) == 0
+    assert set(yaml.safe_load((export / "config.yaml").read_text(encoding="utf-8"))) == {"model"}
+    shutil.copytree(renamed_run / "adapter", alone)
+    row = {"question": "translate to french", "context": "good morning", "system": "you translate", "answer": "bonjour"}
+    source, out = tmp_path / "alpaca.json", tmp_path / "out.csv"
+    source.write_text(json.dumps([row]), encoding="utf-8")
+    trained = normalise(row, "alpaca", RENAMED, SftTags(), "x", input_separator=SEPARATOR)
+    expected = [_trained_prompt(_tokenizer(renamed_run), trained)]
+    for target in (export, export / "adapter", alone):
+        capsys.readouterr()
+        asked.clear()
+        assert _predict(target, source, out) == 0, target
+        said = capsys.readouterr().out
+        assert "with the run's data.columns and data.tags as its emotune.json records them" in said, said
+        assert "`question`, `context`, `system`; instruction and input joined by '\\n'" in said
+        assert asked == expected and "translate to french\ngood morning" in asked[0]
+        written = list(csv.DictReader(out.open(encoding="utf-8")))
+        assert [(r["answer"], r["output"]) for r in written] == [("bonjour", "reply 0")]
+
+    meta = json.loads((alone / "emotune.json").read_text(encoding="utf-8"))
+    del meta["data"]
+    (alone / "emotune.json").write_text(json.dumps(meta), encoding="utf-8")
+    assert _predict(alone, source, out) == 2
+    assert "Column names: emotune's default column names" in capsys.readouterr().err
