@@ -299,6 +299,20 @@ def write_tiny_adapter(model_dir: Path, run_dir: Path, seed: int = 0, r: int = 4
     return run_dir
 
 
+def trained_conversation(row: dict, folder: Path, overrides: tuple[str, ...] = ()):
+    """`row` as an sft run's data layer reads and cleans it for training (emotune.data.conversation_data) under a config
+    with `overrides`: the train split of a data folder that holds it alone, other rows held out."""
+    from emotune.core.config.load import load_config
+    from emotune.data.conversation_data import load_conversations
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(folder / "train.jsonl", [row])
+    for split in ("validation", "test"):
+        write_jsonl(folder / f"{split}.jsonl", [{"instruction": f"a {split} question", "output": "an answer"}])
+    cfg = load_config(None, ["task=sft", f"data.source={folder}", *overrides])
+    return load_conversations(cfg.data, cfg.seed).splits["train"][0]
+
+
 def _random_head_adapter(base, r: int, seed: int, layers: list[int] | None = None, **lora_kwargs):
     """The classifier over `base` with random LoRA (as training attaches it) and a random head of std 1.
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import pytest
+import yaml
 
-from conftest import write_tiny_adapter
+from conftest import trained_conversation, write_tiny_adapter
 from emotune.cli import main
 from emotune.core.config.sft import SftColumns, SftTags
 from emotune.data.conversations import Conversation, normalise, with_tools
@@ -139,3 +141,85 @@ def test_a_file_in_no_format_is_refused_before_weights_load(sft_run, tmp_path, m
     err = capsys.readouterr().err
     assert "read as messages rows" in err and "row 2: the turns do not alternate" in err
     assert out.read_text(encoding="utf-8") == "kept\n"
+
+
+# a zero-width space, a control character (bell) and an accent as a combining mark (not NFC): what training removes
+# and normalises; `to<bell>day` is one unknown word to the fixture tokenizer, `today` a known one
+DIRTY = "is it\u200b sunny to\x07day in the cafe\u0301"
+
+
+def test_prompts_are_cleaned_as_the_training_turns_were(sft_run, asked, tmp_path):
+    """An sft run cleans every turn of its rows (data.cleaning: control and invisible characters removed, NFC), not the
+    system prompt; predict sent texts and rows as they were, so the same words were another prompt than the one trained
+    on. An adapter whose emotune.json records no cleaning (saved before it did) reads them as sent, as before."""
+    separator = ('data.input_separator="\\n"',)
+    row = {"instruction": DIRTY, "input": "good\u200b morning", "system": "you\u200b translate", "output": "yes",
+           "history": [["who\x07 are you", "a mo\u200bdel"]]}
+    trained_text = trained_conversation({"instruction": DIRTY, "output": "yes"}, tmp_path / "text", separator)
+    trained_row = trained_conversation(row, tmp_path / "row", separator)
+    assert trained_text.messages[0][1] == "is it sunny today in the caf\u00e9"  # what the data layer made of it
+    assert trained_row.system == row["system"] and trained_row.messages[1][1] == "a model"
+
+    assert main(["predict", str(sft_run), DIRTY]) == 0
+    source, out = tmp_path / "alpaca.jsonl", tmp_path / "out.csv"
+    source.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    assert _predict(sft_run, source, out) == 0
+    tokenizer = _tokenizer(sft_run)
+    assert asked == [_trained_prompt(tokenizer, trained_text), _trained_prompt(tokenizer, trained_row)]
+    assert [tokenizer(p, add_special_tokens=False)["input_ids"] for p in asked] == [
+        tokenizer.apply_chat_template(c.chat(SYSTEM, c.prompt_turns), add_generation_prompt=True, return_dict=False)
+        for c in (trained_text, trained_row)]
+
+    old = tmp_path / "old"
+    shutil.copytree(sft_run, old)
+    meta = json.loads((old / "adapter" / "emotune.json").read_text(encoding="utf-8"))
+    for key in ("cleaning", "data"):  # what an adapter saved before they were recorded lacks
+        meta.pop(key, None)
+    (old / "adapter" / "emotune.json").write_text(json.dumps(meta), encoding="utf-8")
+    asked.clear()
+    assert main(["predict", str(old), DIRTY]) == 0
+    assert asked == [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": DIRTY}],
+                                                   tokenize=False, add_generation_prompt=True)]
+
+
+RENAMED = SftColumns(prompt="question", query="context", response="answer")
+
+
+@pytest.fixture(scope="module")
+def renamed_run(tiny_model_dir, tmp_path_factory):
+    """A run whose Alpaca rows name their columns otherwise, with a separator other than the default."""
+    return write_tiny_adapter(tiny_model_dir, tmp_path_factory.mktemp("sft-renamed") / "renamed", seed=3, task="sft",
+                              overrides=(f"prompt.system_prompt={SYSTEM}", 'data.input_separator="\\n"',
+                                         *(f"data.columns.{key}={value}" for key, value in
+                                           RENAMED.model_dump(exclude_defaults=True).items())))
+
+
+def test_an_export_reads_rows_with_the_columns_its_emotune_json_records(renamed_run, asked, tmp_path, capsys):
+    """An export's config.yaml holds the model section only, and an adapter folder may travel without its run: predict
+    read their files with emotune's default column names, so a file with the run's own columns was refused. The sft
+    adapter's emotune.json records them now; one saved before it did falls back to the defaults, as before."""
+    export, alone = tmp_path / "export", tmp_path / "elsewhere" / "adapter-copy"
+    assert main(["export", str(renamed_run), "--out", str(export)]) == 0
+    assert set(yaml.safe_load((export / "config.yaml").read_text(encoding="utf-8"))) == {"model"}
+    shutil.copytree(renamed_run / "adapter", alone)
+    row = {"question": "translate to french", "context": "good morning", "system": "you translate", "answer": "bonjour"}
+    source, out = tmp_path / "alpaca.json", tmp_path / "out.csv"
+    source.write_text(json.dumps([row]), encoding="utf-8")
+    trained = normalise(row, "alpaca", RENAMED, SftTags(), "x", input_separator=SEPARATOR)
+    expected = [_trained_prompt(_tokenizer(renamed_run), trained)]
+    for target in (export, export / "adapter", alone):
+        capsys.readouterr()
+        asked.clear()
+        assert _predict(target, source, out) == 0, target
+        said = capsys.readouterr().out
+        assert "with the run's data.columns and data.tags as its emotune.json records them" in said, said
+        assert "`question`, `context`, `system`; instruction and input joined by '\\n'" in said
+        assert asked == expected and "translate to french\ngood morning" in asked[0]
+        written = list(csv.DictReader(out.open(encoding="utf-8")))
+        assert [(r["answer"], r["output"]) for r in written] == [("bonjour", "reply 0")]
+
+    meta = json.loads((alone / "emotune.json").read_text(encoding="utf-8"))
+    del meta["data"]
+    (alone / "emotune.json").write_text(json.dumps(meta), encoding="utf-8")
+    assert _predict(alone, source, out) == 2
+    assert "Column names: emotune's default column names" in capsys.readouterr().err

@@ -7,13 +7,14 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import shutil
 
 import httpx
 import openai
 import pytest
 import torch
 
-from conftest import LABELS, write_tiny_adapter
+from conftest import LABELS, trained_conversation, write_tiny_adapter
 from emotune.cli import main
 from emotune.core.config.eval import ServeConfig
 from emotune.core.config.load import load_config
@@ -275,6 +276,50 @@ def test_chat_renders_tool_turns_as_the_adapter_trained_on_them(client, sft_run)
     assert with_tools.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     with pytest.raises(openai.UnprocessableEntityError, match="null only in an assistant message with `tool_calls`"):
         client.chat.completions.create(model="chat", max_tokens=2, messages=[{"role": "user", "content": None}])
+
+
+def test_chat_turns_are_cleaned_as_the_training_turns_were(client, http, sft_run, tmp_path, monkeypatch):
+    """An sft run cleans every turn of its rows (control and invisible characters removed, NFC), not the system prompt;
+    chat completions rendered the messages as sent, so the same words were another prompt than the one trained on
+    (here a bell inside `today` made it an unknown word). An adapter whose emotune.json records no cleaning (saved
+    before it did) reads them as sent, as before."""
+    from transformers import AutoTokenizer
+
+    from emotune.serve import routes
+
+    jobs, chat_job = [], routes.chat_job
+
+    def recorded(*args):  # the rendered prompt and its token ids, as generation gets them
+        jobs.append(chat_job(*args))
+        return jobs[-1]
+
+    monkeypatch.setattr(routes, "chat_job", recorded)
+    messages = [{"role": "system", "content": "be\u200b kind"}, {"role": "user", "content": "is it\u200b sunny to\x07day"},
+                {"role": "assistant", "content": "a mo\u200bdel"}, {"role": "user", "content": "and the cafe\u0301"}]
+    trained = trained_conversation({"messages": [*messages, {"role": "assistant", "content": "x"}]}, tmp_path / "data")
+    assert [text for _, text in trained.messages[:3]] == ["is it sunny today", "a model", "and the caf\u00e9"]
+    tokenizer = AutoTokenizer.from_pretrained(sft_run / "adapter")
+    prompt = tokenizer.apply_chat_template(trained.chat(SYSTEM, turns=trained.prompt_turns), tokenize=False,
+                                           add_generation_prompt=True)
+    assert "be\u200b kind" in prompt  # the system prompt as written, as training left it
+    reply = client.chat.completions.create(model="chat", max_tokens=2, temperature=0, messages=messages)
+    assert jobs[-1]["prompt"] == prompt
+    assert jobs[-1]["prompt_ids"] == tokenizer.apply_chat_template(trained.chat(SYSTEM, turns=trained.prompt_turns),
+                                                                   add_generation_prompt=True, return_dict=False)
+    assert reply.usage.prompt_tokens == len(jobs[-1]["prompt_ids"])
+
+    old = sft_run.parent / "old-chat"
+    shutil.copytree(sft_run, old)
+    meta = json.loads((old / "adapter" / "emotune.json").read_text(encoding="utf-8"))
+    del meta["cleaning"]
+    (old / "adapter" / "emotune.json").write_text(json.dumps(meta), encoding="utf-8")
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert http.post("/v1/adapters", headers=admin, json={"name": "old", "path": "old-chat"}).status_code == 201
+    try:
+        client.chat.completions.create(model="old", max_tokens=2, temperature=0, messages=messages)
+        assert jobs[-1]["prompt"] == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    finally:
+        assert http.delete("/v1/adapters/old", headers=admin).status_code == 200
 
 
 def test_streaming_equals_the_plain_reply(client):

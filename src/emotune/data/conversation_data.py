@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from emotune.core.config.data import CleaningConfig
-from emotune.core.config.sft import SftDataConfig
+from emotune.core.config.sft import SftCleaningConfig, SftDataConfig
 from emotune.core.errors import UserError, listed, raise_problems
 from emotune.data import clean
 from emotune.data import splits as split_ops
@@ -190,10 +190,37 @@ def _resample(rows: list[Conversation], num_samples: int | None, seed: int) -> l
 # Cleaning, splitting, leakage, limits
 
 
+CLEANED_ROLES = ("user", "assistant")
+"""The turns cleaning rewrites: every user turn (tool results too) and every answer (tool calls too). The system prompt
+and the tools after it are left as written."""
+
+
+def turn_cleaning(cfg: SftCleaningConfig) -> CleaningConfig:
+    """The text steps every turn of a conversation goes through: data.cleaning's NFC and control characters, whitespace
+    as written (line breaks carry meaning in answers such as lists, JSON or code). An sft adapter's emotune.json
+    records them (`cleaning`), for predict and serve to read their prompts as training read its rows."""
+    return CleaningConfig(unicode_nfc=cfg.unicode_nfc, control_chars=cfg.control_chars, whitespace=False)
+
+
+def clean_chats_for_inference(chats: list[list[dict]], recorded: dict | None) -> list[list[dict]]:
+    """Chats (`{"role", "content"}` messages) sent to an sft model (predict, serve, the studio), each user and assistant
+    turn's text rewritten by the steps its training rows went through (emotune.json's `cleaning`, `turn_cleaning`), as
+    `_clean` rewrote those rows' turns; system turns as sent, as training left the system prompt. None (an adapter
+    recorded before this, or another tool's): as sent."""
+    if not recorded:
+        return chats
+    where = [(i, j) for i, chat in enumerate(chats) for j, turn in enumerate(chat)
+             if turn.get("role") in CLEANED_ROLES and isinstance(turn.get("content"), str)]
+    cleaned = iter(clean.clean_for_inference([chats[i][j]["content"] for i, j in where], recorded))
+    out = [list(chat) for chat in chats]
+    for i, j in where:
+        out[i][j] = {**out[i][j], "content": next(cleaned)}
+    return out
+
+
 def _clean(pools: dict[str, list[Conversation]], cfg: SftDataConfig) -> tuple[dict[str, list[Conversation]], dict]:
-    """Text steps on every turn, then duplicates inside each split (on the whole conversation)."""
-    steps = CleaningConfig(unicode_nfc=cfg.cleaning.unicode_nfc, control_chars=cfg.cleaning.control_chars,
-                           whitespace=False)
+    """Text steps on every turn (`turn_cleaning`), then duplicates inside each split (on the whole conversation)."""
+    steps = turn_cleaning(cfg.cleaning)
     report: dict = {"changed_turns": {}, "duplicates": {}}
     out = {}
     for split, rows in pools.items():

@@ -4,8 +4,8 @@ A classifier's labels come from the scoring method (the probability of each labe
 over the label set), with its own system prompt, user template and chat template; a classification-head
 model's from its `score` head over the bare text (emotune.model.head), with the token limit it was trained with.
 An sft model answers in free text: a greedy generation with its own system prompt and chat template, each
-text the user turn; a file without a text column is read as rows of the run's training data format, each prompt
-built as training built it (emotune.deploy.predict_rows).
+text the user turn, its turns cleaned as its training turns were; a file without a text column is read as rows of
+the run's training data format, each prompt built as training built it (emotune.deploy.predict_rows).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from emotune.core.config.sft import SftTags
 from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file, json_text
 from emotune.data.clean import clean_for_inference
+from emotune.data.conversation_data import clean_chats_for_inference
 from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
 from emotune.data.read import read_records
 from emotune.deploy.predict_rows import row_prompts
@@ -109,14 +110,20 @@ class Classifier(Loaded):
 class Generator(Loaded):
     """A loaded sft model: texts in (each the user turn, or a conversation so far), greedy replies out."""
 
+    def prompts(self, texts: list[str | list[dict]]) -> list[str]:
+        """Each text's chat-templated prompt, its user and assistant turns cleaned as the run's training turns were
+        (emotune.json's `cleaning`; an adapter that records none: as given)."""
+        chats = [[{"role": "user", "content": text}] if isinstance(text, str) else text for text in texts]
+        chats = clean_chats_for_inference(chats, self.artifact.meta.get("cleaning"))
+        return [self.artifact.chat_prompt(self.tokenizer, chat) for chat in chats]
+
     def replies(self, texts: list[str | list[dict]], max_new_tokens: int, batch_size: int = 16, desc: str | None = None) -> list[str]:
         from transformers import LogitsProcessorList
 
         from emotune.eval.evaluate import generate_texts
 
-        prompts = [self.artifact.chat_prompt(self.tokenizer, text) for text in texts]
         try:
-            return generate_texts(self.model, self.tokenizer, prompts, max_new_tokens, batch_size, desc,
+            return generate_texts(self.model, self.tokenizer, self.prompts(texts), max_new_tokens, batch_size, desc,
                                   LogitsProcessorList([FiniteLogits()]))
         except NonFiniteOutput:  # NaN logits: greedy decoding would reply with token 0
             self.refuse_nonfinite("the next token of a reply")
@@ -128,8 +135,7 @@ class Generator(Loaded):
         context = context_length(self.model)
         if not context:
             return
-        prompts = [self.artifact.chat_prompt(self.tokenizer, text) for text in texts]
-        lengths = [len(ids) for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        lengths = [len(ids) for ids in self.tokenizer(self.prompts(texts), add_special_tokens=False)["input_ids"]]
         over = [n for n, length in enumerate(lengths, start=1) if length + max_new_tokens > context]
         if over:
             raise UserError(f"{_numbered(over, what)} with a reply of up to {max_new_tokens:,} tokens come to more tokens "

@@ -3,10 +3,11 @@
 `emotune predict RUN --file rows.jsonl` on a file without a text column reads it as the data layer reads an sft
 run's data (emotune.data.conversations): Alpaca rows (instruction, input, system, history, output), ShareGPT
 rows (conversations, system, tools) or OpenAI messages rows (messages or prompt/completion, tools), with the run's
-data.columns, data.tags and data.input_separator from its saved config. Each row becomes the `Conversation` training
-made of it, so its prompt is the one training and evaluation read: the system prompt (the row's, with its tools
-after it, else the run's), then the turns up to the last user turn. The reference answer, where the row has one,
-is left out of the prompt and written beside the reply.
+data.columns, data.tags and data.input_separator from its saved config (where that is not at hand, as the adapter's
+emotune.json records them). Each row becomes the `Conversation` training made of it, so its prompt is the one training
+and evaluation read: the system prompt (the row's, with its tools after it, else the run's), then the turns up to the
+last user turn (cleaned as training cleaned them, by the Generator that asks them). The reference answer, where the
+row has one, is left out of the prompt and written beside the reply.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from emotune.data.conversations import (
     role_sides,
     turn_text,
 )
-from emotune.model.artifacts import Artifact
+from emotune.model.artifacts import META, Artifact
 
 SAVED_SPLIT_COLUMNS = {"messages", "untrained", "source"}
 """A run's own prepared split (data/test.jsonl: Conversation.as_row), which holds the default column names whatever
@@ -64,18 +65,25 @@ class RowPrompts:
 
 
 def data_settings(artifact: Artifact) -> DataSettings:
-    """The data section of the run's saved config, as far as it says how rows are read; defaults where it is not at
-    hand. Only keys that differ from the defaults count as set (the data layer treats a set data.columns.messages
-    differently from the default one)."""
-    data = artifact.config.get("data")
-    if not isinstance(data, dict):
-        return DataSettings()
+    """How the run read its rows: the data section of its saved config; else, where that is not at hand (an export,
+    whose config.yaml holds the model section only, or an adapter folder alone), what the sft adapter's emotune.json
+    records of it (`data`); else the defaults. Only keys that differ from the defaults count as set (the data layer
+    treats a set data.columns.messages differently from the default one)."""
+    config, recorded = artifact.config.get("data"), artifact.meta.get("data")
+    if isinstance(config, dict):
+        return _settings(config, "the run's data.columns and data.tags")
+    if isinstance(recorded, dict):
+        return _settings(recorded, f"the run's data.columns and data.tags as its {META} records them")
+    return DataSettings()
+
+
+def _settings(data: dict, origin: str) -> DataSettings:
     separator = data.get("input_separator")
     return DataSettings(format=data.get("format") if data.get("format") in FORMATS else "auto",
                         columns=SftColumns(**_changed(data.get("columns"), SftColumns())),
                         tags=SftTags(**_changed(data.get("tags"), SftTags())),
                         input_separator=separator if isinstance(separator, str) and separator else INPUT_SEPARATOR,
-                        origin="the run's data.columns and data.tags")
+                        origin=origin)
 
 
 def _changed(raw: object, default: SftColumns | SftTags) -> dict[str, str]:

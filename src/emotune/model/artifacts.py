@@ -2,9 +2,10 @@
 
 An emotune adapter folder holds PEFT's files (`adapter_config.json`, `adapter_model.safetensors`), the
 tokenizer with its chat template, and `emotune.json`: the task, label set, prompt and base model the
-adapter was trained with (an sft adapter: its system prompt and base model; a classify_head adapter: its
-labels, token limit and base model, with the trained `score` head in PEFT's weights file, saved there as a
-module trained in full), so it can be measured and served with exactly the training prompt.
+adapter was trained with (an sft adapter: its system prompt, base model, the text steps its turns were cleaned
+with and how its rows were read; a classify_head adapter: its labels, token limit and base model, with the trained
+`score` head in PEFT's weights file, saved there as a module trained in full), so it can be measured and served with
+exactly the training prompt.
 
 Adapters written by other tools (plain PEFT, LLaMA-Factory, TRL; `adapter_model.bin` too, which PEFT
 reads with `torch.load(weights_only=True)`) have no `emotune.json`. They load when what it would say is

@@ -1,6 +1,7 @@
 """Chat completions: a request checked and rendered with the chat template, then generated on the model thread.
 
-An sft adapter's own system prompt leads the conversation when the request sends none. `stop` texts end
+An sft adapter's own system prompt leads the conversation when the request sends none, and its user and assistant
+turns are cleaned as its training turns were (emotune.json's `cleaning`). `stop` texts end
 generation as soon as the decoded reply holds one, and the reply is cut before it (OpenAI's rule).
 A reply is generated a slice of tokens at a time on the model thread (`Generation`), so classify work does not
 wait for whole replies; streaming sends each slice's text as OpenAI `chat.completion.chunk` events, holding back
@@ -17,6 +18,7 @@ import time
 import uuid
 
 from emotune.core.config.eval import ServeConfig
+from emotune.data.conversation_data import clean_chats_for_inference
 from emotune.data.conversations import with_tools
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.generation import Generation, cut_at_stop
@@ -111,11 +113,13 @@ def _render(body: ChatRequest, loaded: Loaded) -> str:
 
 def render_conversation(messages: list[dict], loaded: Loaded) -> str:
     """The prompt for `messages` ({"role", "content"} each) through the model's chat template, the sft adapter's own
-    system prompt first when the conversation has none and its tool results as user turns, as it trained; APIError 422
-    when the template rejects the messages."""
+    system prompt first when the conversation has none, its tool results as user turns and its user and assistant
+    turns cleaned by the steps its emotune.json records, as it trained; APIError 422 when the template rejects the
+    messages."""
     messages = list(messages)
     if loaded.artifact is not None and loaded.artifact.answers_freely:  # tool results were trained as user turns
         messages = [{**m, "role": "user"} if m["role"] == "tool" else m for m in messages]
+        messages = clean_chats_for_inference([messages], loaded.artifact.meta.get("cleaning"))[0]
     system = loaded.artifact.sft_system_prompt if loaded.artifact is not None else None
     if system and not any(m["role"] == "system" for m in messages):  # answer under the prompt it was trained with
         messages.insert(0, {"role": "system", "content": system})

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from emotune.core.config.sft import INPUT_SEPARATOR, SftConfig
+from emotune.core.config.sft import INPUT_SEPARATOR, SftConfig, SftDataConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, atomic_dir, json_text, read_json
-from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations
+from emotune.data.clean import text_steps
+from emotune.data.conversation_data import ConversationData, embedded_instruct_dir, load_conversations, turn_cleaning
 from emotune.data.sources import HUB_PREFIXES, SPLITS
 from emotune.eval.probe import load_probe
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, trained_outputs
@@ -157,8 +158,23 @@ def find_adapter(path: str, cfg: SftConfig, data: ConversationData) -> Artifact:
 
 
 def adapter_meta(cfg: SftConfig, data: ConversationData) -> dict:
+    """emotune.json: besides the system prompt and base, the text steps every turn was cleaned with (predict and serve
+    clean their prompts' turns the same way) and how the rows were read (predict reads a file of rows with it where
+    the run's config.yaml is not at hand: an export, an adapter folder alone)."""
     return {"task": "sft", "system_prompt": cfg.prompt.system_prompt, "base_model": cfg.model.source,
-            "eval": cfg.eval.model_dump()}
+            "eval": cfg.eval.model_dump(), "cleaning": text_steps(turn_cleaning(cfg.data.cleaning)),
+            "data": _data_record(cfg.data)}
+
+
+def _data_record(data: SftDataConfig) -> dict:
+    """data.format and data.input_separator, and the data.columns and data.tags that differ from the defaults: a key at
+    its default counts as not set, as predict reads the run's config (emotune.deploy.predict_rows.data_settings)."""
+    record = {"format": data.format, "input_separator": data.input_separator}
+    for name in ("columns", "tags"):
+        changed = getattr(data, name).model_dump(exclude_defaults=True)
+        if changed:
+            record[name] = changed
+    return record
 
 
 # --------------------------------------------------------------------------------------------------
