@@ -33,7 +33,7 @@ def asked(monkeypatch):
     """The chat-templated prompts generation was given; each reply is `reply N`."""
     prompts: list[str] = []
 
-    def generate(model, tokenizer, texts, max_new_tokens, batch_size, desc):
+    def generate(model, tokenizer, texts, max_new_tokens, batch_size, desc, processors=None):
         prompts.extend(texts)
         return [f"reply {n}" for n in range(len(texts))]
 
