@@ -304,3 +304,29 @@ def test_a_mixture_of_experts_base_says_its_routed_experts_stay_unquantized(tiny
     assert "stay unquantized" in note and "in bfloat16" in note
     quantization.check(ModelConfig(quantization="4bit"), tiny_model_dir, CPU, torch.bfloat16)
     assert "routed experts" not in capsys.readouterr().out
+
+
+def test_a_router_holding_a_linear_layer_stays_unquantized(tiny_model_dir, tmp_path):
+    """Gemma 4 26B-A4B's router holds its projection as a linear layer (`router.proj`), which a 4-bit load rounded to
+    4 bits, changing which experts each token takes; it is kept in the compute dtype, with the output layer as before,
+    while the attention and MLP layers are quantized. `emotune plan` counts it unquantized. A dense model's load keeps
+    transformers' own list."""
+    import bitsandbytes as bnb
+
+    from conftest import build_tokenizer
+    from emotune.model.loading import load_model
+    from families import gemma4_moe
+
+    torch.manual_seed(0)
+    gemma4_moe(build_tokenizer(tmp_path)).save_pretrained(tmp_path)
+    config = quantization.bnb_config(ModelConfig(quantization="4bit"), torch.float32, tmp_path)
+    kept = set(config.llm_int8_skip_modules)  # transformers' own list, the routers added
+    assert {"lm_head", *(f"model.layers.{i}.router" for i in range(4))} <= kept and not any("proj" in k for k in kept)
+    model = load_model(tmp_path, torch.float32, CPU, quantized=config)
+    layer = model.model.layers[0]
+    assert type(layer.router.proj) is torch.nn.Linear and layer.router.proj.weight.dtype == torch.float32
+    assert isinstance(layer.self_attn.q_proj, bnb.nn.Linear4bit) and isinstance(layer.mlp.down_proj, bnb.nn.Linear4bit)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert layer.router.proj not in quantization._quantized_linears(model)
+    dense = quantization.bnb_config(ModelConfig(quantization="4bit"), torch.float32, tiny_model_dir)
+    assert dense.llm_int8_skip_modules is None

@@ -40,7 +40,8 @@ def merge_report(artifact: Artifact, merged_dir: Path, parity: float, full, text
     base_dir = resolve_model_dir(artifact.model_cfg)
     cpu = torch.device("cpu")
     full = full.eval()
-    quantized_base = load_model(base_dir, torch.float32, cpu, quantized=quantization.bnb_config(artifact.model_cfg, torch.float32))
+    quantized = quantization.bnb_config(artifact.model_cfg, torch.float32, base_dir)
+    quantized_base = load_model(base_dir, torch.float32, cpu, quantized=quantized)
     on_quantized = _with_adapter(artifact, quantized_base).eval()
     gap = max((_logits(full, ids) - _logits(on_quantized, ids)).abs().max().item() for ids in _inputs(artifact, texts))
     record = {

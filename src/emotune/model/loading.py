@@ -300,7 +300,7 @@ def load_base(cfg: ModelConfig, device: torch.device, precision: str = "auto",
     quantization.check(cfg, model_dir, device, dtype)
     if quantization.bits(cfg):
         print(f"Base model: {quantization.describe(cfg, dtype)}", flush=True)
-    model = load_model(model_dir, dtype, device, cfg.attn_implementation, quantization.bnb_config(cfg, dtype))
+    model = load_model(model_dir, dtype, device, cfg.attn_implementation, quantization.bnb_config(cfg, dtype, model_dir))
     if quantization.bits(cfg) == 4:  # evaluated first, trained afterwards: never in the layout training cannot use
         quantization.keep_trainable_layout(model)
     return Base(model, tokenizer, chosen, model_dir)

@@ -42,6 +42,13 @@ def _is_router(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Router")
 
 
+def routers(model: torch.nn.Module) -> list[str]:
+    """The names of the mixture-of-experts routers that hold a linear layer (Gemma 4's, DBRX's and AFMoE's
+    `router.proj`; Llama 4's and PhiMoE's routers are one)."""
+    return [name for name, module in model.named_modules()
+            if name and _is_router(module) and any(isinstance(m, torch.nn.Linear) for m in module.modules())]
+
+
 def _adaptable(module: torch.nn.Module) -> bool:
     """A linear layer `all-linear` adapts. Mixture-of-experts routers are left out: Llama 4's and PhiMoE's subclass
     nn.Linear but return the routing (scores and logits, a tuple), which a LoRA branch cannot add to; Gemma 4's, DBRX's

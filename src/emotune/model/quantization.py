@@ -70,16 +70,33 @@ def bits(cfg: ModelConfig) -> int | None:
     return {"4bit": 4, "8bit": 8}.get(cfg.quantization)
 
 
-def bnb_config(cfg: ModelConfig, compute_dtype: torch.dtype):
-    """transformers' BitsAndBytesConfig for `model.quantization` (None when the base is not quantized)."""
+def bnb_config(cfg: ModelConfig, compute_dtype: torch.dtype, model_dir: Path | None = None):
+    """transformers' BitsAndBytesConfig for `model.quantization` (None when the base is not quantized); with the
+    model's folder, its mixture-of-experts routers are kept unquantized (`kept_unquantized`)."""
     if bits(cfg) is None:
         return None
     from transformers import BitsAndBytesConfig
 
+    kept = kept_unquantized(model_dir) if model_dir is not None else None
+    skip = {"llm_int8_skip_modules": kept} if kept else {}
     if bits(cfg) == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quant_type,
-                              bnb_4bit_use_double_quant=cfg.double_quant, bnb_4bit_compute_dtype=compute_dtype)
+                              bnb_4bit_use_double_quant=cfg.double_quant, bnb_4bit_compute_dtype=compute_dtype, **skip)
+
+
+def kept_unquantized(model_dir: Path) -> list[str] | None:
+    """What a quantized load leaves unquantized when the model's routers hold linear layers (Gemma 4 26B-A4B's
+    `router.proj`): transformers' own list (the output layer and what is tied to it) and those routers, whose few
+    weights decide which experts every token takes, so rounding them to 4 bits would change the routing itself.
+    None for other models: transformers' own list then applies as it is (a list given replaces it)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from emotune.model.lora import routers
+
+    model = _meta_model(model_dir)
+    found = routers(model) if model is not None else []
+    return sorted({*get_keys_to_not_convert(model), *found}) if found else None
 
 
 def describe(cfg: ModelConfig, compute_dtype: torch.dtype) -> str:
@@ -316,10 +333,13 @@ def describe_preparation(counts: dict[str, int]) -> str:
 def _quantized_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The linear layers transformers quantizes: every frozen one but the output layer (the adapters' own A and B
     are linear layers too, and stay as they are)."""
+    from emotune.model.lora import routers
+
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     output = inner.get_output_embeddings()
+    kept = {id(m) for name in routers(model) for m in model.get_submodule(name).modules()}  # kept_unquantized
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output
-            and not m.weight.requires_grad]
+            and not m.weight.requires_grad and id(m) not in kept]
 
 
 def stored_weight_bytes(model: torch.nn.Module, cfg: ModelConfig) -> int:
