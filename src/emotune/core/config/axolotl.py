@@ -23,6 +23,7 @@ from emotune.core.config.base import is_run_name
 from emotune.core.config.build import build_config
 from emotune.core.config.llamafactory_keys import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES
 from emotune.core.config.run import RunConfigBase
+from emotune.core.config.sft import SftConfig
 from emotune.core.config.translation import (
     Translation,
     harmless,
@@ -47,7 +48,7 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     t = Translation(overrides=rest, given=set(file))
     t.settings = {key: default for key, (default, _) in KEY_DEFAULTS.items()} | file
     numbers(t, KEY_DEFAULTS)
-    t.raw["task"] = "sft"
+    t.raw["task"] = SftConfig.model_fields["task"].default  # the task Axolotl's supervised fine-tuning is
     for step in (_refusals, _model, _method, dataset, _data_rest, _schedule, _precision, _steps, _output):
         step(t)
     sort_unknown(t, file, KEY_DEFAULTS.keys() | REFUSED.keys(), IGNORED, "an Axolotl")
