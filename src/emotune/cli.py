@@ -203,9 +203,11 @@ def _load(args: argparse.Namespace, announce: bool = True):
 
     config, overrides = _config_and_overrides(args)
     if announce and config is not None:
+        from emotune.core.config.axolotl import announce as announce_axolotl
         from emotune.core.config.llamafactory import announce as announce_llamafactory
 
         announce_llamafactory(config, overrides)  # a LLaMA-Factory file: each key's emotune equivalent first
+        announce_axolotl(config, overrides)  # an Axolotl file: the same
     cfg = load_config(config, overrides)
     if announce:
         _announce(cfg)

@@ -15,14 +15,12 @@ LLaMA-Factory's `TrainingArguments` (training_args.py) extends, read in the tran
 
 from __future__ import annotations
 
-import difflib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from emotune.core.config.base import is_run_name
-from emotune.core.config.build import _parse_value, _set_dotted, build_config, yaml_text
+from emotune.core.config.build import _set_dotted, build_config, yaml_text
 from emotune.core.config.llamafactory_files import not_training, purpose, refuse_v1
 from emotune.core.config.llamafactory_keys import (
     FINETUNING,
@@ -37,6 +35,18 @@ from emotune.core.config.llamafactory_keys import (
 from emotune.core.config.llamafactory_templates import template_check
 from emotune.core.config.run import RunConfigBase
 from emotune.core.config.sft import LLAMAFACTORY_INPUT_SEPARATOR
+from emotune.core.config.translation import (
+    Translation,
+    harmless,
+    held_out,
+    name_list,
+    numbers,
+    show,
+    sort_unknown,
+    split_overrides,
+    with_overrides,
+)
+from emotune.core.config.translation import describe as shared_describe
 from emotune.core.errors import UserError
 
 # every translated key with its default: LLaMA-Factory's `stage` (which names emotune's task) and the rest
@@ -48,45 +58,16 @@ def is_llamafactory(raw: dict[str, Any]) -> bool:
     return "model_name_or_path" in raw or {"stage", "finetuning_type"} <= raw.keys()
 
 
-@dataclass
-class Translation:
-    """What a LLaMA-Factory file becomes: the emotune config (before overrides) and what was done to each key."""
-
-    raw: dict[str, Any] = field(default_factory=dict)
-    overrides: list[str] = field(default_factory=list)  # the emotune overrides left after LLaMA-Factory ones
-    rows: list[tuple[str, str]] = field(default_factory=list)  # (LLaMA-Factory key: value, emotune key: value)
-    ignored: list[tuple[str, str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    template: str | None = None
-    given: set[str] = field(default_factory=set)  # the keys the file (or a LLaMA-Factory override) sets
-    settings: dict[str, Any] = field(default_factory=dict)  # every translated key: the file's value or the default
-
-    def set(self, emotune_key: str, value: Any, *lf_keys: str, note: str = "") -> None:
-        _set_dotted(self.raw, emotune_key, value)
-        source = ", ".join(f"{k}: {_show(self.settings.get(k))}" + ("" if k in self.given else " (default)")
-                           for k in lf_keys)
-        self.rows.append((source, f"{emotune_key}: {_show(value)}" + (f"  ({note})" if note else "")))
-
-
 def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Translation:
     """The emotune `task: sft` config a LLaMA-Factory file means; refusals go to `problems`, not raised."""
-    file, rest = _split_overrides(dict(file), overrides)
+    file, rest = split_overrides(dict(file), overrides, DEFAULTS.keys() | REFUSED.keys() | IGNORED.keys())
     t = Translation(overrides=rest, given=set(file))
     t.settings = {key: default for key, (default, _) in DEFAULTS.items()} | file
-    _numbers(t)
+    numbers(t, DEFAULTS)
     t.set("task", "sft", "stage")
     for step in (_refusals, _model, _method, _dataset, _schedule, _precision, _steps, _output):
         step(t)
-    known = [*DEFAULTS, *REFUSED, *IGNORED]
-    for key in file:
-        if key in DEFAULTS or key in REFUSED:
-            continue
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.85) if key not in IGNORED else []
-        if close:  # a misspelt key would be one setting silently left at its default; LLaMA-Factory refuses it too
-            t.problems.append(f"`{key}` is not a LLaMA-Factory key; did you mean `{close[0]}`?")
-        else:
-            t.ignored.append((key, IGNORED.get(key, "not a LLaMA-Factory key emotune translates")))
+    sort_unknown(t, file, DEFAULTS.keys() | REFUSED.keys(), IGNORED, "a LLaMA-Factory")  # LLaMA-Factory refuses misspellings too
     return t
 
 
@@ -94,31 +75,6 @@ def load(file: dict[str, Any], path: Path, overrides: list[str] | tuple[str, ...
     """The resolved config of a LLaMA-Factory file: translated, then overridden, then validated, all problems at once."""
     t = translate(file, overrides)
     return build_config(t.raw, t.overrides, path, t.problems, check=lambda raw: template_check(t.template, raw)[0])
-
-
-def _split_overrides(file: dict[str, Any], overrides) -> tuple[dict[str, Any], list[str]]:
-    """`max_steps=2` (a LLaMA-Factory key emotune's top level lacks) changes the file; the rest are emotune's."""
-    known = DEFAULTS.keys() | REFUSED.keys() | IGNORED.keys()
-    rest = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key.strip() in known and key.strip() not in RunConfigBase.model_fields:
-            file[key.strip()] = _parse_value(value)
-        else:
-            rest.append(item)
-    return file, rest
-
-
-def _numbers(t: Translation) -> None:
-    """YAML reads `1e-4` as text; LLaMA-Factory's argument parser makes it the number its field holds."""
-    for key, (default, _) in DEFAULTS.items():
-        value = t.settings[key]
-        if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(value, str):
-            try:
-                t.settings[key] = float(value) if isinstance(default, float) or "." in value or "e" in value else int(value)
-            except ValueError:
-                t.problems.append(f"`{key}`: {value!r} is not a number")
-                t.settings[key] = default  # so the rest of the translation can go on and find the other problems
 
 
 def _refusals(t: Translation) -> None:
@@ -131,19 +87,9 @@ def _refusals(t: Translation) -> None:
                           "or the model itself (full, freeze); use finetuning_type: lora, full or freeze")
     if s["do_train"] is not True:
         t.problems.append(not_training(t.given, t.settings))
-    for key, (harmless, why) in REFUSED.items():
-        if not _harmless(s.get(key, harmless), harmless):
-            t.problems.append(f"`{key}: {_show(s[key])}` is not supported: {why}")
-
-
-def _harmless(value: Any, harmless: Any) -> bool:
-    """The value changes nothing emotune does; YAML reads `1e-8` as text, which the parser makes a number."""
-    if isinstance(harmless, float) and isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            return False
-    return value is None or value is False or value == harmless
+    for key, (harmless_value, why) in REFUSED.items():
+        if not harmless(s.get(key, harmless_value), harmless_value):
+            t.problems.append(f"`{key}: {show(s[key])}` is not supported: {why}")
 
 
 def _model(t: Translation) -> None:
@@ -192,13 +138,13 @@ def _method(t: Translation) -> None:
     alpha = s["lora_alpha"] if s["lora_alpha"] is not None else s["lora_rank"] * 2
     t.set("lora.alpha", alpha, "lora_alpha", note="" if s["lora_alpha"] is not None else "lora_rank x 2")
     t.set("lora.dropout", s["lora_dropout"], "lora_dropout")
-    targets = _names(s["lora_target"])
+    targets = name_list(s["lora_target"])
     t.set("lora.target_modules", "all-linear" if targets == ["all"] else targets, "lora_target")
     if s["additional_target"]:
-        t.set("lora.modules_to_save", _names(s["additional_target"]), "additional_target")
+        t.set("lora.modules_to_save", name_list(s["additional_target"]), "additional_target")
     t.set("lora.use_dora", s["use_dora"], "use_dora")
     if s["adapter_name_or_path"]:
-        names = _names(s["adapter_name_or_path"])
+        names = name_list(s["adapter_name_or_path"])
         if len(names) > 1:
             t.problems.append("`adapter_name_or_path` lists several adapters; emotune trains on from one: merge the "
                               "others into the base first (`emotune export --merge`)")
@@ -223,10 +169,10 @@ def _whole_model(t: Translation) -> None:
     if kind == "freeze":
         t.set("train.freeze_trainable_layers", s["freeze_trainable_layers"], "freeze_trainable_layers",
               note="N > 0: the last N decoder layers; -N: the first N")
-        modules = _names(s["freeze_trainable_modules"])
+        modules = name_list(s["freeze_trainable_modules"])
         t.set("train.freeze_trainable_modules", "all" if modules == ["all"] else modules, "freeze_trainable_modules")
         if s["freeze_extra_modules"]:
-            t.set("train.freeze_extra_modules", _names(s["freeze_extra_modules"]), "freeze_extra_modules")
+            t.set("train.freeze_extra_modules", name_list(s["freeze_extra_modules"]), "freeze_extra_modules")
     for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_rslora"):
         if key in t.given:
             t.ignored.append((key, f"a LoRA setting; finetuning_type: {kind} trains no adapters"))
@@ -235,12 +181,12 @@ def _whole_model(t: Translation) -> None:
     if s["pissa_init"]:
         t.set("lora.init", "pissa", "pissa_init")
     if s["adapter_name_or_path"]:
-        t.set("lora.adapter", ", ".join(_names(s["adapter_name_or_path"])), "adapter_name_or_path")
+        t.set("lora.adapter", ", ".join(name_list(s["adapter_name_or_path"])), "adapter_name_or_path")
 
 
 def _dataset(t: Translation) -> None:
     s = t.settings
-    names = _names(s["dataset"]) if s["dataset"] else []
+    names = name_list(s["dataset"]) if s["dataset"] else []
     if not names and purpose(t.given, t.settings) is None:  # a file for another command is refused as that, not for its dataset
         t.problems.append("`dataset` is missing; name the dataset_info.json entries to train on, e.g. "
                           "dataset: alpaca_en_demo")
@@ -250,16 +196,16 @@ def _dataset(t: Translation) -> None:
     t.set("data.source", str(s["dataset_dir"]), "dataset_dir")
     t.set("data.datasets", names, "dataset")
     _set_dotted(t.raw, "data.input_separator", LLAMAFACTORY_INPUT_SEPARATOR)
-    t.rows.append(("(alpaca rows: instruction + input)", f"data.input_separator: {_show(LLAMAFACTORY_INPUT_SEPARATOR)}  "
+    t.rows.append(("(alpaca rows: instruction + input)", f"data.input_separator: {show(LLAMAFACTORY_INPUT_SEPARATOR)}  "
                    "(one newline, as LLaMA-Factory joins them; emotune's default is a blank line)"))
     if s["eval_dataset"]:
-        t.set("data.eval_datasets", _names(s["eval_dataset"]), "eval_dataset",
+        t.set("data.eval_datasets", name_list(s["eval_dataset"]), "eval_dataset",
               note="the test split, measured before and after training")
     else:
         t.notes.append("No eval_dataset: the test split measured before and after training is data.test_size of "
                        "the rows, held out of training.")
-    _preference_data(t, names + (_names(s["eval_dataset"]) if s["eval_dataset"] else []))
-    _val_size(t)
+    _preference_data(t, names + (name_list(s["eval_dataset"]) if s["eval_dataset"] else []))
+    held_out(t, "val_size", "LLaMA-Factory trains on every row")
     if s["max_samples"] is not None:
         t.set("data.max_samples", s["max_samples"], "max_samples")
     t.set("train.max_length", s["cutoff_len"], "cutoff_len",
@@ -280,22 +226,6 @@ def _preference_data(t: Translation, names: list[str]) -> None:
         if isinstance(entry, dict) and entry.get("ranking"):
             t.problems.append(f"`dataset`: `{name}` is a ranking (preference) dataset, for stage dpo, rm or kto; "
                               "stage sft trains on one answer per prompt, so name SFT datasets only")
-
-
-def _val_size(t: Translation) -> None:
-    """LLaMA-Factory's split_dataset: a val_size above 1 is a count of rows (int(val_size)), below it a share."""
-    size = t.settings["val_size"]
-    number = isinstance(size, (int, float)) and not isinstance(size, bool)
-    if number and 0 < size < 0.5:
-        t.set("data.validation_size", float(size), "val_size")
-    elif number and size > 1:
-        t.set("data.validation_size", int(size), "val_size")
-    elif number and size == 0:
-        t.notes.append("val_size: 0 (LLaMA-Factory trains on every row): emotune still holds out "
-                       "data.validation_size of the training rows to pick the adapter with the lowest validation loss.")
-    else:
-        t.problems.append(f"`val_size: {size}` is not supported: emotune holds out a share of the rows in (0, 0.5), "
-                          "e.g. val_size: 0.1, or a count of rows, e.g. val_size: 500")
 
 
 def _schedule(t: Translation) -> None:
@@ -372,13 +302,13 @@ def _output(t: Translation) -> None:
         t.set("name", folder.name, "output_dir")
     t.set("overwrite", bool(s["overwrite_output_dir"]), "overwrite_output_dir")
     t.set("seed", s["seed"], "seed")
-    trackers = [] if s["report_to"] in (None, "none") else _names(s["report_to"])
+    trackers = [] if s["report_to"] in (None, "none") else name_list(s["report_to"])
     kept = [name for name in trackers if name in TRACKERS]
     t.set("train.report_to", kept, "report_to")
     if set(trackers) - set(kept):
         t.notes.append(f"report_to: {', '.join(n for n in trackers if n not in kept)} dropped: emotune reports to "
                        f"{', '.join(TRACKERS)} (name them; `all` is not expanded).")
-    t.rows.append((f"plot_loss: {_show(s['plot_loss'])}" + ("" if "plot_loss" in t.given else " (default)"),
+    t.rows.append((f"plot_loss: {show(s['plot_loss'])}" + ("" if "plot_loss" in t.given else " (default)"),
                    "(always) train/loss_curve.png"))
 
 
@@ -388,18 +318,8 @@ def _output(t: Translation) -> None:
 
 def describe(t: Translation, path: Path) -> str:
     """Each key's emotune equivalent, the keys ignored and why, and the notes: printed before a run."""
-    width = min(max((len(source) for source, _ in t.rows), default=0), 48)  # a long path just pushes its row out
-    lines = [f"LLaMA-Factory config {path} -> emotune task: sft (keys the file leaves out: LLaMA-Factory's defaults)"]
-    lines += [f"  {source:<{width}}  ->  {target}" for source, target in t.rows]
-    if t.overrides:
-        lines.append(f"Then the emotune overrides on top: {' '.join(t.overrides)}")
-    if t.ignored:
-        lines.append("Ignored keys:")
-        lines += [f"  {key}: {why}" for key, why in t.ignored]
-    lines.append("Notes:")
-    template_note = template_check(t.template, _with_overrides(t))[1]
-    lines += [f"  - {note}" for note in [template_note, *t.notes] if note]
-    return "\n".join(lines)
+    heading = f"LLaMA-Factory config {path} -> emotune task: sft (keys the file leaves out: LLaMA-Factory's defaults)"
+    return shared_describe(t, path, heading, (template_check(t.template, with_overrides(t))[1],))
 
 
 def announce(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> None:
@@ -424,30 +344,8 @@ def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = (
                         f"not a LLaMA-Factory training file; it needs no translation: `emotune config {path}` prints it "
                         "resolved.")
     t = translate(file, overrides)
-    raw = _with_overrides(t)
+    raw = with_overrides(t)
     build_config(json.loads(json.dumps(t.raw)), t.overrides, path, t.problems,
                  check=lambda r: template_check(t.template, r)[0])
     comments = "\n".join(f"# {line}" for line in describe(t, Path(path)).splitlines())
     return comments + "\n" + yaml_text(raw, sort_keys=False, width=100)
-
-
-def _with_overrides(t: Translation) -> dict[str, Any]:
-    raw = json.loads(json.dumps(t.raw))
-    for item in t.overrides:
-        key, sep, value = item.partition("=")
-        if sep and key.strip():
-            _set_dotted(raw, key.strip(), _parse_value(value))
-    return raw
-
-
-def _names(value: Any) -> list[str]:
-    """LLaMA-Factory's comma lists (`identity,alpaca_en_demo`), or a YAML list."""
-    items = value if isinstance(value, list) else str(value).split(",")
-    return [str(item).strip() for item in items if str(item).strip()]
-
-
-def _show(value: Any) -> str:
-    """A value as the translation prints it; text with a line break or a tab as JSON (`"\\n"`), on one line."""
-    if isinstance(value, str) and any(c in value for c in "\n\r\t"):
-        return json.dumps(value, ensure_ascii=False)
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,6 +1,6 @@
 """Files of other tools that are not LLaMA-Factory v0 training files: LLaMA-Factory's v1 layout (examples/v1), the
-files of its other commands (export, chat/api, do_predict evaluation), and Axolotl configs, each named as what it is,
-with emotune's way to do it."""
+files of its other commands (export, chat/api, do_predict evaluation), Axolotl configs without datasets, and H2O LLM
+Studio configs, each named as what it is, with emotune's way to do it."""
 
 from __future__ import annotations
 
@@ -58,27 +58,18 @@ def purpose(given: set[str], settings: dict[str, Any]) -> str | None:
     return None
 
 
-AXOLOTL_KEYS = ("datasets", "micro_batch_size", "sequence_len", "adapter", "num_epochs", "lora_r")
-AXOLOTL_TYPES = {"alpaca": "alpaca", "sharegpt": "sharegpt", "chat_template": "messages"}
+AXOLOTL_KEYS = ("micro_batch_size", "sequence_len", "adapter", "num_epochs", "lora_r")
 
 
 def axolotl_lead(file: dict[str, Any], path: str | Path) -> list[str]:
-    """The first problem of an Axolotl config (`base_model`, `datasets`, `micro_batch_size`, ...): what the file is and
-    how its dataset maps; the other keys' lines that follow give each key's emotune name. Empty for other files."""
+    """The first problem of an Axolotl config without `datasets` (one with them is translated,
+    emotune.core.config.axolotl): what the file is and what it lacks. Empty for other files."""
     found = [key for key in AXOLOTL_KEYS if key in file]
-    if "base_model" not in file or not found:
+    if "base_model" not in file or "datasets" in file or not found:
         return []
-    first = file.get("datasets")[0] if isinstance(file.get("datasets"), list) and file["datasets"] else None
-    dataset = ""
-    if isinstance(first, dict) and first.get("path"):
-        kind = str(first.get("type", "")).split(".")[0]
-        form = AXOLOTL_TYPES.get(kind)
-        dataset = (f" Its dataset `path: {first['path']}` is data.source (hf:{first['path']} for a hub dataset, or the "
-                   "local file)" + (f" with data.format: {form}" if form else
-                                    f"; emotune reads alpaca, sharegpt and messages data, not type {kind or 'unset'}") + ".")
-    return [f"`{path}` is an Axolotl config (base_model, {', '.join(found)}): emotune does not read Axolotl files; write "
-            f"an emotune config (task: sft, model.source: {file['base_model']}, ...), whose keys the lines below name."
-            + dataset]
+    return [f"`{path}` looks like an Axolotl config (base_model, {', '.join(found)}) without `datasets`: emotune runs "
+            "Axolotl files as they are once they name their data (datasets: [{path: ..., type: alpaca | "
+            "chat_template}]); the lines below give each key's emotune name."]
 
 
 # H2O's problem types emotune has a task for: causal LM fine-tuning, and classification with a head on the last token

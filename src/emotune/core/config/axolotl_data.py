@@ -1,0 +1,171 @@
+"""An Axolotl config's `datasets:` entry and chat template, as emotune's `data` and `model.chat_template`.
+
+Axolotl reads `path` as a local file or folder when it exists, else as a Hugging Face hub dataset (its `split`,
+default `train`); `type` says how rows become text: `alpaca` (instruction/input/output, in Axolotl's Alpaca prompt),
+`chat_template` (a list of turns under field_messages, rendered with a chat template), the older `sharegpt`.
+Where the defaults come from (axolotl-ai-cloud/axolotl, `src/axolotl/utils/schemas/`): datasets.py (SFTDataset)
+and utils.py (handle_legacy_message_fields_logic: role and content default to `role` and `content`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from emotune.core.config.sft import INPUT_SEPARATOR
+from emotune.core.config.translation import Translation, name_list, show
+
+FIRST = "datasets[0]"
+REMOTE = ("s3://", "gs://", "gcs://", "az://", "abfs://", "oci://", "http://", "https://")
+# Axolotl's default `roles` (SFTDataset.roles): each side and the role names it accepts
+DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant"], "system": ["system"], "tool": ["tool"]}
+SIDE_TAGS = {"user": "user_tag", "assistant": "assistant_tag", "system": "system_tag", "tool": "observation_tag"}
+# keys of a dataset entry that make Axolotl read other rows, or other text, than emotune would: their harmless value
+DATASET_REFUSED: dict[str, tuple[Any, str]] = {
+    "name": (None, "a hub dataset's configuration; emotune reads the dataset's files: give the configuration's folder "
+                   "as data.source in an emotune config"),
+    "shards": (None, "emotune reads the whole dataset; remove shards"),
+    "input_transform": (None, "emotune reads the rows as they are; remove input_transform"),
+    "field": (None, "it is for `type: completion` text, which emotune does not train on"),
+    "drop_system_message": (False, "emotune keeps each row's system turn; remove drop_system_message"),
+    "message_field_training_detail": (None, "emotune trains whole assistant turns, not character spans"),
+    "split_thinking": (False, "emotune refuses reasoning traces in the rows; remove split_thinking"),
+    "field_thinking": (None, "emotune refuses reasoning traces in the rows; remove field_thinking"),
+    "logprobs_field": (None, "emotune trains on answers, not on a teacher's log-probabilities"),
+}
+DATASET_IGNORED = {"ds_type": "emotune reads a file by its ending (.json, .jsonl, .parquet, .csv)",
+                   "trust_remote_code": "emotune reads data files and never runs a dataset's code",
+                   "preprocess_shards": "a memory setting of Axolotl's; it does not change the rows"}
+
+
+def dataset(t: Translation) -> None:
+    """`datasets`: one entry, its source and its row format."""
+    entries = t.settings["datasets"]
+    if not isinstance(entries, list) or not entries:
+        t.problems.append("`datasets` is missing; name the data to train on, e.g. datasets: [{path: "
+                          "tatsu-lab/alpaca, type: alpaca}]")
+        return
+    if len(entries) > 1:
+        t.problems.append(f"`datasets` lists {len(entries)} datasets; emotune reads one data source: put the rows in "
+                          "one file of one type (or a folder of train/validation/test files) and name it once")
+    entry = entries[0]
+    if not isinstance(entry, dict) or not entry.get("path"):
+        t.problems.append("`datasets[0]` has no `path`; give the local file or folder, or the hub dataset's id")
+        return
+    for key, value in entry.items():  # so each entry key prints in the table as datasets[0].KEY
+        t.settings[f"{FIRST}.{key}"] = value
+        t.given.add(f"{FIRST}.{key}")
+    _source(t, entry)
+    _format(t, entry)
+    for key, (harmless, why) in DATASET_REFUSED.items():
+        if entry.get(key, harmless) not in (None, False, harmless):
+            t.problems.append(f"`{FIRST}.{key}: {show(entry[key])}` is not supported: {why}")
+    t.ignored += [(f"{FIRST}.{key}", why) for key, why in DATASET_IGNORED.items() if key in entry]
+
+
+def _source(t: Translation, entry: dict[str, Any]) -> None:
+    path = str(entry["path"])
+    files = name_list(entry["data_files"]) if entry.get("data_files") else []
+    if path.startswith(REMOTE):
+        t.problems.append(f"`{FIRST}.path: {path}` is not supported: emotune reads local files and Hugging Face hub "
+                          "datasets; download it and give the local path")
+    elif len(files) > 1:
+        t.problems.append(f"`{FIRST}.data_files` lists {len(files)} files; emotune reads one file, or a folder of "
+                          "train/validation/test files: give that folder as the path")
+    elif files:
+        local = next((p for p in (Path(path) / files[0], Path(files[0])) if p.expanduser().is_file()), None)
+        if local is None:
+            t.problems.append(f"`{FIRST}.data_files: {files[0]}` is not a local file; emotune reads a hub dataset's "
+                              "files as a whole: give the file's local path")
+        else:
+            t.set("data.source", str(local), f"{FIRST}.path", f"{FIRST}.data_files")
+    elif Path(path).expanduser().exists():
+        t.set("data.source", path, f"{FIRST}.path", note="a local file or folder")
+    else:
+        t.set("data.source", f"hf:{path}", f"{FIRST}.path",
+              note="not a local path, so a Hugging Face hub dataset, as Axolotl reads it")
+    if entry.get("revision"):
+        t.set("data.revision", str(entry["revision"]), f"{FIRST}.revision")
+    split = entry.get("split")
+    if split not in (None, "train"):
+        t.problems.append(f"`{FIRST}.split: {split}` is not supported: emotune trains on the source's train split "
+                          "(validation and test splits, where the source has them, are held out as such)")
+
+
+def _format(t: Translation, entry: dict[str, Any]) -> None:
+    kind = entry.get("type")
+    if kind == "alpaca":
+        t.set("data.format", "alpaca", f"{FIRST}.type")
+        t.set("data.input_separator", INPUT_SEPARATOR, f"{FIRST}.type",
+              note="a blank line between instruction and input, as in Axolotl's Alpaca prompt")
+        t.notes.append("type: alpaca: emotune renders each row with the model's chat template, not Axolotl's Alpaca "
+                       "prompt (\"Below is an instruction ... ### Instruction: ... ### Response:\"), so the model "
+                       "learns the turn format it will be served with.")
+    elif kind == "sharegpt":
+        t.set("data.format", "sharegpt", f"{FIRST}.type", note="conversations of from/value turns, human and gpt")
+    elif kind == "chat_template":
+        _chat_turns(t, entry)
+        chat_template(t, entry.get("chat_template"), entry.get("chat_template_jinja"), f"{FIRST}.")
+    elif kind in ("completion", "pretraining"):
+        t.problems.append(f"`{FIRST}.type: {kind}` is not supported: plain text (pretraining-style, the loss on every "
+                          "token) is not something emotune trains on; give instructions (type: alpaca) or "
+                          "conversations (type: chat_template)")
+    else:
+        t.problems.append(f"`{FIRST}.type: {show(kind)}` is not supported: emotune reads type alpaca, chat_template "
+                          "and sharegpt rows (its own prompt formats, and Axolotl's others, are not emotune's)")
+
+
+def _chat_turns(t: Translation, entry: dict[str, Any]) -> None:
+    """`type: chat_template`: the turns' column and keys, and which role names are which side."""
+    mappings = entry.get("message_property_mappings") or {}
+    field = str(entry.get("field_messages") or "messages")
+    role = str(mappings.get("role") or entry.get("message_field_role") or "role")
+    content = str(mappings.get("content") or entry.get("message_field_content") or "content")
+    roles = entry.get("roles")
+    keys = [f"{FIRST}.{k}" for k in ("field_messages", "message_property_mappings", "roles") if k in entry]
+    if (field, role, content, roles) == ("messages", "role", "content", None):
+        t.set("data.format", "messages", f"{FIRST}.type", note="OpenAI role/content turns under `messages`")
+    else:
+        t.set("data.format", "sharegpt", f"{FIRST}.type", *keys, note="turns with the keys and role names below")
+        t.set("data.columns.messages", field, f"{FIRST}.field_messages")
+        t.set("data.tags.role_tag", role, f"{FIRST}.message_property_mappings")
+        t.set("data.tags.content_tag", content, f"{FIRST}.message_property_mappings")
+        sides = roles if isinstance(roles, dict) else {side: [n for n in names if (n in ("human", "gpt")) == (role == "from")]
+                                                      for side, names in DEFAULT_ROLES.items()}
+        for side, tag in SIDE_TAGS.items():
+            accepted = name_list(sides.get(side) or DEFAULT_ROLES[side])
+            t.set(f"data.tags.{tag}", accepted[0], f"{FIRST}.roles")
+            if len(accepted) > 1:
+                t.notes.append(f"roles.{side} lists {', '.join(accepted)}: emotune reads one role name per side, the "
+                               f"first ({accepted[0]}); a turn with another is reported when the data is read.")
+    trained = entry.get("roles_to_train")
+    if trained not in (None, ["assistant"], "assistant"):
+        t.problems.append(f"`{FIRST}.roles_to_train: {show(trained)}` is not supported: emotune's loss is on the "
+                          "assistant turns; remove roles_to_train")
+    if entry.get("train_on_eos") not in (None, "turn"):
+        t.problems.append(f"`{FIRST}.train_on_eos: {entry['train_on_eos']}` is not supported: emotune trains the end "
+                          "of each trained assistant turn (train_on_eos: turn); remove train_on_eos")
+    if entry.get("message_field_training") not in (None, "training", "train"):
+        t.problems.append(f"`{FIRST}.message_field_training: {entry['message_field_training']}` is not supported: "
+                          "emotune reads a turn's `training` (or `train`) flag; rename the key in the rows")
+
+
+def chat_template(t: Translation, name: Any, jinja: Any, where: str = "") -> None:
+    """Axolotl's chat_template: the tokenizer's own is emotune's too; a Jinja file is model.chat_template; Axolotl's
+    named templates (chatml, llama3, ...) are refused, since emotune renders with the model's template."""
+    if name in (None, "tokenizer_default") and not jinja:
+        return
+    if isinstance(name, str) and name.startswith("tokenizer_default_fallback_"):
+        t.notes.append(f"{where}chat_template: {name}: emotune uses the tokenizer's chat template too; where the "
+                       "tokenizer has none it writes Gemma's turn format, not the fallback.")
+    elif name in (None, "jinja") and jinja:
+        file = Path(str(jinja)).expanduser()
+        if "\n" not in str(jinja) and file.is_file():
+            t.set("model.chat_template", str(jinja), f"{where}chat_template_jinja")
+        else:
+            t.problems.append(f"`{where}chat_template_jinja` is not supported as template text: write the template "
+                              "to a .jinja file and give its path")
+    else:
+        t.problems.append(f"`{where}chat_template: {show(name)}` is not supported: it is Axolotl's own template, and "
+                          "emotune renders turns with the model's chat template; use chat_template: tokenizer_default, "
+                          "or give the template as a Jinja file (chat_template: jinja, chat_template_jinja: FILE)")

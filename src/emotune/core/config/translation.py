@@ -1,0 +1,138 @@
+"""What translating another tool's training file into an emotune `task: sft` config shares, whichever the tool
+(emotune.core.config.llamafactory, emotune.core.config.axolotl): the record of what became of each key, the tool's
+keys given as `key=value` overrides, numbers written as text, the held-out share, and the printed table of
+key -> emotune key with the keys ignored and the notes."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from emotune.core.config.build import _parse_value, _set_dotted
+from emotune.core.config.run import RunConfigBase
+
+
+@dataclass
+class Translation:
+    """What a tool's file becomes: the emotune config (before overrides) and what was done to each key."""
+
+    raw: dict[str, Any] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)  # the emotune overrides left after the tool's own ones
+    rows: list[tuple[str, str]] = field(default_factory=list)  # (the tool's key: value, emotune key: value)
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    template: str | None = None
+    given: set[str] = field(default_factory=set)  # the keys the file (or an override of the tool's key) sets
+    settings: dict[str, Any] = field(default_factory=dict)  # every translated key: the file's value or the default
+
+    def set(self, emotune_key: str, value: Any, *tool_keys: str, note: str = "") -> None:
+        _set_dotted(self.raw, emotune_key, value)
+        source = ", ".join(f"{k}: {show(self.settings.get(k))}" + ("" if k in self.given else " (default)")
+                           for k in tool_keys)
+        self.rows.append((source, f"{emotune_key}: {show(value)}" + (f"  ({note})" if note else "")))
+
+
+def split_overrides(file: dict[str, Any], overrides, known) -> tuple[dict[str, Any], list[str]]:
+    """`max_steps=2` (a key of the tool's that emotune's top level lacks) changes the file; the rest are emotune's."""
+    rest = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.strip() in known and key.strip() not in RunConfigBase.model_fields:
+            file[key.strip()] = _parse_value(value)
+        else:
+            rest.append(item)
+    return file, rest
+
+
+def numbers(t: Translation, defaults: dict[str, tuple[Any, str]]) -> None:
+    """YAML reads `1e-4` as text; the tools' argument parsers make it the number the field holds."""
+    for key, (default, _) in defaults.items():
+        value = t.settings[key]
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(value, str):
+            try:
+                t.settings[key] = float(value) if isinstance(default, float) or "." in value or "e" in value else int(value)
+            except ValueError:
+                t.problems.append(f"`{key}`: {value!r} is not a number")
+                t.settings[key] = default  # so the rest of the translation can go on and find the other problems
+
+
+def harmless(value: Any, harmless_value: Any) -> bool:
+    """The value changes nothing emotune does; YAML reads `1e-8` as text, which the parser makes a number."""
+    if isinstance(harmless_value, float) and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return value is None or value is False or value == harmless_value
+
+
+def sort_unknown(t: Translation, file: dict[str, Any], translated, ignored: dict[str, str], tool: str) -> None:
+    """Each key not translated: a near miss of a known key is a problem (one setting silently left at its default);
+    the rest are listed as ignored, with why."""
+    known = [*translated, *ignored]
+    for key in file:
+        if key in translated:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.85) if key not in ignored else []
+        if close:
+            t.problems.append(f"`{key}` is not {tool} key; did you mean `{close[0]}`?")
+        else:
+            t.ignored.append((key, ignored.get(key, f"not {tool} key emotune translates")))
+
+
+def held_out(t: Translation, key: str, zero_means: str) -> None:
+    """A validation size: above 1 a count of rows, below it a share; 0 is the tool training on every row."""
+    size = t.settings[key]
+    number = isinstance(size, (int, float)) and not isinstance(size, bool)
+    if number and 0 < size < 0.5:
+        t.set("data.validation_size", float(size), key)
+    elif number and size > 1:
+        t.set("data.validation_size", int(size), key)
+    elif number and size == 0:
+        t.notes.append(f"{key}: 0 ({zero_means}): emotune still holds out data.validation_size of the training rows "
+                       "to pick the adapter with the lowest validation loss.")
+    else:
+        t.problems.append(f"`{key}: {size}` is not supported: emotune holds out a share of the rows in (0, 0.5), "
+                          f"e.g. {key}: 0.1, or a count of rows, e.g. {key}: 500")
+
+
+def describe(t: Translation, path: Path, heading: str, first_notes: tuple[str, ...] = ()) -> str:
+    """Each key's emotune equivalent, the keys ignored and why, and the notes: printed before a run."""
+    width = min(max((len(source) for source, _ in t.rows), default=0), 48)  # a long path just pushes its row out
+    lines = [heading]
+    lines += [f"  {source:<{width}}  ->  {target}" for source, target in t.rows]
+    if t.overrides:
+        lines.append(f"Then the emotune overrides on top: {' '.join(t.overrides)}")
+    if t.ignored:
+        lines.append("Ignored keys:")
+        lines += [f"  {key}: {why}" for key, why in t.ignored]
+    lines.append("Notes:")
+    lines += [f"  - {note}" for note in [*first_notes, *t.notes] if note]
+    return "\n".join(lines)
+
+
+def with_overrides(t: Translation) -> dict[str, Any]:
+    """The translated config with the emotune overrides applied, as the run will see it."""
+    raw = json.loads(json.dumps(t.raw))
+    for item in t.overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            _set_dotted(raw, key.strip(), _parse_value(value))
+    return raw
+
+
+def name_list(value: Any) -> list[str]:
+    """Comma lists (`identity,alpaca_en_demo`), or a YAML list."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    return [str(item).strip() for item in items if str(item).strip()]
+
+
+def show(value: Any) -> str:
+    """A value as the translation prints it; text with a line break or a tab as JSON (`"\\n"`), on one line."""
+    if isinstance(value, str) and any(c in value for c in "\n\r\t"):
+        return json.dumps(value, ensure_ascii=False)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,193 @@
+"""Axolotl training YAMLs: translated to `task: sft` with Axolotl's defaults, refused clearly where emotune cannot
+train the same way, and run end to end through `emotune run` on the tiny model.
+
+The YAML is written here in the shape of Axolotl's examples/llama-3/qlora-1b.yml (flat keys, a `datasets` list),
+not copied from it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from conftest import CUES, FILLER, LABELS, write_jsonl
+from emotune.cli import main
+from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
+
+QLORA_YAML = """\
+base_model: {model}
+load_in_4bit: true
+adapter: qlora
+lora_r: 8
+lora_alpha: 16
+lora_target_linear: true
+
+datasets:
+  - path: {data}
+    type: alpaca
+dataset_prepared_path: last_run_prepared
+val_set_size: 0.2
+output_dir: {out}/outputs/qlora-out
+
+sequence_len: 128
+sample_packing: false
+pad_to_sequence_len: true
+
+wandb_project:
+wandb_log_model:
+
+gradient_accumulation_steps: 2
+micro_batch_size: 4
+num_epochs: 2
+optimizer: adamw_bnb_8bit
+learning_rate: 2e-4
+bf16: auto
+tf32: false
+gradient_checkpointing: true
+flash_attention: true
+logging_steps: 1
+evals_per_epoch: 4
+special_tokens:
+  pad_token: "<pad>"
+"""
+
+
+def _alpaca_rows(n: int) -> list[dict]:
+    rng = random.Random(1)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(LABELS)
+        text = " ".join(rng.sample(FILLER, 4) + [rng.choice(CUES[label])])
+        rows.append({"instruction": "classify the emotion of this text", "input": text, "output": label})
+    return rows
+
+
+@pytest.fixture
+def ax_yaml(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "emotion_alpaca.jsonl", _alpaca_rows(40))
+
+    def write(text: str = QLORA_YAML, **changes):
+        lines = text.format(model=tiny_model_dir, data=data, out=tmp_path).splitlines()
+        for key, value in changes.items():  # replace a top-level key's line, or add it
+            lines = [line for line in lines if not line.startswith(f"{key}:")]
+            if value is not None:
+                lines.append(f"{key}: {value}")
+        path = tmp_path / "qlora.yml"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+    return write
+
+
+def test_a_qlora_alpaca_file_translates_to_the_expected_config(ax_yaml, tiny_model_dir, tmp_path):
+    cfg = load_config(ax_yaml())
+    assert cfg.task == "sft"
+    assert (cfg.model.source, cfg.model.quantization, cfg.model.quant_type, cfg.model.double_quant) == (
+        str(tiny_model_dir), "4bit", "nf4", True)
+    assert (cfg.data.source, cfg.data.format, cfg.data.input_separator) == (
+        str(tmp_path / "emotion_alpaca.jsonl"), "alpaca", "\n\n")
+    assert (cfg.data.validation_size, cfg.data.cleaning.duplicates, cfg.train.max_length) == (0.2, "keep", 128)
+    assert cfg.lora.model_dump() == {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear",
+                                     "target_parameters": None, "use_rslora": False, "use_dora": False,
+                                     "modules_to_save": None, "init": "default", "pissa_iter": 16, "adapter": None,
+                                     "layers": None}
+    train = cfg.train
+    assert (train.finetuning, train.batch_size, train.gradient_accumulation_steps) == ("lora", 4, 2)
+    assert (train.learning_rate, train.num_train_epochs, train.max_steps) == (2e-4, 2.0, -1)
+    # Axolotl's defaults where the file is silent: cosine, 3% warmup, no weight decay, clipping at 1.0, no grouping
+    assert (train.lr_scheduler_type, train.warmup_ratio, train.warmup_steps) == ("cosine", 0.03, 0)
+    assert (train.weight_decay, train.max_grad_norm, train.group_by_length) == (0.0, 1.0, False)
+    assert (train.optim, train.precision, train.gradient_checkpointing, train.logging_steps) == (
+        "adamw_8bit", "auto", True, 1)
+    assert (cfg.output_dir, cfg.name, cfg.seed) == (f"{tmp_path}/outputs", "qlora-out", 42)
+
+
+def test_keys_left_out_take_axolotls_defaults(ax_yaml):
+    path = ax_yaml(load_in_4bit=None, adapter="lora", learning_rate="0.0001", micro_batch_size=None,
+                   gradient_accumulation_steps=None, num_epochs=None, sequence_len=None, val_set_size=None,
+                   optimizer=None)
+    cfg = load_config(path)
+    assert cfg.model.quantization == "none" and cfg.lora.dropout == 0.0
+    assert (cfg.train.batch_size, cfg.train.gradient_accumulation_steps, cfg.train.num_train_epochs) == (1, 1, 1.0)
+    assert (cfg.train.max_length, cfg.data.validation_size, cfg.train.optim) == (512, 0.1, "adamw_torch_fused")
+
+
+def test_a_chat_template_dataset_maps_its_columns_and_roles(ax_yaml, tmp_path):
+    data = write_jsonl(tmp_path / "chats.jsonl", [
+        {"conversations": [{"from": "human", "value": f"classify {row['input']}"}, {"from": "gpt", "value": row["output"]}]}
+        for row in _alpaca_rows(20)])
+    text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    field_messages: conversations\n"
+                              "    message_property_mappings:\n      role: from\n      content: value\n"
+                              "    roles:\n      user: [human]\n      assistant: [gpt]")
+    cfg = load_config(ax_yaml(text.replace("{data}", str(data))))
+    assert (cfg.data.source, cfg.data.format, cfg.data.columns.messages) == (str(data), "sharegpt", "conversations")
+    tags = cfg.data.tags
+    assert (tags.role_tag, tags.content_tag, tags.user_tag, tags.assistant_tag) == ("from", "value", "human", "gpt")
+    # the OpenAI layout, Axolotl's default, is emotune's messages format; a hub id that is no local path is hf:
+    plain = QLORA_YAML.replace("    type: alpaca", "    type: chat_template").replace("{data}", "owner/chats")
+    cfg = load_config(ax_yaml(plain))
+    assert (cfg.data.source, cfg.data.format) == ("hf:owner/chats", "messages")
+
+
+def test_refused_keys_are_named_all_at_once_with_exit_2_and_no_run_folder(ax_yaml, tmp_path, capsys):
+    text = QLORA_YAML.replace("    type: alpaca", "    type: completion\n  - path: other/data\n    type: alpaca")
+    path = ax_yaml(text, sample_packing="true", rl="dpo", deepspeed="deepspeed_configs/zero2.json",
+                   train_on_inputs="true", lr_scheduler="one_cycle", chat_template="chatml")
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    message = str(err.value)
+    for expected in ("`sample_packing: true` is not supported", "`rl: dpo` is not supported",
+                     "`deepspeed: deepspeed_configs/zero2.json` is not supported",
+                     "`train_on_inputs: true` is not supported", "`lr_scheduler: one_cycle` is not supported",
+                     "`datasets` lists 2 datasets", "`datasets[0].type: completion` is not supported",
+                     "`chat_template: chatml` is not supported"):
+        assert expected in message
+    assert main(["run", str(path)]) == 2
+    assert "`rl: dpo` is not supported" in capsys.readouterr().err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_the_translation_is_printed_with_ignored_keys(ax_yaml, capsys):
+    from emotune.core.config.axolotl import announce
+
+    announce(ax_yaml())
+    out = capsys.readouterr().out
+    assert out.startswith("Axolotl config ")
+    assert "lora_r: 8" in out and "->  lora.r: 8" in out
+    assert "lr_scheduler: cosine (default)" in out
+    ignored = dict(line.strip().split(": ", 1) for line in out.split("Ignored keys:")[1].split("Notes:")[0].splitlines()
+                   if line.strip())
+    for key in ("wandb_project", "flash_attention", "tf32", "pad_to_sequence_len", "dataset_prepared_path",
+                "evals_per_epoch", "special_tokens.pad_token"):
+        assert key in ignored
+    assert "changes nothing learned" in ignored["wandb_project"]
+    assert "not Axolotl's Alpaca prompt" in out
+
+
+def test_key_value_overrides_apply_on_top(ax_yaml):
+    cfg = load_config(ax_yaml(), ["train.max_steps=7", "lora_r=2", "seed=3", "sequence_len=64"])
+    assert (cfg.train.max_steps, cfg.lora.r, cfg.seed, cfg.train.max_length) == (7, 2, 3, 64)
+
+
+def test_emotune_and_llamafactory_files_are_not_taken_for_axolotl(tmp_path):
+    from emotune.core.config.axolotl import is_axolotl
+
+    emotune_cfg = tmp_path / "own.yaml"
+    emotune_cfg.write_text("task: sft\nmodel:\n  source: x\ndata:\n  source: d.jsonl\ntrain:\n  max_steps: 2\n")
+    assert load_config(emotune_cfg).data.source == "d.jsonl"
+    assert not is_axolotl({"model_name_or_path": "x", "stage": "sft", "dataset": "a", "lora_rank": 8})
+    assert not is_axolotl({"task": "sft", "model": {"source": "x"}, "data": {"source": "d"}})
+
+
+@pytest.mark.slow
+def test_emotune_run_on_an_axolotl_file(ax_yaml, tmp_path):
+    path = ax_yaml(load_in_4bit=None, adapter="lora", max_steps=2)
+    code = main(["run", str(path), "train.precision=fp32", "eval.max_new_tokens=3", "eval.probe=false",
+                 "data.test_limit=4", f"model.cache_dir={tmp_path / 'cache'}"])
+    assert code == 0
+    folder = tmp_path / "outputs" / "qlora-out"
+    assert json.loads((folder / "run.json").read_text())["status"] == "finished"
+    saved = (folder / "config.yaml").read_text()
+    assert "lr_scheduler_type: cosine" in saved and "format: alpaca" in saved
