@@ -166,6 +166,34 @@ def test_the_translation_is_printed_with_ignored_keys(ax_yaml, capsys):
     assert "not Axolotl's Alpaca prompt" in out
 
 
+def test_axolotls_gemma4_moe_example_translates(ax_yaml, capsys):
+    """Keys of Axolotl's Gemma 4 26B-A4B QLoRA example (examples/gemma4/26b-a4b-moe-qlora.yaml, its shape): LoRA on the
+    routed experts (lora_target_parameters), the family's own named template, bnb_config_kwargs, torch's 8-bit AdamW,
+    the kernels plugin; unfrozen_parameters and eot_tokens are what emotune does under an adapter anyway."""
+    from emotune.core.config.axolotl import announce
+
+    path = ax_yaml(lora_target_parameters="[experts.gate_up_proj, experts.down_proj]", chat_template="gemma3",
+                   bnb_config_kwargs="{bnb_4bit_use_double_quant: false}", optimizer="adamw_torch_8bit",
+                   plugins="[axolotl.integrations.kernels.KernelsPlugin]", unfrozen_parameters="['^lm_head.*']",
+                   eot_tokens="['<end_of_turn>']", quantize_moe_experts="true", lora_mlp_kernel="true",
+                   base_model="google/gemma-3-270m-it")
+    cfg = load_config(path)
+    assert cfg.lora.target_parameters == ["experts.gate_up_proj", "experts.down_proj"]
+    assert (cfg.model.double_quant, cfg.train.optim, cfg.model.chat_template) == (False, "adamw_8bit", None)
+    announce(path)
+    out = capsys.readouterr().out
+    assert "chat_template: gemma3: the template of google/gemma-3-270m-it's own family" in out
+    assert "unfrozen_parameters: with an adapter only the adapters train" in out
+    assert "eot_tokens: ['<end_of_turn>']: emotune trains each answer through the chat template's own" in out
+    assert "quantize_moe_experts: true: emotune keeps a mixture-of-experts model's routed experts" in out
+    with pytest.raises(UserError, match="`chat_template: gemma3` is not supported"):
+        load_config(ax_yaml(chat_template="gemma3", base_model="meta-llama/Llama-3.2-1B"))  # another family's
+    with pytest.raises(UserError, match="`unfrozen_parameters: .*` is not supported"):
+        load_config(ax_yaml(adapter=None, load_in_4bit=None, unfrozen_parameters="['^lm_head.*']"))
+    with pytest.raises(UserError, match="`bnb_config_kwargs: .*` is not supported beyond"):
+        load_config(ax_yaml(bnb_config_kwargs="{llm_int8_threshold: 5.0}"))
+
+
 def test_key_value_overrides_apply_on_top(ax_yaml):
     cfg = load_config(ax_yaml(), ["train.max_steps=7", "lora_r=2", "seed=3", "sequence_len=64"])
     assert (cfg.train.max_steps, cfg.lora.r, cfg.seed, cfg.train.max_length) == (7, 2, 3, 64)

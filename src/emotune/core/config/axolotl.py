@@ -49,7 +49,7 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     t.settings = {key: default for key, (default, _) in KEY_DEFAULTS.items()} | file
     numbers(t, KEY_DEFAULTS)
     t.raw["task"] = SftConfig.model_fields["task"].default  # the task Axolotl's supervised fine-tuning is
-    for step in (_refusals, _model, _method, dataset, _data_rest, _schedule, _precision, _steps, _output):
+    for step in (_refusals, _model, _method, _notes, dataset, _data_rest, _schedule, _precision, _steps, _output):
         step(t)
     sort_unknown(t, file, KEY_DEFAULTS.keys() | REFUSED.keys(), IGNORED, "an Axolotl")
     return t
@@ -106,9 +106,18 @@ def _model(t: Translation) -> None:
                               "trains through an adapter (Axolotl refuses it too)")
         bits = "4bit" if s["load_in_4bit"] else "8bit"
         t.set("model.quantization", bits, "load_in_4bit", "load_in_8bit")
-        if bits == "4bit":  # Axolotl's BitsAndBytesConfig (loaders/model.py)
-            t.set("model.quant_type", "nf4", "load_in_4bit", note="as Axolotl quantizes")
-            t.set("model.double_quant", True, "load_in_4bit", note="as Axolotl quantizes")
+        if bits == "4bit":  # Axolotl's BitsAndBytesConfig (loaders/model.py), bnb_config_kwargs over it
+            kwargs = s["bnb_config_kwargs"] if isinstance(s["bnb_config_kwargs"], dict) else {}
+            t.set("model.quant_type", kwargs.get("bnb_4bit_quant_type", "nf4"), "load_in_4bit", "bnb_config_kwargs",
+                  note="as Axolotl quantizes")
+            t.set("model.double_quant", bool(kwargs.get("bnb_4bit_use_double_quant", True)), "load_in_4bit",
+                  "bnb_config_kwargs", note="as Axolotl quantizes")
+    other = sorted(set(s["bnb_config_kwargs"] or {}) - {"bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                                                        "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"})
+    if other or (s["bnb_config_kwargs"] is not None and not isinstance(s["bnb_config_kwargs"], dict)):
+        t.problems.append(f"`bnb_config_kwargs: {show(s['bnb_config_kwargs'])}` is not supported beyond "
+                          "bnb_4bit_quant_type and bnb_4bit_use_double_quant (model.quant_type, model.double_quant); "
+                          "emotune computes in the training precision and stores the weights as bitsandbytes packs them")
     if s["adapter"] == "qlora" and not s["load_in_4bit"]:
         t.problems.append("`adapter: qlora` needs `load_in_4bit: true` (Axolotl refuses it without too); or use "
                           "adapter: lora")
@@ -120,7 +129,14 @@ def _method(t: Translation) -> None:
     if s["adapter"] is None:
         t.set("train.finetuning", "full", "adapter", note="no adapter: Axolotl trains every parameter")
         t.ignored += [(key, "a LoRA setting; without `adapter` no adapters are trained") for key in lora_keys]
+        if s["unfrozen_parameters"]:
+            t.problems.append(f"`unfrozen_parameters: {show(s['unfrozen_parameters'])}` is not supported: emotune "
+                              "freezes by decoder layers and modules (train.finetuning: freeze), not by parameter-name "
+                              "patterns")
         return
+    if s["unfrozen_parameters"]:
+        t.ignored.append(("unfrozen_parameters", "with an adapter only the adapters train (PEFT freezes the base); "
+                          "emotune's all-linear adapts the language model only, never a vision or audio tower"))
     if s["adapter"] not in ("lora", "qlora"):
         t.problems.append(f"`adapter: {s['adapter']}` is not supported: emotune trains LoRA adapters (adapter: lora "
                           "or qlora), or the whole model (no adapter)")
@@ -134,6 +150,9 @@ def _method(t: Translation) -> None:
             t.set(f"lora.{'r' if key == 'lora_r' else 'alpha'}", s[key], key)
     t.set("lora.dropout", s["lora_dropout"], "lora_dropout")
     _targets(t)
+    if s["lora_target_parameters"]:
+        t.set("lora.target_parameters", name_list(s["lora_target_parameters"]), "lora_target_parameters",
+              note="LoRA on the routed experts' 3-D weights")
     if s["lora_modules_to_save"]:
         t.set("lora.modules_to_save", name_list(s["lora_modules_to_save"]), "lora_modules_to_save")
     if s["peft_layers_to_transform"] is not None:
@@ -145,6 +164,19 @@ def _method(t: Translation) -> None:
     if s["loraplus_lr_ratio"] is not None:
         t.set("train.loraplus_lr_ratio", s["loraplus_lr_ratio"], "loraplus_lr_ratio")
         t.set("train.loraplus_lr_embedding", s["loraplus_lr_embedding"], "loraplus_lr_embedding")
+
+
+def _notes(t: Translation) -> None:
+    """Keys emotune takes as they are meant but carries out its own way, each said in the translation's notes."""
+    s = t.settings
+    if s["eot_tokens"]:
+        t.notes.append(f"eot_tokens: {show(s['eot_tokens'])}: emotune trains each answer through the chat template's own "
+                       "end-of-turn token and stops generation on it and on EOS (emotune.model.turns); other tokens "
+                       "listed there are not trained as turn ends.")
+    if s["quantize_moe_experts"] and (s["load_in_4bit"] or s["load_in_8bit"]):
+        t.notes.append("quantize_moe_experts: true: emotune keeps a mixture-of-experts model's routed experts (3-D "
+                       "weights) unquantized, as bitsandbytes' linear layers cannot hold them: more memory than "
+                       "Axolotl's, and the experts compute at full precision (`emotune plan` shows how much).")
 
 
 def _targets(t: Translation) -> None:

@@ -9,6 +9,7 @@ and utils.py (handle_legacy_message_fields_logic: role and content default to `r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +166,25 @@ def chat_template(t: Translation, name: Any, jinja: Any, where: str = "") -> Non
         else:
             t.problems.append(f"`{where}chat_template_jinja` is not supported as template text: write the template "
                               "to a .jinja file and give its path")
+    elif _family_template(name, t.settings.get("base_model")):
+        t.notes.append(f"{where}chat_template: {name}: the template of {t.settings['base_model']}'s own family, which "
+                       "emotune renders with the model's own tokenizer template (Axolotl's copy of it).")
     else:
         t.problems.append(f"`{where}chat_template: {show(name)}` is not supported: it is Axolotl's own template, and "
-                          "emotune renders turns with the model's chat template; use chat_template: tokenizer_default, "
+                          "emotune renders turns with the model's chat template (a family's own template, such as "
+                          "gemma3 for a Gemma 3 base_model, is taken as that); use chat_template: tokenizer_default, "
                           "or give the template as a Jinja file (chat_template: jinja, chat_template_jinja: FILE)")
+
+
+# Axolotl's named templates that are a model family's own chat template, and how that family's hub ids read once
+# lower-cased with everything but letters and digits removed (google/gemma-3-270m-it: googlegemma3270mit).
+FAMILY_TEMPLATES = {"gemma": ("gemma2", "gemma7b", "gemma2b"), "gemma3": ("gemma3",), "gemma3n": ("gemma3n",),
+                    "gemma4": ("gemma4",), "llama3": ("llama3",), "llama4": ("llama4",), "qwen_25": ("qwen25",),
+                    "qwen3": ("qwen3",), "phi_3": ("phi3",), "phi_35": ("phi35",), "phi_4": ("phi4",)}
+
+
+def _family_template(name: Any, base_model: Any) -> bool:
+    """Whether Axolotl's template `name` is the own template of the family `base_model` names (a hub id or a folder
+    named after it): emotune's rendering with the model's own template is then the same."""
+    model = re.sub(r"[^a-z0-9]", "", str(base_model or "").lower())
+    return any(family in model for family in FAMILY_TEMPLATES.get(str(name), ()))

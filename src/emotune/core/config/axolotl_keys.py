@@ -32,6 +32,11 @@ KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "lora_target_modules": (None, PEFT),
     "lora_target_linear": (None, PEFT),
     "lora_modules_to_save": (None, PEFT),
+    "lora_target_parameters": (None, PEFT),
+    "bnb_config_kwargs": (None, CONFIG),
+    "quantize_moe_experts": (False, PEFT),
+    "unfrozen_parameters": (None, CONFIG),
+    "eot_tokens": (None, CONFIG),
     "peft_layers_to_transform": (None, PEFT),
     "peft_use_rslora": (None, PEFT),
     "peft_use_dora": (None, PEFT),
@@ -101,20 +106,16 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "embedding_lr_scale": (None, "emotune trains every parameter at one learning rate; remove embedding_lr_scale"),
     "relora_steps": (None, "ReLoRA (merging and restarting the adapter) is not something emotune does"),
     "lora_fan_in_fan_out": (False, "emotune's adapters are on nn.Linear layers; remove lora_fan_in_fan_out"),
-    "lora_target_parameters": (None, "emotune's LoRA adapts modules; use lora.target_parameters in an emotune config"),
     "lora_rank_pattern": (None, "emotune gives every adapter the same rank; remove lora_rank_pattern"),
     "lora_alpha_pattern": (None, "emotune gives every adapter the same alpha; remove lora_alpha_pattern"),
     "peft_layers_pattern": (None, "emotune finds the decoder layers itself; remove peft_layers_pattern"),
     "peft_init_lora_weights": (None, "emotune starts LoRA as PEFT does (lora.init for PiSSA, OLoRA, LoftQ)"),
-    "unfrozen_parameters": (None, "emotune freezes by decoder layers and modules (train.finetuning: freeze), not by "
-                                  "parameter-name patterns"),
     "bfloat16": (False, "emotune keeps trainable weights in float32 under bf16 autocast; use bf16: true"),
     "float16": (False, "emotune keeps trainable weights in float32 under fp16 autocast; use fp16: true"),
     "fp8": (False, "emotune trains in bf16, fp16 or fp32, not fp8; remove fp8"),
     "gptq": (False, "emotune quantizes the base with bitsandbytes only (load_in_4bit, load_in_8bit)"),
     "rope_scaling": (None, "emotune trains the model with its own position encoding; remove rope_scaling"),
     "curriculum_sampling": (False, "emotune shuffles the training rows; remove curriculum_sampling"),
-    "eot_tokens": (None, "emotune trains the end of each assistant turn as the chat template writes it"),
     "chat_template_kwargs": (None, "emotune renders turns with the chat template's own defaults"),
     "shuffle_before_merging_datasets": (False, "emotune reads one dataset; remove it"),
 }
@@ -143,7 +144,10 @@ IGNORED: dict[str, str] = {
                      "sequence_parallel_degree", "context_parallel_size", "tensor_parallel_size", "dp_shard_size",
                      "tokenizer_use_fast", "tokenizer_legacy", "model_config_type", "model_type", "tokenizer_type",
                      "is_llama_derived_model", "is_mistral_derived_model", "is_qwen_derived_model",
-                     "is_falcon_derived_model", "local_rank", "strict", "debug", "trust_remote_code"), PERFORMANCE),
+                     "is_falcon_derived_model", "local_rank", "strict", "debug", "trust_remote_code", "use_kernels",
+                     "use_scattermoe", "experts_implementation", "liger_rms_norm_gated", "lora_mlp_kernel",
+                     "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel", "attn_implementation",
+                     "gemma4_hybrid_attn_impl"), PERFORMANCE),
     **dict.fromkeys(("evals_per_epoch", "saves_per_epoch", "eval_strategy", "save_strategy", "save_first_step",
                      "load_best_model_at_end", "save_safetensors", "save_only_model"),
                     "emotune validates every train.eval_steps and checkpoints every train.save_steps optimizer steps "
@@ -163,4 +167,4 @@ IGNORED: dict[str, str] = {
 }
 
 # Axolotl's own plugins that change only speed or memory (the same loss, computed in fewer kernels)
-KERNEL_PLUGINS = ("liger", "cut_cross_entropy")
+KERNEL_PLUGINS = ("liger", "cut_cross_entropy", "integrations.kernels")
