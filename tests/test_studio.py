@@ -419,13 +419,26 @@ output_dir: saves/tiny-lf
 """
 
 
+AXOLOTL_YAML = """base_model: {model}
+datasets:
+  - path: /data/chats.jsonl
+    type: chat_template
+adapter: lora
+lora_r: 8
+lora_alpha: 16
+lora_target_linear: true
+micro_batch_size: 2
+learning_rate: 2e-4
+"""
+
+
 def test_a_llamafactory_yaml_fills_the_sft_form_with_its_translation(runs, tiny_model_dir):
     studio = client(runs)
     csrf = studio.app.state.csrf
     page = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": LF_YAML.format(
         model=tiny_model_dir, data="/data/lf")})
     assert page.status_code == 200
-    assert 'name="task" value="sft"' in page.text and "The LLaMA-Factory file, translated" in page.text
+    assert 'name="task" value="sft"' in page.text and "The training file, translated" in page.text
     assert re.search(r'id="f-train\.learning_rate" name="train\.learning_rate" value="0\.0003"', page.text)
     assert re.search(r'id="f-train\.max_steps" name="train\.max_steps" value="7"', page.text)
     assert re.search(r'id="f-lora\.r" name="lora\.r" value="4"', page.text)
@@ -434,10 +447,15 @@ def test_a_llamafactory_yaml_fills_the_sft_form_with_its_translation(runs, tiny_
     assert 'name="data.input_separator" rows="3" cols="80">\n\n</textarea>' in page.text
     assert not list((runs / ".studio").glob("jobs/*.json")) if (runs / ".studio").exists() else True  # nothing queued
     refused = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": "task: classify\nname: x\n"})
-    assert refused.status_code == 400 and "not a LLaMA-Factory training config" in refused.text
+    assert refused.status_code == 400 and "not a LLaMA-Factory or Axolotl training config" in refused.text
     broken = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": "model_name_or_path: [\n"})
     assert broken.status_code == 400 and "not valid YAML" in broken.text
     assert studio.post("/new/llamafactory", data={"llamafactory": LF_YAML}).status_code == 403  # CSRF
+    axolotl = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": AXOLOTL_YAML.format(
+        model=tiny_model_dir)})
+    assert axolotl.status_code == 200 and "Axolotl config the uploaded file" in axolotl.text
+    assert re.search(r'id="f-lora\.r" name="lora\.r" value="8"', axolotl.text)
+    assert re.search(r'id="f-train\.batch_size" name="train\.batch_size" value="2"', axolotl.text)
 
 
 def make_sweep(runs: Path, finished: list[Path]) -> Path:

@@ -189,26 +189,30 @@ def run_name(config_yaml: str) -> str:
 
 
 def from_llamafactory(text: str) -> tuple[str, dict[str, str], dict[str, list[str]], str]:
-    """A LLaMA-Factory YAML's translation as a form: (the task it translates to, values by field key, problems, the
-    translation as `emotune config --from-llamafactory` prints it). Values the studio sets itself (task, output_dir)
-    are left out; a file that is no LLaMA-Factory config gives no values and one problem saying why."""
-    from emotune.core.config.llamafactory import describe, is_llamafactory, translate
+    """A LLaMA-Factory or Axolotl training YAML's translation as a form: (the task it translates to, values by field
+    key, problems, the translation as `emotune run` prints it). Values the studio sets itself (task, output_dir) are
+    left out; a file that is neither gives no values and one problem saying why."""
+    from emotune.core.config import axolotl, llamafactory
 
-    task = translate({}).raw["task"]  # the task every LLaMA-Factory training file becomes
+    task = llamafactory.translate({}).raw["task"]  # the task every LLaMA-Factory and Axolotl training file becomes
     try:
         file = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as err:
-        return task, {}, {"": [f"The LLaMA-Factory file is not valid YAML: {err}"]}, ""
+        return task, {}, {"": [f"The training file is not valid YAML: {err}"]}, ""
     if too_large(file):
-        return task, {}, {"": [f"The LLaMA-Factory file {ALIAS_BOMB}."]}, ""
-    if not isinstance(file, dict) or not is_llamafactory(file):
-        return task, {}, {"": ["This is not a LLaMA-Factory training config: it has no `model_name_or_path` (nor `stage` "
-                               "and `finetuning_type`). Paste or pick the YAML you pass to `llamafactory-cli train`."]}, ""
-    translation = translate(file)
+        return task, {}, {"": [f"The training file {ALIAS_BOMB}."]}, ""
+    if isinstance(file, dict) and llamafactory.is_llamafactory(file):
+        translation, told = llamafactory.translate(file), llamafactory.describe
+    elif isinstance(file, dict) and axolotl.is_axolotl(file):
+        translation, told = axolotl.translate(file), axolotl.describe
+    else:
+        return task, {}, {"": ["This is not a LLaMA-Factory or Axolotl training config: it has no `model_name_or_path` "
+                               "(nor `stage` and `finetuning_type`), nor `base_model` with `datasets`. Paste or pick "
+                               "the YAML you pass to `llamafactory-cli train` or `axolotl train`."]}, ""
     known = {f.key for f in fields(task)}
     values = {key: shown(value) for key, value in _flatten(translation.raw, known).items() if key in known}
     problems = {"": list(translation.problems)} if translation.problems else {}
-    return task, values, problems, describe(translation, Path("the uploaded file"))
+    return task, values, problems, told(translation, Path("the uploaded file"))
 
 
 def _flatten(tree: dict[str, Any], leaves: set[str], prefix: str = "") -> dict[str, Any]:

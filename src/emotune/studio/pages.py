@@ -165,12 +165,12 @@ def form_page(task: str, tasks: list[str], fields: list, values: dict[str, str],
     shut = {name for name in sections if name not in ("run", "model", "data", "train")} - {k.split(".")[0] for k in problems}
     blocks = "".join(f'<details{"" if name in shut else " open"}><summary>{escape(name)}'
                      f'</summary>{"".join(items)}</details>' for name, items in sections.items())
-    upload = (f'<details id="llamafactory"><summary>From a LLaMA-Factory YAML</summary><form method="post" '
+    upload = (f'<details id="llamafactory"><summary>From a LLaMA-Factory or Axolotl YAML</summary><form method="post" '
               f'action="/new/llamafactory"><input type="hidden" name="csrf" value="{escape(csrf)}">'
               f'<p><input type="file" id="llamafactory-file" accept=".yaml,.yml"> or paste it:</p>'
               f'<textarea name="llamafactory" id="llamafactory-text" rows="8" cols="80"></textarea>'
               f'<p><button type="submit">Translate into the sft form</button></p></form></details>')
-    shown = (f'<details open id="translation"><summary>The LLaMA-Factory file, translated</summary>{_pre(translation)}'
+    shown = (f'<details open id="translation"><summary>The training file, translated</summary>{_pre(translation)}'
              f'<p>Check the fields below, then queue the run.</p></details>' if translation else "")
     body = (f'<p>Task: {picker}</p>{upload}{shown}{general}<form method="post" action="/new" id="new-run">'
             f'<input type="hidden" name="csrf" value="{escape(csrf)}"><input type="hidden" name="task" value="{escape(task)}">'
