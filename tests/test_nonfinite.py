@@ -1,6 +1,7 @@
 """A model whose weights hold NaN (a broken checkpoint, adapter or conversion): `emotune serve` refuses to load it,
 naming the weights; a served model that turns out to compute NaN is a 500 that says so (classify, chat, a stream),
-not a JSON encoder's error or a reply of padding; `emotune predict` exits 2 with the same message and writes nothing."""
+not a JSON encoder's error or a reply of padding; `emotune predict`, `emotune eval` and `emotune run`'s measurements
+exit 2 with the same message and write nothing."""
 
 from __future__ import annotations
 
@@ -101,3 +102,73 @@ def test_the_studio_refuses_to_try_a_model_whose_weights_hold_nan(runs):
     with pytest.raises(Refused, match=re.escape(SAYS)) as refused:
         tryout.classify(RunDir(runs / "broken"), "i am happy")
     assert refused.value.status == 422 and tryout.engine is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurements (`emotune eval`, `emotune run`'s baseline and fine-tuned stages): exit 2 naming the weights, no results
+# written; scikit-learn failed with "Input contains NaN" and `generate` scored replies of padding before
+
+
+GOOD = '{"method": "generate", "accuracy": 0.5}'
+
+
+def _eval_refused(capsys, args: list[str], folder) -> str:
+    """`emotune eval ARGS` exits 2 and leaves `folder`'s earlier metrics.json as it was; its message."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.json").write_text(GOOD, encoding="utf-8")
+    assert main(["eval", *args]) == 2
+    assert (folder / "metrics.json").read_text(encoding="utf-8") == GOOD
+    assert not (folder / "predictions.csv").exists()
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["both", "score"])
+def test_eval_of_an_adapter_whose_weights_hold_nan_exits_2_and_writes_nothing(runs, tiny_overrides, method, capsys):
+    # eval.merge_adapters=always: not merged all the same, or the NaN would spread into the base weights it names
+    err = _eval_refused(capsys, [*tiny_overrides, f"adapter={runs / 'broken'}", f"eval.method={method}",
+                                 "eval.merge_adapters=always"], runs / "broken" / "eval" / "test-finetuned")
+    # generate (the first of `both`) stops at the first batch of rows, score names every row
+    rows = "2, 4, 6, 7, 10" if method == "both" else "1, 2, 3, 4, 5 and 7 more"
+    assert f"{SAYS} for rows {rows} of the test split" in err and BROKEN in err and "base_layer" not in err
+    assert "The test evaluation stopped and wrote no results." in err and "Traceback" not in err
+
+
+def test_eval_of_a_head_adapter_whose_weights_hold_nan_exits_2(tiny_model_dir, tiny_overrides, tmp_path, capsys):
+    run = poison(write_tiny_adapter(tiny_model_dir, tmp_path / "head", task="classify_head"))
+    err = _eval_refused(capsys, ["task=classify_head", *tiny_overrides, f"adapter={run}"],
+                        run / "eval" / "test-finetuned")
+    assert SAYS in err and BROKEN in err and "of the test split" in err
+
+
+def test_sft_eval_refuses_a_nan_loss_generation_and_probe(runs, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from emotune.tasks.sft import eval as sft_eval
+
+    rows = [{"instruction": f"{a} {b}", "output": b} for a in ("today", "my", "friend", "work", "morning")
+            for b in ("joy", "love", "anger", "fear")]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    args = ["task=sft", f"model.source={tiny_model_dir}", f"data.source={tmp_path / 'sft.jsonl'}", "eval.probe=false",
+            f"output_dir={tmp_path / 'runs'}", "eval.batch_size=4", f"adapter={runs / 'chat'}"]
+    folder = runs / "chat" / "eval" / "test-finetuned"
+    err = _eval_refused(capsys, args, folder)
+    assert f"{SAYS} for the reference answers of rows 1, 2" in err and "(one batch's loss)" in err and BROKEN in err
+    monkeypatch.setattr(sft_eval, "response_loss", lambda *args: (1.0, 10))  # as if only generation overflowed
+    assert f"{SAYS} for the replies to rows 1, 2" in _eval_refused(capsys, args, folder)
+    monkeypatch.setattr(sft_eval, "generate_texts", lambda model, tokenizer, prompts, *rest: ["joy"] * len(prompts))
+    err = _eval_refused(capsys, [*args[:-1], "eval.probe=true", "eval.probe_limit=2", args[-1]], folder)
+    assert f"{SAYS} for questions 1, 2 of the forgetting probe" in err
+
+
+def test_run_on_a_base_model_whose_weights_hold_nan_stops_at_its_baseline(tiny_model_dir, tiny_overrides, tmp_path,
+                                                                           capsys):
+    import shutil
+
+    base = shutil.copytree(tiny_model_dir, tmp_path / "broken-base")
+    weights = load_file(base / "model.safetensors")
+    weights[next(k for k in sorted(weights) if "down_proj" in k)].fill_(float("nan"))
+    save_file(weights, base / "model.safetensors")
+    assert main(["run", *tiny_overrides, f"model.source={base}"]) == 2
+    err = capsys.readouterr().err
+    assert SAYS in err and "mlp.down_proj.weight" in err and "The baseline evaluation stopped" in err
+    run = tmp_path / "runs" / "tiny"
+    assert not (run / "baseline" / "metrics.json").exists() and not (run / "adapter").exists()
+    assert json.loads((run / "run.json").read_text())["stages"]["baseline"]["status"] == "failed"

@@ -14,9 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+import yaml
 
-from conftest import LABELS, write_tiny_adapter
+from conftest import LABELS, build_tokenizer, write_tiny_adapter
 from emotune.core.config.load import load_config
+from emotune.core.errors import UserError
 from emotune.model.artifacts import find_artifact
 from emotune.serve import build_engine, create_app
 from server_harness import running
@@ -27,14 +29,34 @@ GOOD_TEXTS = [f"{a} {b} today" for a in WORDS[:8] for b in WORDS[5:]][:40]
 
 
 @pytest.fixture(scope="module")
-def adapters_root(tiny_model_dir, tmp_path_factory):
-    """A good adapter, and broken copies of it as a careless or hostile admin might point at."""
+def adapters_root(tiny_model_dir, tiny_gemma3_64_dir, tiny_gpt2_dir, tmp_path_factory):
+    """A good adapter, and broken copies of it as a careless or hostile admin might point at: damaged files, and
+    adapters that do not fit this base (trained on a wider one or on GPT-2 with their records saying otherwise, a
+    head whose labels were edited, a tokenizer of another model, a PEFT type LoRA adapters cannot sit beside)."""
     root = tmp_path_factory.mktemp("adapters")
     write_tiny_adapter(tiny_model_dir, root / "tiny", seed=0)
     write_tiny_adapter(tiny_model_dir, root / "rank8", seed=1, r=8)
     weights = "adapter/adapter_model.safetensors"
-    for broken in ("junk-config", "junk-weights", "cut-weights"):
+    for broken in ("junk-config", "junk-weights", "cut-weights", "junk-tokenizer", "junk-yaml", "bad-model-section",
+                   "no-head", "other-tokenizer", "ia3", "no-tokenizer"):
         shutil.copytree(root / "tiny", root / broken)
+    for name, base, task in (("wider-base", tiny_gemma3_64_dir, "classify"), ("wider-head", tiny_gemma3_64_dir,
+                             "classify_head"), ("gpt2", tiny_gpt2_dir, "classify"), ("head", tiny_model_dir,
+                                                                                      "classify_head")):
+        write_tiny_adapter(base, root / name, task=task)
+        _edit(root / name / "config.yaml", lambda c: c["model"].update(source=str(tiny_model_dir)), yaml)
+        _edit(root / name / "adapter" / "emotune.json", lambda m: m.update(base_model=str(tiny_model_dir)))
+    shutil.copytree(root / "head", root / "head-labels")
+    _edit(root / "head-labels" / "adapter" / "emotune.json", lambda m: m.update(labels=m["labels"][:3]))
+    _edit(root / "no-head" / "adapter" / "emotune.json", lambda m: m.update(task="classify_head"))
+    _edit(root / "ia3" / "adapter" / "adapter_config.json", lambda c: c.update(peft_type="IA3"))
+    _edit(root / "bad-model-section" / "config.yaml", lambda c: c["model"].update(dtype="float13"), yaml)
+    (root / "junk-yaml" / "config.yaml").write_text("model: [\n")
+    (root / "junk-tokenizer" / "adapter" / "tokenizer.json").write_text("{junk")
+    build_tokenizer(root / "other-tokenizer" / "adapter", ("喜悦", "愤怒"))  # two tokens the base has no embedding for
+    for file in (root / "no-tokenizer" / "adapter").iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            file.unlink()
     (root / "junk-config" / "adapter" / "adapter_config.json").write_text("{not json")
     (root / "junk-weights" / weights).write_bytes(b"\x00" * 64)
     cut = (root / "tiny" / weights).read_bytes()
@@ -43,6 +65,13 @@ def adapters_root(tiny_model_dir, tmp_path_factory):
     config_file = root / "rank-mismatch" / "adapter" / "adapter_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "r": 4}))
     return root
+
+
+def _edit(path, change, format=json):
+    """Rewrite a JSON (or YAML) file with `change` applied to what it holds."""
+    value = format.safe_load(path.read_text()) if format is yaml else json.loads(path.read_text())
+    change(value)
+    path.write_text(yaml.safe_dump(value) if format is yaml else json.dumps(value))
 
 
 def start(tiny_model_dir, adapters_root, adapters=("tiny",), **changes):
@@ -206,12 +235,19 @@ def test_a_label_set_with_an_empty_label_or_duplicates_is_422(http, labels):
 # Adapters: broken files are 422, a failed load changes nothing, deleting the last one keeps base working
 
 
-@pytest.mark.parametrize("folder, says", [("junk-config", "adapter config"), ("junk-weights", "safetensors"),
-                                          ("cut-weights", "safetensors"), ("rank-mismatch", "rank")])
+@pytest.mark.parametrize("folder, says", [
+    ("junk-config", "adapter config"), ("junk-weights", "safetensors"), ("cut-weights", "safetensors"),
+    ("rank-mismatch", "rank"), ("junk-tokenizer", "tokenizer in"), ("junk-yaml", "not readable YAML"),
+    ("bad-model-section", "model.dtype"), ("no-head", "no trained `score` head"), ("head-labels", "lists 3 labels"),
+    ("wider-head", "hidden states of size 64"), ("wider-base", "has shape [4, 64] in its file, [4, 32] on this base"),
+    ("gpt2", "the layers it adapts (`transformer.h.0.attn.c_attn` and"), ("other-tokenizer", "embeddings for"),
+    ("ia3", "PEFT cannot hold it beside")])
 def test_a_broken_adapter_is_422_and_its_name_stays_usable(http, folder, says):
+    """Every load an adapter's files make fail is a 422 saying what is wrong, not a 500 naming a library's error."""
     before = classify(http, "happy").json()["data"][0]["probs"]
     refused = http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "retry", "path": folder})
     assert says in _error(refused, 422)
+    assert [m["id"] for m in http.get("/v1/models", headers=AUTH).json()["data"]] == ["base", "tiny"]
     assert classify(http, "happy").json()["data"][0]["probs"] == pytest.approx(before, abs=1e-6)
     retried = http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "retry", "path": "rank8"})
     assert retried.status_code == 201, retried.text
@@ -230,13 +266,28 @@ def test_an_adapter_load_that_fails_half_way_leaves_every_model_as_it_was(tiny_m
     check is bypassed here, to reach the engine's own rollback)."""
     engine, _ = start(tiny_model_dir, adapters_root, adapters=served)
     before = {name: _logits(engine, name) for name in engine.models}
-    with pytest.raises(RuntimeError, match="size mismatch"):
+    with pytest.raises(UserError, match="does not fit this server's base model.*has shape"):
         engine.add_adapter(find_artifact(adapters_root / "rank-mismatch", name="retry"))
     assert list(engine.models) == ["base", *served]
     for name, logits in before.items():
         assert torch.equal(_logits(engine, name), logits)
     engine.add_adapter(find_artifact(adapters_root / "rank8", name="retry"))
     assert not torch.equal(_logits(engine, "retry"), before["base"])
+
+
+def test_an_adapter_without_a_tokenizer_reads_with_the_base_models_and_one_that_does_not_fit_stops_serve(
+        http, tiny_model_dir, adapters_root):
+    """A folder with no tokenizer (an adapter made by another tool) is read with the base's, as predict reads it (it
+    failed inside transformers before, a 500); an adapter that does not fit the base stops `emotune serve` at start
+    with the same message as the 422."""
+    loaded = http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "bare", "path": "no-tokenizer"})
+    assert loaded.status_code == 201, loaded.text
+    # the same weights as `tiny`, and `tiny`'s tokenizer files are the base's
+    assert classify(http, "happy", model="bare").json()["data"][0]["probs"] == classify(http, "happy").json()["data"][0]["probs"]
+    assert http.delete("/v1/adapters/bare", headers=ADMIN_AUTH).status_code == 200
+    cfg = load_config(None, ["device=cpu", f"model.source={tiny_model_dir}"])
+    with pytest.raises(UserError, match="`wider-base` does not fit this server's base model"):
+        build_engine(cfg, [str(adapters_root / "wider-base")])
 
 
 def test_deleting_the_last_adapter_then_asking_base_works(tiny_model_dir, adapters_root):

@@ -6,7 +6,8 @@ padding, which gives the same greedy tokens as one row at a time up to floating-
 
 `score` reads the same prompt's exact probability of every label (`LabelScorer`) and predicts the most
 likely one, so it can never emit an invalid label; its probabilities also give top-2 accuracy, log-loss
-and calibration. Both sort rows by length to cut padding and halve the batch on out-of-memory.
+and calibration. Both sort rows by length to cut padding and halve the batch on out-of-memory, and both refuse a
+model that computes NaN or infinity (`refuse_nonfinite`) before anything is written.
 """
 
 from __future__ import annotations
@@ -16,18 +17,22 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
 from datasets import Dataset
 from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, log_loss, precision_recall_fscore_support, top_k_accuracy_score
+from transformers import LogitsProcessorList
 
 from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import EvalConfig
+from emotune.core.errors import listed
 from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.core.rundir import atomic_file, write_json
 from emotune.data import prompt_messages, system_prompt
 from emotune.eval.scoring import LabelScorer
+from emotune.model.finite import NonFiniteOutput, NonFiniteSeen, nonfinite_rows, nonfinite_weights, not_finite_message
 from emotune.model.text import context_length
 from emotune.model.turns import stop_token_ids
 from emotune.runtime.oom import run_in_batches
@@ -64,8 +69,13 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
     """Greedy continuations of chat-templated `prompts` (each stops at EOS or the end of the turn), stripped;
     batched with left padding, rows sorted by length. A reply ends at the model's context: a model with a learned
     position table (GPT-2's 1,024) failed inside its forward past it, a rotary one generates from positions it never
-    saw; a prompt that fills the context gets an empty reply. `logits_processor`: generate's (a LogitsProcessorList)."""
+    saw; a prompt that fills the context gets an empty reply. `logits_processor`: generate's (a LogitsProcessorList).
+
+    A batch in which the model computed NaN or infinite logits raises NonFiniteOutput with `rows` (indices into
+    `prompts`): greedy decoding reads token 0 from NaN logits, a reply of padding that would pass for an answer."""
     device = next(model.parameters()).device
+    seen = NonFiniteSeen()
+    processors = LogitsProcessorList([*(logits_processor or []), seen])
     outputs: list[str] = [""] * len(prompts)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens must follow the real prompt directly
     context = context_length(model)
@@ -79,7 +89,11 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
         generated = model.generate(**enc, max_new_tokens=room, do_sample=False, num_beams=1,
                                    eos_token_id=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
                                    pad_token_id=tokenizer.pad_token_id, top_p=None, top_k=None, temperature=None,
-                                   logits_processor=logits_processor)
+                                   logits_processor=processors)
+        bad = seen.rows()  # one check per batch
+        if bad:
+            raise NonFiniteOutput("The model computed logits that are not numbers (NaN or infinity).",
+                                  rows=sorted(batch[i] for i in bad))
         new_tokens = generated[:, enc["input_ids"].shape[1]:]
         for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=False):
             outputs[i] = text.strip()
@@ -110,12 +124,16 @@ def evaluate(model, tokenizer, dataset: Dataset, asked: LabelPrompt, cfg: EvalCo
     if method == "score":
         log_probs = LabelScorer(model, tokenizer, prompt, labels).log_probs(texts, batch_size, desc=f"{desc} (score)")
         probs = log_probs.softmax(-1)
+        check_finite(model, probs, cfg.split, desc)
         predicted = [labels[i] for i in probs.argmax(-1).tolist()]
         metrics = {**compute_metrics(gold, predicted, labels), **probability_metrics(gold, probs.numpy(), labels)}
         rows = [{"text": t, "gold": g, "predicted": p, **{f"p_{label}": round(float(q), 6) for label, q in zip(labels, row, strict=False)}}
                 for t, g, p, row in zip(texts, gold, predicted, probs.tolist(), strict=False)]
     else:
-        raw = generate_outputs(model, tokenizer, texts, asked, cfg, f"{desc} (generate)", batch_size)
+        try:
+            raw = generate_outputs(model, tokenizer, texts, asked, cfg, f"{desc} (generate)", batch_size)
+        except NonFiniteOutput as err:
+            refuse_nonfinite(model, split_rows(err.rows, cfg.split), desc)
         pattern = label_pattern(labels)
         predicted = [extract_label(output, labels, pattern) for output in raw]
         metrics = compute_metrics(gold, predicted, labels)
@@ -126,6 +144,32 @@ def evaluate(model, tokenizer, dataset: Dataset, asked: LabelPrompt, cfg: EvalCo
     if method == "generate":
         metrics["max_new_tokens"] = cfg.max_new_tokens
     return EvalResult(rows=rows, metrics=metrics)
+
+
+def check_finite(model, scores: torch.Tensor, split: str, desc: str) -> None:
+    """Refuse the `desc` evaluation when [rows, values] `scores` of the `split` split's rows hold a row that is no
+    answer (NaN or infinity, as `nonfinite_rows` counts them): one check on what was computed anyway."""
+    bad = nonfinite_rows(scores)
+    if bad:
+        refuse_nonfinite(model, split_rows(bad, split), desc)
+
+
+def refuse_nonfinite(model, where: str, desc: str) -> NoReturn:
+    """NonFiniteOutput for the `desc` evaluation (`baseline`, `fine-tuned`, the split's name) of a model that computed
+    NaN or infinity for `where`, naming the weights at fault (one pass over them, on the way out). Its metrics would
+    be no numbers either: scikit-learn failed on them ("Input contains NaN"), and replies read from NaN logits
+    (padding) passed for a model that answers nothing. Raised before anything is written, so a stage folder keeps
+    the results it held."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    raise NonFiniteOutput(not_finite_message("The evaluated model", where, dtype, nonfinite_weights(model))
+                          + f" The {desc} evaluation stopped and wrote no results.")
+
+
+def split_rows(rows: list[int] | None, split: str) -> str:
+    """`rows 3, 7 of the test split` for 0-based `rows` of the split (None: the split itself)."""
+    if not rows:
+        return f"the {split} split"
+    return f"row{'s' if len(rows) > 1 else ''} {listed([r + 1 for r in rows])} of the {split} split"
 
 
 def evaluate_methods(model, tokenizer, dataset: Dataset, asked: LabelPrompt, cfg: EvalConfig,

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from emotune.core.errors import UserError
+from emotune.model.finite import nonfinite_rows
 from emotune.runtime.device import dtype_name
 
 CHECK_ROWS = 8  # evaluated rows compared merged vs unmerged before the evaluation
@@ -60,6 +61,11 @@ def merged_for_eval(model, sample: list[list[int]], mode: str, tolerance: float)
         yield {"mode": mode, "merged": False, "note": f"evaluated unmerged: {why}"}
         return
     unmerged = last_logits(model, sample)
+    if unmerged.numel() and nonfinite_rows(unmerged):
+        # the evaluation refuses this model, naming the weights that hold NaN: merged, the base weights would too
+        yield {"mode": mode, "merged": False, "note": "evaluated unmerged: the model computed NaN or infinity on the "
+                                                      "checked rows, and a merge would spread it into the base weights"}
+        return
     saved, refused = _merge(model, mode)
     if saved is None:  # PEFT refused to merge (auto only; `always` raised)
         yield {"mode": mode, "merged": False, "note": f"evaluated unmerged: PEFT cannot merge this adapter ({refused})"}

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from emotune.core.config.data import PromptConfig
 from emotune.core.config.model import ModelConfig
-from emotune.core.errors import UserError
+from emotune.core.errors import UserError, first_line
 from emotune.core.rundir import RunDir, atomic_dir, json_text, read_json
 from emotune.model.prompt import system_prompt
 
@@ -246,8 +247,7 @@ def find_artifact(target: str | Path, name: str | None = None, fallback: Fallbac
         if marker.is_file() and (folder / META).is_file():
             meta, config = read_meta(folder), _run_config(target, folder)
             return Artifact(name=name or default_name(target), path=folder, merged=merged, meta=meta,
-                            model_cfg=ModelConfig.model_validate(config.get("model") or {"source": meta["base_model"]}),
-                            config=config)
+                            model_cfg=_model_config(config, meta, folder), config=config)
     for folder in (run.adapter, target):
         if is_adapter(folder):
             return _foreign_adapter(folder, name or default_name(target), fallback)
@@ -352,9 +352,24 @@ def _run_config(target: Path, folder: Path) -> dict:
     hand, beside `target` or the model folder; else {}."""
     for config_file in (RunDir(target).config, RunDir(folder.parent).config):
         if config_file.is_file():
-            raw = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+            try:
+                raw = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+            except (yaml.YAMLError, UnicodeDecodeError) as err:
+                raise UserError(f"`{config_file}` is not readable YAML ({first_line(err)}). Restore the run's "
+                                f"config.yaml, or move it away to use the base model {META} names.") from None
             return raw if isinstance(raw, dict) else {}
     return {}
+
+
+def _model_config(config: dict, meta: dict, folder: Path) -> ModelConfig:
+    """How to find the base: the run's config.yaml's `model` section, else the base model emotune.json names."""
+    try:
+        return ModelConfig.model_validate(config.get("model") or {"source": meta["base_model"]})
+    except ValidationError as err:
+        problems = "; ".join(".".join(["model", *map(str, e["loc"])]) + f": {e['msg']}" for e in err.errors())
+        raise UserError(f"The run's config.yaml beside `{folder}` has a `model` section emotune cannot read "
+                        f"({problems}). Fix it there, or move config.yaml away to use the base model {META} "
+                        "names.") from None
 
 
 def check_matches(artifact: Artifact, labels: list[str], system_prompt_text: str) -> None:

@@ -1,11 +1,12 @@
-"""Model outputs that are not numbers: which rows, which weights, and the one message predict and serve give.
+"""Model outputs that are not numbers: which rows, which weights, and the one message predict, serve and eval give.
 
 A model whose weights hold NaN or infinity (an adapter saved after training diverged, a broken conversion, a full
 fine-tune made elsewhere) computes NaN for every text; one run in float16 can overflow on some texts only. Its
 probabilities are no answer, and JSON has no NaN either: the server failed with a 500 naming a JSON encoder, and
 `predict` wrote empty probabilities and the first label. Every caller checks with `nonfinite_rows` (or, for
 generation, `FiniteLogits`) and refuses with `not_finite_message`, naming the rows and, where it scanned them, the
-weights at fault.
+weights at fault. A measurement that generates many replies marks the rows with `NonFiniteSeen` instead and
+checks once per batch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from emotune.core.errors import UserError
 
 
 class NonFiniteOutput(UserError):
-    """A model computed NaN or infinity where a probability or a logit belongs."""
+    """A model computed NaN or infinity where a probability or a logit belongs. `rows`: the rows at fault where the
+    raiser knew them (generate_texts' prompt indices), for the caller's message."""
+
+    def __init__(self, message: str, rows: list[int] | None = None):
+        super().__init__(message)
+        self.rows = rows
 
 
 def nonfinite_rows(scores: torch.Tensor) -> list[int]:
@@ -77,3 +83,23 @@ class FiniteLogits(LogitsProcessor):
         if not bool(torch.isfinite(scores.amax(-1)).all()):  # as nonfinite_rows counts them, one sync per step
             raise NonFiniteOutput("The model computed logits that are not numbers (NaN or infinity).")
         return scores
+
+
+class NonFiniteSeen(LogitsProcessor):
+    """Marks the rows of a `generate` call whose logits were no answer at some step, as `nonfinite_rows` counts them,
+    without stopping it: `rows()` reads them once the call returns. One sync per batch where FiniteLogits syncs every
+    step, for measurements generating many replies; the cost per step is one reduction over the logits, as greedy
+    decoding's own argmax."""
+
+    def __init__(self):
+        self.seen: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        bad = ~torch.isfinite(scores.detach().amax(-1))
+        self.seen = bad if self.seen is None else self.seen | bad
+        return scores
+
+    def rows(self) -> list[int]:
+        """The rows marked since the last call (indices into the batch), and a fresh start for the next batch."""
+        seen, self.seen = self.seen, None
+        return [] if seen is None else seen.nonzero().flatten().tolist()

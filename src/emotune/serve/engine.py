@@ -13,6 +13,7 @@ served alone, without a base, under the run's name with its own task, labels and
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -25,7 +26,7 @@ import torch
 from emotune.core.config.data import PromptConfig
 from emotune.core.config.model import ModelConfig
 from emotune.core.config.run import RunConfig
-from emotune.core.errors import UserError
+from emotune.core.errors import UserError, first_line
 from emotune.data.clean import clean_for_inference
 from emotune.eval.scoring import LabelScorer, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
@@ -82,9 +83,11 @@ class Engine:
         """Load an adapter under its name (called on the worker thread; `tokenizer` from `tokenizer_for`, which
         need not run there). All or nothing: if PEFT fails half-way (it wraps layers before it reads the weights),
         what it registered is taken out again, so the models served before are unchanged and the name can be
-        loaded again."""
+        loaded again. An adapter that does not fit this base (its layers' names or shapes, its head, its tokenizer)
+        is a UserError saying what differs."""
         self.check_loadable(artifact)
         tokenizer = tokenizer if tokenizer is not None else self.tokenizer_for(artifact)
+        self._check_vocabulary(artifact, tokenizer)
         with self.lock:
             served = self.model
             try:
@@ -92,9 +95,13 @@ class Engine:
                 loaded = Loaded(artifact.name, artifact, tokenizer, head=head)
                 with self._active(loaded):
                     self._probe(loaded)
-            except BaseException:
+            except BaseException as err:
                 self._detach(artifact.peft_name)
-                raise
+                misfit = _misfit(err)
+                if misfit is None:  # not the adapter's files: out of memory, a device failure
+                    raise
+                raise UserError(f"Adapter `{artifact.name}` does not fit this server's base model `{self.base_source}`: "
+                                f"{misfit} It was not loaded.") from None
             finally:
                 if self.model is not served:  # the first adapter wrapped the model: every scorer starts afresh
                     self.scorers.clear()
@@ -102,11 +109,34 @@ class Engine:
 
     def tokenizer_for(self, artifact: Artifact) -> Any:
         """The adapter folder's tokenizer; one already loaded from identical files is shared (a tokenizer of a
-        large vocabulary takes seconds to load, and adapters of one base usually carry the same files)."""
+        large vocabulary takes seconds to load, and adapters of one base usually carry the same files). A folder
+        without one (an adapter made by another tool) reads with the base model's, as `emotune predict` does."""
+        if not (artifact.path / "tokenizer_config.json").is_file() and BASE_MODEL in self.models:
+            return self.models[BASE_MODEL].tokenizer
         key = _tokenizer_fingerprint(artifact.path)
         if key not in self.tokenizers:
-            self.tokenizers[key] = load_tokenizer(artifact.path, ModelConfig())
+            try:
+                self.tokenizers[key] = load_tokenizer(artifact.path, ModelConfig())
+            except UserError:
+                raise
+            except Exception as err:  # noqa: BLE001 (transformers and tokenizers raise many types for damaged files)
+                raise UserError(f"The tokenizer in `{artifact.path}` cannot be loaded ({type(err).__name__}: "
+                                f"{first_line(err)}). Restore its tokenizer files from the run that trained the adapter, "
+                                "or delete them all (tokenizer_config.json with them) to use the base model's.") from None
         return self.tokenizers[key]
+
+    def _check_vocabulary(self, artifact: Artifact, tokenizer: Any) -> None:
+        """A tokenizer with more tokens than the base has embeddings (and than its own tokenizer has) belongs to
+        another model: a text holding one of the extra tokens indexes past the embedding table, an IndexError on the
+        CPU and on a GPU a device-side assert that breaks every later request."""
+        rows = self.causal.get_input_embeddings().num_embeddings
+        own = len(self.models[BASE_MODEL].tokenizer)
+        if len(tokenizer) > max(rows, own):
+            raise UserError(f"Adapter `{artifact.name}`'s tokenizer has {len(tokenizer):,} tokens, but this server's base "
+                            f"model `{self.base_source}` has embeddings for {rows:,} (its own tokenizer: {own:,}), so a "
+                            "text holding one of the others would fail inside the model. The tokenizer comes from "
+                            "another model: serve the adapter from a server started with the base it was trained on, "
+                            f"or replace the tokenizer files in `{artifact.path}` with the base model's.")
 
     def check_loadable(self, artifact: Artifact) -> None:
         """An adapter needs this server's base: refused on a server of a merged model, or of another base."""
@@ -141,6 +171,8 @@ class Engine:
         from peft.utils import set_peft_model_state_dict
 
         config, weights, head = causal_adapter(self.causal, artifact.path)
+        classifier = classifier_from_causal(self.causal, artifact.labels)  # reads through the LoRA attached below
+        _check_head(artifact, head.shape, classifier.score.weight.shape)
         if self.is_peft:
             self.model.add_adapter(artifact.peft_name, config)
         else:
@@ -149,7 +181,6 @@ class Engine:
         if loaded.unexpected_keys:
             raise UserError(f"Adapter `{artifact.name}` holds weights this base model has no place for "
                             f"({', '.join(loaded.unexpected_keys[:3])}, ...); was it trained on another base model?")
-        classifier = classifier_from_causal(self.causal, artifact.labels)
         with torch.no_grad():
             classifier.score.weight.copy_(head)
         return classifier.eval()
@@ -250,6 +281,49 @@ def _strip_adapter_layers(model: torch.nn.Module) -> None:
             elif isinstance(child, BaseTunerLayer):
                 setattr(parent, child_name, child.get_base_layer())
     model.__dict__.pop("peft_config", None)  # PEFT notes its config on the model it wraps
+
+
+def _check_head(artifact: Artifact, shape: torch.Size, wanted: torch.Size) -> None:
+    """A head adapter's trained `score` head [labels, hidden] must be the one its labels need over this base."""
+    if shape == wanted:
+        return
+    if shape[1] != wanted[1]:
+        raise UserError(f"Adapter `{artifact.name}`'s `score` head reads hidden states of size {shape[1]}, but this "
+                        f"server's base model has {wanted[1]}: the adapter was trained on another base model. Serve it "
+                        "from a server started with that base. It was not loaded.")
+    raise UserError(f"Adapter `{artifact.name}`'s `score` head has {shape[0]} rows, one per label it was trained on, but "
+                    f"its emotune.json lists {wanted[0]} labels: the file was edited or comes from another run. Restore "
+                    "emotune.json (the labels in the order its run trained them), or re-export the run. It was not "
+                    "loaded.")
+
+
+SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                           r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+
+
+def _misfit(err: BaseException) -> str | None:
+    """What PEFT found wrong with an adapter on this base, and what to do, in sentences; None for a failure that says
+    nothing about the adapter's files (out of memory, a device error): that one stays the server's."""
+    text = str(err)
+    mismatches = SIZE_MISMATCH.findall(text) if isinstance(err, RuntimeError) else []
+    if mismatches:  # load_state_dict names every tensor; the first one and a count are enough
+        name, saved, here = mismatches[0]
+        name = re.sub(r"^base_model\.model\.|\.emotune_[A-Za-z0-9_]+(?=\.weight$)", "", name)
+        more = f", and {len(mismatches) - 1} more weights differ" if len(mismatches) > 1 else ""
+        return (f"its weight `{name}` has shape {saved} in its file, {here} on this base{more}. It was trained on "
+                "another base model (one its emotune.json or config.yaml does not name), or its adapter_config.json "
+                "comes from another adapter: serve it from a server started with the base it was trained on, or "
+                "export the adapter again from its run.")
+    if isinstance(err, ValueError) and "not found in the base model" in text:  # PEFT's NoMatchingPeftModuleError
+        named = re.search(r"\{([^}]*)\}", text)
+        modules = sorted(m.strip(" '\"") for m in named.group(1).split(",")) if named else []
+        which = f" (`{modules[0]}`{f' and {len(modules) - 1} more' if len(modules) > 1 else ''})" if modules else ""
+        return (f"the layers it adapts{which} are not in this base model. It was trained on a model of another "
+                "architecture: serve it from a server started with the base it was trained on.")
+    if isinstance(err, ValueError) and "different peft types" in text:
+        return (f"PEFT cannot hold it beside the adapters loaded already ({first_line(err)}). Serve it from a server "
+                "of its own.")
+    return None
 
 
 def _tokenizer_fingerprint(folder: Path) -> str:

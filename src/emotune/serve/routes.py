@@ -21,7 +21,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import ServeConfig
 from emotune.core.errors import UserError
 from emotune.model.artifacts import Artifact, check_adapter_files, find_artifact
-from emotune.model.finite import NonFiniteOutput, nonfinite_rows, not_finite_message
+from emotune.model.finite import nonfinite_rows, not_finite_message
 from emotune.serve.chat import Generation, chat_job, check_chat, generate_reply, stream_chat
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.guards import TrustedHosts
@@ -240,11 +240,11 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
             raise APIError(409, f"An adapter named `{body.name}` is already loaded. DELETE /v1/adapters/{body.name} "
                                 "first.", "conflict_error")
         artifact = await asyncio.to_thread(_adapter_artifact, state, body)  # reads files: off the event loop
-        tokenizer = await asyncio.to_thread(engine.tokenizer_for, artifact)  # off the model thread too
         try:
+            tokenizer = await asyncio.to_thread(engine.tokenizer_for, artifact)  # off the model thread too
             await asyncio.get_running_loop().run_in_executor(state.chat_executor, engine.add_adapter, artifact, tokenizer)
-        except NonFiniteOutput as err:  # its weights hold NaN: refused, the models served before unchanged
-            raise APIError(422, str(err)) from None
+        except UserError as err:  # weights holding NaN (NonFiniteOutput), or a tokenizer, head or layers that do not
+            raise APIError(422, str(err)) from None  # fit this base: refused, the models served before unchanged
     return _model_card(engine.models[artifact.name], engine)
 
 

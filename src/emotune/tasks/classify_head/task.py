@@ -28,6 +28,7 @@ from emotune.eval.evaluate import (
     EvalResult,
     LabelPrompt,
     auto_batch_cap,
+    check_finite,
     compute_metrics,
     probability_metrics,
     read_predictions,
@@ -137,6 +138,7 @@ def evaluate_head(model, tokenizer, texts: list[str], gold: list[str], labels: l
     device_type = next(model.parameters()).device.type
     batch_size = cfg.eval.batch_size if cfg.eval.batch_size != "auto" else auto_batch_cap("score", device_type)
     probs = head_probabilities(model, tokenizer, list(texts), cfg.train.max_length, batch_size, f"{desc} (head)")
+    check_finite(model, probs, cfg.eval.split, desc)  # NaN probabilities: no metrics (scikit-learn refuses them)
     predicted = [labels[i] for i in probs.argmax(-1).tolist()]
     metrics = {**compute_metrics(list(gold), predicted, labels), **probability_metrics(list(gold), probs.numpy(), labels)}
     seconds = time.perf_counter() - started

@@ -8,7 +8,8 @@
 3. the forgetting probe (emotune.eval.probe), when `eval.probe` is on.
 
 Files in a stage folder: predictions.csv (prompt, reference, output, kind, scores), probe.json, and
-metrics.json last (it marks the folder complete).
+metrics.json last (it marks the folder complete). A model that computes NaN or infinity in any of the three is
+refused (emotune.eval.evaluate.refuse_nonfinite) and nothing is written.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from pathlib import Path
 import torch
 
 from emotune.core.config.sft import SftConfig
+from emotune.core.errors import listed
 from emotune.core.rundir import atomic_file, read_json, write_json
 from emotune.data.conversations import Conversation
 from emotune.eval import textmetrics
-from emotune.eval.evaluate import generate_texts
+from emotune.eval.evaluate import generate_texts, refuse_nonfinite, split_rows
+from emotune.model.finite import NonFiniteOutput, nonfinite_rows
 from emotune.runtime.oom import run_in_batches
 from emotune.tasks.sft.rows import encode
 from emotune.train.batches import collate, completion_loss
@@ -56,18 +59,24 @@ def auto_rows(device_type: str) -> int:
 
 def measure(model, tokenizer, conversations: list[Conversation], cfg: SftConfig, desc: str) -> SftResult:
     started = time.perf_counter()
-    rows = batch_size(model, cfg)
-    loss, tokens = response_loss(model, tokenizer, conversations, cfg.prompt.system_prompt, rows)
+    rows, split = batch_size(model, cfg), cfg.eval.split
+    try:
+        loss, tokens = response_loss(model, tokenizer, conversations, cfg.prompt.system_prompt, rows)
+    except NonFiniteOutput as err:  # a NaN loss: the perplexity and its comparison would be NaN too
+        refuse_nonfinite(model, f"the reference answers of {split_rows(err.rows, split)} (one batch's loss)", desc)
     prompts = [tokenizer.apply_chat_template(c.chat(cfg.prompt.system_prompt, c.prompt_turns), tokenize=False,
                                              add_generation_prompt=True) for c in conversations]
-    outputs = generate_texts(model, tokenizer, prompts, cfg.eval.max_new_tokens, rows, f"{desc} (generate)")
+    try:
+        outputs = generate_texts(model, tokenizer, prompts, cfg.eval.max_new_tokens, rows, f"{desc} (generate)")
+    except NonFiniteOutput as err:  # greedy replies read from NaN logits: padding, scored as if answered
+        refuse_nonfinite(model, f"the replies to {split_rows(err.rows, split)}", desc)
     scored = score_rows(conversations, outputs)
     summary = textmetrics.summarize([{**r, "prediction": r["output"]} for r in scored])
     metrics = {"rows": len(conversations), "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "response_tokens": tokens,
                "rouge_l": summary["rouge_l"], "bleu": summary["corpus_bleu"], "sentence_bleu": summary["bleu"],
                "exact_match": summary["exact_match"], "per_kind": summary["per_kind"],
                "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": rows}
-    probe = run_probe(model, tokenizer, cfg, rows) if cfg.eval.probe else None
+    probe = run_probe(model, tokenizer, cfg, rows, desc) if cfg.eval.probe else None
     if probe is not None:
         metrics["probe_accuracy"] = probe["accuracy"]
     metrics["seconds"] = round(time.perf_counter() - started, 2)
@@ -77,7 +86,9 @@ def measure(model, tokenizer, conversations: list[Conversation], cfg: SftConfig,
 @torch.inference_mode()
 def response_loss(model, tokenizer, conversations: list[Conversation], system_prompt: str | None,
                   rows: int) -> tuple[float, int]:
-    """(mean cross-entropy per reference token, reference tokens) over every conversation's last answer."""
+    """(mean cross-entropy per reference token, reference tokens) over every conversation's last answer.
+    NonFiniteOutput (`rows`: the batch's) for a batch whose loss is NaN or infinite, checked on the float the sum is
+    read as anyway."""
     examples = [encode(c, tokenizer, system_prompt, mask_history=True) for c in conversations]
     device = next(model.parameters()).device
     totals = [0.0, 0]
@@ -86,7 +97,10 @@ def response_loss(model, tokenizer, conversations: list[Conversation], system_pr
 
     def step(batch: list[int]) -> None:
         parts = completion_loss(model, collate([examples[i] for i in batch], tokenizer.pad_token_id, device))
-        totals[0] += float(parts.loss_sum)
+        loss_sum = float(parts.loss_sum)
+        if not math.isfinite(loss_sum):
+            raise NonFiniteOutput("The model computed a loss that is not a number (NaN or infinity).", rows=sorted(batch))
+        totals[0] += loss_sum
         totals[1] += parts.tokens
 
     try:
@@ -106,11 +120,15 @@ def score_rows(conversations: list[Conversation], outputs: list[str]) -> list[di
             for c, ref, out, r in zip(conversations, references, outputs, rouge, strict=False)]
 
 
-def run_probe(model, tokenizer, cfg: SftConfig, rows: int) -> dict:
-    """The forgetting probe's result as JSON: `accuracy` and per-question outcomes."""
+def run_probe(model, tokenizer, cfg: SftConfig, rows: int, desc: str) -> dict:
+    """The forgetting probe's result as JSON: `accuracy` and per-question outcomes; refused when the model scored a
+    question's options with NaN or infinity (its answer would be whichever option came first)."""
     from emotune.eval.probe import load_probe, score_probe
 
     result = score_probe(model, tokenizer, load_probe(limit=cfg.eval.probe_limit), rows)
+    bad = [n for n, scores in enumerate(result.option_scores, start=1) if nonfinite_rows(torch.tensor([scores]))]
+    if bad:
+        refuse_nonfinite(model, f"question{'s' if len(bad) > 1 else ''} {listed(bad)} of the forgetting probe", desc)
     return {**dataclasses.asdict(result), "accuracy": float(result.accuracy)}
 
 
