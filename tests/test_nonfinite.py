@@ -172,3 +172,23 @@ def test_run_on_a_base_model_whose_weights_hold_nan_stops_at_its_baseline(tiny_m
     run = tmp_path / "runs" / "tiny"
     assert not (run / "baseline" / "metrics.json").exists() and not (run / "adapter").exists()
     assert json.loads((run / "run.json").read_text())["stages"]["baseline"]["status"] == "failed"
+
+
+def test_the_studio_refuses_to_try_an_adapter_that_does_not_fit_its_base(runs, tmp_path):
+    """An adapter whose LoRA weights have another shape than the base's layers (trained on another base) is refused
+    with serve's 422 message, not the studio's generic error."""
+    import shutil
+
+    from emotune.core.rundir import RunDir
+    from emotune.studio.tryout import Refused, Tryout
+
+    misfit = shutil.copytree(runs / "good", tmp_path / "misfit")
+    path = misfit / "adapter" / "adapter_model.safetensors"
+    weights = load_file(path)
+    first = next(k for k in sorted(weights) if "lora_A" in k)
+    weights[first] = weights[first][:, :-1].contiguous()
+    save_file(weights, path)
+    tryout = Tryout(training=lambda: None, device="cpu")
+    with pytest.raises(Refused) as refused:
+        tryout.classify(RunDir(misfit), "i am happy")
+    assert refused.value.status == 422 and "shape" in str(refused.value) and tryout.engine is None

@@ -21,7 +21,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir
 from emotune.model.artifacts import Artifact, find_artifact
-from emotune.model.finite import NonFiniteOutput, nonfinite_rows, not_finite_message
+from emotune.model.finite import nonfinite_rows, not_finite_message
 from emotune.serve.chat import Generation, render_conversation
 from emotune.serve.engine import Engine, base_config
 
@@ -169,9 +169,9 @@ class Tryout:
             self.unload()
             engine = Engine(base_config([artifact], artifact.model_cfg, self.device), self.device,
                             merged=artifact if artifact.merged else None)
-            try:  # a model whose weights hold NaN is refused as `emotune serve` refuses it
-                engine.check_finite(artifact.name) if artifact.merged else engine.add_adapter(artifact)
-            except NonFiniteOutput as err:
+            try:  # weights holding NaN, or a tokenizer, head or layers that do not fit the base: refused as `emotune
+                engine.check_finite(artifact.name) if artifact.merged else engine.add_adapter(artifact)  # serve` does
+            except UserError as err:
                 raise Refused(422, str(err)) from None
             self.engine, self.artifact, self.key = engine, artifact, key
         return self.artifact
