@@ -118,7 +118,7 @@ def test_a_lora_sft_file_translates_to_the_expected_config(lf_yaml, lf_folder, t
     assert (train.max_steps, train.num_train_epochs, train.lr_scheduler_type) == (2, 3.0, "cosine")
     assert (train.warmup_steps, train.warmup_ratio, train.optim) == (1, 0.0, "adamw_torch_fused")
     assert (train.logging_steps, train.save_steps, train.eval_steps) == (1, 1, 1)  # eval_strategy no: every checkpoint
-    assert (train.precision, train.gradient_checkpointing, train.report_to) == ("auto", True, [])
+    assert (train.precision, train.gradient_checkpointing, train.report_to, train.group_by_length) == ("auto", True, [], False)
     assert (cfg.output_dir, cfg.name, cfg.overwrite, cfg.seed) == (f"{tmp_path}/saves/tiny-gemma/lora", "sft", True, 42)
     assert cfg.run_dir == tmp_path / "saves" / "tiny-gemma" / "lora" / "sft"  # LLaMA-Factory's output_dir
     assert cfg.eval.batch_size == 8 and cfg.prompt.mask_history is False

@@ -62,6 +62,7 @@ KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "warmup_steps": (0, TRAINER),
     "weight_decay": (0.0, TRAINER),
     "max_grad_norm": (1.0, TRAINER),
+    "group_by_length": (False, TRAINER),
     "optim": ("adamw_torch_fused", TRAINER),  # the same AdamW as adamw_torch, in one fused kernel
     "bf16": (False, TRAINER),
     "fp16": (False, TRAINER),
