@@ -49,9 +49,9 @@ def nonfinite_weights(model: torch.nn.Module, skip: tuple[str, ...] = ()) -> lis
 
 CAUSES = "a checkpoint saved after training diverged, a broken adapter file or a failed conversion"
 FIX = "use the original files or an earlier, good copy of the model, or train, convert or export it again"
-OVERFLOW_FIX = {torch.float16: "run it in bfloat16 or float32 (`model.dtype` in the run's config.yaml): float16's "
-                               "narrow range is the usual cause",
-                torch.bfloat16: "run it in float32 (`model.dtype` in the run's config.yaml)"}
+WHERE_DTYPE = "`model.dtype`: in the config given to the command, or the run's config.yaml"
+OVERFLOW_FIX = {torch.float16: f"run it in bfloat16 or float32 ({WHERE_DTYPE}): float16's narrow range is the usual cause",
+                torch.bfloat16: f"run it in float32 ({WHERE_DTYPE})"}
 
 
 def not_finite_message(subject: str, where: str, dtype: torch.dtype, weights: list[str] | None = None) -> str:
