@@ -219,3 +219,15 @@ def test_emotune_run_on_an_axolotl_file(ax_yaml, tmp_path):
     assert json.loads((folder / "run.json").read_text())["status"] == "finished"
     saved = (folder / "config.yaml").read_text()
     assert "lr_scheduler_type: cosine" in saved and "format: alpaca" in saved
+
+
+def test_peft_loftq_config_is_loras_loftq_start(ax_yaml):
+    """Axolotl's examples/llama-2/loftq.yml shape: `peft: {loftq_config: {loftq_bits: 4}}` starts the adapters with
+    LoftQ; it changes what is learned, so it is lora.init: loftq, never ignored."""
+    cfg = load_config(ax_yaml(load_in_4bit=None, adapter="lora", peft="{loftq_config: {loftq_bits: 4}}"))
+    assert cfg.lora.init == "loftq"
+    with pytest.raises(UserError, match=r"`peft: .*` is not supported: emotune reads peft.loftq_config with "
+                                        r"loftq_bits: 4 only"):
+        load_config(ax_yaml(load_in_4bit=None, adapter="lora", peft="{loftq_config: {loftq_bits: 2}}"))
+    with pytest.raises(UserError, match=r"`peft: .*` is not supported"):
+        load_config(ax_yaml(load_in_4bit=None, adapter="lora", peft="[loftq]"))

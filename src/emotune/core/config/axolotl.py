@@ -125,7 +125,8 @@ def _model(t: Translation) -> None:
 
 def _method(t: Translation) -> None:
     s = t.settings
-    lora_keys = [k for k in KEY_DEFAULTS if k.startswith(("lora_", "peft_", "loraplus_")) and k in t.given]
+    lora_keys = [k for k in KEY_DEFAULTS if (k == "peft" or k.startswith(("lora_", "peft_", "loraplus_")))
+                 and k in t.given]
     if s["adapter"] is None:
         t.set("train.finetuning", "full", "adapter", note="no adapter: Axolotl trains every parameter")
         t.ignored += [(key, "a LoRA setting; without `adapter` no adapters are trained") for key in lora_keys]
@@ -157,6 +158,7 @@ def _method(t: Translation) -> None:
         t.set("lora.modules_to_save", name_list(s["lora_modules_to_save"]), "lora_modules_to_save")
     if s["peft_layers_to_transform"] is not None:
         t.set("lora.layers", s["peft_layers_to_transform"], "peft_layers_to_transform")
+    _init(t)
     t.set("lora.use_rslora", bool(s["peft_use_rslora"]), "peft_use_rslora")
     t.set("lora.use_dora", bool(s["peft_use_dora"]), "peft_use_dora")
     if s["lora_model_dir"]:
@@ -164,6 +166,21 @@ def _method(t: Translation) -> None:
     if s["loraplus_lr_ratio"] is not None:
         t.set("train.loraplus_lr_ratio", s["loraplus_lr_ratio"], "loraplus_lr_ratio")
         t.set("train.loraplus_lr_embedding", s["loraplus_lr_embedding"], "loraplus_lr_embedding")
+
+
+def _init(t: Translation) -> None:
+    """`peft: {loftq_config: {loftq_bits: 4}}`: LoftQ's start (loaders/adapter.py), emotune's lora.init: loftq, which
+    quantizes to 4 bits as Axolotl's LoftQConfig does by default."""
+    peft = t.settings["peft"]
+    if peft is None:
+        return
+    loftq = peft.get("loftq_config") if isinstance(peft, dict) else None
+    bits = (loftq or {}).get("loftq_bits", 4) if isinstance(loftq, dict) or loftq is None else None
+    if not isinstance(peft, dict) or set(peft) - {"loftq_config"} or (loftq is not None and bits not in (4, 0, None)):
+        t.problems.append(f"`peft: {show(peft)}` is not supported: emotune reads peft.loftq_config with loftq_bits: 4 "
+                          "only (LoftQ's 4-bit start, lora.init: loftq); remove the rest")
+    elif loftq is not None and bits:
+        t.set("lora.init", "loftq", "peft", note="LoftQ's start: adapters that make up for 4-bit rounding")
 
 
 def _notes(t: Translation) -> None:

@@ -40,6 +40,7 @@ KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "peft_layers_to_transform": (None, PEFT),
     "peft_use_rslora": (None, PEFT),
     "peft_use_dora": (None, PEFT),
+    "peft": (None, PEFT),  # PeftConfig: loftq_config (LoftQConfig, loftq_bits 4) for LoftQ initialisation
     "loraplus_lr_ratio": (None, PEFT),
     "loraplus_lr_embedding": (1e-6, PEFT),
     "micro_batch_size": (1, HYPER),
