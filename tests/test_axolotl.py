@@ -231,3 +231,18 @@ def test_peft_loftq_config_is_loras_loftq_start(ax_yaml):
         load_config(ax_yaml(load_in_4bit=None, adapter="lora", peft="{loftq_config: {loftq_bits: 2}}"))
     with pytest.raises(UserError, match=r"`peft: .*` is not supported"):
         load_config(ax_yaml(load_in_4bit=None, adapter="lora", peft="[loftq]"))
+
+
+def test_keys_that_change_the_model_are_refused_not_ignored(ax_yaml):
+    """Keys of Axolotl's Mixtral, Falcon-E, vision and Phi examples (their shape) that change the model or its loss:
+    each was listed as an unknown key and ignored, so the run would have trained something else."""
+    path = ax_yaml(model_config="{output_router_logits: true}", use_onebitllms="true",
+                   processor_type="AutoProcessor", resize_token_embeddings_to_32x="true")
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    for expected in ("`model_config: {'output_router_logits': True}` is not supported: it overrides the model's own "
+                     "config", "`use_onebitllms: true` is not supported", "`processor_type: AutoProcessor` is not "
+                     "supported: it loads an image or audio processor", "`resize_token_embeddings_to_32x: true` is "
+                     "not supported"):
+        assert expected in str(err.value)
+    assert load_config(ax_yaml(resize_token_embeddings_to_32x="false", use_onebitllms="false")).task == "sft"

@@ -119,6 +119,14 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "curriculum_sampling": (False, "emotune shuffles the training rows; remove curriculum_sampling"),
     "chat_template_kwargs": (None, "emotune renders turns with the chat template's own defaults"),
     "shuffle_before_merging_datasets": (False, "emotune reads one dataset; remove it"),
+    **dict.fromkeys(("model_config", "overrides_of_model_config"), (
+        None, "it overrides the model's own config (output_router_logits: true, for one, adds the router's "
+              "load-balancing loss to what is trained); emotune loads the model's config as it is; remove it")),
+    "use_onebitllms": (False, "1.58-bit (BitNet) training is not something emotune does; remove use_onebitllms"),
+    "processor_type": (None, "it loads an image or audio processor for a multimodal model; emotune trains on text "
+                             "turns only: remove processor_type and give text rows"),
+    "resize_token_embeddings_to_32x": (False, "emotune keeps the model's embedding table as it is (Axolotl grows it "
+                                              "to a multiple of 32 rows, adding output logits); remove it"),
 }
 
 PERFORMANCE = "a speed or memory setting of Axolotl's; it does not change what is learned"
