@@ -246,3 +246,20 @@ def test_keys_that_change_the_model_are_refused_not_ignored(ax_yaml):
                      "not supported"):
         assert expected in str(err.value)
     assert load_config(ax_yaml(resize_token_embeddings_to_32x="false", use_onebitllms="false")).task == "sft"
+
+
+def test_speed_packing_and_rl_only_keys_are_ignored_with_why(ax_yaml, capsys):
+    """Keys of Axolotl's Falcon-E, vision, sample-packing and KTO examples (their shape) that change nothing emotune
+    trains get the reason, not "not an Axolotl key emotune translates"."""
+    from emotune.core.config.axolotl import announce
+
+    announce(ax_yaml(use_sonicmoe="false", accelerator_config="{gradient_accumulation_kwargs: {sync_each_batch: true}}",
+                     remove_unused_columns="false", skip_prepare_dataset="true", sample_packing_sequentially="true",
+                     rl_beta="0.1"))
+    out = capsys.readouterr().out
+    ignored = dict(line.strip().split(": ", 1) for line in out.split("Ignored keys:")[1].split("Notes:")[0].splitlines()
+                   if line.strip())
+    for key in ("use_sonicmoe", "accelerator_config", "remove_unused_columns", "skip_prepare_dataset"):
+        assert ignored[key].startswith("a speed or memory setting")
+    assert ignored["sample_packing_sequentially"].startswith("a sample-packing setting")
+    assert ignored["rl_beta"].startswith("a preference (rl) or reward-model setting")

@@ -156,7 +156,16 @@ IGNORED: dict[str, str] = {
                      "is_falcon_derived_model", "local_rank", "strict", "debug", "trust_remote_code", "use_kernels",
                      "use_scattermoe", "experts_implementation", "liger_rms_norm_gated", "lora_mlp_kernel",
                      "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel", "attn_implementation",
-                     "gemma4_hybrid_attn_impl"), PERFORMANCE),
+                     "gemma4_hybrid_attn_impl", "use_sonicmoe", "accelerator_config",
+                     "experimental_skip_move_to_device", "fsdp_version", "dp_replicate_size", "remove_unused_columns",
+                     "skip_prepare_dataset"), PERFORMANCE),
+    **dict.fromkeys(("sample_packing_sequentially", "sample_packing_bin_size", "sample_packing_group_size",
+                     "sample_packing_mp_start_method"),
+                    "a sample-packing setting: it acts only with sample_packing: true, which emotune refuses"),
+    **dict.fromkeys(("rl_beta", "dpo_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "kto_desirable_weight",
+                     "kto_undesirable_weight", "num_labels", "center_rewards_coefficient"),
+                    "a preference (rl) or reward-model setting: it acts only with rl or reward_model, which emotune "
+                    "refuses"),
     **dict.fromkeys(("evals_per_epoch", "saves_per_epoch", "eval_strategy", "save_strategy", "save_first_step",
                      "load_best_model_at_end", "save_safetensors", "save_only_model"),
                     "emotune validates every train.eval_steps and checkpoints every train.save_steps optimizer steps "
