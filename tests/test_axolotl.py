@@ -263,3 +263,15 @@ def test_speed_packing_and_rl_only_keys_are_ignored_with_why(ax_yaml, capsys):
         assert ignored[key].startswith("a speed or memory setting")
     assert ignored["sample_packing_sequentially"].startswith("a sample-packing setting")
     assert ignored["rl_beta"].startswith("a preference (rl) or reward-model setting")
+
+
+def test_a_sliced_split_is_refused_saying_what_to_change(ax_yaml):
+    """Axolotl's Qwen3 and Gemma examples (their shape) train on `split: train[:20%]`: the refusal says to remove it
+    and how to train on fewer rows instead."""
+    text = QLORA_YAML.replace("    type: alpaca", "    type: alpaca\n    split: train[:20%]")
+    with pytest.raises(UserError, match=r"`datasets\[0\].split: train\[:20%\]` is not supported: emotune reads the "
+                                        r"whole train split, not a slice of it; remove split, and to train on fewer "
+                                        r"rows set data.train_limit=N"):
+        load_config(ax_yaml(text))
+    with pytest.raises(UserError, match=r"`datasets\[0\].split: test` is not supported: .*; remove split"):
+        load_config(ax_yaml(QLORA_YAML.replace("    type: alpaca", "    type: alpaca\n    split: test")))

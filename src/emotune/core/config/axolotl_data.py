@@ -88,9 +88,14 @@ def _source(t: Translation, entry: dict[str, Any]) -> None:
     if entry.get("revision"):
         t.set("data.revision", str(entry["revision"]), f"{FIRST}.revision")
     split = entry.get("split")
-    if split not in (None, "train"):
+    if isinstance(split, str) and split.replace(" ", "").startswith("train["):  # a slice: train[:10%]
+        t.problems.append(f"`{FIRST}.split: {split}` is not supported: emotune reads the whole train split, not a "
+                          "slice of it; remove split, and to train on fewer rows set data.train_limit=N (a seeded "
+                          "sample of N rows, not the first rows the slice takes)")
+    elif split not in (None, "train"):
         t.problems.append(f"`{FIRST}.split: {split}` is not supported: emotune trains on the source's train split "
-                          "(validation and test splits, where the source has them, are held out as such)")
+                          "(validation and test splits, where the source has them, are held out as such); remove "
+                          "split")
 
 
 def _format(t: Translation, entry: dict[str, Any]) -> None:
