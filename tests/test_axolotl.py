@@ -275,3 +275,23 @@ def test_a_sliced_split_is_refused_saying_what_to_change(ax_yaml):
         load_config(ax_yaml(text))
     with pytest.raises(UserError, match=r"`datasets\[0\].split: test` is not supported: .*; remove split"):
         load_config(ax_yaml(QLORA_YAML.replace("    type: alpaca", "    type: alpaca\n    split: test")))
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("eval_steps", "[10]", "`eval_steps: [10]` is not supported: give a number of steps"),
+    ("save_steps", "often", "`save_steps: often` is not supported: give a number of steps"),
+    ("optimizer", "[adamw_torch]", "`optimizer: ['adamw_torch']` is not supported"),
+    ("bnb_config_kwargs", "4", "`bnb_config_kwargs: 4` is not supported"),
+    ("bnb_config_kwargs", "[1, a]", "`bnb_config_kwargs: [1, 'a']` is not supported"),
+])
+def test_a_malformed_value_is_a_problem_naming_the_key_not_a_traceback(ax_yaml, key, value, expected):
+    with pytest.raises(UserError) as err:
+        load_config(ax_yaml(**{key: value}))
+    assert expected in str(err.value)
+
+
+def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
+    text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    message_property_mappings: [role]")
+    with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):
+        load_config(ax_yaml(text))
+    assert load_config(ax_yaml(eval_steps="'10'")).train.eval_steps == 10  # quoted numbers still read

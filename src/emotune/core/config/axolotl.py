@@ -112,8 +112,9 @@ def _model(t: Translation) -> None:
                   note="as Axolotl quantizes")
             t.set("model.double_quant", bool(kwargs.get("bnb_4bit_use_double_quant", True)), "load_in_4bit",
                   "bnb_config_kwargs", note="as Axolotl quantizes")
-    other = sorted(set(s["bnb_config_kwargs"] or {}) - {"bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
-                                                        "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"})
+    kwargs = s["bnb_config_kwargs"] if isinstance(s["bnb_config_kwargs"], dict) else {}
+    other = sorted(map(str, set(kwargs) - {"bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                                           "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"}))
     if other or (s["bnb_config_kwargs"] is not None and not isinstance(s["bnb_config_kwargs"], dict)):
         t.problems.append(f"`bnb_config_kwargs: {show(s['bnb_config_kwargs'])}` is not supported beyond "
                           "bnb_4bit_quant_type and bnb_4bit_use_double_quant (model.quant_type, model.double_quant); "
@@ -256,10 +257,10 @@ def _schedule(t: Translation) -> None:
     t.set("train.max_grad_norm", 1.0 if s["max_grad_norm"] is None else s["max_grad_norm"], "max_grad_norm",
           note="" if s["max_grad_norm"] is not None else "transformers' default")
     optimizer = s["optimizer"]
-    if optimizer in OPTIMIZERS or optimizer in OPTIMIZER_ALIASES:
+    if isinstance(optimizer, str) and (optimizer in OPTIMIZERS or optimizer in OPTIMIZER_ALIASES):
         t.set("train.optim", OPTIMIZER_ALIASES.get(optimizer, optimizer), "optimizer")
     else:
-        t.problems.append(f"`optimizer: {optimizer}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
+        t.problems.append(f"`optimizer: {show(optimizer)}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
     t.set("train.group_by_length", bool(s["group_by_length"]), "group_by_length")
 
 
@@ -282,7 +283,14 @@ def _steps(t: Translation) -> None:
         value = s[key]
         if value is None:
             continue
-        if isinstance(value, float) and not value.is_integer():
+        if isinstance(value, str):  # YAML reads a quoted "10" as text
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            t.problems.append(f"`{key}: {show(value)}` is not supported: give a number of steps")
+        elif isinstance(value, float) and not value.is_integer():
             t.problems.append(f"`{key}: {value}` (a share of the steps) is not supported: give a number of steps")
         else:
             t.set(f"train.{key}", int(value), key)

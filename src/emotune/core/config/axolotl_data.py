@@ -124,6 +124,10 @@ def _format(t: Translation, entry: dict[str, Any]) -> None:
 def _chat_turns(t: Translation, entry: dict[str, Any]) -> None:
     """`type: chat_template`: the turns' column and keys, and which role names are which side."""
     mappings = entry.get("message_property_mappings") or {}
+    if not isinstance(mappings, dict):
+        t.problems.append(f"`{FIRST}.message_property_mappings: {show(mappings)}` is not supported: give the turn "
+                          "keys as a mapping, e.g. {role: from, content: value}")
+        mappings = {}
     field = str(entry.get("field_messages") or "messages")
     role = str(mappings.get("role") or entry.get("message_field_role") or "role")
     content = str(mappings.get("content") or entry.get("message_field_content") or "content")
