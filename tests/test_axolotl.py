@@ -219,3 +219,79 @@ def test_emotune_run_on_an_axolotl_file(ax_yaml, tmp_path):
     assert json.loads((folder / "run.json").read_text())["status"] == "finished"
     saved = (folder / "config.yaml").read_text()
     assert "lr_scheduler_type: cosine" in saved and "format: alpaca" in saved
+
+
+def test_peft_loftq_config_is_loras_loftq_start(ax_yaml):
+    """Axolotl's examples/llama-2/loftq.yml shape: `peft: {loftq_config: {loftq_bits: 4}}` starts the adapters with
+    LoftQ; it changes what is learned, so it is lora.init: loftq, never ignored."""
+    cfg = load_config(ax_yaml(load_in_4bit=None, adapter="lora", peft="{loftq_config: {loftq_bits: 4}}"))
+    assert cfg.lora.init == "loftq"
+    with pytest.raises(UserError, match=r"`peft: .*` is not supported: emotune reads peft.loftq_config with "
+                                        r"loftq_bits: 4 only"):
+        load_config(ax_yaml(load_in_4bit=None, adapter="lora", peft="{loftq_config: {loftq_bits: 2}}"))
+    with pytest.raises(UserError, match=r"`peft: .*` is not supported"):
+        load_config(ax_yaml(load_in_4bit=None, adapter="lora", peft="[loftq]"))
+
+
+def test_keys_that_change_the_model_are_refused_not_ignored(ax_yaml):
+    """Keys of Axolotl's Mixtral, Falcon-E, vision and Phi examples (their shape) that change the model or its loss:
+    each was listed as an unknown key and ignored, so the run would have trained something else."""
+    path = ax_yaml(model_config="{output_router_logits: true}", use_onebitllms="true",
+                   processor_type="AutoProcessor", resize_token_embeddings_to_32x="true")
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    for expected in ("`model_config: {'output_router_logits': True}` is not supported: it overrides the model's own "
+                     "config", "`use_onebitllms: true` is not supported", "`processor_type: AutoProcessor` is not "
+                     "supported: it loads an image or audio processor", "`resize_token_embeddings_to_32x: true` is "
+                     "not supported"):
+        assert expected in str(err.value)
+    assert load_config(ax_yaml(resize_token_embeddings_to_32x="false", use_onebitllms="false")).task == "sft"
+
+
+def test_speed_packing_and_rl_only_keys_are_ignored_with_why(ax_yaml, capsys):
+    """Keys of Axolotl's Falcon-E, vision, sample-packing and KTO examples (their shape) that change nothing emotune
+    trains get the reason, not "not an Axolotl key emotune translates"."""
+    from emotune.core.config.axolotl import announce
+
+    announce(ax_yaml(use_sonicmoe="false", accelerator_config="{gradient_accumulation_kwargs: {sync_each_batch: true}}",
+                     remove_unused_columns="false", skip_prepare_dataset="true", sample_packing_sequentially="true",
+                     rl_beta="0.1"))
+    out = capsys.readouterr().out
+    ignored = dict(line.strip().split(": ", 1) for line in out.split("Ignored keys:")[1].split("Notes:")[0].splitlines()
+                   if line.strip())
+    for key in ("use_sonicmoe", "accelerator_config", "remove_unused_columns", "skip_prepare_dataset"):
+        assert ignored[key].startswith("a speed or memory setting")
+    assert ignored["sample_packing_sequentially"].startswith("a sample-packing setting")
+    assert ignored["rl_beta"].startswith("a preference (rl) or reward-model setting")
+
+
+def test_a_sliced_split_is_refused_saying_what_to_change(ax_yaml):
+    """Axolotl's Qwen3 and Gemma examples (their shape) train on `split: train[:20%]`: the refusal says to remove it
+    and how to train on fewer rows instead."""
+    text = QLORA_YAML.replace("    type: alpaca", "    type: alpaca\n    split: train[:20%]")
+    with pytest.raises(UserError, match=r"`datasets\[0\].split: train\[:20%\]` is not supported: emotune reads the "
+                                        r"whole train split, not a slice of it; remove split, and to train on fewer "
+                                        r"rows set data.train_limit=N"):
+        load_config(ax_yaml(text))
+    with pytest.raises(UserError, match=r"`datasets\[0\].split: test` is not supported: .*; remove split"):
+        load_config(ax_yaml(QLORA_YAML.replace("    type: alpaca", "    type: alpaca\n    split: test")))
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("eval_steps", "[10]", "`eval_steps: [10]` is not supported: give a number of steps"),
+    ("save_steps", "often", "`save_steps: often` is not supported: give a number of steps"),
+    ("optimizer", "[adamw_torch]", "`optimizer: ['adamw_torch']` is not supported"),
+    ("bnb_config_kwargs", "4", "`bnb_config_kwargs: 4` is not supported"),
+    ("bnb_config_kwargs", "[1, a]", "`bnb_config_kwargs: [1, 'a']` is not supported"),
+])
+def test_a_malformed_value_is_a_problem_naming_the_key_not_a_traceback(ax_yaml, key, value, expected):
+    with pytest.raises(UserError) as err:
+        load_config(ax_yaml(**{key: value}))
+    assert expected in str(err.value)
+
+
+def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
+    text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    message_property_mappings: [role]")
+    with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):
+        load_config(ax_yaml(text))
+    assert load_config(ax_yaml(eval_steps="'10'")).train.eval_steps == 10  # quoted numbers still read

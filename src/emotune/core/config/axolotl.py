@@ -112,8 +112,9 @@ def _model(t: Translation) -> None:
                   note="as Axolotl quantizes")
             t.set("model.double_quant", bool(kwargs.get("bnb_4bit_use_double_quant", True)), "load_in_4bit",
                   "bnb_config_kwargs", note="as Axolotl quantizes")
-    other = sorted(set(s["bnb_config_kwargs"] or {}) - {"bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
-                                                        "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"})
+    kwargs = s["bnb_config_kwargs"] if isinstance(s["bnb_config_kwargs"], dict) else {}
+    other = sorted(map(str, set(kwargs) - {"bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                                           "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"}))
     if other or (s["bnb_config_kwargs"] is not None and not isinstance(s["bnb_config_kwargs"], dict)):
         t.problems.append(f"`bnb_config_kwargs: {show(s['bnb_config_kwargs'])}` is not supported beyond "
                           "bnb_4bit_quant_type and bnb_4bit_use_double_quant (model.quant_type, model.double_quant); "
@@ -125,7 +126,8 @@ def _model(t: Translation) -> None:
 
 def _method(t: Translation) -> None:
     s = t.settings
-    lora_keys = [k for k in KEY_DEFAULTS if k.startswith(("lora_", "peft_", "loraplus_")) and k in t.given]
+    lora_keys = [k for k in KEY_DEFAULTS if (k == "peft" or k.startswith(("lora_", "peft_", "loraplus_")))
+                 and k in t.given]
     if s["adapter"] is None:
         t.set("train.finetuning", "full", "adapter", note="no adapter: Axolotl trains every parameter")
         t.ignored += [(key, "a LoRA setting; without `adapter` no adapters are trained") for key in lora_keys]
@@ -157,6 +159,7 @@ def _method(t: Translation) -> None:
         t.set("lora.modules_to_save", name_list(s["lora_modules_to_save"]), "lora_modules_to_save")
     if s["peft_layers_to_transform"] is not None:
         t.set("lora.layers", s["peft_layers_to_transform"], "peft_layers_to_transform")
+    _init(t)
     t.set("lora.use_rslora", bool(s["peft_use_rslora"]), "peft_use_rslora")
     t.set("lora.use_dora", bool(s["peft_use_dora"]), "peft_use_dora")
     if s["lora_model_dir"]:
@@ -164,6 +167,21 @@ def _method(t: Translation) -> None:
     if s["loraplus_lr_ratio"] is not None:
         t.set("train.loraplus_lr_ratio", s["loraplus_lr_ratio"], "loraplus_lr_ratio")
         t.set("train.loraplus_lr_embedding", s["loraplus_lr_embedding"], "loraplus_lr_embedding")
+
+
+def _init(t: Translation) -> None:
+    """`peft: {loftq_config: {loftq_bits: 4}}`: LoftQ's start (loaders/adapter.py), emotune's lora.init: loftq, which
+    quantizes to 4 bits as Axolotl's LoftQConfig does by default."""
+    peft = t.settings["peft"]
+    if peft is None:
+        return
+    loftq = peft.get("loftq_config") if isinstance(peft, dict) else None
+    bits = (loftq or {}).get("loftq_bits", 4) if isinstance(loftq, dict) or loftq is None else None
+    if not isinstance(peft, dict) or set(peft) - {"loftq_config"} or (loftq is not None and bits not in (4, 0, None)):
+        t.problems.append(f"`peft: {show(peft)}` is not supported: emotune reads peft.loftq_config with loftq_bits: 4 "
+                          "only (LoftQ's 4-bit start, lora.init: loftq); remove the rest")
+    elif loftq is not None and bits:
+        t.set("lora.init", "loftq", "peft", note="LoftQ's start: adapters that make up for 4-bit rounding")
 
 
 def _notes(t: Translation) -> None:
@@ -239,10 +257,10 @@ def _schedule(t: Translation) -> None:
     t.set("train.max_grad_norm", 1.0 if s["max_grad_norm"] is None else s["max_grad_norm"], "max_grad_norm",
           note="" if s["max_grad_norm"] is not None else "transformers' default")
     optimizer = s["optimizer"]
-    if optimizer in OPTIMIZERS or optimizer in OPTIMIZER_ALIASES:
+    if isinstance(optimizer, str) and (optimizer in OPTIMIZERS or optimizer in OPTIMIZER_ALIASES):
         t.set("train.optim", OPTIMIZER_ALIASES.get(optimizer, optimizer), "optimizer")
     else:
-        t.problems.append(f"`optimizer: {optimizer}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
+        t.problems.append(f"`optimizer: {show(optimizer)}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
     t.set("train.group_by_length", bool(s["group_by_length"]), "group_by_length")
 
 
@@ -265,7 +283,14 @@ def _steps(t: Translation) -> None:
         value = s[key]
         if value is None:
             continue
-        if isinstance(value, float) and not value.is_integer():
+        if isinstance(value, str):  # YAML reads a quoted "10" as text
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            t.problems.append(f"`{key}: {show(value)}` is not supported: give a number of steps")
+        elif isinstance(value, float) and not value.is_integer():
             t.problems.append(f"`{key}: {value}` (a share of the steps) is not supported: give a number of steps")
         else:
             t.set(f"train.{key}", int(value), key)

@@ -88,9 +88,14 @@ def _source(t: Translation, entry: dict[str, Any]) -> None:
     if entry.get("revision"):
         t.set("data.revision", str(entry["revision"]), f"{FIRST}.revision")
     split = entry.get("split")
-    if split not in (None, "train"):
+    if isinstance(split, str) and split.replace(" ", "").startswith("train["):  # a slice: train[:10%]
+        t.problems.append(f"`{FIRST}.split: {split}` is not supported: emotune reads the whole train split, not a "
+                          "slice of it; remove split, and to train on fewer rows set data.train_limit=N (a seeded "
+                          "sample of N rows, not the first rows the slice takes)")
+    elif split not in (None, "train"):
         t.problems.append(f"`{FIRST}.split: {split}` is not supported: emotune trains on the source's train split "
-                          "(validation and test splits, where the source has them, are held out as such)")
+                          "(validation and test splits, where the source has them, are held out as such); remove "
+                          "split")
 
 
 def _format(t: Translation, entry: dict[str, Any]) -> None:
@@ -119,6 +124,10 @@ def _format(t: Translation, entry: dict[str, Any]) -> None:
 def _chat_turns(t: Translation, entry: dict[str, Any]) -> None:
     """`type: chat_template`: the turns' column and keys, and which role names are which side."""
     mappings = entry.get("message_property_mappings") or {}
+    if not isinstance(mappings, dict):
+        t.problems.append(f"`{FIRST}.message_property_mappings: {show(mappings)}` is not supported: give the turn "
+                          "keys as a mapping, e.g. {role: from, content: value}")
+        mappings = {}
     field = str(entry.get("field_messages") or "messages")
     role = str(mappings.get("role") or entry.get("message_field_role") or "role")
     content = str(mappings.get("content") or entry.get("message_field_content") or "content")

@@ -40,6 +40,7 @@ KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "peft_layers_to_transform": (None, PEFT),
     "peft_use_rslora": (None, PEFT),
     "peft_use_dora": (None, PEFT),
+    "peft": (None, PEFT),  # PeftConfig: loftq_config (LoftQConfig, loftq_bits 4) for LoftQ initialisation
     "loraplus_lr_ratio": (None, PEFT),
     "loraplus_lr_embedding": (1e-6, PEFT),
     "micro_batch_size": (1, HYPER),
@@ -118,6 +119,14 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "curriculum_sampling": (False, "emotune shuffles the training rows; remove curriculum_sampling"),
     "chat_template_kwargs": (None, "emotune renders turns with the chat template's own defaults"),
     "shuffle_before_merging_datasets": (False, "emotune reads one dataset; remove it"),
+    **dict.fromkeys(("model_config", "overrides_of_model_config"), (
+        None, "it overrides the model's own config (output_router_logits: true, for one, adds the router's "
+              "load-balancing loss to what is trained); emotune loads the model's config as it is; remove it")),
+    "use_onebitllms": (False, "1.58-bit (BitNet) training is not something emotune does; remove use_onebitllms"),
+    "processor_type": (None, "it loads an image or audio processor for a multimodal model; emotune trains on text "
+                             "turns only: remove processor_type and give text rows"),
+    "resize_token_embeddings_to_32x": (False, "emotune keeps the model's embedding table as it is (Axolotl grows it "
+                                              "to a multiple of 32 rows, adding output logits); remove it"),
 }
 
 PERFORMANCE = "a speed or memory setting of Axolotl's; it does not change what is learned"
@@ -147,7 +156,16 @@ IGNORED: dict[str, str] = {
                      "is_falcon_derived_model", "local_rank", "strict", "debug", "trust_remote_code", "use_kernels",
                      "use_scattermoe", "experts_implementation", "liger_rms_norm_gated", "lora_mlp_kernel",
                      "lora_qkv_kernel", "lora_o_kernel", "fused_attn_kernel", "attn_implementation",
-                     "gemma4_hybrid_attn_impl"), PERFORMANCE),
+                     "gemma4_hybrid_attn_impl", "use_sonicmoe", "accelerator_config",
+                     "experimental_skip_move_to_device", "fsdp_version", "dp_replicate_size", "remove_unused_columns",
+                     "skip_prepare_dataset"), PERFORMANCE),
+    **dict.fromkeys(("sample_packing_sequentially", "sample_packing_bin_size", "sample_packing_group_size",
+                     "sample_packing_mp_start_method"),
+                    "a sample-packing setting: it acts only with sample_packing: true, which emotune refuses"),
+    **dict.fromkeys(("rl_beta", "dpo_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "kto_desirable_weight",
+                     "kto_undesirable_weight", "num_labels", "center_rewards_coefficient"),
+                    "a preference (rl) or reward-model setting: it acts only with rl or reward_model, which emotune "
+                    "refuses"),
     **dict.fromkeys(("evals_per_epoch", "saves_per_epoch", "eval_strategy", "save_strategy", "save_first_step",
                      "load_best_model_at_end", "save_safetensors", "save_only_model"),
                     "emotune validates every train.eval_steps and checkpoints every train.save_steps optimizer steps "
