@@ -194,6 +194,11 @@ def test_axolotls_gemma4_moe_example_translates(ax_yaml, capsys):
         load_config(ax_yaml(bnb_config_kwargs="{llm_int8_threshold: 5.0}"))
 
 
+def test_the_trainers_adam_settings_are_translated(ax_yaml):
+    cfg = load_config(ax_yaml(adam_beta2="0.95", adam_epsilon="1e-6"))  # YAML reads 1e-6 as text
+    assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.adam_epsilon) == (0.9, 0.95, 1e-6)
+
+
 def test_key_value_overrides_apply_on_top(ax_yaml):
     cfg = load_config(ax_yaml(), ["train.max_steps=7", "lora_r=2", "seed=3", "sequence_len=64"])
     assert (cfg.train.max_steps, cfg.lora.r, cfg.seed, cfg.train.max_length) == (7, 2, 3, 64)

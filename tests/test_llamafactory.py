@@ -203,8 +203,7 @@ def test_refusals_name_their_keys_all_at_once(lf_yaml):
     ({"use_eaft_loss": "true"}, "`use_eaft_loss: true` is not supported"),
     ({"use_muon": "true"}, "`use_muon: true` is not supported: Muon"),
     ({"mixture_of_depths": "convert"}, "`mixture_of_depths: convert` is not supported"),
-    ({"adam_beta2": 0.95}, "`adam_beta2: 0.95` is not supported: emotune's AdamW uses betas (0.9, 0.999)"),
-    ({"adam_epsilon": "1e-6"}, "`adam_epsilon: 1e-6` is not supported"),
+    ({"adam_beta2": 1.5}, "`train.adam_beta2`: must be a number in [0, 1)"),
     ({"push_to_hub": "true"}, "`emotune push RUN_FOLDER`"),
     ({"freeze_language_model": "true"}, "`freeze_language_model: true` is not supported"),
 ])
@@ -229,6 +228,14 @@ def test_trainer_keys_at_values_that_change_nothing_are_accepted_and_said_ignore
     assert "save_total_limit" not in ignored
     assert "does not change what is learned" in ignored["gradient_checkpointing_kwargs"]
     assert "emotune trains on text" in ignored["image_max_pixels"] and "stage sft" in ignored["pref_beta"]
+
+
+def test_the_trainers_adam_settings_are_translated(lf_yaml):
+    """adam_beta1/adam_beta2/adam_epsilon (transformers' TrainingArguments, which LLaMA-Factory passes on) were refused
+    at any value but the default; they are emotune's train.adam_* now (YAML reads `1e-6` as text)."""
+    cfg = load_config(lf_yaml(adam_beta1=0.85, adam_beta2=0.95, adam_epsilon="1e-6"))
+    assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.adam_epsilon) == (0.85, 0.95, 1e-6)
+    assert (load_config(lf_yaml()).train.adam_beta2, load_config(lf_yaml()).train.adam_epsilon) == (0.999, 1e-8)
 
 
 def test_the_translation_is_printed_with_ignored_keys(lf_yaml, capsys):

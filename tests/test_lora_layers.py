@@ -237,14 +237,16 @@ def test_a_run_begun_before_the_key_existed_resumes_with_every_layer_only(tmp_pa
     open_run(tmp_path / "run", _config_text(), overwrite=False)
 
 
-def test_a_run_begun_before_target_parameters_existed_resumes_without_them_only(tmp_path):
+@pytest.mark.parametrize(("line", "other"), [("  target_parameters: null", ("lora.target_parameters=experts", "lora.dropout=0")),
+                                             ("  adam_beta2: 0.999", ("train.adam_beta2=0.95",))])
+def test_a_run_begun_before_a_key_existed_resumes_with_its_default_only(tmp_path, line, other):
     from emotune.core.rundir import open_run
 
-    older = "\n".join(line for line in _config_text().splitlines() if line != "  target_parameters: null")
+    older = "\n".join(text for text in _config_text().splitlines() if text != line)
     assert older != _config_text()
     _unfinished_run(tmp_path / "run", older)
     with pytest.raises(UserError, match="different config"):
-        open_run(tmp_path / "run", _config_text("lora.target_parameters=experts", "lora.dropout=0"), overwrite=False)
+        open_run(tmp_path / "run", _config_text(*other), overwrite=False)
     open_run(tmp_path / "run", _config_text(), overwrite=False)
 
 

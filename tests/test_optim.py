@@ -45,7 +45,8 @@ def test_auto_asks_for_foreach_where_pytorch_loops_and_leaves_fused_and_8bit_alo
     assert optimizer_class(TrainConfig())[1]["foreach"] is True
     assert optimizer_class(TrainConfig(optim="sgd"))[1]["foreach"] is True
     assert "foreach" not in optimizer_class(TrainConfig(foreach="off"))[1]  # PyTorch's own default: a loop on a CPU
-    assert optimizer_class(TrainConfig(optim="adamw_torch_fused"))[1] == {"weight_decay": 0.0, "fused": True}
+    assert optimizer_class(TrainConfig(optim="adamw_torch_fused"))[1] == {"weight_decay": 0.0, "fused": True,
+                                                                       "betas": (0.9, 0.999), "eps": 1e-8}
     assert TrainConfig.model_validate({"foreach": False}).foreach == "off"  # YAML's bare `off`
 
 
@@ -74,3 +75,24 @@ def test_foreach_calls_one_operator_per_operation_not_one_per_tensor():
         return Count.calls
 
     assert calls("auto") < 30 < 300 < calls("off")  # 50 tensors: about 8 operators each in a loop
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adamw_8bit"])
+def test_adam_settings_reach_every_adamw(optim):
+    """train.adam_beta1/adam_beta2/adam_epsilon reach the AdamW the run builds (torch's, fused, bitsandbytes' 8-bit);
+    at their defaults the optimizer is the one built before they existed (torch's own defaults)."""
+    if optim == "adamw_8bit":
+        pytest.importorskip("bitsandbytes")
+    cls, settings = optimizer_class(TrainConfig(optim=optim, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6))
+    group = cls([torch.nn.Parameter(torch.zeros(4))], lr=1e-3, **settings).param_groups[0]
+    assert (group["betas"], group["eps"]) == ((0.8, 0.95), 1e-6)
+    cls, settings = optimizer_class(TrainConfig(optim=optim))
+    assert (settings["betas"], settings["eps"]) == ((0.9, 0.999), 1e-8)
+
+
+def test_adam_settings_with_an_optimizer_without_moments_are_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="train.adam_beta2=0.95 sets AdamW's moments, and train.optim=sgd has none"):
+        TrainConfig(optim="sgd", adam_beta2=0.95)
+    TrainConfig(optim="sgd")  # the defaults are no setting

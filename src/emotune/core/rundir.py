@@ -323,8 +323,9 @@ NOT_COMPARED = ("overwrite:", "  fsdp:", "  shared_prefix:", "  telemetry_interv
 # Keys compared like any other, except at a default that computes what the config meant before the key existed: a
 # run begun before lora.layers resumes with it null (every layer), and not with any other value; one begun before
 # data.input_separator with its blank line (how sft rows joined an instruction and its input then); one begun before
-# lora.target_parameters with it null (LoRA on modules only).
-SAME_AS_ABSENT = ("  layers: null", '  input_separator: "\\n\\n"', "  target_parameters: null")
+# lora.target_parameters with it null (LoRA on modules only); one begun before train.adam_* with AdamW's defaults.
+SAME_AS_ABSENT = ("  layers: null", '  input_separator: "\\n\\n"', "  target_parameters: null", "  adam_beta1: 0.9",
+                  "  adam_beta2: 0.999", "  adam_epsilon: 1.0e-08")
 
 
 def _comparable(config_yaml: str | None) -> str | None:

@@ -54,13 +54,14 @@ def optimizer_class(t: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
         return torch.optim.SGD, {**decay, **_foreach(t)}
     if t.optim == "adafactor":
         return torch.optim.Adafactor, {**decay, **_foreach(t)}
+    adam = {**decay, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_epsilon}
     if t.optim in EIGHT_BIT:
         import bitsandbytes as bnb
 
-        return (bnb.optim.PagedAdamW8bit if t.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit), decay
+        return (bnb.optim.PagedAdamW8bit if t.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit), adam
     if t.optim == "adamw_torch_fused":
-        return torch.optim.AdamW, {**decay, "fused": True}
-    return torch.optim.AdamW, {**decay, **_foreach(t)}
+        return torch.optim.AdamW, {**adam, "fused": True}
+    return torch.optim.AdamW, {**adam, **_foreach(t)}
 
 
 def _foreach(t: TrainConfig) -> dict:

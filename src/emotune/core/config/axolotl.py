@@ -26,6 +26,7 @@ from emotune.core.config.run import RunConfigBase
 from emotune.core.config.sft import SftConfig
 from emotune.core.config.translation import (
     Translation,
+    adam_settings,
     harmless,
     held_out,
     name_list,
@@ -256,6 +257,7 @@ def _schedule(t: Translation) -> None:
     t.set("train.weight_decay", s["weight_decay"], "weight_decay")
     t.set("train.max_grad_norm", 1.0 if s["max_grad_norm"] is None else s["max_grad_norm"], "max_grad_norm",
           note="" if s["max_grad_norm"] is not None else "transformers' default")
+    adam_settings(t)
     optimizer = s["optimizer"]
     if isinstance(optimizer, str) and (optimizer in OPTIMIZERS or optimizer in OPTIMIZER_ALIASES):
         t.set("train.optim", OPTIMIZER_ALIASES.get(optimizer, optimizer), "optimizer")

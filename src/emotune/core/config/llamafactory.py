@@ -37,6 +37,7 @@ from emotune.core.config.run import RunConfigBase
 from emotune.core.config.sft import LLAMAFACTORY_INPUT_SEPARATOR
 from emotune.core.config.translation import (
     Translation,
+    adam_settings,
     harmless,
     held_out,
     name_list,
@@ -244,6 +245,7 @@ def _schedule(t: Translation) -> None:
     t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps", note="when above 0 it replaces warmup_ratio")
     t.set("train.weight_decay", s["weight_decay"], "weight_decay")
     t.set("train.max_grad_norm", s["max_grad_norm"], "max_grad_norm")
+    adam_settings(t)
     t.set("train.group_by_length", bool(s["group_by_length"]), "group_by_length",
           note="rows in the order the shuffle gives" if not s["group_by_length"] else "")
     if s["optim"] in OPTIMIZERS or s["optim"] in OPTIMIZER_ALIASES:

@@ -62,6 +62,9 @@ KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "warmup_steps": (0, TRAINER),
     "weight_decay": (0.0, TRAINER),
     "max_grad_norm": (1.0, TRAINER),
+    "adam_beta1": (0.9, TRAINER),
+    "adam_beta2": (0.999, TRAINER),
+    "adam_epsilon": (1e-8, TRAINER),
     "group_by_length": (False, TRAINER),
     "optim": ("adamw_torch_fused", TRAINER),  # the same AdamW as adamw_torch, in one fused kernel
     "bf16": (False, TRAINER),
@@ -109,9 +112,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "pure_bf16": (False, "emotune keeps trainable weights in float32 under bf16 autocast; use bf16: true"),
     "freeze_language_model": (False, "emotune trains the language model (the text side of a multimodal model); "
                                      "remove freeze_language_model"),
-    "adam_beta1": (0.9, "emotune's AdamW uses betas (0.9, 0.999); remove adam_beta1"),
-    "adam_beta2": (0.999, "emotune's AdamW uses betas (0.9, 0.999); remove adam_beta2"),
-    "adam_epsilon": (1e-8, "emotune's AdamW uses eps 1e-8; remove adam_epsilon"),
     "optim_args": (None, "emotune's optimizers take no extra arguments; remove optim_args"),
     "push_to_hub": (False, "emotune uploads a finished run with `emotune push RUN_FOLDER` (adapter and model card); "
                            "remove push_to_hub"),

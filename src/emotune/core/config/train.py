@@ -165,6 +165,12 @@ class TrainConfig(Section):
     transformers' TrainingArguments, so a LLaMA-Factory file's `warmup_steps` means the same here)."""
     weight_decay: Annotated[float, Range(0)] = 0.0
     """AdamW weight decay."""
+    adam_beta1: Annotated[float, Range(0, 1, high_open=True)] = 0.9
+    """AdamW's first-moment decay (transformers' and LLaMA-Factory's `adam_beta1`); the AdamW optimizers only."""
+    adam_beta2: Annotated[float, Range(0, 1, high_open=True)] = 0.999
+    """AdamW's second-moment decay (`adam_beta2`; 0.95 is common for large models); the AdamW optimizers only."""
+    adam_epsilon: Annotated[float, Range(0, low_open=True)] = 1e-8
+    """AdamW's epsilon, added to the root of the second moment (`adam_epsilon`); the AdamW optimizers only."""
     max_length: Annotated[int, Range(1)] = 256
     """Longest tokenized prompt+completion; longer rows are truncated."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
@@ -322,12 +328,25 @@ class TrainConfig(Section):
         return value.strip() if isinstance(value, str) else value
 
     @model_validator(mode="after")
+    def _adam_settings_for_adam(self) -> TrainConfig:
+        changed = [f"train.{key}={getattr(self, key)}" for key, default in ADAM_DEFAULTS.items()
+                   if getattr(self, key) != default]
+        if changed and self.optim in ("sgd", "adafactor"):
+            raise ValueError(f"{', '.join(changed)} set{'s' if len(changed) == 1 else ''} AdamW's moments, and "
+                             f"train.optim={self.optim} has none; leave {'it' if len(changed) == 1 else 'them'} at the "
+                             "default or choose an AdamW optimizer (adamw_torch, adamw_torch_fused, adamw_8bit)")
+        return self
+
+    @model_validator(mode="after")
     def _steps_or_budget(self) -> TrainConfig:
         if self.time_budget is not None and self.max_steps > 0:
             raise ValueError(f"`train.time_budget` ({self.time_budget}) and `train.max_steps` ({self.max_steps}) both say "
                              "how long to train; set one of them: train.max_steps=-1 to train by the budget, or "
                              "train.time_budget=null to run the steps")
         return self
+
+
+ADAM_DEFAULTS = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}  # TrainConfig's, torch's AdamW's
 
 
 DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?")

@@ -136,3 +136,10 @@ def show(value: Any) -> str:
     if isinstance(value, str) and any(c in value for c in "\n\r\t"):
         return json.dumps(value, ensure_ascii=False)
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def adam_settings(t: Translation) -> None:
+    """transformers' `adam_beta1`, `adam_beta2` and `adam_epsilon` (both tools pass them to the trainer as they are;
+    left out, transformers' defaults, which are emotune's) as train.adam_*."""
+    for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
+        t.set(f"train.{key}", t.settings[key], key)
