@@ -236,6 +236,7 @@ def test_the_trainers_adam_settings_are_translated(lf_yaml):
     cfg = load_config(lf_yaml(adam_beta1=0.85, adam_beta2=0.95, adam_epsilon="1e-6"))
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.adam_epsilon) == (0.85, 0.95, 1e-6)
     assert (load_config(lf_yaml()).train.adam_beta2, load_config(lf_yaml()).train.adam_epsilon) == (0.999, 1e-8)
+    assert load_config(lf_yaml(optim="paged_adamw_32bit")).train.optim == "paged_adamw_32bit"  # the QLoRA paper's
 
 
 def test_the_translation_is_printed_with_ignored_keys(lf_yaml, capsys):

@@ -176,6 +176,21 @@ def test_paged_adamw_8bit_is_refused_off_the_gpu():
     check(TrainConfig(optim="adamw_8bit"), CPU)
 
 
+def test_paged_adamw_32bit_is_bitsandbytes_paged_optimizer_and_refused_off_the_gpu():
+    """The QLoRA paper's `paged_adamw_32bit` (TRL notebooks', LLaMA-Factory's and Axolotl's examples) was refused by
+    the config; it is bitsandbytes' PagedAdamW32bit, with the AdamW settings, and GPU-only as the 8-bit one."""
+    import bitsandbytes as bnb
+
+    from emotune.core.config.train import TrainConfig
+    from emotune.train.optim import check, optimizer_class
+
+    cls, settings = optimizer_class(TrainConfig(optim="paged_adamw_32bit", adam_beta2=0.95))
+    assert cls is bnb.optim.PagedAdamW32bit and settings["betas"] == (0.9, 0.95)
+    with pytest.raises(UserError, match="paged_adamw_32bit pages optimizer state .* set train.optim=adamw_torch "
+                                        r"\(the same 32-bit state, unpaged\)"):
+        check(TrainConfig(optim="paged_adamw_32bit"), CPU)
+
+
 def test_loraplus_gives_the_b_matrices_the_ratio(tiny_model_dir, capsys):
     from emotune.core.config.train import TrainConfig
     from emotune.train.optim import build_optimizer

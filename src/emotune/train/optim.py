@@ -11,6 +11,8 @@
     paged_adamw_8bit                  the same with its state in paged memory that the GPU driver moves to host
                                       memory when the GPU runs short; GPU only (on a CPU bitsandbytes falls
                                       back silently to unpaged memory, so it is refused there)
+    paged_adamw_32bit                 bitsandbytes' PagedAdamW32bit: AdamW's 32-bit moments in paged memory (the
+                                      QLoRA paper's optimizer); GPU only, as above
 
 LoRA+ (`train.loraplus_lr_ratio`, Hayou et al. 2024) gives the LoRA B matrices a learning rate that many times
 the A matrices' (`train.learning_rate`); PEFT's `create_loraplus_optimizer` sorts the parameters into those
@@ -30,19 +32,21 @@ from transformers import get_scheduler
 from emotune.core.config.train import TrainConfig
 from emotune.core.errors import UserError
 
-EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
+BITSANDBYTES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit", "paged_adamw_32bit": "PagedAdamW32bit"}
+"""train.optim values that are bitsandbytes' optimizers, and their class names in `bitsandbytes.optim`."""
 
 
 def check(t: TrainConfig, device: torch.device) -> None:
     """Refuse, before any weights load, an optimizer that cannot run on `device`."""
     problems = []
-    if t.optim in EIGHT_BIT and importlib.util.find_spec("bitsandbytes") is None:
+    if t.optim in BITSANDBYTES and importlib.util.find_spec("bitsandbytes") is None:
         problems.append(f"train.optim={t.optim} needs bitsandbytes: pip install 'bitsandbytes>=0.50.2' (or "
                         "`pip install emotune[qlora]`), or set train.optim=adamw_torch")
-    if t.optim == "paged_adamw_8bit" and device.type != "cuda":
-        problems.append(f"train.optim=paged_adamw_8bit pages optimizer state between GPU and host memory, and this run "
+    if t.optim.startswith("paged_") and device.type != "cuda":
+        unpaged = "adamw_8bit (the same 8-bit state" if "8bit" in t.optim else "adamw_torch (the same 32-bit state"
+        problems.append(f"train.optim={t.optim} pages optimizer state between GPU and host memory, and this run "
                         f"is on {device.type}, where bitsandbytes would silently fall back to ordinary memory; set "
-                        "train.optim=adamw_8bit (the same 8-bit state, unpaged)")
+                        f"train.optim={unpaged}, unpaged)")
     if problems:
         raise UserError("; ".join(problems) + ".")
 
@@ -55,10 +59,10 @@ def optimizer_class(t: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
     if t.optim == "adafactor":
         return torch.optim.Adafactor, {**decay, **_foreach(t)}
     adam = {**decay, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_epsilon}
-    if t.optim in EIGHT_BIT:
+    if t.optim in BITSANDBYTES:
         import bitsandbytes as bnb
 
-        return (bnb.optim.PagedAdamW8bit if t.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit), adam
+        return getattr(bnb.optim, BITSANDBYTES[t.optim]), adam
     if t.optim == "adamw_torch_fused":
         return torch.optim.AdamW, {**adam, "fused": True}
     return torch.optim.AdamW, {**adam, **_foreach(t)}

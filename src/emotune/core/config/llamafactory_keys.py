@@ -157,7 +157,8 @@ IGNORED: dict[str, str] = {
 }
 
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit",
+              "paged_adamw_32bit")
 # transformers' other names for the same optimizers (OptimizerNames)
 OPTIMIZER_ALIASES = {"adamw_bnb_8bit": "adamw_8bit", "adamw_torch_8bit": "adamw_8bit"}
 TRACKERS = ("tensorboard", "mlflow", "wandb")

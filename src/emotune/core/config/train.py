@@ -227,10 +227,13 @@ class TrainConfig(Section):
     per kind of layer, more than a short CPU run gains); `on` = also on a CPU (needs a C++ compiler); `off` = eager.
     When compiling fails (no C++ compiler or Triton, an error of the compiler), training says so once, runs eager and
     run.json records it."""
-    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "paged_adamw_8bit",
+                   "paged_adamw_32bit"] = "adamw_torch"
     """Optimizer: PyTorch's AdamW (`adamw_torch_fused`: in one kernel), SGD or Adafactor; `adamw_8bit` =
     bitsandbytes' AdamW with 8-bit moments (a quarter of AdamW's state memory; CPU, CUDA and ROCm);
-    `paged_adamw_8bit` = the same in paged GPU memory (GPU only). emotune.train.optim."""
+    `paged_adamw_8bit` = the same in paged GPU memory (GPU only); `paged_adamw_32bit` = bitsandbytes' AdamW with
+    32-bit moments in paged GPU memory (the QLoRA paper's and many QLoRA notebooks' choice; GPU only).
+    emotune.train.optim."""
     loraplus_lr_ratio: Annotated[float | None, Range(0, low_open=True, also="or null for off, e.g. 16")] = None
     """LoRA+: the LoRA B matrices learn at this many times `learning_rate` (the A matrices at `learning_rate`);
     null = off. The LoRA+ paper (and LLaMA-Factory's `loraplus_lr_ratio`) suggests 16."""
@@ -334,7 +337,7 @@ class TrainConfig(Section):
         if changed and self.optim in ("sgd", "adafactor"):
             raise ValueError(f"{', '.join(changed)} set{'s' if len(changed) == 1 else ''} AdamW's moments, and "
                              f"train.optim={self.optim} has none; leave {'it' if len(changed) == 1 else 'them'} at the "
-                             "default or choose an AdamW optimizer (adamw_torch, adamw_torch_fused, adamw_8bit)")
+                             "default or choose an AdamW optimizer (adamw_torch, adamw_torch_fused, adamw_8bit, ...)")
         return self
 
     @model_validator(mode="after")
