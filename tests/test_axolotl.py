@@ -199,6 +199,18 @@ def test_the_trainers_adam_settings_are_translated(ax_yaml):
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.adam_epsilon) == (0.9, 0.95, 1e-6)
 
 
+def test_config_from_axolotl_writes_an_equivalent_emotune_yaml(ax_yaml, tmp_path, capsys):
+    path = ax_yaml()
+    assert main(["config", "--from-axolotl", str(path), "max_steps=5"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# Axolotl config ")
+    saved = tmp_path / "translated.yaml"
+    saved.write_text(text, encoding="utf-8")
+    assert load_config(saved) == load_config(path, ["max_steps=5"])
+    assert main(["config", "--from-axolotl", str(saved)]) == 2  # an emotune config needs no translation
+    assert "is not an Axolotl training config" in capsys.readouterr().err
+
+
 def test_key_value_overrides_apply_on_top(ax_yaml):
     cfg = load_config(ax_yaml(), ["train.max_steps=7", "lora_r=2", "seed=3", "sequence_len=64"])
     assert (cfg.train.max_steps, cfg.lora.r, cfg.seed, cfg.train.max_length) == (7, 2, 3, 64)

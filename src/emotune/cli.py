@@ -87,11 +87,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
         for key, default, doc in field_docs():
             print(f"{key} = {default}\n    {doc}")
         return 0
-    if args.from_llamafactory:
-        from emotune.core.config.llamafactory import translated_yaml
+    if args.from_llamafactory or args.from_axolotl:
+        from emotune.core.config import axolotl, llamafactory
 
         overrides = [args.config, *args.overrides] if args.config else list(args.overrides)
-        print(translated_yaml(args.from_llamafactory, overrides), end="")
+        tool, path = (llamafactory, args.from_llamafactory) if args.from_llamafactory else (axolotl, args.from_axolotl)
+        print(tool.translated_yaml(path, overrides), end="")
         return 0
     print(dump_config(_load(args, announce=False)), end="")
     return 0
@@ -277,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--from-llamafactory", metavar="FILE",
                            help="print the emotune YAML (task: sft) a LLaMA-Factory training YAML translates to, with "
                                 "each key's equivalent and the ignored keys as comments; redirect it to save it")
+            p.add_argument("--from-axolotl", metavar="FILE",
+                           help="the same for an Axolotl training YAML (the file you pass to `axolotl train`)")
         if name == "plan":
             p.add_argument("--device-memory", metavar="SIZE",
                            help="plan for a device with this much memory (e.g. 24GB, 80GiB; GB means GiB) instead of this "

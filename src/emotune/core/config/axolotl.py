@@ -14,13 +14,14 @@ training.py and model.py; warmup and logging when unset from core/builders/base.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from emotune.core.config.axolotl_data import chat_template, dataset
 from emotune.core.config.axolotl_keys import IGNORED, KERNEL_PLUGINS, KEY_DEFAULTS, REFUSED
 from emotune.core.config.base import is_run_name
-from emotune.core.config.build import build_config
+from emotune.core.config.build import build_config, read_yaml, yaml_text
 from emotune.core.config.llamafactory_keys import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES
 from emotune.core.config.run import RunConfigBase
 from emotune.core.config.sft import SftConfig
@@ -34,8 +35,10 @@ from emotune.core.config.translation import (
     show,
     sort_unknown,
     split_overrides,
+    with_overrides,
 )
 from emotune.core.config.translation import describe as shared_describe
+from emotune.core.errors import UserError
 
 
 def is_axolotl(raw: dict[str, Any]) -> bool:
@@ -335,3 +338,17 @@ def announce(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> N
     file = read_yaml(Path(path))
     if is_axolotl(file):
         print(describe(translate(file, overrides), Path(path)) + "\n", flush=True)
+
+
+def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """`emotune config --from-axolotl FILE`: the emotune YAML the file means (overrides applied), with the translation
+    as comments; every problem is reported at once, as by `run`."""
+    file = read_yaml(Path(path))
+    if not isinstance(file, dict) or not is_axolotl(file):
+        raise UserError(f"`{path}` is not an Axolotl training config: it has no `base_model` with `datasets`. Give the "
+                        "YAML you pass to `axolotl train` (an emotune config needs no translation: `emotune config "
+                        f"{path}` prints it resolved).")
+    t = translate(file, overrides)
+    build_config(json.loads(json.dumps(t.raw)), t.overrides, path, t.problems)
+    comments = "\n".join(f"# {line}" for line in describe(t, Path(path)).splitlines())
+    return comments + "\n" + yaml_text(with_overrides(t), sort_keys=False, width=100)
