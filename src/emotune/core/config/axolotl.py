@@ -21,13 +21,14 @@ from typing import Any
 from emotune.core.config.axolotl_data import chat_template, dataset
 from emotune.core.config.axolotl_keys import IGNORED, KERNEL_PLUGINS, KEY_DEFAULTS, REFUSED
 from emotune.core.config.base import is_run_name
-from emotune.core.config.build import build_config, read_yaml, yaml_text
+from emotune.core.config.build import build_config, read_yaml
 from emotune.core.config.llamafactory_keys import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES
 from emotune.core.config.run import RunConfigBase
 from emotune.core.config.sft import SftConfig
 from emotune.core.config.translation import (
     Translation,
     adam_settings,
+    commented_yaml,
     harmless,
     held_out,
     name_list,
@@ -35,7 +36,6 @@ from emotune.core.config.translation import (
     show,
     sort_unknown,
     split_overrides,
-    with_overrides,
 )
 from emotune.core.config.translation import describe as shared_describe
 from emotune.core.errors import UserError
@@ -350,5 +350,4 @@ def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = (
                         f"{path}` prints it resolved).")
     t = translate(file, overrides)
     build_config(json.loads(json.dumps(t.raw)), t.overrides, path, t.problems)
-    comments = "\n".join(f"# {line}" for line in describe(t, Path(path)).splitlines())
-    return comments + "\n" + yaml_text(with_overrides(t), sort_keys=False, width=100)
+    return commented_yaml(t, describe(t, Path(path)))

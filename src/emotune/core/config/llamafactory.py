@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from emotune.core.config.base import is_run_name
-from emotune.core.config.build import _set_dotted, build_config, yaml_text
+from emotune.core.config.build import _set_dotted, build_config
 from emotune.core.config.llamafactory_files import not_training, purpose, refuse_v1
 from emotune.core.config.llamafactory_keys import (
     FINETUNING,
@@ -38,6 +38,7 @@ from emotune.core.config.sft import LLAMAFACTORY_INPUT_SEPARATOR
 from emotune.core.config.translation import (
     Translation,
     adam_settings,
+    commented_yaml,
     harmless,
     held_out,
     name_list,
@@ -348,8 +349,6 @@ def translated_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = (
                         f"not a LLaMA-Factory training file; it needs no translation: `emotune config {path}` prints it "
                         "resolved.")
     t = translate(file, overrides)
-    raw = with_overrides(t)
     build_config(json.loads(json.dumps(t.raw)), t.overrides, path, t.problems,
                  check=lambda r: template_check(t.template, r)[0])
-    comments = "\n".join(f"# {line}" for line in describe(t, Path(path)).splitlines())
-    return comments + "\n" + yaml_text(raw, sort_keys=False, width=100)
+    return commented_yaml(t, describe(t, Path(path)))

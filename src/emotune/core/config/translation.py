@@ -143,3 +143,12 @@ def adam_settings(t: Translation) -> None:
     left out, transformers' defaults, which are emotune's) as train.adam_*."""
     for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
         t.set(f"train.{key}", t.settings[key], key)
+
+
+def commented_yaml(t: Translation, description: str) -> str:
+    """`emotune config --from-...`: the translated config (overrides applied) as YAML, `description` (the printed
+    translation) above it as comments."""
+    from emotune.core.config.build import yaml_text
+
+    comments = "\n".join(f"# {line}" for line in description.splitlines())
+    return comments + "\n" + yaml_text(with_overrides(t), sort_keys=False, width=100)

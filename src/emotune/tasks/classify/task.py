@@ -75,9 +75,10 @@ def check_room_for_the_label(tokenizer, prompt: PromptConfig, labels: list[str],
     cuts every row's label: training would run on no answer token at all and report the base model as trained."""
     if tokenizer.chat_template is None:  # `emotune data` reads the tokenizer alone; the run checks its rows
         return
+    end = answer_end(tokenizer)  # one rendering of the template, not one per label
     prompt_ids = prompt_token_ids(tokenizer, prompt, labels, [""])[0]
     needed = len(prompt_ids) + max(map(len, answer_token_ids(tokenizer, prompt, labels,
-                                                             [label + answer_end(tokenizer) for label in labels])))
+                                                             [label + end for label in labels])))
     if needed > max_length:
         raise UserError(f"The prompt and a label take {needed} tokens before any text (the system prompt names all "
                         f"{len(labels)} labels), more than train.max_length={max_length}: every row would lose its "
@@ -130,9 +131,10 @@ def encode_examples(ds: Dataset, tokenizer: PreTrainedTokenizerBase, prompt: Pro
     render an answer differently from the prompt that asks for it (Gemma 4's generation prompt opens and closes an
     empty thought channel, Qwen3 writes an empty <think> block into the last answer, Mistral v0.3 puts the system
     prompt into the last user turn only), and training on that rendering would teach a prompt the model never sees."""
+    end = answer_end(tokenizer)  # one rendering of the template, not one per label
     answers = sorted(set(ds["label"]))
     completions = dict(zip(answers, answer_token_ids(tokenizer, prompt, labels,
-                                                     [a + answer_end(tokenizer) for a in answers]), strict=True))
+                                                     [a + end for a in answers]), strict=True))
     examples = []
     prompts = prompt_token_ids(tokenizer, prompt, labels, ds["text"]) if len(ds) else []
     for prompt_ids, label in zip(prompts, ds["label"], strict=True):
