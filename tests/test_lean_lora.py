@@ -144,3 +144,31 @@ def test_plain_base_layers_run_in_the_same_function_with_fewer_operator_calls():
     assert len(calls) >= 14  # every hooked base layer ran its forward
     fused_calls, branch_calls = _aten_calls(fused), _aten_calls(hooked)
     assert branch_calls - fused_calls >= 10 * 14, (fused_calls, branch_calls)  # 20 -> 16 forward, ~32 -> ~24 backward
+
+
+def test_transposed_views_follow_in_place_updates_and_replaced_storage():
+    """`_Linear` multiplies by transposed views made once: an optimizer's in-place update shows through them, and a
+    weight whose storage was swapped (`module.to(...)` sets `.data`) gets new views, so the loss stays PEFT's."""
+    model = _model(torch.bfloat16)
+    lean_lora.install(model)
+    _loss_and_grads(model)  # the views are made
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.25)  # in place, as AdamW updates
+            elif "proj" in name:
+                param.data = param.data * 1.5  # a new storage behind the same Parameter
+    lean_loss, _ = _loss_and_grads(model)
+    lean_lora.restore(model)
+    peft_loss, _ = _loss_and_grads(model)
+    assert torch.equal(lean_loss, peft_loss)
+
+
+def test_fused_layers_call_fewer_operators_than_peft():
+    """14 adapted layers (2 decoder layers x 7): PEFT's forward and backward against `_Linear`'s (12 calls forward,
+    ~16 backward per layer, the transposed weights made once)."""
+    model = _model(torch.bfloat16)
+    peft_calls = _aten_calls(model)
+    lean_lora.install(model)
+    _aten_calls(model)  # the first pass makes the transposed views
+    assert peft_calls - _aten_calls(model) >= 17 * 14, peft_calls

@@ -13,10 +13,11 @@ kernel draws its masks differently; ours are still independent Bernoulli(1 - p) 
 
 Where the base layer is a plain `torch.nn.Linear` (frozen, not quantized, no hooks) `_Linear` goes one step
 further: the base layer's product, the branch, the scaled sum and the cast back are one autograd function on the
-input flattened once, so a layer's pass is 16 aten calls forward and 20 backward instead of PEFT's 20 and 29 (30
-with `_Branch` beside the base layer), and autograd keeps three tensors, not five; the forward values are again PEFT's op for op, the
-gradients differ only in the order bf16 sums are rounded (x's gradient from the base and the branch is summed in
-the function, not by autograd). Other base layers (quantized, hooked) call their own forward beside `_Branch`.
+input flattened once, and the transposed weights are views made once (`_transposed`), so a layer's pass is 12 aten
+calls forward and 15 backward instead of PEFT's 20 and 29 (30 with `_Branch` beside the base layer), and autograd
+keeps three tensors, not five; the forward values are again PEFT's op for op, the gradients differ only in the order
+bf16 sums are rounded (x's gradient from the base and the branch is summed in the function by one `addmm`, not by
+autograd). Other base layers (quantized, hooked) call their own forward beside `_Branch`.
 
 Only what this covers takes it: a plain `peft.tuners.lora.Linear` (no DoRA or other variant, no quantized base
 layer, no LoRA bias) with one active adapter, neither merged nor disabled, dropout or none, called with the input
@@ -75,18 +76,19 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-                dropout_and_scaling: tuple[float, float]) -> torch.Tensor:
-        p, scaling = dropout_and_scaling
+                settings: tuple[float, float, tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        p, scaling, (weight_t, a_t, b_t) = settings  # the transposed views: `_transposed`
         flat = x.reshape(-1, x.shape[-1])
-        result = F.linear(flat, weight, bias)
+        # F.linear's own products for a 2-d input (addmm with a bias, mm without), on the views made once
+        result = flat.mm(weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
         keep = None
         if p > 0:
             keep = torch.empty(flat.shape, dtype=torch.bool, device=x.device).bernoulli_(1 - p)  # as CPU dropout draws
             dropped = flat * _scale(keep, p, a.dtype)
         else:
             dropped = flat.to(a.dtype)
-        low = dropped.mm(a.t())
-        summed = result + low.mm(b.t()) * scaling  # PEFT adds in the wider dtype and casts back
+        low = dropped.mm(a_t)
+        summed = result + low.mm(b_t) * scaling  # PEFT adds in the wider dtype and casts back
         out = summed.to(result.dtype)
         ctx.save_for_backward(flat, keep, low)
         ctx.weights, ctx.p, ctx.scaling, ctx.shape, ctx.wide = (weight, a, b), p, scaling, x.shape, summed.dtype
@@ -110,8 +112,25 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             branch_x = grad_low.mm(a)
             branch_x = (branch_x * scale if scale is not None else branch_x).to(flat.dtype)
-            grad_x = (grad.mm(weight) + branch_x).view(ctx.shape)
+            grad_x = torch.addmm(branch_x, grad, weight).view(ctx.shape)  # the base's product and the branch's, summed
         return grad_x, None, None, grad_a, grad_b, None
+
+
+def _transposed(module: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`t.t()` of each tensor, as views made once and kept on `module` (the optimizer's in-place updates show through
+    them): one `t` call per product fewer in every pass. Made again when a tensor was replaced, or its storage was
+    (`module.to(...)` swaps `.data`); a compiled region (train.compile) transposes in its own graph."""
+    if torch.compiler.is_compiling():
+        return tuple(t.t() for t in tensors)
+    cached = module.__dict__.get("_lean_transposed")
+    if cached is not None and all(
+            kept is t and view.data_ptr() == t.data_ptr() and view.shape == t.shape[::-1] and view.dtype == t.dtype
+            for kept, view, t in zip(cached[0], cached[1], tensors, strict=True)):
+        return cached[1]
+    with torch.no_grad():
+        views = tuple(t.detach().t() for t in tensors)
+    module.__dict__["_lean_transposed"] = (tensors, views)
+    return views
 
 
 def _scale(keep: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
@@ -166,8 +185,9 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     base = self.base_layer
     if name is None or _hooked(base):  # a hook added after install (offloading, a probe) runs with the base's forward
         return _forward(self, x, *args, **kwargs)
-    return _Linear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                         (_dropout_p(self, name), self.scaling[name]))
+    weight, a, b = base.weight, self.lora_A[name].weight, self.lora_B[name].weight
+    return _Linear.apply(x, weight, base.bias, a, b,
+                         (_dropout_p(self, name), self.scaling[name], _transposed(self, weight, a, b)))
 
 
 def _lean_adapter(self, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
@@ -206,6 +226,7 @@ def restore(model: torch.nn.Module) -> None:
     for module in model.modules():
         if _lean(module) is not None:
             del module.forward
+            module.__dict__.pop("_lean_transposed", None)
 
 
 def describe(model: torch.nn.Module) -> dict:
