@@ -116,9 +116,11 @@ def test_a_frozen_weight_is_cast_once_and_a_replaced_one_in_every_call():
         norm.weight.normal_()
     x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
     assert lean_norm.install(norm) == 1
-    assert casts(norm) == 5  # forward: x up, out down; backward: x and the gradient up, it down; the weight: none
+    assert casts(norm) == 3  # forward: x up, out down; backward: the gradient down (x and the gradient are promoted
+    # inside the products with float32 tensors); the weight: none
     assert torch.equal(norm(x), type(norm).forward(norm, x))
     norm.weight = torch.nn.Parameter(norm.weight.detach() + 1, requires_grad=False)
-    assert casts(norm) == 6 and torch.equal  # the weight cast in the call (its backward reuses it)(norm(x), type(norm).forward(norm, x))
+    assert casts(norm) == 4  # the weight cast in the call (its backward reuses it)
+    assert torch.equal(norm(x), type(norm).forward(norm, x))
     lean_norm.restore(norm)
     assert "_lean_factor" not in norm.__dict__
