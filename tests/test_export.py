@@ -16,7 +16,7 @@ from conftest import LABELS, write_tiny_adapter
 from emotune.cli import main
 from emotune.core.config.load import load_config
 from emotune.core.errors import UserError
-from emotune.deploy.export import max_lora_rank, merge_parity_gap
+from emotune.deploy.export import export, max_lora_rank, merge_parity_gap
 from emotune.model.artifacts import find_artifact
 
 TEXTS = ["i am so happy today", "my friend was furious", "lonely and lost this morning"]
@@ -81,6 +81,26 @@ def test_vllm_launch_scripts_pass_the_right_flags(tiny_run_dir, tmp_path):
     client = (out / "vllm" / "client.py").read_text()
     compile(client, "client.py", "exec")
     assert '{"structured_outputs": {"choice": LABELS}}' in client and f"LABELS = {LABELS!r}" in client
+
+
+def test_the_vllm_client_cleans_a_text_as_the_training_rows_were(tiny_run_dir, tmp_path):
+    """vLLM receives a text as sent; the exported client cleans it first, as `emotune serve` does (the run's
+    recorded steps: by default control characters removed, whitespace collapsed, NFC)."""
+    out = export(tiny_run_dir, out=tmp_path / "export", vllm=True)
+    spec = importlib.util.spec_from_file_location("client_cleaning", out / "vllm" / "client.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.CLEANING == find_artifact(tiny_run_dir).meta["cleaning"]
+    sent = []
+
+    class Completions:
+        def create(self, **request):
+            sent.append(request["messages"][-1]["content"])
+            return type("Reply", (), {"choices": [type("Choice", (), {"message": type("M", (), {"content": "x"})})]})
+
+    client = type("Client", (), {"chat": type("Chat", (), {"completions": Completions()})})
+    module.classify(client, "i\u200b am\n\n  so happy ")
+    assert sent == [module.USER_TEMPLATE.replace("{text}", "i am so happy")]
 
 
 def test_a_newline_in_the_export_path_cannot_put_a_command_into_the_launch_script(tiny_run_dir, tmp_path):

@@ -369,6 +369,8 @@ def test_exported_chat_client_runs_against_this_server(client, sft_run, tmp_path
     expected = ask(client, TEXTS[0], max_tokens=6).choices[0].message.content
     assert module.chat(client, TEXTS[0], max_tokens=6) == expected
     assert module.chat(client, TEXTS[0], max_tokens=6, stream=True).strip() == expected
+    # vLLM takes a text as sent: the client cleans the user turn as training cleaned turns (emotune.json's steps)
+    assert module.CLEANING and module.clean("hi\u200b there\x00") == "hi there"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -291,6 +291,22 @@ def _write_script(path: Path, export_dir: Path, args: list[str], what: str) -> N
     path.chmod(0o755)
 
 
+_CLEANING_CODE = '''CLEANING = {cleaning!r}  # the text steps the training rows went through (emotune.json's `cleaning`)
+
+
+def clean(text: str) -> str:
+    """The text as the model's training rows were cleaned, where emotune is installed beside this client (its
+    `clean_for_inference`, as `emotune serve` and `predict` clean); vLLM itself receives a text as sent."""
+    try:
+        from emotune.data.clean import clean_for_inference
+    except ImportError:
+        return text
+    return clean_for_inference([text], CLEANING)[0]
+'''
+"""The exported clients' cleaning: vLLM, llama.cpp and Ollama send a text to the model as given, so a client that
+should ask as `emotune serve` does cleans first (docs/deploy.md)."""
+
+
 def _client_example(artifact: Artifact) -> str:
     if artifact.answers_freely:
         return _chat_client_example(artifact)
@@ -311,14 +327,14 @@ MODEL = {artifact.name!r}
 LABELS = {artifact.labels!r}
 SYSTEM_PROMPT = {system_prompt(artifact.prompt, artifact.labels)!r}
 USER_TEMPLATE = {artifact.prompt.user_template!r}
-
+{_CLEANING_CODE.format(cleaning=artifact.meta.get("cleaning"))}
 
 def classify(client: OpenAI, text: str, legacy: bool = False) -> str:
     constraint = {{"guided_choice": LABELS}} if legacy else {{"structured_outputs": {{"choice": LABELS}}}}
     reply = client.chat.completions.create(
         model=MODEL,
         messages=[{{"role": "system", "content": SYSTEM_PROMPT}},
-                  {{"role": "user", "content": USER_TEMPLATE.replace("{{text}}", text)}}],
+                  {{"role": "user", "content": USER_TEMPLATE.replace("{{text}}", clean(text))}}],
         temperature=0.0,
         max_tokens=8,
         extra_body=constraint,
@@ -351,11 +367,11 @@ from openai import OpenAI
 
 MODEL = {artifact.name!r}
 SYSTEM_PROMPT = {artifact.sft_system_prompt!r}
-
+{_CLEANING_CODE.format(cleaning=artifact.meta.get("cleaning"))}
 
 def chat(client: OpenAI, text: str, max_tokens: int = 256, stream: bool = False) -> str:
     messages = ([{{"role": "system", "content": SYSTEM_PROMPT}}] if SYSTEM_PROMPT else []) + [
-        {{"role": "user", "content": text}}]
+        {{"role": "user", "content": clean(text)}}]
     reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0, max_tokens=max_tokens,
                                            stream=stream)
     if not stream:
