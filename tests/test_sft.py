@@ -309,3 +309,21 @@ def turn_token(tokenizer) -> int:
     from emotune.model.turns import stop_token_ids
 
     return stop_token_ids(tokenizer)[-1] if len(stop_token_ids(tokenizer)) > 1 else tokenizer.eos_token_id
+
+
+def test_each_rendering_a_row_needs_is_made_once(tokenizer, monkeypatch):
+    """A row and its loss spans ask for the same renderings (the whole conversation; the turns before each answer with
+    the generation prompt): the chat template renders each once, two per turn pair here."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine"}]
+    expected = loss_spans(tokenizer, messages)
+    calls = []
+    render = type(tokenizer).apply_chat_template
+
+    def counted(self, conversation, *args, **kwargs):
+        calls.append((len(conversation), kwargs.get("add_generation_prompt")))
+        return render(self, conversation, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", counted)
+    assert loss_spans(tokenizer, messages) == expected
+    assert sorted(calls) == [(1, True), (2, False), (3, True), (4, False)], calls

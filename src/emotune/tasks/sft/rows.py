@@ -38,14 +38,30 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_
                                               return_dict=False))
 
 
-def row_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], int | None]:
+class _Prefixes:
+    """The renderings of one conversation's first n messages, each made once: a row and its loss spans ask for the
+    same ones (the whole conversation; the turns before its last answer with the generation prompt)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, messages: list[dict]):
+        self.tokenizer, self.messages, self.done = tokenizer, messages, {}
+
+    def __call__(self, n: int, generation_prompt: bool = False) -> list[int]:
+        key = (n, generation_prompt)
+        if key not in self.done:
+            self.done[key] = render(self.tokenizer, self.messages[:n], generation_prompt)
+        return self.done[key]
+
+
+def row_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+            prefixes: _Prefixes | None = None) -> tuple[list[int], int | None]:
     """(the row's token ids, where its last answer starts when the row is the generation prompt followed by that
     answer, else None: the finished rendering is the row; see the module docstring)."""
-    full = render(tokenizer, messages)
+    prefixes = prefixes or _Prefixes(tokenizer, messages)
+    full = prefixes(len(messages))
     last = messages[-1] if messages else {}
     if last.get("role") != "assistant" or not isinstance(last.get("content"), str) or set(last) - {"role", "content"}:
         return full, None  # tool calls, reasoning fields or content parts: the template's own rendering decides
-    asked = render(tokenizer, messages[:-1], generation_prompt=True)
+    asked = prefixes(len(messages) - 1, generation_prompt=True)
     if full[:len(asked)] == asked:
         return full, None
     start = common_prefix_length(full, render(tokenizer, [*messages[:-1], {**last, "content": ""}]))
@@ -56,7 +72,8 @@ def row_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[l
 
 def loss_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
     """(the row's token ids, [start, end) of every assistant turn, end-of-turn token included)."""
-    full, last_start = row_ids(tokenizer, messages)
+    prefixes = _Prefixes(tokenizer, messages)
+    full, last_start = row_ids(tokenizer, messages, prefixes)
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -64,9 +81,9 @@ def loss_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tupl
         if last_start is not None and k == len(messages) - 1:
             spans.append((last_start, len(full)))
             continue
-        upto = render(tokenizer, messages[:k + 1])
+        upto = prefixes(k + 1)
         if full[:len(upto)] == upto:
-            asked = render(tokenizer, messages[:k], generation_prompt=True)
+            asked = prefixes(k, generation_prompt=True)
             start = common_prefix_length(asked, upto)
             if start < len(asked):  # the template renders the turns before differently once answered (Mistral v0.3's
                 blank = render(tokenizer, [*messages[:k], {**message, "content": ""}])  # system prompt): where the
