@@ -135,6 +135,15 @@ def test_a_yaml_alias_bomb_is_quoted_short_in_the_message():
     assert "`train.max_steps`: must be an integer" in said and len(said) < 2_000
 
 
+def test_yaml_nested_thousands_of_levels_deep_is_an_error_not_a_traceback(tmp_path):
+    """PyYAML reads nesting recursively: 5,000 levels ran into Python's recursion limit (a RecursionError's traceback)."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("train: " + "[" * 5_000 + "]" * 5_000 + "\n")
+    with pytest.raises(UserError, match=r"deep.yaml`: it nests lists or mappings too deeply"):
+        load_config(path)
+    assert "`train.max_steps`: must be an integer" in _problem("train.max_steps=" + "[" * 5_000 + "]" * 5_000)
+
+
 def test_run_name_that_escapes_output_dir_is_refused(tmp_path):
     for name in ("../../..", "..", ".", "a/b", "a\\\\b", "/etc", "two words", ""):
         assert "`name`: must be a plain folder name" in _problem(f"name={name}"), name

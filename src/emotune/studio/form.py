@@ -17,7 +17,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel
 
-from emotune.core.config.build import TASK_CONFIGS, _allowed_values, build_config, yaml_text
+from emotune.core.config.build import TASK_CONFIGS, _allowed_values, build_config, parse_yaml, yaml_text
 from emotune.core.errors import UserError
 
 # YAML aliases that repeat aliases make billions of values from a few hundred bytes; a form is at most 1 MiB, so a value
@@ -115,7 +115,7 @@ def to_raw(task: str, submitted: dict[str, str], runs: Path) -> dict[str, Any]:
 
 def _yaml(text: str) -> Any:
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         return text  # then the field's own validation names what it expected
 
@@ -196,7 +196,7 @@ def from_llamafactory(text: str) -> tuple[str, dict[str, str], dict[str, list[st
 
     task = llamafactory.translate({}).raw["task"]  # the task every LLaMA-Factory and Axolotl training file becomes
     try:
-        file = yaml.safe_load(text) if text.strip() else None
+        file = parse_yaml(text) if text.strip() else None
     except yaml.YAMLError as err:
         return task, {}, {"": [f"The training file is not valid YAML: {err}"]}, ""
     if too_large(file):

@@ -123,8 +123,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+class TooDeepError(yaml.YAMLError):
+    pass
+
+
+def parse_yaml(text: str, loader: type = _UniqueKeyLoader) -> Any:
+    """PyYAML reads nested collections recursively: thousands of levels (`[[[[...]]]]`) end in Python's recursion
+    limit, which is said as a YAML error here, not a RecursionError's traceback."""
+    try:
+        return yaml.load(text, Loader=loader)  # noqa: S506 (SafeLoader or BaseLoader: no constructors of objects)
+    except RecursionError:
+        raise TooDeepError("it nests lists or mappings too deeply to read (thousands of levels); a config needs a "
+                           "few") from None
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -140,8 +150,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise UserError(f"`{path}` is a data file, not a config. Give it as data.source after a config, e.g. "
                         f"emotune run configs/cpu-own-data.yaml data.source={path}")
     try:
-        data = _yaml(path.read_text(encoding="utf-8"))
-    except DuplicateKeyError as err:
+        data = parse_yaml(path.read_text(encoding="utf-8"))
+    except (DuplicateKeyError, TooDeepError) as err:
         raise UserError(f"Config file `{path}`: {err}.") from None
     except yaml.YAMLError as err:
         raise UserError(f"Config file `{path}` is not valid YAML: {err}. Fix the syntax at the position shown.") from None
@@ -160,7 +170,7 @@ def read_yaml_as_written(path: Path) -> dict[str, Any]:
     """The YAML mapping in `path` with every scalar as the text written (`yes`, `1.0` and `007` stay text); call it
     after read_yaml, which has already refused what is not a valid mapping."""
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml.BaseLoader)  # noqa: S506 (no constructors)
+        data = parse_yaml(path.read_text(encoding="utf-8"), yaml.BaseLoader)
     except (yaml.YAMLError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -168,7 +178,7 @@ def read_yaml_as_written(path: Path) -> dict[str, Any]:
 
 def _as_written(text: str) -> Any:
     try:
-        return yaml.load(text, Loader=yaml.BaseLoader) if text.strip() else ""  # noqa: S506 (no constructors)
+        return parse_yaml(text, yaml.BaseLoader) if text.strip() else ""
     except yaml.YAMLError:
         return text
 
@@ -235,7 +245,7 @@ def _text_shapes(annotation: Any) -> set[str]:
 def _parse_value(text: str) -> Any:
     """Parse an override value as YAML so `2`, `1e-4`, `true`, `null` and `[a, b]` get their types."""
     try:
-        return _yaml(text) if text.strip() else ""
+        return parse_yaml(text) if text.strip() else ""
     except DuplicateKeyError:
         raise
     except yaml.YAMLError:
