@@ -263,6 +263,27 @@ def test_yaml_alias_bombs_in_a_form_field_or_a_pasted_llamafactory_file_are_refu
     assert studio.app.state.queue.jobs() == []
 
 
+def test_yaml_nested_thousands_of_levels_deep_in_a_form_field_or_a_pasted_file_is_refused(runs):
+    """5,000 levels of `[` ran into Python's recursion limit: a 500 from the studio."""
+    studio = client(runs)
+    csrf = csrf_of(studio.get("/new").text)
+    deep = "[" * 5_000 + "]" * 5_000
+    pasted = f"model_name_or_path: m\nstage: sft\nfinetuning_type: lora\nlora_target: {deep}\n"
+    sent = studio.post("/new/llamafactory", data={"csrf": csrf, "llamafactory": pasted})
+    assert sent.status_code == 400 and "nests lists or mappings too deeply" in sent.text
+    sent = studio.post("/new", data={"csrf": csrf, "task": "classify", "train.max_steps": deep}, follow_redirects=False)
+    assert sent.status_code == 400 and 'class="field invalid"><label for="f-train.max_steps">' in sent.text
+    assert studio.app.state.queue.jobs() == []
+
+
+def test_a_run_whose_name_is_left_empty_is_named_after_its_task_and_time(runs):
+    """The form's name field is empty by default: the valid form crashed on the missing name (a 500)."""
+    studio = client(runs)
+    sent = studio.post("/new", data={"csrf": csrf_of(studio.get("/new").text), "task": "classify"}, follow_redirects=False)
+    assert sent.status_code == 303, sent.text[-500:]
+    assert re.fullmatch(r"/runs/classify-\d{8}-\d{6}", sent.headers["location"])
+
+
 def test_posts_need_the_csrf_token(runs):
     studio = client(runs)
     assert studio.post("/new", data={"task": "classify"}).status_code == 403

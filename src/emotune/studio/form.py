@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import types
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
@@ -129,6 +130,8 @@ def validate(task: str, raw: dict[str, Any], runs: Path) -> tuple[str | None, di
     bombs = {f.key: [ALIAS_BOMB] for f in fields(task) if too_large(_at(raw, f.key))}
     if bombs:
         return None, bombs
+    if raw.get("name") is None:  # left empty: named as LLaMA-Factory's web UI names its runs, by the time
+        raw = {**raw, "name": f"{task}-{datetime.now():%Y%m%d-%H%M%S}"}
     name = raw.get("name")
     taken = {"name": [f"a run folder `{name}` exists already; choose another name (or overwrite=true to replace it)"]} \
         if isinstance(name, str) and name and (runs / name).exists() and not raw.get("overwrite") else {}
