@@ -293,6 +293,16 @@ def test_a_template_override_is_the_text_typed_and_a_yaml_mapping_in_a_file_says
         load_config(path)
     with pytest.raises(UserError, match=r"`data.label_names`.*write a list in brackets, e.g. data.label_names=\[joy\]"):
         load_config(None, ["data.label_names=joy"])
+    # an item of a list of texts read as a list or mapping: the hint is about the items, not a template's braces
+    path.write_text("data:\n  label_names: [joy, [sad], {angry: 1}]\n")
+    with pytest.raises(UserError) as raised:
+        load_config(path)
+    said = str(raised.value)
+    assert "`data.label_names.1`: Input should be a valid string (YAML read a list there, where one text belongs" in said
+    assert "`data.label_names.2`" in said and "Review: {text}" not in said
+    path.write_text("name: {a: b}\n")
+    with pytest.raises(UserError, match=r"`name`.*put the value in quotes, e.g. name: 'the text'"):
+        load_config(path)
 
 
 def test_other_tools_keys_and_section_keys_at_the_top_level_name_emotunes_key(tmp_path):

@@ -324,8 +324,11 @@ def _describe(error: dict[str, Any]) -> str:
     shown = "" if isinstance(got, (dict, BaseModel)) else f" (got {_QUOTE.repr(got)})"
     if error["type"] == "string_type" and isinstance(got, (dict, list)):
         # `user_template: {text}` is a YAML mapping; the braces of a template need quotes in YAML
-        shown = (f" (YAML read a {'mapping' if isinstance(got, dict) else 'list'} there: put the value in quotes, e.g. "
-                 f"{where.rsplit('.', 1)[-1]}: 'Review: {{text}}')")
+        kind, key = "mapping" if isinstance(got, dict) else "list", str(error["loc"][-1])
+        example = "'Review: {text}'" if key.endswith("template") else "'the text'"
+        shown = (f" (YAML read a {kind} there, where one text belongs: give each item as a text, quoting one that holds "
+                 "brackets, braces or `: `)" if isinstance(error["loc"][-1], int) else
+                 f" (YAML read a {kind} there: put the value in quotes, e.g. {key}: {example})")
     elif error["type"] == "list_type" and isinstance(got, str):
         shown = f" (got {_QUOTE.repr(got)}; write a list in brackets, e.g. {where}=[{got}] or {where}=[a, b])"
     return f"`{where}`: {message}{shown}"
