@@ -50,6 +50,8 @@ def test_bad_values_name_the_field():
 def test_missing_and_malformed_yaml(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(UserError, match="`/dev/null` is not a regular file"):  # it exists: "does not exist" misled
+        load_config("/dev/null")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [unclosed\n")
     with pytest.raises(UserError, match="not valid YAML"):

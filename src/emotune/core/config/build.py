@@ -145,7 +145,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
                 if saved.is_file() else "")
         raise UserError(f"Config file `{path}` is a folder{hint}. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
     if not path.is_file():
-        raise UserError(f"Config file `{path}` does not exist. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
+        what = "is not a regular file (a device, a pipe or a socket)" if path.exists() else "does not exist"
+        raise UserError(f"Config file `{path}` {what}. Pass the path of a YAML file, e.g. configs/cpu.yaml.")
     if path.suffix.lower() in DATA_ENDINGS:
         raise UserError(f"`{path}` is a data file, not a config. Give it as data.source after a config, e.g. "
                         f"emotune run configs/cpu-own-data.yaml data.source={path}")
