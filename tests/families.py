@@ -353,6 +353,34 @@ def olmo2(tokenizer):
                                         max_position_embeddings=512, **_ids(tokenizer)))
 
 
+def lfm2(tokenizer):
+    """LiquidAI/LFM2-350M's text config: hidden 1,024, 16 layers of which 10 are gated short convolutions (`conv`,
+    kernel conv_L_cache 3) and 6 grouped-query attention (16 heads / 8 KV heads), the schedule conv, conv,
+    full_attention, ...; SwiGLU 6,656 (block_multiple_of 256), RMSNorm 1e-5, RoPE 1,000,000, tied. Scaled: hidden 64,
+    the schedule's first 3 layers (conv, conv, full_attention), heads 4 / 2. The convolutions carry a state from token
+    to token: label scoring and training run whole rows (emotune.model.prefix.other_layers)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    return Lfm2ForCausalLM(Lfm2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                      layer_types=["conv", "conv", "full_attention"], conv_L_cache=3,
+                                      block_multiple_of=16, norm_eps=1e-5, max_position_embeddings=512,
+                                      tie_word_embeddings=True, **_ids(tokenizer)))
+
+
+def mamba(tokenizer):
+    """state-spaces/mamba-130m-hf config.json: hidden 768, 24 Mamba (selective state-space) blocks, no attention,
+    state 16, expand 2, convolution kernel 4, RMSNorm 1e-5, tied. Scaled: hidden 64, 2 blocks, state 8. PEFT refuses
+    LoRA on its `out_proj` and its mixer reads `x_proj` and `dt_proj` weights directly, so `all-linear` adapts `in_proj`
+    (emotune.model.lora.MAMBA_SKIPPED);
+    its forward takes no positions: whole rows."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, state_size=8,
+                                        expand=2, conv_kernel=4, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                                        **_ids(tokenizer)))
+
+
 def gemma2(tokenizer):
     """google/gemma-2-2b-it config.json: hidden 2,304, 26 layers alternating sliding (4,096) and full, 8 heads / 4 KV
     heads, head dim 256, attention logits soft-capped at 50 and final logits at 30 (transformers runs it eager: sdpa
@@ -424,11 +452,12 @@ MORE_FAMILIES: dict[str, Callable] = {"granite": granite, "cohere": cohere, "lla
                                       "qwen2.5-vl": qwen2_5_vl}
 # Families users bring, each with what changes its arithmetic (the builders name it): checked like MORE_FAMILIES.
 # Falcon-RW's and BLOOM's ALiBi counts positions from the attention mask, so they run whole rows (no shared prefix).
-WHOLE_ROWS = {"falcon-rw", "bloom"}
+WHOLE_ROWS = {"falcon-rw", "bloom", "lfm2", "mamba"}
 BROUGHT_FAMILIES: dict[str, Callable] = {
     "gpt2": gpt2, "pythia": pythia, "falcon-rw": lambda tokenizer: falcon(tokenizer, alibi=True),
     "falcon-7b": lambda tokenizer: falcon(tokenizer, alibi=False), "bloom": bloom, "olmo2": olmo2, "gemma2": gemma2,
-    "smollm3": smollm3, "qwen3-moe": qwen3_moe, "phi2": phi2, "gemma4-moe": gemma4_moe}
+    "smollm3": smollm3, "qwen3-moe": qwen3_moe, "phi2": phi2, "gemma4-moe": gemma4_moe, "lfm2": lfm2,
+    "mamba": mamba}
 SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n", "gemma2", "gemma4-moe"}
 
 
@@ -456,11 +485,11 @@ def build(name: str, tokenizer_dir: Path):
 
 def final_norm(model) -> torch.nn.Module:
     """The text model's last norm, before the output projection: `norm`, or GPT-2's and Falcon's `ln_f`, GPT-NeoX's
-    `final_layer_norm`, Phi-2's `final_layernorm`, MPT's `norm_f`."""
+    `final_layer_norm`, Phi-2's `final_layernorm`, MPT's `norm_f`, LFM2's `embedding_norm` (run last, despite its name)."""
     from emotune.model.text import language_model
 
     decoder = language_model(model)
-    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f"):
+    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "embedding_norm"):
         if isinstance(getattr(decoder, name, None), torch.nn.Module):
             return getattr(decoder, name)
     raise AttributeError(f"no final norm found in {type(decoder).__name__}")

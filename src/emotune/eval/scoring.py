@@ -15,7 +15,7 @@ import torch
 from emotune.core.config.data import PromptConfig
 from emotune.core.errors import UserError
 from emotune.data import prompt_messages
-from emotune.model.prefix import MASKED_ATTENTION, attention_masks, positions_from_mask
+from emotune.model.prefix import MASKED_ATTENTION, attention_masks, other_layers, positions_from_mask
 from emotune.model.text import float32_logits, language_model, logit_scale, logit_softcap, soft_capped, unwrapped
 from emotune.model.turns import continuation_ids, end_of_turn_text
 from emotune.runtime.oom import run_in_batches
@@ -111,8 +111,9 @@ class LabelScorer:
     the label-tree nodes, in float32 whatever the model's dtype (emotune.model.text.float32_logits), then
     the model's own final soft-cap and the log-softmax, also in float32.
 
-    A model that takes no explicit positions (ALiBi: `positions_from_mask`) scores whole rows instead: each prompt
-    followed by each label, right-padded under a 2-D mask, one sequence per row and label.
+    A model that takes no explicit positions (ALiBi: `positions_from_mask`), or has layers that are not attention
+    (convolutions, linear attention: `other_layers`), scores whole rows instead: each prompt followed by each label,
+    right-padded under a 2-D mask, one sequence per row and label.
     """
 
     def __init__(self, model, tokenizer, prompt: PromptConfig, labels: list[str], padding_side: str = "left"):
@@ -121,7 +122,7 @@ class LabelScorer:
         self.scale = logit_scale(model)
         self.label_ids = label_token_ids(tokenizer, prompt, labels)
         self.trie = LabelTrie.build(self.label_ids)
-        self.whole_rows = positions_from_mask(model) is not None
+        self.whole_rows = positions_from_mask(model) is not None or other_layers(model) is not None
         self.padding_side = padding_side
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._prefix: tuple[tuple[int, ...], object] | None = None

@@ -38,6 +38,17 @@ LINEAR = (torch.nn.Linear, Conv1D)
 layer with its weight stored transposed), which PEFT's LoRA wraps like an nn.Linear."""
 
 
+_PEFT_REFUSED = {"out_proj", "conv1d"}
+_READ_DIRECTLY = {"x_proj", "dt_proj"}
+MAMBA_SKIPPED = {**dict.fromkeys(("mamba2", "falcon_h1", "nemotron_h"), _PEFT_REFUSED),
+                 **dict.fromkeys(("mamba", "falcon_mamba"), _PEFT_REFUSED | _READ_DIRECTLY)}
+"""Linear layers of Mamba-based model types that `all-linear` leaves out, by model type. PEFT refuses LoRA on
+`out_proj` and `conv1d` of these types (peft.tuners.tuners_utils' `_check_target_module_compatiblity`: the fused
+kernels read their weights directly). Mamba's and Falcon-Mamba's mixers read `dt_proj.weight` directly on every path
+(`dt_proj.weight @ time_step`) and `x_proj.weight` in the fused training kernel, so a LoRA there would train nothing
+or, on a GPU with the kernels, be skipped in training and then merged: `in_proj` is what they adapt."""
+
+
 def _is_router(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Router")
 
@@ -102,6 +113,8 @@ def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | No
     linears = {f"{prefix}.{name}".lstrip(".") for name, module in decoder.named_modules()
                if _adaptable(module) and module is not output and name
                and not any(name.startswith(f"{router}.") for router in routers)}
+    skipped = MAMBA_SKIPPED.get(getattr(model.config, "model_type", None), set())
+    linears = {name for name in linears if name.rsplit(".", 1)[-1] not in skipped}
     if layers is not None:
         path = decoder_layers_path(model)
         linears = {name for name in linears if any(name.startswith(f"{path}.{i}.") for i in layers)}

@@ -104,6 +104,16 @@ def cannot_share(model) -> str | None:
         return f"the model's attention implementation `{impl}` takes no explicit mask (sdpa and eager do)"
     if (fixed := positions_from_mask(model)) is not None:
         return fixed
+    return other_layers(model)
+
+
+def other_layers(model) -> str | None:
+    """Why `model`'s layers cannot take the per-layer masks `attention_masks` builds, in a phrase; None when they can.
+    Layers of other types than attention (`layer_types`: LFM2's short convolutions `conv`, the `linear_attention` of
+    Qwen3-Next, Jamba and the Mamba hybrids) carry a state from one token to the next instead of looking keys up by
+    mask, so rows after a shared prefix, or label paths side by side after one prompt, would run through each
+    other's state: such models run whole rows."""
+    config = _unwrapped(model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     other = set(getattr(text, "layer_types", None) or []) - LAYER_KINDS
     if other:
