@@ -51,3 +51,22 @@ def test_export_refuses_the_lora_route_and_scripts_set_max_model_len(tiny_model_
     said = capsys.readouterr().out
     assert "vLLM cannot hot-load" in said and "lm_head" in said
     assert not (tmp_path / "export2" / "vllm" / "serve_lora.sh").exists()
+
+
+def test_an_all_linear_adapter_is_judged_by_the_modules_its_weights_adapt(tmp_path):
+    """emotune's `all-linear` saves a regex as target_modules; its last dotted part was taken for a module name, so every
+    such adapter was told 'it trains modules vLLM's LoRA does not cover ()?(?:down_proj|...)$' and sent to the
+    merged route. The modules come from the adapter's weights instead."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from emotune.deploy.export import vllm_blockers
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, layer_types=["full_attention"])
+    for name, pattern in (("plain", r"^model\.(?:.*\.)?(?:down_proj|gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)$"),
+                          ("head", r"^(?:model\.(?:.*\.)?(?:q_proj|v_proj)|lm_head)$")):
+        get_peft_model(Gemma3ForCausalLM(config), LoraConfig(r=4, target_modules=pattern)).save_pretrained(tmp_path / name)
+    assert vllm_blockers(tmp_path / "plain") == []
+    said = vllm_blockers(tmp_path / "head")
+    assert len(said) == 1 and "does not cover (lm_head;" in said[0], said

@@ -63,8 +63,9 @@ def adapter_config(adapter_dir: Path) -> dict:
     return json.loads((adapter_dir / PEFT_CONFIG).read_text(encoding="utf-8"))
 
 
-def vllm_blockers(config: dict) -> list[str]:
-    """Why vLLM cannot hot-load this adapter (empty when it can)."""
+def vllm_blockers(adapter_dir: Path) -> list[str]:
+    """Why vLLM cannot hot-load the adapter in `adapter_dir` (empty when it can)."""
+    config = adapter_config(adapter_dir)
     blockers = []
     if config.get("use_dora"):
         blockers.append("it is a DoRA adapter (use_dora=true)")
@@ -72,9 +73,9 @@ def vllm_blockers(config: dict) -> list[str]:
         blockers.append(f"it trains whole modules besides LoRA (modules_to_save={config['modules_to_save']})")
     if config.get("peft_type", "LORA") != "LORA":
         blockers.append(f"it is a {config['peft_type']} adapter, not LoRA")
-    from emotune.deploy.vllm_ready import lora_blockers
+    from emotune.deploy.vllm_ready import adapted_modules, lora_blockers
 
-    return blockers + lora_blockers(config)
+    return blockers + lora_blockers(config, adapted_modules(adapter_dir, config))
 
 
 def max_lora_rank(config: dict) -> int:
@@ -112,7 +113,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
                         "e.g. --out exports/NAME.")
     if trained_whole:
         return _export_whole(artifact, out, vllm, dtype, merge)
-    blockers = vllm_blockers(adapter_config(artifact.path))
+    blockers = vllm_blockers(artifact.path)
     if vllm and blockers and not merge:
         print(f"vLLM cannot hot-load this adapter: {'; '.join(blockers)}. Exporting the merged route "
               "(as if --merge was given); serve_merged.sh is the launch script.", flush=True)

@@ -16,12 +16,14 @@ VLLM_MAX_LORA_RANK = 512
 DEFAULT_MAX_LENGTH = 512  # train.max_length's default when the run's config is not beside the adapter
 
 
-def lora_blockers(config: dict) -> list[str]:
-    """Why vLLM cannot serve this LoRA (target modules, rank), empty when it can."""
+def lora_blockers(config: dict, adapted: set[str] | None = None) -> list[str]:
+    """Why vLLM cannot serve this LoRA (target modules, rank), empty when it can. `adapted`: the names of the modules
+    the adapter's weights hold LoRA for (`adapted_modules`), which decide where `target_modules` is a pattern
+    (emotune's `all-linear` is a regex PEFT resolved at training); without them a pattern's modules go unchecked."""
     blockers = []
     targets = config.get("target_modules") or []
     if isinstance(targets, str):
-        targets = [] if targets == "all-linear" else [targets]  # a regex PEFT resolved at training; names are checked below
+        targets = sorted(adapted or [])
     unsupported = sorted({t.rsplit(".", 1)[-1] for t in targets} - VLLM_LORA_MODULES)
     if unsupported:
         blockers.append(f"it trains modules vLLM's LoRA does not cover ({', '.join(unsupported)}; vLLM covers "
@@ -33,6 +35,21 @@ def lora_blockers(config: dict) -> list[str]:
     if max(ranks) > VLLM_MAX_LORA_RANK:
         blockers.append(f"its rank {max(ranks)} is above vLLM's largest --max-lora-rank ({VLLM_MAX_LORA_RANK})")
     return blockers
+
+
+def adapted_modules(adapter_dir: Path, config: dict) -> set[str]:
+    """The modules `adapter_dir`'s weights hold LoRA for (`...q_proj.lora_A.weight` -> `...q_proj`), less the modules
+    whose weights `target_parameters` adapts (a mixture-of-experts layer's `experts`, checked on their own); empty
+    when the weights are not a safetensors file."""
+    from safetensors import safe_open
+
+    path = adapter_dir / "adapter_model.safetensors"
+    if not path.is_file():
+        return set()
+    with safe_open(str(path), framework="pt") as weights:
+        names = {key.split(".lora_A", 1)[0] for key in weights.keys() if ".lora_A" in key}  # noqa: SIM118 (no __iter__)
+    by_weight = {t.rsplit(".", 1)[0].rsplit(".", 1)[-1] for t in config.get("target_parameters") or []}
+    return {name for name in names if name.rsplit(".", 1)[-1] not in by_weight}
 
 
 def max_model_len(adapter_dir: Path, base_context: int | None) -> int:

@@ -30,7 +30,7 @@ def serve_with_vllm(cfg: RunConfig, targets: list[str], fallback: Fallback | Non
         raise UserError(f"{heads} are classification-head models, which answer with label probabilities through "
                         "emotune's own engine (/v1/classify). Use serve.engine=native for them.")
     for artifact in artifacts:
-        blockers = vllm_blockers(adapter_config(artifact.path))
+        blockers = vllm_blockers(artifact.path)
         if blockers:
             raise UserError(f"vLLM cannot hot-load adapter `{artifact.name}`: {'; '.join(blockers)}. Use "
                             f"`emotune export {artifact.path.parent} --merge --vllm` and its serve_merged.sh.")
