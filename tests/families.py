@@ -419,6 +419,21 @@ def qwen3_moe(tokenizer):
                                               max_position_embeddings=512, **_ids(tokenizer)))
 
 
+def qwen2_moe(tokenizer):
+    """Qwen/Qwen1.5-MoE-A2.7B-Chat config.json: hidden 2,048, 24 layers, 16 heads, 60 routed experts (4 per token, not
+    renormalised; transformers 5 keeps them as fused 3-D weights) beside one shared expert (intermediate 5,632) behind
+    a sigmoid gate, untied. Its shared expert's linear layers are named `gate_proj`, `up_proj` and `down_proj`, which PEFT
+    reads as transformers 4's expert layers (emotune.model.lora.peft_renames). Scaled: hidden 64, 2 layers, 4 experts
+    (2 per token), shared expert 64."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                              tie_word_embeddings=False, max_position_embeddings=512, **_ids(tokenizer)))
+
+
 def phi2(tokenizer):
     """microsoft/phi-2 config.json: hidden 2,560, 32 layers, 32 heads, parallel attention and MLP after one LayerNorm,
     rotary on 40% of each head, biases, untied, residual dropout 0.1. Scaled: hidden 64, 2 layers, 4 heads, dropout 0."""
@@ -457,7 +472,7 @@ BROUGHT_FAMILIES: dict[str, Callable] = {
     "gpt2": gpt2, "pythia": pythia, "falcon-rw": lambda tokenizer: falcon(tokenizer, alibi=True),
     "falcon-7b": lambda tokenizer: falcon(tokenizer, alibi=False), "bloom": bloom, "olmo2": olmo2, "gemma2": gemma2,
     "smollm3": smollm3, "qwen3-moe": qwen3_moe, "phi2": phi2, "gemma4-moe": gemma4_moe, "lfm2": lfm2,
-    "mamba": mamba}
+    "mamba": mamba, "qwen2-moe": qwen2_moe}
 SOFT_CAPPED = {"gemma4-e4b", "gemma4-e2b", "gemma4-text", "gemma3n", "gemma2", "gemma4-moe"}
 
 

@@ -16,7 +16,7 @@ from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
 from emotune.model.loading import load_model, load_tokenizer
 from emotune.model.lora import language_model_linear_targets
-from families import falcon, gemma4_moe, qwen2_5_vl, qwen3_moe
+from families import falcon, gemma4_moe, qwen2_5_vl, qwen2_moe, qwen3_moe
 
 CPU = torch.device("cpu")
 
@@ -304,3 +304,22 @@ def test_generation_ends_at_a_learned_position_table(tmp_path):
     replies = generate_texts(model, tokenizer, prompts, max_new_tokens=64, batch_size=2, desc=None)
     lengths = [len(tokenizer(reply, add_special_tokens=False)["input_ids"]) for reply in replies]
     assert lengths[0] <= 10 and lengths[1] <= 28 and replies[2] == ""
+
+
+def test_all_linear_on_a_shared_expert_leaves_the_routed_experts_alone(tmp_path):
+    """Qwen2-MoE's shared expert has linear layers named gate_proj, up_proj and down_proj, which PEFT (transformers 5)
+    reads as the routed experts' old names: the all-linear regex put LoRA on every routed expert as well, and with
+    dropout the run stopped ('ParamWrapper does not work with lora_dropout != 0'). Full names keep them modules."""
+    from peft import get_peft_model
+
+    from emotune.core.config.train import LoraSettings
+    from emotune.model.lora import lora_config
+
+    model = qwen2_moe(build_tokenizer(tmp_path))
+    targets = language_model_linear_targets(model)
+    assert isinstance(targets, list) and "model.layers.0.mlp.shared_expert.down_proj" in targets
+    adapted = get_peft_model(model, lora_config(LoraSettings(dropout=0.05), model))
+    assert not adapted.peft_config["default"].target_parameters
+    wrapped = {name for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
+    assert {n.removeprefix("base_model.model.") for n in wrapped} == set(targets)
+    assert not any("experts" in n and "shared_expert" not in n for n in wrapped)

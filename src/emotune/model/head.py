@@ -32,6 +32,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from emotune.core.errors import UserError
+from emotune.model.lora import peft_renames
 from emotune.model.text import float32_logits, language_model
 from emotune.runtime.oom import run_in_batches
 
@@ -240,7 +241,8 @@ def causal_adapter(causal: PreTrainedModel, adapter_dir: Path):
     targets = sorted({re.sub(r"\.lora_[A-Za-z_]+(?:\..*)?$", "", key.removeprefix(PEFT_PREFIX)) for key in weights
                       if ".lora_" in key})
     causal_config = copy.deepcopy(config)
-    causal_config.target_modules = rf"^(?:{'|'.join(map(re.escape, targets))})$"
+    renamed = peft_renames(causal) & {t.rsplit(".", 1)[-1] for t in targets}  # a regex PEFT would rewrite: the names
+    causal_config.target_modules = targets if renamed else rf"^(?:{'|'.join(map(re.escape, targets))})$"
     causal_config.layers_to_transform = causal_config.layers_pattern = None
     causal_config.exclude_modules = None
     causal_config.modules_to_save = [m for m in (config.modules_to_save or []) if m != HEAD] or None

@@ -103,9 +103,26 @@ def parameter_targets(model: PreTrainedModel, cfg: LoraSettings, layers: list[in
     return names
 
 
-def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str:
+def peft_renames(model: PreTrainedModel) -> set[str]:
+    """The module names PEFT rewrites for this model type under transformers 5: for mixture-of-experts families whose
+    experts became 3-D weights (Qwen2-MoE's pattern: Qwen3-Next, DeepSeek V2/V3, GLM-4 MoE, ...; Mixtral's), PEFT
+    reads `gate_proj`, `up_proj` and `down_proj` (`w1`-`w3`) as transformers 4's expert layers and adds LoRA on the
+    routed experts' weights for them (peft.utils.transformers_weight_conversion). A regex is resolved to such leaf
+    names first, so `all-linear` over a shared expert's projections put LoRA on every routed expert too (and with
+    dropout the run stopped: 'ParamWrapper does not work with lora_dropout != 0'); full module names of linear
+    layers stay modules (PEFT 0.22, huggingface/peft#3711). Empty for every other model type."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:  # a PEFT without the conversion
+        return set()
+    pattern = _MODEL_TO_CONVERSION_PATTERN.get(getattr(model.config, "model_type", None))
+    return set(_MOE_TARGET_MODULE_MAPPING.get(pattern, {}))
+
+
+def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | None = None) -> str | list[str]:
     """A regex matching every linear layer inside the language model (inside decoder `layers` only, when given),
-    and nothing outside it."""
+    and nothing outside it; the full names of those layers instead where PEFT would rewrite the regex's names
+    (`peft_renames`)."""
     decoder = language_model(model)
     prefix = next(name for name, module in model.named_modules() if module is decoder)
     output = model.get_output_embeddings()
@@ -121,6 +138,8 @@ def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | No
     if not linears:
         raise UserError(f"lora.target_modules=all-linear: the language model of {type(model).__name__} has no linear "
                         "layer to adapt. Name the modules to adapt in lora.target_modules.")
+    if peft_renames(model) & {_leaf(name) for name in linears}:
+        return sorted(linears)  # names PEFT keeps as modules (see peft_renames)
     if layers is not None:
         inside = rf"{re.escape(decoder_layers_path(model))}\.(?:{'|'.join(map(str, layers))})\.(?:.*\.)?"
     else:
