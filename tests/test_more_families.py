@@ -323,3 +323,21 @@ def test_all_linear_on_a_shared_expert_leaves_the_routed_experts_alone(tmp_path)
     wrapped = {name for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
     assert {n.removeprefix("base_model.model.") for n in wrapped} == set(targets)
     assert not any("experts" in n and "shared_expert" not in n for n in wrapped)
+
+
+def test_all_linear_leaves_out_the_mamba_weights_the_model_reads_directly(tmp_path):
+    """ai21labs/AI21-Jamba-Mini-1.5's mixer (attention every 8th layer, Mamba otherwise) reads `dt_proj.weight` directly
+    (`dt_proj.weight @ time_step`): a LoRA there trained nothing and was merged all the same. Scaled: hidden 64, 2 layers
+    (Mamba, then attention), 2 experts."""
+    import re
+
+    from transformers import JambaConfig, JambaForCausalLM
+
+    tokenizer = build_tokenizer(tmp_path)
+    model = JambaForCausalLM(JambaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         attn_layer_period=2, attn_layer_offset=1, num_experts=2, num_experts_per_tok=1,
+                                         expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=4))
+    targets = language_model_linear_targets(model)
+    adapted = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if re.fullmatch(targets, name)}
+    assert {"in_proj", "x_proj", "out_proj", "q_proj"} <= adapted and "dt_proj" not in adapted

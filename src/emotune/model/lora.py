@@ -40,13 +40,16 @@ layer with its weight stored transposed), which PEFT's LoRA wraps like an nn.Lin
 
 _PEFT_REFUSED = {"out_proj", "conv1d"}
 _READ_DIRECTLY = {"x_proj", "dt_proj"}
-MAMBA_SKIPPED = {**dict.fromkeys(("mamba2", "falcon_h1", "nemotron_h"), _PEFT_REFUSED),
-                 **dict.fromkeys(("mamba", "falcon_mamba"), _PEFT_REFUSED | _READ_DIRECTLY)}
-"""Linear layers of Mamba-based model types that `all-linear` leaves out, by model type. PEFT refuses LoRA on
-`out_proj` and `conv1d` of these types (peft.tuners.tuners_utils' `_check_target_module_compatiblity`: the fused
-kernels read their weights directly). Mamba's and Falcon-Mamba's mixers read `dt_proj.weight` directly on every path
-(`dt_proj.weight @ time_step`) and `x_proj.weight` in the fused training kernel, so a LoRA there would train nothing
-or, on a GPU with the kernels, be skipped in training and then merged: `in_proj` is what they adapt."""
+MAMBA_SKIPPED = {**dict.fromkeys(("mamba2", "falcon_h1", "nemotron_h", "bamba", "granitemoehybrid", "zamba2"),
+                                 _PEFT_REFUSED),
+                 **dict.fromkeys(("mamba", "falcon_mamba"), _PEFT_REFUSED | _READ_DIRECTLY), "jamba": {"dt_proj"}}
+"""Linear layers of Mamba-based model types that `all-linear` leaves out, by model type: those whose weights the
+model's own code reads directly, so a LoRA there would train nothing or, on a GPU with the fused kernels, be skipped
+in training yet merged. PEFT refuses LoRA on `out_proj` and `conv1d` of Mamba-2, Falcon-H1 and Nemotron-H
+(peft.tuners.tuners_utils' `_check_target_module_compatiblity`); Bamba's, Granite 4's and Zamba2's Mamba-2 mixers pass
+`out_proj.weight` to the same kernel. Mamba's and Falcon-Mamba's mixers read `dt_proj.weight` on every path
+(`dt_proj.weight @ time_step`) and `x_proj.weight` in the fused training kernel (they adapt `in_proj`); Jamba's reads
+`dt_proj.weight`."""
 
 
 def _is_router(module: torch.nn.Module) -> bool:
