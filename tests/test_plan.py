@@ -253,3 +253,20 @@ def test_an_initialisation_from_the_base_weights_is_planned_as_the_default_one(i
     default = plan_json(capsys, *gpu(tiny_model_dir))
     planned = plan_json(capsys, *gpu(tiny_model_dir, f"lora.init={init}"))
     assert {k: planned[k] for k in keys} == {k: default[k] for k in keys}
+
+
+def test_a_layer_the_probe_cannot_rebuild_is_a_plan_error_not_a_traceback(tiny_model_dir, tmp_path, capsys):
+    """The one-layer probe cuts every list of num_hidden_layers values to one per layer kind; a 2-layer Falcon-H1's
+    `time_step_limit` (two values, not one per layer) was cut too, and its config refused the copy: a traceback."""
+    import shutil
+
+    from transformers import FalconH1Config
+
+    folder = tmp_path / "falcon-h1"
+    shutil.copytree(tiny_model_dir, folder)
+    FalconH1Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                   mamba_d_state=8, mamba_n_groups=1).save_pretrained(folder)
+    assert main(["plan", "configs/cpu.yaml", f"model.source={folder}"]) == 2
+    said = capsys.readouterr().err
+    assert "emotune plan could not measure a decoder layer of FalconH1Config" in said and "Traceback" not in said

@@ -274,7 +274,15 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
     if quantization.bits(model_cfg):  # a 4/8-bit base layer is PEFT's bitsandbytes LoRA class: never the lean forward
         lean = (False, lean[1])
     frozen = quantization.stored_weight_bytes(adapted, model_cfg)
-    probe = run_probe(text, lora, dtype, attn_implementation, lean, whole)
+    try:
+        probe = run_probe(text, lora, dtype, attn_implementation, lean, whole)
+    except UserError:
+        raise
+    except Exception as err:  # a config the one-layer probe cannot rebuild or run
+        raise UserError(f"emotune plan could not measure a decoder layer of {type(config).__name__} "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else 'no details'}); "
+                        "the run itself does not need the plan (train.max_tokens_per_pass=auto then runs one pass per "
+                        "micro-batch).") from None
     kinds = layer_kinds(text)
     shared_from = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
     window = getattr(text, "sliding_window", None)
