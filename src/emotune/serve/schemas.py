@@ -6,6 +6,7 @@ model thread or a micro-batch (where it would fail other people's requests too).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Annotated, Literal
 
@@ -22,13 +23,14 @@ from pydantic import (
 from emotune.data.conversations import turn_text
 
 
-def _utf8(value: str) -> str:
-    """JSON may carry lone surrogates (`"\\ud800"`); no tokenizer or UTF-8 response can hold them."""
+def _utf8(value: str, what: str = "") -> str:
+    """JSON may carry lone surrogates (`"\\ud800"`); no tokenizer or UTF-8 response can hold them. `what`: the
+    text's name in the message, where it is not the field's own value."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ValueError(f"holds a character that is not valid Unicode text ({err.reason} at position {err.start})") \
-            from None
+        raise ValueError(f"{what + ' ' if what else ''}holds a character that is not valid Unicode text ({err.reason} "
+                         f"at position {err.start})") from None
     return value
 
 
@@ -99,7 +101,8 @@ class ChatMessage(BaseModel):
         the limits on text count them too."""
         extra = self.model_extra or {}
         if self.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
-            self.content = turn_text({"content": self.content, **extra})
+            calls = "tool_calls" if extra.get("tool_calls") else "function_call"
+            self.content = _utf8(turn_text({"content": self.content, **extra}), f"`{calls}` (as JSON after the content)")
         if self.content is None:
             raise ValueError("a message needs its `content` (null only in an assistant message with `tool_calls`)")
         return self
@@ -147,6 +150,14 @@ class ChatRequest(BaseModel):
     """`auto` or `none`: the model is never made to call a tool (`tools` are shown to an sft adapter after its system
     prompt, as its data's tools column was, and not shown to other models)."""
 
+
+    @model_validator(mode="after")
+    def _tools_are_text(self):
+        """`tools` are written into an sft adapter's prompt as JSON: lone surrogates there would fail its tokenizer."""
+        tools = (self.model_extra or {}).get("tools")
+        if tools:
+            _utf8(json.dumps(tools, ensure_ascii=False), "`tools` (as JSON)")
+        return self
 
     @field_validator("stop")
     @classmethod
