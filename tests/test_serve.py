@@ -232,6 +232,13 @@ def test_adapter_paths_stay_inside_adapter_dirs(http, adapters_root):
                                                     json={"name": "s5", "path": "empty"}), 422)
 
 
+@pytest.mark.parametrize("path", ["a" * 300, "a/" + "b" * 5000, "~nobody-such-user/x"])
+def test_an_adapter_path_the_file_system_cannot_take_is_422_not_500(http, path):
+    """A name longer than the file system takes (255 bytes a component) passes resolve() and failed is_dir(): 500."""
+    assert "Adapter path" in _error(http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "s6", "path": path}), 422)
+    assert http.get("/v1/models", headers=AUTH).status_code == 200
+
+
 def test_request_errors(http, client):
     assert "does not exist" in _error(http.post("/v1/classify", headers=AUTH, json={"model": "nope", "input": "x"}), 404)
     with pytest.raises(openai.NotFoundError):
