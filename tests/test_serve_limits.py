@@ -280,6 +280,21 @@ def test_a_failure_inside_a_stream_is_an_error_event_and_counted_as_an_error(ser
     assert counted in http.get("/metrics", headers=AUTH).text
 
 
+def test_after_an_unforeseen_failure_the_clients_next_request_is_answered(served, http, monkeypatch):
+    """Starlette raises an unforeseen error again after its 500, and uvicorn closes the connection: a kept-alive client
+    (httpx, requests, the openai client) sent its next request into the closed socket and got a connection reset."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a failure nobody foresaw")
+
+    monkeypatch.setattr(served[2].metrics, "render", broken)
+    for _ in range(3):  # on one kept-alive client, as a real one sends them
+        failed = http.get("/metrics", headers=AUTH)
+        assert "a failure nobody foresaw" in error(failed, 500)
+        assert failed.json()["error"]["type"] == "server_error"
+        assert http.get("/v1/models", headers=AUTH).status_code == 200
+
+
 def test_concurrent_loads_and_deletes_of_one_adapter_are_serialised(http):
     body = {"name": "racer", "path": "rank8"}
     with ThreadPoolExecutor(2) as pool:

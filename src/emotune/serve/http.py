@@ -73,8 +73,12 @@ async def http_error(request: Request, err: StarletteHTTPException):
 async def server_error(request: Request, err: Exception):
     """Anything unforeseen: the same error body as every other failure, and the traceback in the log."""
     log.error("%s %s failed", request.method, request.url.path, exc_info=err)
-    return error_response(500, f"The server failed on this request ({type(err).__name__}: {err}). It has been "
-                               "logged; other requests are unaffected.", "server_error")
+    response = error_response(500, f"The server failed on this request ({type(err).__name__}: {err}). It has been "
+                                   "logged; other requests are unaffected.", "server_error")
+    # Starlette raises the error again once this answer is sent, and uvicorn then closes the connection: a client that kept it
+    # alive would send its next request into a closed socket (connection reset). Said here, it opens a new one.
+    response.headers["Connection"] = "close"
+    return response
 
 
 def resolve_key(value: str | None, field_name: str) -> str | None:
