@@ -276,6 +276,16 @@ def test_full_queue_answers_503_and_recovers(server, http):
     assert http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": ["sad"] * 10}).status_code == 200
 
 
+def test_more_texts_than_the_queue_ever_holds_is_422_not_a_503_to_retry(server, http):
+    """serve_config's max_inputs (20) is above its max_queue (16): 17 texts passed max_inputs and were answered 503
+    `Retry shortly` (with Retry-After) on an idle server, every time, so a client retried forever."""
+    assert server[2].state.server.batcher.pending == 0
+    refused = http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": ["happy"] * 17})
+    message = _error(refused, 422)
+    assert "serve.max_queue=16" in message and "at most 16" in message and "Retry-After" not in refused.headers
+    assert http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": ["happy"] * 16}).status_code == 200
+
+
 def test_graceful_shutdown_finishes_requests_in_flight(adapters_root):
     engine, app = start(adapters_root, admin_key=None)
     with running(app) as (url, uvicorn_server):

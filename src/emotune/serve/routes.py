@@ -149,6 +149,9 @@ async def classify(body: ClassifyRequest, state: ServerState, request: Request):
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts or len(texts) > state.cfg.max_inputs:
         raise APIError(422, f"`input` holds {len(texts)} texts; give 1 to serve.max_inputs={state.cfg.max_inputs}.")
+    if len(texts) > state.cfg.max_queue:  # never admitted, however empty the queue: not the 503 that says retry
+        raise APIError(422, f"`input` holds {len(texts)} texts, more than this server ever queues at once (serve.max_queue="
+                            f"{state.cfg.max_queue}). Send at most {state.cfg.max_queue} per request.")
     for i, text in enumerate(texts):
         state.check_text(text, f"input[{i}]")
     prompt, labels = _task(loaded, body.labels, state)
