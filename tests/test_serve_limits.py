@@ -232,6 +232,7 @@ def test_a_key_is_never_printed_saved_or_put_on_a_command_line(capsys, tiny_run_
 
 @pytest.mark.parametrize("headers,status", [({"Host": "evil.example"}, 421), ({"Host": "evil.example:8000"}, 421),
                                             ({"Origin": "http://evil.example"}, 403), ({"Origin": "null"}, 403),
+                                            ({"Origin": "http://[::1"}, 403), ({"Host": "[::1"}, 421),  # unclosed `[`: 500
                                             ({"Host": "localhost:1", "Origin": "http://127.0.0.1:1"}, 200)])
 def test_host_and_origin_must_name_this_server_dns_rebinding(http, headers, status):
     assert http.get("/v1/models", headers={**AUTH, **headers}).status_code == status
