@@ -389,6 +389,18 @@ def test_a_lone_surrogate_in_tools_or_tool_calls_is_422_and_the_next_chat_is_ans
     assert http.post("/v1/chat/completions", json={**body, **extra("weather")}).status_code == 200
 
 
+def test_tools_count_toward_serve_max_prompt_chars_where_the_model_reads_them(http):
+    """An sft adapter's prompt holds the request's `tools` as JSON: they were not counted, so a body of tools up to
+    serve.max_body_bytes was rendered and tokenized, past the limit meant to stop that first."""
+    tools = [{"type": "function", "function": {"name": "weather", "description": "happy " * 11_000}}]  # 66,000+ chars
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools}
+    refused = http.post("/v1/chat/completions", json={"model": "chat", **body})
+    assert refused.status_code == 422, refused.text
+    message = refused.json()["error"]["message"]
+    assert "serve.max_prompt_chars=64000" in message and "`tools`" in message, message
+    assert http.post("/v1/chat/completions", json={"model": "tiny", **body}).status_code == 200  # a classifier: unread
+
+
 def test_exported_chat_client_runs_against_this_server(client, sft_run, tmp_path):
     from emotune.deploy.export import export
 
