@@ -177,6 +177,25 @@ def test_a_lone_surrogate_anywhere_in_a_body_is_422(http):
     _error(post(http, "/v1/adapters", {"name": "x", "path": "\ud800"}, ADMIN_AUTH), 422)
 
 
+@pytest.mark.parametrize(("path", "body", "said"), [
+    ("/v1/classify", {"model": "tiny", "input": 5}, "input: Input should be a valid string or a valid list."),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+     "messages.0.content: holds a character that is not valid Unicode text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content.0.text: holds a character that is not valid Unicode text"),
+    ("/v1/chat/completions", {"stop": 5}, "stop: Input should be a valid string or a valid list."),
+    ("/v1/chat/completions", {"tool_choice": 5}, "tool_choice: Input should be a valid string or a valid dictionary."),
+], ids=["input", "content", "content-part", "stop", "tool_choice"])
+def test_a_field_that_takes_several_types_is_named_as_the_client_wrote_it(http, path, body, said):
+    """A field typed as a union (a text or a list, a text or parts) was named with pydantic's branches, e.g.
+    `messages.0.content.function-after[_utf8(), str]: Value error, ...; messages.0.content.list[ContentPart]: Input
+    should be a valid list`: internal names, and the branch the client did not mean beside the one it did."""
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "happy"}]} if "chat" in path else {}
+    message = _error(post(http, path, {**base, **body}), 422)
+    assert message.startswith(f"Invalid request: {said}"), message
+    assert not any(noise in message for noise in ("function-after", "_utf8", "list[", "Value error", "valid list;")), message
+
+
 def test_a_chat_message_without_content_is_422(http):
     assert "content" in _error(chat(http, messages=[{"role": "user"}]), 422)
     _error(chat(http, messages=[{"role": "user", "content": None}]), 422)

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,8 +59,34 @@ async def invalid_request(request: Request, err: RequestValidationError):
         # FastAPI reads a body as JSON only under a JSON content type; anything else arrives as no object at all
         return error_response(415 if content_type else 422, f"The body was sent as `{content_type[:80] or 'no content type'}`, "
                                                            f"not JSON. {JSON_BODY}")
-    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors)
-    return error_response(422, f"Invalid request: {problems}.")
+    return error_response(422, f"Invalid request: {_problems(errors)}.")
+
+
+FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field(loc) -> str:
+    """The field's path as the client wrote it (`messages.0.content`): pydantic also names the branch of a union it
+    tried (`function-after[_utf8(), str]`, `list[ContentPart]`, `str`), which means nothing to a client."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (FIELD_NAME.fullmatch(p) and p not in UNION_TAGS)]
+    return ".".join(parts) or "body"
+
+
+def _problems(errors: list[dict]) -> str:
+    """One phrase per field: a validator's own words (`value_error`) where one spoke for it or a field inside it,
+    rather than every other branch of the union saying what the value is not; else what each branch expected."""
+    fields = [_field(e["loc"]) for e in errors]
+    specific = {f for f, e in zip(fields, errors, strict=True) if e["type"] == "value_error"}
+    said: dict[str, list[str]] = {}
+    for field, e in zip(fields, errors, strict=True):
+        if e["type"] != "value_error" and any(s == field or s.startswith(field + ".") for s in specific):
+            continue
+        message = e["msg"].removeprefix("Value error, ")
+        if message not in said.setdefault(field, []):
+            said[field].append(message)
+    return "; ".join(f"{field}: {messages[0]}" + "".join(f" or {m.removeprefix('Input should be ')}" for m in messages[1:])
+                     for field, messages in said.items())
 
 
 async def http_error(request: Request, err: StarletteHTTPException):
