@@ -196,6 +196,16 @@ def test_a_field_that_takes_several_types_is_named_as_the_client_wrote_it(http, 
     assert not any(noise in message for noise in ("function-after", "_utf8", "list[", "Value error", "valid list;")), message
 
 
+def test_an_unknown_path_or_method_says_what_the_server_answers(http):
+    """The router's own words were all a client got ("Not Found", "Method Not Allowed"), and a 405 lost the `Allow`
+    header HTTP requires: a client of OpenAI's legacy /v1/completions learned nothing of /v1/chat/completions."""
+    missing = post(http, "/v1/completions", {"model": "tiny", "prompt": "happy"})
+    assert "POST /v1/chat/completions" in _error(missing, 404) and "POST /v1/completions" in _error(missing, 404)
+    wrong = http.put("/v1/models", headers=AUTH)
+    assert _error(wrong, 405) == "PUT /v1/models: this endpoint answers GET only." and wrong.headers["Allow"] == "GET"
+    assert http.get("/v1/models", headers=AUTH).status_code == 200
+
+
 def test_a_chat_message_without_content_is_422(http):
     assert "content" in _error(chat(http, messages=[{"role": "user"}]), 422)
     _error(chat(http, messages=[{"role": "user", "content": None}]), 422)

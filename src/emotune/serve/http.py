@@ -16,6 +16,7 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from emotune.core.errors import UserError
@@ -90,11 +91,24 @@ def _problems(errors: list[dict]) -> str:
 
 
 async def http_error(request: Request, err: StarletteHTTPException):
-    message = str(err.detail)
+    message, where = str(err.detail), f"{request.method} {request.url.path[:200]}"
     if err.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's words, nothing more
         message = (f"The body could not be read as JSON (bytes that are not UTF-8, nesting too deep, or a number of more "
                    f"than 4,300 digits). {JSON_BODY}")
-    return error_response(err.status_code, message, "not_found_error" if err.status_code == 404 else "invalid_request_error")
+    elif err.status_code == 404 and message == "Not Found":  # the router's words: no route has this path
+        message = f"There is no endpoint {where}. This server answers {_endpoints(request)}."
+    elif err.status_code == 405 and message == "Method Not Allowed":
+        allowed = " or ".join((err.headers or {}).get("Allow", "").split(", "))
+        message = f"{where}: this endpoint answers {allowed} only."
+    response = error_response(err.status_code, message,
+                              "not_found_error" if err.status_code == 404 else "invalid_request_error")
+    response.headers.update(err.headers or {})  # a 405's Allow, which HTTP requires
+    return response
+
+
+def _endpoints(request: Request) -> str:
+    routes = [route for route in request.app.routes if isinstance(route, APIRoute)]
+    return ", ".join(f"{method} {route.path}" for route in routes for method in sorted(route.methods))
 
 
 async def server_error(request: Request, err: Exception):
