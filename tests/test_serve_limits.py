@@ -251,6 +251,17 @@ def test_a_client_too_slow_with_its_headers_is_disconnected_and_with_its_body_ge
         assert b" 408 " in slow.recv(1000).split(b"\r\n")[0]
 
 
+@pytest.mark.parametrize("declared", [b"100", b"999999999"])
+def test_a_body_sent_without_the_key_is_not_read_or_waited_for(served, declared):
+    """The body was read whole (held up to serve.max_body_bytes, waited for up to serve.body_timeout_s) before the key
+    was checked: a caller without one got 408 for a body it held back, or 413 for one too large, not 401."""
+    host, port = served[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sender:
+        sender.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + declared + b"\r\n\r\n{\"model\"")  # and never the rest
+        assert b" 401 " in sender.recv(1000).split(b"\r\n")[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. No value reaches a 500; races; health; model cards
 

@@ -90,10 +90,11 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
           responses={**ERRORS, **SSE})
     route(ADMIN_PREFIX, load_adapter, methods=["POST"], status_code=201, response_model=ModelCard, dependencies=admin)
     route(ADMIN_PREFIX + "/{name}", unload_adapter, methods=["DELETE"], response_model=Deleted, dependencies=admin)
-    # before the body is read: a caller without the key gets 401 whatever it sent (/docs, /openapi.json too)
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)  # before any parsing
+    # added after BodyLimit, so it runs before it: a caller without the key gets 401 before a byte of its body is read
+    # or waited for, whatever it sends (/docs, /openapi.json too)
     app.add_middleware(RequireKey, api_key=state.api_key, admin_key=state.admin_key, admin_prefix=ADMIN_PREFIX,
                        open_paths=("/health",))
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)  # before any parsing
     # before the key: a page of a foreign site (DNS rebinding) learns nothing, not even whether a key is set
     app.add_middleware(TrustedHosts, bound=cfg.host, allowed=cfg.allowed_hosts)
     app.add_middleware(Observe, server=state)  # outermost: every answer is counted, refusals too
