@@ -262,6 +262,15 @@ def test_a_body_sent_without_the_key_is_not_read_or_waited_for(served, declared)
         assert b" 401 " in sender.recv(1000).split(b"\r\n")[0]
 
 
+def test_health_which_needs_no_key_reads_no_body(served):
+    """/health is open to all and takes no body, but the body a caller declared was read and held (up to
+    serve.max_body_bytes, waited for up to serve.body_timeout_s, then 408) all the same."""
+    host, port = served[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sender:
+        sender.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n{")  # the rest never
+        assert b" 200 " in sender.recv(1000).split(b"\r\n")[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. No value reaches a 500; races; health; model cards
 

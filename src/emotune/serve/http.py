@@ -157,8 +157,11 @@ class RequireKey:
         self.admin_prefix, self.open_paths = admin_prefix, open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] in self.open_paths:  # they take no body: none is read (or held) for a caller without a key
+            return await self.app(scope, _replay([{"type": "http.request", "body": b"", "more_body": False}], receive),
+                                  send)
         problem = self.problem(scope)
         if problem is not None:
             return await error_response(*problem)(scope, receive, send)
