@@ -433,10 +433,15 @@ def test_a_model_is_retrieved_by_its_id(http):
     (b'{"model": "tiny", "input": hello}', "application/json", 400, "is not valid JSON (Expecting value at character 27)"),
     (b'{"model": "tiny", "input": "happy"}', "text/plain", 415, "was sent as `text/plain`, not JSON"),
     (b"model=tiny&input=happy", "application/x-www-form-urlencoded", 415, "not JSON"),
+    (b'[{"model": "tiny", "input": "happy"}]', "application/json", 422, "The body is a JSON list, not an object."),
+    (b'"happy"', "application/json", 422, "The body is a JSON string, not an object."),
+    (b"null", "application/json", 422, "The body is JSON null, not an object."),
+    (b"", "application/json", 422, "The body is empty."),
 ])
 def test_a_body_that_is_not_a_json_object_says_what_to_send(http, content, content_type, status, says):
     """These were "There was an error parsing the body", "0: JSON decode error" or "Input should be a valid
-    dictionary", which leave a client guessing."""
+    dictionary", which leave a client guessing; a body of JSON that is not an object (or none) was still "body: Input
+    should be a valid dictionary or object to extract fields from" or "body: Field required"."""
     response = http.post("/v1/classify", headers={**AUTH, "Content-Type": content_type}, content=content)
     message = _error(response, status)
     assert says in message and "Content-Type: application/json" in message

@@ -47,6 +47,7 @@ async def api_error(request: Request, err: APIError):
 
 
 JSON_BODY = "Send one JSON object, UTF-8 encoded, with `Content-Type: application/json`."
+NOT_AN_OBJECT = {"missing", "model_attributes_type", "model_type", "dict_type"}  # pydantic's words for a whole body
 
 
 async def invalid_request(request: Request, err: RequestValidationError):
@@ -60,7 +61,15 @@ async def invalid_request(request: Request, err: RequestValidationError):
         # FastAPI reads a body as JSON only under a JSON content type; anything else arrives as no object at all
         return error_response(415 if content_type else 422, f"The body was sent as `{content_type[:80] or 'no content type'}`, "
                                                            f"not JSON. {JSON_BODY}")
+    if len(errors) == 1 and tuple(errors[0]["loc"]) == ("body",) and errors[0]["type"] in NOT_AN_OBJECT:
+        body = "empty" if errors[0]["type"] == "missing" else f"{_json_kind(errors[0].get('input'))}, not an object"
+        return error_response(422, f"The body is {body}. {JSON_BODY}")
     return error_response(422, f"Invalid request: {_problems(errors)}.")
+
+
+def _json_kind(value) -> str:
+    kinds = {list: "a JSON list", str: "a JSON string", bool: "JSON true or false", int: "a JSON number", float: "a JSON number"}
+    return "JSON null" if value is None else kinds.get(type(value), f"JSON of type {type(value).__name__}")
 
 
 FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
