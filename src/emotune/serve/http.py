@@ -74,6 +74,7 @@ def _json_kind(value) -> str:
 
 FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+MAX_PROBLEMS = 10  # fields named in one answer: enough to fix a body, never a message as long as the body
 
 
 def _field(loc) -> str:
@@ -95,8 +96,10 @@ def _problems(errors: list[dict]) -> str:
         message = e["msg"].removeprefix("Value error, ")
         if message not in said.setdefault(field, []):
             said[field].append(message)
-    return "; ".join(f"{field}: {messages[0]}" + "".join(f" or {m.removeprefix('Input should be ')}" for m in messages[1:])
-                     for field, messages in said.items())
+    phrases = [f"{field}: {messages[0]}" + "".join(f" or {m.removeprefix('Input should be ')}" for m in messages[1:])
+               for field, messages in said.items()]
+    more = f" (and {len(phrases) - MAX_PROBLEMS} more)" if len(phrases) > MAX_PROBLEMS else ""
+    return "; ".join(phrases[:MAX_PROBLEMS]) + more
 
 
 async def http_error(request: Request, err: StarletteHTTPException):
