@@ -232,6 +232,13 @@ def test_adapter_paths_stay_inside_adapter_dirs(http, adapters_root):
                                                     json={"name": "s5", "path": "empty"}), 422)
 
 
+@pytest.mark.parametrize("path", ["a" * 300, "a/" + "b" * 5000, "~nobody-such-user/x"])
+def test_an_adapter_path_the_file_system_cannot_take_is_422_not_500(http, path):
+    """A name longer than the file system takes (255 bytes a component) passes resolve() and failed is_dir(): 500."""
+    assert "Adapter path" in _error(http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "s6", "path": path}), 422)
+    assert http.get("/v1/models", headers=AUTH).status_code == 200
+
+
 def test_request_errors(http, client):
     assert "does not exist" in _error(http.post("/v1/classify", headers=AUTH, json={"model": "nope", "input": "x"}), 404)
     with pytest.raises(openai.NotFoundError):
@@ -267,6 +274,16 @@ def test_full_queue_answers_503_and_recovers(server, http):
             assert "max_queue" in _error(full, 503)
         assert first.result().status_code == 200
     assert http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": ["sad"] * 10}).status_code == 200
+
+
+def test_more_texts_than_the_queue_ever_holds_is_422_not_a_503_to_retry(server, http):
+    """serve_config's max_inputs (20) is above its max_queue (16): 17 texts passed max_inputs and were answered 503
+    `Retry shortly` (with Retry-After) on an idle server, every time, so a client retried forever."""
+    assert server[2].state.server.batcher.pending == 0
+    refused = http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": ["happy"] * 17})
+    message = _error(refused, 422)
+    assert "serve.max_queue=16" in message and "at most 16" in message and "Retry-After" not in refused.headers
+    assert http.post("/v1/classify", headers=AUTH, json={"model": "tiny", "input": ["happy"] * 16}).status_code == 200
 
 
 def test_graceful_shutdown_finishes_requests_in_flight(adapters_root):

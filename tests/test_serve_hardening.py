@@ -177,6 +177,57 @@ def test_a_lone_surrogate_anywhere_in_a_body_is_422(http):
     _error(post(http, "/v1/adapters", {"name": "x", "path": "\ud800"}, ADMIN_AUTH), 422)
 
 
+@pytest.mark.parametrize(("path", "body", "said"), [
+    ("/v1/classify", {"model": "tiny", "input": 5}, "input: Input should be a valid string or a valid list."),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+     "messages.0.content: holds a character that is not valid Unicode text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content.0.text: holds a character that is not valid Unicode text"),
+    ("/v1/chat/completions", {"stop": 5}, "stop: Input should be a valid string or a valid list."),
+    ("/v1/chat/completions", {"tool_choice": 5}, "tool_choice: Input should be a valid string or a valid dictionary."),
+], ids=["input", "content", "content-part", "stop", "tool_choice"])
+def test_a_field_that_takes_several_types_is_named_as_the_client_wrote_it(http, path, body, said):
+    """A field typed as a union (a text or a list, a text or parts) was named with pydantic's branches, e.g.
+    `messages.0.content.function-after[_utf8(), str]: Value error, ...; messages.0.content.list[ContentPart]: Input
+    should be a valid list`: internal names, and the branch the client did not mean beside the one it did."""
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "happy"}]} if "chat" in path else {}
+    message = _error(post(http, path, {**base, **body}), 422)
+    assert message.startswith(f"Invalid request: {said}"), message
+    assert not any(noise in message for noise in ("function-after", "_utf8", "list[", "Value error", "valid list;")), message
+
+
+def test_an_unknown_path_or_method_says_what_the_server_answers(http):
+    """The router's own words were all a client got ("Not Found", "Method Not Allowed"), and a 405 lost the `Allow`
+    header HTTP requires: a client of OpenAI's legacy /v1/completions learned nothing of /v1/chat/completions."""
+    missing = post(http, "/v1/completions", {"model": "tiny", "prompt": "happy"})
+    assert "POST /v1/chat/completions" in _error(missing, 404) and "POST /v1/completions" in _error(missing, 404)
+    wrong = http.put("/v1/models", headers=AUTH)
+    assert _error(wrong, 405) == "PUT /v1/models: this endpoint answers GET only." and wrong.headers["Allow"] == "GET"
+    assert http.get("/v1/models", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("body", [{"model": "tiny", "input": [1] * 6_000},
+                                  {"model": "base", "input": "happy", "labels": [1] * 6_000},
+                                  {"model": "tiny", "messages": [{"role": "wizard", "content": 1}] * 500},
+                                  {"model": "tiny", "messages": [{"role": "user", "content": [{"type": 1}] * 1_500}]},
+                                  {"model": "tiny", "messages": [{"role": "user", "content": "happy"}], "stop": [1] * 6_000}],
+                         ids=["input", "labels", "messages", "content-parts", "stop"])
+def test_a_list_of_thousands_of_bad_items_is_told_of_the_first_in_a_short_answer(http, body):
+    """Every item was an error of its own: serve.max_body_bytes of them (300,000 in the default 1 MB) took seconds to
+    list on the event loop, which every other client waits for, and answered a 13 MB message."""
+    refused = post(http, "/v1/chat/completions" if "messages" in body else "/v1/classify", body)
+    message = _error(refused, 422)
+    assert len(message) < 300 and ".0" in message and ".1" not in message, message[:500]
+
+
+def test_a_body_wrong_in_many_fields_names_ten_and_counts_the_rest(http):
+    fields = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "seed", "logprobs",
+              "top_logprobs", "stream_options", "response_format", "tool_choice"]
+    message = _error(post(http, "/v1/chat/completions", {"model": "tiny", "messages": [], **dict.fromkeys(fields, [])}),
+                     422)
+    assert message.endswith("(and 2 more).") and message.count(": Input should be") == 10, message
+
+
 def test_a_chat_message_without_content_is_422(http):
     assert "content" in _error(chat(http, messages=[{"role": "user"}]), 422)
     _error(chat(http, messages=[{"role": "user", "content": None}]), 422)
@@ -404,10 +455,15 @@ def test_a_model_is_retrieved_by_its_id(http):
     (b'{"model": "tiny", "input": hello}', "application/json", 400, "is not valid JSON (Expecting value at character 27)"),
     (b'{"model": "tiny", "input": "happy"}', "text/plain", 415, "was sent as `text/plain`, not JSON"),
     (b"model=tiny&input=happy", "application/x-www-form-urlencoded", 415, "not JSON"),
+    (b'[{"model": "tiny", "input": "happy"}]', "application/json", 422, "The body is a JSON list, not an object."),
+    (b'"happy"', "application/json", 422, "The body is a JSON string, not an object."),
+    (b"null", "application/json", 422, "The body is JSON null, not an object."),
+    (b"", "application/json", 422, "The body is empty."),
 ])
 def test_a_body_that_is_not_a_json_object_says_what_to_send(http, content, content_type, status, says):
     """These were "There was an error parsing the body", "0: JSON decode error" or "Input should be a valid
-    dictionary", which leave a client guessing."""
+    dictionary", which leave a client guessing; a body of JSON that is not an object (or none) was still "body: Input
+    should be a valid dictionary or object to extract fields from" or "body: Field required"."""
     response = http.post("/v1/classify", headers={**AUTH, "Content-Type": content_type}, content=content)
     message = _error(response, status)
     assert says in message and "Content-Type: application/json" in message

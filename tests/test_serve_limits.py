@@ -232,6 +232,7 @@ def test_a_key_is_never_printed_saved_or_put_on_a_command_line(capsys, tiny_run_
 
 @pytest.mark.parametrize("headers,status", [({"Host": "evil.example"}, 421), ({"Host": "evil.example:8000"}, 421),
                                             ({"Origin": "http://evil.example"}, 403), ({"Origin": "null"}, 403),
+                                            ({"Origin": "http://[::1"}, 403), ({"Host": "[::1"}, 421),  # unclosed `[`: 500
                                             ({"Host": "localhost:1", "Origin": "http://127.0.0.1:1"}, 200)])
 def test_host_and_origin_must_name_this_server_dns_rebinding(http, headers, status):
     assert http.get("/v1/models", headers={**AUTH, **headers}).status_code == status
@@ -248,6 +249,26 @@ def test_a_client_too_slow_with_its_headers_is_disconnected_and_with_its_body_ge
         slow.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer user-key\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
         assert b" 408 " in slow.recv(1000).split(b"\r\n")[0]
+
+
+@pytest.mark.parametrize("declared", [b"100", b"999999999"])
+def test_a_body_sent_without_the_key_is_not_read_or_waited_for(served, declared):
+    """The body was read whole (held up to serve.max_body_bytes, waited for up to serve.body_timeout_s) before the key
+    was checked: a caller without one got 408 for a body it held back, or 413 for one too large, not 401."""
+    host, port = served[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sender:
+        sender.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + declared + b"\r\n\r\n{\"model\"")  # and never the rest
+        assert b" 401 " in sender.recv(1000).split(b"\r\n")[0]
+
+
+def test_health_which_needs_no_key_reads_no_body(served):
+    """/health is open to all and takes no body, but the body a caller declared was read and held (up to
+    serve.max_body_bytes, waited for up to serve.body_timeout_s, then 408) all the same."""
+    host, port = served[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sender:
+        sender.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n{")  # the rest never
+        assert b" 200 " in sender.recv(1000).split(b"\r\n")[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,6 +299,21 @@ def test_a_failure_inside_a_stream_is_an_error_event_and_counted_as_an_error(ser
     while counted not in http.get("/metrics", headers=AUTH).text and time.time() < deadline:
         time.sleep(0.05)
     assert counted in http.get("/metrics", headers=AUTH).text
+
+
+def test_after_an_unforeseen_failure_the_clients_next_request_is_answered(served, http, monkeypatch):
+    """Starlette raises an unforeseen error again after its 500, and uvicorn closes the connection: a kept-alive client
+    (httpx, requests, the openai client) sent its next request into the closed socket and got a connection reset."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a failure nobody foresaw")
+
+    monkeypatch.setattr(served[2].metrics, "render", broken)
+    for _ in range(3):  # on one kept-alive client, as a real one sends them
+        failed = http.get("/metrics", headers=AUTH)
+        assert "a failure nobody foresaw" in error(failed, 500)
+        assert failed.json()["error"]["type"] == "server_error"
+        assert http.get("/v1/models", headers=AUTH).status_code == 200
 
 
 def test_concurrent_loads_and_deletes_of_one_adapter_are_serialised(http):

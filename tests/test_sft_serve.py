@@ -359,6 +359,48 @@ def test_n_and_stop_limits_are_refused_clearly(http, client):
         ask(client, "hi", n=3)
 
 
+def _tools(text: str) -> dict:
+    return {"tools": [{"type": "function", "function": {"name": text}}]}
+
+
+def _tool_calls(text: str) -> dict:
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": text}}
+    return {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}
+
+
+def _function_call(text: str) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "x", "function_call": {"name": text, "arguments": "{}"}},
+                         {"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("extra, field", [(_tools, "`tools`"), (_tool_calls, "`tool_calls`"),
+                                          (_function_call, "`function_call`")], ids=["tools", "tool_calls", "function_call"])
+def test_a_lone_surrogate_in_tools_or_tool_calls_is_422_and_the_next_chat_is_answered(http, extra, field):
+    """`tools` and an assistant's tool calls are written into an sft adapter's prompt as JSON: a lone surrogate there
+    (JSON may escape one, `"\\ud800"`) failed its tokenizer with a 500."""
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    refused = http.post("/v1/chat/completions", content=json.dumps({**body, **extra("w\ud800")}),
+                        headers={"Content-Type": "application/json"})
+    assert refused.status_code == 422, refused.text
+    message = refused.json()["error"]["message"]
+    assert field in message and "not valid Unicode" in message, message
+    assert http.post("/v1/chat/completions", json={**body, **extra("weather")}).status_code == 200
+
+
+def test_tools_count_toward_serve_max_prompt_chars_where_the_model_reads_them(http):
+    """An sft adapter's prompt holds the request's `tools` as JSON: they were not counted, so a body of tools up to
+    serve.max_body_bytes was rendered and tokenized, past the limit meant to stop that first."""
+    tools = [{"type": "function", "function": {"name": "weather", "description": "happy " * 11_000}}]  # 66,000+ chars
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools}
+    refused = http.post("/v1/chat/completions", json={"model": "chat", **body})
+    assert refused.status_code == 422, refused.text
+    message = refused.json()["error"]["message"]
+    assert "serve.max_prompt_chars=64000" in message and "`tools`" in message, message
+    assert http.post("/v1/chat/completions", json={"model": "tiny", **body}).status_code == 200  # a classifier: unread
+
+
 def test_exported_chat_client_runs_against_this_server(client, sft_run, tmp_path):
     from emotune.deploy.export import export
 

@@ -49,10 +49,12 @@ def check_chat(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Serve
                             f"{cfg.max_messages}. Send a shorter conversation.")
     for i, message in enumerate(body.messages):
         state.check_text(message.content, f"messages[{i}].content")
-    total = sum(len(message.content) for message in body.messages)
+    tools = tools_text(body, loaded)  # written into the prompt too: counted with the messages
+    total = sum(len(message.content) for message in body.messages) + len(tools or "")
     if total > cfg.max_prompt_chars:
-        raise APIError(422, f"The messages hold {total} characters together; the limit is serve.max_prompt_chars="
-                            f"{cfg.max_prompt_chars}. Send a shorter conversation.")
+        raise APIError(422, f"The messages{' and `tools`' if tools else ''} hold {total} characters together; the limit "
+                            f"is serve.max_prompt_chars={cfg.max_prompt_chars}. Send a shorter conversation"
+                            f"{' or fewer tools' if tools else ''}.")
     # the schema holds each field's own range (max_tokens ≥ 1, 0 < top_p ≤ 1, ...); the server's limit is checked here
     max_tokens = _asked(body) or _default_tokens(cfg)
     if max_tokens > cfg.max_new_tokens:
@@ -98,12 +100,19 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
             "stopping": state.stopping, "include_usage": bool(body.stream_options and body.stream_options.include_usage)}
 
 
+def tools_text(body: ChatRequest, loaded: Loaded) -> str | None:
+    """The request's `tools` as the prompt holds them (JSON), for a model that reads them: a conversation-trained
+    model (the artifact answers freely) read tools after its system prompt while training. None for other models."""
+    tools = (body.model_extra or {}).get("tools")
+    if tools and loaded.artifact is not None and loaded.artifact.answers_freely:
+        return json.dumps(tools, ensure_ascii=False)
+    return None
+
+
 def _render(body: ChatRequest, loaded: Loaded) -> str:
     messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
-    tools = (body.model_extra or {}).get("tools")
-    # a conversation-trained model (the artifact answers freely) read tools after its system prompt while training
-    if tools and loaded.artifact is not None and loaded.artifact.answers_freely:
-        text = json.dumps(tools, ensure_ascii=False)
+    text = tools_text(body, loaded)
+    if text is not None:
         if messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": with_tools(messages[0]["content"], text)}
         else:

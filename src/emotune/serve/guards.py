@@ -46,7 +46,7 @@ class TrustedHosts:
                                       "misdirected_request")
             return await response(scope, receive, send)
         origin = headers.get(b"origin")
-        if origin is not None and not self.allowed(urlsplit(origin.decode("latin-1")).netloc):
+        if origin is not None and not self.allowed(_netloc(origin.decode("latin-1"))):
             response = error_response(403, f"Requests from web pages of `{origin.decode('latin-1')[:100]}` are "
                                            "refused: only pages served from this server's own host names may call it.",
                                       "permission_error")
@@ -59,6 +59,15 @@ class TrustedHosts:
         except ValueError:  # an unclosed `[`
             return False
         return name is not None and name.lower() in self.names
+
+
+def _netloc(origin: str) -> str:
+    """The host part of an `Origin` (`scheme://host[:port]`); empty for one that is not a URL, such as `null` or an
+    unclosed `[`."""
+    try:
+        return urlsplit(origin).netloc
+    except ValueError:
+        return ""
 
 
 class SlowClientH11(H11Protocol):

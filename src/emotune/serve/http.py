@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from emotune.core.errors import UserError
@@ -45,6 +47,7 @@ async def api_error(request: Request, err: APIError):
 
 
 JSON_BODY = "Send one JSON object, UTF-8 encoded, with `Content-Type: application/json`."
+NOT_AN_OBJECT = {"missing", "model_attributes_type", "model_type", "dict_type"}  # pydantic's words for a whole body
 
 
 async def invalid_request(request: Request, err: RequestValidationError):
@@ -58,23 +61,77 @@ async def invalid_request(request: Request, err: RequestValidationError):
         # FastAPI reads a body as JSON only under a JSON content type; anything else arrives as no object at all
         return error_response(415 if content_type else 422, f"The body was sent as `{content_type[:80] or 'no content type'}`, "
                                                            f"not JSON. {JSON_BODY}")
-    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors)
-    return error_response(422, f"Invalid request: {problems}.")
+    if len(errors) == 1 and tuple(errors[0]["loc"]) == ("body",) and errors[0]["type"] in NOT_AN_OBJECT:
+        body = "empty" if errors[0]["type"] == "missing" else f"{_json_kind(errors[0].get('input'))}, not an object"
+        return error_response(422, f"The body is {body}. {JSON_BODY}")
+    return error_response(422, f"Invalid request: {_problems(errors)}.")
+
+
+def _json_kind(value) -> str:
+    kinds = {list: "a JSON list", str: "a JSON string", bool: "JSON true or false", int: "a JSON number", float: "a JSON number"}
+    return "JSON null" if value is None else kinds.get(type(value), f"JSON of type {type(value).__name__}")
+
+
+FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+MAX_PROBLEMS = 10  # fields named in one answer: enough to fix a body, never a message as long as the body
+
+
+def _field(loc) -> str:
+    """The field's path as the client wrote it (`messages.0.content`): pydantic also names the branch of a union it
+    tried (`function-after[_utf8(), str]`, `list[ContentPart]`, `str`), which means nothing to a client."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (FIELD_NAME.fullmatch(p) and p not in UNION_TAGS)]
+    return ".".join(parts) or "body"
+
+
+def _problems(errors: list[dict]) -> str:
+    """One phrase per field: a validator's own words (`value_error`) where one spoke for it or a field inside it,
+    rather than every other branch of the union saying what the value is not; else what each branch expected."""
+    fields = [_field(e["loc"]) for e in errors]
+    specific = {f for f, e in zip(fields, errors, strict=True) if e["type"] == "value_error"}
+    said: dict[str, list[str]] = {}
+    for field, e in zip(fields, errors, strict=True):
+        if e["type"] != "value_error" and any(s == field or s.startswith(field + ".") for s in specific):
+            continue
+        message = e["msg"].removeprefix("Value error, ")
+        if message not in said.setdefault(field, []):
+            said[field].append(message)
+    phrases = [f"{field}: {messages[0]}" + "".join(f" or {m.removeprefix('Input should be ')}" for m in messages[1:])
+               for field, messages in said.items()]
+    more = f" (and {len(phrases) - MAX_PROBLEMS} more)" if len(phrases) > MAX_PROBLEMS else ""
+    return "; ".join(phrases[:MAX_PROBLEMS]) + more
 
 
 async def http_error(request: Request, err: StarletteHTTPException):
-    message = str(err.detail)
+    message, where = str(err.detail), f"{request.method} {request.url.path[:200]}"
     if err.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's words, nothing more
         message = (f"The body could not be read as JSON (bytes that are not UTF-8, nesting too deep, or a number of more "
                    f"than 4,300 digits). {JSON_BODY}")
-    return error_response(err.status_code, message, "not_found_error" if err.status_code == 404 else "invalid_request_error")
+    elif err.status_code == 404 and message == "Not Found":  # the router's words: no route has this path
+        message = f"There is no endpoint {where}. This server answers {_endpoints(request)}."
+    elif err.status_code == 405 and message == "Method Not Allowed":
+        allowed = " or ".join((err.headers or {}).get("Allow", "").split(", "))
+        message = f"{where}: this endpoint answers {allowed} only."
+    response = error_response(err.status_code, message,
+                              "not_found_error" if err.status_code == 404 else "invalid_request_error")
+    response.headers.update(err.headers or {})  # a 405's Allow, which HTTP requires
+    return response
+
+
+def _endpoints(request: Request) -> str:
+    routes = [route for route in request.app.routes if isinstance(route, APIRoute)]
+    return ", ".join(f"{method} {route.path}" for route in routes for method in sorted(route.methods))
 
 
 async def server_error(request: Request, err: Exception):
     """Anything unforeseen: the same error body as every other failure, and the traceback in the log."""
     log.error("%s %s failed", request.method, request.url.path, exc_info=err)
-    return error_response(500, f"The server failed on this request ({type(err).__name__}: {err}). It has been "
-                               "logged; other requests are unaffected.", "server_error")
+    response = error_response(500, f"The server failed on this request ({type(err).__name__}: {err}). It has been "
+                                   "logged; other requests are unaffected.", "server_error")
+    # Starlette raises the error again once this answer is sent, and uvicorn then closes the connection: a client that kept it
+    # alive would send its next request into a closed socket (connection reset). Said here, it opens a new one.
+    response.headers["Connection"] = "close"
+    return response
 
 
 def resolve_key(value: str | None, field_name: str) -> str | None:
@@ -112,8 +169,11 @@ class RequireKey:
         self.admin_prefix, self.open_paths = admin_prefix, open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] in self.open_paths:  # they take no body: none is read (or held) for a caller without a key
+            return await self.app(scope, _replay([{"type": "http.request", "body": b"", "more_body": False}], receive),
+                                  send)
         problem = self.problem(scope)
         if problem is not None:
             return await error_response(*problem)(scope, receive, send)

@@ -90,10 +90,11 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
           responses={**ERRORS, **SSE})
     route(ADMIN_PREFIX, load_adapter, methods=["POST"], status_code=201, response_model=ModelCard, dependencies=admin)
     route(ADMIN_PREFIX + "/{name}", unload_adapter, methods=["DELETE"], response_model=Deleted, dependencies=admin)
-    # before the body is read: a caller without the key gets 401 whatever it sent (/docs, /openapi.json too)
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)  # before any parsing
+    # added after BodyLimit, so it runs before it: a caller without the key gets 401 before a byte of its body is read
+    # or waited for, whatever it sends (/docs, /openapi.json too)
     app.add_middleware(RequireKey, api_key=state.api_key, admin_key=state.admin_key, admin_prefix=ADMIN_PREFIX,
                        open_paths=("/health",))
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)  # before any parsing
     # before the key: a page of a foreign site (DNS rebinding) learns nothing, not even whether a key is set
     app.add_middleware(TrustedHosts, bound=cfg.host, allowed=cfg.allowed_hosts)
     app.add_middleware(Observe, server=state)  # outermost: every answer is counted, refusals too
@@ -149,6 +150,9 @@ async def classify(body: ClassifyRequest, state: ServerState, request: Request):
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts or len(texts) > state.cfg.max_inputs:
         raise APIError(422, f"`input` holds {len(texts)} texts; give 1 to serve.max_inputs={state.cfg.max_inputs}.")
+    if len(texts) > state.cfg.max_queue:  # never admitted, however empty the queue: not the 503 that says retry
+        raise APIError(422, f"`input` holds {len(texts)} texts, more than this server ever queues at once (serve.max_queue="
+                            f"{state.cfg.max_queue}). Send at most {state.cfg.max_queue} per request.")
     for i, text in enumerate(texts):
         state.check_text(text, f"input[{i}]")
     prompt, labels = _task(loaded, body.labels, state)

@@ -146,7 +146,10 @@ class Server:
         where = f"serve.adapter_dirs ({', '.join(map(str, roots)) or 'none'})"
         if not inside:
             raise APIError(403, f"Adapter path `{path}` lies outside {where}.", "permission_error")
-        found = next((c for c in inside if c.is_dir()), None)
+        try:
+            found = next((c for c in inside if c.is_dir()), None)
+        except OSError as err:  # a name longer than the file system takes (resolve() leaves it be)
+            raise APIError(422, f"Adapter path `{path[:200]}` cannot be read: {err.strerror}.") from None
         if found is None:
             raise APIError(404, f"Adapter path `{path}` is not a folder inside {where}.", "not_found_error")
         return found

@@ -87,8 +87,9 @@ class ServeConfig(Section):
     max_messages: Annotated[int, Range(1)] = 64
     """Most messages in one chat completion request (422 beyond)."""
     max_prompt_chars: Annotated[int, Range(1)] = 64_000
-    """Most characters in all of one chat request's messages together (422 beyond). Checked before the
-    conversation is rendered and its tokens counted, which for a long one costs more than answering it."""
+    """Most characters in all of one chat request's messages together, with its `tools` as JSON where the model reads
+    them (an sft adapter) (422 beyond). Checked before the conversation is rendered and its tokens counted, which for a
+    long one costs more than answering it."""
     max_chats: Annotated[int, Range(1)] = 8
     """Most chat completions waiting or generating at once; beyond it requests are answered 429 at once, with
     Retry-After (each also takes a place in serve.max_queue, the queue classification waits in)."""
