@@ -326,6 +326,9 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
                     {"role": "assistant", "content": "a cat"}]}], r"holds images, audio or video"),
     ([{"instruction": "q", "output": ["good answer", "bad answer"]}], r"the response is a list, as in a ranking dataset"),
     ([{"instruction": "q", "chosen": "good", "rejected": "bad"}], r"is a preference dataset \(columns `chosen` and `rejected`\)"),
+    # TRL's unpaired preference (KTO) rows were read as prompt-completion rows, training the bad completions too
+    ([{"prompt": "q", "completion": "good", "label": True}, {"prompt": "q2", "completion": "bad", "label": False}],
+     r"is an unpaired preference dataset \(TRL's KTO format.*Keep the rows whose label is true"),
     ([], r"holds no rows"),
     ([{"text": "### Human: q ### Assistant: a"}], r"has a `text` column and no prompt or answer .*language modelling"),
     ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"},

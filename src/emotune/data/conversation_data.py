@@ -133,6 +133,11 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
                             "training; the sft task trains on one answer per prompt. Give an SFT dataset, or keep only "
                             "the chosen answers as its response")
             continue
+        if _is_unpaired_preference(column_names, rows):
+            problems.append(f"`{path}` is an unpaired preference dataset (TRL's KTO format: `prompt`, `completion` and a "
+                            "true/false `label` saying whether the completion is a good one); the sft task would train on "
+                            "the bad completions too. Keep the rows whose label is true and remove the `label` column")
+            continue
         fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
                                                                                  entry.columns)
         plain = column_names == ["text"] and entry.columns.response not in column_names
@@ -174,6 +179,12 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     if cfg.max_samples is not None:
         out = out[:cfg.max_samples]
     return _resample(out, entry.num_samples, seed)
+
+
+def _is_unpaired_preference(column_names: list[str], rows: list[dict]) -> bool:
+    """TRL's unpaired preference rows (KTO): a prompt, a completion and a boolean `label` marking it desirable or not."""
+    return ({"prompt", "completion", "label"} <= set(column_names)
+            and any(isinstance(row.get("label"), bool) for row in rows))
 
 
 def _resample(rows: list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:
