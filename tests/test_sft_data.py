@@ -417,6 +417,23 @@ def test_openai_tool_calls_beside_text_and_the_older_function_call_are_kept(tmp_
     assert one.messages[3][1] == json.dumps({"name": "log", "arguments": "{}"})
 
 
+def test_the_results_of_parallel_tool_calls_are_one_user_turn(tmp_path):
+    """OpenAI's fine-tuning format answers parallel tool calls with one `tool` message each; two results in a row were
+    refused as turns that do not alternate. They are one user turn, in their order, and the answers stay trained."""
+    calls = [{"id": str(k), "type": "function", "function": {"name": "weather", "arguments": json.dumps({"city": city})}}
+             for k, city in enumerate(("Oslo", "Rome"))]
+    rows = [{"messages": [{"role": "user", "content": f"weather in Oslo and Rome {i}?"},
+                          {"role": "assistant", "tool_calls": calls},
+                          {"role": "tool", "tool_call_id": "0", "content": "rain"},
+                          {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+                          {"role": "assistant", "content": f"Oslo rain, Rome sunny {i}"}]} for i in range(20)]
+    every = [c for s in _data(write_jsonl(tmp_path / "t.jsonl", rows)).splits.values() for c in s]
+    assert len(every) == 20
+    assert all([r for r, _ in c.messages] == ["user", "assistant", "user", "assistant"] for c in every)
+    assert all(c.messages[1][1] == json.dumps(calls) and c.messages[2][1] == "rain\nsunny" and not c.untrained
+               for c in every)
+
+
 def test_a_row_with_tools_and_no_system_prompt_gets_the_runs_system_prompt(tmp_path):
     """The tools were written into the row's system prompt, so a row without one had a system prompt of tools only
     and prompt.system_prompt (LLaMA-Factory's default_system) never reached it."""

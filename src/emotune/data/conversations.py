@@ -10,8 +10,9 @@ dataset registered for LLaMA-Factory reads the same here. Every row becomes a `C
 prompt (or None), turns alternating user/assistant and ending with the assistant, and the row's kind. An Alpaca
 row's instruction and input become one user turn, joined by data.input_separator (a blank line; one newline in a
 translated LLaMA-Factory config, as LLaMA-Factory joins them).
-Tool calls count as assistant turns and tool results as user turns, both kept as plain text (LLaMA-Factory
-trains on tool calls the same way); a row's tool descriptions are appended to its system prompt as text.
+Tool calls count as assistant turns and tool results as user turns (the results of parallel calls, one after
+another, as one), both kept as plain text (LLaMA-Factory trains on tool calls the same way); a row's tool
+descriptions are appended to its system prompt as text.
 
 A malformed row is not an exception here: `normalise` returns the reason, and the caller reports every
 bad row at once (or skips them, with data.skip_bad_rows).
@@ -213,6 +214,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     system_side, user_side, assistant_side = ({r for r, s in side.items() if s == want}
                                               for want in ("system", "user", "assistant"))
     system_text = _text(system) or None
+    results = {tags.observation_tag, *(("function",) if tags is OPENAI_TAGS else ())}  # a tool's result
     messages: list[tuple[str, str]] = []
     untrained: list[int] = []
     for i, turn in enumerate(turns):
@@ -233,6 +235,9 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
             system_text = text or system_text
         elif role in system_side:
             return LATE_SYSTEM
+        elif role in results and i > 0 and turns[i - 1].get(tags.role_tag) in results:
+            # the results of parallel tool calls, one turn each (OpenAI's format): one user turn, in their order
+            messages[-1] = ("user", "\n".join(t for t in (messages[-1][1], text) if t))
         elif role in user_side:
             messages.append(("user", text))
         elif role in assistant_side:
