@@ -327,10 +327,12 @@ def test_ids_written_as_text_are_ids(tmp_path):
 
 @pytest.mark.parametrize(("name", "delimiter", "encoding"), [
     ("d.csv", ";", "utf-8"), ("d.csv", ";", "utf-8-sig"), ("d.csv", "\t", "utf-8"), ("d.tsv", ",", "utf-8"),
-    ("d.tsv", "\t", "utf-16"), ("d.csv", ",", "utf-16-be"), ("d.csv", ",", "utf-32")])
+    ("d.tsv", "\t", "utf-16"), ("d.csv", ",", "utf-16-be"), ("d.csv", ",", "utf-32"),
+    ("d.txt", "\t", "utf-16"), ("d.txt", "\t", "utf-8")])
 def test_spreadsheet_exports_with_another_delimiter_or_a_utf16_mark_are_read(tmp_path, name, delimiter, encoding, capsys):
     """A `;`-separated .csv (spreadsheets in decimal-comma locales) read as one column `text;label`, and a UTF-16 file
-    (a spreadsheet's "Unicode text", which starts with a byte-order mark) failed with "byte 0xff is not valid utf-8"."""
+    (a spreadsheet's "Unicode text", which starts with a byte-order mark) failed with "byte 0xff is not valid utf-8";
+    that export's own ending, .txt, was read as `text;label` lines and refused for having no `;`."""
     rows = make_rows(3, seed=1)
     body = f"text{delimiter}label\r\n" + "".join(f"{r['text']} café{delimiter}{r['label']}\r\n" for r in rows)
     if encoding == "utf-16-be":  # Python's utf-16-be codec writes no mark; a file that has one starts with it
@@ -339,7 +341,7 @@ def test_spreadsheet_exports_with_another_delimiter_or_a_utf16_mark_are_read(tmp
     data = load_data(DataConfig(source=str(tmp_path / name)), seed=0)
     texts = [t for ds in data.splits.values() for t in ds["text"]]
     assert sorted(texts) == sorted(f"{r['text']} café" for r in rows) and sorted(data.labels) == sorted(LABELS)
-    expected = "\t" if name.endswith(".tsv") else ","
+    expected = {".tsv": "\t", ".txt": ";"}.get(Path(name).suffix, ",")
     assert ("the header is separated by" in capsys.readouterr().out) == (delimiter != expected)
 
 

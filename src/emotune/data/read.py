@@ -66,6 +66,10 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         text = _decode(path, raw, encoding)
         if not text.strip():
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
+        if fmt == "txt" and _tab_header(text):
+            fmt = "tsv"  # a spreadsheet's "Unicode text" export: tab-separated, UTF-16, under .txt
+            notes.append(f"`{path}`: the header is separated by tabs, not the `;` of a `text;label` TXT file; read as "
+                         "tab-separated (a spreadsheet's \"Unicode text\").")
         if fmt in ("json", "txt"):
             if fmt == "json":
                 return _read_json(path, text, (text_column, label_column))
@@ -330,6 +334,12 @@ def _lines(text: str) -> list[str]:
     str.splitlines also ends a line at U+2028/U+2029, U+0085, form feeds and \\x1c-\\x1e, which texts hold (pasted
     web text): a text with one became two lines, one of them without its `;label`."""
     return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
+def _tab_header(text: str) -> bool:
+    """The first line has tabs and no `;`: a header of tab-separated columns, not a `text;label` row."""
+    first = next((line for line in _lines(text[:1 << 16]) if line.strip()), "")
+    return "\t" in first and ";" not in first
 
 
 def _read_txt(path: Path, text: str, text_column: str, label_column: str) -> pa.Table:
