@@ -163,7 +163,7 @@ def test_a_txt_text_holding_a_unicode_line_separator_stays_one_row(tmp_path, ins
 # --------------------------------------------------------------------------------------------------
 # Random bytes and truncated files: a clear error or a valid dataset, never anything else.
 
-FORMAT_ENDINGS = [".csv", ".tsv", ".jsonl", ".json", ".parquet", ".txt"]
+FORMAT_ENDINGS = [".csv", ".tsv", ".jsonl", ".json", ".parquet", ".txt", ".arrow"]
 
 
 def _valid_file(tmp_path: Path, ending: str) -> bytes:
@@ -174,6 +174,12 @@ def _valid_file(tmp_path: Path, ending: str) -> bytes:
     path = tmp_path / f"valid{ending}"
     if ending == ".parquet":
         frame.to_parquet(path)
+    elif ending == ".arrow":  # the IPC stream `datasets` writes
+        import pyarrow as pa
+
+        table = pa.Table.from_pandas(frame)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
     elif ending == ".json":
         path.write_text(json.dumps(rows))
     elif ending == ".txt":

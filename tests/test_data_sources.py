@@ -400,3 +400,27 @@ def test_label_layouts_of_public_datasets(tmp_path):
     with pytest.raises(UserError, match=r"integer ids \(1, 2, 3, 4, 5\) .*one for each id from 0 to 5.*star ratings.*"
                                         r"data.label_names=\[1, 2, 3, 4, 5\]"):
         load_data(DataConfig(source=str(tmp_path / "stars.csv"), text_column="review", label_column="stars"), seed=0)
+
+
+def test_arrow_files_as_datasets_and_feather_write_them_are_read(tmp_path):
+    """`.arrow` files (the IPC stream `datasets` writes: its cache files, the shards of a save_to_disk folder) and
+    Feather files were refused as an unsupported file type. A ClassLabel in the stream's schema gives the names."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.feather as feather
+
+    rows = make_rows(4, seed=3)
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=LABELS)})
+    saved = datasets.Dataset.from_dict({"text": [r["text"] for r in rows], "label": [LABELS.index(r["label"]) for r in rows]},
+                                       features=features)
+    saved.save_to_disk(str(tmp_path / "saved"))
+    shard = next((tmp_path / "saved").glob("*.arrow"))
+    data = load_data(DataConfig(source=str(shard)), seed=0)
+    assert data.labels == LABELS and sum(_sizes(data).values()) == len(rows)
+    feather.write_feather(pa.Table.from_pylist(rows), tmp_path / "train.feather")
+    write_jsonl(tmp_path / "test.jsonl", make_rows(2, seed=4))
+    data = load_data(DataConfig(source=str(tmp_path)), seed=0)  # a folder of split files, one of them Feather
+    assert sorted(data.labels) == sorted(LABELS) and _sizes(data)["test"] == 12
+    (tmp_path / "broken.arrow").write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"broken.arrow` is not a readable Arrow file"):
+        load_data(DataConfig(source=str(tmp_path / "broken.arrow")), seed=0)

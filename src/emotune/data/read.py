@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 from emotune.core.errors import UserError, first_line
 from emotune.data.csvfile import Lines, read_csv
 
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt",
+           ".arrow": "arrow", ".feather": "arrow"}  # Arrow IPC: `datasets`' cache and save_to_disk files, Feather
 BOM = b"\xef\xbb\xbf"
 UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
@@ -52,6 +53,8 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
                         f"{', '.join(COMPRESSED)} (e.g. train.jsonl.gz).")
     if fmt == "parquet":
         return _read_parquet(path)
+    if fmt == "arrow":
+        return _read_arrow(path)
     compressed = path.suffix.lower() in COMPRESSED
     if (fmt != "json" and fmt != "txt" and not compressed and _is_utf8(encoding) and _valid_utf8_file(path)
             and not _has_bom(path)):
@@ -208,6 +211,21 @@ def _read_parquet(path: Path) -> pa.Table:
         return table
     except Exception as err:  # Arrow raises several types for bad files; the user needs the file and the cause
         raise UserError(f"`{path}` is not a readable Parquet file ({first_line(err)}). Check that it was fully "
+                        "downloaded and that its ending matches its real format.") from None
+
+
+def _read_arrow(path: Path) -> pa.Table:
+    """An Arrow IPC file (Feather v2) or stream (what `datasets` writes: its cache files, save_to_disk's shards)."""
+    data = read_bytes(path) if path.suffix.lower() in COMPRESSED else pa.memory_map(str(path))
+    try:
+        try:
+            table = pa.ipc.open_file(data).read_all()
+        except pa.ArrowInvalid:  # no file footer: a stream
+            table = pa.ipc.open_stream(data if isinstance(data, bytes) else pa.memory_map(str(path))).read_all()
+        table.validate(full=True)
+        return table
+    except Exception as err:  # Arrow raises several types for bad files; the user needs the file and the cause
+        raise UserError(f"`{path}` is not a readable Arrow file ({first_line(err)}). Check that it was fully "
                         "downloaded and that its ending matches its real format.") from None
 
 
