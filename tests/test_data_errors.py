@@ -371,6 +371,6 @@ def test_a_csv_without_a_header_says_so(tmp_path):
     (tmp_path / "excel.csv").write_text("sep=;\ntext;label\n" + "".join(f"{r['text']};{r['label']}\n" for r in rows))
     with pytest.raises(UserError, match=r"first line `sep=` is Excel's delimiter hint, not the header: remove that line"):
         _load(tmp_path / "excel.csv")
-    (tmp_path / "named.csv").write_text("Text,Label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
-    with pytest.raises(UserError, match=r"columns found: Text, Label\)\. Set data.text_column / data.label_column"):
+    (tmp_path / "named.csv").write_text("Sentence,Emotion\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"columns found: Sentence, Emotion\)\. Set data.text_column / data.label_column"):
         _load(tmp_path / "named.csv")  # names that look like names keep the plain fix

@@ -424,3 +424,23 @@ def test_arrow_files_as_datasets_and_feather_write_them_are_read(tmp_path):
     (tmp_path / "broken.arrow").write_bytes(shard.read_bytes()[:100])
     with pytest.raises(UserError, match=r"broken.arrow` is not a readable Arrow file"):
         load_data(DataConfig(source=str(tmp_path / "broken.arrow")), seed=0)
+
+
+def test_columns_named_in_other_capitals_are_read_with_a_note(tmp_path, capsys):
+    """A spreadsheet's `Text` and `LABEL ` headers were refused as missing `text` and `label` columns; one column that
+    matches but for capitals and surrounding spaces is read (said in a note), two such columns stay a clear error."""
+    import datasets
+
+    rows = make_rows(3, seed=5)
+    body = "Text, LABEL \n" + "".join(f"{r['text']},{r['label']}\n" for r in rows)
+    (tmp_path / "d.csv").write_text(body, encoding="utf-8")
+    data = load_data(DataConfig(source=str(tmp_path / "d.csv")), seed=0)
+    assert sorted(t for ds in data.splits.values() for t in ds["text"]) == sorted(r["text"] for r in rows)
+    assert "read the column `Text` as text and ` LABEL ` as label" in capsys.readouterr().out
+    features = datasets.Features({"Text": datasets.Value("string"), "Label": datasets.ClassLabel(names=LABELS)})
+    datasets.Dataset.from_dict({"Text": [r["text"] for r in rows], "Label": [LABELS.index(r["label"]) for r in rows]},
+                               features=features).save_to_disk(str(tmp_path / "saved"))
+    assert load_data(DataConfig(source=str(tmp_path / "saved")), seed=0).labels == LABELS  # its ClassLabel's order
+    (tmp_path / "two.csv").write_text("Text,TEXT,label\n" + "".join(f"{r['text']},x,{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"has no column 'text' \(columns found: Text, TEXT, label\)"):
+        load_data(DataConfig(source=str(tmp_path / "two.csv")), seed=0)
