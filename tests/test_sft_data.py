@@ -113,6 +113,24 @@ def test_openai_messages_in_parquet(tmp_path):
     assert one.system == "s" and one.messages[0][0] == "user" and one.messages[1][1].startswith("a ")
 
 
+def test_per_turn_keys_that_parquet_fills_with_null_are_keys_not_given(tmp_path):
+    """Parquet (also Arrow, save_to_disk and the hub) gives every turn every key some turn has: the `weight` of OpenAI's
+    format, written on one answer only, was null on the other turns and every row was refused for a weight other than
+    0 or 1; a `train_detail` key anywhere refused all rows. A null is a key not given."""
+    rows = [{"messages": [{"role": "user", "content": f"u {i}"}, {"role": "assistant", "content": "draft", "weight": 0},
+                          {"role": "user", "content": "again"}, {"role": "assistant", "content": f"a {i}"}]}
+            for i in range(20)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "w.parquet")
+    every = [c for s in _data(tmp_path / "w.parquet").splits.values() for c in s]
+    assert len(every) == 20 and all(c.untrained == (0,) for c in every)
+    for row in rows:
+        row["messages"][1] = {"role": "assistant", "content": "draft", "training": False}
+    rows[0]["messages"][3]["train_detail"] = [{"begin_offset": 0, "end_offset": 1, "train": True}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    every = [c for s in _data(tmp_path / "t.parquet", "data.skip_bad_rows=true").splits.values() for c in s]
+    assert len(every) == 19 and all(c.untrained == (0,) for c in every)  # the row with train_detail alone refused
+
+
 def test_json_array_and_folder_of_split_files(tmp_path):
     folder = tmp_path / "split"
     folder.mkdir()

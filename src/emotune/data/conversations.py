@@ -224,8 +224,10 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
         if any(turn.get(key) for key in REASONING_KEYS):
             return REASONING
         text = turn_text(turn, tags)
-        flag = next((turn[k] for k in TRAINING_KEYS if k in turn), None)
-        if "train_detail" in turn:
+        # a key given as null is a key not given: columnar files (Parquet, Arrow, save_to_disk, the hub) give every turn
+        # every key any turn has, null where it had none
+        flag = next((turn[k] for k in TRAINING_KEYS if turn.get(k) is not None), None)
+        if turn.get("train_detail") is not None:
             return TRAIN_DETAIL
         if flag is not None and not isinstance(flag, bool):
             return BAD_TRAINING
@@ -241,7 +243,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
         elif role in user_side:
             messages.append(("user", text))
         elif role in assistant_side:
-            weight = turn.get("weight", 1)
+            weight = 1 if turn.get("weight") is None else turn["weight"]
             if weight not in (0, 1) or isinstance(weight, bool):
                 return BAD_WEIGHT
             if weight == 0 or flag is False:
