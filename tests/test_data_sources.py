@@ -444,3 +444,11 @@ def test_columns_named_in_other_capitals_are_read_with_a_note(tmp_path, capsys):
     (tmp_path / "two.csv").write_text("Text,TEXT,label\n" + "".join(f"{r['text']},x,{r['label']}\n" for r in rows))
     with pytest.raises(UserError, match=r"has no column 'text' \(columns found: Text, TEXT, label\)"):
         load_data(DataConfig(source=str(tmp_path / "two.csv")), seed=0)
+
+
+def test_a_json_array_in_a_jsonl_file_is_read(tmp_path):
+    """`datasets` reads a JSON array in a .jsonl file; emotune refused it: "line 1 is not valid JSON"."""
+    rows = make_rows(3, seed=6)
+    (tmp_path / "d.jsonl").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    data = load_data(DataConfig(source=str(tmp_path / "d.jsonl")), seed=0)
+    assert sorted(t for ds in data.splits.values() for t in ds["text"]) == sorted(r["text"] for r in rows)

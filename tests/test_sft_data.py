@@ -131,6 +131,20 @@ def test_per_turn_keys_that_parquet_fills_with_null_are_keys_not_given(tmp_path)
     assert len(every) == 19 and all(c.untrained == (0,) for c in every)  # the row with train_detail alone refused
 
 
+def test_a_json_array_under_jsonl_and_objects_over_several_lines_are_read(tmp_path):
+    """A JSON array in a .jsonl file (which `datasets` reads) was refused for its first line, and objects written one
+    after another over several lines (`jq '.[]'`, which classification data read) for a first line that is no object."""
+    rows = _alpaca(20)
+    (tmp_path / "array.jsonl").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    (tmp_path / "jq.json").write_text("\n".join(json.dumps(r, indent=2) for r in rows), encoding="utf-8")
+    for name in ("array.jsonl", "jq.json"):
+        every = [c for s in _data(tmp_path / name).splits.values() for c in s]
+        assert sorted(c.response for c in every) == sorted(r["output"] for r in rows)
+    (tmp_path / "broken.jsonl").write_text(json.dumps(rows, indent=2)[:-40], encoding="utf-8")
+    with pytest.raises(UserError, match=r"broken.jsonl` is not valid JSON: .* at line \d+, column \d+"):
+        _data(tmp_path / "broken.jsonl")
+
+
 def test_json_array_and_folder_of_split_files(tmp_path):
     folder = tmp_path / "split"
     folder.mkdir()

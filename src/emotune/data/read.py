@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import lzma
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,7 @@ FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".p
 BOM = b"\xef\xbb\xbf"
 UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
+_SPACE = re.compile(r"\s*")
 JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
 # compressed files as hubs and papers ship them (train.jsonl.gz): read whole into memory, then like the plain file
 COMPRESSED = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
@@ -116,7 +118,10 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str)
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
     if fmt == "txt":  # one document per line, as LLaMA-Factory's text loader reads it (wiki_demo.txt): not text;label
         return ["text"], [{"text": line} for line in _lines(text) if line.strip()]
-    rows = _json_lines(path, text) if fmt == "jsonl" else _json_rows(path, text, text_column, label_column)
+    if fmt == "jsonl" and not text.lstrip().startswith("["):
+        rows = _json_lines(path, text)
+    else:  # a JSON array under .jsonl too, as `datasets` reads one
+        rows = _json_rows(path, text, text_column, label_column)
     return list(dict.fromkeys(key for row in rows for key in row)), rows
 
 
@@ -136,7 +141,13 @@ def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> li
         value = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _json_lines(path, text)  # many `.json` files are really JSON Lines
+            try:
+                return _json_lines(path, text)  # many `.json` files are really JSON Lines
+            except UserError:
+                objects = _json_objects(text)  # or objects written one after another over several lines (jq's output)
+                if objects is None:
+                    raise
+                return objects
         value = None
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
@@ -144,6 +155,20 @@ def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> li
     if isinstance(value, list) and all(isinstance(r, dict) for r in value):
         return value
     return _read_json(path, text).to_pylist()  # columns of an object, or the error that says what is wrong
+
+
+def _json_objects(text: str) -> list[dict] | None:
+    """JSON objects one after another, each over any number of lines (`jq '.[]'` writes them so); None if it is not."""
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while (at := _SPACE.match(text, at).end()) < len(text):
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        objects.append(value)
+    return objects
 
 
 def _json_lines(path: Path, text: str) -> list[dict]:
@@ -252,6 +277,8 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[s
         return pa_json.read_json(reader, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
     except Exception as err:
         problem = _bad_json_line(lines())
+        if problem and "".join(lines()).lstrip().startswith("["):  # a JSON array under .jsonl, as `datasets` reads one
+            return _read_json(path, "".join(lines()), used)
         if problem:
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
