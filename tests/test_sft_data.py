@@ -449,6 +449,19 @@ def test_openai_tool_calls_beside_text_and_the_older_function_call_are_kept(tmp_
     assert one.messages[3][1] == json.dumps({"name": "log", "arguments": "{}"})
 
 
+def test_the_functions_of_openais_older_function_calling_format_are_the_rows_tools(tmp_path):
+    """OpenAI's older function-calling fine-tuning lines describe their functions in `functions` (beside `function_call`
+    answers); they were left out, so the model learnt to call functions its prompt never described."""
+    functions = [{"name": "weather", "description": "today's weather", "parameters": {"type": "object"}}]
+    rows = [{"messages": [{"role": "user", "content": f"weather {i}?"},
+                          {"role": "assistant", "function_call": {"name": "weather", "arguments": "{}"}},
+                          {"role": "function", "name": "weather", "content": "sunny"},
+                          {"role": "assistant", "content": f"sunny {i}"}], "functions": functions} for i in range(20)]
+    every = [c for s in _data(write_jsonl(tmp_path / "f.jsonl", rows)).splits.values() for c in s]
+    assert len(every) == 20 and all(c.tools == json.dumps(functions) for c in every)
+    assert every[0].chat()[0] == {"role": "system", "content": "Tools available:\n" + json.dumps(functions)}
+
+
 def test_the_results_of_parallel_tool_calls_are_one_user_turn(tmp_path):
     """OpenAI's fine-tuning format answers parallel tool calls with one `tool` message each; two results in a row were
     refused as turns that do not alternate. They are one user turn, in their order, and the answers stay trained."""

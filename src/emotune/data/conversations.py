@@ -161,7 +161,8 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
     if isinstance(found, str):
         return found
     system, messages, untrained = found
-    tools = _text(row.get(columns.tools))
+    tools = _text(row.get(columns.tools) if row.get(columns.tools) is not None or fmt != "messages" else
+                  row.get("functions"))  # OpenAI's older function-calling format: `functions` beside `function_call`
     tools = tools if tools.strip() not in ("", "[]") else None
     problem = _check(messages)
     if problem:
