@@ -363,6 +363,9 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
      r"is an unpaired preference dataset \(TRL's KTO format.*Keep the rows whose label is true"),
     ([], r"holds no rows"),
     ([{"text": "### Human: q ### Assistant: a"}], r"has a `text` column and no prompt or answer .*language modelling"),
+    # Axolotl's template-free rows were told to "set data.format and data.columns", which no setting can match
+    ([{"segments": [{"label": False, "text": "<s>[INST] q [/INST]"}, {"label": True, "text": " a</s>"}]}],
+     r"has a `segments` column: Axolotl's template-free input_output format.*Give the rows as messages"),
     ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"},
                     {"role": "assistant", "content": "a"}]}], r"an earlier assistant turn is empty"),
     ([{"instruction": "q", "output": "a", "history": [["hi", ""]]}], r"an earlier assistant turn is empty"),

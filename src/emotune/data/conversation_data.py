@@ -147,6 +147,13 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
                             "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "
                             "conversations (messages, prompt/completion or instruction/output columns)")
             continue
+        if fmt is None and "segments" in column_names:
+            problems.append(f"`{path}` has a `segments` column: Axolotl's template-free input_output format (texts "
+                            "written with their own chat markup, each marked trained or not), which emotune cannot read "
+                            "as turns, as it renders every conversation with the model's chat template. Give the rows "
+                            "as messages ({\"messages\": [{\"role\": \"user\", ...}, {\"role\": \"assistant\", ...}]}) "
+                            "without the markup")
+            continue
         if fmt is None:
             problems.append(f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
                             f"(conversations) or messages (messages, or prompt/completion; columns found: "
