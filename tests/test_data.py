@@ -95,6 +95,12 @@ def test_missing_source_and_unsupported_type(tmp_path):
         load_data(DataConfig(source=str(tmp_path / "d.xlsx")), seed=0)
 
 
+def test_ndjson_is_json_lines(tmp_path):
+    """`.ndjson`, JSON Lines' other name (BigQuery and many loggers write it), was an unsupported file type."""
+    write_jsonl(tmp_path / "d.ndjson", make_rows(4, 1))
+    assert sum(len(ds) for ds in load_data(DataConfig(source=str(tmp_path / "d.ndjson")), seed=0).splits.values()) == 24
+
+
 def test_label_without_training_rows(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [r for r in make_rows(4, 1) if r["label"] != "fear"])
     write_jsonl(tmp_path / "validation.jsonl", make_rows(1, 2))
