@@ -90,8 +90,11 @@ def test_missing_column_lists_what_was_found(tmp_path):
 def test_missing_source_and_unsupported_type(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_data(DataConfig(source=str(tmp_path / "nope.csv")), seed=0)
-    (tmp_path / "d.xlsx").write_text("x")
+    (tmp_path / "d.docx").write_text("x")
     with pytest.raises(UserError, match="unsupported file type"):
+        load_data(DataConfig(source=str(tmp_path / "d.docx")), seed=0)
+    (tmp_path / "d.xlsx").write_text("x")  # was "unsupported file type", a list of endings that did not say to export
+    with pytest.raises(UserError, match=r"d.xlsx` is a spreadsheet workbook.*Save the sheet as CSV"):
         load_data(DataConfig(source=str(tmp_path / "d.xlsx")), seed=0)
 
 

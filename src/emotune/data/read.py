@@ -27,6 +27,7 @@ from emotune.data.csvfile import Lines, read_csv
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
            ".txt": "txt", ".arrow": "arrow", ".feather": "arrow"}  # Arrow IPC: `datasets`' cache and save_to_disk files
+SPREADSHEETS = (".xlsx", ".xls", ".xlsm", ".ods", ".numbers")
 BOM = b"\xef\xbb\xbf"
 UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
@@ -49,6 +50,9 @@ def is_data_file(path: Path) -> bool:
 def read_table(path: Path, encoding: str, text_column: str, label_column: str, notes: list[str]) -> pa.Table:
     """One file as a table; things worth a look that are not errors go to `notes`."""
     fmt = FORMATS.get(data_suffix(path))
+    if fmt is None and path.suffix.lower() in SPREADSHEETS:
+        raise UserError(f"`{path}` is a spreadsheet workbook, which emotune does not read. Save the sheet as CSV "
+                        "(\"CSV UTF-8\" in Excel; File > Download > CSV in Google Sheets) and point data.source at it.")
     if fmt is None:
         raise UserError(f"`{path}`: unsupported file type `{''.join(path.suffixes[-2:]) or '(no ending)'}`. Use one "
                         f"of {', '.join(FORMATS)} (TXT holds one `text;label` per line), also compressed with "
