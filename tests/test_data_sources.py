@@ -452,3 +452,20 @@ def test_a_json_array_in_a_jsonl_file_is_read(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps(rows, indent=2), encoding="utf-8")
     data = load_data(DataConfig(source=str(tmp_path / "d.jsonl")), seed=0)
     assert sorted(t for ds in data.splits.values() for t in ds["text"]) == sorted(r["text"] for r in rows)
+
+
+def test_string_view_columns_are_text(tmp_path):
+    """Arrow's `string_view` (Polars' string type, kept in the schema of the Parquet files it writes) was refused:
+    "the text column holds string_view values, not text"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not hasattr(pa, "string_view"):
+        pytest.skip("this pyarrow has no string_view type")
+    rows = make_rows(3, seed=8)
+    table = pa.table({name: pa.array([r[name] for r in rows], pa.string_view()) for name in ("text", "label")})
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert pq.read_schema(tmp_path / "d.parquet").field("text").type == pa.string_view()
+    data = load_data(DataConfig(source=str(tmp_path / "d.parquet")), seed=0)
+    assert sorted(data.labels) == sorted(LABELS)
+    assert sorted(t for ds in data.splits.values() for t in ds["text"]) == sorted(r["text"] for r in rows)
