@@ -358,6 +358,11 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
                     {"role": "assistant", "content": "a cat"}]}], r"holds images, audio or video"),
     ([{"instruction": "q", "output": ["good answer", "bad answer"]}], r"the response is a list, as in a ranking dataset"),
     ([{"instruction": "q", "chosen": "good", "rejected": "bad"}], r"is a preference dataset \(columns `chosen` and `rejected`\)"),
+    # OpenAI's preference fine-tuning lines were "in none of the formats", with a fix (data.format) that cannot fit
+    ([{"input": {"messages": [{"role": "user", "content": "q"}]},
+       "preferred_output": [{"role": "assistant", "content": "good"}],
+       "non_preferred_output": [{"role": "assistant", "content": "bad"}]}],
+     r"is OpenAI's preference \(DPO\) fine-tuning data \(columns `preferred_output` and `non_preferred_output`\)"),
     # TRL's unpaired preference (KTO) rows were read as prompt-completion rows, training the bad completions too
     ([{"prompt": "q", "completion": "good", "label": True}, {"prompt": "q2", "completion": "bad", "label": False}],
      r"is an unpaired preference dataset \(TRL's KTO format.*Keep the rows whose label is true"),

@@ -128,15 +128,9 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
         if not rows:
             problems.append(f"`{path}` holds no rows; give it conversations, or remove it")
             continue
-        if {"chosen", "rejected"} <= set(column_names):
-            problems.append(f"`{path}` is a preference dataset (columns `chosen` and `rejected`), for DPO/ORPO-style "
-                            "training; the sft task trains on one answer per prompt. Give an SFT dataset, or keep only "
-                            "the chosen answers as its response")
-            continue
-        if _is_unpaired_preference(column_names, rows):
-            problems.append(f"`{path}` is an unpaired preference dataset (TRL's KTO format: `prompt`, `completion` and a "
-                            "true/false `label` saying whether the completion is a good one); the sft task would train on "
-                            "the bad completions too. Keep the rows whose label is true and remove the `label` column")
+        preference = _preference_problem(path, column_names, rows)
+        if preference:
+            problems.append(preference)
             continue
         fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
                                                                                  entry.columns)
@@ -188,10 +182,20 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     return _resample(out, entry.num_samples, seed)
 
 
-def _is_unpaired_preference(column_names: list[str], rows: list[dict]) -> bool:
-    """TRL's unpaired preference rows (KTO): a prompt, a completion and a boolean `label` marking it desirable or not."""
-    return ({"prompt", "completion", "label"} <= set(column_names)
-            and any(isinstance(row.get("label"), bool) for row in rows))
+def _preference_problem(path: Path, column_names: list[str], rows: list[dict]) -> str | None:
+    """Why a file of preference data (good and bad answers, for DPO/ORPO/KTO-style training) is no sft data; None when
+    it is not one."""
+    names = set(column_names)
+    for good, bad, kind in (("chosen", "rejected", "a preference dataset"),
+                            ("preferred_output", "non_preferred_output", "OpenAI's preference (DPO) fine-tuning data")):
+        if {good, bad} <= names:
+            return (f"`{path}` is {kind} (columns `{good}` and `{bad}`), for DPO/ORPO-style training; the sft task "
+                    f"trains on one answer per prompt. Give an SFT dataset, or keep only the {good} answers as its response")
+    if {"prompt", "completion", "label"} <= names and any(isinstance(row.get("label"), bool) for row in rows):
+        return (f"`{path}` is an unpaired preference dataset (TRL's KTO format: `prompt`, `completion` and a true/false "
+                "`label` saying whether the completion is a good one); the sft task would train on the bad completions "
+                "too. Keep the rows whose label is true and remove the `label` column")
+    return None
 
 
 def _resample(rows: list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:
