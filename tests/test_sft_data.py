@@ -145,6 +145,20 @@ def test_a_json_array_under_jsonl_and_objects_over_several_lines_are_read(tmp_pa
         _data(tmp_path / "broken.jsonl")
 
 
+def test_nan_that_pythons_json_writes_for_pandas_missing_values_is_no_value(tmp_path):
+    """json.dumps of a DataFrame's records writes a missing value as `NaN`: the system prompt became the text "NaN", an
+    empty input was joined as "NaN", and an empty history refused the row."""
+    nan = float("nan")
+    rows = [{"instruction": f"q {i}", "input": nan if i % 2 else f"context {i}", "output": f"a {i}", "system": nan,
+             "history": nan, "images": nan, "kind": nan} for i in range(20)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert "NaN" in (tmp_path / "d.jsonl").read_text()
+    every = [c for s in _data(tmp_path / "d.jsonl").splits.values() for c in s]
+    assert len(every) == 20 and all(c.system is None and c.kind is None and len(c.messages) == 2 for c in every)
+    assert sorted(c.messages[0][1] for c in every) == sorted(f"q {i}" if i % 2 else f"q {i}\n\ncontext {i}"
+                                                             for i in range(20))
+
+
 def test_json_array_and_folder_of_split_files(tmp_path):
     folder = tmp_path / "split"
     folder.mkdir()

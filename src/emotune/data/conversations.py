@@ -149,7 +149,7 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
               input_separator: str = INPUT_SEPARATOR) -> Conversation | str:
     """The row as a Conversation, or the reason it is refused; an Alpaca row's instruction and input are joined by
     `input_separator` (data.input_separator)."""
-    if any(row.get(column) for column in MEDIA_COLUMNS):
+    if any(row.get(column) and not _is_missing(row.get(column)) for column in MEDIA_COLUMNS):
         return MEDIA
     if fmt == "alpaca":
         found = _alpaca(row, columns, input_separator)
@@ -170,8 +170,8 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
     if untrained and untrained[-1] == sum(role == "assistant" for role, _ in messages) - 1:
         return UNTRAINED_RESPONSE
     kind = row.get(columns.kind)
-    return Conversation(tuple(messages), system or None, None if kind is None else str(kind), source, tuple(untrained),
-                        tools)
+    return Conversation(tuple(messages), system or None, None if _is_missing(kind) else str(kind), source,
+                        tuple(untrained), tools)
 
 
 Turns = tuple[str | None, list[tuple[str, str]], list[int]]  # system prompt, (role, text) turns, untrained answers
@@ -179,7 +179,7 @@ Turns = tuple[str | None, list[tuple[str, str]], list[int]]  # system prompt, (r
 
 def _alpaca(row: dict, columns: SftColumns, separator: str) -> Turns | str:
     messages: list[tuple[str, str]] = []
-    history = row.get(columns.history) or []
+    history = [] if _is_missing(row.get(columns.history)) else row.get(columns.history) or []
     if not isinstance(history, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in history):
         return BAD_HISTORY
     for question, answer in history:
@@ -321,11 +321,16 @@ def _check(messages: list[tuple[str, str]]) -> str | None:
 
 
 def _text(value: object) -> str:
-    if value is None:
+    if _is_missing(value):
         return ""
     if isinstance(value, str):
         return value
     return json.dumps(value, ensure_ascii=False)  # tools given as a list, a number as an answer
+
+
+def _is_missing(value: object) -> bool:
+    """None, or NaN: pandas' missing value, which Python's json writes as `NaN` (json.dumps of a DataFrame's records)."""
+    return value is None or (isinstance(value, float) and value != value)
 
 
 # H2O LLM Studio's chained conversations: one row per turn, `parent_id` naming the row (by `id`) whose turn comes before
