@@ -179,9 +179,12 @@ def _no_repeats(pairs):
 
 def _same_text(got, written) -> bool:
     """A text written as a number is that number, or its text where the file mixes texts and numbers (read then
-    by Python's json: emotune.data.read._jsonl_by_python)."""
+    by Python's json: emotune.data.read._rows_table); a text written as NaN is no text there, never "nan"."""
     number = isinstance(written, (int, float)) and not isinstance(written, bool)
-    return _same(got, written) or (number and isinstance(got, str) and got == str(written))
+    if number and math.isnan(written) and isinstance(got, str):
+        return False
+    return (_same(got, written) or (number and isinstance(got, str) and got == str(written))
+            or (number and math.isnan(written) and got is None))
 
 
 def _same(got, written) -> bool:

@@ -469,3 +469,13 @@ def test_string_view_columns_are_text(tmp_path):
     data = load_data(DataConfig(source=str(tmp_path / "d.parquet")), seed=0)
     assert sorted(data.labels) == sorted(LABELS)
     assert sorted(t for ds in data.splits.values() for t in ds["text"]) == sorted(r["text"] for r in rows)
+
+
+def test_a_text_written_as_nan_is_no_text(tmp_path):
+    """Python's json writes pandas' missing values as `NaN`; such a text became the text "nan", a row trained as one."""
+    rows = make_rows(3, seed=9)
+    rows[0]["text"] = float("nan")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    data = load_data(DataConfig(source=str(tmp_path / "d.jsonl")), seed=0)
+    assert "nan" not in [t for ds in data.splits.values() for t in ds["text"]]
+    assert data.report["cleaning"]["dropped"]["too_short"] == {"all": 1}  # an empty text, dropped and counted
