@@ -159,6 +159,19 @@ def test_nan_that_pythons_json_writes_for_pandas_missing_values_is_no_value(tmp_
                                                              for i in range(20))
 
 
+@pytest.mark.parametrize("name", ["d.csv", "d.tsv"])
+def test_csv_cells_of_conversations_are_read_as_written(tmp_path, name):
+    """Arrow typed CSV columns by their values, so an answer `0.50` was trained as `0.5`, `007` as `7.0` and an
+    input `0.10` joined as `0.1`; conversations are text, as written."""
+    delimiter = "\t" if name.endswith(".tsv") else ","
+    lines = ["instruction", "input", "output"], *([f"price of item {i}", "0.10", "0.50" if i % 2 else "007"]
+                                                   for i in range(20))
+    (tmp_path / name).write_text("".join(delimiter.join(line) + "\n" for line in lines), encoding="utf-8")
+    every = [c for s in _data(tmp_path / name).splits.values() for c in s]
+    assert sorted({c.response for c in every}) == ["0.50", "007"]
+    assert all(c.messages[0][1].endswith("\n\n0.10") for c in every)
+
+
 def test_json_array_and_folder_of_split_files(tmp_path):
     folder = tmp_path / "split"
     folder.mkdir()

@@ -23,7 +23,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from emotune.core.errors import UserError, first_line
-from emotune.data.csvfile import Lines, read_csv
+from emotune.data.csvfile import EVERY_COLUMN, Lines, read_csv
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
            ".txt": "txt", ".arrow": "arrow", ".feather": "arrow"}  # Arrow IPC: `datasets`' cache and save_to_disk files
@@ -114,8 +114,8 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str)
     if path.is_dir():  # one split of a save_to_disk folder (emotune.data.sources.saved_splits)
         return _saved_rows(path)
     fmt = FORMATS.get(data_suffix(path))
-    if fmt not in ("json", "jsonl", "txt"):
-        table = read_table(path, encoding, text_column, label_column, [])
+    if fmt not in ("json", "jsonl", "txt"):  # CSV and TSV cells as written: a conversation's `0.50` is no number
+        table = read_table(path, encoding, EVERY_COLUMN, label_column, [])
         return table.column_names, table.to_pylist()
     text = _decode(path, read_bytes(path), encoding)
     if not text.strip():
