@@ -479,3 +479,12 @@ def test_a_text_written_as_nan_is_no_text(tmp_path):
     data = load_data(DataConfig(source=str(tmp_path / "d.jsonl")), seed=0)
     assert "nan" not in [t for ds in data.splits.values() for t in ds["text"]]
     assert data.report["cleaning"]["dropped"]["too_short"] == {"all": 1}  # an empty text, dropped and counted
+
+
+def test_a_json_file_of_splits_under_keys_says_to_write_a_file_per_split(tmp_path):
+    """{"train": [...], "test": [...]} was refused for "fields whose types differ between rows" (or read as two columns
+    of objects when the lists were as long): name the keys and the fix."""
+    (tmp_path / "d.json").write_text(json.dumps({"version": 2, "train": make_rows(3, seed=1), "test": make_rows(1, seed=2)}))
+    with pytest.raises(UserError, match=r"d.json` holds 2 lists of rows, under the keys 'train', 'test' \(splits.*"
+                                        r"Write each list to a file of its own named after its split"):
+        load_data(DataConfig(source=str(tmp_path / "d.json")), seed=0)

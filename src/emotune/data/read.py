@@ -358,6 +358,12 @@ def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
         lists = [v for v in value.values() if isinstance(v, list)]
         if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]):
             value = lists[0]  # {"data": [{...}, ...]}
+        elif len(lists) > 1 and all(v and all(isinstance(r, dict) for r in v) for v in lists):
+            keys = ", ".join(repr(k) for k, v in value.items() if isinstance(v, list))
+            raise UserError(f"`{path}` holds {len(lists)} lists of rows, under the keys {keys} (splits, as some "
+                            "datasets ship them in one file). Write each list to a file of its own named after its "
+                            "split (train.json, validation.json, test.json) in one folder and point data.source at "
+                            "the folder, or keep one list.")
         elif value and all(isinstance(v, list) for v in value.values()):
             return _arrow(path, lambda: pa.table(value))  # columns
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
