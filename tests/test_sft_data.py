@@ -549,6 +549,19 @@ def test_h2o_parent_id_chains_give_each_row_its_earlier_turns(tmp_path, capsys):
         _data(write_jsonl(tmp_path / "broken.jsonl", rows))
 
 
+def test_h2o_ids_that_pandas_wrote_as_decimals_name_their_rows(tmp_path):
+    """pandas writes a numeric `parent_id` column with empty cells as decimals (`4.0`) beside the ids (`4`); read as
+    the text written (as conversation CSVs are), `4.0` named no row."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"id": range(20), "parent_id": [i - 1 if i % 2 else None for i in range(20)],
+                          "instruction": [f"q {i}" for i in range(20)], "output": [f"a {i}" for i in range(20)]})
+    frame.to_csv(tmp_path / "h2o.csv", index=False)
+    assert "\n5,4.0,q 5,a 5\n" in (tmp_path / "h2o.csv").read_text()
+    every = {c.response: c for s in _data(tmp_path / "h2o.csv").splits.values() for c in s}
+    assert every["a 5"].messages == (("user", "q 4"), ("assistant", "a 4"), ("user", "q 5"), ("assistant", "a 5"))
+
+
 def test_a_gzip_compressed_conversation_file_is_read(tmp_path):
     import gzip
 

@@ -21,6 +21,7 @@ bad row at once (or skips them, with data.skip_bad_rows).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from emotune.core.config.sft import INPUT_SEPARATOR, SftColumns, SftTags
@@ -388,4 +389,6 @@ def _id(value: object) -> str | None:
         return None
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return str(value).strip()
+    text = str(value).strip()
+    whole = re.fullmatch(r"([+-]?\d+)\.0*", text)  # `7.0`: pandas writes the ids of a column with empty cells so
+    return whole[1] if whole else text
