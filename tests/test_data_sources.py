@@ -488,3 +488,18 @@ def test_a_json_file_of_splits_under_keys_says_to_write_a_file_per_split(tmp_pat
     with pytest.raises(UserError, match=r"d.json` holds 2 lists of rows, under the keys 'train', 'test' \(splits.*"
                                         r"Write each list to a file of its own named after its split"):
         load_data(DataConfig(source=str(tmp_path / "d.json")), seed=0)
+
+
+def test_a_datasets_cache_folder_is_a_folder_of_splits(tmp_path):
+    """The folder `datasets` caches a loaded dataset in holds `<name>-<split>.arrow` files; it "held no train file"."""
+    import datasets
+
+    files = {split: str(write_jsonl(tmp_path / f"{split}.jsonl", make_rows(n, seed=n))) for split, n in
+             (("train", 6), ("validation", 2), ("test", 2))}
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=LABELS)})
+    datasets.load_dataset("json", data_files=files, features=features, cache_dir=str(tmp_path / "cache"))
+    folder = next((tmp_path / "cache").rglob("json-train*.arrow")).parent
+    assert {p.name for p in folder.glob("*.arrow")} == {"json-train.arrow", "json-validation.arrow", "json-test.arrow"}
+    data = load_data(DataConfig(source=str(folder)), seed=0)
+    assert data.labels == LABELS and data.report["split"] == "as given"
+    assert _sizes(data) == {"train": 36, "validation": 12, "test": 12}

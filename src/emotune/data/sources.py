@@ -22,12 +22,15 @@ from platformdirs import user_cache_dir
 
 from emotune.core.config.data import DataConfig
 from emotune.core.errors import UserError
-from emotune.data.read import FORMATS, is_data_file, read_table
+from emotune.data.read import FORMATS, data_suffix, is_data_file, read_table
 
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev", "eval", "evaluation"),
                  "test": ("test", "testing")}
 SPLIT_FILE = re.compile(r"^(?P<split>[a-z]+)(?:[-_.].*)?$")  # train.csv, train-00000-of-00001.parquet
+# the cache files `datasets` writes (~/.cache/huggingface/datasets/<name>/<config>/<version>/<hash>/): emotion-train.arrow,
+# emotion-train-00000-of-00002.arrow
+CACHE_FILE = re.compile(r"^.+-(?P<split>[a-z]+)(?:-\d{5}-of-\d{5})?$")
 HUB_PREFIXES = ("hf:", "modelscope:")
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # never rows
 EMBEDDED_LABELS = ["sadness", "joy", "love", "anger", "fear", "surprise"]
@@ -117,8 +120,9 @@ def split_files(folder: Path, require_train: bool = True) -> dict[str, list[Path
     for file in sorted(p for p in folder.rglob("*") if p.is_file() and is_data_file(p)):
         if file.name.lower() in METADATA_FILES or any(part.startswith(".") for part in file.relative_to(folder).parts):
             continue  # hidden folders: download caches, .git
-        match = SPLIT_FILE.match(file.stem.lower())
-        split = next((s for s, aliases in SPLIT_ALIASES.items() if match and match["split"] in aliases), None)
+        split = _split_named(file.stem.lower(), SPLIT_FILE)
+        if split is None and data_suffix(file) == ".arrow":
+            split = _split_named(file.stem.lower(), CACHE_FILE)
         if split is None:
             loose.setdefault(file.parent, []).append(file)
         else:
@@ -134,6 +138,11 @@ def split_files(folder: Path, require_train: bool = True) -> dict[str, list[Path
         return {"all": next(iter(loose.values()))}  # a folder with one data file: split it
     raise UserError(f"data.source `{folder}` holds no train file. Name the files train.*, validation.* (or val./dev.) "
                     f"and test.* with one of the endings {', '.join(FORMATS)}, or point data.source at one file.")
+
+
+def _split_named(stem: str, pattern: re.Pattern) -> str | None:
+    match = pattern.match(stem)
+    return next((s for s, aliases in SPLIT_ALIASES.items() if match and match["split"] in aliases), None)
 
 
 def _read_files(paths: list[Path], cfg: DataConfig) -> RawSplit:
