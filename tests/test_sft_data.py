@@ -562,6 +562,23 @@ def test_h2o_ids_that_pandas_wrote_as_decimals_name_their_rows(tmp_path):
     assert every["a 5"].messages == (("user", "q 4"), ("assistant", "a 4"), ("user", "q 5"), ("assistant", "a 5"))
 
 
+def test_a_datasets_cache_folder_of_conversations_is_read_as_its_splits(tmp_path):
+    """The folder `datasets` caches a loaded dataset in holds `<name>-<split>.arrow` files and a dataset_info.json of
+    its own (builder_name, features, splits), which was taken for LLaMA-Factory's: "name the datasets to train on"."""
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(26)]
+    files = {"train": str(write_jsonl(tmp_path / "train.jsonl", rows[:20])),
+             "test": str(write_jsonl(tmp_path / "test.jsonl", rows[20:]))}
+    datasets.load_dataset("json", data_files=files, cache_dir=str(tmp_path / "cache"))
+    folder = next((tmp_path / "cache").rglob("json-train.arrow")).parent
+    assert (folder / "dataset_info.json").is_file()
+    data = _data(folder)
+    assert sorted(c.response for c in data.splits["test"]) == [f"answer {i}" for i in range(20, 26)]
+    assert sum(len(s) for s in data.splits.values()) == 26
+
+
 def test_a_gzip_compressed_conversation_file_is_read(tmp_path):
     import gzip
 
