@@ -90,9 +90,18 @@ def test_missing_column_lists_what_was_found(tmp_path):
 def test_missing_source_and_unsupported_type(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_data(DataConfig(source=str(tmp_path / "nope.csv")), seed=0)
-    (tmp_path / "d.xlsx").write_text("x")
+    (tmp_path / "d.docx").write_text("x")
     with pytest.raises(UserError, match="unsupported file type"):
+        load_data(DataConfig(source=str(tmp_path / "d.docx")), seed=0)
+    (tmp_path / "d.xlsx").write_text("x")  # was "unsupported file type", a list of endings that did not say to export
+    with pytest.raises(UserError, match=r"d.xlsx` is a spreadsheet workbook.*Save the sheet as CSV"):
         load_data(DataConfig(source=str(tmp_path / "d.xlsx")), seed=0)
+
+
+def test_ndjson_is_json_lines(tmp_path):
+    """`.ndjson`, JSON Lines' other name (BigQuery and many loggers write it), was an unsupported file type."""
+    write_jsonl(tmp_path / "d.ndjson", make_rows(4, 1))
+    assert sum(len(ds) for ds in load_data(DataConfig(source=str(tmp_path / "d.ndjson")), seed=0).splits.values()) == 24
 
 
 def test_label_without_training_rows(tmp_path):

@@ -163,7 +163,7 @@ def test_a_txt_text_holding_a_unicode_line_separator_stays_one_row(tmp_path, ins
 # --------------------------------------------------------------------------------------------------
 # Random bytes and truncated files: a clear error or a valid dataset, never anything else.
 
-FORMAT_ENDINGS = [".csv", ".tsv", ".jsonl", ".json", ".parquet", ".txt"]
+FORMAT_ENDINGS = [".csv", ".tsv", ".jsonl", ".json", ".parquet", ".txt", ".arrow"]
 
 
 def _valid_file(tmp_path: Path, ending: str) -> bytes:
@@ -174,6 +174,12 @@ def _valid_file(tmp_path: Path, ending: str) -> bytes:
     path = tmp_path / f"valid{ending}"
     if ending == ".parquet":
         frame.to_parquet(path)
+    elif ending == ".arrow":  # the IPC stream `datasets` writes
+        import pyarrow as pa
+
+        table = pa.Table.from_pandas(frame)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
     elif ending == ".json":
         path.write_text(json.dumps(rows))
     elif ending == ".txt":
@@ -365,6 +371,6 @@ def test_a_csv_without_a_header_says_so(tmp_path):
     (tmp_path / "excel.csv").write_text("sep=;\ntext;label\n" + "".join(f"{r['text']};{r['label']}\n" for r in rows))
     with pytest.raises(UserError, match=r"first line `sep=` is Excel's delimiter hint, not the header: remove that line"):
         _load(tmp_path / "excel.csv")
-    (tmp_path / "named.csv").write_text("Text,Label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
-    with pytest.raises(UserError, match=r"columns found: Text, Label\)\. Set data.text_column / data.label_column"):
+    (tmp_path / "named.csv").write_text("Sentence,Emotion\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"columns found: Sentence, Emotion\)\. Set data.text_column / data.label_column"):
         _load(tmp_path / "named.csv")  # names that look like names keep the plain fix

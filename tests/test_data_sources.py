@@ -327,10 +327,12 @@ def test_ids_written_as_text_are_ids(tmp_path):
 
 @pytest.mark.parametrize(("name", "delimiter", "encoding"), [
     ("d.csv", ";", "utf-8"), ("d.csv", ";", "utf-8-sig"), ("d.csv", "\t", "utf-8"), ("d.tsv", ",", "utf-8"),
-    ("d.tsv", "\t", "utf-16"), ("d.csv", ",", "utf-16-be"), ("d.csv", ",", "utf-32")])
+    ("d.tsv", "\t", "utf-16"), ("d.csv", ",", "utf-16-be"), ("d.csv", ",", "utf-32"),
+    ("d.txt", "\t", "utf-16"), ("d.txt", "\t", "utf-8")])
 def test_spreadsheet_exports_with_another_delimiter_or_a_utf16_mark_are_read(tmp_path, name, delimiter, encoding, capsys):
     """A `;`-separated .csv (spreadsheets in decimal-comma locales) read as one column `text;label`, and a UTF-16 file
-    (a spreadsheet's "Unicode text", which starts with a byte-order mark) failed with "byte 0xff is not valid utf-8"."""
+    (a spreadsheet's "Unicode text", which starts with a byte-order mark) failed with "byte 0xff is not valid utf-8";
+    that export's own ending, .txt, was read as `text;label` lines and refused for having no `;`."""
     rows = make_rows(3, seed=1)
     body = f"text{delimiter}label\r\n" + "".join(f"{r['text']} café{delimiter}{r['label']}\r\n" for r in rows)
     if encoding == "utf-16-be":  # Python's utf-16-be codec writes no mark; a file that has one starts with it
@@ -339,7 +341,7 @@ def test_spreadsheet_exports_with_another_delimiter_or_a_utf16_mark_are_read(tmp
     data = load_data(DataConfig(source=str(tmp_path / name)), seed=0)
     texts = [t for ds in data.splits.values() for t in ds["text"]]
     assert sorted(texts) == sorted(f"{r['text']} café" for r in rows) and sorted(data.labels) == sorted(LABELS)
-    expected = "\t" if name.endswith(".tsv") else ","
+    expected = {".tsv": "\t", ".txt": ";"}.get(Path(name).suffix, ",")
     assert ("the header is separated by" in capsys.readouterr().out) == (delimiter != expected)
 
 
@@ -398,3 +400,106 @@ def test_label_layouts_of_public_datasets(tmp_path):
     with pytest.raises(UserError, match=r"integer ids \(1, 2, 3, 4, 5\) .*one for each id from 0 to 5.*star ratings.*"
                                         r"data.label_names=\[1, 2, 3, 4, 5\]"):
         load_data(DataConfig(source=str(tmp_path / "stars.csv"), text_column="review", label_column="stars"), seed=0)
+
+
+def test_arrow_files_as_datasets_and_feather_write_them_are_read(tmp_path):
+    """`.arrow` files (the IPC stream `datasets` writes: its cache files, the shards of a save_to_disk folder) and
+    Feather files were refused as an unsupported file type. A ClassLabel in the stream's schema gives the names."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.feather as feather
+
+    rows = make_rows(4, seed=3)
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=LABELS)})
+    saved = datasets.Dataset.from_dict({"text": [r["text"] for r in rows], "label": [LABELS.index(r["label"]) for r in rows]},
+                                       features=features)
+    saved.save_to_disk(str(tmp_path / "saved"))
+    shard = next((tmp_path / "saved").glob("*.arrow"))
+    data = load_data(DataConfig(source=str(shard)), seed=0)
+    assert data.labels == LABELS and sum(_sizes(data).values()) == len(rows)
+    feather.write_feather(pa.Table.from_pylist(rows), tmp_path / "train.feather")
+    write_jsonl(tmp_path / "test.jsonl", make_rows(2, seed=4))
+    data = load_data(DataConfig(source=str(tmp_path)), seed=0)  # a folder of split files, one of them Feather
+    assert sorted(data.labels) == sorted(LABELS) and _sizes(data)["test"] == 12
+    (tmp_path / "broken.arrow").write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"broken.arrow` is not a readable Arrow file"):
+        load_data(DataConfig(source=str(tmp_path / "broken.arrow")), seed=0)
+
+
+def test_columns_named_in_other_capitals_are_read_with_a_note(tmp_path, capsys):
+    """A spreadsheet's `Text` and `LABEL ` headers were refused as missing `text` and `label` columns; one column that
+    matches but for capitals and surrounding spaces is read (said in a note), two such columns stay a clear error."""
+    import datasets
+
+    rows = make_rows(3, seed=5)
+    body = "Text, LABEL \n" + "".join(f"{r['text']},{r['label']}\n" for r in rows)
+    (tmp_path / "d.csv").write_text(body, encoding="utf-8")
+    data = load_data(DataConfig(source=str(tmp_path / "d.csv")), seed=0)
+    assert sorted(t for ds in data.splits.values() for t in ds["text"]) == sorted(r["text"] for r in rows)
+    assert "read the column `Text` as text and ` LABEL ` as label" in capsys.readouterr().out
+    features = datasets.Features({"Text": datasets.Value("string"), "Label": datasets.ClassLabel(names=LABELS)})
+    datasets.Dataset.from_dict({"Text": [r["text"] for r in rows], "Label": [LABELS.index(r["label"]) for r in rows]},
+                               features=features).save_to_disk(str(tmp_path / "saved"))
+    assert load_data(DataConfig(source=str(tmp_path / "saved")), seed=0).labels == LABELS  # its ClassLabel's order
+    (tmp_path / "two.csv").write_text("Text,TEXT,label\n" + "".join(f"{r['text']},x,{r['label']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"has no column 'text' \(columns found: Text, TEXT, label\)"):
+        load_data(DataConfig(source=str(tmp_path / "two.csv")), seed=0)
+
+
+def test_a_json_array_in_a_jsonl_file_is_read(tmp_path):
+    """`datasets` reads a JSON array in a .jsonl file; emotune refused it: "line 1 is not valid JSON"."""
+    rows = make_rows(3, seed=6)
+    (tmp_path / "d.jsonl").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    data = load_data(DataConfig(source=str(tmp_path / "d.jsonl")), seed=0)
+    assert sorted(t for ds in data.splits.values() for t in ds["text"]) == sorted(r["text"] for r in rows)
+
+
+def test_string_view_columns_are_text(tmp_path):
+    """Arrow's `string_view` (Polars' string type, kept in the schema of the Parquet files it writes) was refused:
+    "the text column holds string_view values, not text"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not hasattr(pa, "string_view"):
+        pytest.skip("this pyarrow has no string_view type")
+    rows = make_rows(3, seed=8)
+    table = pa.table({name: pa.array([r[name] for r in rows], pa.string_view()) for name in ("text", "label")})
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert pq.read_schema(tmp_path / "d.parquet").field("text").type == pa.string_view()
+    data = load_data(DataConfig(source=str(tmp_path / "d.parquet")), seed=0)
+    assert sorted(data.labels) == sorted(LABELS)
+    assert sorted(t for ds in data.splits.values() for t in ds["text"]) == sorted(r["text"] for r in rows)
+
+
+def test_a_text_written_as_nan_is_no_text(tmp_path):
+    """Python's json writes pandas' missing values as `NaN`; such a text became the text "nan", a row trained as one."""
+    rows = make_rows(3, seed=9)
+    rows[0]["text"] = float("nan")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    data = load_data(DataConfig(source=str(tmp_path / "d.jsonl")), seed=0)
+    assert "nan" not in [t for ds in data.splits.values() for t in ds["text"]]
+    assert data.report["cleaning"]["dropped"]["too_short"] == {"all": 1}  # an empty text, dropped and counted
+
+
+def test_a_json_file_of_splits_under_keys_says_to_write_a_file_per_split(tmp_path):
+    """{"train": [...], "test": [...]} was refused for "fields whose types differ between rows" (or read as two columns
+    of objects when the lists were as long): name the keys and the fix."""
+    (tmp_path / "d.json").write_text(json.dumps({"version": 2, "train": make_rows(3, seed=1), "test": make_rows(1, seed=2)}))
+    with pytest.raises(UserError, match=r"d.json` holds 2 lists of rows, under the keys 'train', 'test' \(splits.*"
+                                        r"Write each list to a file of its own named after its split"):
+        load_data(DataConfig(source=str(tmp_path / "d.json")), seed=0)
+
+
+def test_a_datasets_cache_folder_is_a_folder_of_splits(tmp_path):
+    """The folder `datasets` caches a loaded dataset in holds `<name>-<split>.arrow` files; it "held no train file"."""
+    import datasets
+
+    files = {split: str(write_jsonl(tmp_path / f"{split}.jsonl", make_rows(n, seed=n))) for split, n in
+             (("train", 6), ("validation", 2), ("test", 2))}
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=LABELS)})
+    datasets.load_dataset("json", data_files=files, features=features, cache_dir=str(tmp_path / "cache"))
+    folder = next((tmp_path / "cache").rglob("json-train*.arrow")).parent
+    assert {p.name for p in folder.glob("*.arrow")} == {"json-train.arrow", "json-validation.arrow", "json-test.arrow"}
+    data = load_data(DataConfig(source=str(folder)), seed=0)
+    assert data.labels == LABELS and data.report["split"] == "as given"
+    assert _sizes(data) == {"train": 36, "validation": 12, "test": 12}

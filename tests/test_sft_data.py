@@ -113,6 +113,65 @@ def test_openai_messages_in_parquet(tmp_path):
     assert one.system == "s" and one.messages[0][0] == "user" and one.messages[1][1].startswith("a ")
 
 
+def test_per_turn_keys_that_parquet_fills_with_null_are_keys_not_given(tmp_path):
+    """Parquet (also Arrow, save_to_disk and the hub) gives every turn every key some turn has: the `weight` of OpenAI's
+    format, written on one answer only, was null on the other turns and every row was refused for a weight other than
+    0 or 1; a `train_detail` key anywhere refused all rows. A null is a key not given."""
+    rows = [{"messages": [{"role": "user", "content": f"u {i}"}, {"role": "assistant", "content": "draft", "weight": 0},
+                          {"role": "user", "content": "again"}, {"role": "assistant", "content": f"a {i}"}]}
+            for i in range(20)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "w.parquet")
+    every = [c for s in _data(tmp_path / "w.parquet").splits.values() for c in s]
+    assert len(every) == 20 and all(c.untrained == (0,) for c in every)
+    for row in rows:
+        row["messages"][1] = {"role": "assistant", "content": "draft", "training": False}
+    rows[0]["messages"][3]["train_detail"] = [{"begin_offset": 0, "end_offset": 1, "train": True}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    every = [c for s in _data(tmp_path / "t.parquet", "data.skip_bad_rows=true").splits.values() for c in s]
+    assert len(every) == 19 and all(c.untrained == (0,) for c in every)  # the row with train_detail alone refused
+
+
+def test_a_json_array_under_jsonl_and_objects_over_several_lines_are_read(tmp_path):
+    """A JSON array in a .jsonl file (which `datasets` reads) was refused for its first line, and objects written one
+    after another over several lines (`jq '.[]'`, which classification data read) for a first line that is no object."""
+    rows = _alpaca(20)
+    (tmp_path / "array.jsonl").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    (tmp_path / "jq.json").write_text("\n".join(json.dumps(r, indent=2) for r in rows), encoding="utf-8")
+    for name in ("array.jsonl", "jq.json"):
+        every = [c for s in _data(tmp_path / name).splits.values() for c in s]
+        assert sorted(c.response for c in every) == sorted(r["output"] for r in rows)
+    (tmp_path / "broken.jsonl").write_text(json.dumps(rows, indent=2)[:-40], encoding="utf-8")
+    with pytest.raises(UserError, match=r"broken.jsonl` is not valid JSON: .* at line \d+, column \d+"):
+        _data(tmp_path / "broken.jsonl")
+
+
+def test_nan_that_pythons_json_writes_for_pandas_missing_values_is_no_value(tmp_path):
+    """json.dumps of a DataFrame's records writes a missing value as `NaN`: the system prompt became the text "NaN", an
+    empty input was joined as "NaN", and an empty history refused the row."""
+    nan = float("nan")
+    rows = [{"instruction": f"q {i}", "input": nan if i % 2 else f"context {i}", "output": f"a {i}", "system": nan,
+             "history": nan, "images": nan, "kind": nan} for i in range(20)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert "NaN" in (tmp_path / "d.jsonl").read_text()
+    every = [c for s in _data(tmp_path / "d.jsonl").splits.values() for c in s]
+    assert len(every) == 20 and all(c.system is None and c.kind is None and len(c.messages) == 2 for c in every)
+    assert sorted(c.messages[0][1] for c in every) == sorted(f"q {i}" if i % 2 else f"q {i}\n\ncontext {i}"
+                                                             for i in range(20))
+
+
+@pytest.mark.parametrize("name", ["d.csv", "d.tsv"])
+def test_csv_cells_of_conversations_are_read_as_written(tmp_path, name):
+    """Arrow typed CSV columns by their values, so an answer `0.50` was trained as `0.5`, `007` as `7.0` and an
+    input `0.10` joined as `0.1`; conversations are text, as written."""
+    delimiter = "\t" if name.endswith(".tsv") else ","
+    lines = ["instruction", "input", "output"], *([f"price of item {i}", "0.10", "0.50" if i % 2 else "007"]
+                                                   for i in range(20))
+    (tmp_path / name).write_text("".join(delimiter.join(line) + "\n" for line in lines), encoding="utf-8")
+    every = [c for s in _data(tmp_path / name).splits.values() for c in s]
+    assert sorted({c.response for c in every}) == ["0.50", "007"]
+    assert all(c.messages[0][1].endswith("\n\n0.10") for c in every)
+
+
 def test_json_array_and_folder_of_split_files(tmp_path):
     folder = tmp_path / "split"
     folder.mkdir()
@@ -326,8 +385,19 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
                     {"role": "assistant", "content": "a cat"}]}], r"holds images, audio or video"),
     ([{"instruction": "q", "output": ["good answer", "bad answer"]}], r"the response is a list, as in a ranking dataset"),
     ([{"instruction": "q", "chosen": "good", "rejected": "bad"}], r"is a preference dataset \(columns `chosen` and `rejected`\)"),
+    # OpenAI's preference fine-tuning lines were "in none of the formats", with a fix (data.format) that cannot fit
+    ([{"input": {"messages": [{"role": "user", "content": "q"}]},
+       "preferred_output": [{"role": "assistant", "content": "good"}],
+       "non_preferred_output": [{"role": "assistant", "content": "bad"}]}],
+     r"is OpenAI's preference \(DPO\) fine-tuning data \(columns `preferred_output` and `non_preferred_output`\)"),
+    # TRL's unpaired preference (KTO) rows were read as prompt-completion rows, training the bad completions too
+    ([{"prompt": "q", "completion": "good", "label": True}, {"prompt": "q2", "completion": "bad", "label": False}],
+     r"is an unpaired preference dataset \(TRL's KTO format.*Keep the rows whose label is true"),
     ([], r"holds no rows"),
     ([{"text": "### Human: q ### Assistant: a"}], r"has a `text` column and no prompt or answer .*language modelling"),
+    # Axolotl's template-free rows were told to "set data.format and data.columns", which no setting can match
+    ([{"segments": [{"label": False, "text": "<s>[INST] q [/INST]"}, {"label": True, "text": " a</s>"}]}],
+     r"has a `segments` column: Axolotl's template-free input_output format.*Give the rows as messages"),
     ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "q2"},
                     {"role": "assistant", "content": "a"}]}], r"an earlier assistant turn is empty"),
     ([{"instruction": "q", "output": "a", "history": [["hi", ""]]}], r"an earlier assistant turn is empty"),
@@ -414,6 +484,36 @@ def test_openai_tool_calls_beside_text_and_the_older_function_call_are_kept(tmp_
     assert one.messages[3][1] == json.dumps({"name": "log", "arguments": "{}"})
 
 
+def test_the_functions_of_openais_older_function_calling_format_are_the_rows_tools(tmp_path):
+    """OpenAI's older function-calling fine-tuning lines describe their functions in `functions` (beside `function_call`
+    answers); they were left out, so the model learnt to call functions its prompt never described."""
+    functions = [{"name": "weather", "description": "today's weather", "parameters": {"type": "object"}}]
+    rows = [{"messages": [{"role": "user", "content": f"weather {i}?"},
+                          {"role": "assistant", "function_call": {"name": "weather", "arguments": "{}"}},
+                          {"role": "function", "name": "weather", "content": "sunny"},
+                          {"role": "assistant", "content": f"sunny {i}"}], "functions": functions} for i in range(20)]
+    every = [c for s in _data(write_jsonl(tmp_path / "f.jsonl", rows)).splits.values() for c in s]
+    assert len(every) == 20 and all(c.tools == json.dumps(functions) for c in every)
+    assert every[0].chat()[0] == {"role": "system", "content": "Tools available:\n" + json.dumps(functions)}
+
+
+def test_the_results_of_parallel_tool_calls_are_one_user_turn(tmp_path):
+    """OpenAI's fine-tuning format answers parallel tool calls with one `tool` message each; two results in a row were
+    refused as turns that do not alternate. They are one user turn, in their order, and the answers stay trained."""
+    calls = [{"id": str(k), "type": "function", "function": {"name": "weather", "arguments": json.dumps({"city": city})}}
+             for k, city in enumerate(("Oslo", "Rome"))]
+    rows = [{"messages": [{"role": "user", "content": f"weather in Oslo and Rome {i}?"},
+                          {"role": "assistant", "tool_calls": calls},
+                          {"role": "tool", "tool_call_id": "0", "content": "rain"},
+                          {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+                          {"role": "assistant", "content": f"Oslo rain, Rome sunny {i}"}]} for i in range(20)]
+    every = [c for s in _data(write_jsonl(tmp_path / "t.jsonl", rows)).splits.values() for c in s]
+    assert len(every) == 20
+    assert all([r for r, _ in c.messages] == ["user", "assistant", "user", "assistant"] for c in every)
+    assert all(c.messages[1][1] == json.dumps(calls) and c.messages[2][1] == "rain\nsunny" and not c.untrained
+               for c in every)
+
+
 def test_a_row_with_tools_and_no_system_prompt_gets_the_runs_system_prompt(tmp_path):
     """The tools were written into the row's system prompt, so a row without one had a system prompt of tools only
     and prompt.system_prompt (LLaMA-Factory's default_system) never reached it."""
@@ -447,6 +547,36 @@ def test_h2o_parent_id_chains_give_each_row_its_earlier_turns(tmp_path, capsys):
     rows = [{"id": i, "parent_id": 99 if i == 4 else None, "instruction": f"q {i}", "output": f"a {i}"} for i in range(20)]
     with pytest.raises(UserError, match=r"rows 5: the `parent_id` names an `id` no row has"):
         _data(write_jsonl(tmp_path / "broken.jsonl", rows))
+
+
+def test_h2o_ids_that_pandas_wrote_as_decimals_name_their_rows(tmp_path):
+    """pandas writes a numeric `parent_id` column with empty cells as decimals (`4.0`) beside the ids (`4`); read as
+    the text written (as conversation CSVs are), `4.0` named no row."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"id": range(20), "parent_id": [i - 1 if i % 2 else None for i in range(20)],
+                          "instruction": [f"q {i}" for i in range(20)], "output": [f"a {i}" for i in range(20)]})
+    frame.to_csv(tmp_path / "h2o.csv", index=False)
+    assert "\n5,4.0,q 5,a 5\n" in (tmp_path / "h2o.csv").read_text()
+    every = {c.response: c for s in _data(tmp_path / "h2o.csv").splits.values() for c in s}
+    assert every["a 5"].messages == (("user", "q 4"), ("assistant", "a 4"), ("user", "q 5"), ("assistant", "a 5"))
+
+
+def test_a_datasets_cache_folder_of_conversations_is_read_as_its_splits(tmp_path):
+    """The folder `datasets` caches a loaded dataset in holds `<name>-<split>.arrow` files and a dataset_info.json of
+    its own (builder_name, features, splits), which was taken for LLaMA-Factory's: "name the datasets to train on"."""
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(26)]
+    files = {"train": str(write_jsonl(tmp_path / "train.jsonl", rows[:20])),
+             "test": str(write_jsonl(tmp_path / "test.jsonl", rows[20:]))}
+    datasets.load_dataset("json", data_files=files, cache_dir=str(tmp_path / "cache"))
+    folder = next((tmp_path / "cache").rglob("json-train.arrow")).parent
+    assert (folder / "dataset_info.json").is_file()
+    data = _data(folder)
+    assert sorted(c.response for c in data.splits["test"]) == [f"answer {i}" for i in range(20, 26)]
+    assert sum(len(s) for s in data.splits.values()) == 26
 
 
 def test_a_gzip_compressed_conversation_file_is_read(tmp_path):

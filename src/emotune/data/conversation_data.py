@@ -128,10 +128,9 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
         if not rows:
             problems.append(f"`{path}` holds no rows; give it conversations, or remove it")
             continue
-        if {"chosen", "rejected"} <= set(column_names):
-            problems.append(f"`{path}` is a preference dataset (columns `chosen` and `rejected`), for DPO/ORPO-style "
-                            "training; the sft task trains on one answer per prompt. Give an SFT dataset, or keep only "
-                            "the chosen answers as its response")
+        preference = _preference_problem(path, column_names, rows)
+        if preference:
+            problems.append(preference)
             continue
         fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
                                                                                  entry.columns)
@@ -141,6 +140,13 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
                             f"{', '.join(column_names)}): plain text for language modelling (TRL's text datasets, "
                             "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "
                             "conversations (messages, prompt/completion or instruction/output columns)")
+            continue
+        if fmt is None and "segments" in column_names:
+            problems.append(f"`{path}` has a `segments` column: Axolotl's template-free input_output format (texts "
+                            "written with their own chat markup, each marked trained or not), which emotune cannot read "
+                            "as turns, as it renders every conversation with the model's chat template. Give the rows "
+                            "as messages ({\"messages\": [{\"role\": \"user\", ...}, {\"role\": \"assistant\", ...}]}) "
+                            "without the markup")
             continue
         if fmt is None:
             problems.append(f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
@@ -174,6 +180,22 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     if cfg.max_samples is not None:
         out = out[:cfg.max_samples]
     return _resample(out, entry.num_samples, seed)
+
+
+def _preference_problem(path: Path, column_names: list[str], rows: list[dict]) -> str | None:
+    """Why a file of preference data (good and bad answers, for DPO/ORPO/KTO-style training) is no sft data; None when
+    it is not one."""
+    names = set(column_names)
+    for good, bad, kind in (("chosen", "rejected", "a preference dataset"),
+                            ("preferred_output", "non_preferred_output", "OpenAI's preference (DPO) fine-tuning data")):
+        if {good, bad} <= names:
+            return (f"`{path}` is {kind} (columns `{good}` and `{bad}`), for DPO/ORPO-style training; the sft task "
+                    f"trains on one answer per prompt. Give an SFT dataset, or keep only the {good} answers as its response")
+    if {"prompt", "completion", "label"} <= names and any(isinstance(row.get("label"), bool) for row in rows):
+        return (f"`{path}` is an unpaired preference dataset (TRL's KTO format: `prompt`, `completion` and a true/false "
+                "`label` saying whether the completion is a good one); the sft task would train on the bad completions "
+                "too. Keep the rows whose label is true and remove the `label` column")
+    return None
 
 
 def _resample(rows: list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:

@@ -10,8 +10,9 @@ dataset registered for LLaMA-Factory reads the same here. Every row becomes a `C
 prompt (or None), turns alternating user/assistant and ending with the assistant, and the row's kind. An Alpaca
 row's instruction and input become one user turn, joined by data.input_separator (a blank line; one newline in a
 translated LLaMA-Factory config, as LLaMA-Factory joins them).
-Tool calls count as assistant turns and tool results as user turns, both kept as plain text (LLaMA-Factory
-trains on tool calls the same way); a row's tool descriptions are appended to its system prompt as text.
+Tool calls count as assistant turns and tool results as user turns (the results of parallel calls, one after
+another, as one), both kept as plain text (LLaMA-Factory trains on tool calls the same way); a row's tool
+descriptions are appended to its system prompt as text.
 
 A malformed row is not an exception here: `normalise` returns the reason, and the caller reports every
 bad row at once (or skips them, with data.skip_bad_rows).
@@ -20,6 +21,7 @@ bad row at once (or skips them, with data.skip_bad_rows).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from emotune.core.config.sft import INPUT_SEPARATOR, SftColumns, SftTags
@@ -148,7 +150,7 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
               input_separator: str = INPUT_SEPARATOR) -> Conversation | str:
     """The row as a Conversation, or the reason it is refused; an Alpaca row's instruction and input are joined by
     `input_separator` (data.input_separator)."""
-    if any(row.get(column) for column in MEDIA_COLUMNS):
+    if any(row.get(column) and not _is_missing(row.get(column)) for column in MEDIA_COLUMNS):
         return MEDIA
     if fmt == "alpaca":
         found = _alpaca(row, columns, input_separator)
@@ -160,7 +162,8 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
     if isinstance(found, str):
         return found
     system, messages, untrained = found
-    tools = _text(row.get(columns.tools))
+    tools = _text(row.get(columns.tools) if row.get(columns.tools) is not None or fmt != "messages" else
+                  row.get("functions"))  # OpenAI's older function-calling format: `functions` beside `function_call`
     tools = tools if tools.strip() not in ("", "[]") else None
     problem = _check(messages)
     if problem:
@@ -168,8 +171,8 @@ def normalise(row: dict, fmt: str, columns: SftColumns, tags: SftTags, source: s
     if untrained and untrained[-1] == sum(role == "assistant" for role, _ in messages) - 1:
         return UNTRAINED_RESPONSE
     kind = row.get(columns.kind)
-    return Conversation(tuple(messages), system or None, None if kind is None else str(kind), source, tuple(untrained),
-                        tools)
+    return Conversation(tuple(messages), system or None, None if _is_missing(kind) else str(kind), source,
+                        tuple(untrained), tools)
 
 
 Turns = tuple[str | None, list[tuple[str, str]], list[int]]  # system prompt, (role, text) turns, untrained answers
@@ -177,7 +180,7 @@ Turns = tuple[str | None, list[tuple[str, str]], list[int]]  # system prompt, (r
 
 def _alpaca(row: dict, columns: SftColumns, separator: str) -> Turns | str:
     messages: list[tuple[str, str]] = []
-    history = row.get(columns.history) or []
+    history = [] if _is_missing(row.get(columns.history)) else row.get(columns.history) or []
     if not isinstance(history, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in history):
         return BAD_HISTORY
     for question, answer in history:
@@ -213,6 +216,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     system_side, user_side, assistant_side = ({r for r, s in side.items() if s == want}
                                               for want in ("system", "user", "assistant"))
     system_text = _text(system) or None
+    results = {tags.observation_tag, *(("function",) if tags is OPENAI_TAGS else ())}  # a tool's result
     messages: list[tuple[str, str]] = []
     untrained: list[int] = []
     for i, turn in enumerate(turns):
@@ -222,8 +226,10 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
         if any(turn.get(key) for key in REASONING_KEYS):
             return REASONING
         text = turn_text(turn, tags)
-        flag = next((turn[k] for k in TRAINING_KEYS if k in turn), None)
-        if "train_detail" in turn:
+        # a key given as null is a key not given: columnar files (Parquet, Arrow, save_to_disk, the hub) give every turn
+        # every key any turn has, null where it had none
+        flag = next((turn[k] for k in TRAINING_KEYS if turn.get(k) is not None), None)
+        if turn.get("train_detail") is not None:
             return TRAIN_DETAIL
         if flag is not None and not isinstance(flag, bool):
             return BAD_TRAINING
@@ -233,10 +239,13 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
             system_text = text or system_text
         elif role in system_side:
             return LATE_SYSTEM
+        elif role in results and i > 0 and turns[i - 1].get(tags.role_tag) in results:
+            # the results of parallel tool calls, one turn each (OpenAI's format): one user turn, in their order
+            messages[-1] = ("user", "\n".join(t for t in (messages[-1][1], text) if t))
         elif role in user_side:
             messages.append(("user", text))
         elif role in assistant_side:
-            weight = turn.get("weight", 1)
+            weight = 1 if turn.get("weight") is None else turn["weight"]
             if weight not in (0, 1) or isinstance(weight, bool):
                 return BAD_WEIGHT
             if weight == 0 or flag is False:
@@ -313,11 +322,16 @@ def _check(messages: list[tuple[str, str]]) -> str | None:
 
 
 def _text(value: object) -> str:
-    if value is None:
+    if _is_missing(value):
         return ""
     if isinstance(value, str):
         return value
     return json.dumps(value, ensure_ascii=False)  # tools given as a list, a number as an answer
+
+
+def _is_missing(value: object) -> bool:
+    """None, or NaN: pandas' missing value, which Python's json writes as `NaN` (json.dumps of a DataFrame's records)."""
+    return value is None or (isinstance(value, float) and value != value)
 
 
 # H2O LLM Studio's chained conversations: one row per turn, `parent_id` naming the row (by `id`) whose turn comes before
@@ -375,4 +389,6 @@ def _id(value: object) -> str | None:
         return None
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return str(value).strip()
+    text = str(value).strip()
+    whole = re.fullmatch(r"([+-]?\d+)\.0*", text)  # `7.0`: pandas writes the ids of a column with empty cells so
+    return whole[1] if whole else text

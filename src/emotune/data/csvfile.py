@@ -24,17 +24,21 @@ MAX_ROW_BYTES = 64 << 20  # longest row read; Arrow must fit a whole row in one 
 LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 Lines = Callable[[], Iterable[str]]  # the file's lines, decoded, with their line endings (newline="")
+EVERY_COLUMN = "\0every column"
+"""As the text column: every column is text, as written (conversations: an answer `0.50` or `007` is not a number)."""
 
 
 def read_csv(path: Path, source: str | pa.Buffer, delimiter: str, lines: Lines, text_column: str,
              label_column: str, notes: list[str]) -> pa.Table:
-    """The file as a table (the text column always as strings, so `1.50` or a date stay as written)."""
+    """The file as a table (the text column, or with EVERY_COLUMN every column, always as strings, so `1.50` or a date
+    stay as written)."""
+    texts = _header(lines, delimiter) if text_column == EVERY_COLUMN else [text_column]
     try:
-        return _read_quoted(path, source, delimiter, lines, text_column, label_column, notes)
+        return _read_quoted(path, source, delimiter, lines, texts, label_column, notes)
     except UserError:
         if delimiter != "\t":
             raise
-        unquoted = _unquoted_tsv(source, text_column)  # GLUE-style TSV: a quote is text, never a field's fence
+        unquoted = _unquoted_tsv(source, texts)  # GLUE-style TSV: a quote is text, never a field's fence
         if unquoted is None:
             raise
         notes.append(f"`{path}`: read with quotes as part of the text (a TSV without quoting, as GLUE's files are): "
@@ -42,11 +46,20 @@ def read_csv(path: Path, source: str | pa.Buffer, delimiter: str, lines: Lines, 
         return unquoted
 
 
-def _read_quoted(path: Path, source: str | pa.Buffer, delimiter: str, lines: Lines, text_column: str,
+def _header(lines: Lines, delimiter: str) -> list[str]:
+    """The header's names, as the csv module reads them (none when it cannot: Arrow's read then says what is wrong)."""
+    with _field_limit(MAX_ROW_BYTES), contextlib.closing(iter(lines())) as source:
+        try:
+            return next(csv.reader(source, delimiter=delimiter), [])
+        except csv.Error:
+            return []
+
+
+def _read_quoted(path: Path, source: str | pa.Buffer, delimiter: str, lines: Lines, texts: list[str],
                  label_column: str, notes: list[str]) -> pa.Table:
     kind = "TSV" if delimiter == "\t" else "CSV"
     try:
-        table = _arrow_read(source, delimiter, text_column)
+        table = _arrow_read(source, delimiter, texts)
     except Exception as err:  # Arrow's message has no line number; find the first bad row ourselves
         where = _bad_row(lines, delimiter) or first_line(err)
         raise UserError(f"`{path}` is not valid {kind}: {where}. Quote fields that contain the delimiter or a "
@@ -56,11 +69,11 @@ def _read_quoted(path: Path, source: str | pa.Buffer, delimiter: str, lines: Lin
     return table
 
 
-def _unquoted_tsv(source: str | pa.Buffer, text_column: str) -> pa.Table | None:
+def _unquoted_tsv(source: str | pa.Buffer, texts: list[str]) -> pa.Table | None:
     """The file read with no quoting, when every row then has the header's number of fields and no field is wrapped
     in quotes whole (a file that quotes its fields and has one quote wrong keeps its error); None otherwise."""
     try:
-        table = _arrow_read(source, "\t", text_column, quoting=False)
+        table = _arrow_read(source, "\t", texts, quoting=False)
     except Exception:  # rows of other lengths: the quotes were fences after all, and the first error stands
         return None
     fenced = any(pc.any(pc.match_substring_regex(column, '^".*"$')).as_py()
@@ -68,10 +81,11 @@ def _unquoted_tsv(source: str | pa.Buffer, text_column: str) -> pa.Table | None:
     return None if fenced else table
 
 
-def _arrow_read(source: str | pa.Buffer, delimiter: str, text_column: str, quoting: bool = True) -> pa.Table:
+def _arrow_read(source: str | pa.Buffer, delimiter: str, texts: list[str], quoting: bool = True) -> pa.Table:
+    """The table, the `texts` columns as strings."""
     parse = (pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True) if quoting else
              pa_csv.ParseOptions(delimiter=delimiter, quote_char=False, newlines_in_values=False))
-    convert = pa_csv.ConvertOptions(column_types={text_column: pa.string()})
+    convert = pa_csv.ConvertOptions(column_types=dict.fromkeys(texts, pa.string()))
 
     def attempt(block_size: int | None) -> pa.Table:
         reader = source if isinstance(source, str) else pa.BufferReader(source)

@@ -40,7 +40,16 @@ class Entry:
 
 
 def has_dataset_info(folder: Path) -> bool:
-    return (folder / INFO_FILE).is_file()
+    """LLaMA-Factory's dataset_info.json, not the file of that name `datasets` writes beside its cache files (one
+    dataset's description: its `builder_name`, `features` and `splits`)."""
+    path = folder / INFO_FILE
+    if not path.is_file():
+        return False
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True  # read_entries says what is wrong with it
+    return not (isinstance(info, dict) and {"builder_name", "features", "splits"} <= set(info))
 
 
 def read_entries(folder: Path, names: list[str], cfg: SftDataConfig, problems: list[str]) -> list[Entry]:

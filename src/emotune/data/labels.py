@@ -33,18 +33,14 @@ def label_key(value: str) -> str:
 def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
     """Text as strings (nulls become empty, numbers become text); labels as strings or integers."""
     table = raw.table
-    text, label = table.column("text"), table.column("label")
-    if pa.types.is_dictionary(text.type):
-        text = text.cast(text.type.value_type)
-    if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type) or pa.types.is_null(text.type)
+    text, label = (_plain_strings(table.column(name)) for name in ("text", "label"))
+    if not (pa.types.is_string(text.type) or pa.types.is_null(text.type)
             or pa.types.is_integer(text.type) or pa.types.is_floating(text.type)):
         problems.append(f"{raw.origin}: the text column holds {text.type} values, not text. Point data.text_column "
                         "at the column with the text")
         return None
     text = pc.fill_null(text.cast(pa.string()), "")
-    if pa.types.is_dictionary(label.type):
-        label = label.cast(label.type.value_type)
-    if pa.types.is_boolean(label.type) or pa.types.is_null(label.type) or pa.types.is_large_string(label.type):
+    if pa.types.is_boolean(label.type) or pa.types.is_null(label.type):
         label = label.cast(pa.string())
     if pa.types.is_string(label.type):  # invisible characters (zero-width space, direction marks, a stray BOM), as
         label = pc.replace_substring_regex(label, CONTROL_CHARS, "")  # cleaning removes them from texts
@@ -70,6 +66,20 @@ def coerce_columns(raw: RawSplit, problems: list[str]) -> pa.Table | None:
                         "ids. Point data.label_column at the label column")
         return None
     return pa.table({"text": text, "label": label})
+
+
+def _plain_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Arrow's other string types as `string`: `string_view` (Polars' strings, which its Parquet files keep) and
+    `large_string`; a dictionary (pandas' categories) as its values."""
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    if pa.types.is_large_string(column.type) or _is_string_view(column.type):
+        return column.cast(pa.string())
+    return column
+
+
+def _is_string_view(kind: pa.DataType) -> bool:
+    return bool(getattr(pa.types, "is_string_view", lambda _: False)(kind))  # the type is new in pyarrow 16
 
 
 def _one_label_each(label: pa.ChunkedArray, raw: RawSplit, problems: list[str]) -> pa.ChunkedArray | None:

@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import lzma
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,12 +23,15 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from emotune.core.errors import UserError, first_line
-from emotune.data.csvfile import Lines, read_csv
+from emotune.data.csvfile import EVERY_COLUMN, Lines, read_csv
 
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
+           ".txt": "txt", ".arrow": "arrow", ".feather": "arrow"}  # Arrow IPC: `datasets`' cache and save_to_disk files
+SPREADSHEETS = (".xlsx", ".xls", ".xlsm", ".ods", ".numbers")
 BOM = b"\xef\xbb\xbf"
 UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
+_SPACE = re.compile(r"\s*")
 JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
 # compressed files as hubs and papers ship them (train.jsonl.gz): read whole into memory, then like the plain file
 COMPRESSED = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
@@ -46,12 +50,17 @@ def is_data_file(path: Path) -> bool:
 def read_table(path: Path, encoding: str, text_column: str, label_column: str, notes: list[str]) -> pa.Table:
     """One file as a table; things worth a look that are not errors go to `notes`."""
     fmt = FORMATS.get(data_suffix(path))
+    if fmt is None and path.suffix.lower() in SPREADSHEETS:
+        raise UserError(f"`{path}` is a spreadsheet workbook, which emotune does not read. Save the sheet as CSV "
+                        "(\"CSV UTF-8\" in Excel; File > Download > CSV in Google Sheets) and point data.source at it.")
     if fmt is None:
         raise UserError(f"`{path}`: unsupported file type `{''.join(path.suffixes[-2:]) or '(no ending)'}`. Use one "
                         f"of {', '.join(FORMATS)} (TXT holds one `text;label` per line), also compressed with "
                         f"{', '.join(COMPRESSED)} (e.g. train.jsonl.gz).")
     if fmt == "parquet":
         return _read_parquet(path)
+    if fmt == "arrow":
+        return _read_arrow(path)
     compressed = path.suffix.lower() in COMPRESSED
     if (fmt != "json" and fmt != "txt" and not compressed and _is_utf8(encoding) and _valid_utf8_file(path)
             and not _has_bom(path)):
@@ -66,6 +75,10 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         text = _decode(path, raw, encoding)
         if not text.strip():
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
+        if fmt == "txt" and _tab_header(text):
+            fmt = "tsv"  # a spreadsheet's "Unicode text" export: tab-separated, UTF-16, under .txt
+            notes.append(f"`{path}`: the header is separated by tabs, not the `;` of a `text;label` TXT file; read as "
+                         "tab-separated (a spreadsheet's \"Unicode text\").")
         if fmt in ("json", "txt"):
             if fmt == "json":
                 return _read_json(path, text, (text_column, label_column))
@@ -101,15 +114,18 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str)
     if path.is_dir():  # one split of a save_to_disk folder (emotune.data.sources.saved_splits)
         return _saved_rows(path)
     fmt = FORMATS.get(data_suffix(path))
-    if fmt not in ("json", "jsonl", "txt"):
-        table = read_table(path, encoding, text_column, label_column, [])
+    if fmt not in ("json", "jsonl", "txt"):  # CSV and TSV cells as written: a conversation's `0.50` is no number
+        table = read_table(path, encoding, EVERY_COLUMN, label_column, [])
         return table.column_names, table.to_pylist()
     text = _decode(path, read_bytes(path), encoding)
     if not text.strip():
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
     if fmt == "txt":  # one document per line, as LLaMA-Factory's text loader reads it (wiki_demo.txt): not text;label
         return ["text"], [{"text": line} for line in _lines(text) if line.strip()]
-    rows = _json_lines(path, text) if fmt == "jsonl" else _json_rows(path, text, text_column, label_column)
+    if fmt == "jsonl" and not text.lstrip().startswith("["):
+        rows = _json_lines(path, text)
+    else:  # a JSON array under .jsonl too, as `datasets` reads one
+        rows = _json_rows(path, text, text_column, label_column)
     return list(dict.fromkeys(key for row in rows for key in row)), rows
 
 
@@ -129,7 +145,13 @@ def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> li
         value = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _json_lines(path, text)  # many `.json` files are really JSON Lines
+            try:
+                return _json_lines(path, text)  # many `.json` files are really JSON Lines
+            except UserError:
+                objects = _json_objects(text)  # or objects written one after another over several lines (jq's output)
+                if objects is None:
+                    raise
+                return objects
         value = None
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
@@ -137,6 +159,20 @@ def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> li
     if isinstance(value, list) and all(isinstance(r, dict) for r in value):
         return value
     return _read_json(path, text).to_pylist()  # columns of an object, or the error that says what is wrong
+
+
+def _json_objects(text: str) -> list[dict] | None:
+    """JSON objects one after another, each over any number of lines (`jq '.[]'` writes them so); None if it is not."""
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while (at := _SPACE.match(text, at).end()) < len(text):
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        objects.append(value)
+    return objects
 
 
 def _json_lines(path: Path, text: str) -> list[dict]:
@@ -207,6 +243,21 @@ def _read_parquet(path: Path) -> pa.Table:
                         "downloaded and that its ending matches its real format.") from None
 
 
+def _read_arrow(path: Path) -> pa.Table:
+    """An Arrow IPC file (Feather v2) or stream (what `datasets` writes: its cache files, save_to_disk's shards)."""
+    data = read_bytes(path) if path.suffix.lower() in COMPRESSED else pa.memory_map(str(path))
+    try:
+        try:
+            table = pa.ipc.open_file(data).read_all()
+        except pa.ArrowInvalid:  # no file footer: a stream
+            table = pa.ipc.open_stream(data if isinstance(data, bytes) else pa.memory_map(str(path))).read_all()
+        table.validate(full=True)
+        return table
+    except Exception as err:  # Arrow raises several types for bad files; the user needs the file and the cause
+        raise UserError(f"`{path}` is not a readable Arrow file ({first_line(err)}). Check that it was fully "
+                        "downloaded and that its ending matches its real format.") from None
+
+
 def _decode(path: Path, raw: bytes, encoding: str) -> str:
     """The file as text, or a UserError naming the line and column of the first byte that does not decode."""
     codec = "utf-8-sig" if _is_utf8(encoding) else encoding
@@ -230,6 +281,8 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[s
         return pa_json.read_json(reader, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
     except Exception as err:
         problem = _bad_json_line(lines())
+        if problem and "".join(lines()).lstrip().startswith("["):  # a JSON array under .jsonl, as `datasets` reads one
+            return _read_json(path, "".join(lines()), used)
         if problem:
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
@@ -249,8 +302,9 @@ def _rows_table(path: Path, rows: list[dict], used: tuple[str, ...]) -> pa.Table
     columns = {}
     for name in names:
         values = [row.get(name) for row in rows]
-        if name == text_column:
-            values = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
+        if name == text_column:  # NaN: how Python's json writes pandas' missing values; no text, not the text "nan"
+            values = [None if isinstance(v, float) and v != v else
+                      str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
         elif name not in used:
             values = [None if v is None else json.dumps(v, ensure_ascii=False) for v in values]
         try:
@@ -304,6 +358,12 @@ def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
         lists = [v for v in value.values() if isinstance(v, list)]
         if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]):
             value = lists[0]  # {"data": [{...}, ...]}
+        elif len(lists) > 1 and all(v and all(isinstance(r, dict) for r in v) for v in lists):
+            keys = ", ".join(repr(k) for k, v in value.items() if isinstance(v, list))
+            raise UserError(f"`{path}` holds {len(lists)} lists of rows, under the keys {keys} (splits, as some "
+                            "datasets ship them in one file). Write each list to a file of its own named after its "
+                            "split (train.json, validation.json, test.json) in one folder and point data.source at "
+                            "the folder, or keep one list.")
         elif value and all(isinstance(v, list) for v in value.values()):
             return _arrow(path, lambda: pa.table(value))  # columns
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
@@ -330,6 +390,12 @@ def _lines(text: str) -> list[str]:
     str.splitlines also ends a line at U+2028/U+2029, U+0085, form feeds and \\x1c-\\x1e, which texts hold (pasted
     web text): a text with one became two lines, one of them without its `;label`."""
     return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
+def _tab_header(text: str) -> bool:
+    """The first line has tabs and no `;`: a header of tab-separated columns, not a `text;label` row."""
+    first = next((line for line in _lines(text[:1 << 16]) if line.strip()), "")
+    return "\t" in first and ";" not in first
 
 
 def _read_txt(path: Path, text: str, text_column: str, label_column: str) -> pa.Table:

@@ -22,12 +22,15 @@ from platformdirs import user_cache_dir
 
 from emotune.core.config.data import DataConfig
 from emotune.core.errors import UserError
-from emotune.data.read import FORMATS, is_data_file, read_table
+from emotune.data.read import FORMATS, data_suffix, is_data_file, read_table
 
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "val", "valid", "dev", "eval", "evaluation"),
                  "test": ("test", "testing")}
 SPLIT_FILE = re.compile(r"^(?P<split>[a-z]+)(?:[-_.].*)?$")  # train.csv, train-00000-of-00001.parquet
+# the cache files `datasets` writes (~/.cache/huggingface/datasets/<name>/<config>/<version>/<hash>/): emotion-train.arrow,
+# emotion-train-00000-of-00002.arrow
+CACHE_FILE = re.compile(r"^.+-(?P<split>[a-z]+)(?:-\d{5}-of-\d{5})?$")
 HUB_PREFIXES = ("hf:", "modelscope:")
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # never rows
 EMBEDDED_LABELS = ["sadness", "joy", "love", "anger", "fear", "surprise"]
@@ -117,8 +120,9 @@ def split_files(folder: Path, require_train: bool = True) -> dict[str, list[Path
     for file in sorted(p for p in folder.rglob("*") if p.is_file() and is_data_file(p)):
         if file.name.lower() in METADATA_FILES or any(part.startswith(".") for part in file.relative_to(folder).parts):
             continue  # hidden folders: download caches, .git
-        match = SPLIT_FILE.match(file.stem.lower())
-        split = next((s for s, aliases in SPLIT_ALIASES.items() if match and match["split"] in aliases), None)
+        split = _split_named(file.stem.lower(), SPLIT_FILE)
+        if split is None and data_suffix(file) == ".arrow":
+            split = _split_named(file.stem.lower(), CACHE_FILE)
         if split is None:
             loose.setdefault(file.parent, []).append(file)
         else:
@@ -136,9 +140,14 @@ def split_files(folder: Path, require_train: bool = True) -> dict[str, list[Path
                     f"and test.* with one of the endings {', '.join(FORMATS)}, or point data.source at one file.")
 
 
+def _split_named(stem: str, pattern: re.Pattern) -> str | None:
+    match = pattern.match(stem)
+    return next((s for s, aliases in SPLIT_ALIASES.items() if match and match["split"] in aliases), None)
+
+
 def _read_files(paths: list[Path], cfg: DataConfig) -> RawSplit:
     notes: list[str] = []
-    tables = [_select_columns(read_table(path, cfg.encoding, cfg.text_column, cfg.label_column, notes), path, cfg)
+    tables = [_select_columns(read_table(path, cfg.encoding, cfg.text_column, cfg.label_column, notes), path, cfg, notes)
               for path in paths]
     origin = f"`{paths[0]}`" if len(paths) == 1 else f"`{paths[0]}` (+{len(paths) - 1} more shards)"
     try:
@@ -148,19 +157,34 @@ def _read_files(paths: list[Path], cfg: DataConfig) -> RawSplit:
     return RawSplit(table=table, origin=origin, class_names=_class_names(table), notes=notes)
 
 
-def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig) -> pa.Table:
-    missing = [c for c in (cfg.text_column, cfg.label_column) if c not in table.column_names]
+def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig, notes: list[str]) -> pa.Table:
+    """The text and label columns as `text` and `label`; a column named in other capitals or with spaces around the
+    name (`Text`, `LABEL `, as spreadsheets write headers) is the configured one when no other column matches."""
+    text_column, label_column = (_column_named(table.column_names, c) for c in (cfg.text_column, cfg.label_column))
+    renamed = [f"`{found}` as {wanted}" for found, wanted in ((text_column, cfg.text_column), (label_column, cfg.label_column))
+               if found != wanted]
+    if renamed:
+        notes.append(f"`{path}`: read the column {' and '.join(renamed)} (the names differ in capitals or spaces only).")
+    missing = [c for c in (cfg.text_column, cfg.label_column) if _column_named(table.column_names, c) not in table.column_names]
     if missing:
         raise UserError(f"`{path}` has no column {', '.join(repr(m) for m in missing)} (columns found: "
                         f"{', '.join(table.column_names) or 'none'}). " + (_headerless(table.column_names) or
                         "Set data.text_column / data.label_column to the right names."))
-    repeated = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column)) if table.column_names.count(c) > 1]
+    repeated = [c for c in dict.fromkeys((text_column, label_column)) if table.column_names.count(c) > 1]
     if repeated:
         raise UserError(f"`{path}` has {table.column_names.count(repeated[0])} columns named `{repeated[0]}` (columns: "
                         f"{', '.join(table.column_names)}), so it is unclear which one to read. Rename or remove the "
                         "extra one in the header.")
-    return table.select([cfg.text_column, cfg.label_column]).rename_columns(["text", "label"]).replace_schema_metadata(
-        _label_metadata(table, cfg.label_column))
+    return table.select([text_column, label_column]).rename_columns(["text", "label"]).replace_schema_metadata(
+        _label_metadata(table, label_column))
+
+
+def _column_named(names: list[str], wanted: str) -> str:
+    """`wanted`, else the one name equal to it but for capitals and surrounding spaces, else `wanted` (missing)."""
+    if wanted in names:
+        return wanted
+    close = [name for name in names if name.strip().casefold() == wanted.strip().casefold()]
+    return close[0] if len(close) == 1 else wanted
 
 
 def _headerless(names: list[str]) -> str | None:
@@ -237,10 +261,11 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
             unused.append(name)  # e.g. an `unsupervised` split
             continue
         table = ds.flatten_indices().data.table if ds._indices is not None else ds.data.table
-        selected = _select_columns(table, f"{folder} [{name}]", cfg)
-        label = ds.features.get(cfg.label_column)
+        notes: list[str] = []
+        selected = _select_columns(table, f"{folder} [{name}]", cfg, notes)
+        label = ds.features.get(_column_named(list(ds.column_names), cfg.label_column))
         names = list(label.names) if isinstance(label, ClassLabel) else None
-        out[split] = RawSplit(table=selected, origin=f"`{folder}` [{name}]", class_names=names)
+        out[split] = RawSplit(table=selected, origin=f"`{folder}` [{name}]", class_names=names, notes=notes)
     if "train" not in out and "all" not in out:
         raise UserError(f"The saved dataset `{folder}` has splits {list(parts)} but no train split. Rename one to `train`.")
     if unused:  # said, not silently left out
