@@ -371,8 +371,8 @@ def test_openai_rows_that_mix_string_and_list_content_are_read(tmp_path):
 
 
 @pytest.mark.parametrize(("rows", "says"), [
-    ([{"conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]}],
-     r"the role 'user', which is none of data.tags \(user_tag 'human'.*data.tags.user_tag=user"),
+    ([{"conversations": [{"from": "bot", "value": "q"}, {"from": "assistant", "value": "a"}]}],
+     r"the role 'bot', which is none of data.tags \(user_tag 'human'"),
     ([{"conversations": [{"speaker": "human", "text": "q"}, {"speaker": "gpt", "text": "a"}]}],
      r"a turn has no `from` key \(data.tags.role_tag; its keys: `speaker`, `text`\)"),
     ([{"messages": [{"role": "user", "content": "q"}, {"role": "gpt", "content": "a"}]}],
@@ -607,3 +607,17 @@ def test_hold_out_counts_of_rows_for_conversations(tmp_path):
     refused as out of (0, 0.5)."""
     data = _data(write_jsonl(tmp_path / "a.jsonl", _alpaca(40)), "data.validation_size=5", "data.test_size=3")
     assert {name: len(rows) for name, rows in data.splits.items()} == {"train": 32, "validation": 5, "test": 3}
+
+
+def test_sharegpt_turns_with_openais_role_names_are_read_under_the_default_tags(tmp_path):
+    """`conversations` whose turns say from: user / assistant / tool (as Axolotl's and Unsloth's ShareGPT readers
+    take them) were refused under the default tags (human, gpt); set data.tags and only its names are read."""
+    rows = [{"conversations": [{"from": "system", "value": "be brief"}, {"from": "user", "value": f"q {i}"},
+                               {"from": "assistant", "value": "call"}, {"from": "tool", "value": "42"},
+                               {"from": "gpt", "value": f"a {i}"}]} for i in range(20)]
+    data = _data(write_jsonl(tmp_path / "s.jsonl", rows))
+    every = [c for split in data.splits.values() for c in split]
+    assert len(every) == 20 and all(c.system == "be brief" for c in every)
+    assert {tuple(c.messages[1:3]) for c in every} == {(("assistant", "call"), ("user", "42"))}
+    assert {(c.messages[0], c.messages[3]) for c in every} == {(("user", f"q {i}"), ("assistant", f"a {i}"))
+                                                                for i in range(20)}

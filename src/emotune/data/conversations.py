@@ -31,6 +31,12 @@ FORMATS = ("alpaca", "sharegpt", "messages")
 OPENAI_TAGS = SftTags(role_tag="role", content_tag="content", user_tag="user", assistant_tag="assistant",
                       observation_tag="tool", function_tag="function_call", system_tag="system")
 
+SHAREGPT_TAGS = SftTags()
+SHAREGPT_ALIASES = (("user", "user"), ("assistant", "assistant"), ("tool", "user"))
+"""Role names read beside ShareGPT's default tags (`human`, `gpt`, `observation`), as Axolotl's and Unsloth's ShareGPT
+readers map them: files written with OpenAI's names inside `conversations` are common. Set data.tags to read only
+the names given."""
+
 # Reasons a row is refused; the keys group rows in the error message.
 EMPTY_RESPONSE = "the response (last assistant turn) is empty"
 EMPTY_PROMPT = "a user turn is empty"
@@ -206,6 +212,8 @@ def role_sides(tags: SftTags) -> dict[str, str]:
              tags.assistant_tag: "assistant", tags.function_tag: "assistant"}
     if tags is OPENAI_TAGS:  # OpenAI's newer name for the system role, and its older one for a tool's result
         sides.update(developer="system", function="user")
+    elif tags == SHAREGPT_TAGS:  # ShareGPT's default tags: also the role names Axolotl and Unsloth read in ShareGPT files
+        sides = {**dict(SHAREGPT_ALIASES), **sides}
     return sides
 
 
@@ -216,7 +224,8 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     system_side, user_side, assistant_side = ({r for r, s in side.items() if s == want}
                                               for want in ("system", "user", "assistant"))
     system_text = _text(system) or None
-    results = {tags.observation_tag, *(("function",) if tags is OPENAI_TAGS else ())}  # a tool's result
+    results = {tags.observation_tag, *(("function",) if tags is OPENAI_TAGS else ()),
+               *(("tool",) if tags == SHAREGPT_TAGS else ())}  # a tool's result
     messages: list[tuple[str, str]] = []
     untrained: list[int] = []
     for i, turn in enumerate(turns):
