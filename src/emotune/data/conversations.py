@@ -34,8 +34,8 @@ OPENAI_TAGS = SftTags(role_tag="role", content_tag="content", user_tag="user", a
 SHAREGPT_TAGS = SftTags()
 SHAREGPT_ALIASES = (("user", "user"), ("assistant", "assistant"), ("tool", "user"))
 """Role names read beside ShareGPT's default tags (`human`, `gpt`, `observation`), as Axolotl's and Unsloth's ShareGPT
-readers map them: files written with OpenAI's names inside `conversations` are common. Set data.tags to read only
-the names given."""
+readers map them: files written with OpenAI's names inside `conversations` are common. data.tags other than the defaults
+read only the names they give."""
 
 # Reasons a row is refused; the keys group rows in the error message.
 EMPTY_RESPONSE = "the response (last assistant turn) is empty"
