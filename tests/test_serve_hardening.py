@@ -467,3 +467,18 @@ def test_a_body_that_is_not_a_json_object_says_what_to_send(http, content, conte
     response = http.post("/v1/classify", headers={**AUTH, "Content-Type": content_type}, content=content)
     message = _error(response, status)
     assert says in message and "Content-Type: application/json" in message
+
+
+def test_a_content_part_the_model_cannot_read_is_422_and_responses_text_parts_are_read(http):
+    """An image, audio or file part was accepted and dropped: an image alone was answered as an empty message, an image
+    beside text as if the image had not been sent. The Responses API's `input_text` part, which the data reads as
+    text, was dropped the same way."""
+    for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                 {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}):
+        for content in ([part], [{"type": "text", "text": "what is it"}, part]):
+            said = _error(chat(http, messages=[{"role": "user", "content": content}]), 422)
+            assert f"type '{part['type']}' is not read" in said and "send the text alone" in said, said
+    answered = chat(http, messages=[{"role": "user", "content": [{"type": "input_text", "text": "happy"}]}])
+    alone = chat(http, messages=[{"role": "user", "content": "happy"}])
+    assert answered.status_code == 200 and answered.json()["choices"] == alone.json()["choices"]
+    assert answered.json()["usage"] == alone.json()["usage"]

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from emotune.data.conversations import turn_text
+from emotune.data.conversations import TEXT_PARTS, turn_text
 
 
 def _utf8(value: str, what: str = "") -> str:
@@ -71,9 +71,19 @@ class ClassifyRequest(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")  # image parts and the like are accepted and not read
+    model_config = ConfigDict(extra="allow")
     type: str
     text: Text | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_parts_only(cls, value: str) -> str:
+        """A part the model cannot read (an image, audio, a file) is refused: answering without it would answer
+        another question than the one asked."""
+        if value not in TEXT_PARTS:
+            raise ValueError(f"a content part of type {value[:40]!r} is not read: emotune serves models that read text "
+                             f"(parts of type {', '.join(TEXT_PARTS)}); send the text alone")
+        return value
 
 
 class ChatMessage(BaseModel):
@@ -95,7 +105,7 @@ class ChatMessage(BaseModel):
     def _text_only(cls, value):
         """OpenAI content may be a list of parts; the text parts are what a text model reads."""
         if isinstance(value, list):
-            return "".join(part.text or "" for part in value if part.type == "text")
+            return "".join(part.text or "" for part in value)
         return value
 
     @model_validator(mode="after")
