@@ -164,3 +164,8 @@ def test_a_damaged_file_is_one_clear_error_and_the_output_is_kept(tiny_run_dir, 
     err = capsys.readouterr().err
     assert f"`{source}` is not a readable Parquet file" in err and "fully downloaded" in err
     assert out.read_text(encoding="utf-8") == "text,label\nearlier,joy\n"
+    workbook = tmp_path / "test.xlsx"  # not a format emotune reads: what to save it as, and where to point predict
+    workbook.write_bytes(b"PK\x03\x04")
+    assert main(["predict", str(tiny_run_dir), "--file", str(workbook), "--out", str(out)]) == 2
+    assert "Save the sheet as CSV" in (err := capsys.readouterr().err) and "`emotune predict --file`" in err
+    assert out.read_text(encoding="utf-8") == "text,label\nearlier,joy\n"

@@ -52,7 +52,8 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
     fmt = FORMATS.get(data_suffix(path))
     if fmt is None and path.suffix.lower() in SPREADSHEETS:
         raise UserError(f"`{path}` is a spreadsheet workbook, which emotune does not read. Save the sheet as CSV "
-                        "(\"CSV UTF-8\" in Excel; File > Download > CSV in Google Sheets) and point data.source at it.")
+                        "(\"CSV UTF-8\" in Excel; File > Download > CSV in Google Sheets) and point data.source (or "
+                        "`emotune predict --file`) at it.")
     if fmt is None:
         raise UserError(f"`{path}`: unsupported file type `{''.join(path.suffixes[-2:]) or '(no ending)'}`. Use one "
                         f"of {', '.join(FORMATS)} (TXT holds one `text;label` per line), also compressed with "
