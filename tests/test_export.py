@@ -229,8 +229,8 @@ def test_predict_reads_a_file_whose_header_uses_another_delimiter(tmp_path, deli
 
     source = tmp_path / "in.csv"
     source.write_text(f"id{delimiter}text\n007{delimiter}so happy, really\n", encoding="utf-8")
-    rows = _read_table(source, "text")
-    assert rows.to_dict("records") == [{"id": "007", "text": "so happy, really"}]
+    rows, column = _read_table(source, "text")
+    assert rows.to_dict("records") == [{"id": "007", "text": "so happy, really"}] and column == "text"
     assert "header is separated by" in capsys.readouterr().out
     source.write_text("sentence;id\nhello;1\n")
     with pytest.raises(UserError, match="--text-column"):
@@ -244,7 +244,7 @@ def test_predict_reads_a_jsonl_file_that_starts_with_a_byte_order_mark(tmp_path)
 
     source = tmp_path / "in.jsonl"
     source.write_text('{"text": "今天很开心", "id": 1}\n{"text": "so happy", "id": 2}\n', encoding="utf-8-sig")
-    assert _read_table(source, "text").to_dict("records") == [{"text": "今天很开心", "id": 1}, {"text": "so happy", "id": 2}]
+    assert _read_table(source, "text")[0].to_dict("records") == [{"text": "今天很开心", "id": 1}, {"text": "so happy", "id": 2}]
 
 
 def test_predict_reads_a_json_file_of_rows(tmp_path):
@@ -254,7 +254,7 @@ def test_predict_reads_a_json_file_of_rows(tmp_path):
     source = tmp_path / "in.json"
     source.write_text(json.dumps([{"text": "so happy", "id": 1}, {"text": "今天很开心", "tags": ["a"]}], ensure_ascii=False),
                       encoding="utf-8")
-    rows = _read_table(source, "text")
+    rows, _ = _read_table(source, "text")
     assert rows["text"].tolist() == ["so happy", "今天很开心"] and rows["tags"].tolist()[1] == ["a"]
 
 

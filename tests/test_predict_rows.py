@@ -223,3 +223,39 @@ def test_an_export_reads_rows_with_the_columns_its_emotune_json_records(renamed_
     (alone / "emotune.json").write_text(json.dumps(meta), encoding="utf-8")
     assert _predict(alone, source, out) == 2
     assert "Column names: emotune's default column names" in capsys.readouterr().err
+
+
+def test_rows_in_a_parquet_file_are_prompted_as_the_same_rows_in_jsonl(sft_run, asked, tmp_path, capsys):
+    """An sft run trained on Parquet (a hub dataset's files) could not predict on its test split: `unsupported type
+    .parquet`. Read by the data layer, its nested turns give the prompts and references the JSONL rows give."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": [{"role": "user", "content": "is it sunny"}, {"role": "assistant", "content": "yes"}]},
+            {"messages": [{"role": "system", "content": "you forecast"}, {"role": "user", "content": "and tomorrow"}]}]
+    jsonl, parquet = tmp_path / "rows.jsonl", tmp_path / "rows.parquet"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    written = {}
+    for source in (jsonl, parquet):
+        asked.clear()
+        out = tmp_path / f"{source.suffix[1:]}.csv"
+        assert _predict(sft_run, source, out) == 0
+        assert "read as messages rows" in capsys.readouterr().out
+        written[source.suffix] = (list(asked), [r["reference"] for r in csv.DictReader(out.open(encoding="utf-8"))])
+    assert written[".parquet"] == written[".jsonl"]
+    assert written[".parquet"][1] == ["yes", ""] and "you forecast" in written[".parquet"][0][1]
+
+
+def test_a_text_column_in_other_capitals_is_the_prompt(sft_run, asked, tmp_path, capsys):
+    """A CSV whose header says `Text` was read as rows of an sft format and refused (`has no text column`)."""
+    source, out = tmp_path / "in.csv", tmp_path / "out.csv"
+    source.write_text("Id,Text\n007,hello there\n008,0.50\n", encoding="utf-8")
+    assert _predict(sft_run, source, out) == 0
+    assert "read the column `Text` as text" in capsys.readouterr().out
+    tokenizer = _tokenizer(sft_run)
+    assert asked == [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+                                                   tokenize=False, add_generation_prompt=True)
+                     for text in ("hello there", "0.50")]
+    assert [(r["Id"], r["Text"], r["output"]) for r in csv.DictReader(out.open(encoding="utf-8"))] == [
+        ("007", "hello there", "reply 0"), ("008", "0.50", "reply 1")]

@@ -313,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "predict":
             p.add_argument("target", help="run folder, export folder, adapter folder or merged model folder")
             p.add_argument("texts", nargs="*", help="texts to classify (sft models: prompts to answer)")
-            p.add_argument("--file", help="CSV/TSV/JSONL/JSON file of texts to classify or answer (with --out)")
+            p.add_argument("--file", help="file of texts to classify or answer (with --out), read as training data is: "
+                                          "CSV, TSV, JSONL, JSON, Parquet, Arrow, TXT, also .gz/.bz2/.xz, or a "
+                                          "save_to_disk folder of one split")
             p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label> "
                                          "(sft models: + output); predicted_<name> where the input has that column")
             p.add_argument("--text-column", help="column of --file holding the text (default: text; an sft model reads "

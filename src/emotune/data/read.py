@@ -52,7 +52,8 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
     fmt = FORMATS.get(data_suffix(path))
     if fmt is None and path.suffix.lower() in SPREADSHEETS:
         raise UserError(f"`{path}` is a spreadsheet workbook, which emotune does not read. Save the sheet as CSV "
-                        "(\"CSV UTF-8\" in Excel; File > Download > CSV in Google Sheets) and point data.source at it.")
+                        "(\"CSV UTF-8\" in Excel; File > Download > CSV in Google Sheets) and point data.source (or "
+                        "`emotune predict --file`) at it.")
     if fmt is None:
         raise UserError(f"`{path}`: unsupported file type `{''.join(path.suffixes[-2:]) or '(no ending)'}`. Use one "
                         f"of {', '.join(FORMATS)} (TXT holds one `text;label` per line), also compressed with "
@@ -82,7 +83,7 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         if fmt in ("json", "txt"):
             if fmt == "json":
                 return _read_json(path, text, (text_column, label_column))
-            return _read_txt(path, text, text_column, label_column)
+            return _read_txt(path, text, "text" if text_column == EVERY_COLUMN else text_column, label_column)
         lines = lambda: io.StringIO(text, newline="")  # noqa: E731
         source = pa.py_buffer(text.encode("utf-8"))
     if fmt == "jsonl":
@@ -106,16 +107,20 @@ def _delimiter(path: Path, fmt: str, lines: Lines, notes: list[str]) -> str:
     return found
 
 
-def read_records(path: Path, encoding: str, text_column: str, label_column: str) -> tuple[list[str], list[dict]]:
-    """One file's column names and rows as Python objects, for conversation data. JSON and JSON Lines are parsed by
-    Python's json, not Arrow: Arrow wants one type per field across all rows, and conversations legally mix them (an
-    OpenAI message's content is a string in one message and a list of parts in the next; tool arguments are text or
-    an object), so Arrow refused valid files whole."""
+def read_records(path: Path, encoding: str, text_column: str, label_column: str, notes: list[str] | None = None,
+                 txt_lines: bool = True) -> tuple[list[str], list[dict]]:
+    """One file's column names and rows as Python objects, for conversation data (and `emotune predict --file`, which
+    keeps every column). JSON and JSON Lines are parsed by Python's json, not Arrow: Arrow wants one type per field
+    across all rows, and conversations legally mix them (an OpenAI message's content is a string in one message and a
+    list of parts in the next; tool arguments are text or an object), so Arrow refused valid files whole. Things worth
+    a look that are not errors (a `;`-separated .csv read with `;`) go to `notes` where it is given. A .txt file is one
+    document per line (`txt_lines`, as sft data reads it), else `text;label` lines as a classifier's data reads them."""
     if path.is_dir():  # one split of a save_to_disk folder (emotune.data.sources.saved_splits)
         return _saved_rows(path)
     fmt = FORMATS.get(data_suffix(path))
-    if fmt not in ("json", "jsonl", "txt"):  # CSV and TSV cells as written: a conversation's `0.50` is no number
-        table = read_table(path, encoding, EVERY_COLUMN, label_column, [])
+    if fmt not in ("json", "jsonl", "txt") or (fmt == "txt" and not txt_lines):
+        # CSV and TSV cells as written, every column (a conversation's `0.50` is no number; an id `007` stays `007`)
+        table = read_table(path, encoding, EVERY_COLUMN, label_column, [] if notes is None else notes)
         return table.column_names, table.to_pylist()
     text = _decode(path, read_bytes(path), encoding)
     if not text.strip():

@@ -160,12 +160,12 @@ def _read_files(paths: list[Path], cfg: DataConfig) -> RawSplit:
 def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig, notes: list[str]) -> pa.Table:
     """The text and label columns as `text` and `label`; a column named in other capitals or with spaces around the
     name (`Text`, `LABEL `, as spreadsheets write headers) is the configured one when no other column matches."""
-    text_column, label_column = (_column_named(table.column_names, c) for c in (cfg.text_column, cfg.label_column))
+    text_column, label_column = (column_named(table.column_names, c) for c in (cfg.text_column, cfg.label_column))
     renamed = [f"`{found}` as {wanted}" for found, wanted in ((text_column, cfg.text_column), (label_column, cfg.label_column))
                if found != wanted]
     if renamed:
         notes.append(f"`{path}`: read the column {' and '.join(renamed)} (the names differ in capitals or spaces only).")
-    missing = [c for c in (cfg.text_column, cfg.label_column) if _column_named(table.column_names, c) not in table.column_names]
+    missing = [c for c in (cfg.text_column, cfg.label_column) if column_named(table.column_names, c) not in table.column_names]
     if missing:
         raise UserError(f"`{path}` has no column {', '.join(repr(m) for m in missing)} (columns found: "
                         f"{', '.join(table.column_names) or 'none'}). " + (_headerless(table.column_names) or
@@ -179,7 +179,7 @@ def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig, notes: l
         _label_metadata(table, label_column))
 
 
-def _column_named(names: list[str], wanted: str) -> str:
+def column_named(names: list[str], wanted: str) -> str:
     """`wanted`, else the one name equal to it but for capitals and surrounding spaces, else `wanted` (missing)."""
     if wanted in names:
         return wanted
@@ -263,7 +263,7 @@ def _read_saved_dataset(folder: Path, cfg: DataConfig) -> dict[str, RawSplit]:
         table = ds.flatten_indices().data.table if ds._indices is not None else ds.data.table
         notes: list[str] = []
         selected = _select_columns(table, f"{folder} [{name}]", cfg, notes)
-        label = ds.features.get(_column_named(list(ds.column_names), cfg.label_column))
+        label = ds.features.get(column_named(list(ds.column_names), cfg.label_column))
         names = list(label.names) if isinstance(label, ClassLabel) else None
         out[split] = RawSplit(table=selected, origin=f"`{folder}` [{name}]", class_names=names, notes=notes)
     if "train" not in out and "all" not in out:

@@ -26,6 +26,7 @@ from emotune.data.clean import clean_for_inference
 from emotune.data.conversation_data import clean_chats_for_inference
 from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
 from emotune.data.read import read_records
+from emotune.data.sources import column_named, is_saved_dataset
 from emotune.deploy.predict_rows import row_prompts
 from emotune.eval.scoring import label_token_ids, prompt_token_ids, score_label_probs
 from emotune.model.artifacts import Artifact, Fallback, find_artifact, load_artifact_model
@@ -35,20 +36,8 @@ from emotune.model.loading import serving_dtype
 from emotune.model.text import context_length
 from emotune.runtime import device as device_mod
 
-
-def _json_file(path: Path) -> pd.DataFrame:
-    """A JSON file (an array of rows, as Alpaca datasets ship) read as the sft data layer reads it."""
-    names, records = read_records(path, "utf-8", "text", "label")
-    return pd.DataFrame.from_records(records, columns=names)
-
-
-READERS = {".csv": lambda p: pd.read_csv(p, dtype=str, keep_default_na=False),
-           ".tsv": lambda p: pd.read_csv(p, sep="\t", dtype=str, keep_default_na=False),
-           # utf-8-sig: a byte-order mark (PowerShell's and Notepad's UTF-8) is not JSON; read_csv skips it itself
-           ".jsonl": lambda p: pd.read_json(p, lines=True, dtype=False, encoding="utf-8-sig"),
-           ".json": _json_file}
-
-
+ENCODING = "utf-8"  # a file's byte-order mark still says UTF-16 or UTF-32, as the data layer reads it
+LABEL_COLUMN = "label"  # only for the data layer's checks of CSV rows; a file to predict on needs no labels
 DEFAULT_MAX_NEW_TOKENS = 128  # sft models whose emotune.json records no eval.max_new_tokens
 TEXT_COLUMN = "text"  # --text-column's default
 
@@ -152,8 +141,9 @@ def trained_max_new_tokens(artifact: Artifact) -> int:
 @dataclass(frozen=True)
 class PredictIO:
     """Where `emotune predict` reads texts and puts answers: `texts` given as arguments (answers printed, one JSON
-    line each), or the `text_column` of a CSV/JSONL `file`, written with the answers added to `out`. No
-    `text_column` (--text-column not given): `text`, or for an sft model a file without one read in its data's format."""
+    line each), or the `text_column` of a data `file` (any format training reads), written with the answers added to
+    `out`. No `text_column` (--text-column not given): `text`, or for an sft model a file without one read in its data's
+    format."""
 
     texts: list[str]
     file: str | None = None
@@ -180,11 +170,11 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
     column = text_column or TEXT_COLUMN
     # bad input fails before weights load; an sft model's file without --text-column may be rows of its data's format
     required = text_column is not None or not artifact.answers_freely
-    rows = _read_table(Path(file), column, required) if file else None
+    rows, found = _read_table(Path(file), column, required, artifact.answers_freely) if file else (None, None)
     if artifact.answers_freely:
         prompts = None
         if rows is not None:
-            rows, prompts = _sft_prompts(rows, artifact, Path(file), text_column)
+            rows, prompts = _sft_prompts(rows, artifact, Path(file), found)
         generator, new_tokens = Generator(artifact, device), max_new_tokens or trained_max_new_tokens(artifact)
         generator.check_lengths(texts if rows is None else prompts, "text" if rows is None else f"{Path(file).name}: row",
                                 new_tokens)
@@ -200,7 +190,7 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
         for text, row in zip(texts, probs.tolist(), strict=False):
             print(json_text({"text": text, **labelled(row, artifact.labels)}, indent=None))
         return 0
-    texts = rows[column].astype(str).tolist()
+    texts = [_text(cell) for cell in rows[found]]
     classifier.check_lengths(texts, f"{Path(file).name}: row")
     probs = _probs_with_progress(classifier, texts, batch_size, f"{Path(file).name}: row")
     _write_table(rows, probs, artifact.labels, Path(out))
@@ -227,12 +217,11 @@ ROLES = {**role_sides(SftTags()), **role_sides(OPENAI_TAGS)}
 an sft run's data reads them (emotune.data.conversations)."""
 
 
-def _sft_prompts(rows: pd.DataFrame, artifact: Artifact, path: Path, text_column: str | None
+def _sft_prompts(rows: pd.DataFrame, artifact: Artifact, path: Path, column: str | None
                  ) -> tuple[pd.DataFrame, list[str | list[dict]]]:
-    """The rows to write the replies beside and each row's prompt: the text column's cells (`text_column`, or the
-    file's `text`), or else the rows read in the run's data format, a `reference` column added where the file keeps
-    its references inside the turns."""
-    column = text_column or (TEXT_COLUMN if TEXT_COLUMN in rows.columns else None)
+    """The rows to write the replies beside and each row's prompt: the text column's cells (`column`: --text-column's,
+    or the file's `text` in any capitals; None where it has neither), or else the rows read in the run's data format,
+    a `reference` column added where the file keeps its references inside the turns."""
     if column is not None:
         return rows, [_prompt(cell, number, column) for number, cell in enumerate(rows[column].tolist(), start=1)]
     found = row_prompts(rows, artifact, path)
@@ -249,7 +238,7 @@ def _prompt(cell: object, number: int, column: str) -> str | list[dict]:
     content}` or ShareGPT `{from, value}` turns) is the conversation so far, its closing answers (the reference)
     left out. Its Python text (`[{'role': ...}]`) was sent as one user turn."""
     if not isinstance(cell, list):
-        return "" if cell is None else str(cell)
+        return _text(cell)
     turns = []
     for turn in cell:
         role = ROLES.get(turn.get("role", turn.get("from"))) if isinstance(turn, dict) else None
@@ -289,34 +278,53 @@ def _probs_with_progress(classifier: Classifier, texts: list[str], batch_size: i
     return torch.cat(parts) if parts else torch.empty(0, len(classifier.artifact.labels))
 
 
-def _read_table(path: Path, text_column: str, required: bool = True) -> pd.DataFrame:
-    """The file as a table of strings (CSV, TSV) or of JSON values (JSONL); without `text_column` refused where it is
-    `required` (not for an sft model's file of rows in its data's format, emotune.deploy.predict_rows)."""
-    reader = READERS.get(path.suffix.lower())
-    if reader is None:
-        raise UserError(f"--file `{path}`: unsupported type `{path.suffix}`. Use {', '.join(READERS)}.")
-    if not path.is_file():
+def _read_table(path: Path, text_column: str, required: bool = True, sft: bool = False
+                ) -> tuple[pd.DataFrame, str | None]:
+    """Every row of the file in its order, every column kept, read by the data layer's readers as training data is
+    (emotune.data.read: CSV/TSV cells as written, JSON/JSONL values, Parquet, Arrow/Feather, compressed, a
+    save_to_disk folder of one split; nothing cleaned, dropped or split), and the column holding the texts:
+    `text_column`, or the one name equal to it but for capitals and spaces (`Text`), as training finds its columns.
+    Without one the file is refused where it is `required` (not for an sft model's file of rows in its data's format,
+    emotune.deploy.predict_rows). A .txt file is read as the model's training reads one: `text;label` lines for a
+    classifier, one prompt per line for an `sft` model."""
+    if not path.exists():
         raise UserError(f"--file `{path}` does not exist.")
-    try:
-        rows = reader(path)
-    except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as err:
-        raise UserError(f"Could not read `{path}`: {str(err).splitlines()[0][:300]}. Check the file's format.") from None
-    other = _other_delimiter(rows.columns, text_column)
-    if other is not None:  # a `;`-separated .csv (spreadsheets in decimal-comma locales): one column `text;id`
-        print(f"Note: `{path}`'s header is separated by {other!r}; read with it as the delimiter.", flush=True)
-        rows = pd.read_csv(path, sep=other, dtype=str, keep_default_na=False)
-    if required and text_column not in rows.columns:
-        raise UserError(f"`{path}` has no column `{text_column}` (columns: {', '.join(map(str, rows.columns))}). "
-                        "Pass --text-column NAME.")
-    return rows
+    if path.is_dir() and not (path / "state.json").is_file():
+        _refuse_folder(path)
+    notes: list[str] = []
+    names, records = read_records(path, ENCODING, text_column, LABEL_COLUMN, notes, txt_lines=sft)
+    for note in notes:
+        print(f"Note: {note}", flush=True)
+    rows = pd.DataFrame(records, columns=names, dtype=object)  # values as read: a text `007` stays `007`
+    found = column_named(names, text_column)
+    if found not in names:
+        if required:
+            raise UserError(f"`{path}` has no column `{text_column}` (columns: {', '.join(map(str, names)) or 'none'}). "
+                            "Pass --text-column NAME.")
+        return rows, None
+    if names.count(found) > 1:
+        raise UserError(f"`{path}` has {names.count(found)} columns named `{found}`, so it is unclear which one holds "
+                        "the texts. Rename or remove the extra one in the header.")
+    if found != text_column:
+        print(f"Note: `{path}`: read the column `{found}` as {text_column} (the names differ in capitals or spaces "
+              "only).", flush=True)
+    return rows, found
 
 
-def _other_delimiter(columns, text_column: str) -> str | None:
-    """The delimiter of a header read as one column that names the text column once split by it, else None."""
-    if len(columns) != 1 or text_column in columns:
-        return None
-    header = str(columns[0])
-    return next((d for d in (";", "\t", "|", ",") if text_column in header.split(d)), None)
+def _refuse_folder(path: Path) -> NoReturn:
+    """A folder that is not one saved Dataset: a DatasetDict's splits are named, or a data file asked for."""
+    splits = [p.name for p in sorted(path.iterdir()) if p.is_dir() and is_saved_dataset(p)]
+    if splits and (path / "dataset_dict.json").is_file():
+        example = "test" if "test" in splits else splits[0]
+        raise UserError(f"--file `{path}` is a save_to_disk folder of the splits {', '.join(splits)}; give the folder "
+                        f"of the one to predict on, e.g. --file {path / example}.")
+    raise UserError(f"--file `{path}` is a folder; give a data file (CSV, TSV, JSONL, JSON, Parquet, Arrow) or a "
+                    "save_to_disk folder of one split.")
+
+
+def _text(cell: object) -> str:
+    """A cell as the text to classify: a missing one (a JSONL row without the key, a null) is an empty text."""
+    return "" if cell is None or (isinstance(cell, float) and cell != cell) else str(cell)
 
 
 def _write_table(rows: pd.DataFrame, probs: torch.Tensor, labels: list[str], out: Path) -> None:
