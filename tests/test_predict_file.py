@@ -169,3 +169,17 @@ def test_a_damaged_file_is_one_clear_error_and_the_output_is_kept(tiny_run_dir, 
     assert main(["predict", str(tiny_run_dir), "--file", str(workbook), "--out", str(out)]) == 2
     assert "Save the sheet as CSV" in (err := capsys.readouterr().err) and "`emotune predict --file`" in err
     assert out.read_text(encoding="utf-8") == "text,label\nearlier,joy\n"
+
+
+def test_predict_reads_the_column_the_run_trained_on_by_default(tiny_model_dir, tmp_path, capsys):
+    """A run trained with data.text_column=sentence was refused on a file like its own data ('no column `text`') until
+    --text-column was given: the default is the column the run trained on (emotune.json's `text_column`)."""
+    from conftest import write_tiny_adapter
+
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "runs" / "sentences", overrides=["data.text_column=sentence"])
+    source = tmp_path / "test.parquet"
+    pq.write_table(pa.table({"sentence": TEXTS, "label": GOLD}), source)
+    expected = _argument_probs(run, TEXTS, capsys)
+    rows = _predicted(run, source, tmp_path)
+    assert [r["sentence"] for r in rows] == TEXTS
+    _same_probs(rows, expected)

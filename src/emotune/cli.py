@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "save_to_disk folder of one split")
             p.add_argument("--out", help="where --file results go (CSV): the input columns + label + p_<label> "
                                          "(sft models: + output); predicted_<name> where the input has that column")
-            p.add_argument("--text-column", help="column of --file holding the text (default: text; an sft model reads "
+            p.add_argument("--text-column", help="column of --file holding the text (default: the column a classifier "
+                                                 "trained on, data.text_column, else text; an sft model reads "
                                                  "a file without one as rows of its training data's format: alpaca, "
                                                  "sharegpt or messages, each prompt built as training built it)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")

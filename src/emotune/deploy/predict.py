@@ -167,7 +167,7 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
     if max_new_tokens is not None and max_new_tokens < 1:
         raise UserError("--max-new-tokens must be a positive number of tokens.")
     artifact = find_artifact(target, fallback=fallback)  # emotune.json only: no weights yet
-    column = text_column or TEXT_COLUMN
+    column = text_column or _trained_column(artifact)
     # bad input fails before weights load; an sft model's file without --text-column may be rows of its data's format
     required = text_column is not None or not artifact.answers_freely
     rows, found = _read_table(Path(file), column, required, artifact.answers_freely) if file else (None, None)
@@ -276,6 +276,13 @@ def _probs_with_progress(classifier: Classifier, texts: list[str], batch_size: i
             classifier.check_finite(parts[-1], what, first=start + 1)
             bar.update(len(parts[-1]))
     return torch.cat(parts) if parts else torch.empty(0, len(classifier.artifact.labels))
+
+
+def _trained_column(artifact) -> str:
+    """--text-column's default: the column a classifier's training read its texts from (emotune.json's `text_column`,
+    data.text_column), so a file like its training data needs no flag; `text` for a model that records none."""
+    column = artifact.meta.get("text_column") if not artifact.answers_freely else None
+    return column if isinstance(column, str) and column else TEXT_COLUMN
 
 
 def _read_table(path: Path, text_column: str, required: bool = True, sft: bool = False

@@ -156,7 +156,8 @@ def adapter_meta(cfg: ClassifyConfig, data: LabeledData) -> dict:
     return {"task": "classify", "labels": data.labels, "system_prompt": system_prompt(cfg.prompt, data.labels),
             "system_prompt_template": cfg.prompt.system_prompt, "user_template": cfg.prompt.user_template,
             "base_model": cfg.model.source, "eval": cfg.eval.model_dump(), "cleaning": text_steps(cfg.data.cleaning),
-            "max_length": cfg.train.max_length}  # predict warns about texts longer than the run trained on
+            "max_length": cfg.train.max_length,  # predict warns about texts longer than the run trained on
+            "text_column": cfg.data.text_column}  # predict --file's default column
 
 
 # --------------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def load_adapted(model, adapter_dir: Path, cfg: ClassifyHeadConfig, data: Labele
 def adapter_meta(cfg: ClassifyHeadConfig, data: LabeledData) -> dict:
     return {"task": "classify_head", "labels": data.labels, "base_model": cfg.model.source,
             "max_length": cfg.train.max_length, "head_select": cfg.head.select, "eval": cfg.eval.model_dump(),
-            "cleaning": text_steps(cfg.data.cleaning)}
+            "cleaning": text_steps(cfg.data.cleaning), "text_column": cfg.data.text_column}  # predict --file's default
 
 
 # --------------------------------------------------------------------------------------------------
