@@ -341,3 +341,23 @@ def test_all_linear_leaves_out_the_mamba_weights_the_model_reads_directly(tmp_pa
     targets = language_model_linear_targets(model)
     adapted = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if re.fullmatch(targets, name)}
     assert {"in_proj", "x_proj", "out_proj", "q_proj"} <= adapted and "dt_proj" not in adapted
+
+
+@pytest.mark.parametrize("layers", [None, [1]])
+def test_a_target_list_naming_a_shared_experts_layers_adapts_those_modules_only(tmp_path, layers):
+    """`lora.target_modules: [q_proj, gate_proj, up_proj, down_proj]` on Qwen2-MoE: PEFT read gate_proj etc. as
+    transformers 4's routed experts and wrapped the experts' weights too, which with dropout stopped the run
+    (ParamWrapper); the list names modules, and the routed experts are lora.target_parameters' to adapt."""
+    from peft import get_peft_model
+
+    from emotune.core.config.train import LoraSettings
+    from emotune.model.lora import lora_config
+
+    model = qwen2_moe(build_tokenizer(tmp_path))
+    settings = LoraSettings(dropout=0.05, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"], layers=layers)
+    adapted = get_peft_model(model, lora_config(settings, model))
+    assert not adapted.peft_config["default"].target_parameters
+    wrapped = sorted(n.removeprefix("base_model.model.") for n, m in adapted.named_modules() if hasattr(m, "lora_A"))
+    kept = [0, 1] if layers is None else layers
+    assert wrapped == sorted(f"model.layers.{i}.{leaf}" for i in kept for leaf in (
+        "self_attn.q_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"))

@@ -206,6 +206,16 @@ def resolve_layers(layers: list[int] | int | None, count: int) -> list[int] | No
     return sorted(layers)
 
 
+def _module_names(model: PreTrainedModel, names: list[str], layers: list[int] | None) -> list[str]:
+    """The full names of the modules a `lora.target_modules` list names (as PEFT matches a list: the name itself or
+    its last dotted parts), inside decoder `layers` when given: for the model types whose names PEFT would rewrite
+    into routed-expert weights (`peft_renames`); the experts are `lora.target_parameters`' to adapt."""
+    path = decoder_layers_path(model) if layers is not None else ""
+    return sorted(name for name, _ in model.named_modules()
+                  if any(name == t or name.endswith(f".{t}") for t in names)
+                  and (layers is None or any(name.startswith(f"{path}.{i}.") for i in layers)))
+
+
 def check_layers(cfg: LoraSettings, model_config) -> None:
     """Refuse, before any weights load, a `lora.layers` the model (known by its config.json) does not have."""
     resolve_layers(cfg.layers, decoder_layer_count(model_config))
@@ -217,6 +227,8 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAU
     layers = resolve_layers(cfg.layers, decoder_layer_count(model.config))
     if cfg.target_modules == "all-linear":
         targets, by_index = language_model_linear_targets(model, layers), {}
+    elif peft_renames(model) & {t.rsplit(".", 1)[-1] for t in cfg.target_modules}:
+        targets, by_index = _module_names(model, cfg.target_modules, layers), {}
     else:
         targets = cfg.target_modules
         by_index = ({} if layers is None else
