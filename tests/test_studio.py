@@ -668,3 +668,54 @@ def test_telemetry_samples_are_streamed_beside_the_log_without_ids(runs):
     assert len(telemetry) == 1 and "id" not in telemetry[0]  # a reconnect's Last-Event-ID stays the log position
     assert json.loads(telemetry[0]["data"]) == {"stage": "train", "values": {
         "rss_mb": [812.25, "MiB"], "cpu_pct": [190.0, "% of one core"], "gpu_util_pct": [97.0, "%"]}}
+
+
+HOSTILE_RUNS = {  # file contents emotune never writes, as a crash, an old version or a hand edit leaves them
+    "list-json": {"run.json": "[1, 2]", "config.yaml": "- a\n- b\n"},
+    "nan-metrics": {"run.json": '{"status": "finished", "outputs": [], "stages": {"train": {"seconds": NaN}}}',
+                    "comparison.json": '{"metrics": {"macro_f1": {"before": NaN, "after": Infinity}}}'},
+    "infinite-seconds": {"run.json": '{"status": "x", "stages": {"train": {"seconds": 1e400}}}'},
+    "text-seconds": {"run.json": '{"status": "x", "stages": {"train": {"seconds": "10"}}}'},
+    "stages-list": {"run.json": '{"stages": [1]}'},
+    "status-object": {"run.json": '{"status": {"a": 1}, "task": ["x"], "outputs": 5}'},
+    "outputs-null": {"run.json": '{"status": "finished", "outputs": [null, 3]}'},
+    "model-text": {"config.yaml": "model: hello\ndata: [1]\ntrain: 5\n"},
+    "metrics-list": {"run.json": "{}", "comparison.json": '{"metrics": [1], "intervals": [2]}'},
+    "interval-list": {"run.json": "{}", "comparison.json":
+                      '{"metrics": {"macro_f1": {"before": 1, "after": 2}}, "intervals": {"macro_f1": [1]}}'},
+    "config-not-utf8": {"config.yaml": b"\xff\xfe: [\n"},
+    "log-not-utf8": {"run.json": "{}", "train/log_history.jsonl": b"\xff\xfe\x00garbage\n"},
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_RUNS)
+def test_a_run_folder_with_hostile_content_shows_blanks_not_a_500(runs, name):
+    for file, content in HOSTILE_RUNS[name].items():
+        path = runs / name / file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None, stream_s=0.1), base_url=LOCAL,
+                        raise_server_exceptions=False)
+    table = studio.get("/")
+    assert table.status_code == 200 and f'href="/runs/{name}"' in table.text and 'href="/runs/alpha"' in table.text
+    rows = {r["name"]: r for r in studio.get("/api/runs").json()}  # strict JSON: no NaN nor infinity in it
+    assert rows["alpha"]["after"] == 0.75 and isinstance(rows[name]["status"], str)
+    assert rows[name]["after"] in (None, 2.0) and rows[name]["minutes"] in (None, 0.0)
+    page = studio.get(f"/runs/{name}")
+    assert page.status_code == 200 and f"Run {name}" in page.text
+    assert studio.get(f"/runs/{name}/events").status_code == 200
+
+
+def test_a_sweep_folder_with_hostile_content_shows_blanks_not_a_500(runs):
+    sweep = runs / "odd-sweep"
+    sweep.mkdir()
+    write_text(sweep / "sweep.json", '{"plan": [1], "trials": [{"name": "<i>t</i>", "value": NaN, "overrides": 5}], '
+                                     '"status": {"a": 1}}')
+    (sweep / "trials.csv").write_bytes(b"\xff\xfe,a\n1,2\n")
+    (sweep / "best.yaml").write_bytes(b"lr: \xff\n")
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None), base_url=LOCAL, raise_server_exceptions=False)
+    page = studio.get("/sweeps/odd-sweep")
+    assert page.status_code == 200 and "&lt;i&gt;t&lt;/i&gt;" in page.text and "<i>t" not in page.text
+    assert "<code>5</code>" in page.text and "lr: \ufffd" in page.text
+    write_text(sweep / "sweep.json", '{"plan": {}, "trials": {"a": 1}}')
+    assert studio.get("/sweeps/odd-sweep").status_code == 200 and studio.get("/").status_code == 200
