@@ -719,3 +719,11 @@ def test_a_sweep_folder_with_hostile_content_shows_blanks_not_a_500(runs):
     assert "<code>5</code>" in page.text and "lr: \ufffd" in page.text
     write_text(sweep / "sweep.json", '{"plan": {}, "trials": {"a": 1}}')
     assert studio.get("/sweeps/odd-sweep").status_code == 200 and studio.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "a\x00b"])
+def test_a_run_name_no_file_system_holds_is_refused_beside_its_field(runs, name):
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None), base_url=LOCAL, raise_server_exceptions=False)
+    page = studio.post("/new", data={"csrf": csrf_of(studio.get("/new").text), "name": name}, follow_redirects=False)
+    assert page.status_code == 400 and re.search(r'class="field invalid"><label for="f-name">', page.text)
+    assert not (runs / ".studio" / "jobs").exists() and studio.get("/").status_code == 200
