@@ -727,3 +727,13 @@ def test_a_run_name_no_file_system_holds_is_refused_beside_its_field(runs, name)
     page = studio.post("/new", data={"csrf": csrf_of(studio.get("/new").text), "name": name}, follow_redirects=False)
     assert page.status_code == 400 and re.search(r'class="field invalid"><label for="f-name">', page.text)
     assert not (runs / ".studio" / "jobs").exists() and studio.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("line", ["template: {a: 1}", "template: [llama3]", "lora_rank: {a: 1}"])
+def test_a_pasted_llamafactory_yaml_with_a_mapping_for_a_name_or_number_is_a_problem_not_a_500(runs, line):
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None), base_url=LOCAL, raise_server_exceptions=False)
+    text = f"model_name_or_path: x\nstage: sft\nfinetuning_type: lora\ndataset: alpaca_en_demo\n{line}\n"
+    page = studio.post("/new/llamafactory", data={"csrf": csrf_of(studio.get("/new").text), "llamafactory": text})
+    assert page.status_code == 200 and 'id="translation"' in page.text
+    key = line.split(":")[0]
+    assert key in page.text.split('id="translation"')[1] and studio.get("/").status_code == 200
