@@ -737,3 +737,19 @@ def test_a_pasted_llamafactory_yaml_with_a_mapping_for_a_name_or_number_is_a_pro
     assert page.status_code == 200 and 'id="translation"' in page.text
     key = line.split(":")[0]
     assert key in page.text.split('id="translation"')[1] and studio.get("/").status_code == 200
+
+
+def test_job_files_that_hold_no_jobs_state_are_left_out_and_the_queue_goes_on(runs):
+    jobs = runs / ".studio" / "jobs"
+    jobs.mkdir(parents=True)
+    for number, state in enumerate(['{"name": "alpha"}', '{"id": 2, "name": 5}', '{"id": 3, "name": "alpha", "status": 5}',
+                                    '{"id": 4, "name": "../x", "status": "running", "pid": 1}', '{"id": "5", "name": "a"}'], 1):
+        write_text(jobs / f"{number}.json", state)
+    write_json(jobs / "6.json", {"id": 6, "name": "alpha", "status": "finished", "from_a_newer_studio": True})
+    app = create_app(runs, poll_s=0.01, jobs_interval_s=None)
+    studio = TestClient(app, base_url=LOCAL, raise_server_exceptions=False)
+    table = studio.get("/")
+    assert table.status_code == 200 and re.findall(r"<tr><td>(\d+)</td>", table.text) == ["6"]
+    assert studio.get("/runs/alpha").status_code == 200 and "Job 6" in studio.get("/runs/alpha").text
+    app.state.queue.tick()  # the worker thread's step: it raised, and the thread died with it
+    assert [j.id for j in app.state.queue.jobs()] == [6]
