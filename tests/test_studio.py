@@ -753,3 +753,11 @@ def test_job_files_that_hold_no_jobs_state_are_left_out_and_the_queue_goes_on(ru
     assert studio.get("/runs/alpha").status_code == 200 and "Job 6" in studio.get("/runs/alpha").text
     app.state.queue.tick()  # the worker thread's step: it raised, and the thread died with it
     assert [j.id for j in app.state.queue.jobs()] == [6]
+
+
+def test_a_link_in_a_run_folder_to_a_file_outside_it_is_not_listed(runs, tmp_path):
+    (runs / "alpha" / "secret.txt").symlink_to(tmp_path / "secret.txt")
+    (runs / "alpha" / "notes.txt").symlink_to(runs / "alpha" / "report.html")  # a link inside the run folder stays
+    page = client(runs).get("/runs/alpha")
+    assert page.status_code == 200 and "secret.txt" not in page.text and 'href="/runs/alpha/files/notes.txt"' in page.text
+    assert client(runs).get("/runs/alpha/files/secret.txt").status_code == 404

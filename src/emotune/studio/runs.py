@@ -216,10 +216,13 @@ def last_line(path: Path) -> dict | None:
 
 
 def artifacts(run: RunDir) -> list[tuple[str, int]]:
-    """Files of the run (relative path, bytes), checkpoints left out, sorted by path."""
-    found = []
+    """Files of the run (relative path, bytes), checkpoints left out, sorted by path; a link to a file outside the run
+    folder is left out too (its page would answer 404, and its size is not the run's to tell)."""
+    found, root = [], run.root.resolve()
     for path in sorted(run.root.rglob("*")):
         relative = path.relative_to(run.root)
+        if path.is_symlink() and root not in path.resolve().parents:
+            continue
         if path.is_file() and relative.parts[0] != "checkpoints" and not path.name.endswith(PARTIAL):
             found.append((relative.as_posix(), path.stat().st_size))
     return found
