@@ -761,3 +761,18 @@ def test_a_link_in_a_run_folder_to_a_file_outside_it_is_not_listed(runs, tmp_pat
     page = client(runs).get("/runs/alpha")
     assert page.status_code == 200 and "secret.txt" not in page.text and 'href="/runs/alpha/files/notes.txt"' in page.text
     assert client(runs).get("/runs/alpha/files/secret.txt").status_code == 404
+
+
+def test_a_telemetry_reading_that_is_nan_is_sent_as_null_which_a_browser_parses(runs):
+    beta = runs / "beta"
+    write_text(beta / "telemetry.jsonl", '{"time": 1.0, "stage": "train", "rss_mb": 800.0, "gpu_util_pct": NaN}\n')
+    with (beta / "train" / "log_history.jsonl").open("a") as handle:
+        handle.write('{"step": 3, "loss": 1.0, "per_class": {"joy": NaN}}\n')
+    write_json(beta / "run.json", {"task": "classify", "status": "finished", "stages": {}})
+    events = parse_events(client(runs).get("/runs/beta/events").text)
+
+    def strict(text: str):  # as JSON.parse reads it: NaN is no JSON
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in an event's data"))
+    telemetry = [strict(e["data"]) for e in events if e.get("event") == "telemetry"]
+    assert telemetry == [{"stage": "train", "values": {"rss_mb": [800.0, "MiB"], "gpu_util_pct": [None, "%"]}}]
+    assert strict([e for e in events if e.get("id") == "3"][0]["data"])["per_class"] == {"joy": None}

@@ -382,5 +382,14 @@ async def _events(run: RunDir, queue: JobQueue, start: int, request: Request, po
 
 
 def _json(entry: dict) -> str:
-    """The entry as JSON a browser parses: a NaN or infinite number (a step with no finite loss) becomes null."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()})
+    """The entry as JSON a browser parses: a NaN or infinite number (a step with no finite loss, a telemetry reading
+    the device could not take) becomes null, however deep it sits."""
+    return json.dumps(_finite(entry))
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return [_finite(v) for v in value] if isinstance(value, (list, tuple)) else value
