@@ -776,3 +776,15 @@ def test_a_telemetry_reading_that_is_nan_is_sent_as_null_which_a_browser_parses(
     telemetry = [strict(e["data"]) for e in events if e.get("event") == "telemetry"]
     assert telemetry == [{"stage": "train", "values": {"rss_mb": [800.0, "MiB"], "gpu_util_pct": [None, "%"]}}]
     assert strict([e for e in events if e.get("id") == "3"][0]["data"])["per_class"] == {"joy": None}
+
+
+@pytest.mark.parametrize("peft_config", ["{}", '{"base_model_name_or_path": 5}', "not json"])
+def test_an_adapter_whose_config_names_no_base_model_is_409_with_the_reason_not_a_500(runs, peft_config):
+    write_text(runs / "alpha" / "adapter" / "adapter_config.json", peft_config)
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None, device="cpu"), base_url=LOCAL,
+                        raise_server_exceptions=False)
+    page = studio.get("/runs/alpha/try")
+    assert page.status_code == 409 and "the base model" in page.text
+    csrf = csrf_of(studio.get("/new").text)
+    answer = studio.post("/runs/alpha/classify", data={"csrf": csrf, "text": "hi"})
+    assert answer.status_code == 409 and "the base model" in answer.json()["error"]
