@@ -668,3 +668,123 @@ def test_telemetry_samples_are_streamed_beside_the_log_without_ids(runs):
     assert len(telemetry) == 1 and "id" not in telemetry[0]  # a reconnect's Last-Event-ID stays the log position
     assert json.loads(telemetry[0]["data"]) == {"stage": "train", "values": {
         "rss_mb": [812.25, "MiB"], "cpu_pct": [190.0, "% of one core"], "gpu_util_pct": [97.0, "%"]}}
+
+
+HOSTILE_RUNS = {  # file contents emotune never writes, as a crash, an old version or a hand edit leaves them
+    "list-json": {"run.json": "[1, 2]", "config.yaml": "- a\n- b\n"},
+    "nan-metrics": {"run.json": '{"status": "finished", "outputs": [], "stages": {"train": {"seconds": NaN}}}',
+                    "comparison.json": '{"metrics": {"macro_f1": {"before": NaN, "after": Infinity}}}'},
+    "infinite-seconds": {"run.json": '{"status": "x", "stages": {"train": {"seconds": 1e400}}}'},
+    "text-seconds": {"run.json": '{"status": "x", "stages": {"train": {"seconds": "10"}}}'},
+    "stages-list": {"run.json": '{"stages": [1]}'},
+    "status-object": {"run.json": '{"status": {"a": 1}, "task": ["x"], "outputs": 5}'},
+    "outputs-null": {"run.json": '{"status": "finished", "outputs": [null, 3]}'},
+    "model-text": {"config.yaml": "model: hello\ndata: [1]\ntrain: 5\n"},
+    "metrics-list": {"run.json": "{}", "comparison.json": '{"metrics": [1], "intervals": [2]}'},
+    "interval-list": {"run.json": "{}", "comparison.json":
+                      '{"metrics": {"macro_f1": {"before": 1, "after": 2}}, "intervals": {"macro_f1": [1]}}'},
+    "config-not-utf8": {"config.yaml": b"\xff\xfe: [\n"},
+    "log-not-utf8": {"run.json": "{}", "train/log_history.jsonl": b"\xff\xfe\x00garbage\n"},
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_RUNS)
+def test_a_run_folder_with_hostile_content_shows_blanks_not_a_500(runs, name):
+    for file, content in HOSTILE_RUNS[name].items():
+        path = runs / name / file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None, stream_s=0.1), base_url=LOCAL,
+                        raise_server_exceptions=False)
+    table = studio.get("/")
+    assert table.status_code == 200 and f'href="/runs/{name}"' in table.text and 'href="/runs/alpha"' in table.text
+    rows = {r["name"]: r for r in studio.get("/api/runs").json()}  # strict JSON: no NaN nor infinity in it
+    assert rows["alpha"]["after"] == 0.75 and isinstance(rows[name]["status"], str)
+    assert rows[name]["after"] in (None, 2.0) and rows[name]["minutes"] in (None, 0.0)
+    page = studio.get(f"/runs/{name}")
+    assert page.status_code == 200 and f"Run {name}" in page.text
+    assert studio.get(f"/runs/{name}/events").status_code == 200
+
+
+def test_a_sweep_folder_with_hostile_content_shows_blanks_not_a_500(runs):
+    sweep = runs / "odd-sweep"
+    sweep.mkdir()
+    write_text(sweep / "sweep.json", '{"plan": [1], "trials": [{"name": "<i>t</i>", "value": NaN, "overrides": 5}], '
+                                     '"status": {"a": 1}}')
+    (sweep / "trials.csv").write_bytes(b"\xff\xfe,a\n1,2\n")
+    (sweep / "best.yaml").write_bytes(b"lr: \xff\n")
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None), base_url=LOCAL, raise_server_exceptions=False)
+    page = studio.get("/sweeps/odd-sweep")
+    assert page.status_code == 200 and "&lt;i&gt;t&lt;/i&gt;" in page.text and "<i>t" not in page.text
+    assert "<code>5</code>" in page.text and "lr: \ufffd" in page.text
+    write_text(sweep / "sweep.json", '{"plan": {}, "trials": {"a": 1}}')
+    assert studio.get("/sweeps/odd-sweep").status_code == 200 and studio.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "a\x00b"])
+def test_a_run_name_no_file_system_holds_is_refused_beside_its_field(runs, name):
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None), base_url=LOCAL, raise_server_exceptions=False)
+    page = studio.post("/new", data={"csrf": csrf_of(studio.get("/new").text), "name": name}, follow_redirects=False)
+    assert page.status_code == 400 and re.search(r'class="field invalid"><label for="f-name">', page.text)
+    assert not (runs / ".studio" / "jobs").exists() and studio.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("line", ["template: {a: 1}", "template: [llama3]", "lora_rank: {a: 1}"])
+def test_a_pasted_llamafactory_yaml_with_a_mapping_for_a_name_or_number_is_a_problem_not_a_500(runs, line):
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None), base_url=LOCAL, raise_server_exceptions=False)
+    text = f"model_name_or_path: x\nstage: sft\nfinetuning_type: lora\ndataset: alpaca_en_demo\n{line}\n"
+    page = studio.post("/new/llamafactory", data={"csrf": csrf_of(studio.get("/new").text), "llamafactory": text})
+    assert page.status_code == 200 and 'id="translation"' in page.text
+    key = line.split(":")[0]
+    assert key in page.text.split('id="translation"')[1] and studio.get("/").status_code == 200
+
+
+def test_job_files_that_hold_no_jobs_state_are_left_out_and_the_queue_goes_on(runs):
+    jobs = runs / ".studio" / "jobs"
+    jobs.mkdir(parents=True)
+    for number, state in enumerate(['{"name": "alpha"}', '{"id": 2, "name": 5}', '{"id": 3, "name": "alpha", "status": 5}',
+                                    '{"id": 4, "name": "../x", "status": "running", "pid": 1}', '{"id": "5", "name": "a"}'], 1):
+        write_text(jobs / f"{number}.json", state)
+    write_json(jobs / "6.json", {"id": 6, "name": "alpha", "status": "finished", "from_a_newer_studio": True})
+    app = create_app(runs, poll_s=0.01, jobs_interval_s=None)
+    studio = TestClient(app, base_url=LOCAL, raise_server_exceptions=False)
+    table = studio.get("/")
+    assert table.status_code == 200 and re.findall(r"<tr><td>(\d+)</td>", table.text) == ["6"]
+    assert studio.get("/runs/alpha").status_code == 200 and "Job 6" in studio.get("/runs/alpha").text
+    app.state.queue.tick()  # the worker thread's step: it raised, and the thread died with it
+    assert [j.id for j in app.state.queue.jobs()] == [6]
+
+
+def test_a_link_in_a_run_folder_to_a_file_outside_it_is_not_listed(runs, tmp_path):
+    (runs / "alpha" / "secret.txt").symlink_to(tmp_path / "secret.txt")
+    (runs / "alpha" / "notes.txt").symlink_to(runs / "alpha" / "report.html")  # a link inside the run folder stays
+    page = client(runs).get("/runs/alpha")
+    assert page.status_code == 200 and "secret.txt" not in page.text and 'href="/runs/alpha/files/notes.txt"' in page.text
+    assert client(runs).get("/runs/alpha/files/secret.txt").status_code == 404
+
+
+def test_a_telemetry_reading_that_is_nan_is_sent_as_null_which_a_browser_parses(runs):
+    beta = runs / "beta"
+    write_text(beta / "telemetry.jsonl", '{"time": 1.0, "stage": "train", "rss_mb": 800.0, "gpu_util_pct": NaN}\n')
+    with (beta / "train" / "log_history.jsonl").open("a") as handle:
+        handle.write('{"step": 3, "loss": 1.0, "per_class": {"joy": NaN}}\n')
+    write_json(beta / "run.json", {"task": "classify", "status": "finished", "stages": {}})
+    events = parse_events(client(runs).get("/runs/beta/events").text)
+
+    def strict(text: str):  # as JSON.parse reads it: NaN is no JSON
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in an event's data"))
+    telemetry = [strict(e["data"]) for e in events if e.get("event") == "telemetry"]
+    assert telemetry == [{"stage": "train", "values": {"rss_mb": [800.0, "MiB"], "gpu_util_pct": [None, "%"]}}]
+    assert strict([e for e in events if e.get("id") == "3"][0]["data"])["per_class"] == {"joy": None}
+
+
+@pytest.mark.parametrize("peft_config", ["{}", '{"base_model_name_or_path": 5}', "not json"])
+def test_an_adapter_whose_config_names_no_base_model_is_409_with_the_reason_not_a_500(runs, peft_config):
+    write_text(runs / "alpha" / "adapter" / "adapter_config.json", peft_config)
+    studio = TestClient(create_app(runs, poll_s=0.01, jobs_interval_s=None, device="cpu"), base_url=LOCAL,
+                        raise_server_exceptions=False)
+    page = studio.get("/runs/alpha/try")
+    assert page.status_code == 409 and "the base model" in page.text
+    csrf = csrf_of(studio.get("/new").text)
+    answer = studio.post("/runs/alpha/classify", data={"csrf": csrf, "text": "hi"})
+    assert answer.status_code == 409 and "the base model" in answer.json()["error"]

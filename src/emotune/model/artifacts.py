@@ -261,13 +261,13 @@ def _foreign_adapter(folder: Path, name: str, fallback: Fallback | None) -> Arti
     fallback = fallback or Fallback(source="nothing (no config or flags were given)")
     peft_config = read_json(folder / PEFT_CONFIG) or {}
     base = fallback.base_model or peft_config.get("base_model_name_or_path")
-    model_cfg = ModelConfig(source=base) if fallback.base_model is None else ModelConfig(source=fallback.base_model)
+    base = base if isinstance(base, str) and base.strip() else None  # none, or not a name: refused below as missing
     if fallback.task == "sft":  # free text: the system prompt (none is a valid one) and the base are all it needs
         if not base:
             raise UserError(f"`{folder}` is an adapter made by another tool (no {META}) whose {PEFT_CONFIG} names no "
                             f"base model, and {fallback.source} did not say. Set model.source in the config.")
         meta = {"task": "sft", "system_prompt": fallback.system_prompt, "base_model": base, "foreign": True}
-        return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=model_cfg)
+        return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=ModelConfig(source=base))
     missing = [what for what, value in (("the label set", fallback.labels), ("the prompt", fallback.prompt),
                                         ("the base model", base)) if not value]
     if missing:
@@ -279,7 +279,7 @@ def _foreign_adapter(folder: Path, name: str, fallback: Fallback | None) -> Arti
                         "comparable with the prompt and labels the adapter was trained with.")
     meta = {"task": "classify", "labels": list(fallback.labels), "system_prompt_template": fallback.prompt.system_prompt,
             "user_template": fallback.prompt.user_template, "base_model": base, "foreign": True}
-    return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=model_cfg)
+    return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=ModelConfig(source=base))
 
 
 def check_adapter_files(folder: Path) -> None:

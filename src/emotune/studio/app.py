@@ -42,6 +42,7 @@ from emotune.studio.runs import (
     NotInRuns,
     any_run,
     artifacts,
+    config_text,
     history,
     inside,
     last_line,
@@ -168,7 +169,7 @@ def _run_routes(app: FastAPI, runs: Path, queue: JobQueue, csrf: str, poll_s: fl
         job_html = (f'<p>Job {job.id}: <span id="job-status">{job.status}</span> {pages.stop_button(job, csrf)}</p>'
                     if job is not None else "")
         log = log_tail(queue.log(job)) if job is not None else ""
-        return HTMLResponse(pages.run_page(pages.RunView(summary, run.saved_config() or "", len(history(run)),
+        return HTMLResponse(pages.run_page(pages.RunView(summary, config_text(run), len(history(run)),
                                                          artifacts(run) if run.root.is_dir() else [], log,
                                                          run.report_html.is_file(), job_html, run_details(run))))
 
@@ -381,5 +382,14 @@ async def _events(run: RunDir, queue: JobQueue, start: int, request: Request, po
 
 
 def _json(entry: dict) -> str:
-    """The entry as JSON a browser parses: a NaN or infinite number (a step with no finite loss) becomes null."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()})
+    """The entry as JSON a browser parses: a NaN or infinite number (a step with no finite loss, a telemetry reading
+    the device could not take) becomes null, however deep it sits."""
+    return json.dumps(_finite(entry))
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return [_finite(v) for v in value] if isinstance(value, (list, tuple)) else value

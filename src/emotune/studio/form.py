@@ -134,17 +134,26 @@ def validate(task: str, raw: dict[str, Any], runs: Path) -> tuple[str | None, di
         raw = {**raw, "name": f"{task}-{datetime.now():%Y%m%d-%H%M%S}"}
     name = raw.get("name")
     taken = {"name": [f"a run folder `{name}` exists already; choose another name (or overwrite=true to replace it)"]} \
-        if isinstance(name, str) and name and (runs / name).exists() and not raw.get("overwrite") else {}
+        if isinstance(name, str) and name and _exists(runs / name) and not raw.get("overwrite") else {}
     try:
         cfg = build_config(dict(raw))
     except UserError as err:
         problems = _by_field(str(err), {f.key for f in fields(task)})
         return None, {**problems, "name": problems.get("name", []) + taken.get("name", [])} if taken else problems
-    if taken or (runs / cfg.name).exists() and not cfg.overwrite:
+    if taken or _exists(runs / cfg.name) and not cfg.overwrite:
         return None, taken or {"name": [f"a run folder `{cfg.name}` exists already; choose another name"]}
     from emotune.core.config.build import dump_config
 
     return dump_config(cfg), {}
+
+
+def _exists(path: Path) -> bool:
+    """Whether `path` exists; a name no file system holds (too long, a NUL byte) is not there, and the config's own
+    checks say what is wrong with it."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 ALIAS_BOMB = (f"expands to more than {MAX_VALUES:,} values or {MAX_CHARS:,} characters (YAML aliases that repeat "

@@ -20,16 +20,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import yaml
 
 from emotune.core import locks
+from emotune.core.config.base import is_run_name
 from emotune.core.rundir import RunDir, read_json, run_lock, write_json, write_text
 
 STOP_GRACE_S = 30.0
 FINAL = ("finished", "failed", "stopped")
+STATES = ("queued", "running", *FINAL)
 
 
 class NameTaken(Exception):
@@ -98,8 +100,8 @@ class JobQueue:
     def jobs(self) -> list[Job]:
         if not self.folder.is_dir():
             return []
-        found = [read_json(p) for p in self.folder.glob("*.json")]
-        return sorted((Job(**j) for j in found if j), key=lambda j: j.id)
+        found = (_job(read_json(p) or {}) for p in self.folder.glob("*.json"))
+        return sorted((j for j in found if j is not None), key=lambda j: j.id)
 
     def job_for(self, name: str) -> Job | None:
         """The latest job of the run folder `name`."""
@@ -183,6 +185,21 @@ class JobQueue:
 
     def _save(self, job: Job) -> None:
         write_json(self.folder / f"{job.id}.json", asdict(job))
+
+
+def _job(state: dict) -> Job | None:
+    """The job a `<number>.json` of the queue folder holds; None for one that is not a job's state (keys of another
+    version or a hand edit, a name that is no run folder's, text for a number): it is left out, and the queue, the
+    runs table and the run pages go on without it."""
+    known = {f.name for f in fields(Job)}
+    try:
+        job = Job(**{k: v for k, v in state.items() if k in known})
+    except TypeError:  # `id` or `name` missing
+        return None
+    numbers = all(v is None or type(v) in (int, float) for v in (job.submitted, job.started, job.ended, job.exit_code))
+    ok = (type(job.id) is int and isinstance(job.name, str) and is_run_name(job.name) and job.status in STATES
+          and (job.pid is None or type(job.pid) is int) and isinstance(job.device, str) and numbers)
+    return job if ok else None
 
 
 def _alive(pid: int | None) -> bool:

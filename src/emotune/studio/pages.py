@@ -250,7 +250,7 @@ def sweep_page(sweep, trials_with_report: list[str]) -> str:
                  f'form="compare"{"" if trial.get("status") == "finished" else " disabled"}></td><td>{link}</td>'
                  f'<td class="status-{escape(str(trial.get("status")))}">{escape(str(trial.get("status")))}</td>'
                  f'<td class="num">{"" if not isinstance(value, (int, float)) else f"{value:.4f}"}</td>'
-                 f'<td><code>{escape(" ".join(map(str, trial.get("overrides") or [])))}</code></td></tr>')
+                 f'<td><code>{escape(_overrides(trial.get("overrides")))}</code></td></tr>')
     tables = "".join(f'<h2>{escape(title.capitalize())} table</h2><table id="table-{escape(title)}"><thead><tr>'
                      + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr></thead><tbody>"
                      + "".join("<tr>" + "".join(f"<td>{escape(_short_number(c))}</td>" for c in row) + "</tr>"
@@ -262,6 +262,11 @@ def sweep_page(sweep, trials_with_report: list[str]) -> str:
             f'Compare the ticked trials</button></form><table id="trials"><thead><tr><th></th><th>trial</th><th>status</th>'
             f'<th>{escape(sweep.metric)}</th><th>overrides</th></tr></thead><tbody>{rows}</tbody></table>{best}')
     return layout(f"Sweep {sweep.name}", body)
+
+
+def _overrides(value) -> str:
+    """A trial's overrides (a list of `key=value`) as one line; anything else sweep.json holds there as it is."""
+    return " ".join(map(str, value)) if isinstance(value, list) else "" if value is None else str(value)
 
 
 def _short_number(cell: str) -> str:

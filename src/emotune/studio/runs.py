@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,39 +102,68 @@ def list_runs(runs: Path) -> list[RunSummary]:
 
 
 def summarize(run: RunDir) -> RunSummary:
+    """The run's row; a run.json, comparison.json or config.yaml that holds something else than emotune writes there
+    (a list, text for a number, NaN) gives blanks in its place, never an error that takes the runs table down."""
     info = read_json(run.run_json) or {}
     config = saved_config(run)
-    stages = info.get("stages") or {}
-    seconds = sum(s.get("seconds", 0) for s in stages.values() if isinstance(s, dict))
+    stages = _dict(info.get("stages"))
+    seconds = sum(_finite(s.get("seconds")) or 0.0 for s in stages.values() if isinstance(s, dict))
     comparison = read_json(run.comparison_json) or {}
     metric, before, after = headline(comparison)
-    intervals = ((comparison.get("intervals") or {}).get(metric) or {}) if metric else {}
-    status = "finished" if run.is_finished() else info.get("status") or ("prepared" if run.data.exists() else "new")
-    return RunSummary(run.root.name, str(info.get("task") or config.get("task") or ""),
-                      str((config.get("model") or {}).get("source") or ""), str((config.get("data") or {}).get("source") or ""),
-                      status, metric, before, after, round(seconds / 60, 2) if stages else None,
+    intervals = _dict(_dict(comparison.get("intervals")).get(metric)) if metric else {}
+    status = "finished" if _finished(run, info) else _text(info.get("status")) or ("prepared" if run.data.exists() else "new")
+    return RunSummary(run.root.name, _text(info.get("task")) or _text(config.get("task")),
+                      _text(_dict(config.get("model")).get("source")), _text(_dict(config.get("data")).get("source")),
+                      status, metric, before, after, round(seconds / 60, 2) if stages and math.isfinite(seconds) else None,
                       _interval(intervals.get("before")), _interval(intervals.get("after")))
 
 
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _text(value) -> str:
+    """A value a page shows as a word (a status, a task, a model's name): text as it is, a number as text, else ''."""
+    return str(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+
+
+def _finite(value) -> float | None:
+    """A finite number (not a bool), else None: a JSON answer cannot hold NaN or infinity."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _finished(run: RunDir, info: dict) -> bool:
+    """run.json says finished and every output it lists (paths inside the run folder) is there."""
+    outputs = info.get("outputs", [])
+    return (info.get("status") == "finished" and isinstance(outputs, list)
+            and all(isinstance(p, str) and (run.root / p).exists() for p in outputs))
+
+
 def _interval(value) -> list[float] | None:
-    ok = isinstance(value, list) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
+    ok = isinstance(value, list) and len(value) == 2 and all(_finite(v) is not None for v in value)
     return [float(v) for v in value] if ok else None
 
 
 def headline(comparison: dict) -> tuple[str, float | None, float | None]:
     """The first of HEADLINE_METRICS the comparison has (else its first metric): name, before, after."""
-    metrics = {k: v for k, v in (comparison.get("metrics") or {}).items() if isinstance(v, dict)}
+    metrics = {k: v for k, v in _dict(comparison.get("metrics")).items() if isinstance(v, dict)}
     for name in (*HEADLINE_METRICS, *metrics):
         row = metrics.get(name)
-        if row and isinstance(row.get("before"), (int, float)) and isinstance(row.get("after"), (int, float)):
+        if row and _finite(row.get("before")) is not None and _finite(row.get("after")) is not None:
             return name, float(row["before"]), float(row["after"])
     return "", None, None
 
 
+def config_text(run: RunDir) -> str:
+    """config.yaml's text ('' when there is none); bytes that are not UTF-8 shown as \ufffd, not an error."""
+    return run.config.read_bytes().decode("utf-8", errors="replace") if run.config.is_file() else ""
+
+
 def saved_config(run: RunDir) -> dict:
     try:
-        value = yaml.safe_load(run.saved_config() or "")
-    except yaml.YAMLError:
+        value = yaml.safe_load(config_text(run))
+    except (yaml.YAMLError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -145,7 +175,7 @@ def history(run: RunDir) -> list[dict]:
     live = run.train / HISTORY_LIVE
     entries: list[dict] = []
     if live.is_file():
-        for line in live.read_text(encoding="utf-8").splitlines():
+        for line in live.read_bytes().decode("utf-8", errors="replace").splitlines():
             try:
                 entry = json.loads(line)
             except ValueError:
@@ -159,9 +189,9 @@ def run_details(run: RunDir) -> dict:
     """What the run page shows beside the curve: the training plan run.json records (micro-batch, accumulation, what
     fits), the step count asked for (for the ETA), and the latest telemetry sample (memory, CPU, GPU)."""
     info = read_json(run.run_json) or {}
-    train = ((info.get("stages") or {}).get("train") or {}) if isinstance(info.get("stages"), dict) else {}
-    max_steps = ((saved_config(run).get("train") or {}).get("max_steps"))
-    return {"plan": train.get("plan") if isinstance(train, dict) else None,
+    train = _dict(_dict(info.get("stages")).get("train"))
+    max_steps = _dict(saved_config(run).get("train")).get("max_steps")
+    return {"plan": train.get("plan"),
             "max_steps": max_steps if isinstance(max_steps, int) else None, "telemetry": last_line(run.telemetry)}
 
 
@@ -186,10 +216,13 @@ def last_line(path: Path) -> dict | None:
 
 
 def artifacts(run: RunDir) -> list[tuple[str, int]]:
-    """Files of the run (relative path, bytes), checkpoints left out, sorted by path."""
-    found = []
+    """Files of the run (relative path, bytes), checkpoints left out, sorted by path; a link to a file outside the run
+    folder is left out too (its page would answer 404, and its size is not the run's to tell)."""
+    found, root = [], run.root.resolve()
     for path in sorted(run.root.rglob("*")):
         relative = path.relative_to(run.root)
+        if path.is_symlink() and root not in path.resolve().parents:
+            continue
         if path.is_file() and relative.parts[0] != "checkpoints" and not path.name.endswith(PARTIAL):
             found.append((relative.as_posix(), path.stat().st_size))
     return found
@@ -244,16 +277,16 @@ def summarize_sweep(folder: Path) -> SweepSummary:
     wrote when it ended (ablation.csv first, then trials.csv), each cell as the value it holds (the `'` the CSV puts
     before a text a spreadsheet would run as a formula taken off: emotune.core.spreadsheet)."""
     manifest = read_json(folder / MANIFEST) or {}
-    plan = manifest.get("plan") or {}
+    plan, trials = _dict(manifest.get("plan")), manifest.get("trials")
     tables = []
     for name in ("ablation", "trials"):
         path = folder / f"{name}.csv"
         if path.is_file():
-            with path.open(encoding="utf-8", newline="") as handle:
+            with path.open(encoding="utf-8", errors="replace", newline="") as handle:
                 rows = [[from_spreadsheet_cell(cell) for cell in row] for row in csv.reader(handle)]
             if rows:
                 tables.append((name, rows[0], rows[1:]))
     best = folder / "best.yaml"
-    return SweepSummary(folder.name, str(manifest.get("status") or "?"), str(plan.get("mode") or ""),
-                        str(plan.get("metric") or ""), [t for t in manifest.get("trials") or [] if isinstance(t, dict)],
-                        tables, best.read_text(encoding="utf-8") if best.is_file() else None)
+    return SweepSummary(folder.name, _text(manifest.get("status")) or "?", _text(plan.get("mode")),
+                        _text(plan.get("metric")), [t for t in trials if isinstance(t, dict)] if isinstance(trials, list) else [],
+                        tables, best.read_bytes().decode("utf-8", errors="replace") if best.is_file() else None)

@@ -137,7 +137,8 @@ def _method(t: Translation) -> None:
         if key in t.given:
             t.ignored.append((key, "a freeze-tuning setting; finetuning_type: lora does not read it"))
     t.set("lora.r", s["lora_rank"], "lora_rank")
-    alpha = s["lora_alpha"] if s["lora_alpha"] is not None else s["lora_rank"] * 2
+    rank = s["lora_rank"]  # a rank that is no number is left as it is: the config's check names what it expected
+    alpha = s["lora_alpha"] if s["lora_alpha"] is not None else rank * 2 if type(rank) in (int, float) else rank
     t.set("lora.alpha", alpha, "lora_alpha", note="" if s["lora_alpha"] is not None else "lora_rank x 2")
     t.set("lora.dropout", s["lora_dropout"], "lora_dropout")
     targets = name_list(s["lora_target"])

@@ -47,7 +47,7 @@ def template_check(name: str | None, raw: dict[str, Any]) -> tuple[list[str], st
     if name is None:
         return [], ("template: unset: LLaMA-Factory then parses the tokenizer's chat template, which emotune uses "
                     "too (Gemma's turn format when it has none, where LLaMA-Factory uses `empty`).")
-    if name not in TEMPLATES:
+    if not isinstance(name, str) or name not in TEMPLATES:  # `template: {a: 1}` is no name either
         close = difflib.get_close_matches(str(name), sorted(TEMPLATES), n=1)
         return [f"`template: {name}` is not a LLaMA-Factory template" + (f"; did you mean {close[0]}?" if close else "")], ""
     marker = FAMILY.get(name)
