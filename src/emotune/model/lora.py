@@ -227,7 +227,7 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAU
     layers = resolve_layers(cfg.layers, decoder_layer_count(model.config))
     if cfg.target_modules == "all-linear":
         targets, by_index = language_model_linear_targets(model, layers), {}
-    elif peft_renames(model) & {t.rsplit(".", 1)[-1] for t in cfg.target_modules}:
+    elif isinstance(cfg.target_modules, list) and peft_renames(model) & {t.rsplit(".", 1)[-1] for t in cfg.target_modules}:
         targets, by_index = _module_names(model, cfg.target_modules, layers), {}
     else:
         targets = cfg.target_modules
