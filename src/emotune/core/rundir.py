@@ -205,9 +205,12 @@ class RunDir:
         return (read_json(self.run_json) or {}).get("status")
 
     def is_finished(self) -> bool:
-        """run.json says finished and every output it lists is there."""
-        run = read_json(self.run_json) or {}
-        return run.get("status") == "finished" and all((self.root / p).exists() for p in run.get("outputs", []))
+        """run.json says finished and every output it lists (paths inside the run folder) is there; a run.json that
+        holds something else than emotune writes (a list, outputs that are not paths) is no finished run."""
+        run = read_json(self.run_json)
+        outputs = run.get("outputs", []) if isinstance(run, dict) else None
+        return (isinstance(outputs, list) and run.get("status") == "finished"
+                and all(isinstance(p, str) and (self.root / p).exists() for p in outputs))
 
     def saved_config(self) -> str | None:
         return self.config.read_text(encoding="utf-8") if self.config.is_file() else None

@@ -111,7 +111,7 @@ def summarize(run: RunDir) -> RunSummary:
     comparison = read_json(run.comparison_json) or {}
     metric, before, after = headline(comparison)
     intervals = _dict(_dict(comparison.get("intervals")).get(metric)) if metric else {}
-    status = "finished" if _finished(run, info) else _text(info.get("status")) or ("prepared" if run.data.exists() else "new")
+    status = "finished" if run.is_finished() else _text(info.get("status")) or ("prepared" if run.data.exists() else "new")
     return RunSummary(run.root.name, _text(info.get("task")) or _text(config.get("task")),
                       _text(_dict(config.get("model")).get("source")), _text(_dict(config.get("data")).get("source")),
                       status, metric, before, after, round(seconds / 60, 2) if stages and math.isfinite(seconds) else None,
@@ -131,13 +131,6 @@ def _finite(value) -> float | None:
     """A finite number (not a bool), else None: a JSON answer cannot hold NaN or infinity."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return float(value) if ok else None
-
-
-def _finished(run: RunDir, info: dict) -> bool:
-    """run.json says finished and every output it lists (paths inside the run folder) is there."""
-    outputs = info.get("outputs", [])
-    return (info.get("status") == "finished" and isinstance(outputs, list)
-            and all(isinstance(p, str) and (run.root / p).exists() for p in outputs))
 
 
 def _interval(value) -> list[float] | None:
