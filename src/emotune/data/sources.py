@@ -165,7 +165,8 @@ def _select_columns(table: pa.Table, path: Path | str, cfg: DataConfig, notes: l
                if found != wanted]
     if renamed:
         notes.append(f"`{path}`: read the column {' and '.join(renamed)} (the names differ in capitals or spaces only).")
-    missing = [c for c in (cfg.text_column, cfg.label_column) if column_named(table.column_names, c) not in table.column_names]
+    missing = [wanted for wanted, found in ((cfg.text_column, text_column), (cfg.label_column, label_column))
+               if found not in table.column_names]
     if missing:
         raise UserError(f"`{path}` has no column {', '.join(repr(m) for m in missing)} (columns found: "
                         f"{', '.join(table.column_names) or 'none'}). " + (_headerless(table.column_names) or
