@@ -196,7 +196,8 @@ def test_routed_experts_take_lora_through_target_parameters(data_dir, tmp_path, 
     restricts it like the modules); left out, the run says the experts stay frozen; a list naming no weight, or
     `experts` on a model without routed experts, is refused before the run folder exists."""
     from emotune.core.config.train import LoraSettings
-    from emotune.model.lora import attach_lora, expert_weights
+    from emotune.model.lora import attach_lora
+    from emotune.model.text import expert_weights
 
     model_dir = _saved(qwen3_moe, tmp_path / "qwen3-moe")
     experts = ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj",

@@ -71,12 +71,12 @@ class Context:
             quantization.check(self.cfg.model, model_dir, self.device, dtype, self.cfg.lora.use_dora)
             optim.check(self.cfg.train, self.device)
             compiling.check(self.cfg.train, self.device)
-            init_methods.check(self.cfg.lora, self.cfg.model, self.device)
+            init_methods.check(self.cfg.lora, self.cfg.model, self.device, model_dir)
             if self.cfg.lora.adapter:
                 self.start = self.task.find_adapter(self.cfg.lora.adapter, self.cfg, self.data)
                 init_methods.check_start(self.cfg.lora, self.start)
             if self.cfg.train.finetuning == "lora" and not self.cfg.lora.adapter:
-                check_targets(self.cfg.lora, AutoConfig.from_pretrained(model_dir))
+                check_targets(self.cfg.lora, AutoConfig.from_pretrained(model_dir), model_dir, self.cfg.model)
             if self.cfg.lora.layers is not None or self.cfg.train.finetuning in finetuning.WHOLE:
                 model_config = AutoConfig.from_pretrained(model_dir)  # the layer count, from config.json alone
                 finetuning.check(self.cfg.train, self.cfg.lora, self.cfg.model, model_config)

@@ -20,7 +20,9 @@ so `checkpoint_activations` removes it.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -28,10 +30,11 @@ from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
+from emotune.core.config.model import ModelConfig
 from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model import init_methods
-from emotune.model.text import causal_lm_class, language_model
+from emotune.model.text import causal_lm_class, expert_weights, is_router, language_model
 
 LINEAR = (torch.nn.Linear, Conv1D)
 """What `all-linear` adapts, as PEFT's own `all-linear` does: GPT-2's projections are transformers' Conv1D (a linear
@@ -52,33 +55,13 @@ in training yet merged. PEFT refuses LoRA on `out_proj` and `conv1d` of Mamba-2,
 `dt_proj.weight`."""
 
 
-def _is_router(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith("Router")
-
-
-def routers(model: torch.nn.Module) -> list[str]:
-    """The names of the mixture-of-experts routers that hold a linear layer (Gemma 4's, DBRX's and AFMoE's
-    `router.proj`; Llama 4's and PhiMoE's routers are one)."""
-    return [name for name, module in model.named_modules()
-            if name and _is_router(module) and any(isinstance(m, torch.nn.Linear) for m in module.modules())]
-
-
 def _adaptable(module: torch.nn.Module) -> bool:
     """A linear layer `all-linear` adapts. Mixture-of-experts routers are left out: Llama 4's and PhiMoE's subclass
     nn.Linear but return the routing (scores and logits, a tuple), which a LoRA branch cannot add to; Gemma 4's, DBRX's
     and AFMoE's hold their projection as a linear layer inside (`router.proj`), which `language_model_linear_targets`
     leaves out with its router; the other families' routers are no linear layers at all. So no family's routing
     changes under `all-linear`."""
-    return isinstance(module, LINEAR) and not _is_router(module)
-
-
-def expert_weights(model: PreTrainedModel) -> list[str]:
-    """The names of the language model's routed expert weights: the 3-D tensors of its experts modules (transformers 5's
-    `Qwen3MoeExperts.gate_up_proj`, `MixtralExperts.down_proj`), one per layer and projection."""
-    decoder = language_model(model)
-    prefix = next(name for name, module in model.named_modules() if module is decoder)
-    return [f"{prefix}.{name}".lstrip(".") for name, param in decoder.named_parameters()
-            if param.ndim == 3 and "Expert" in type(decoder.get_submodule(name.rpartition(".")[0])).__name__]
+    return isinstance(module, LINEAR) and not is_router(module)
 
 
 def parameter_targets(model: PreTrainedModel, cfg: LoraSettings, layers: list[int] | None = None) -> list[str]:
@@ -129,7 +112,7 @@ def language_model_linear_targets(model: PreTrainedModel, layers: list[int] | No
     decoder = language_model(model)
     prefix = next(name for name, module in model.named_modules() if module is decoder)
     output = model.get_output_embeddings()
-    routers = [name for name, module in decoder.named_modules() if _is_router(module)]
+    routers = [name for name, module in decoder.named_modules() if is_router(module)]
     linears = {f"{prefix}.{name}".lstrip(".") for name, module in decoder.named_modules()
                if _adaptable(module) and module is not output and name
                and not any(name.startswith(f"{router}.") for router in routers)}
@@ -247,7 +230,7 @@ def lora_config(cfg: LoraSettings, model: PreTrainedModel, task_type: str = "CAU
         modules_to_save=modules_to_save,
         task_type=task_type,
         **by_index,
-        **init_methods.peft_init(cfg),
+        **init_methods.peft_init(cfg, model),
         **({"target_parameters": weights} if weights else {}),
     )
 
@@ -271,6 +254,7 @@ def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAU
     except ValueError as err:  # PEFT names the module it could not find
         raise UserError(f"LoRA matched no module of {type(model).__name__} (or could not be attached): {err} Check lora.target_modules "
                         "and lora.modules_to_save against the model's module names.") from None
+    init_methods.start(adapted, cfg)
     trainable, total = count_parameters(adapted)
     if trainable == 0:
         raise UserError(f"LoRA matched no module: lora.target_modules={cfg.target_modules!r} found nothing to adapt "
@@ -287,13 +271,15 @@ def attach_lora(model: PreTrainedModel, cfg: LoraSettings, task_type: str = "CAU
     return adapted
 
 
-def check_targets(cfg: LoraSettings, model_config) -> None:
+def check_targets(cfg: LoraSettings, model_config, model_dir: Path | None = None, model_cfg: ModelConfig | None = None) -> None:
     """Refuse, before any weights load, what the adapted modules cannot take, read from an empty (meta-device) copy
     built from config.json: names in a `lora.target_modules` list that match no module, `lora.target_parameters` that
     match no weight, and OLoRA on transformers'
     Conv1D layers (GPT-2's), whose weights PEFT's OLoRA factors untransposed: the first forward pass stopped with a
     shape error (PEFT's PiSSA transposes them; issue huggingface/peft#2991 is the same gap in CoRDA)."""
-    if not isinstance(cfg.target_modules, list) and cfg.init != "olora" and cfg.target_parameters is None:
+    loftq_weights = (cfg.init == "loftq" and model_dir is not None and model_cfg is not None
+                     and model_cfg.quantization == "4bit")
+    if not isinstance(cfg.target_modules, list) and cfg.init != "olora" and cfg.target_parameters is None and not loftq_weights:
         return
     try:
         with torch.device("meta"):
@@ -305,6 +291,40 @@ def check_targets(cfg: LoraSettings, model_config) -> None:
     if cfg.init == "olora":
         _check_olora(model, cfg)
     parameter_targets(model, cfg)
+    if loftq_weights:
+        _check_loftq_names(model, cfg, model_dir)
+
+
+def _check_loftq_names(model: PreTrainedModel, cfg: LoraSettings, model_dir: Path) -> None:
+    """LoftQ over a 4-bit base reads each adapted layer's original weight from the safetensors by the layer's name
+    (PEFT's replace_lora_weights_loftq: the name, or without the model's base_model_prefix when in one file); a
+    checkpoint stored under other names (an older layout transformers renames while loading) would stop it after
+    the baseline evaluation, so it is refused here."""
+    targets = lora_config(cfg.model_copy(update={"init": "default"}), model).target_modules
+    wanted = [name + ".weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+              and (re.fullmatch(targets, name) if isinstance(targets, str)
+                   else any(name == t or name.endswith(f".{t}") for t in targets))]
+    stored, sharded = stored_weight_names(model_dir)
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else None
+    missing = [n for n in wanted if n not in stored
+               and (sharded or prefix is None or not n.startswith(prefix) or n[len(prefix):] not in stored)]
+    if missing:
+        raise UserError(f"lora.init=loftq over a 4-bit base reads the original weights of the adapted layers from "
+                        f"{model_dir}'s safetensors by name, and {len(missing)} of {len(wanted)} are not stored under "
+                        f"their layer's name (e.g. `{missing[0]}`: the checkpoint uses an older layout that transformers "
+                        "renames while loading). Save the model again with save_pretrained (transformers writes the "
+                        "names it loads), or set lora.init=default.")
+
+
+def stored_weight_names(model_dir: Path) -> tuple[set[str], bool]:
+    """The tensor names in a folder's safetensors (one file, or the shards' index), and whether it is sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})), True
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
+        return set(handle.keys()), False
 
 
 def _check_olora(model: PreTrainedModel, cfg: LoraSettings) -> None:

@@ -92,7 +92,7 @@ def kept_unquantized(model_dir: Path) -> list[str] | None:
     None for other models: transformers' own list then applies as it is (a list given replaces it)."""
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    from emotune.model.lora import routers
+    from emotune.model.text import routers
 
     model = _meta_model(model_dir)
     found = routers(model) if model is not None else []
@@ -158,7 +158,7 @@ def _unquantized_experts(model_dir: Path, compute_dtype: torch.dtype) -> str | N
     """A mixture-of-experts model's routed experts are 3-D weights, which bitsandbytes does not quantize (transformers
     replaces linear layers only): say how much of the base stays in the compute dtype, so 4 bits is not read as a
     quarter of the model. None for other models."""
-    from emotune.model.lora import expert_weights
+    from emotune.model.text import expert_weights
 
     model = _meta_model(model_dir)
     names = set(expert_weights(model)) if model is not None else set()
@@ -205,6 +205,16 @@ def _already_quantized(model_dir: Path) -> list[str]:
     return [f"the model folder {model_dir} holds weights quantized already ({method}); bitsandbytes quantizes "
             "full-precision weights only, so point model.source at the unquantized checkpoint (bf16/fp16/fp32 "
             "safetensors) or set model.quantization=none to train on these weights as transformers loads them"]
+
+
+def nf4_problem(device: torch.device) -> str | None:
+    """Why bitsandbytes cannot round to NF4 on `device` (not installed, no kernels for it), or None."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return f"the bitsandbytes package is not installed: {INSTALL}"
+    if device.type == "mps":
+        return "bitsandbytes has no Apple MPS backend"
+    import_bitsandbytes_offline()
+    return _device_probe(ModelConfig(quantization="4bit", double_quant=False), device, torch.float32)
 
 
 def _device_probe(cfg: ModelConfig, device: torch.device, compute_dtype: torch.dtype) -> str | None:
@@ -333,7 +343,7 @@ def describe_preparation(counts: dict[str, int]) -> str:
 def _quantized_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The linear layers transformers quantizes: every frozen one but the output layer (the adapters' own A and B
     are linear layers too, and stay as they are)."""
-    from emotune.model.lora import routers
+    from emotune.model.text import routers
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     output = inner.get_output_embeddings()

@@ -165,3 +165,23 @@ def _linear_float32(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     pieces = [F.linear(hidden, rows.float()) for rows in weight.split(VOCAB_ROWS_PER_UPCAST)]
     logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
     return logits if bias is None else logits + bias.float()
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Router")
+
+
+def routers(model: torch.nn.Module) -> list[str]:
+    """The names of the mixture-of-experts routers that hold a linear layer (Gemma 4's, DBRX's and AFMoE's
+    `router.proj`; Llama 4's and PhiMoE's routers are one)."""
+    return [name for name, module in model.named_modules()
+            if name and is_router(module) and any(isinstance(m, torch.nn.Linear) for m in module.modules())]
+
+
+def expert_weights(model: torch.nn.Module) -> list[str]:
+    """The names of the language model's routed expert weights: the 3-D tensors of its experts modules (transformers 5's
+    `Qwen3MoeExperts.gate_up_proj`, `MixtralExperts.down_proj`), one per layer and projection."""
+    decoder = language_model(model)
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    return [f"{prefix}.{name}".lstrip(".") for name, param in decoder.named_parameters()
+            if param.ndim == 3 and "Expert" in type(decoder.get_submodule(name.rpartition(".")[0])).__name__]

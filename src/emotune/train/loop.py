@@ -182,8 +182,10 @@ def _attach_adapters(model: PreTrainedModel, cfg: RunConfig, objective: Objectiv
         refuse_tied_modules_to_save(model, cfg.lora.modules_to_save)
     adapted = attach_lora(model, cfg.lora, objective.lora_task_type, objective.modules_to_save)
     initial = None
-    if cfg.lora.init in init_methods.CONVERTED:  # before any step changes the adapters
-        print(init_methods.describe(cfg.lora), flush=True)
+    quantized = quantization.is_quantized(model)
+    if cfg.lora.init in init_methods.CONVERTED:
+        print(init_methods.describe(cfg.lora, quantized), flush=True)
+    if init_methods.converted(cfg.lora, quantized):  # before any step changes the adapters
         initial = init_methods.save_initial(adapted, run.train / "initial_adapter") if main else None
     if cfg.train.lean_lora and not fsdp:  # FSDP's sharded parameters stay with PEFT's own forward
         lean_lora.install(adapted)

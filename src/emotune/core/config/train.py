@@ -45,10 +45,11 @@ class LoraSettings(Section):
     Gemma's 262k-entry embedding tables."""
     init: Literal["default", "pissa", "olora", "loftq"] = "default"
     """How the adapters start: `default` = B at zero (the model starts as the base); `pissa` = the top-r singular
-    vectors of each weight (PiSSA), `olora` = its QR factors (OLoRA), `loftq` = what makes up for 4-bit rounding
-    (LoftQ, CUDA/XPU GPUs only); those three subtract their start from the base weights, and the saved adapter is
-    converted back onto the original base (rank 2r), so export and serving use the checkpoint as it is
-    (emotune.model.init_methods)."""
+    vectors of each weight (PiSSA), `olora` = its QR factors (OLoRA), `loftq` = the best rank-r part of what 4-bit
+    NF4 rounding loses (LoftQ); those three subtract their start from the base weights, and the saved adapter is
+    converted back onto the original base (rank 2r), so export and serving use the checkpoint as it is. With
+    model.quantization=4bit, `loftq` is QLoRA + LoftQ: the 4-bit weights stay and the adapter is saved as trained,
+    for that base (emotune.model.init_methods)."""
     pissa_iter: Annotated[int, Range(-1, also="-1 = the exact SVD")] = 16
     """PiSSA: iterations of the fast randomized SVD (LLaMA-Factory's `pissa_iter`); -1 = the exact (slow) SVD."""
     adapter: str | None = None
