@@ -2,14 +2,15 @@
 
     PYTHONPATH=src python bench/quantization.py [--steps 40] [--test-limit 100] [--only none,4bit,...] [--out DIR]
 
-Each setting is one `emotune run configs/cpu.yaml` in its own process (so the peak memory is its own), with the
-same data, seed and number of optimizer steps: `none`, `8bit` and `4bit` (model.quantization; NF4 + double
-quantization), then the methods at equal steps over the unquantized base: `adamw_8bit`, `loraplus` (ratio 16),
-`pissa`, `olora` and `dora`, and the whole-weight methods `full` and `freeze` (the last 2 layers; each at the
-learning rate LLaMA-Factory's examples use for it). A line holds the process's peak RSS after the last step (`peak_memory_mb`, the
-training log's), training tokens per second over the last logging window, and macro-F1 of the packaged test split
-(data.test_limit rows) before and after, by label scoring and by generation. Timings depend on what else the
-machine runs: compare lines of one invocation, not across machines.
+Each setting is one `emotune run configs/cpu.yaml` in its own process (so the peak memory is its own), with the same
+data, seed and number of optimizer steps: `none`, `8bit` and `4bit` (model.quantization; NF4 + double quantization)
+and `4bit-loftq` (QLoRA + LoftQ: lora.init=loftq over the 4-bit base), then the methods at equal steps over the
+unquantized base: `adamw_8bit`, `loraplus` (ratio 16), `pissa`, `olora`, `loftq` and `dora`, and the whole-weight
+methods `full` and `freeze` (the last 2 layers; each at the learning rate LLaMA-Factory's examples use for it). A
+line holds the process's peak RSS after the last step (`peak_memory_mb`, the training log's), training tokens per
+second over the last logging window, and macro-F1 of the packaged test split (data.test_limit rows) before and
+after, by label scoring and by generation. Timings depend on what else the machine runs: compare lines of one
+invocation, not across machines.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ SETTINGS = {
     "none": [],
     "8bit": ["model.quantization=8bit"],
     "4bit": ["model.quantization=4bit"],
+    "4bit-loftq": ["model.quantization=4bit", "lora.init=loftq"],
     "adamw_8bit": ["train.optim=adamw_8bit"],
     "loraplus": ["train.loraplus_lr_ratio=16"],
     "pissa": ["lora.init=pissa"],
     "olora": ["lora.init=olora"],
+    "loftq": ["lora.init=loftq"],
     "dora": ["lora.use_dora=true"],
     # Whole-weight tuning at the learning rates LLaMA-Factory's examples use for it (LoRA's 3e-4 is too high for them).
     "full": ["train.finetuning=full", "train.learning_rate=1e-5"],
