@@ -183,3 +183,25 @@ def test_predict_reads_the_column_the_run_trained_on_by_default(tiny_model_dir, 
     rows = _predicted(run, source, tmp_path)
     assert [r["sentence"] for r in rows] == TEXTS
     _same_probs(rows, expected)
+
+
+def test_predict_reads_a_file_in_the_encoding_its_run_read_data_in_or_in_the_one_given(tiny_model_dir, tiny_run_dir,
+                                                                                      tmp_path, capsys):
+    """predict read every file as UTF-8: a run trained on GBK files (data.encoding=gbk) had a file like its own data
+    refused ("byte 0xbd is not valid utf-8 ... set data.encoding", a setting predict does not read)."""
+    from conftest import write_tiny_adapter
+
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "runs" / "gbk", overrides=["data.encoding=gbk"])
+    texts = ["今天很开心", "我的朋友很生气"]
+    source = tmp_path / "test.csv"
+    source.write_text("text\n" + "\n".join(texts) + "\n", encoding="gbk")
+    expected = _argument_probs(run, texts, capsys)
+    rows = _predicted(run, source, tmp_path)
+    assert [r["text"] for r in rows] == texts
+    _same_probs(rows, expected)
+    out = str(tmp_path / "other.csv")
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", out]) == 2  # a UTF-8 run
+    assert "is not valid utf-8" in capsys.readouterr().err
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", out, "--encoding", "gbk"]) == 0
+    assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", out, "--encoding", "klingon"]) == 2
+    assert "--encoding `klingon` is not an encoding Python knows" in capsys.readouterr().err

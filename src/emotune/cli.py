@@ -138,7 +138,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         raise UserError(f"--labels `{args.labels}` must be distinct, non-empty labels separated by commas, e.g. "
                         "--labels joy,sadness,anger.")
     fallback = fallback_from(cfg, labels, source="--config/--labels") if cfg is not None or labels else None
-    io = PredictIO(args.texts, args.file, args.out, args.text_column)
+    io = PredictIO(args.texts, args.file, args.out, args.text_column, args.encoding)
     return predict_cli(args.target, io, args.batch_size, args.device, fallback, args.max_new_tokens)
 
 
@@ -322,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "trained on, data.text_column, else text; an sft model reads "
                                                  "a file without one as rows of its training data's format: alpaca, "
                                                  "sharegpt or messages, each prompt built as training built it)")
+            p.add_argument("--encoding", help="text encoding of --file (CSV, TSV, JSON, JSONL, TXT), e.g. gbk or "
+                                              "latin-1 (default: the run's data.encoding, else utf-8)")
             p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
             p.add_argument("--max-new-tokens", type=int,
                            help="sft models: most tokens per greedy reply (default: the run's eval.max_new_tokens)")

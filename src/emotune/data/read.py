@@ -275,9 +275,10 @@ def _decode(path: Path, raw: bytes, encoding: str) -> str:
         column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
         raise UserError(f"`{path}` line {line}, column {column}: byte 0x{raw[err.start]:02x} is not valid {encoding}. "
                         "If the file uses another encoding, set data.encoding (e.g. data.encoding=latin-1, cp1252 "
-                        "or gbk); otherwise fix or remove that line.") from None
+                        "or gbk; `emotune predict --file`: --encoding); otherwise fix or remove that line.") from None
     except UnicodeError as err:  # e.g. utf-16 without a byte-order mark
-        raise UserError(f"`{path}` cannot be decoded as {encoding} ({err}). Set data.encoding to the file's encoding.") from None
+        raise UserError(f"`{path}` cannot be decoded as {encoding} ({err}). Set data.encoding (`emotune predict --file`: "
+                        "--encoding) to the file's encoding.") from None
 
 
 def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[str, ...] = ()) -> pa.Table:

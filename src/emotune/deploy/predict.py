@@ -149,6 +149,8 @@ class PredictIO:
     file: str | None = None
     out: str | None = None
     text_column: str | None = None
+    encoding: str | None = None
+    """The file's text encoding; None = the run's data.encoding (a run folder's config), else UTF-8."""
 
 
 def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallback: Fallback | None = None,
@@ -170,7 +172,9 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
     column = text_column or _trained_column(artifact)
     # bad input fails before weights load; an sft model's file without --text-column may be rows of its data's format
     required = text_column is not None or not artifact.answers_freely
-    rows, found = _read_table(Path(file), column, required, artifact.answers_freely) if file else (None, None)
+    encoding = _encoding(io.encoding, artifact) if file else ENCODING
+    rows, found = (_read_table(Path(file), column, required, artifact.answers_freely, encoding) if file
+                   else (None, None))
     if artifact.answers_freely:
         prompts = None
         if rows is not None:
@@ -285,7 +289,22 @@ def _trained_column(artifact) -> str:
     return column if isinstance(column, str) and column else TEXT_COLUMN
 
 
-def _read_table(path: Path, text_column: str, required: bool = True, sft: bool = False
+def _encoding(given: str | None, artifact) -> str:
+    """--encoding, checked; else the encoding the run read its data files in (data.encoding of a run folder's config:
+    a file like its training data needs no flag); else UTF-8."""
+    from emotune.core.config.data import known_encoding
+
+    if given is not None:
+        try:
+            return known_encoding(given)
+        except ValueError as err:
+            raise UserError(f"--encoding `{given}` {err}.") from None
+    data = artifact.config.get("data")
+    trained = data.get("encoding") if isinstance(data, dict) else None
+    return trained if isinstance(trained, str) and trained else ENCODING
+
+
+def _read_table(path: Path, text_column: str, required: bool = True, sft: bool = False, encoding: str = ENCODING
                 ) -> tuple[pd.DataFrame, str | None]:
     """Every row of the file in its order, every column kept, read by the data layer's readers as training data is
     (emotune.data.read: CSV/TSV cells as written, JSON/JSONL values, Parquet, Arrow/Feather, compressed, a
@@ -299,7 +318,7 @@ def _read_table(path: Path, text_column: str, required: bool = True, sft: bool =
     if path.is_dir() and not (path / "state.json").is_file():
         _refuse_folder(path)
     notes: list[str] = []
-    names, records = read_records(path, ENCODING, text_column, LABEL_COLUMN, notes, txt_lines=sft)
+    names, records = read_records(path, encoding, text_column, LABEL_COLUMN, notes, txt_lines=sft)
     for note in notes:
         print(f"Note: {note}", flush=True)
     rows = pd.DataFrame(records, columns=names, dtype=object)  # values as read: a text `007` stays `007`
