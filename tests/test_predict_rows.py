@@ -259,3 +259,14 @@ def test_a_text_column_in_other_capitals_is_the_prompt(sft_run, asked, tmp_path,
                      for text in ("hello there", "0.50")]
     assert [(r["Id"], r["Text"], r["output"]) for r in csv.DictReader(out.open(encoding="utf-8"))] == [
         ("007", "hello there", "reply 0"), ("008", "0.50", "reply 1")]
+
+
+def test_an_alpaca_file_with_capitalised_headers_is_prompted_as_training_reads_it(sft_run, asked, tmp_path):
+    """`Instruction`/`Input` headers (a spreadsheet's) were refused as no sft format, as training refused them."""
+    source, out = tmp_path / "alpaca.csv", tmp_path / "out.csv"
+    source.write_text("Instruction,Input\ntranslate to french,good morning\n", encoding="utf-8")
+    assert _predict(sft_run, source, out) == 0
+    row = {"instruction": "translate to french", "input": "good morning", "output": "(reference)"}
+    conversation = normalise(row, "alpaca", SftColumns(), SftTags(), "x", input_separator=SEPARATOR)
+    assert asked == [_trained_prompt(_tokenizer(sft_run), conversation)]
+    assert [r["Instruction"] for r in csv.DictReader(out.open(encoding="utf-8"))] == ["translate to french"]

@@ -621,3 +621,18 @@ def test_sharegpt_turns_with_openais_role_names_are_read_under_the_default_tags(
     assert {tuple(c.messages[1:3]) for c in every} == {(("assistant", "call"), ("user", "42"))}
     assert {(c.messages[0], c.messages[3]) for c in every} == {(("user", f"q {i}"), ("assistant", f"a {i}"))
                                                                 for i in range(20)}
+
+
+def test_columns_named_in_other_capitals_or_with_spaces_are_read_under_their_names(tmp_path, capsys):
+    """A spreadsheet's `Instruction`, `Input`, `Output ` headers were refused as "in none of the formats", while a
+    classifier's data found `Text` for data.text_column; a file with both `output` and `Output` keeps its own."""
+    rows = _alpaca(20)
+    lines = ["Instruction,Input,Output \n", *(f"{r['instruction']},{r['input']},{r['output']}\n" for r in rows)]
+    (tmp_path / "d.csv").write_text("".join(lines), encoding="utf-8")
+    every = sorted((c.messages[0][1], c.response) for s in _data(tmp_path / "d.csv").splits.values() for c in s)
+    write_jsonl(tmp_path / "same.jsonl", rows)
+    assert every == sorted((c.messages[0][1], c.response) for s in _data(tmp_path / "same.jsonl").splits.values() for c in s)
+    assert "`Instruction` read as `instruction`, `Input` read as `input`, `Output ` read as `output`" in capsys.readouterr().out
+    both = [{**r, "Output": "other"} for r in rows]
+    write_jsonl(tmp_path / "both.jsonl", both)
+    assert {c.response for s in _data(tmp_path / "both.jsonl").splits.values() for c in s} == {r["output"] for r in rows}

@@ -26,6 +26,7 @@ from emotune.data.conversations import (
     chain_parents,
     detect_format,
     has_parent_chains,
+    named_as_configured,
     normalise,
     required_columns,
 )
@@ -128,6 +129,10 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
         if not rows:
             problems.append(f"`{path}` holds no rows; give it conversations, or remove it")
             continue
+        column_names, rows, renamed = named_as_configured(column_names, rows, entry.columns)
+        if renamed:
+            print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
+                  + " (the same names but for capitals and spaces).", flush=True)
         preference = _preference_problem(path, column_names, rows)
         if preference:
             problems.append(preference)

@@ -122,6 +122,26 @@ def with_tools(system: str | None, tools: str | None) -> str | None:
     return (system + "\n\n" if system else "") + "Tools available:\n" + tools
 
 
+def named_as_configured(names: list[str], rows: list[dict], columns: SftColumns
+                        ) -> tuple[list[str], list[dict], dict[str, str]]:
+    """Columns named as `columns` (data.columns) or the formats' own names say but for capitals and surrounding spaces
+    (`Instruction`, `Output `, a spreadsheet's headers), read under those names, as a classifier's data.text_column
+    finds `Text`: (names, rows, {file's name: name read as}). A name is taken only where the file has no column of
+    that exact name and exactly one such close name."""
+    wanted = dict.fromkeys([*columns.model_dump().values(), "messages", "conversations", *TRL_COLUMNS])
+    renames: dict[str, str] = {}
+    for name in wanted:
+        if not isinstance(name, str) or name in names:
+            continue
+        close = [n for n in names if n.strip().casefold() == name.strip().casefold()]
+        if len(close) == 1 and close[0] not in wanted and close[0] not in renames:
+            renames[close[0]] = name
+    if not renames:
+        return names, rows, renames
+    return ([renames.get(n, n) for n in names], [{renames.get(k, k): v for k, v in row.items()} for row in rows],
+            renames)
+
+
 def detect_format(column_names: list[str], first_row: dict | None, columns: SftColumns) -> str | None:
     """`alpaca`, `sharegpt` or `messages` from the columns a file has (None: none of them fits)."""
     for name in dict.fromkeys((columns.messages, "messages", "conversations")):

@@ -27,6 +27,7 @@ from emotune.data.conversations import (
     detect_format,
     has_parent_chains,
     messages_column,
+    named_as_configured,
     normalise,
     required_columns,
     role_sides,
@@ -101,6 +102,7 @@ def row_prompts(rows: pd.DataFrame, artifact: Artifact, path: Path) -> RowPrompt
     if SAVED_SPLIT_COLUMNS <= set(names):
         settings = DataSettings(origin="the column names of a run's prepared split (data/<split>.jsonl)")
     columns, tags = settings.columns, settings.tags
+    names, records, _ = named_as_configured(names, records, columns)  # `Instruction` read as `instruction`, as training
     fmt = _format(settings, names, records)
     if fmt is None:
         raise UserError(f"`{path}` has no `text` column and reads as none of the sft formats (columns found: "
