@@ -202,8 +202,18 @@ def test_an_unknown_path_or_method_says_what_the_server_answers(http):
     missing = post(http, "/v1/completions", {"model": "tiny", "prompt": "happy"})
     assert "POST /v1/chat/completions" in _error(missing, 404) and "POST /v1/completions" in _error(missing, 404)
     wrong = http.put("/v1/models", headers=AUTH)
-    assert _error(wrong, 405) == "PUT /v1/models: this endpoint answers GET only." and wrong.headers["Allow"] == "GET"
+    assert _error(wrong, 405) == "PUT /v1/models: this endpoint answers GET or HEAD only."
+    assert wrong.headers["Allow"] == "GET, HEAD"
     assert http.get("/v1/models", headers=AUTH).status_code == 200
+
+
+def test_head_is_answered_as_get_without_the_body_and_behind_the_same_key(http):
+    """A load balancer's `HEAD /health` got 405: HTTP asks every server for GET and HEAD."""
+    got, head = http.get("/health"), http.head("/health")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == got.headers["content-length"] == str(len(got.content))
+    assert http.head("/v1/models").status_code == 401
+    assert http.head("/v1/models", headers=AUTH).status_code == 200
 
 
 @pytest.mark.parametrize("body", [{"model": "tiny", "input": [1] * 6_000},
@@ -218,6 +228,14 @@ def test_a_list_of_thousands_of_bad_items_is_told_of_the_first_in_a_short_answer
     refused = post(http, "/v1/chat/completions" if "messages" in body else "/v1/classify", body)
     message = _error(refused, 422)
     assert len(message) < 300 and ".0" in message and ".1" not in message, message[:500]
+
+
+@pytest.mark.parametrize("route", ["/v1/classify", "/v1/chat/completions"])
+def test_a_long_model_name_is_quoted_back_cut(http, route):
+    """The 404 quoted the requested name whole: a name of serve.max_body_bytes came back whole in the error message."""
+    body = {"model": "m" * 15_000, "input": "happy", "messages": [{"role": "user", "content": "happy"}]}
+    message = _error(post(http, route, body), 404)
+    assert "(15,000 characters)" in message and len(message) < 400, message[:500]
 
 
 def test_a_body_wrong_in_many_fields_names_ten_and_counts_the_rest(http):
@@ -410,6 +428,7 @@ def test_the_openapi_document_declares_responses_one_error_body_and_the_bearer_s
     ({"tool_choice": "required"}, "does not make the model call a tool"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "does not make the model call a tool"),
     ({"stream_options": 5}, "stream_options"),
+    ({"stream_options": {"include_usage": True}}, "`stream_options` is only allowed when `stream` is true"),
     ({"logprobs": "yes"}, "logprobs"),
 ])
 def test_openai_fields_the_server_cannot_honour_are_422_not_ignored(http, body, says):

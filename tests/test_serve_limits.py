@@ -308,15 +308,27 @@ def test_after_an_unforeseen_failure_the_clients_next_request_is_answered(served
     def broken(*args, **kwargs):
         raise RuntimeError("a failure nobody foresaw")
 
+    import logging
+
     monkeypatch.setattr(served[2].metrics, "render", broken)
-    for _ in range(3):  # on one kept-alive client, as a real one sends them
-        failed = http.get("/metrics", headers=AUTH)
-        assert "a failure nobody foresaw" in error(failed, 500)
-        assert failed.json()["error"]["type"] == "server_error"
-        assert http.get("/v1/models", headers=AUTH).status_code == 200
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.name) if record.exc_info else None
+    for name in ("emotune.serve", "uvicorn.error"):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        for _ in range(3):  # on one kept-alive client, as a real one sends them
+            failed = http.get("/metrics", headers=AUTH)
+            assert "a failure nobody foresaw" in error(failed, 500)
+            assert failed.json()["error"]["type"] == "server_error"
+            assert http.get("/v1/models", headers=AUTH).status_code == 200
+    finally:
+        for name in ("emotune.serve", "uvicorn.error"):
+            logging.getLogger(name).removeHandler(handler)
+    assert logged == ["emotune.serve"] * 3  # one traceback per failure: uvicorn logged each a second time
 
 
-def test_concurrent_loads_and_deletes_of_one_adapter_are_serialised(http):
+def test_concurrent_loads_and_deletes_of_one_adapter_are_serialised(served, http):
     body = {"name": "racer", "path": "rank8"}
     with ThreadPoolExecutor(2) as pool:
         loads = sorted(r.status_code for r in pool.map(lambda _: http.post("/v1/adapters", headers=ADMIN_AUTH,
@@ -325,6 +337,10 @@ def test_concurrent_loads_and_deletes_of_one_adapter_are_serialised(http):
         deletes = sorted(r.status_code for r in pool.map(lambda _: http.delete("/v1/adapters/racer",
                                                                                    headers=ADMIN_AUTH), range(2)))
     assert deletes == [200, 404]
+    for name in (f"never-loaded-{i}" for i in range(5)):  # each name's lock went with its 404 (they had stayed, one
+        assert http.delete(f"/v1/adapters/{name}", headers=ADMIN_AUTH).status_code == 404  # per name, for good)
+    assert http.post("/v1/adapters", headers=ADMIN_AUTH, json={"name": "lost", "path": "nowhere"}).status_code == 404
+    assert served[2].name_locks == {}
 
 
 def test_health_reflects_the_worker_which_is_restarted_when_it_dies(served, http, monkeypatch):

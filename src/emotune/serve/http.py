@@ -35,6 +35,11 @@ log = logging.getLogger("emotune.serve")
 STREAM_FAILED = "emotune_stream_failed"  # set in scope["state"] by a stream that ended in an error event
 
 
+def shown(text: str, limit: int = 100) -> str:
+    """A client's text quoted back in an error, cut to `limit` characters: a megabyte-long model name came back whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     # a message may quote what the client sent, lone surrogates included; UTF-8 cannot hold those
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -110,7 +115,10 @@ async def http_error(request: Request, err: StarletteHTTPException):
     elif err.status_code == 404 and message == "Not Found":  # the router's words: no route has this path
         message = f"There is no endpoint {where}. This server answers {_endpoints(request)}."
     elif err.status_code == 405 and message == "Method Not Allowed":
-        allowed = " or ".join((err.headers or {}).get("Allow", "").split(", "))
+        methods = (err.headers or {}).get("Allow", "").split(", ")
+        methods += ["HEAD"] if "GET" in methods else []  # answered as GET by HeadAsGet
+        err.headers = {**(err.headers or {}), "Allow": ", ".join(methods)}
+        allowed = " or ".join(methods)
         message = f"{where}: this endpoint answers {allowed} only."
     response = error_response(err.status_code, message,
                               "not_found_error" if err.status_code == 404 else "invalid_request_error")
@@ -123,11 +131,16 @@ def _endpoints(request: Request) -> str:
     return ", ".join(f"{method} {route.path}" for route in routes for method in sorted(route.methods))
 
 
-async def server_error(request: Request, err: Exception):
+def failure_response(request: Request, err: Exception) -> JSONResponse:
     """Anything unforeseen: the same error body as every other failure, and the traceback in the log."""
-    log.error("%s %s failed", request.method, request.url.path, exc_info=err)
-    response = error_response(500, f"The server failed on this request ({type(err).__name__}: {err}). It has been "
-                                   "logged; other requests are unaffected.", "server_error")
+    log.error("%s %s failed", request.method, request.url.path[:200], exc_info=err)
+    return error_response(500, f"The server failed on this request ({type(err).__name__}: {err}). It has been "
+                               "logged; other requests are unaffected.", "server_error")
+
+
+async def server_error(request: Request, err: Exception):
+    """Starlette's handler for what fails outside AnswerFailures (in the outermost middleware)."""
+    response = failure_response(request, err)
     # Starlette raises the error again once this answer is sent, and uvicorn then closes the connection: a client that kept it
     # alive would send its next request into a closed socket (connection reset). Said here, it opens a new one.
     response.headers["Connection"] = "close"
@@ -275,6 +288,58 @@ class Observe:
             # a stream that failed after its 200 was sent said so in-band; count it as the error it was
             failed = (scope.get("state") or {}).get(STREAM_FAILED)
             self.server.metrics.observe_request(route, 500 if failed else status[0], time.perf_counter() - started)
+
+
+class AnswerFailures:
+    """Pure ASGI middleware: an unforeseen error in a route becomes `server_error`'s 500 here, logged once. Left to
+    Starlette, its handler answered and logged, then Starlette raised the error again, and uvicorn logged the same
+    traceback a second time ("Exception in ASGI application") and closed the connection. An error after the answer
+    started (a stream) goes on up: the stream says it in-band, and uvicorn logs it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = [False]
+
+        async def noting_the_start(message):
+            started[0] = started[0] or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_the_start)
+        except Exception as err:
+            if started[0]:
+                raise
+            response = failure_response(Request(scope), err)
+            await response(scope, receive, send)
+
+
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD is answered as GET without the body (HTTP requires both of a server; FastAPI's routes
+    take the methods they list, and a load balancer's `HEAD /health` got 405). The request goes on as GET, so the key
+    and the route apply as they do to GET; the headers (Content-Length included) are GET's, the body is dropped."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+        as_get = {**scope, "method": "GET"}
+
+        async def without_body(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        try:
+            await self.app(as_get, receive, without_body)
+        finally:
+            if "route" in as_get:  # for Observe, which counts by route
+                scope["route"] = as_get["route"]
 
 
 def _replay(messages: list[dict], then=None):

@@ -26,14 +26,17 @@ from emotune.serve.chat import Generation, chat_job, check_chat, generate_reply,
 from emotune.serve.engine import BASE_MODEL, Engine, Loaded, ModelGone
 from emotune.serve.guards import TrustedHosts
 from emotune.serve.http import (
+    AnswerFailures,
     APIError,
     BodyLimit,
+    HeadAsGet,
     Observe,
     RequireKey,
     api_error,
     http_error,
     invalid_request,
     server_error,
+    shown,
 )
 from emotune.serve.limits import check_labels
 from emotune.serve.schemas import (
@@ -97,6 +100,8 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
                        open_paths=("/health",))
     # before the key: a page of a foreign site (DNS rebinding) learns nothing, not even whether a key is set
     app.add_middleware(TrustedHosts, bound=cfg.host, allowed=cfg.allowed_hosts)
+    app.add_middleware(HeadAsGet)  # every layer below sees GET
+    app.add_middleware(AnswerFailures)  # outside every other layer but Observe, which counts its 500s
     app.add_middleware(Observe, server=state)  # outermost: every answer is counted, refusals too
     return app
 
@@ -237,9 +242,9 @@ async def _disconnected(request: Request) -> None:
 async def load_adapter(body: AdapterRequest, state: ServerState):
     engine = state.engine
     if not NAME_PATTERN.match(body.name) or body.name == BASE_MODEL:
-        raise APIError(422, f"Adapter name `{body.name}` must be 1-64 letters, digits, `.`, `_` or `-` and not "
+        raise APIError(422, f"Adapter name `{shown(body.name)}` must be 1-64 letters, digits, `.`, `_` or `-` and not "
                             f"`{BASE_MODEL}`.")
-    async with state.name_locks[body.name]:  # a second load of the same name waits, then finds it loaded
+    async with state.name_lock(body.name):  # a second load of the same name waits, then finds it loaded
         if body.name in engine.models:
             raise APIError(409, f"An adapter named `{body.name}` is already loaded. DELETE /v1/adapters/{body.name} "
                                 "first.", "conflict_error")
@@ -255,13 +260,12 @@ async def load_adapter(body: AdapterRequest, state: ServerState):
 async def unload_adapter(name: str, state: ServerState):
     if name == BASE_MODEL:
         raise APIError(422, "The base model cannot be unloaded.")
-    async with state.name_locks[name]:  # a second unload of the same name waits, then finds it gone (404)
+    async with state.name_lock(name):  # a second unload of the same name waits, then finds it gone (404)
         artifact = state.loaded(name).artifact
         if artifact is not None and artifact.merged:
             raise APIError(422, f"`{name}` is the merged model this server serves; it cannot be unloaded.")
         with model_gone_is_404():
             await asyncio.get_running_loop().run_in_executor(state.chat_executor, state.engine.remove_adapter, name)
-    state.name_locks.pop(name, None)
     return {"id": name, "object": "model", "deleted": True}
 
 

@@ -153,6 +153,7 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1, strict=True)
     """The range torch's generator takes."""
     stream_options: StreamOptions | None = None
+    """Only with `stream: true` (OpenAI and vLLM refuse it otherwise: a client asking for a usage chunk would get none)."""
     logprobs: StrictBool | None = None
     """Only false: the reply carries no log-probabilities (refused rather than silently left out)."""
     top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
@@ -163,6 +164,12 @@ class ChatRequest(BaseModel):
     """`auto` or `none`: the model is never made to call a tool (`tools` are shown to an sft adapter after its system
     prompt, as its data's tools column was, and not shown to other models)."""
 
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` is only allowed when `stream` is true; drop it, or set stream: true")
+        return self
 
     @model_validator(mode="after")
     def _tools_are_text(self):

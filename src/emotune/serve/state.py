@@ -8,14 +8,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections import defaultdict
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from emotune.core.config.eval import ServeConfig
 from emotune.model.text import context_length
 from emotune.serve.batching import MicroBatcher
 from emotune.serve.engine import Engine, Loaded
-from emotune.serve.http import APIError, resolve_key
+from emotune.serve.http import APIError, resolve_key, shown
 from emotune.serve.limits import Admission
 from emotune.serve.metrics import Metrics
 from emotune.serve.modelthread import ANTICIPATE_S, ModelThread
@@ -43,9 +43,23 @@ class Server:
         self.context = context_length(getattr(engine, "model", None))  # prompt + reply must fit it
         self.in_flight = 0
         self.stopping = threading.Event()  # set at shutdown: generation stops at its next token
-        self.name_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # adapter loads and unloads
+        self.name_locks: dict[str, list] = {}  # adapter loads and unloads: name -> [lock, holders and waiters]
         self.worker: asyncio.Task | None = None
         self.restarts = 0
+
+    @asynccontextmanager
+    async def name_lock(self, name: str):
+        """One load or unload of an adapter name at a time; the lock lives while someone holds or waits for it, so
+        names that were refused or never loaded (a DELETE of any name) leave nothing behind."""
+        entry = self.name_locks.setdefault(name, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.name_locks[name]
 
     # ---- the batcher's worker, supervised ----
 
@@ -96,7 +110,7 @@ class Server:
 
     def loaded(self, name: str) -> Loaded:
         if name not in self.engine.models:
-            raise APIError(404, f"The model `{name}` does not exist. Loaded: {', '.join(self.engine.models)} "
+            raise APIError(404, f"The model `{shown(name)}` does not exist. Loaded: {', '.join(self.engine.models)} "
                                 "(GET /v1/models).", "not_found_error")
         return self.engine.models[name]
 
