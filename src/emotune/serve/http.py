@@ -291,10 +291,11 @@ class Observe:
 
 
 class AnswerFailures:
-    """Pure ASGI middleware: an unforeseen error in a route becomes `server_error`'s 500 here, logged once. Left to
-    Starlette, its handler answered and logged, then Starlette raised the error again, and uvicorn logged the same
-    traceback a second time ("Exception in ASGI application") and closed the connection. An error after the answer
-    started (a stream) goes on up: the stream says it in-band, and uvicorn logs it."""
+    """Pure ASGI middleware: an unforeseen error in a route (or a middleware below this one) becomes
+    `failure_response`'s 500 here, logged once. Left to Starlette, its handler (`server_error`) answered and logged,
+    then Starlette raised the error again, and uvicorn logged the same traceback a second time ("Exception in ASGI
+    application") and closed the connection. An error after the answer started (a stream) goes on up: the stream
+    says it in-band, and uvicorn logs it."""
 
     def __init__(self, app):
         self.app = app
