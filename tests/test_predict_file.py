@@ -205,3 +205,5 @@ def test_predict_reads_a_file_in_the_encoding_its_run_read_data_in_or_in_the_one
     assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", out, "--encoding", "gbk"]) == 0
     assert main(["predict", str(tiny_run_dir), "--file", str(source), "--out", out, "--encoding", "klingon"]) == 2
     assert "--encoding `klingon` is not an encoding Python knows" in capsys.readouterr().err
+    assert main(["predict", str(tiny_run_dir), "so happy", "--encoding", "gbk"]) == 2
+    assert "--encoding is the text encoding of --file" in capsys.readouterr().err

@@ -162,6 +162,8 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
         raise UserError("Give texts as arguments, or --file in.csv --out out.csv (not both, not neither).")
     if file and not out:
         raise UserError("--file needs --out, the CSV file the predictions are written to.")
+    if io.encoding is not None and not file:
+        raise UserError("--encoding is the text encoding of --file; texts given as arguments need none. Leave it out.")
     if out and Path(out).is_dir():  # found before the model runs, not when the answers are written
         raise UserError(f"--out `{out}` is a folder; give the file to write, e.g. --out {Path(out) / 'predictions.csv'}.")
     if batch_size < 1:
