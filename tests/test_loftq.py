@@ -18,33 +18,14 @@ from emotune.core.config.model import ModelConfig
 from emotune.core.config.train import LoraSettings
 from emotune.core.errors import UserError
 from emotune.model import init_methods, quantization
-from emotune.model.loading import load_base
 from emotune.model.lora import attach_lora, check_targets
-
-pytest.importorskip("bitsandbytes")
-CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def tiny_model_dir(tiny_gemma3_64_dir):
-    return tiny_gemma3_64_dir
-
-
-@pytest.fixture
-def tiny_overrides(tiny_overrides, tiny_model_dir):
-    return [*tiny_overrides, f"model.source={tiny_model_dir}"]
+from test_quantization import CPU, _quantized
 
 
 def _load(folder):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-
-
-def _four_bit(folder):
-    base = load_base(ModelConfig(source=str(folder), quantization="4bit"), CPU, "fp32")
-    quantization.prepare_for_training(base.model)
-    return base.model
 
 
 def _best_rank(matrix: torch.Tensor, r: int) -> torch.Tensor:
@@ -57,9 +38,9 @@ def _start(layer) -> torch.Tensor:
     return layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
 
 
-def test_loftq_over_an_unquantized_base_starts_at_the_best_rank_r_part_of_the_rounding_scaled(tiny_model_dir):
-    original = _load(tiny_model_dir).model.layers[0].self_attn.q_proj.weight
-    adapted = attach_lora(_load(tiny_model_dir), LoraSettings(r=4, alpha=16, dropout=0.0, init="loftq"))
+def test_loftq_over_an_unquantized_base_starts_at_the_best_rank_r_part_of_the_rounding_scaled(tiny_gemma3_64_dir):
+    original = _load(tiny_gemma3_64_dir).model.layers[0].self_attn.q_proj.weight
+    adapted = attach_lora(_load(tiny_gemma3_64_dir), LoraSettings(r=4, alpha=16, dropout=0.0, init="loftq"))
     layer = adapted.get_base_model().model.layers[0].self_attn.q_proj
     rounded = layer.base_layer.weight
     assert not torch.equal(rounded, original)  # PEFT's LoftQ rounded the base to NF4
@@ -67,15 +48,15 @@ def test_loftq_over_an_unquantized_base_starts_at_the_best_rank_r_part_of_the_ro
     torch.testing.assert_close(_start(layer), _best_rank(original - rounded, 4), atol=1e-5, rtol=1e-4)
 
 
-def test_loftq_over_a_4bit_base_starts_nearer_the_unquantized_model_and_trains(tiny_model_dir):
+def test_loftq_over_a_4bit_base_starts_nearer_the_unquantized_model_and_trains(tiny_gemma3_64_dir):
     import bitsandbytes.functional as F
 
-    original = _load(tiny_model_dir).eval()
+    original = _load(tiny_gemma3_64_dir).eval()
     ids = torch.randint(6, 40, (2, 12))
     with torch.no_grad():
         want = original(input_ids=ids).logits
-    plain = attach_lora(_four_bit(tiny_model_dir), LoraSettings(r=8, alpha=16, dropout=0.0)).eval()
-    loftq = attach_lora(_four_bit(tiny_model_dir), LoraSettings(r=8, alpha=16, dropout=0.0, init="loftq"))
+    plain = attach_lora(_quantized(tiny_gemma3_64_dir, quantization="4bit"), LoraSettings(r=8, alpha=16, dropout=0.0)).eval()
+    loftq = attach_lora(_quantized(tiny_gemma3_64_dir, quantization="4bit"), LoraSettings(r=8, alpha=16, dropout=0.0, init="loftq"))
     layer = loftq.get_base_model().model.layers[1].mlp.down_proj
     weight = original.model.layers[1].mlp.down_proj.weight
     rounded = F.dequantize_4bit(layer.base_layer.weight.data, layer.base_layer.weight.quant_state).float()
@@ -90,13 +71,13 @@ def test_loftq_over_a_4bit_base_starts_nearer_the_unquantized_model_and_trains(t
     assert losses[-1] < losses[0] - 0.05
 
 
-def test_loftq_runs_on_the_cpu_and_what_it_cannot_use_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+def test_loftq_runs_on_the_cpu_and_what_it_cannot_use_is_refused(tiny_gemma3_64_dir, tmp_path, monkeypatch):
     init_methods.check(LoraSettings(init="loftq"), ModelConfig(), CPU)  # bitsandbytes rounds to NF4 on the CPU
-    init_methods.check(LoraSettings(init="loftq"), ModelConfig(quantization="4bit"), CPU, tiny_model_dir)
+    init_methods.check(LoraSettings(init="loftq"), ModelConfig(quantization="4bit"), CPU, tiny_gemma3_64_dir)
     with pytest.raises(UserError, match="LoftQ over a quantized base .* is 4-bit only"):
         init_methods.check(LoraSettings(init="loftq"), ModelConfig(quantization="8bit"), CPU)
     binary = tmp_path / "binary"
-    shutil.copytree(tiny_model_dir, binary)
+    shutil.copytree(tiny_gemma3_64_dir, binary)
     (binary / "model.safetensors").rename(binary / "pytorch_model.bin")
     with pytest.raises(UserError, match="reads the original weights from safetensors files, and .* has no model.safetensors"):
         init_methods.check(LoraSettings(init="loftq"), ModelConfig(quantization="4bit"), CPU, binary)
@@ -105,15 +86,15 @@ def test_loftq_runs_on_the_cpu_and_what_it_cannot_use_is_refused(tiny_model_dir,
         init_methods.check(LoraSettings(init="loftq"), ModelConfig(), CPU)
 
 
-def test_loftq_over_a_4bit_base_refuses_weights_stored_under_other_names(tiny_model_dir, tmp_path):
+def test_loftq_over_a_4bit_base_refuses_weights_stored_under_other_names(tiny_gemma3_64_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config = AutoConfig.from_pretrained(tiny_gemma3_64_dir)
     settings, four_bit = LoraSettings(init="loftq"), ModelConfig(quantization="4bit")
-    check_targets(settings, config, tiny_model_dir, four_bit)
+    check_targets(settings, config, tiny_gemma3_64_dir, four_bit)
     renamed = tmp_path / "renamed"
-    shutil.copytree(tiny_model_dir, renamed)
+    shutil.copytree(tiny_gemma3_64_dir, renamed)
     tensors = load_file(renamed / "model.safetensors")
     save_file({f"language_model.{k}": v for k, v in tensors.items()}, renamed / "model.safetensors")
     with pytest.raises(UserError, match=r"are not stored under their layer's name \(e.g. `model.layers.0.self_attn.q_proj.weight`"):
@@ -122,9 +103,10 @@ def test_loftq_over_a_4bit_base_refuses_weights_stored_under_other_names(tiny_mo
 
 
 @pytest.mark.slow
-def test_a_4bit_loftq_run_saves_its_adapter_as_trained_for_the_4bit_base(tiny_overrides, tmp_path, capsys):
-    overrides = [*tiny_overrides, "model.quantization=4bit", "lora.init=loftq", "lora.r=4", "train.max_steps=4",
-                 "eval.method=score"]
+def test_a_4bit_loftq_run_saves_its_adapter_as_trained_for_the_4bit_base(tiny_overrides, tiny_gemma3_64_dir, tmp_path,
+                                                                         capsys):
+    overrides = [*tiny_overrides, f"model.source={tiny_gemma3_64_dir}", "model.quantization=4bit", "lora.init=loftq",
+                 "lora.r=4", "train.max_steps=4", "eval.method=score"]
     assert main(["run", *overrides]) == 0
     assert "LoRA initialised by LoftQ over the 4-bit base" in capsys.readouterr().out
     run = tmp_path / "runs" / "tiny"
