@@ -133,7 +133,7 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
         if renamed:
             print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
                   + " (the same names but for capitals and spaces).", flush=True)
-        preference = _preference_problem(path, column_names, rows)
+        preference = _preference_problem(path, column_names, rows, entry.kto_tag)
         if preference:
             problems.append(preference)
             continue
@@ -187,19 +187,27 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     return _resample(out, entry.num_samples, seed)
 
 
-def _preference_problem(path: Path, column_names: list[str], rows: list[dict]) -> str | None:
+def _preference_problem(path: Path, column_names: list[str], rows: list[dict], kto_tag: str | None = None) -> str | None:
     """Why a file of preference data (good and bad answers, for DPO/ORPO/KTO-style training) is no sft data; None when
-    it is not one."""
+    it is not one. `kto_tag`: the column a dataset_info.json entry names as its KTO tags."""
     names = set(column_names)
     for good, bad, kind in (("chosen", "rejected", "a preference dataset"),
                             ("preferred_output", "non_preferred_output", "OpenAI's preference (DPO) fine-tuning data")):
         if {good, bad} <= names:
             return (f"`{path}` is {kind} (columns `{good}` and `{bad}`), for DPO/ORPO-style training; the sft task "
                     f"trains on one answer per prompt. Give an SFT dataset, or keep only the {good} answers as its response")
-    if {"prompt", "completion", "label"} <= names and any(isinstance(row.get("label"), bool) for row in rows):
-        return (f"`{path}` is an unpaired preference dataset (TRL's KTO format: `prompt`, `completion` and a true/false "
-                "`label` saying whether the completion is a good one); the sft task would train on the bad completions "
-                "too. Keep the rows whose label is true and remove the `label` column")
+    for tag in dict.fromkeys((kto_tag, "label", "kto_tag")):
+        tags = [row.get(tag) for row in rows] if tag in names else []
+        if not any(isinstance(value, bool) for value in tags):
+            continue
+        undesirable = sum(value is False for value in tags)
+        what = ("TRL's KTO format: `prompt`, `completion` and a true/false `label`" if tag == "label" and
+                {"prompt", "completion"} <= names else f"KTO data: a true/false `{tag}` column"
+                + (" (the dataset_info.json entry's kto_tag)" if tag == kto_tag else ""))
+        return (f"`{path}` is an unpaired preference dataset ({what}, saying whether each answer is a good one; "
+                f"{undesirable} of its {len(rows)} rows are tagged false); the sft task would train on the bad answers "
+                f"too (LLaMA-Factory's sft stage drops every tagged row). Keep the rows whose {tag} is true and remove "
+                f"the `{tag}` column" + (", and the kto_tag from the entry's columns" if tag == kto_tag else ""))
     return None
 
 

@@ -10,7 +10,8 @@ Point data.source at the folder and name the entries in data.datasets (and data.
 test split). Hub entries are downloaded like every other hub source (emotune.data.sources); their `folder`
 and `subset` name a folder of the repository, where LLaMA-Factory's `load_dataset` takes a configuration by
 that name (the Hugging Face hub's Parquet conversion keeps each configuration in its own folder). Preference
-(`ranking`) and multimodal entries are refused: the sft task trains on one text answer per prompt.
+(`ranking`, and KTO's `kto_tag` when the rows are read) and multimodal entries are refused: the sft task trains on one
+text answer per prompt.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from emotune.core.config.sft import SftColumns, SftDataConfig, SftTags
 from emotune.core.errors import UserError
 
 INFO_FILE = "dataset_info.json"
-IGNORED_COLUMNS = ("kto_tag",)  # KTO labels: meaningless for plain SFT, so they are ignored like LLaMA-Factory's sft stage
 REFUSED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected")
 
 
@@ -37,6 +37,9 @@ class Entry:
     columns: SftColumns
     tags: SftTags
     num_samples: int | None = None
+    kto_tag: str | None = None
+    """The column of KTO's true/false tags (the entry's `columns.kto_tag`): its rows are refused when read, as their
+    answers tagged false are ones not to give (conversation_data._preference_problem)."""
 
 
 def has_dataset_info(folder: Path) -> bool:
@@ -106,7 +109,8 @@ def _entry(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
     files = _files(name, raw, folder, cfg, problems)
     if files is None:
         return None
-    return Entry(name, files, formatting, names, tags, raw.get("num_samples"))
+    kto_tag = columns.get("kto_tag")
+    return Entry(name, files, formatting, names, tags, raw.get("num_samples"), kto_tag if isinstance(kto_tag, str) else None)
 
 
 def _wrong_types(raw: dict) -> list[str]:
