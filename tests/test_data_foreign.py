@@ -40,3 +40,32 @@ def test_llamafactory_kto_entries_are_refused_with_the_rows_tagged_false(tmp_pat
             _data(tmp_path, f"data.datasets=[{name}]")
     with pytest.raises(UserError, match=r"true/false `label` column,.*10 of its 30 rows are tagged false"):
         _data(tmp_path / "kto.json")  # the same file alone, without its dataset_info.json
+
+
+def _rft_rows(n: int) -> list[dict]:
+    """OpenAI's reinforcement fine-tuning lines: messages ending with the user's turn, and fields for the grader."""
+    return [{"messages": [{"role": "developer", "content": "Answer with a number."},
+                          {"role": "user", "content": f"What is {i} + 1?"}], "reference_answer": str(i + 1)}
+            for i in range(n)]
+
+
+def test_openai_rft_data_is_named_with_its_grader_fields(tmp_path):
+    # refused as "the turns do not alternate user/assistant", which they do: they only lack the answer
+    path = tmp_path / "rft.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _rft_rows(20)))
+    for skip in ("false", "true"):  # skipping every row would only leave an empty split to explain
+        with pytest.raises(UserError, match=r"holds prompts without answers: every row's conversation ends with a user "
+                                            r"turn, and its other fields \(`reference_answer`\) are for a grader, as in "
+                                            r"OpenAI's reinforcement fine-tuning \(RFT\) data") as err:
+            _data(path, f"data.skip_bad_rows={skip}")
+        assert "skip_bad_rows" not in str(err.value) and "alternate" not in str(err.value)
+
+
+def test_a_row_that_ends_with_the_users_turn_is_told_so(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+            for i in range(20)]
+    rows[4]["messages"].append({"role": "user", "content": "and then?"})
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError, match=r"rows 5: the conversation ends with a user turn, so it has no answer to train on"):
+        _data(path)

@@ -22,6 +22,7 @@ from emotune.core.errors import UserError, listed, raise_problems
 from emotune.data import clean
 from emotune.data import splits as split_ops
 from emotune.data.conversations import (
+    NO_ANSWER,
     Conversation,
     chain_parents,
     detect_format,
@@ -178,6 +179,10 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
                 bad.setdefault(found, []).append(number)
             else:
                 out.append(found)
+        prompts_only = _prompts_only_problem(path, column_names, bad, len(rows), entry)
+        if prompts_only:
+            problems.append(prompts_only)
+            continue
         if bad and cfg.skip_bad_rows:
             skipped[f"`{path}`"] = sum(len(v) for v in bad.values())
         else:
@@ -209,6 +214,24 @@ def _preference_problem(path: Path, column_names: list[str], rows: list[dict], k
                 f"too (LLaMA-Factory's sft stage drops every tagged row). Keep the rows whose {tag} is true and remove "
                 f"the `{tag}` column" + (", and the kto_tag from the entry's columns" if tag == kto_tag else ""))
     return None
+
+
+def _prompts_only_problem(path: Path, column_names: list[str], bad: dict[str, list[int]], rows: int, entry: Entry
+                          ) -> str | None:
+    """Why a file whose every row ends with the user's turn and has fields beside its conversation is no sft data:
+    OpenAI's reinforcement fine-tuning (RFT) files, whose other fields (`reference_answer`, ...) go to a grader; None
+    when it is not one."""
+    if list(bad) != [NO_ANSWER] or len(bad[NO_ANSWER]) != rows:
+        return None
+    columns = entry.columns
+    own = {"messages", "functions", "parallel_tool_calls", columns.messages, columns.system, columns.tools, columns.kind}
+    graded = [name for name in column_names if name not in own]
+    if not graded:
+        return None
+    return (f"`{path}` holds prompts without answers: every row's conversation ends with a user turn, and its other "
+            f"fields ({', '.join(f'`{n}`' for n in graded[:4])}) are for a grader, as in OpenAI's reinforcement "
+            "fine-tuning (RFT) data. The sft task trains on written answers: give each row its answer as a last "
+            "assistant turn (e.g. the reference answer, where it is the whole answer), or give an SFT dataset")
 
 
 def _resample(rows: list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:

@@ -43,6 +43,8 @@ EMPTY_PROMPT = "a user turn is empty"
 EMPTY_ANSWER = ("an earlier assistant turn is empty (no text and no tool calls): it would train the model to answer that "
                 "turn with nothing; give it its answer, or start the row after it")
 NOT_ALTERNATING = "the turns do not alternate user/assistant, starting with the user and ending with the assistant"
+NO_ANSWER = ("the conversation ends with a user turn, so it has no answer to train on (a prompt without its response, as in "
+             "evaluation or reinforcement fine-tuning data); add the answer as a last assistant turn, or remove the row")
 BAD_HISTORY = "`history` is not a list of [instruction, answer] pairs"
 BAD_TURNS = "the turns are not a list of objects with a role and a text"
 LATE_SYSTEM = ("a system turn comes after the first turn; a system prompt goes first (or in the row's `system` "
@@ -339,8 +341,10 @@ def _parts(content: object) -> list:
 
 def _check(messages: list[tuple[str, str]]) -> str | None:
     roles = [role for role, _ in messages]
-    if not roles or len(roles) % 2 or any(role != ("user" if i % 2 == 0 else "assistant") for i, role in enumerate(roles)):
+    if not roles or any(role != ("user" if i % 2 == 0 else "assistant") for i, role in enumerate(roles)):
         return NOT_ALTERNATING
+    if len(roles) % 2:
+        return NO_ANSWER
     if not messages[-1][1].strip():
         return EMPTY_RESPONSE
     if any(not text.strip() for role, text in messages if role == "user"):
