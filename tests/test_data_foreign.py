@@ -69,3 +69,31 @@ def test_a_row_that_ends_with_the_users_turn_is_told_so(tmp_path):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(UserError, match=r"rows 5: the conversation ends with a user turn, so it has no answer to train on"):
         _data(path)
+
+
+def test_tools_and_tool_calls_in_parquet_keep_their_own_keys(tmp_path):
+    # Arrow gives every struct in a column the keys of all of them, null where one had none: a tool `now` was described
+    # to the model with `"properties": {"city": null}` and `"required": null`, and its call trained with `"city": null`
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    weather = {"name": "weather", "description": "the weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    now = {"name": "now", "parameters": {"type": "object", "properties": {}}}
+    rows = []
+    for i in range(20):
+        tool, arguments = (weather, {"city": "Oslo"}) if i % 2 else (now, {})
+        call = {"id": "c", "type": "function", "function": {"name": tool["name"], "arguments": arguments}}
+        rows.append({"messages": [{"role": "user", "content": f"q {i}"},
+                                  {"role": "assistant", "content": None, "tool_calls": [call]},
+                                  {"role": "tool", "content": "done", "tool_call_id": "c"},
+                                  {"role": "assistant", "content": f"a {i}"}],
+                     "tools": [{"type": "function", "function": tool}]})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "tools.parquet")
+    data = _data(tmp_path / "tools.parquet", "data.cleaning.duplicates=keep")
+    read = [c for split in data.splits.values() for c in split]
+    assert len(read) == 20
+    for c in read:
+        i = int(c.messages[0][1].split()[1])
+        assert json.loads(c.tools) == rows[i]["tools"]
+        assert json.loads(c.messages[1][1]) == rows[i]["messages"][1]["tool_calls"]

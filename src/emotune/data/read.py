@@ -121,7 +121,7 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str,
     if fmt not in ("json", "jsonl", "txt") or (fmt == "txt" and not txt_lines):
         # CSV and TSV cells as written, every column (a conversation's `0.50` is no number; an id `007` stays `007`)
         table = read_table(path, encoding, EVERY_COLUMN, label_column, [] if notes is None else notes)
-        return table.column_names, table.to_pylist()
+        return table.column_names, columnar_rows(table.to_pylist(), table.schema)
     text = _decode(path, read_bytes(path), encoding)
     if not text.strip():
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
@@ -142,7 +142,33 @@ def _saved_rows(folder: Path) -> tuple[list[str], list[dict]]:
     except Exception as err:  # a damaged or foreign folder
         raise UserError(f"`{folder}` looks like a `save_to_disk` folder but could not be loaded "
                         f"({first_line(err) or type(err).__name__}). Save it again.") from None
-    return list(saved.column_names), saved.to_list()
+    return list(saved.column_names), columnar_rows(saved.to_list(), saved.data.schema)
+
+
+def columnar_rows(rows: list[dict], schema: pa.Schema) -> list[dict]:
+    """Rows of a columnar file (Parquet, Arrow, save_to_disk) as they were written: Arrow gives every object inside a
+    column every key any of them has, null where one had none, so a tool's JSON schema read as `"properties": {"city":
+    null}` from another row's tool, and `"required": null`. Keys that are null inside a column's values are left out;
+    a top-level column stays (null there is the row's value)."""
+    if not any(_has_struct(field.type) for field in schema):
+        return rows
+    return [{key: _without_null_keys(value) for key, value in row.items()} for row in rows]
+
+
+def _has_struct(kind: pa.DataType) -> bool:
+    if pa.types.is_struct(kind):
+        return True
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _has_struct(kind.value_type)
+    return pa.types.is_map(kind) and _has_struct(kind.item_type)
+
+
+def _without_null_keys(value: object) -> object:
+    if isinstance(value, dict):
+        return {key: _without_null_keys(inner) for key, inner in value.items() if inner is not None}
+    if isinstance(value, list):
+        return [_without_null_keys(inner) for inner in value]
+    return value
 
 
 def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> list[dict]:
