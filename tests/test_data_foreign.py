@@ -97,3 +97,16 @@ def test_tools_and_tool_calls_in_parquet_keep_their_own_keys(tmp_path):
         i = int(c.messages[0][1].split()[1])
         assert json.loads(c.tools) == rows[i]["tools"]
         assert json.loads(c.messages[1][1]) == rows[i]["messages"][1]["tool_calls"]
+
+
+def test_a_json_object_of_columns_is_read_row_by_row(tmp_path):
+    # {"messages": [...]} was handed to Arrow whole, which refused it ("fields whose types differ between rows") where a
+    # content is a text in one row and a list of parts in the next, as the same rows are read in a JSON array
+    chats = [[{"role": "user", "content": f"q {i}"},
+              {"role": "assistant", "content": f"a {i}" if i % 2 else [{"type": "text", "text": f"a {i}"}]}]
+             for i in range(20)]
+    path = tmp_path / "columns.json"
+    path.write_text(json.dumps({"messages": chats, "kind": ["odd" if i % 2 else "even" for i in range(20)]}))
+    data = _data(path)
+    read = sorted((c.messages[0][1], c.response, c.kind) for split in data.splits.values() for c in split)
+    assert read == sorted((f"q {i}", f"a {i}", "odd" if i % 2 else "even") for i in range(20))

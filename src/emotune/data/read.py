@@ -187,9 +187,18 @@ def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> li
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
         value = lists[0] if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]) else value
+    if isinstance(value, dict) and _columns(value):  # an object of columns, as json.dump(df.to_dict("list")): row by row
+        return [dict(zip(value, cells, strict=True)) for cells in zip(*value.values(), strict=True)]
     if isinstance(value, list) and all(isinstance(r, dict) for r in value):
         return value
     return _read_json(path, text).to_pylist()  # columns of an object, or the error that says what is wrong
+
+
+def _columns(value: dict) -> bool:
+    """An object of equally long lists that are not all lists of rows (those are splits, {"train": [...], ...})."""
+    lists = list(value.values())
+    return (bool(lists) and all(isinstance(v, list) for v in lists) and len({len(v) for v in lists}) == 1
+            and not all(isinstance(r, dict) for v in lists for r in v))
 
 
 def _json_objects(text: str) -> list[dict] | None:
