@@ -110,3 +110,33 @@ def test_a_json_object_of_columns_is_read_row_by_row(tmp_path):
     data = _data(path)
     read = sorted((c.messages[0][1], c.response, c.kind) for split in data.splits.values() for c in split)
     assert read == sorted((f"q {i}", f"a {i}", "odd" if i % 2 else "even") for i in range(20))
+
+
+@pytest.mark.parametrize("orient", ["columns", "index", "split"])
+def test_pandas_to_json_layouts_are_read_as_rows(tmp_path, orient):
+    # df.to_json(path), pandas' default (orient="columns"), was refused: "must hold a JSON array of objects ... it holds
+    # something else", without a word on how to write it
+    import pandas as pd
+
+    from conftest import make_rows
+    from emotune.core.config.data import DataConfig
+    from emotune.data import load_data
+
+    rows = make_rows(6, seed=0)
+    pd.DataFrame(rows).to_json(tmp_path / "rows.json", orient=orient)
+    data = load_data(DataConfig(source=str(tmp_path / "rows.json"), validation_size=6, test_size=6), seed=0)
+    assert sum(len(split) for split in data.splits.values()) == len({r["text"] for r in rows})
+    chats = pd.DataFrame({"instruction": [f"q {i}" for i in range(20)], "output": [f"a {i}" for i in range(20)]})
+    chats.to_json(tmp_path / "chats.json", orient=orient)
+    read = _data(tmp_path / "chats.json")
+    assert sorted(c.response for split in read.splits.values() for c in split) == sorted(chats["output"])
+
+
+def test_a_json_object_that_is_no_table_says_how_pandas_writes_rows(tmp_path):
+    (tmp_path / "odd.json").write_text(json.dumps({"a": {"x": 1}, "b": {"y": 2}}))
+    from emotune.core.config.data import DataConfig
+    from emotune.data import load_data
+
+    with pytest.raises(UserError, match=r'it holds something else. From pandas, write it with df.to_json\(path, '
+                                        r'orient="records", lines=True\)'):
+        load_data(DataConfig(source=str(tmp_path / "odd.json")), seed=0)

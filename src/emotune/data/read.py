@@ -184,6 +184,7 @@ def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> li
                     raise
                 return objects
         value = None
+    value = _pandas_rows(value) or value
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
         value = lists[0] if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]) else value
@@ -192,6 +193,26 @@ def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> li
     if isinstance(value, list) and all(isinstance(r, dict) for r in value):
         return value
     return _read_json(path, text).to_pylist()  # columns of an object, or the error that says what is wrong
+
+
+def _pandas_rows(value: object) -> list[dict] | None:
+    """The rows of a DataFrame as pandas' to_json writes it by default (orient="columns": {column: {index: value}}), with
+    orient="index" ({index: {column: value}}) or orient="split" ({"columns": [...], "index": [...], "data": [[...]]});
+    None when `value` is none of them. An index is told from column names by its labels: pandas' default, 0, 1, 2..."""
+    if not isinstance(value, dict) or not value:
+        return None
+    columns, data = value.get("columns"), value.get("data")
+    if (set(value) <= {"columns", "index", "data"} and isinstance(columns, list) and isinstance(data, list)
+            and all(isinstance(row, list) and len(row) == len(columns) for row in data)):
+        return [dict(zip(columns, row, strict=True)) for row in data]
+    inner = list(value.values())
+    if not all(isinstance(v, dict) and v for v in inner) or len({tuple(v) for v in inner}) != 1:
+        return None
+    if all(key.isdigit() for key in inner[0]):  # orient="columns"
+        return [{column: value[column][at] for column in value} for at in inner[0]]
+    if all(key.isdigit() for key in value):  # orient="index"
+        return inner
+    return None
 
 
 def _columns(value: dict) -> bool:
@@ -395,6 +416,7 @@ def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
             return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""), used)
         raise UserError(f"`{path}` is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}. "
                         "Fix the file there.") from None
+    value = _pandas_rows(value) or value
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
         if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]):
@@ -409,7 +431,8 @@ def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
             return _arrow(path, lambda: pa.table(value))  # columns
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
         raise UserError(f"`{path}` must hold a JSON array of objects such as "
-                        '[{"text": "...", "label": "..."}] (or JSON Lines); it holds something else.')
+                        '[{"text": "...", "label": "..."}] (or JSON Lines); it holds something else. From pandas, '
+                        'write it with df.to_json(path, orient="records", lines=True).')
     if used:
         try:
             return pa.Table.from_pylist(value)
