@@ -140,3 +140,20 @@ def test_a_json_object_that_is_no_table_says_how_pandas_writes_rows(tmp_path):
     with pytest.raises(UserError, match=r'it holds something else. From pandas, write it with df.to_json\(path, '
                                         r'orient="records", lines=True\)'):
         load_data(DataConfig(source=str(tmp_path / "odd.json")), seed=0)
+
+
+def test_turns_and_history_that_a_csv_file_holds_as_json_text_are_read_as_lists(tmp_path, capsys):
+    # pandas' to_csv writes a list as its text: such a `messages` column read as "sharegpt format has no column
+    # 'conversations'; set data.columns", a fix that cannot help, and an Alpaca `history` as "not a list of pairs"
+    import pandas as pd
+
+    chats = [{"messages": json.dumps([{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}])}
+             for i in range(20)]
+    pd.DataFrame(chats).to_csv(tmp_path / "chats.csv", index=False)
+    data = _data(tmp_path / "chats.csv")
+    assert sorted(c.response for split in data.splits.values() for c in split) == sorted(f"a {i}" for i in range(20))
+    assert "`messages` read from JSON text" in capsys.readouterr().out
+    alpaca = [{"instruction": f"q {i}", "output": f"a {i}", "history": json.dumps([["hi", "hello"]])} for i in range(20)]
+    pd.DataFrame(alpaca).to_csv(tmp_path / "alpaca.csv", index=False)
+    data = _data(tmp_path / "alpaca.csv")
+    assert {c.messages[:2] for split in data.splits.values() for c in split} == {(("user", "hi"), ("assistant", "hello"))}

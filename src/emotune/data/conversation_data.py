@@ -30,6 +30,7 @@ from emotune.data.conversations import (
     named_as_configured,
     normalise,
     required_columns,
+    with_json_turns,
 )
 from emotune.data.dataset_info import Entry, has_dataset_info, read_entries
 from emotune.data.read import read_records
@@ -134,6 +135,10 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
         if renamed:
             print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
                   + " (the same names but for capitals and spaces).", flush=True)
+        rows, decoded = with_json_turns(column_names, rows, entry.columns)
+        if decoded:
+            print(f"Note: `{path}`: " + ", ".join(f"`{n}`" for n in decoded) + " read from JSON text (as CSV files "
+                  "store lists).", flush=True)
         preference = _preference_problem(path, column_names, rows, entry.kto_tag)
         if preference:
             problems.append(preference)

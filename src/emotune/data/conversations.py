@@ -144,6 +144,31 @@ def named_as_configured(names: list[str], rows: list[dict], columns: SftColumns
             renames)
 
 
+def with_json_turns(names: list[str], rows: list[dict], columns: SftColumns) -> tuple[list[dict], list[str]]:
+    """Rows whose turns (messages, conversations) or Alpaca history are JSON text, as a CSV file stores lists (pandas'
+    to_csv, spreadsheets) and some Parquet files do, with those cells read as their lists: (rows, the columns read so).
+    Such a column holds nothing else: a text there is no conversation, unlike an answer, which may be JSON."""
+    wanted = [n for n in dict.fromkeys((columns.messages, "messages", "conversations", columns.history)) if n in names]
+    decoded: dict[str, None] = {}
+    out = rows
+    for name in wanted:
+        if not any(isinstance(row.get(name), str) and row[name].lstrip().startswith("[") for row in rows):
+            continue
+        out = [{**row, name: _json_list(row.get(name))} for row in out]
+        decoded[name] = None
+    return out, list(decoded)
+
+
+def _json_list(value: object) -> object:
+    if not isinstance(value, str) or not value.lstrip().startswith("["):
+        return value
+    try:
+        found = json.loads(value)
+    except ValueError:
+        return value
+    return found if isinstance(found, list) else value
+
+
 def detect_format(column_names: list[str], first_row: dict | None, columns: SftColumns) -> str | None:
     """`alpaca`, `sharegpt` or `messages` from the columns a file has (None: none of them fits)."""
     for name in dict.fromkeys((columns.messages, "messages", "conversations")):

@@ -32,6 +32,7 @@ from emotune.data.conversations import (
     required_columns,
     role_sides,
     turn_text,
+    with_json_turns,
 )
 from emotune.model.artifacts import META, Artifact
 
@@ -103,6 +104,7 @@ def row_prompts(rows: pd.DataFrame, artifact: Artifact, path: Path) -> RowPrompt
         settings = DataSettings(origin="the column names of a run's prepared split (data/<split>.jsonl)")
     columns, tags = settings.columns, settings.tags
     names, records, _ = named_as_configured(names, records, columns)  # `Instruction` read as `instruction`, as training
+    records, _ = with_json_turns(names, records, columns)  # turns a CSV file holds as JSON text, as training reads them
     fmt = _format(settings, names, records)
     if fmt is None:
         raise UserError(f"`{path}` has no `text` column and reads as none of the sft formats (columns found: "
