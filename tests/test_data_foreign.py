@@ -157,3 +157,20 @@ def test_turns_and_history_that_a_csv_file_holds_as_json_text_are_read_as_lists(
     pd.DataFrame(alpaca).to_csv(tmp_path / "alpaca.csv", index=False)
     data = _data(tmp_path / "alpaca.csv")
     assert {c.messages[:2] for split in data.splits.values() for c in split} == {(("user", "hi"), ("assistant", "hello"))}
+
+
+def test_llamafactory_openai_entries_are_read_as_messages(tmp_path):
+    # LLaMA-Factory's third format (`"formatting": "openai"`) was refused: "its formats are alpaca and sharegpt"
+    rows = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q {i}"},
+                          {"role": "assistant", "content": f"a {i}"}]} for i in range(20)]
+    (tmp_path / "chat.json").write_text(json.dumps(rows))
+    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+            "system_tag": "system"}
+    (tmp_path / "dataset_info.json").write_text(json.dumps({
+        "plain": {"file_name": "chat.json", "formatting": "openai"},
+        "tagged": {"file_name": "chat.json", "formatting": "openai", "columns": {"messages": "messages"}, "tags": tags}}))
+    for name in ("plain", "tagged"):
+        data = _data(tmp_path, f"data.datasets=[{name}]")
+        read = [c for split in data.splits.values() for c in split]
+        assert sorted(c.response for c in read) == sorted(f"a {i}" for i in range(20))
+        assert {c.system for c in read} == {"be brief"}

@@ -33,7 +33,7 @@ class Entry:
     """One dataset to read: its files, format and names."""
     name: str
     files: list[Path]
-    formatting: str  # alpaca | sharegpt (LLaMA-Factory's names; OpenAI messages are sharegpt with role/content tags)
+    formatting: str  # alpaca | sharegpt | messages (an `openai` entry without tags: OpenAI's role names, as emotune reads them)
     columns: SftColumns
     tags: SftTags
     num_samples: int | None = None
@@ -97,8 +97,8 @@ def _entry(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
                         "conversations only); remove them from the entry's columns or name another dataset")
         return None
     formatting = raw.get("formatting", "alpaca")
-    if formatting not in ("alpaca", "sharegpt"):
-        problems.append(f"{where} has formatting {formatting!r}; LLaMA-Factory's formats are alpaca and sharegpt")
+    if formatting not in ("alpaca", "sharegpt", "openai"):
+        problems.append(f"{where} has formatting {formatting!r}; LLaMA-Factory's formats are alpaca, sharegpt and openai")
         return None
     try:
         names = SftColumns(**{k: v for k, v in columns.items() if k in SftColumns.model_fields and v})
@@ -110,13 +110,15 @@ def _entry(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
     if files is None:
         return None
     kto_tag = columns.get("kto_tag")
+    if formatting == "openai":  # LLaMA-Factory's OpenAI-style messages: by the entry's tags where it gives them
+        formatting = "sharegpt" if raw.get("tags") else "messages"
     return Entry(name, files, formatting, names, tags, raw.get("num_samples"), kto_tag if isinstance(kto_tag, str) else None)
 
 
 def _wrong_types(raw: dict) -> list[str]:
     """The entry's keys whose values have a type LLaMA-Factory's loader would not take, each with the type it takes."""
     wrong = [f"`{key}` must be {what}, not {type(raw[key]).__name__} {raw[key]!r:.60}"
-             for key, kind, what in (("file_name", str, "a file or folder name"), ("formatting", str, "alpaca or sharegpt"),
+             for key, kind, what in (("file_name", str, "a file or folder name"), ("formatting", str, "alpaca, sharegpt or openai"),
                                      ("columns", dict, "an object of column names"), ("tags", dict, "an object of tags"))
              if raw.get(key) is not None and not isinstance(raw[key], kind)]
     samples = raw.get("num_samples")
