@@ -174,3 +174,19 @@ def test_llamafactory_openai_entries_are_read_as_messages(tmp_path):
         read = [c for split in data.splits.values() for c in split]
         assert sorted(c.response for c in read) == sorted(f"a {i}" for i in range(20))
         assert {c.system for c in read} == {"be brief"}
+
+
+@pytest.mark.parametrize("first", [[], None])
+def test_the_format_is_told_by_the_first_turn_of_any_row(tmp_path, first):
+    # a first row without turns made the whole OpenAI file ShareGPT: "(sharegpt format) has no column 'conversations';
+    # set data.columns", where only that one row is wrong
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+            for i in range(20)]
+    rows[0]["messages"] = first
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError, match=r"chat.jsonl` rows 1: ") as err:
+        _data(path)
+    assert "conversations" not in str(err.value)
+    data = _data(path, "data.skip_bad_rows=true")
+    assert sum(len(split) for split in data.splits.values()) == 19

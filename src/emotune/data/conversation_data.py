@@ -143,8 +143,7 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
         if preference:
             problems.append(preference)
             continue
-        fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
-                                                                                 entry.columns)
+        fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows, entry.columns)
         plain = column_names == ["text"] and entry.columns.response not in column_names
         if (fmt is None or plain) and "text" in column_names:
             problems.append(f"`{path}` has a `text` column and no prompt or answer (columns found: "

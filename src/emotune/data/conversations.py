@@ -169,12 +169,14 @@ def _json_list(value: object) -> object:
     return found if isinstance(found, list) else value
 
 
-def detect_format(column_names: list[str], first_row: dict | None, columns: SftColumns) -> str | None:
-    """`alpaca`, `sharegpt` or `messages` from the columns a file has (None: none of them fits)."""
+def detect_format(column_names: list[str], rows: list[dict], columns: SftColumns) -> str | None:
+    """`alpaca`, `sharegpt` or `messages` from the columns a file has and the keys of its first turn (None: none of them
+    fits). The first turn of any row: a first row with no turns (empty, null) made a whole OpenAI file ShareGPT."""
     for name in dict.fromkeys((columns.messages, "messages", "conversations")):
         if name in column_names:
-            turns = (first_row or {}).get(name) or []
-            first = next((t for t in turns if isinstance(t, dict)), {})
+            turns = (row.get(name) for row in rows)
+            first = next((t for turn_list in turns if isinstance(turn_list, list) for t in turn_list
+                          if isinstance(t, dict)), {})
             return "messages" if "role" in first and "from" not in first else "sharegpt"
     if set(TRL_COLUMNS) <= set(column_names) and columns.response not in TRL_COLUMNS:
         return "messages"

@@ -144,7 +144,7 @@ def _format(settings: DataSettings, names: list[str], records: list[dict]) -> st
     columns = settings.columns
     fmt = settings.format if settings.format != "auto" else None
     if fmt is None or not _has_columns(fmt, columns, names):
-        fmt = detect_format(names, records[0] if records else None, columns)
+        fmt = detect_format(names, records, columns)
     return fmt if fmt is not None and _has_columns(fmt, columns, names) else None
 
 
