@@ -190,3 +190,17 @@ def test_the_format_is_told_by_the_first_turn_of_any_row(tmp_path, first):
     assert "conversations" not in str(err.value)
     data = _data(path, "data.skip_bad_rows=true")
     assert sum(len(split) for split in data.splits.values()) == 19
+
+
+def test_an_openai_refusal_is_the_answers_text(tmp_path):
+    # a refusal beside a null content was "the response is empty", and a refusal content part "holds images, audio or
+    # video"; both are the text the assistant answered with
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"},
+                          {"role": "assistant", "content": f"a {i}", "refusal": None, "annotations": []}]}
+            for i in range(20)]
+    rows[3]["messages"][1] = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    rows[4]["messages"][1] = {"role": "assistant", "content": [{"type": "refusal", "refusal": "Nor with that."}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    answers = {c.messages[0][1]: c.response for split in _data(path).splits.values() for c in split}
+    assert answers["q 3"] == "I can't help with that." and answers["q 4"] == "Nor with that." and answers["q 5"] == "a 5"

@@ -58,6 +58,7 @@ LIST_RESPONSE = ("the response is a list, as in a ranking dataset's [chosen, rej
                  "one text answer per prompt")
 MEDIA_COLUMNS = ("images", "videos", "audios")
 TEXT_PARTS = ("text", "input_text", "output_text")  # Chat Completions' text part; the Responses API's, as its logs hold
+REFUSAL = "refusal"  # an OpenAI answer's refusal: its own key beside a null content, or a content part of that type
 TRAINING_KEYS = ("training", "train")  # Axolotl's per-turn flag (message_field_training), by the names its docs use
 BAD_TRAINING = "a turn's `training` (or `train`) flag is not true or false"
 TRAINED_PROMPT = ("a system, user or tool turn is marked `training: true` (Axolotl's message_field_training); emotune "
@@ -279,7 +280,8 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     untrained: list[int] = []
     for i, turn in enumerate(turns):
         role = turn.get(tags.role_tag)
-        if any(isinstance(p, dict) and p.get("type", "text") not in TEXT_PARTS for p in _parts(turn.get(tags.content_tag))):
+        if any(isinstance(p, dict) and p.get("type", "text") not in (*TEXT_PARTS, REFUSAL)
+               for p in _parts(turn.get(tags.content_tag))):
             return MEDIA
         if any(turn.get(key) for key in REASONING_KEYS):
             return REASONING
@@ -348,11 +350,14 @@ def _unknown_role(turn: dict, tags: SftTags) -> str:
 
 
 def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:
-    """A turn's text; OpenAI content parts are joined, and its tool calls (`tool_calls`, or the older `function_call`)
-    are kept as their JSON, after the text when the turn has both."""
+    """A turn's text; OpenAI content parts are joined (a refusal part's text too), a refusal given beside a null content
+    is the text, and its tool calls (`tool_calls`, or the older `function_call`) are kept as their JSON, after the text
+    when the turn has both."""
     content = turn.get(tags.content_tag)
     if isinstance(content, list) or _is_part(content):  # [{"type": "text", "text": ...}, ...], or one such part
-        content = "".join(p.get("text") or "" for p in _parts(content) if isinstance(p, dict))
+        content = "".join(p.get("text") or p.get(REFUSAL) or "" for p in _parts(content) if isinstance(p, dict))
+    if _is_missing(content) and isinstance(turn.get(REFUSAL), str):
+        content = turn[REFUSAL]
     calls = [json.dumps(turn[key], ensure_ascii=False) for key in ("tool_calls", "function_call") if turn.get(key)]
     return "\n".join(part for part in (_text(content), *calls) if part)
 
