@@ -204,3 +204,12 @@ def test_an_openai_refusal_is_the_answers_text(tmp_path):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     answers = {c.messages[0][1]: c.response for split in _data(path).splits.values() for c in split}
     assert answers["q 3"] == "I can't help with that." and answers["q 4"] == "Nor with that." and answers["q 5"] == "a 5"
+
+
+def test_a_dataset_info_json_saved_with_a_byte_order_mark_is_read(tmp_path):
+    # refused as "not readable JSON (Unexpected UTF-8 BOM (decode using utf-8-sig) ...)"; Windows editors save so
+    rows = [{"instruction": f"q {i}", "output": f"a {i}"} for i in range(20)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "dataset_info.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"mine": {"file_name": "rows.json"}}).encode())
+    data = _data(tmp_path, "data.datasets=[mine]")
+    assert sum(len(split) for split in data.splits.values()) == 20

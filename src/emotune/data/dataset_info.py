@@ -49,7 +49,7 @@ def has_dataset_info(folder: Path) -> bool:
     if not path.is_file():
         return False
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        info = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError):
         return True  # read_entries says what is wrong with it
     return not (isinstance(info, dict) and {"builder_name", "features", "splits"} <= set(info))
@@ -59,7 +59,7 @@ def read_entries(folder: Path, names: list[str], cfg: SftDataConfig, problems: l
     """The named entries of `folder/dataset_info.json`, resolved to local files; problems are appended."""
     path = folder / INFO_FILE
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        info = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError) as err:
         raise UserError(f"`{path}` is not readable JSON ({err}). Fix the file.") from None
     if not isinstance(info, dict):
