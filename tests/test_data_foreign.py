@@ -213,3 +213,14 @@ def test_a_dataset_info_json_saved_with_a_byte_order_mark_is_read(tmp_path):
     (tmp_path / "dataset_info.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"mine": {"file_name": "rows.json"}}).encode())
     data = _data(tmp_path, "data.datasets=[mine]")
     assert sum(len(split) for split in data.splits.values()) == 20
+
+
+def test_a_csv_header_that_names_a_read_column_twice_is_refused(tmp_path):
+    # the rows kept the last `output` without a word, training the answers of the wrong column
+    path = tmp_path / "rows.csv"
+    path.write_text("instruction,output,output,note,note\n" + "".join(f"q {i},a {i},b {i},x,y\n" for i in range(20)))
+    with pytest.raises(UserError, match=r"rows.csv` has 2 columns named `output` \(columns: instruction, output, output, "
+                                        r"note, note\), so it is unclear which one to read"):
+        _data(path)
+    path.write_text("instruction,output,note,note\n" + "".join(f"q {i},a {i},x,y\n" for i in range(20)))
+    assert sum(len(split) for split in _data(path).splits.values()) == 20  # a column no format reads may repeat

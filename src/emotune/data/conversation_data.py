@@ -23,6 +23,7 @@ from emotune.data import clean
 from emotune.data import splits as split_ops
 from emotune.data.conversations import (
     NO_ANSWER,
+    TRL_COLUMNS,
     Conversation,
     chain_parents,
     detect_format,
@@ -131,6 +132,12 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
         if not rows:
             problems.append(f"`{path}` holds no rows; give it conversations, or remove it")
             continue
+        repeated = _repeated_columns(column_names, entry)
+        if repeated:
+            problems.append(f"`{path}` has {column_names.count(repeated)} columns named `{repeated}` (columns: "
+                            f"{', '.join(column_names)}), so it is unclear which one to read; rename or remove the "
+                            "extra one in the header")
+            continue
         column_names, rows, renamed = named_as_configured(column_names, rows, entry.columns)
         if renamed:
             print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
@@ -194,6 +201,12 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     if cfg.max_samples is not None:
         out = out[:cfg.max_samples]
     return _resample(out, entry.num_samples, seed)
+
+
+def _repeated_columns(column_names: list[str], entry: Entry) -> str | None:
+    """A column the formats read that the file's header names twice (CSV, TSV): its rows would keep the last one."""
+    read = {*entry.columns.model_dump().values(), "messages", "conversations", *TRL_COLUMNS}
+    return next((name for name in column_names if name in read and column_names.count(name) > 1), None)
 
 
 def _preference_problem(path: Path, column_names: list[str], rows: list[dict], kto_tag: str | None = None) -> str | None:
