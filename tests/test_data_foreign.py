@@ -224,3 +224,19 @@ def test_a_csv_header_that_names_a_read_column_twice_is_refused(tmp_path):
         _data(path)
     path.write_text("instruction,output,note,note\n" + "".join(f"q {i},a {i},x,y\n" for i in range(20)))
     assert sum(len(split) for split in _data(path).splits.values()) == 20  # a column no format reads may repeat
+
+
+def test_trl_prompt_only_data_is_named(tmp_path):
+    # "in none of the formats ...; set data.format and data.columns to match it": no setting gives answers it lacks
+    path = tmp_path / "grpo.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(20)))
+    with pytest.raises(UserError, match=r"has a `prompt` column and no answers .*TRL's prompt-only format, for GRPO.*"
+                                        r"Add each answer in a `completion` column\.") as err:
+        _data(path)
+    assert "data.format" not in str(err.value)
+    path.write_text("".join(json.dumps({"prompt": f"q {i}", "solution": f"a {i}"}) + "\n" for i in range(20)))
+    with pytest.raises(UserError, match=r"or name the column that holds it \(e.g. data.columns.prompt=prompt "
+                                        r"data.columns.response=solution\)"):
+        _data(path)
+    data = _data(path, "data.columns.prompt=prompt", "data.columns.response=solution")
+    assert sum(len(split) for split in data.splits.values()) == 20

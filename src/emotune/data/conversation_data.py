@@ -165,6 +165,14 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
                             "as messages ({\"messages\": [{\"role\": \"user\", ...}, {\"role\": \"assistant\", ...}]}) "
                             "without the markup")
             continue
+        if fmt is None and TRL_COLUMNS[0] in column_names:
+            others = [n for n in column_names if n != TRL_COLUMNS[0]]
+            problems.append(f"`{path}` has a `prompt` column and no answers (no `completion` column; columns found: "
+                            f"{', '.join(column_names)}): TRL's prompt-only format, for GRPO, PPO or online DPO, which "
+                            "generate the answers; the sft task trains on written ones. Add each answer in a `completion` "
+                            "column" + (f", or name the column that holds it (e.g. data.columns.prompt=prompt "
+                                        f"data.columns.response={others[0]})" if others else ""))
+            continue
         if fmt is None:
             problems.append(f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
                             f"(conversations) or messages (messages, or prompt/completion; columns found: "
