@@ -240,3 +240,22 @@ def test_trl_prompt_only_data_is_named(tmp_path):
         _data(path)
     data = _data(path, "data.columns.prompt=prompt", "data.columns.response=solution")
     assert sum(len(split) for split in data.splits.values()) == 20
+
+
+@pytest.mark.parametrize("system", [
+    [{"text": "Be brief."}],  # Amazon Bedrock's conversation format (Nova)
+    [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],  # Anthropic's system blocks
+    {"role": "system", "content": "Be brief."},  # one OpenAI-style message
+    {"role": "system", "parts": [{"text": "Be brief."}]},  # Gemini's systemInstruction
+])
+def test_a_system_column_of_text_blocks_is_their_text(tmp_path, system):
+    # the system prompt trained was the blocks' JSON, `[{"text": "Be brief."}]`, without a word
+    rows = [{"system": system, "messages": [{"role": "user", "content": [{"text": f"q {i}"}]},
+                                            {"role": "assistant", "content": [{"text": f"a {i}"}]}]} for i in range(20)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert {c.system for split in _data(path).splits.values() for c in split} == {"Be brief."}
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": f"q {i}", "output": f"a {i}", "system": system}) + "\n"
+                              for i in range(20)))
+    assert {c.system for split in _data(alpaca).splits.values() for c in split} == {"Be brief."}

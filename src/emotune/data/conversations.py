@@ -246,7 +246,7 @@ def _alpaca(row: dict, columns: SftColumns, separator: str) -> Turns | str:
     if isinstance(response, list):
         return LIST_RESPONSE
     messages.append(("assistant", _text(response)))
-    return _text(row.get(columns.system)) or None, messages, []
+    return _system_text(row.get(columns.system)) or None, messages, []
 
 
 def _instruction_and_input(row: dict, columns: SftColumns, separator: str) -> str:
@@ -273,7 +273,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     side = role_sides(tags)
     system_side, user_side, assistant_side = ({r for r, s in side.items() if s == want}
                                               for want in ("system", "user", "assistant"))
-    system_text = _text(system) or None
+    system_text = _system_text(system) or None
     results = {tags.observation_tag, *(("function",) if tags is OPENAI_TAGS else ()),
                *(("tool",) if tags == SHAREGPT_TAGS else ())}  # a tool's result
     messages: list[tuple[str, str]] = []
@@ -360,6 +360,17 @@ def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:
         content = turn[REFUSAL]
     calls = [json.dumps(turn[key], ensure_ascii=False) for key in ("tool_calls", "function_call") if turn.get(key)]
     return "\n".join(part for part in (_text(content), *calls) if part)
+
+
+def _system_text(value: object) -> str:
+    """A row's own system prompt as text: a text, or its text blocks as other tools write them (Anthropic's and
+    Bedrock's [{"text": ...}], one OpenAI-style message, Gemini's {"parts": [...]}), which read as their JSON before."""
+    if isinstance(value, dict) and ("content" in value or "parts" in value):  # one message: its content or parts
+        value = value.get("content", value.get("parts"))
+    blocks = value if isinstance(value, list) else [value] if isinstance(value, dict) else None
+    if blocks and all(isinstance(b, dict) and isinstance(b.get("text"), str) for b in blocks):
+        return "".join(b["text"] for b in blocks)
+    return _text(value)
 
 
 def _is_part(content: object) -> bool:
