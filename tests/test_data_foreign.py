@@ -259,3 +259,27 @@ def test_a_system_column_of_text_blocks_is_their_text(tmp_path, system):
     alpaca.write_text("".join(json.dumps({"instruction": f"q {i}", "output": f"a {i}", "system": system}) + "\n"
                               for i in range(20)))
     assert {c.system for split in _data(alpaca).splits.values() for c in split} == {"Be brief."}
+
+
+def test_gemini_tuning_rows_are_read_as_their_turns(tmp_path, capsys):
+    # Vertex AI's tuning JSONL was "in none of the formats; set data.format and data.columns", and configured by hand
+    # its systemInstruction was trained as JSON and a function call as an empty answer
+    call = {"name": "weather", "args": {"city": "Oslo"}}
+    rows = [{"systemInstruction": {"role": "system", "parts": [{"text": "Be brief."}]},
+             "contents": [{"role": "user", "parts": [{"text": f"q {i}"}]},
+                          {"role": "model", "parts": [{"functionCall": call}]},
+                          {"role": "function", "parts": [{"functionResponse": {"name": "weather", "response": {"t": i}}}]},
+                          {"role": "model", "parts": [{"text": f"a {i}"}]}]} for i in range(20)]
+    path = tmp_path / "gemini.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    read = [c for split in _data(path).splits.values() for c in split]
+    assert "read as Google's Gemini tuning rows" in capsys.readouterr().out
+    assert len(read) == 20 and {c.system for c in read} == {"Be brief."}
+    one = next(c for c in read if c.messages[0][1] == "q 3")
+    assert [role for role, _ in one.messages] == ["user", "assistant", "user", "assistant"]
+    assert json.loads(one.messages[1][1]) == [call] and json.loads(one.messages[2][1])["response"] == {"t": 3}
+    assert one.response == "a 3"
+    rows[0]["contents"][0]["parts"].append({"inlineData": {"mimeType": "image/png", "data": "AAAA"}})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError, match=r"rows 1: the row holds images, audio or video"):
+        _data(path)

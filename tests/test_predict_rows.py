@@ -286,3 +286,18 @@ def test_turns_a_csv_file_holds_as_json_text_are_prompted_as_the_same_rows_in_js
         assert _predict(sft_run, source, out) == 0
         written[source.suffix] = (list(asked), [r["reference"] for r in csv.DictReader(out.open(encoding="utf-8"))])
     assert written[".csv"] == written[".jsonl"] and written[".csv"][1] == ["yes"]
+
+
+def test_gemini_tuning_rows_are_prompted_as_the_same_rows_in_openai_messages(sft_run, asked, tmp_path):
+    gemini = {"systemInstruction": {"parts": [{"text": "you forecast"}]},
+              "contents": [{"role": "user", "parts": [{"text": "is it sunny"}]}, {"role": "model", "parts": [{"text": "yes"}]}]}
+    openai = {"messages": [{"role": "system", "content": "you forecast"}, {"role": "user", "content": "is it sunny"},
+                           {"role": "assistant", "content": "yes"}]}
+    written = {}
+    for name, row in (("gemini", gemini), ("openai", openai)):
+        asked.clear()
+        source, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.csv"
+        source.write_text(json.dumps(row) + "\n", encoding="utf-8")
+        assert _predict(sft_run, source, out) == 0
+        written[name] = (list(asked), [r["reference"] for r in csv.DictReader(out.open(encoding="utf-8"))])
+    assert written["gemini"] == written["openai"] and written["gemini"][1] == ["yes"]

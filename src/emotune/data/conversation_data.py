@@ -19,7 +19,7 @@ import pyarrow as pa
 from emotune.core.config.data import CleaningConfig
 from emotune.core.config.sft import SftCleaningConfig, SftDataConfig
 from emotune.core.errors import UserError, listed, raise_problems
-from emotune.data import clean
+from emotune.data import clean, gemini
 from emotune.data import splits as split_ops
 from emotune.data.conversations import (
     NO_ANSWER,
@@ -142,6 +142,11 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
         if renamed:
             print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
                   + " (the same names but for capitals and spaces).", flush=True)
+        if entry.formatting == "auto" and gemini.is_gemini(column_names, rows):
+            rows = gemini.as_messages(rows, entry.columns.system)
+            column_names = list(dict.fromkeys(key for row in rows for key in row))
+            print(f"Note: `{path}`: read as Google's Gemini tuning rows (`contents` of user and model turns, "
+                  "`systemInstruction` as the system prompt).", flush=True)
         rows, decoded = with_json_turns(column_names, rows, entry.columns)
         if decoded:
             print(f"Note: `{path}`: " + ", ".join(f"`{n}`" for n in decoded) + " read from JSON text (as CSV files "

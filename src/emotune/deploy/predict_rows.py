@@ -19,6 +19,7 @@ import pandas as pd
 
 from emotune.core.config.sft import INPUT_SEPARATOR, SftColumns, SftTags
 from emotune.core.errors import UserError, listed
+from emotune.data import gemini
 from emotune.data.conversations import (
     FORMATS,
     OPENAI_TAGS,
@@ -105,6 +106,9 @@ def row_prompts(rows: pd.DataFrame, artifact: Artifact, path: Path) -> RowPrompt
     columns, tags = settings.columns, settings.tags
     names, records, _ = named_as_configured(names, records, columns)  # `Instruction` read as `instruction`, as training
     records, _ = with_json_turns(names, records, columns)  # turns a CSV file holds as JSON text, as training reads them
+    if settings.format == "auto" and gemini.is_gemini(names, records):  # Gemini's tuning rows, as training reads them
+        records = gemini.as_messages(records, columns.system)
+        names = list(dict.fromkeys(key for row in records for key in row))
     fmt = _format(settings, names, records)
     if fmt is None:
         raise UserError(f"`{path}` has no `text` column and reads as none of the sft formats (columns found: "
