@@ -283,3 +283,18 @@ def test_gemini_tuning_rows_are_read_as_their_turns(tmp_path, capsys):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(UserError, match=r"rows 1: the row holds images, audio or video"):
         _data(path)
+
+
+def test_a_json_array_with_a_key_twice_in_an_object_is_refused_as_json_lines_are(tmp_path):
+    # Python's json keeps the last of two equal keys: the second `output` (or `label`) was read without a word
+    from emotune.core.config.data import DataConfig
+    from emotune.data import load_data
+
+    path = tmp_path / "rows.json"
+    path.write_text("[" + ",".join(f'{{"instruction": "q {i}", "output": "a {i}", "output": "b {i}"}}'
+                                   for i in range(20)) + "]")
+    with pytest.raises(UserError, match=r"rows.json` has an object with the key `output` twice"):
+        _data(path)
+    path.write_text("[" + ",".join(f'{{"text": "t {i}", "label": "joy", "label": "sadness"}}' for i in range(20)) + "]")
+    with pytest.raises(UserError, match=r"rows.json` has an object with the key `label` twice"):
+        load_data(DataConfig(source=str(path)), seed=0)

@@ -173,7 +173,7 @@ def _without_null_keys(value: object) -> object:
 
 def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> list[dict]:
     try:
-        value = json.loads(text)
+        value = _loads(path, text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
             try:
@@ -384,11 +384,21 @@ class _RepeatedKey(Exception):
 
 def _refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
     """Python keeps the last of two equal keys, Arrow refuses the row: name the key instead of guessing."""
-    keys = [key for key, _ in pairs]
-    repeated = next((key for key in keys if keys.count(key) > 1), None)
-    if repeated is not None:
-        raise _RepeatedKey(repeated)
-    return dict(pairs)
+    found = dict(pairs)
+    if len(found) < len(pairs):
+        keys = [key for key, _ in pairs]
+        raise _RepeatedKey(next(key for key in keys if keys.count(key) > 1))
+    return found
+
+
+def _loads(path: Path, text: str) -> object:
+    """A whole JSON file's value; an object with a key twice is refused by name, as a JSON Lines file's line is (Python
+    keeps the last of them, so a row's second `label` or `output` was read without a word)."""
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_repeated_keys)
+    except _RepeatedKey as err:
+        raise UserError(f"`{path}` has an object with the key `{err}` twice, so it is unclear which value to read; "
+                        "keep one of them.") from None
 
 
 def _bad_json_line(lines: Iterator[str]) -> str | None:
@@ -409,7 +419,7 @@ def _bad_json_line(lines: Iterator[str]) -> str | None:
 def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
     """A JSON array of objects, an object of columns, or `{"data": [...]}`; JSON Lines under .json too."""
     try:
-        value = json.loads(text)
+        value = _loads(path, text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
             # many `.json` files are really JSON Lines
