@@ -298,3 +298,12 @@ def test_a_json_array_with_a_key_twice_in_an_object_is_refused_as_json_lines_are
     path.write_text("[" + ",".join(f'{{"text": "t {i}", "label": "joy", "label": "sadness"}}' for i in range(20)) + "]")
     with pytest.raises(UserError, match=r"rows.json` has an object with the key `label` twice"):
         load_data(DataConfig(source=str(path)), seed=0)
+
+
+def test_objects_one_after_another_with_a_key_twice_are_refused(tmp_path):
+    path = tmp_path / "jq.json"
+    # the key twice in a later object: the whole-file parse stops at the first object's end ("Extra data")
+    path.write_text("".join(f'{{\n  "instruction": "q {i}",\n  "output": "a {i}"' + (f',\n  "output": "b {i}"' if i == 4 else "")
+                            + "\n}\n" for i in range(20)))
+    with pytest.raises(UserError, match=r"jq.json` has an object with the key `output` twice"):
+        _data(path)

@@ -179,7 +179,7 @@ def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> li
             try:
                 return _json_lines(path, text)  # many `.json` files are really JSON Lines
             except UserError:
-                objects = _json_objects(text)  # or objects written one after another over several lines (jq's output)
+                objects = _json_objects(path, text)  # or objects one after another over several lines (jq's output)
                 if objects is None:
                     raise
                 return objects
@@ -222,14 +222,17 @@ def _columns(value: dict) -> bool:
             and not all(isinstance(r, dict) for v in lists for r in v))
 
 
-def _json_objects(text: str) -> list[dict] | None:
+def _json_objects(path: Path, text: str) -> list[dict] | None:
     """JSON objects one after another, each over any number of lines (`jq '.[]'` writes them so); None if it is not."""
-    decoder, objects, at = json.JSONDecoder(), [], 0
+    decoder, objects, at = json.JSONDecoder(object_pairs_hook=_refuse_repeated_keys), [], 0
     while (at := _SPACE.match(text, at).end()) < len(text):
         try:
             value, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
             return None
+        except _RepeatedKey as err:
+            raise UserError(f"`{path}` has an object with the key `{err}` twice, so it is unclear which value to read; "
+                            "keep one of them.") from None
         if not isinstance(value, dict):
             return None
         objects.append(value)
