@@ -307,3 +307,26 @@ def test_objects_one_after_another_with_a_key_twice_are_refused(tmp_path):
                             + "\n}\n" for i in range(20)))
     with pytest.raises(UserError, match=r"jq.json` has an object with the key `output` twice"):
         _data(path)
+
+
+def _anthropic_rows(n: int, answer: list[dict]) -> list[dict]:
+    """Anthropic Messages API conversations: content blocks, a tool_use block and its tool_result."""
+    return [{"system": "be brief", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": f"q {i}"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "let me check"},
+                                          {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]}]},
+        {"role": "assistant", "content": answer + [{"type": "text", "text": f"a {i}"}]}]} for i in range(n)]
+
+
+def test_anthropic_tool_blocks_are_kept_and_thinking_blocks_named(tmp_path):
+    # every row was refused as holding "images, audio or video"
+    path = tmp_path / "claude.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _anthropic_rows(20, [])))
+    one = next(c for split in _data(path).splits.values() for c in split if c.messages[0][1] == "q 3")
+    call = {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Oslo"}}
+    assert one.messages[1][1] == "let me check\n" + json.dumps(call) and one.messages[2][1] == "sunny"
+    assert one.response == "a 3" and one.system == "be brief"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _anthropic_rows(20, [{"type": "thinking", "thinking": "so"}])))
+    with pytest.raises(UserError, match=r"has its reasoning in a field of its own .*or a `thinking` content block"):
+        _data(path)

@@ -59,6 +59,8 @@ LIST_RESPONSE = ("the response is a list, as in a ranking dataset's [chosen, rej
 MEDIA_COLUMNS = ("images", "videos", "audios")
 TEXT_PARTS = ("text", "input_text", "output_text")  # Chat Completions' text part; the Responses API's, as its logs hold
 REFUSAL = "refusal"  # an OpenAI answer's refusal: its own key beside a null content, or a content part of that type
+TOOL_BLOCKS = ("tool_use", "tool_result")  # Anthropic's content blocks of a tool's call and its result
+THINKING_BLOCKS = ("thinking", "redacted_thinking")  # Anthropic's content blocks of an answer's reasoning
 TRAINING_KEYS = ("training", "train")  # Axolotl's per-turn flag (message_field_training), by the names its docs use
 BAD_TRAINING = "a turn's `training` (or `train`) flag is not true or false"
 TRAINED_PROMPT = ("a system, user or tool turn is marked `training: true` (Axolotl's message_field_training); emotune "
@@ -67,7 +69,8 @@ TRAIN_DETAIL = ("a turn has `train_detail` (Axolotl's character spans to train o
                 "turns: remove it, and mark an answer not to train with \"training\": false")
 TRL_COLUMNS = ("prompt", "completion")
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # Qwen3/DeepSeek-R1, OpenAI, gpt-oss templates' names
-REASONING = ("an assistant turn has its reasoning in a field of its own (`reasoning_content`, `reasoning` or `thinking`), "
+REASONING = ("an assistant turn has its reasoning in a field of its own (`reasoning_content`, `reasoning` or `thinking`, "
+             "or a `thinking` content block), "
              "which emotune would leave out, training the answers without it; write the reasoning into the content "
              "the way the model's chat template does (e.g. <think>...</think> before the answer), or remove the field "
              "to train the answers alone")
@@ -280,11 +283,11 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     untrained: list[int] = []
     for i, turn in enumerate(turns):
         role = turn.get(tags.role_tag)
-        if any(isinstance(p, dict) and p.get("type", "text") not in (*TEXT_PARTS, REFUSAL)
-               for p in _parts(turn.get(tags.content_tag))):
-            return MEDIA
-        if any(turn.get(key) for key in REASONING_KEYS):
+        kinds = {p.get("type", "text") for p in _parts(turn.get(tags.content_tag)) if isinstance(p, dict)}
+        if any(turn.get(key) for key in REASONING_KEYS) or kinds & set(THINKING_BLOCKS):
             return REASONING
+        if kinds - {*TEXT_PARTS, REFUSAL, *TOOL_BLOCKS}:
+            return MEDIA
         text = turn_text(turn, tags)
         # a key given as null is a key not given: columnar files (Parquet, Arrow, save_to_disk, the hub) give every turn
         # every key any turn has, null where it had none
@@ -350,15 +353,19 @@ def _unknown_role(turn: dict, tags: SftTags) -> str:
 
 
 def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:
-    """A turn's text; OpenAI content parts are joined (a refusal part's text too), a refusal given beside a null content
-    is the text, and its tool calls (`tool_calls`, or the older `function_call`) are kept as their JSON, after the text
-    when the turn has both."""
-    content = turn.get(tags.content_tag)
+    """A turn's text; OpenAI content parts are joined (a refusal part's text too, and an Anthropic tool_result block's
+    content), a refusal given beside a null content is the text, and its tool calls (`tool_calls`, the older
+    `function_call`, Anthropic's tool_use blocks) are kept as their JSON, after the text when the turn has both."""
+    content, used = turn.get(tags.content_tag), []
     if isinstance(content, list) or _is_part(content):  # [{"type": "text", "text": ...}, ...], or one such part
-        content = "".join(p.get("text") or p.get(REFUSAL) or "" for p in _parts(content) if isinstance(p, dict))
+        parts = [p for p in _parts(content) if isinstance(p, dict)]
+        used = [p for p in parts if p.get("type") == TOOL_BLOCKS[0]]  # Anthropic's tool_use: a call, after the text
+        content = "".join(p.get("text") or p.get(REFUSAL) or (turn_text(p) if p.get("type") == TOOL_BLOCKS[1] else "")
+                          for p in parts if p.get("type") != TOOL_BLOCKS[0])  # a tool_result: its content's text
     if _is_missing(content) and isinstance(turn.get(REFUSAL), str):
         content = turn[REFUSAL]
     calls = [json.dumps(turn[key], ensure_ascii=False) for key in ("tool_calls", "function_call") if turn.get(key)]
+    calls += [json.dumps(call, ensure_ascii=False) for call in used]
     return "\n".join(part for part in (_text(content), *calls) if part)
 
 
