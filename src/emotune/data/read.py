@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from emotune.core.errors import UserError, first_line
 from emotune.data.csvfile import EVERY_COLUMN, Lines, read_csv
+from emotune.data.txtfile import read_txt, tab_header, text_lines
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
            ".txt": "txt", ".arrow": "arrow", ".feather": "arrow"}  # Arrow IPC: `datasets`' cache and save_to_disk files
@@ -76,14 +76,14 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
         text = _decode(path, raw, encoding)
         if not text.strip():
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
-        if fmt == "txt" and _tab_header(text):
+        if fmt == "txt" and tab_header(text):
             fmt = "tsv"  # a spreadsheet's "Unicode text" export: tab-separated, UTF-16, under .txt
             notes.append(f"`{path}`: the header is separated by tabs, not the `;` of a `text;label` TXT file; read as "
                          "tab-separated (a spreadsheet's \"Unicode text\").")
         if fmt in ("json", "txt"):
             if fmt == "json":
                 return _read_json(path, text, (text_column, label_column))
-            return _read_txt(path, text, "text" if text_column == EVERY_COLUMN else text_column, label_column)
+            return read_txt(path, text, "text" if text_column == EVERY_COLUMN else text_column, label_column)
         lines = lambda: io.StringIO(text, newline="")  # noqa: E731
         source = pa.py_buffer(text.encode("utf-8"))
     if fmt == "jsonl":
@@ -126,7 +126,7 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str,
     if not text.strip():
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
     if fmt == "txt":  # one document per line, as LLaMA-Factory's text loader reads it (wiki_demo.txt): not text;label
-        return ["text"], [{"text": line} for line in _lines(text) if line.strip()]
+        return ["text"], [{"text": line} for line in text_lines(text) if line.strip()]
     if fmt == "jsonl" and not text.lstrip().startswith("["):
         rows = _json_lines(path, text)
     else:  # a JSON array under .jsonl too, as `datasets` reads one
@@ -460,30 +460,3 @@ def _arrow(path: Path, build) -> pa.Table:
     except (pa.ArrowException, ValueError, TypeError) as err:
         raise UserError(f"`{path}` has fields whose types differ between rows ({first_line(err)}). "
                         "Give every row the same fields with the same types.") from None
-
-
-def _lines(text: str) -> list[str]:
-    """The lines of a text file as editors and line-numbering tools count them: ends at \\n, \\r\\n or \\r only.
-    str.splitlines also ends a line at U+2028/U+2029, U+0085, form feeds and \\x1c-\\x1e, which texts hold (pasted
-    web text): a text with one became two lines, one of them without its `;label`."""
-    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-
-
-def _tab_header(text: str) -> bool:
-    """The first line has tabs and no `;`: a header of tab-separated columns, not a `text;label` row."""
-    first = next((line for line in _lines(text[:1 << 16]) if line.strip()), "")
-    return "\t" in first and ";" not in first
-
-
-def _read_txt(path: Path, text: str, text_column: str, label_column: str) -> pa.Table:
-    """The `text;label` format of the common copies of the emotion dataset; the label follows the last `;`."""
-    numbered = [(number, line) for number, line in enumerate(_lines(text), start=1) if line.strip()]
-    if numbered and numbered[0][1].strip().lower() in (f"{text_column};{label_column}", "text;label"):
-        numbered = numbered[1:]  # a header row
-    bad = [number for number, line in numbered if ";" not in line]
-    if bad:
-        raise UserError(f"`{path}`: {len(bad)} line(s) have no `;` between text and label (first: line "
-                        f"{', '.join(map(str, bad[:5]))}). TXT files hold one `text;label` per line.")
-    lines = [line for _, line in numbered]
-    parts = pc.split_pattern(pa.array(lines, pa.string()), ";", max_splits=1, reverse=True)
-    return pa.table({text_column: pc.list_element(parts, 0), label_column: pc.list_element(parts, 1)})
