@@ -330,3 +330,21 @@ def test_anthropic_tool_blocks_are_kept_and_thinking_blocks_named(tmp_path):
     path.write_text("".join(json.dumps(row) + "\n" for row in _anthropic_rows(20, [{"type": "thinking", "thinking": "so"}])))
     with pytest.raises(UserError, match=r"has its reasoning in a field of its own .*or a `thinking` content block"):
         _data(path)
+
+
+def test_fasttext_lines_are_read_as_label_and_text(tmp_path):
+    # refused as lines "with no `;` between text and label"; a line whose text held a `;` was split there
+    from conftest import make_rows
+    from emotune.core.config.data import DataConfig
+    from emotune.data import load_data
+
+    rows = make_rows(6, seed=0)
+    rows[0] = {**rows[0], "text": rows[0]["text"] + "; and more"}
+    path = tmp_path / "train.txt"
+    path.write_text("".join(f"__label__{r['label']} {r['text']}\n" for r in rows))
+    data = load_data(DataConfig(source=str(path), validation_size=6, test_size=6, cleaning={"duplicates": "keep"}), seed=0)
+    read = sorted((t, lab) for split in data.splits.values() for t, lab in zip(split["text"], split["label"], strict=True))
+    assert read == sorted((r["text"], r["label"]) for r in rows)
+    path.write_text("".join(f"__label__{r['label']} __label__joy {r['text']}\n" for r in rows))
+    with pytest.raises(UserError, match=r"fastText's format with several labels on lines 1, 2, 3, 4, 5 and 31 more"):
+        load_data(DataConfig(source=str(path)), seed=0)
