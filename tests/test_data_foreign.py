@@ -348,3 +348,37 @@ def test_fasttext_lines_are_read_as_label_and_text(tmp_path):
     path.write_text("".join(f"__label__{r['label']} __label__joy {r['text']}\n" for r in rows))
     with pytest.raises(UserError, match=r"fastText's format with several labels on lines 1, 2, 3, 4, 5 and 31 more"):
         load_data(DataConfig(source=str(path)), seed=0)
+
+
+def _deep_rows(depth: int, *, first: str, second: str) -> list[str]:
+    lines = [json.dumps({first: f"q {i}", second: "joy" if i % 2 else "sadness"}) for i in range(20)]
+    lines[5] = json.dumps({first: "q", second: "joy"})[:-1] + ', "meta": ' + "[" * depth + "]" * depth + "}"
+    return lines
+
+
+def test_json_nested_beyond_the_readers_depth_is_named_not_a_traceback(tmp_path):
+    # Python's json raised RecursionError through the command line
+    lines = _deep_rows(2000, first="instruction", second="output")
+    (tmp_path / "deep.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "deep.json").write_text("[" + ",".join(lines) + "]")
+    with pytest.raises(UserError, match=r"deep.jsonl` line 6 nests lists or objects deeper than Python's JSON reader"):
+        _data(tmp_path / "deep.jsonl")
+    with pytest.raises(UserError, match=r"deep.json` nests lists or objects deeper than Python's JSON reader"):
+        _data(tmp_path / "deep.json")
+
+
+def test_jsonl_nested_deep_enough_to_crash_arrow_is_refused_before_it(tmp_path):
+    # Arrow's JSON reader overflowed its stack (a segmentation fault, no message) on a classification JSONL file; a
+    # child process, so that without the check the crash is this test's failure, not the test run's end
+    import subprocess
+    import sys
+
+    path = tmp_path / "deep.jsonl"
+    path.write_text("\n".join(_deep_rows(30000, first="text", second="label")) + "\n")
+    script = ("from emotune.core.config.data import DataConfig\nfrom emotune.core.errors import UserError\n"
+              "from emotune.data import load_data\n"
+              f"try:\n    load_data(DataConfig(source={str(path)!r}), seed=0)\nexcept UserError as err:\n    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "deep.jsonl` line 6 nests lists or objects deeper" in done.stdout
