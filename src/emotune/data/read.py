@@ -13,18 +13,17 @@ import gzip
 import io
 import json
 import lzma
-import mmap
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from emotune.core.errors import UserError, first_line
 from emotune.data.csvfile import EVERY_COLUMN, Lines, read_csv
+from emotune.data.jsondepth import TOO_DEEP, deep_line
 from emotune.data.txtfile import read_txt, tab_header, text_lines
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
@@ -34,8 +33,6 @@ BOM = b"\xef\xbb\xbf"
 UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
 _SPACE = re.compile(r"\s*")
-TOO_DEEP = "nests lists or objects deeper than Python's JSON reader goes (about 1,000 levels)"
-_DEEP = re.compile(rb'(?:[\[{]\s*(?:"(?:[^"\\\n]|\\.)*"\s*:\s*)?){1000}')  # 1,000 opening brackets in a row, keys between
 JSON_BLOCK_BYTES = 16 << 20  # Arrow's JSON reader needs each line to fit in one block
 # compressed files as hubs and papers ship them (train.jsonl.gz): read whole into memory, then like the plain file
 COMPRESSED = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
@@ -347,7 +344,7 @@ def _decode(path: Path, raw: bytes, encoding: str) -> str:
 
 
 def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[str, ...] = ()) -> pa.Table:
-    deep = _deep_line(source)
+    deep = deep_line(source)
     if deep is not None:  # Arrow's reader overflows its stack on them (a segmentation fault, from 20,000 levels)
         raise UserError(f"`{path}` line {deep} {TOO_DEEP}; no dataset needs that: fix or remove that line.")
     try:
@@ -364,30 +361,6 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[s
             return _rows_table(path, [json.loads(line) for line in lines() if line.strip()], used)
         raise UserError(f"`{path}` could not be read as JSON Lines ({first_line(err)}). Give every row the "
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
-
-
-def _deep_line(source: str | pa.Buffer) -> int | None:
-    """The first line that opens 1,000 lists or objects in a row (a file's bytes searched in place, not copied)."""
-    if not isinstance(source, str):
-        return _deep_in(memoryview(source))
-    with open(source, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return _deep_in(data)
-
-
-def _deep_in(data) -> int | None:
-    """Only lines long enough to hold such a run are searched: a regex over every byte of a large file costs more
-    than Arrow's whole read; the line ends are found by numpy, a chunk at a time."""
-    view, previous, chunk = np.frombuffer(data, dtype=np.uint8), -1, 1 << 26
-    for offset in range(0, len(view) + 1, chunk):
-        ends = np.flatnonzero(view[offset:offset + chunk] == 10) + offset
-        if offset + chunk >= len(view):
-            ends = np.append(ends, len(view))  # the last line, with or without its line break
-        bounds = np.concatenate(([previous], ends))
-        for at in np.flatnonzero(np.diff(bounds) > 2000):
-            if _DEEP.search(data, int(bounds[at]) + 1, int(bounds[at + 1])):
-                return int(np.count_nonzero(view[:bounds[at] + 1] == 10)) + 1
-        previous = int(bounds[-1])
-    return None
 
 
 def _rows_table(path: Path, rows: list[dict], used: tuple[str, ...]) -> pa.Table:
