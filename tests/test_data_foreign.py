@@ -382,3 +382,23 @@ def test_jsonl_nested_deep_enough_to_crash_arrow_is_refused_before_it(tmp_path):
                           env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
     assert done.returncode == 0, done.stderr[-500:]
     assert "deep.jsonl` line 6 nests lists or objects deeper" in done.stdout
+
+
+def test_half_an_emoji_escaped_in_json_is_the_replacement_character(tmp_path):
+    # JavaScript writes an emoji cut in two as `\ud83d` alone; Python reads it into a string UTF-8 cannot hold, and
+    # Arrow raised UnicodeEncodeError through the command line. A whole pair (Python's json.dumps) stays the emoji.
+    from emotune.core.config.data import DataConfig
+    from emotune.data import load_data
+
+    texts = [f"t {i} " + ("\\ud83d" if i % 2 else "\\ud83d\\ude00") for i in range(20)]
+    rows = [f'{{"text": "{t}", "label": "{"joy" if i % 3 else "sadness"}"}}' for i, t in enumerate(texts)]
+    for name, content in (("a.jsonl", "\n".join(rows) + "\n"), ("a.json", "[" + ",".join(rows) + "]")):
+        (tmp_path / name).write_text(content)
+        data = load_data(DataConfig(source=str(tmp_path / name), validation_size=4, test_size=4,
+                                    cleaning={"unicode_nfc": False}), seed=0)
+        read = {t for split in data.splits.values() for t in split["text"]}
+        assert read == {f"t {i} " + ("\ufffd" if i % 2 else "\U0001f600") for i in range(20)}
+    chats = [f'{{"instruction": "{t}", "output": "a"}}' for t in texts]
+    (tmp_path / "chat.jsonl").write_text("\n".join(chats) + "\n")
+    prompts = {c.messages[0][1] for split in _data(tmp_path / "chat.jsonl").splits.values() for c in split}
+    assert prompts == {f"t {i} " + ("\ufffd" if i % 2 else "\U0001f600") for i in range(20)}

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from emotune.core.errors import UserError, first_line
 from emotune.data.csvfile import EVERY_COLUMN, Lines, read_csv
-from emotune.data.jsondepth import TOO_DEEP, deep_line
+from emotune.data.jsontext import TOO_DEEP, deep_line, without_lone_surrogates
 from emotune.data.txtfile import read_txt, tab_header, text_lines
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
@@ -75,6 +75,7 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
     else:
         raw = read_bytes(path)
         text = _decode(path, raw, encoding)
+        text = without_lone_surrogates(text) if fmt in ("json", "jsonl") else text
         if not text.strip():
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
         if fmt == "txt" and tab_header(text):
@@ -124,6 +125,7 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str,
         table = read_table(path, encoding, EVERY_COLUMN, label_column, [] if notes is None else notes)
         return table.column_names, columnar_rows(table.to_pylist(), table.schema)
     text = _decode(path, read_bytes(path), encoding)
+    text = without_lone_surrogates(text) if fmt != "txt" else text
     if not text.strip():
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
     if fmt == "txt":  # one document per line, as LLaMA-Factory's text loader reads it (wiki_demo.txt): not text;label
@@ -358,7 +360,7 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[s
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
         if used:
-            return _rows_table(path, [json.loads(line) for line in lines() if line.strip()], used)
+            return _rows_table(path, [json.loads(without_lone_surrogates(line)) for line in lines() if line.strip()], used)
         raise UserError(f"`{path}` could not be read as JSON Lines ({first_line(err)}). Give every row the "
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
 

@@ -1,5 +1,11 @@
-"""JSON nested deeper than the readers go: Python's json stops at its recursion limit (about 1,000 levels), and Arrow's
-JSON reader overflows its stack (a segmentation fault) from about 20,000, so such lines are found before Arrow reads."""
+"""JSON text the readers cannot take as written.
+
+Nesting deeper than they go: Python's json stops at its recursion limit (about 1,000 levels), and Arrow's JSON reader
+overflows its stack (a segmentation fault) from about 20,000, so such lines are found before Arrow reads. Half of a
+UTF-16 surrogate pair written as an escape (`\ud83d` alone: JavaScript's JSON.stringify writes an emoji cut in two
+so): Python reads it into a string no UTF-8 can hold, which Arrow refused with a traceback; it becomes U+FFFD, as a
+byte that does not decode does.
+"""
 
 from __future__ import annotations
 
@@ -35,3 +41,17 @@ def _deep_in(data) -> int | None:
                 return int(np.count_nonzero(view[:bounds[at] + 1] == 10)) + 1
         previous = int(bounds[-1])
     return None
+
+
+_ESCAPE = r'(?<!\\)((?:\\\\)*)'  # a backslash that starts an escape: none before it, or escaped ones in pairs
+_LONE = re.compile(_ESCAPE + r'\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})|'
+                   + _ESCAPE + r'(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}')
+_SURROGATE = re.compile(r'\\u[dD][89a-fA-F]')
+
+
+def without_lone_surrogates(text: str) -> str:
+    """JSON text with each escape of half a surrogate pair (a high one not followed by a low one, or a low one alone)
+    written as U+FFFD's; whole pairs (an emoji as Python's json.dumps writes it) stay."""
+    if not _SURROGATE.search(text):
+        return text
+    return _LONE.sub(lambda m: (m.group(1) or m.group(2) or "") + "\\ufffd", text)
