@@ -402,3 +402,17 @@ def test_half_an_emoji_escaped_in_json_is_the_replacement_character(tmp_path):
     (tmp_path / "chat.jsonl").write_text("\n".join(chats) + "\n")
     prompts = {c.messages[0][1] for split in _data(tmp_path / "chat.jsonl").splits.values() for c in split}
     assert prompts == {f"t {i} " + ("\ufffd" if i % 2 else "\U0001f600") for i in range(20)}
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json"])
+def test_a_nan_label_is_a_missing_label_not_a_second_type(tmp_path, name):
+    # pandas' missing label, written by Python's json as NaN, was "the `label` field holds values of several types
+    # (float, str); give it one type", where the row has no label at all
+    from emotune.core.config.data import DataConfig
+    from emotune.data import load_data
+
+    rows = [{"text": f"t {i}", "label": float("nan") if i == 5 else ["joy", "sadness"][i % 2]} for i in range(20)]
+    lines = [json.dumps(row) for row in rows]
+    (tmp_path / name).write_text("\n".join(lines) + "\n" if name.endswith("l") else "[" + ",".join(lines) + "]")
+    with pytest.raises(UserError, match=r"1 row\(s\) have no label \(rows 6\)"):
+        load_data(DataConfig(source=str(tmp_path / name)), seed=0)

@@ -375,9 +375,10 @@ def _rows_table(path: Path, rows: list[dict], used: tuple[str, ...]) -> pa.Table
     columns = {}
     for name in names:
         values = [row.get(name) for row in rows]
-        if name == text_column:  # NaN: how Python's json writes pandas' missing values; no text, not the text "nan"
-            values = [None if isinstance(v, float) and v != v else
-                      str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
+        if name in used:  # NaN: how Python's json writes pandas' missing values; no value, not the text "nan"
+            values = [None if isinstance(v, float) and v != v else v for v in values]
+        if name == text_column:
+            values = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
         elif name not in used:
             values = [None if v is None else json.dumps(v, ensure_ascii=False) for v in values]
         try:
