@@ -416,3 +416,17 @@ def test_a_nan_label_is_a_missing_label_not_a_second_type(tmp_path, name):
     (tmp_path / name).write_text("\n".join(lines) + "\n" if name.endswith("l") else "[" + ",".join(lines) + "]")
     with pytest.raises(UserError, match=r"1 row\(s\) have no label \(rows 6\)"):
         load_data(DataConfig(source=str(tmp_path / name)), seed=0)
+
+
+def test_a_csv_label_column_mixing_ids_and_names_is_refused(tmp_path):
+    # read as six labels (0, 1, 2, anger, joy, sadness) without a word; JSON Lines refuses the same column
+    from emotune.core.config.data import DataConfig
+    from emotune.data import load_data
+
+    names = ["joy", "sadness", "anger"]
+    path = tmp_path / "rows.csv"
+    path.write_text("text,label\n" + "".join(f"t {i},{i % 3 if i % 2 else names[i % 3]}\n" for i in range(60)))
+    with pytest.raises(UserError, match=r"the labels mix whole numbers \(0, 1, 2\) with names \(anger, joy, sadness\)"):
+        load_data(DataConfig(source=str(path)), seed=0)
+    data = load_data(DataConfig(source=str(path), label_names=["0", "1", "2", "anger", "joy", "sadness"]), seed=0)
+    assert len(data.labels) == 6  # where they are six labels, saying so reads them
