@@ -430,3 +430,11 @@ def test_a_csv_label_column_mixing_ids_and_names_is_refused(tmp_path):
         load_data(DataConfig(source=str(path)), seed=0)
     data = load_data(DataConfig(source=str(path), label_names=["0", "1", "2", "anger", "joy", "sadness"]), seed=0)
     assert len(data.labels) == 6  # where they are six labels, saying so reads them
+
+
+def test_how_an_sft_csv_file_was_read_is_said(tmp_path, capsys):
+    # the notes of the shared reader (a `;`-separated .csv read with `;`) were dropped for sft data
+    path = tmp_path / "rows.csv"
+    path.write_text("instruction;output\n" + "".join(f"q {i};a {i}\n" for i in range(20)))
+    assert sum(len(split) for split in _data(path).splits.values()) == 20
+    assert "rows.csv`: the header is separated by `;`, not commas" in capsys.readouterr().out

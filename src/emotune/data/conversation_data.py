@@ -125,10 +125,13 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     out: list[Conversation] = []
     for path in entry.files:
         try:
-            column_names, rows = read_records(path, cfg.encoding, entry.columns.prompt, entry.columns.response)
+            notes: list[str] = []
+            column_names, rows = read_records(path, cfg.encoding, entry.columns.prompt, entry.columns.response, notes)
         except UserError as err:
             problems.append(str(err).rstrip("."))
             continue
+        for note in notes:  # how the file was read where it could be read two ways (a `;`-separated .csv)
+            print(f"Note: {note}", flush=True)
         if not rows:
             problems.append(f"`{path}` holds no rows; give it conversations, or remove it")
             continue
