@@ -124,72 +124,15 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     """One dataset's rows as Conversations (max_samples, then num_samples); bad rows go to `problems` or are skipped."""
     out: list[Conversation] = []
     for path in entry.files:
-        try:
-            notes: list[str] = []
-            column_names, rows = read_records(path, cfg.encoding, entry.columns.prompt, entry.columns.response, notes)
-        except UserError as err:
-            problems.append(str(err).rstrip("."))
+        found = _file_rows(path, entry, cfg)
+        if isinstance(found, str):
+            problems.append(found)
             continue
-        for note in notes:  # how the file was read where it could be read two ways (a `;`-separated .csv)
-            print(f"Note: {note}", flush=True)
-        if not rows:
-            problems.append(f"`{path}` holds no rows; give it conversations, or remove it")
-            continue
-        repeated = _repeated_columns(column_names, entry)
-        if repeated:
-            problems.append(f"`{path}` has {column_names.count(repeated)} columns named `{repeated}` (columns: "
-                            f"{', '.join(column_names)}), so it is unclear which one to read; rename or remove the "
-                            "extra one in the header")
-            continue
-        column_names, rows, renamed = named_as_configured(column_names, rows, entry.columns)
-        if renamed:
-            print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
-                  + " (the same names but for capitals and spaces).", flush=True)
-        if entry.formatting == "auto" and gemini.is_gemini(column_names, rows):
-            rows = gemini.as_messages(rows, entry.columns.system)
-            column_names = list(dict.fromkeys(key for row in rows for key in row))
-            print(f"Note: `{path}`: read as Google's Gemini tuning rows (`contents` of user and model turns, "
-                  "`systemInstruction` as the system prompt).", flush=True)
-        rows, decoded = with_json_turns(column_names, rows, entry.columns)
-        if decoded:
-            print(f"Note: `{path}`: " + ", ".join(f"`{n}`" for n in decoded) + " read from JSON text (as CSV files "
-                  "store lists).", flush=True)
-        preference = _preference_problem(path, column_names, rows, entry.kto_tag)
-        if preference:
-            problems.append(preference)
-            continue
+        column_names, rows = found
         fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows, entry.columns)
-        plain = column_names == ["text"] and entry.columns.response not in column_names
-        if (fmt is None or plain) and "text" in column_names:
-            problems.append(f"`{path}` has a `text` column and no prompt or answer (columns found: "
-                            f"{', '.join(column_names)}): plain text for language modelling (TRL's text datasets, "
-                            "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "
-                            "conversations (messages, prompt/completion or instruction/output columns)")
-            continue
-        if fmt is None and "segments" in column_names:
-            problems.append(f"`{path}` has a `segments` column: Axolotl's template-free input_output format (texts "
-                            "written with their own chat markup, each marked trained or not), which emotune cannot read "
-                            "as turns, as it renders every conversation with the model's chat template. Give the rows "
-                            "as messages ({\"messages\": [{\"role\": \"user\", ...}, {\"role\": \"assistant\", ...}]}) "
-                            "without the markup")
-            continue
-        if fmt is None and TRL_COLUMNS[0] in column_names:
-            others = [n for n in column_names if n != TRL_COLUMNS[0]]
-            problems.append(f"`{path}` has a `prompt` column and no answers (no `completion` column; columns found: "
-                            f"{', '.join(column_names)}): TRL's prompt-only format, for GRPO, PPO or online DPO, which "
-                            "generate the answers; the sft task trains on written ones. Add each answer in a `completion` "
-                            "column" + (f", or name the column that holds it (e.g. data.columns.prompt=prompt "
-                                        f"data.columns.response={others[0]})" if others else ""))
-            continue
-        if fmt is None:
-            problems.append(f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
-                            f"(conversations) or messages (messages, or prompt/completion; columns found: "
-                            f"{', '.join(column_names)}); set data.format and data.columns to match it")
-            continue
-        missing = [c for c in required_columns(fmt, entry.columns, column_names) if c not in column_names]
-        if missing:
-            problems.append(f"`{path}` ({fmt} format) has no column {', '.join(map(repr, missing))} (columns found: "
-                            f"{', '.join(column_names)}); set data.columns (or the entry's `columns`) to its names")
+        problem = _format_problem(path, fmt, column_names, entry)
+        if problem:
+            problems.append(problem)
             continue
         if fmt == "alpaca" and has_parent_chains(column_names, rows):
             rows, chain_problems = chain_parents(rows, entry.columns, cfg.input_separator)
@@ -217,6 +160,72 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     if cfg.max_samples is not None:
         out = out[:cfg.max_samples]
     return _resample(out, entry.num_samples, seed)
+
+
+def _file_rows(path: Path, entry: Entry, cfg: SftDataConfig) -> tuple[list[str], list[dict]] | str:
+    """One file's column names and rows, read as the other tools that write them mean them (notes say how), or why the
+    file as a whole is no sft data."""
+    try:
+        notes: list[str] = []
+        column_names, rows = read_records(path, cfg.encoding, entry.columns.prompt, entry.columns.response, notes)
+    except UserError as err:
+        return str(err).rstrip(".")
+    for note in notes:  # how the file was read where it could be read two ways (a `;`-separated .csv)
+        print(f"Note: {note}", flush=True)
+    if not rows:
+        return f"`{path}` holds no rows; give it conversations, or remove it"
+    repeated = _repeated_columns(column_names, entry)
+    if repeated:
+        return (f"`{path}` has {column_names.count(repeated)} columns named `{repeated}` (columns: "
+                f"{', '.join(column_names)}), so it is unclear which one to read; rename or remove the extra one in "
+                "the header")
+    column_names, rows, renamed = named_as_configured(column_names, rows, entry.columns)
+    if renamed:
+        print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
+              + " (the same names but for capitals and spaces).", flush=True)
+    if entry.formatting == "auto" and gemini.is_gemini(column_names, rows):
+        rows = gemini.as_messages(rows, entry.columns.system)
+        column_names = list(dict.fromkeys(key for row in rows for key in row))
+        print(f"Note: `{path}`: read as Google's Gemini tuning rows (`contents` of user and model turns, "
+              "`systemInstruction` as the system prompt).", flush=True)
+    rows, decoded = with_json_turns(column_names, rows, entry.columns)
+    if decoded:
+        print(f"Note: `{path}`: " + ", ".join(f"`{n}`" for n in decoded) + " read from JSON text (as CSV files "
+              "store lists).", flush=True)
+    return _preference_problem(path, column_names, rows, entry.kto_tag) or (column_names, rows)
+
+
+def _format_problem(path: Path, fmt: str | None, column_names: list[str], entry: Entry) -> str | None:
+    """Why a file's columns fit no format the sft task reads (each kind of file that is no sft data named), or lack
+    the format's own; None when they fit."""
+    plain = column_names == ["text"] and entry.columns.response not in column_names
+    if (fmt is None or plain) and "text" in column_names:
+        return (f"`{path}` has a `text` column and no prompt or answer (columns found: "
+                f"{', '.join(column_names)}): plain text for language modelling (TRL's text datasets, "
+                "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "
+                "conversations (messages, prompt/completion or instruction/output columns)")
+    if fmt is None and "segments" in column_names:
+        return (f"`{path}` has a `segments` column: Axolotl's template-free input_output format (texts "
+                "written with their own chat markup, each marked trained or not), which emotune cannot read "
+                "as turns, as it renders every conversation with the model's chat template. Give the rows "
+                "as messages ({\"messages\": [{\"role\": \"user\", ...}, {\"role\": \"assistant\", ...}]}) "
+                "without the markup")
+    if fmt is None and TRL_COLUMNS[0] in column_names:
+        others = [n for n in column_names if n != TRL_COLUMNS[0]]
+        return (f"`{path}` has a `prompt` column and no answers (no `completion` column; columns found: "
+                f"{', '.join(column_names)}): TRL's prompt-only format, for GRPO, PPO or online DPO, which "
+                "generate the answers; the sft task trains on written ones. Add each answer in a `completion` "
+                "column" + (f", or name the column that holds it (e.g. data.columns.prompt=prompt "
+                            f"data.columns.response={others[0]})" if others else ""))
+    if fmt is None:
+        return (f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
+                f"(conversations) or messages (messages, or prompt/completion; columns found: "
+                f"{', '.join(column_names)}); set data.format and data.columns to match it")
+    missing = [c for c in required_columns(fmt, entry.columns, column_names) if c not in column_names]
+    if missing:
+        return (f"`{path}` ({fmt} format) has no column {', '.join(map(repr, missing))} (columns found: "
+                f"{', '.join(column_names)}); set data.columns (or the entry's `columns`) to its names")
+    return None
 
 
 def _repeated_columns(column_names: list[str], entry: Entry) -> str | None:
