@@ -438,3 +438,22 @@ def test_how_an_sft_csv_file_was_read_is_said(tmp_path, capsys):
     path.write_text("instruction;output\n" + "".join(f"q {i};a {i}\n" for i in range(20)))
     assert sum(len(split) for split in _data(path).splits.values()) == 20
     assert "rows.csv`: the header is separated by `;`, not commas" in capsys.readouterr().out
+
+
+def test_jsonl_files_joined_with_cat_keep_the_later_ones_byte_order_mark_out(tmp_path):
+    # `cat a.jsonl b.jsonl` where b was saved with a byte-order mark: refused at b's first line as "Unexpected UTF-8
+    # BOM (decode using utf-8-sig)", a fix no setting gives
+    from emotune.core.config.data import DataConfig
+    from emotune.data import load_data
+
+    def joined(rows: list[dict]) -> bytes:
+        half = len(rows) // 2
+        lines = [json.dumps(row).encode() + b"\n" for row in rows]
+        return b"".join(lines[:half]) + b"\xef\xbb\xbf" + b"".join(lines[half:])
+
+    path = tmp_path / "joined.jsonl"
+    path.write_bytes(joined([{"text": f"t {i}", "label": ["joy", "sadness"][i % 2]} for i in range(40)]))
+    data = load_data(DataConfig(source=str(path), validation_size=4, test_size=4), seed=0)
+    assert sum(len(split) for split in data.splits.values()) == 40
+    path.write_bytes(joined([{"instruction": f"q {i}", "output": f"a {i}"} for i in range(20)]))
+    assert sum(len(split) for split in _data(path).splits.values()) == 20

@@ -30,6 +30,7 @@ FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", 
            ".txt": "txt", ".arrow": "arrow", ".feather": "arrow"}  # Arrow IPC: `datasets`' cache and save_to_disk files
 SPREADSHEETS = (".xlsx", ".xls", ".xlsm", ".ods", ".numbers")
 BOM = b"\xef\xbb\xbf"
+BOM_TEXT = "\ufeff"  # at a JSON line's start: the mark of a file joined to the one before it (`cat a.jsonl b.jsonl`)
 UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
 _SPACE = re.compile(r"\s*")
@@ -247,6 +248,7 @@ def _json_objects(path: Path, text: str) -> list[dict] | None:
 def _json_lines(path: Path, text: str) -> list[dict]:
     rows = []
     for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
+        line = line.lstrip(BOM_TEXT)
         if not line.strip():
             continue
         problem = _bad_json_line(iter([line]))
@@ -360,7 +362,8 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[s
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
         if used:
-            return _rows_table(path, [json.loads(without_lone_surrogates(line)) for line in lines() if line.strip()], used)
+            return _rows_table(path, [json.loads(without_lone_surrogates(line.lstrip(BOM_TEXT))) for line in lines()
+                                       if line.strip()], used)
         raise UserError(f"`{path}` could not be read as JSON Lines ({first_line(err)}). Give every row the "
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
 
@@ -420,7 +423,7 @@ def _bad_json_line(lines: Iterator[str]) -> str | None:
         if not line.strip():
             continue
         try:
-            value = json.loads(line, object_pairs_hook=_refuse_repeated_keys)
+            value = json.loads(line.lstrip(BOM_TEXT), object_pairs_hook=_refuse_repeated_keys)
         except json.JSONDecodeError as err:
             return f"line {number} is not valid JSON ({err.msg} at column {err.colno})"
         except _RepeatedKey as err:
