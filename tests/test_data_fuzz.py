@@ -188,8 +188,8 @@ def _same_text(got, written) -> bool:
 
 
 def _same(got, written) -> bool:
-    if isinstance(written, float) and math.isnan(written):
-        return isinstance(got, float) and math.isnan(got)
+    if isinstance(written, float) and math.isnan(written):  # a missing value: NaN as read, or null beside texts
+        return got is None or (isinstance(got, float) and math.isnan(got))
     return got == written
 
 

@@ -394,3 +394,11 @@ def test_llamafactory_files_of_other_commands_are_named_as_what_they_are(lf_yaml
         with pytest.raises(UserError, match="1 problem") as err:  # the missing dataset is not a second problem
             load_config(lf_yaml(text))
         assert says in str(err.value)
+
+
+def test_a_dataset_info_json_saved_with_a_byte_order_mark_is_read(lf_yaml, lf_folder):
+    """Windows editors save UTF-8 with a byte-order mark: the ranking entry went unnoticed here (the file unread)."""
+    info = lf_folder / "dataset_info.json"
+    info.write_bytes(b"\xef\xbb\xbf" + info.read_bytes())
+    with pytest.raises(UserError, match="`dataset`: `emotion_prefs` is a ranking"):
+        load_config(lf_yaml(dataset="emotion_alpaca,emotion_prefs"))

@@ -270,3 +270,34 @@ def test_an_alpaca_file_with_capitalised_headers_is_prompted_as_training_reads_i
     conversation = normalise(row, "alpaca", SftColumns(), SftTags(), "x", input_separator=SEPARATOR)
     assert asked == [_trained_prompt(_tokenizer(sft_run), conversation)]
     assert [r["Instruction"] for r in csv.DictReader(out.open(encoding="utf-8"))] == ["translate to french"]
+
+
+def test_turns_a_csv_file_holds_as_json_text_are_prompted_as_the_same_rows_in_jsonl(sft_run, asked, tmp_path, capsys):
+    """A CSV file stores a `messages` list as JSON text, which training reads as the turns; predict --file too."""
+    rows = [{"messages": [{"role": "user", "content": "is it sunny"}, {"role": "assistant", "content": "yes"}]}]
+    jsonl, csv_file = tmp_path / "rows.jsonl", tmp_path / "rows.csv"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with csv_file.open("w", encoding="utf-8", newline="") as handle:
+        csv.writer(handle).writerows([["messages"], *([json.dumps(r["messages"])] for r in rows)])
+    written = {}
+    for source in (jsonl, csv_file):
+        asked.clear()
+        out = tmp_path / f"{source.suffix[1:]}.out.csv"
+        assert _predict(sft_run, source, out) == 0
+        written[source.suffix] = (list(asked), [r["reference"] for r in csv.DictReader(out.open(encoding="utf-8"))])
+    assert written[".csv"] == written[".jsonl"] and written[".csv"][1] == ["yes"]
+
+
+def test_gemini_tuning_rows_are_prompted_as_the_same_rows_in_openai_messages(sft_run, asked, tmp_path):
+    gemini = {"systemInstruction": {"parts": [{"text": "you forecast"}]},
+              "contents": [{"role": "user", "parts": [{"text": "is it sunny"}]}, {"role": "model", "parts": [{"text": "yes"}]}]}
+    openai = {"messages": [{"role": "system", "content": "you forecast"}, {"role": "user", "content": "is it sunny"},
+                           {"role": "assistant", "content": "yes"}]}
+    written = {}
+    for name, row in (("gemini", gemini), ("openai", openai)):
+        asked.clear()
+        source, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.csv"
+        source.write_text(json.dumps(row) + "\n", encoding="utf-8")
+        assert _predict(sft_run, source, out) == 0
+        written[name] = (list(asked), [r["reference"] for r in csv.DictReader(out.open(encoding="utf-8"))])
+    assert written["gemini"] == written["openai"] and written["gemini"][1] == ["yes"]

@@ -19,9 +19,11 @@ import pyarrow as pa
 from emotune.core.config.data import CleaningConfig
 from emotune.core.config.sft import SftCleaningConfig, SftDataConfig
 from emotune.core.errors import UserError, listed, raise_problems
-from emotune.data import clean
+from emotune.data import clean, gemini
 from emotune.data import splits as split_ops
 from emotune.data.conversations import (
+    NO_ANSWER,
+    TRL_COLUMNS,
     Conversation,
     chain_parents,
     detect_format,
@@ -29,6 +31,7 @@ from emotune.data.conversations import (
     named_as_configured,
     normalise,
     required_columns,
+    with_json_turns,
 )
 from emotune.data.dataset_info import Entry, has_dataset_info, read_entries
 from emotune.data.read import read_records
@@ -121,47 +124,15 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     """One dataset's rows as Conversations (max_samples, then num_samples); bad rows go to `problems` or are skipped."""
     out: list[Conversation] = []
     for path in entry.files:
-        try:
-            column_names, rows = read_records(path, cfg.encoding, entry.columns.prompt, entry.columns.response)
-        except UserError as err:
-            problems.append(str(err).rstrip("."))
+        found = _file_rows(path, entry, cfg)
+        if isinstance(found, str):
+            problems.append(found)
             continue
-        if not rows:
-            problems.append(f"`{path}` holds no rows; give it conversations, or remove it")
-            continue
-        column_names, rows, renamed = named_as_configured(column_names, rows, entry.columns)
-        if renamed:
-            print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
-                  + " (the same names but for capitals and spaces).", flush=True)
-        preference = _preference_problem(path, column_names, rows)
-        if preference:
-            problems.append(preference)
-            continue
-        fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows[0] if rows else None,
-                                                                                 entry.columns)
-        plain = column_names == ["text"] and entry.columns.response not in column_names
-        if (fmt is None or plain) and "text" in column_names:
-            problems.append(f"`{path}` has a `text` column and no prompt or answer (columns found: "
-                            f"{', '.join(column_names)}): plain text for language modelling (TRL's text datasets, "
-                            "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "
-                            "conversations (messages, prompt/completion or instruction/output columns)")
-            continue
-        if fmt is None and "segments" in column_names:
-            problems.append(f"`{path}` has a `segments` column: Axolotl's template-free input_output format (texts "
-                            "written with their own chat markup, each marked trained or not), which emotune cannot read "
-                            "as turns, as it renders every conversation with the model's chat template. Give the rows "
-                            "as messages ({\"messages\": [{\"role\": \"user\", ...}, {\"role\": \"assistant\", ...}]}) "
-                            "without the markup")
-            continue
-        if fmt is None:
-            problems.append(f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
-                            f"(conversations) or messages (messages, or prompt/completion; columns found: "
-                            f"{', '.join(column_names)}); set data.format and data.columns to match it")
-            continue
-        missing = [c for c in required_columns(fmt, entry.columns, column_names) if c not in column_names]
-        if missing:
-            problems.append(f"`{path}` ({fmt} format) has no column {', '.join(map(repr, missing))} (columns found: "
-                            f"{', '.join(column_names)}); set data.columns (or the entry's `columns`) to its names")
+        column_names, rows = found
+        fmt = entry.formatting if entry.formatting != "auto" else detect_format(column_names, rows, entry.columns)
+        problem = _format_problem(path, fmt, column_names, entry)
+        if problem:
+            problems.append(problem)
             continue
         if fmt == "alpaca" and has_parent_chains(column_names, rows):
             rows, chain_problems = chain_parents(rows, entry.columns, cfg.input_separator)
@@ -178,6 +149,10 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
                 bad.setdefault(found, []).append(number)
             else:
                 out.append(found)
+        prompts_only = _prompts_only_problem(path, column_names, bad, len(rows), entry)
+        if prompts_only:
+            problems.append(prompts_only)
+            continue
         if bad and cfg.skip_bad_rows:
             skipped[f"`{path}`"] = sum(len(v) for v in bad.values())
         else:
@@ -187,20 +162,118 @@ def _read_entry(entry: Entry, cfg: SftDataConfig, seed: int, problems: list[str]
     return _resample(out, entry.num_samples, seed)
 
 
-def _preference_problem(path: Path, column_names: list[str], rows: list[dict]) -> str | None:
+def _file_rows(path: Path, entry: Entry, cfg: SftDataConfig) -> tuple[list[str], list[dict]] | str:
+    """One file's column names and rows, read as the other tools that write them mean them (notes say how), or why the
+    file as a whole is no sft data."""
+    try:
+        notes: list[str] = []
+        column_names, rows = read_records(path, cfg.encoding, entry.columns.prompt, entry.columns.response, notes)
+    except UserError as err:
+        return str(err).rstrip(".")
+    for note in notes:  # how the file was read where it could be read two ways (a `;`-separated .csv)
+        print(f"Note: {note}", flush=True)
+    if not rows:
+        return f"`{path}` holds no rows; give it conversations, or remove it"
+    repeated = _repeated_columns(column_names, entry)
+    if repeated:
+        return (f"`{path}` has {column_names.count(repeated)} columns named `{repeated}` (columns: "
+                f"{', '.join(column_names)}), so it is unclear which one to read; rename or remove the extra one in "
+                "the header")
+    column_names, rows, renamed = named_as_configured(column_names, rows, entry.columns)
+    if renamed:
+        print(f"Note: `{path}`: " + ", ".join(f"`{a}` read as `{b}`" for a, b in renamed.items())
+              + " (the same names but for capitals and spaces).", flush=True)
+    if entry.formatting == "auto" and gemini.is_gemini(column_names, rows):
+        rows = gemini.as_messages(rows, entry.columns.system)
+        column_names = list(dict.fromkeys(key for row in rows for key in row))
+        print(f"Note: `{path}`: read as Google's Gemini tuning rows (`contents` of user and model turns, "
+              "`systemInstruction` as the system prompt).", flush=True)
+    rows, decoded = with_json_turns(column_names, rows, entry.columns)
+    if decoded:
+        print(f"Note: `{path}`: " + ", ".join(f"`{n}`" for n in decoded) + " read from JSON text (as CSV files "
+              "store lists).", flush=True)
+    return _preference_problem(path, column_names, rows, entry.kto_tag) or (column_names, rows)
+
+
+def _format_problem(path: Path, fmt: str | None, column_names: list[str], entry: Entry) -> str | None:
+    """Why a file's columns fit no format the sft task reads (each kind of file that is no sft data named), or lack
+    the format's own; None when they fit."""
+    plain = column_names == ["text"] and entry.columns.response not in column_names
+    if (fmt is None or plain) and "text" in column_names:
+        return (f"`{path}` has a `text` column and no prompt or answer (columns found: "
+                f"{', '.join(column_names)}): plain text for language modelling (TRL's text datasets, "
+                "LLaMA-Factory's stage pt), which the sft task cannot split into a prompt and an answer. Give "
+                "conversations (messages, prompt/completion or instruction/output columns)")
+    if fmt is None and "segments" in column_names:
+        return (f"`{path}` has a `segments` column: Axolotl's template-free input_output format (texts "
+                "written with their own chat markup, each marked trained or not), which emotune cannot read "
+                "as turns, as it renders every conversation with the model's chat template. Give the rows "
+                "as messages ({\"messages\": [{\"role\": \"user\", ...}, {\"role\": \"assistant\", ...}]}) "
+                "without the markup")
+    if fmt is None and TRL_COLUMNS[0] in column_names:
+        others = [n for n in column_names if n != TRL_COLUMNS[0]]
+        return (f"`{path}` has a `prompt` column and no answers (no `completion` column; columns found: "
+                f"{', '.join(column_names)}): TRL's prompt-only format, for GRPO, PPO or online DPO, which "
+                "generate the answers; the sft task trains on written ones. Add each answer in a `completion` "
+                "column" + (f", or name the column that holds it (e.g. data.columns.prompt=prompt "
+                            f"data.columns.response={others[0]})" if others else ""))
+    if fmt is None:
+        return (f"`{path}` is in none of the formats alpaca (instruction/output columns), sharegpt "
+                f"(conversations) or messages (messages, or prompt/completion; columns found: "
+                f"{', '.join(column_names)}); set data.format and data.columns to match it")
+    missing = [c for c in required_columns(fmt, entry.columns, column_names) if c not in column_names]
+    if missing:
+        return (f"`{path}` ({fmt} format) has no column {', '.join(map(repr, missing))} (columns found: "
+                f"{', '.join(column_names)}); set data.columns (or the entry's `columns`) to its names")
+    return None
+
+
+def _repeated_columns(column_names: list[str], entry: Entry) -> str | None:
+    """A column the formats read that the file's header names twice (CSV, TSV): its rows would keep the last one."""
+    read = {*entry.columns.model_dump().values(), "messages", "conversations", *TRL_COLUMNS}
+    return next((name for name in column_names if name in read and column_names.count(name) > 1), None)
+
+
+def _preference_problem(path: Path, column_names: list[str], rows: list[dict], kto_tag: str | None = None) -> str | None:
     """Why a file of preference data (good and bad answers, for DPO/ORPO/KTO-style training) is no sft data; None when
-    it is not one."""
+    it is not one. `kto_tag`: the column a dataset_info.json entry names as its KTO tags."""
     names = set(column_names)
     for good, bad, kind in (("chosen", "rejected", "a preference dataset"),
                             ("preferred_output", "non_preferred_output", "OpenAI's preference (DPO) fine-tuning data")):
         if {good, bad} <= names:
             return (f"`{path}` is {kind} (columns `{good}` and `{bad}`), for DPO/ORPO-style training; the sft task "
                     f"trains on one answer per prompt. Give an SFT dataset, or keep only the {good} answers as its response")
-    if {"prompt", "completion", "label"} <= names and any(isinstance(row.get("label"), bool) for row in rows):
-        return (f"`{path}` is an unpaired preference dataset (TRL's KTO format: `prompt`, `completion` and a true/false "
-                "`label` saying whether the completion is a good one); the sft task would train on the bad completions "
-                "too. Keep the rows whose label is true and remove the `label` column")
+    for tag in dict.fromkeys((kto_tag, "label", "kto_tag")):
+        tags = [row.get(tag) for row in rows] if tag in names else []
+        if not any(isinstance(value, bool) for value in tags):
+            continue
+        undesirable = sum(value is False for value in tags)
+        what = ("TRL's KTO format: `prompt`, `completion` and a true/false `label`" if tag == "label" and
+                {"prompt", "completion"} <= names else f"KTO data: a true/false `{tag}` column"
+                + (" (the dataset_info.json entry's kto_tag)" if tag == kto_tag else ""))
+        return (f"`{path}` is an unpaired preference dataset ({what}, saying whether each answer is a good one; "
+                f"{undesirable} of its {len(rows)} rows are tagged false); the sft task would train on the bad answers "
+                f"too (LLaMA-Factory's sft stage drops every tagged row). Keep the rows whose {tag} is true and remove "
+                f"the `{tag}` column" + (", and the kto_tag from the entry's columns" if tag == kto_tag else ""))
     return None
+
+
+def _prompts_only_problem(path: Path, column_names: list[str], bad: dict[str, list[int]], rows: int, entry: Entry
+                          ) -> str | None:
+    """Why a file whose every row ends with the user's turn and has fields beside its conversation is no sft data:
+    OpenAI's reinforcement fine-tuning (RFT) files, whose other fields (`reference_answer`, ...) go to a grader; None
+    when it is not one."""
+    if list(bad) != [NO_ANSWER] or len(bad[NO_ANSWER]) != rows:
+        return None
+    columns = entry.columns
+    own = {"messages", "functions", "parallel_tool_calls", columns.messages, columns.system, columns.tools, columns.kind}
+    graded = [name for name in column_names if name not in own]
+    if not graded:
+        return None
+    return (f"`{path}` holds prompts without answers: every row's conversation ends with a user turn, and its other "
+            f"fields ({', '.join(f'`{n}`' for n in graded[:4])}) are for a grader, as in OpenAI's reinforcement "
+            "fine-tuning (RFT) data. The sft task trains on written answers: give each row its answer as a last "
+            "assistant turn (e.g. the reference answer, where it is the whole answer), or give an SFT dataset")
 
 
 def _resample(rows: list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:

@@ -43,6 +43,8 @@ EMPTY_PROMPT = "a user turn is empty"
 EMPTY_ANSWER = ("an earlier assistant turn is empty (no text and no tool calls): it would train the model to answer that "
                 "turn with nothing; give it its answer, or start the row after it")
 NOT_ALTERNATING = "the turns do not alternate user/assistant, starting with the user and ending with the assistant"
+NO_ANSWER = ("the conversation ends with a user turn, so it has no answer to train on (a prompt without its response, as in "
+             "evaluation or reinforcement fine-tuning data); add the answer as a last assistant turn, or remove the row")
 BAD_HISTORY = "`history` is not a list of [instruction, answer] pairs"
 BAD_TURNS = "the turns are not a list of objects with a role and a text"
 LATE_SYSTEM = ("a system turn comes after the first turn; a system prompt goes first (or in the row's `system` "
@@ -56,6 +58,9 @@ LIST_RESPONSE = ("the response is a list, as in a ranking dataset's [chosen, rej
                  "one text answer per prompt")
 MEDIA_COLUMNS = ("images", "videos", "audios")
 TEXT_PARTS = ("text", "input_text", "output_text")  # Chat Completions' text part; the Responses API's, as its logs hold
+REFUSAL = "refusal"  # an OpenAI answer's refusal: its own key beside a null content, or a content part of that type
+TOOL_BLOCKS = ("tool_use", "tool_result")  # Anthropic's content blocks of a tool's call and its result
+THINKING_BLOCKS = ("thinking", "redacted_thinking")  # Anthropic's content blocks of an answer's reasoning
 TRAINING_KEYS = ("training", "train")  # Axolotl's per-turn flag (message_field_training), by the names its docs use
 BAD_TRAINING = "a turn's `training` (or `train`) flag is not true or false"
 TRAINED_PROMPT = ("a system, user or tool turn is marked `training: true` (Axolotl's message_field_training); emotune "
@@ -64,7 +69,8 @@ TRAIN_DETAIL = ("a turn has `train_detail` (Axolotl's character spans to train o
                 "turns: remove it, and mark an answer not to train with \"training\": false")
 TRL_COLUMNS = ("prompt", "completion")
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # Qwen3/DeepSeek-R1, OpenAI, gpt-oss templates' names
-REASONING = ("an assistant turn has its reasoning in a field of its own (`reasoning_content`, `reasoning` or `thinking`), "
+REASONING = ("an assistant turn has its reasoning in a field of its own (`reasoning_content`, `reasoning` or `thinking`, "
+             "or a `thinking` content block), "
              "which emotune would leave out, training the answers without it; write the reasoning into the content "
              "the way the model's chat template does (e.g. <think>...</think> before the answer), or remove the field "
              "to train the answers alone")
@@ -142,12 +148,39 @@ def named_as_configured(names: list[str], rows: list[dict], columns: SftColumns
             renames)
 
 
-def detect_format(column_names: list[str], first_row: dict | None, columns: SftColumns) -> str | None:
-    """`alpaca`, `sharegpt` or `messages` from the columns a file has (None: none of them fits)."""
+def with_json_turns(names: list[str], rows: list[dict], columns: SftColumns) -> tuple[list[dict], list[str]]:
+    """Rows whose turns (messages, conversations) or Alpaca history are JSON text, as a CSV file stores lists (pandas'
+    to_csv, spreadsheets) and some Parquet files do, with those cells read as their lists: (rows, the columns read so).
+    Such a column holds nothing else: a text there is no conversation, unlike an answer, which may be JSON."""
+    wanted = [n for n in dict.fromkeys((columns.messages, "messages", "conversations", columns.history)) if n in names]
+    decoded: dict[str, None] = {}
+    out = rows
+    for name in wanted:
+        if not any(isinstance(row.get(name), str) and row[name].lstrip().startswith("[") for row in rows):
+            continue
+        out = [{**row, name: _json_list(row.get(name))} for row in out]
+        decoded[name] = None
+    return out, list(decoded)
+
+
+def _json_list(value: object) -> object:
+    if not isinstance(value, str) or not value.lstrip().startswith("["):
+        return value
+    try:
+        found = json.loads(value)
+    except ValueError:
+        return value
+    return found if isinstance(found, list) else value
+
+
+def detect_format(column_names: list[str], rows: list[dict], columns: SftColumns) -> str | None:
+    """`alpaca`, `sharegpt` or `messages` from the columns a file has and the keys of its first turn (None: none of them
+    fits). The first turn of any row: a first row with no turns (empty, null) made a whole OpenAI file ShareGPT."""
     for name in dict.fromkeys((columns.messages, "messages", "conversations")):
         if name in column_names:
-            turns = (first_row or {}).get(name) or []
-            first = next((t for t in turns if isinstance(t, dict)), {})
+            turns = (row.get(name) for row in rows)
+            first = next((t for turn_list in turns if isinstance(turn_list, list) for t in turn_list
+                          if isinstance(t, dict)), {})
             return "messages" if "role" in first and "from" not in first else "sharegpt"
     if set(TRL_COLUMNS) <= set(column_names) and columns.response not in TRL_COLUMNS:
         return "messages"
@@ -216,7 +249,7 @@ def _alpaca(row: dict, columns: SftColumns, separator: str) -> Turns | str:
     if isinstance(response, list):
         return LIST_RESPONSE
     messages.append(("assistant", _text(response)))
-    return _text(row.get(columns.system)) or None, messages, []
+    return _system_text(row.get(columns.system)) or None, messages, []
 
 
 def _instruction_and_input(row: dict, columns: SftColumns, separator: str) -> str:
@@ -243,17 +276,18 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     side = role_sides(tags)
     system_side, user_side, assistant_side = ({r for r, s in side.items() if s == want}
                                               for want in ("system", "user", "assistant"))
-    system_text = _text(system) or None
+    system_text = _system_text(system) or None
     results = {tags.observation_tag, *(("function",) if tags is OPENAI_TAGS else ()),
                *(("tool",) if tags == SHAREGPT_TAGS else ())}  # a tool's result
     messages: list[tuple[str, str]] = []
     untrained: list[int] = []
     for i, turn in enumerate(turns):
         role = turn.get(tags.role_tag)
-        if any(isinstance(p, dict) and p.get("type", "text") not in TEXT_PARTS for p in _parts(turn.get(tags.content_tag))):
-            return MEDIA
-        if any(turn.get(key) for key in REASONING_KEYS):
+        kinds = {p.get("type", "text") for p in _parts(turn.get(tags.content_tag)) if isinstance(p, dict)}
+        if any(turn.get(key) for key in REASONING_KEYS) or kinds & set(THINKING_BLOCKS):
             return REASONING
+        if kinds - {*TEXT_PARTS, REFUSAL, *TOOL_BLOCKS}:
+            return MEDIA
         text = turn_text(turn, tags)
         # a key given as null is a key not given: columnar files (Parquet, Arrow, save_to_disk, the hub) give every turn
         # every key any turn has, null where it had none
@@ -319,13 +353,31 @@ def _unknown_role(turn: dict, tags: SftTags) -> str:
 
 
 def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:
-    """A turn's text; OpenAI content parts are joined, and its tool calls (`tool_calls`, or the older `function_call`)
-    are kept as their JSON, after the text when the turn has both."""
-    content = turn.get(tags.content_tag)
+    """A turn's text; OpenAI content parts are joined (a refusal part's text too, and an Anthropic tool_result block's
+    content), a refusal given beside a null content is the text, and its tool calls (`tool_calls`, the older
+    `function_call`, Anthropic's tool_use blocks) are kept as their JSON, after the text when the turn has both."""
+    content, used = turn.get(tags.content_tag), []
     if isinstance(content, list) or _is_part(content):  # [{"type": "text", "text": ...}, ...], or one such part
-        content = "".join(p.get("text") or "" for p in _parts(content) if isinstance(p, dict))
+        parts = [p for p in _parts(content) if isinstance(p, dict)]
+        used = [p for p in parts if p.get("type") == TOOL_BLOCKS[0]]  # Anthropic's tool_use: a call, after the text
+        content = "".join(p.get("text") or p.get(REFUSAL) or (turn_text(p) if p.get("type") == TOOL_BLOCKS[1] else "")
+                          for p in parts if p.get("type") != TOOL_BLOCKS[0])  # a tool_result: its content's text
+    if _is_missing(content) and isinstance(turn.get(REFUSAL), str):
+        content = turn[REFUSAL]
     calls = [json.dumps(turn[key], ensure_ascii=False) for key in ("tool_calls", "function_call") if turn.get(key)]
+    calls += [json.dumps(call, ensure_ascii=False) for call in used]
     return "\n".join(part for part in (_text(content), *calls) if part)
+
+
+def _system_text(value: object) -> str:
+    """A row's own system prompt as text: a text, or its text blocks as other tools write them (Anthropic's and
+    Bedrock's [{"text": ...}], one OpenAI-style message, Gemini's {"parts": [...]}), which read as their JSON before."""
+    if isinstance(value, dict) and ("content" in value or "parts" in value):  # one message: its content or parts
+        value = value.get("content", value.get("parts"))
+    blocks = value if isinstance(value, list) else [value] if isinstance(value, dict) else None
+    if blocks and all(isinstance(b, dict) and isinstance(b.get("text"), str) for b in blocks):
+        return "".join(b["text"] for b in blocks)
+    return _text(value)
 
 
 def _is_part(content: object) -> bool:
@@ -339,8 +391,10 @@ def _parts(content: object) -> list:
 
 def _check(messages: list[tuple[str, str]]) -> str | None:
     roles = [role for role, _ in messages]
-    if not roles or len(roles) % 2 or any(role != ("user" if i % 2 == 0 else "assistant") for i, role in enumerate(roles)):
+    if not roles or any(role != ("user" if i % 2 == 0 else "assistant") for i, role in enumerate(roles)):
         return NOT_ALTERNATING
+    if len(roles) % 2:
+        return NO_ANSWER
     if not messages[-1][1].strip():
         return EMPTY_RESPONSE
     if any(not text.strip() for role, text in messages if role == "user"):

@@ -10,7 +10,8 @@ Point data.source at the folder and name the entries in data.datasets (and data.
 test split). Hub entries are downloaded like every other hub source (emotune.data.sources); their `folder`
 and `subset` name a folder of the repository, where LLaMA-Factory's `load_dataset` takes a configuration by
 that name (the Hugging Face hub's Parquet conversion keeps each configuration in its own folder). Preference
-(`ranking`) and multimodal entries are refused: the sft task trains on one text answer per prompt.
+(`ranking`, and KTO's `kto_tag` when the rows are read) and multimodal entries are refused: the sft task trains on one
+text answer per prompt.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from emotune.core.config.sft import SftColumns, SftDataConfig, SftTags
 from emotune.core.errors import UserError
 
 INFO_FILE = "dataset_info.json"
-IGNORED_COLUMNS = ("kto_tag",)  # KTO labels: meaningless for plain SFT, so they are ignored like LLaMA-Factory's sft stage
 REFUSED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected")
 
 
@@ -33,10 +33,13 @@ class Entry:
     """One dataset to read: its files, format and names."""
     name: str
     files: list[Path]
-    formatting: str  # alpaca | sharegpt (LLaMA-Factory's names; OpenAI messages are sharegpt with role/content tags)
+    formatting: str  # alpaca | sharegpt | messages (an `openai` entry without tags: OpenAI's role names, as emotune reads them)
     columns: SftColumns
     tags: SftTags
     num_samples: int | None = None
+    kto_tag: str | None = None
+    """The column of KTO's true/false tags (the entry's `columns.kto_tag`): its rows are refused when read, as their
+    answers tagged false are ones not to give (conversation_data._preference_problem)."""
 
 
 def has_dataset_info(folder: Path) -> bool:
@@ -46,7 +49,7 @@ def has_dataset_info(folder: Path) -> bool:
     if not path.is_file():
         return False
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        info = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError):
         return True  # read_entries says what is wrong with it
     return not (isinstance(info, dict) and {"builder_name", "features", "splits"} <= set(info))
@@ -56,7 +59,7 @@ def read_entries(folder: Path, names: list[str], cfg: SftDataConfig, problems: l
     """The named entries of `folder/dataset_info.json`, resolved to local files; problems are appended."""
     path = folder / INFO_FILE
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        info = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError) as err:
         raise UserError(f"`{path}` is not readable JSON ({err}). Fix the file.") from None
     if not isinstance(info, dict):
@@ -94,8 +97,8 @@ def _entry(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
                         "conversations only); remove them from the entry's columns or name another dataset")
         return None
     formatting = raw.get("formatting", "alpaca")
-    if formatting not in ("alpaca", "sharegpt"):
-        problems.append(f"{where} has formatting {formatting!r}; LLaMA-Factory's formats are alpaca and sharegpt")
+    if formatting not in ("alpaca", "sharegpt", "openai"):
+        problems.append(f"{where} has formatting {formatting!r}; LLaMA-Factory's formats are alpaca, sharegpt and openai")
         return None
     try:
         names = SftColumns(**{k: v for k, v in columns.items() if k in SftColumns.model_fields and v})
@@ -106,13 +109,16 @@ def _entry(name: str, raw: dict, folder: Path, cfg: SftDataConfig, problems: lis
     files = _files(name, raw, folder, cfg, problems)
     if files is None:
         return None
-    return Entry(name, files, formatting, names, tags, raw.get("num_samples"))
+    kto_tag = columns.get("kto_tag")
+    if formatting == "openai":  # LLaMA-Factory's OpenAI-style messages: by the entry's tags where it gives them
+        formatting = "sharegpt" if raw.get("tags") else "messages"
+    return Entry(name, files, formatting, names, tags, raw.get("num_samples"), kto_tag if isinstance(kto_tag, str) else None)
 
 
 def _wrong_types(raw: dict) -> list[str]:
     """The entry's keys whose values have a type LLaMA-Factory's loader would not take, each with the type it takes."""
     wrong = [f"`{key}` must be {what}, not {type(raw[key]).__name__} {raw[key]!r:.60}"
-             for key, kind, what in (("file_name", str, "a file or folder name"), ("formatting", str, "alpaca or sharegpt"),
+             for key, kind, what in (("file_name", str, "a file or folder name"), ("formatting", str, "alpaca, sharegpt or openai"),
                                      ("columns", dict, "an object of column names"), ("tags", dict, "an object of tags"))
              if raw.get(key) is not None and not isinstance(raw[key], kind)]
     samples = raw.get("num_samples")

@@ -125,7 +125,16 @@ def choose_label_names(cfg: DataConfig, tables: dict[str, pa.Table], raw: dict[s
                         f"e.g. data.label_names=[negative, positive] for ids 0 and 1; where the numbers are the labels "
                         f"themselves (star ratings), list them as the names: data.label_names=[{', '.join(map(str, ids[:12]))}]")
         return [], "none"
-    return _names_as_found(cfg, tables), "the values found"
+    names = _names_as_found(cfg, tables)
+    numbers = [n for n in names if n.strip().lstrip("+-").isdigit()]
+    if numbers and len(numbers) < len(names):  # JSON refuses such a column as of two types; CSV cells are all text
+        words = [n for n in names if n not in numbers]
+        problems.append(f"the labels mix whole numbers ({', '.join(numbers[:6])}) with names ({', '.join(words[:6])}), "
+                        "as integer ids written beside the names they stand for do; each would be a label of its own. "
+                        "Write every label one way (names, or ids with data.label_names in id order), or, where the "
+                        "numbers are labels themselves, list every label in data.label_names")
+        return [], "none"
+    return names, "the values found"
 
 
 def _names_as_found(cfg: DataConfig, tables: dict[str, pa.Table]) -> list[str]:

@@ -18,17 +18,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from emotune.core.errors import UserError, first_line
 from emotune.data.csvfile import EVERY_COLUMN, Lines, read_csv
+from emotune.data.jsontext import TOO_DEEP, deep_line, without_lone_surrogates
+from emotune.data.txtfile import read_txt, tab_header, text_lines
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
            ".txt": "txt", ".arrow": "arrow", ".feather": "arrow"}  # Arrow IPC: `datasets`' cache and save_to_disk files
 SPREADSHEETS = (".xlsx", ".xls", ".xlsm", ".ods", ".numbers")
 BOM = b"\xef\xbb\xbf"
+BOM_TEXT = "\ufeff"  # at a JSON line's start: the mark of a file joined to the one before it (`cat a.jsonl b.jsonl`)
 UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff", *UTF32_BOMS)  # the byte-order marks of UTF-16 and UTF-32
 _SPACE = re.compile(r"\s*")
@@ -74,16 +76,17 @@ def read_table(path: Path, encoding: str, text_column: str, label_column: str, n
     else:
         raw = read_bytes(path)
         text = _decode(path, raw, encoding)
+        text = without_lone_surrogates(text) if fmt in ("json", "jsonl") else text
         if not text.strip():
             raise UserError(f"`{path}` is empty. Give it a header and rows, or remove it.")
-        if fmt == "txt" and _tab_header(text):
+        if fmt == "txt" and tab_header(text):
             fmt = "tsv"  # a spreadsheet's "Unicode text" export: tab-separated, UTF-16, under .txt
             notes.append(f"`{path}`: the header is separated by tabs, not the `;` of a `text;label` TXT file; read as "
                          "tab-separated (a spreadsheet's \"Unicode text\").")
         if fmt in ("json", "txt"):
             if fmt == "json":
                 return _read_json(path, text, (text_column, label_column))
-            return _read_txt(path, text, "text" if text_column == EVERY_COLUMN else text_column, label_column)
+            return read_txt(path, text, "text" if text_column == EVERY_COLUMN else text_column, label_column)
         lines = lambda: io.StringIO(text, newline="")  # noqa: E731
         source = pa.py_buffer(text.encode("utf-8"))
     if fmt == "jsonl":
@@ -121,12 +124,13 @@ def read_records(path: Path, encoding: str, text_column: str, label_column: str,
     if fmt not in ("json", "jsonl", "txt") or (fmt == "txt" and not txt_lines):
         # CSV and TSV cells as written, every column (a conversation's `0.50` is no number; an id `007` stays `007`)
         table = read_table(path, encoding, EVERY_COLUMN, label_column, [] if notes is None else notes)
-        return table.column_names, table.to_pylist()
+        return table.column_names, columnar_rows(table.to_pylist(), table.schema)
     text = _decode(path, read_bytes(path), encoding)
+    text = without_lone_surrogates(text) if fmt != "txt" else text
     if not text.strip():
         raise UserError(f"`{path}` is empty. Give it rows, or remove it.")
     if fmt == "txt":  # one document per line, as LLaMA-Factory's text loader reads it (wiki_demo.txt): not text;label
-        return ["text"], [{"text": line} for line in _lines(text) if line.strip()]
+        return ["text"], [{"text": line} for line in text_lines(text) if line.strip()]
     if fmt == "jsonl" and not text.lstrip().startswith("["):
         rows = _json_lines(path, text)
     else:  # a JSON array under .jsonl too, as `datasets` reads one
@@ -142,38 +146,99 @@ def _saved_rows(folder: Path) -> tuple[list[str], list[dict]]:
     except Exception as err:  # a damaged or foreign folder
         raise UserError(f"`{folder}` looks like a `save_to_disk` folder but could not be loaded "
                         f"({first_line(err) or type(err).__name__}). Save it again.") from None
-    return list(saved.column_names), saved.to_list()
+    return list(saved.column_names), columnar_rows(saved.to_list(), saved.data.schema)
+
+
+def columnar_rows(rows: list[dict], schema: pa.Schema) -> list[dict]:
+    """Rows of a columnar file (Parquet, Arrow, save_to_disk) as they were written: Arrow gives every object inside a
+    column every key any of them has, null where one had none, so a tool's JSON schema read as `"properties": {"city":
+    null}` from another row's tool, and `"required": null`. Keys that are null inside a column's values are left out;
+    a top-level column stays (null there is the row's value)."""
+    if not any(_has_struct(field.type) for field in schema):
+        return rows
+    return [{key: _without_null_keys(value) for key, value in row.items()} for row in rows]
+
+
+def _has_struct(kind: pa.DataType) -> bool:
+    if pa.types.is_struct(kind):
+        return True
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _has_struct(kind.value_type)
+    return pa.types.is_map(kind) and _has_struct(kind.item_type)
+
+
+def _without_null_keys(value: object) -> object:
+    if isinstance(value, dict):
+        return {key: _without_null_keys(inner) for key, inner in value.items() if inner is not None}
+    if isinstance(value, list):
+        return [_without_null_keys(inner) for inner in value]
+    return value
 
 
 def _json_rows(path: Path, text: str, text_column: str, label_column: str) -> list[dict]:
     try:
-        value = json.loads(text)
+        value = _loads(path, text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
             try:
                 return _json_lines(path, text)  # many `.json` files are really JSON Lines
             except UserError:
-                objects = _json_objects(text)  # or objects written one after another over several lines (jq's output)
+                objects = _json_objects(path, text)  # or objects one after another over several lines (jq's output)
                 if objects is None:
                     raise
                 return objects
         value = None
+    value = _pandas_rows(value) or value
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
         value = lists[0] if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]) else value
+    if isinstance(value, dict) and _columns(value):  # an object of columns, as json.dump(df.to_dict("list")): row by row
+        return [dict(zip(value, cells, strict=True)) for cells in zip(*value.values(), strict=True)]
     if isinstance(value, list) and all(isinstance(r, dict) for r in value):
         return value
     return _read_json(path, text).to_pylist()  # columns of an object, or the error that says what is wrong
 
 
-def _json_objects(text: str) -> list[dict] | None:
+def _pandas_rows(value: object) -> list[dict] | None:
+    """The rows of a DataFrame as pandas' to_json writes it by default (orient="columns": {column: {index: value}}), with
+    orient="index" ({index: {column: value}}) or orient="split" ({"columns": [...], "index": [...], "data": [[...]]});
+    None when `value` is none of them. An index is told from column names by its labels: pandas' default, 0, 1, 2..."""
+    if not isinstance(value, dict) or not value:
+        return None
+    columns, data = value.get("columns"), value.get("data")
+    if (set(value) <= {"columns", "index", "data"} and isinstance(columns, list) and isinstance(data, list)
+            and all(isinstance(row, list) and len(row) == len(columns) for row in data)):
+        return [dict(zip(columns, row, strict=True)) for row in data]
+    inner = list(value.values())
+    if not all(isinstance(v, dict) and v for v in inner) or len({tuple(v) for v in inner}) != 1:
+        return None
+    if all(key.isdigit() for key in inner[0]):  # orient="columns"
+        return [{column: value[column][at] for column in value} for at in inner[0]]
+    if all(key.isdigit() for key in value):  # orient="index"
+        return inner
+    return None
+
+
+def _columns(value: dict) -> bool:
+    """An object of equally long lists that are not all lists of rows (those are splits, {"train": [...], ...})."""
+    lists = list(value.values())
+    return (bool(lists) and all(isinstance(v, list) for v in lists) and len({len(v) for v in lists}) == 1
+            and not all(isinstance(r, dict) for v in lists for r in v))
+
+
+def _json_objects(path: Path, text: str) -> list[dict] | None:
     """JSON objects one after another, each over any number of lines (`jq '.[]'` writes them so); None if it is not."""
-    decoder, objects, at = json.JSONDecoder(), [], 0
+    decoder, objects, at = json.JSONDecoder(object_pairs_hook=_refuse_repeated_keys), [], 0
     while (at := _SPACE.match(text, at).end()) < len(text):
         try:
             value, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
             return None
+        except _RepeatedKey as err:
+            raise UserError(f"`{path}` has an object with the key `{err}` twice, so it is unclear which value to read; "
+                            "keep one of them.") from None
+        except RecursionError:
+            raise UserError(f"`{path}` {TOO_DEEP}; no dataset needs that: fix the file.") from None
         if not isinstance(value, dict):
             return None
         objects.append(value)
@@ -183,6 +248,7 @@ def _json_objects(text: str) -> list[dict] | None:
 def _json_lines(path: Path, text: str) -> list[dict]:
     rows = []
     for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
+        line = line.lstrip(BOM_TEXT)
         if not line.strip():
             continue
         problem = _bad_json_line(iter([line]))
@@ -282,6 +348,9 @@ def _decode(path: Path, raw: bytes, encoding: str) -> str:
 
 
 def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[str, ...] = ()) -> pa.Table:
+    deep = deep_line(source)
+    if deep is not None:  # Arrow's reader overflows its stack on them (a segmentation fault, from 20,000 levels)
+        raise UserError(f"`{path}` line {deep} {TOO_DEEP}; no dataset needs that: fix or remove that line.")
     try:
         reader = source if isinstance(source, str) else pa.BufferReader(source)
         return pa_json.read_json(reader, read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES))
@@ -293,7 +362,8 @@ def _read_jsonl(path: Path, source: str | pa.Buffer, lines: Lines, used: tuple[s
             raise UserError(f"`{path}` {problem}. Each line must be one JSON object such as "
                             '{"text": "...", "label": "..."}; fix or remove that line.') from None
         if used:
-            return _rows_table(path, [json.loads(line) for line in lines() if line.strip()], used)
+            return _rows_table(path, [json.loads(without_lone_surrogates(line.lstrip(BOM_TEXT))) for line in lines()
+                                       if line.strip()], used)
         raise UserError(f"`{path}` could not be read as JSON Lines ({first_line(err)}). Give every row the "
                         "same fields with the same types (e.g. all labels strings, or all integers).") from None
 
@@ -308,9 +378,10 @@ def _rows_table(path: Path, rows: list[dict], used: tuple[str, ...]) -> pa.Table
     columns = {}
     for name in names:
         values = [row.get(name) for row in rows]
-        if name == text_column:  # NaN: how Python's json writes pandas' missing values; no text, not the text "nan"
-            values = [None if isinstance(v, float) and v != v else
-                      str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
+        if name in used:  # NaN: how Python's json writes pandas' missing values; no value, not the text "nan"
+            values = [None if isinstance(v, float) and v != v else v for v in values]
+        if name == text_column:
+            values = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
         elif name not in used:
             values = [None if v is None else json.dumps(v, ensure_ascii=False) for v in values]
         try:
@@ -328,11 +399,23 @@ class _RepeatedKey(Exception):
 
 def _refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
     """Python keeps the last of two equal keys, Arrow refuses the row: name the key instead of guessing."""
-    keys = [key for key, _ in pairs]
-    repeated = next((key for key in keys if keys.count(key) > 1), None)
-    if repeated is not None:
-        raise _RepeatedKey(repeated)
-    return dict(pairs)
+    found = dict(pairs)
+    if len(found) < len(pairs):
+        keys = [key for key, _ in pairs]
+        raise _RepeatedKey(next(key for key in keys if keys.count(key) > 1))
+    return found
+
+
+def _loads(path: Path, text: str) -> object:
+    """A whole JSON file's value; an object with a key twice is refused by name, as a JSON Lines file's line is (Python
+    keeps the last of them, so a row's second `label` or `output` was read without a word)."""
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_repeated_keys)
+    except _RepeatedKey as err:
+        raise UserError(f"`{path}` has an object with the key `{err}` twice, so it is unclear which value to read; "
+                        "keep one of them.") from None
+    except RecursionError:
+        raise UserError(f"`{path}` {TOO_DEEP}; no dataset needs that: fix the file.") from None
 
 
 def _bad_json_line(lines: Iterator[str]) -> str | None:
@@ -340,11 +423,13 @@ def _bad_json_line(lines: Iterator[str]) -> str | None:
         if not line.strip():
             continue
         try:
-            value = json.loads(line, object_pairs_hook=_refuse_repeated_keys)
+            value = json.loads(line.lstrip(BOM_TEXT), object_pairs_hook=_refuse_repeated_keys)
         except json.JSONDecodeError as err:
             return f"line {number} is not valid JSON ({err.msg} at column {err.colno})"
         except _RepeatedKey as err:
             return f"line {number} has the key `{err}` twice"
+        except RecursionError:
+            return f"line {number} {TOO_DEEP}"
         if not isinstance(value, dict):
             return f"line {number} is a JSON {type(value).__name__}, not an object"
     return None
@@ -353,13 +438,14 @@ def _bad_json_line(lines: Iterator[str]) -> str | None:
 def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
     """A JSON array of objects, an object of columns, or `{"data": [...]}`; JSON Lines under .json too."""
     try:
-        value = json.loads(text)
+        value = _loads(path, text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
             # many `.json` files are really JSON Lines
             return _read_jsonl(path, pa.py_buffer(text.encode("utf-8")), lambda: io.StringIO(text, newline=""), used)
         raise UserError(f"`{path}` is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}. "
                         "Fix the file there.") from None
+    value = _pandas_rows(value) or value
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
         if len(lists) == 1 and all(isinstance(r, dict) for r in lists[0]):
@@ -374,7 +460,8 @@ def _read_json(path: Path, text: str, used: tuple[str, ...] = ()) -> pa.Table:
             return _arrow(path, lambda: pa.table(value))  # columns
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
         raise UserError(f"`{path}` must hold a JSON array of objects such as "
-                        '[{"text": "...", "label": "..."}] (or JSON Lines); it holds something else.')
+                        '[{"text": "...", "label": "..."}] (or JSON Lines); it holds something else. From pandas, '
+                        'write it with df.to_json(path, orient="records", lines=True).')
     if used:
         try:
             return pa.Table.from_pylist(value)
@@ -389,30 +476,3 @@ def _arrow(path: Path, build) -> pa.Table:
     except (pa.ArrowException, ValueError, TypeError) as err:
         raise UserError(f"`{path}` has fields whose types differ between rows ({first_line(err)}). "
                         "Give every row the same fields with the same types.") from None
-
-
-def _lines(text: str) -> list[str]:
-    """The lines of a text file as editors and line-numbering tools count them: ends at \\n, \\r\\n or \\r only.
-    str.splitlines also ends a line at U+2028/U+2029, U+0085, form feeds and \\x1c-\\x1e, which texts hold (pasted
-    web text): a text with one became two lines, one of them without its `;label`."""
-    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-
-
-def _tab_header(text: str) -> bool:
-    """The first line has tabs and no `;`: a header of tab-separated columns, not a `text;label` row."""
-    first = next((line for line in _lines(text[:1 << 16]) if line.strip()), "")
-    return "\t" in first and ";" not in first
-
-
-def _read_txt(path: Path, text: str, text_column: str, label_column: str) -> pa.Table:
-    """The `text;label` format of the common copies of the emotion dataset; the label follows the last `;`."""
-    numbered = [(number, line) for number, line in enumerate(_lines(text), start=1) if line.strip()]
-    if numbered and numbered[0][1].strip().lower() in (f"{text_column};{label_column}", "text;label"):
-        numbered = numbered[1:]  # a header row
-    bad = [number for number, line in numbered if ";" not in line]
-    if bad:
-        raise UserError(f"`{path}`: {len(bad)} line(s) have no `;` between text and label (first: line "
-                        f"{', '.join(map(str, bad[:5]))}). TXT files hold one `text;label` per line.")
-    lines = [line for _, line in numbered]
-    parts = pc.split_pattern(pa.array(lines, pa.string()), ";", max_splits=1, reverse=True)
-    return pa.table({text_column: pc.list_element(parts, 0), label_column: pc.list_element(parts, 1)})

@@ -19,6 +19,7 @@ import pandas as pd
 
 from emotune.core.config.sft import INPUT_SEPARATOR, SftColumns, SftTags
 from emotune.core.errors import UserError, listed
+from emotune.data import gemini
 from emotune.data.conversations import (
     FORMATS,
     OPENAI_TAGS,
@@ -32,6 +33,7 @@ from emotune.data.conversations import (
     required_columns,
     role_sides,
     turn_text,
+    with_json_turns,
 )
 from emotune.model.artifacts import META, Artifact
 
@@ -103,6 +105,10 @@ def row_prompts(rows: pd.DataFrame, artifact: Artifact, path: Path) -> RowPrompt
         settings = DataSettings(origin="the column names of a run's prepared split (data/<split>.jsonl)")
     columns, tags = settings.columns, settings.tags
     names, records, _ = named_as_configured(names, records, columns)  # `Instruction` read as `instruction`, as training
+    records, _ = with_json_turns(names, records, columns)  # turns a CSV file holds as JSON text, as training reads them
+    if settings.format == "auto" and gemini.is_gemini(names, records):  # Gemini's tuning rows, as training reads them
+        records = gemini.as_messages(records, columns.system)
+        names = list(dict.fromkeys(key for row in records for key in row))
     fmt = _format(settings, names, records)
     if fmt is None:
         raise UserError(f"`{path}` has no `text` column and reads as none of the sft formats (columns found: "
@@ -142,7 +148,7 @@ def _format(settings: DataSettings, names: list[str], records: list[dict]) -> st
     columns = settings.columns
     fmt = settings.format if settings.format != "auto" else None
     if fmt is None or not _has_columns(fmt, columns, names):
-        fmt = detect_format(names, records[0] if records else None, columns)
+        fmt = detect_format(names, records, columns)
     return fmt if fmt is not None and _has_columns(fmt, columns, names) else None
 
 

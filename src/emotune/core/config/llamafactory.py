@@ -221,7 +221,7 @@ def _dataset(t: Translation) -> None:
 def _preference_data(t: Translation, names: list[str]) -> None:
     """Ranking entries are for dpo/rm/kto; say so here, with the key, before anything else is read."""
     try:
-        info = json.loads((Path(str(t.settings["dataset_dir"])) / "dataset_info.json").read_text(encoding="utf-8"))
+        info = json.loads((Path(str(t.settings["dataset_dir"])) / "dataset_info.json").read_text(encoding="utf-8-sig"))
     except (OSError, ValueError):
         return  # reported with the data, where the folder is read
     for name in names:
