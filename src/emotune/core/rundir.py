@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+import yaml
+
 from emotune.core import locks
 from emotune.core.errors import UserError
 
@@ -213,7 +215,17 @@ class RunDir:
                 and all(isinstance(p, str) and (self.root / p).exists() for p in outputs))
 
     def saved_config(self) -> str | None:
-        return self.config.read_text(encoding="utf-8") if self.config.is_file() else None
+        # emotune writes it in UTF-8; bytes an editor saved otherwise show as replacement characters, no traceback
+        return self.config.read_text(encoding="utf-8", errors="replace") if self.config.is_file() else None
+
+    def saved_settings(self) -> dict:
+        """config.yaml as a mapping of sections, for reports that show a few of its values; {} when it is missing,
+        unreadable, not YAML or not a mapping (an edited or cut-short file must not stop a report)."""
+        try:
+            value = yaml.safe_load(self.saved_config() or "")
+        except (OSError, ValueError, yaml.YAMLError):
+            return {}
+        return value if isinstance(value, dict) else {}
 
     def has_run(self) -> bool:
         """Something beyond prepared data: a run (finished or not) lives here."""
