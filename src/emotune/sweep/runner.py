@@ -32,7 +32,7 @@ from emotune.core.config.load import load_config
 from emotune.core.config.run import RunConfig
 from emotune.core.config.sweep import SEARCH_MODES, Param, is_spec, parse_grid, split_values
 from emotune.core.errors import UserError, raise_problems
-from emotune.core.rundir import PREVIOUS, RunDir, read_json, remove_partial_writes, write_json, write_text
+from emotune.core.rundir import PREVIOUS, RunDir, check_folder_path, read_json, remove_partial_writes, write_json, write_text
 from emotune.sweep.backends import Job, device_slots, require_ray, run_local, run_ray
 from emotune.sweep.search import ListSource, OptunaSource, Outcome, require_optuna
 from emotune.sweep.space import Trial, ablation_trials, grid_trials
@@ -171,6 +171,7 @@ def sweep_folder(cfg: RunConfig) -> Path:
 def open_sweep(folder: Path, plan: Plan, overwrite: bool) -> tuple[dict, object]:
     """Claim the folder: resume a sweep with the same plan, refuse another plan (or move it aside with `overwrite`).
     Returns the manifest and the held lock (released when the process ends)."""
+    check_folder_path(folder, "the sweep folder (output_dir/name-sweep)")
     manifest = read_json(folder / MANIFEST)
     if folder.exists() and any(folder.iterdir()):
         held = _lock(folder)
