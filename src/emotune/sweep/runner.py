@@ -63,6 +63,10 @@ def parse_cli_grid(items: list[str]) -> dict[str, list[str] | str]:
         if not sep or not key.strip() or not text.strip():
             problems.append(f"`{item}`: --grid takes key=value1,value2,... or key=range, e.g. lora.r=8,16,32")
             continue
+        if key.strip() in grid:  # the later one replaced the earlier: a sweep over fewer values than asked for
+            problems.append(f"`{item}`: --grid names {key.strip()} more than once; give all its values in one item, "
+                            f"e.g. {key.strip()}=8,16,32")
+            continue
         try:
             grid[key.strip()] = text.strip() if is_spec(text) else split_values(text)
         except ValueError as err:
@@ -198,7 +202,7 @@ def open_sweep(folder: Path, plan: Plan, overwrite: bool) -> tuple[dict, object]
 
 def _differences(saved: dict, now: dict) -> list[str]:
     names = {"mode": "sweep.mode", "metric": "sweep.metric", "direction": "sweep.direction",
-             "trials": "grid (sweep.grid / --grid, or sweep.seeds)", "space": "grid (sweep.grid / --grid)",
+             "trials": "grid (sweep.grid / --grid, or sweep.seeds)", "space": "grid (sweep.grid / --grid, or sweep.seeds)",
              "base_config": "base config (the YAML file or its key=value overrides)"}
     return list(dict.fromkeys(names[key] for key in names if saved.get(key) != now.get(key)))
 
