@@ -259,3 +259,15 @@ def test_a_damaged_measurement_reads_as_none_so_a_resumed_run_measures_again(tmp
     (tmp_path / "predictions.csv").write_text("prompt,output\nq,a\n")
     (tmp_path / "probe.json").write_text("[")
     assert read_result(tmp_path)["probe"] is None
+
+
+def test_report_refuses_a_file_where_its_figures_folder_goes(runs, tmp_path, capsys):
+    """A file named `report` in the run folder ended `emotune report` in a FileExistsError traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["reordered"], run)
+    shutil.rmtree(run / "report", ignore_errors=True)
+    (run / "report").write_text("notes")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("emotune: error: ") and f"`{run / 'report'}` is a file" in err
+    assert (run / "report").read_text() == "notes"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from emotune.core.errors import UserError
 from emotune.core.figures import embed_figure, families, figure_fonts, missing_glyphs
-from emotune.core.rundir import RunDir, read_json, write_text
+from emotune.core.rundir import RunDir, check_folder_path, read_json, write_text
 from emotune.eval.merged import describe
 
 # --------------------------------------------------------------------------------------------------
@@ -36,6 +36,7 @@ def write_report(run_dir: str | Path) -> Path:
     if info is None or not task.has_results(run.baseline):
         raise UserError(f"`{run.root}` is not a run folder with a measured baseline (run.json or the baseline's results "
                         f"are missing or unreadable). Give the folder `emotune run` printed, e.g. runs/cpu.")
+    check_folder_path(run.figures, "the report's figures folder")
     run.figures.mkdir(exist_ok=True)
     _note_missing_glyphs(info.get("labels") or [])
     with figure_fonts():  # labels and texts in any script: Chinese glyphs fall back to a CJK font
