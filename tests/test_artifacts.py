@@ -120,3 +120,28 @@ def test_an_edited_emotune_json_is_a_clear_error(tiny_model_dir, tmp_path, meta)
     path.write_text(json.dumps({**good, **meta} if isinstance(meta, dict) else meta), encoding="utf-8")
     with pytest.raises(UserError, match="emotune.json"):
         find_artifact(run)
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "cut short"])
+@pytest.mark.parametrize("command", [["predict", "{run}", "joy"], ["export", "{run}", "--out", "{tmp}/exported"],
+                                     ["eval", "adapter={run}"]])
+def test_an_adapter_without_whole_weights_is_refused_by_name_before_loading(tiny_model_dir, tmp_path, capsys, damage,
+                                                                             command):
+    """An adapter folder whose adapter_model.safetensors was missing, empty or cut short: predict and eval ended in
+    safetensors' `header too small` traceback (a missing file: `HFValidationError: Repo id must be a string`, PEFT
+    took the folder for a hub id), and export wrote the broken adapter out as a good export."""
+    from conftest import write_tiny_adapter
+
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "damaged")
+    weights = run / "adapter" / "adapter_model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+    else:
+        weights.write_bytes(b"" if damage == "empty" else weights.read_bytes()[:100])
+    argv = [a.format(run=run, tmp=tmp_path) for a in command]
+    if command[0] == "eval":
+        argv += [f"model.source={tiny_model_dir}", "data.label_names=[sadness, joy, love, anger, fear, surprise]"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "emotune: error: " in err and "adapter_model.safetensors" in err and "Traceback" not in err
+    assert not (tmp_path / "exported").exists()

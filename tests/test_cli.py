@@ -156,3 +156,14 @@ def test_serve_takes_overrides_and_targets_after_its_flags(monkeypatch, tmp_path
     assert seen["targets"] == [str(tmp_path / "a"), str(tmp_path / "b")]
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path / "a"), "--no-auth", "--bogus"])
+
+
+@pytest.mark.parametrize("adapter", ["adapter=", "adapter= "])
+def test_eval_with_an_empty_adapter_is_refused_not_searched_in_the_current_folder(adapter, monkeypatch, tmp_path, capsys):
+    """`emotune eval adapter=` took the empty path for the current folder: the error named `.`, and a run folder that
+    was the working folder would have been measured as the adapter asked for."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("emotune.pipeline.eval_only", lambda *a, **k: pytest.fail("eval ran"))
+    assert main(["eval", adapter]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("emotune: error: adapter= names no folder")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -212,3 +213,61 @@ def test_a_note_with_line_breaks_stays_one_note_in_every_output(runs, tmp_path, 
     assert section.count("<p>") == len(shown) and "other<br>- rows (classify/generate) is not comparable" in section
     printed = capsys.readouterr().out  # a note's later lines indented under its first
     assert "\nother\n  - rows (classify/generate) is not comparable" in printed
+
+
+@pytest.mark.parametrize(("name", "text", "compare_says", "report_says"), [
+    ("finetuned/metrics.json", "{cut sho", "holds no complete measurement", None),
+    ("finetuned/metrics.json", "[1, 2]", "holds no complete measurement", None),
+    ("baseline/metrics.json", "", None, "missing or unreadable"),
+    ("config.yaml", "- a list\n- not sections\n", None, None),
+    ("config.yaml", "train: {cut sho", None, None),
+    ("config.yaml", b"train:\n  learning_rate: \xff\xfe\n", None, None),
+    ("telemetry.jsonl", '[1]\n"a"\n{"stage": "train", "elapsed_s": 1}\n{"stage": "train"}\n', None, None),
+])
+def test_a_damaged_file_of_a_run_folder_is_refused_by_name_or_passed_over(runs, tmp_path, capsys, name, text,
+                                                                          compare_says, report_says):
+    """A run folder with one file cut short or edited into something else (a list for an object, YAML that does
+    not parse, bytes that are not UTF-8, JSON lines that are no telemetry sample): `compare` and `report` ended in
+    a traceback (JSONDecodeError, 'list' object has no attribute 'get', matplotlib's `0 rows`). A damaged
+    measurement is now no measurement (a one-line error when the command needs it); a damaged config or
+    telemetry series only loses what the page shows of it."""
+    run = tmp_path / "damaged"
+    shutil.copytree(runs["reordered"], run)
+    path = run / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    for argv, says in ((["compare", str(runs["reordered"]), str(run), "--out", str(tmp_path / "out")], compare_says),
+                       (["report", str(run)], report_says)):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        if says is None:
+            assert code == 0, err
+        else:
+            assert code == 2 and err.startswith("emotune: error: ") and says in err
+
+
+def test_a_damaged_measurement_reads_as_none_so_a_resumed_run_measures_again(tmp_path):
+    """read_metrics (a resumed run's "already measured?") and the sft reader raised JSONDecodeError on a metrics.json
+    cut short, FileNotFoundError on an sft stage without predictions.csv, and on a probe.json cut short."""
+    from emotune.eval.evaluate import read_metrics
+    from emotune.tasks.sft.eval import read_result
+
+    (tmp_path / "metrics.json").write_text("{cut sho")
+    assert read_metrics(tmp_path, ["generate"]) is None
+    (tmp_path / "metrics.json").write_text(json.dumps({"perplexity": 2.0}))
+    assert read_result(tmp_path) is None
+    (tmp_path / "predictions.csv").write_text("prompt,output\nq,a\n")
+    (tmp_path / "probe.json").write_text("[")
+    assert read_result(tmp_path)["probe"] is None
+
+
+def test_report_refuses_a_file_where_its_figures_folder_goes(runs, tmp_path, capsys):
+    """A file named `report` in the run folder ended `emotune report` in a FileExistsError traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["reordered"], run)
+    shutil.rmtree(run / "report", ignore_errors=True)
+    (run / "report").write_text("notes")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("emotune: error: ") and f"`{run / 'report'}` is a file" in err
+    assert (run / "report").read_text() == "notes"

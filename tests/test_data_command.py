@@ -179,3 +179,21 @@ def test_a_prompt_longer_than_max_length_is_refused_before_training_learns_nothi
     with pytest.raises(UserError, match="Every one of the 6 rows lost its label"):
         encode_examples(rows, tokenizer, PromptConfig(), LABELS, max_length=16)
     assert len(encode_examples(rows, tokenizer, PromptConfig(), LABELS, max_length=256)) == 6
+
+
+@pytest.mark.parametrize(("command", "made"), [(["data"], "the run folder"), (["run"], "the run folder"),
+                                               (["eval"], "the results folder"),
+                                               (["sweep", "--grid", "lora.r=2,4"], "the sweep folder")])
+@pytest.mark.parametrize("where", ["output_dir", "output_dir/name"])
+def test_a_file_where_the_output_folder_goes_is_refused_by_name(tiny_model_dir, data_dir, tmp_path, capsys, command,
+                                                                made, where):
+    """output_dir (or the run folder itself) naming an existing file ended in FileExistsError or NotADirectoryError
+    tracebacks; `emotune eval` measured the model first and failed only when writing its results."""
+    runs = tmp_path / "runs"
+    file = runs if where == "output_dir" else runs / ("d-sweep" if command[0] == "sweep" else "d")
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text("not a folder")
+    assert main([command[0], *_data_overrides(tiny_model_dir, data_dir, tmp_path), *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("emotune: error: ") and f"`{file}` is a file, so {made}" in err and "Traceback" not in err
+    assert file.read_text() == "not a folder"

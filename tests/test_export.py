@@ -313,3 +313,17 @@ def test_predict_refuses_texts_past_the_context_and_warns_past_the_trained_lengt
     assert "in.csv: rows 2, 4 with the prompt" in err and f"train.max_length={trained}" in err
     assert len(list(csv.DictReader(out.open()))) == 4
     assert main(["predict", str(tiny_run_dir), "fine"]) == 0 and "Warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_export_writes_into_an_empty_folder_made_for_it(tiny_run_dir, tmp_path, capsys, force):
+    """`mkdir out; emotune export RUN --out out` was refused as `already exists (an earlier export?)`, and with
+    --force as `not a folder emotune export wrote`: an empty folder could not take an export at all."""
+    from emotune.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["export", str(tiny_run_dir), "--out", str(out), *(["--force"] if force else [])]) == 0, capsys.readouterr().err
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert main(["export", str(tiny_run_dir), "--out", str(out)]) == 2  # now an earlier export: --force to replace it
+    assert "already exists" in capsys.readouterr().err

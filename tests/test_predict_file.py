@@ -171,6 +171,26 @@ def test_a_damaged_file_is_one_clear_error_and_the_output_is_kept(tiny_run_dir, 
     assert out.read_text(encoding="utf-8") == "text,label\nearlier,joy\n"
 
 
+@pytest.mark.parametrize(("case", "says"), [("--out is --file", "is the --file being read"),
+                                             ("header only", "holds no rows"), ("empty JSON array", "holds no rows"),
+                                             ("--out without --file", "where the predictions of a --file go")])
+def test_predict_refuses_what_it_cannot_do_and_leaves_the_input_as_it_was(tiny_run_dir, tmp_path, capsys, monkeypatch,
+                                                                         case, says):
+    """`--out` naming the --file itself replaced the input with the predictions; a file with a header and no rows
+    ended in an IndexError traceback from the tokenizer; `--out` with texts as arguments was ignored, exit 0 and
+    no file written."""
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / ("e.json" if case == "empty JSON array" else "in.csv")
+    text = {"header only": "text\n", "empty JSON array": "[]"}.get(case, "text\nhappy joy day\n")
+    source.write_text(text, encoding="utf-8")
+    files = ["--file", source.name, "--out", {"--out is --file": f"./{source.name}"}.get(case, "out.csv")]
+    argv = ["predict", str(tiny_run_dir), *(["a text", "--out", "out.csv"] if case == "--out without --file" else files)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("emotune: error: ") and says in err and "Traceback" not in err
+    assert source.read_text(encoding="utf-8") == text and not (tmp_path / "out.csv").exists()
+
+
 def test_predict_reads_the_column_the_run_trained_on_by_default(tiny_model_dir, tmp_path, capsys):
     """A run trained with data.text_column=sentence was refused on a file like its own data ('no column `text`') until
     --text-column was given: the default is the column the run trained on (emotune.json's `text_column`)."""

@@ -291,5 +291,5 @@ def test_the_summary_names_the_sources_as_the_config_holds_them():
     model, data = "C:/models/gemma: it", "@team/'reviews'.csv"
     text = yaml.safe_dump({"task": "classify", "model": {"source": model}, "data": {"source": data}})
     assert "'" in text  # YAML quotes both
-    assert _sources(text) == (model, data)
-    assert _sources("task: classify\n") == ("?", "?")
+    assert _sources(yaml.safe_load(text)) == (model, data)
+    assert _sources({"task": "classify"}) == ("?", "?")

@@ -139,6 +139,27 @@ def test_nan_loss_is_sent_as_null(runs):
     assert json.loads(events[0]["data"]) == {"step": 4, "loss": None}
 
 
+@pytest.mark.parametrize(("flags", "says"), [(["--port", "99999"], "--port 99999 is not a TCP port"),
+                                             (["--port", "-1"], "--port -1 is not a TCP port"),
+                                             (["--runs", "{file}"], "is a file; give the folder"),
+                                             (["--host", "0.0.0.0", "--token-file", "{binary}"], "is not UTF-8 text")])
+def test_the_studio_refuses_a_port_a_runs_file_or_a_binary_token_file_before_it_starts(tmp_path, capsys, monkeypatch,
+                                                                                       flags, says):
+    """--port 99999 left uvicorn hanging (no server, no error); --port -1 ended with uvicorn's `Servname not
+    supported`, exit 3; --runs naming a file served an empty studio; a token file in another encoding was a
+    UnicodeDecodeError traceback."""
+    from emotune.cli import main
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("the studio started"))
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe" + b"\x00" * 40)
+    argv = ["studio", "--runs", str(tmp_path), *(f.format(file=tmp_path / "file", binary=tmp_path / "binary") for f in flags)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("emotune: error: ") and says in err
+
+
 def test_host_and_origin_of_another_site_are_refused(runs):
     assert client(runs).get("/", headers={"Host": "evil.example"}).status_code == 421
     assert client(runs).get("/", headers={"Origin": "http://evil.example"}).status_code == 403

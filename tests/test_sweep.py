@@ -141,6 +141,12 @@ def test_sweep_section_is_checked_against_its_mode_when_the_config_loads():
     assert main(["sweep", "--grid", "lora.r=8,16", "--search", "tpe"]) == 2  # refused before anything runs
 
 
+def test_a_key_named_twice_in_grid_is_refused_not_cut_to_its_last_values():
+    """`--grid lora.r=2,4 lora.r=8` swept lora.r=8 alone: the later item replaced the earlier one unsaid."""
+    with pytest.raises(UserError, match="names lora.r more than once; give all its values in one item"):
+        parse_cli_grid(["lora.r=2,4", "train.learning_rate=1e-4", " lora.r =8"])
+
+
 def test_cli_grid_replaces_the_same_keys_of_the_yaml_grid(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("sweep:\n  grid:\n    lora.r: [4, 8]\n    train.learning_rate: [1.0e-4]\n")
@@ -454,3 +460,10 @@ def test_sweep_killed_in_trial_3_resumes_on_ray_with_trials_1_and_2_untouched(ti
     best, top = load_config(folder / "best.yaml"), rows[0]
     assert best.name == "tiny-best" and str(best.lora.r) == top["lora.r"]
     assert best.train.learning_rate == float(top["train.learning_rate"]) and best.train.max_steps == 1
+
+
+def test_a_changed_grid_is_named_once_in_the_refusal_to_resume():
+    """A sweep folder made with another grid was refused as made with "a different grid (...) and grid (...)"."""
+    from emotune.sweep.runner import _differences
+
+    assert len(_differences({"trials": [1], "space": {"lora.r": [1]}}, {"trials": [2], "space": {"lora.r": [2]}})) == 1

@@ -36,6 +36,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         args.config, args.overrides = None, [args.config, *args.overrides]
     # `adapter=DIR` and `split=NAME` are shorthands of this command, everything else is a config override
     adapter = next((o.partition("=")[2] for o in args.overrides if o.startswith("adapter=")), None)
+    if adapter is not None and not adapter.strip():  # Path("") is the current folder: it was searched for an adapter
+        raise UserError("adapter= names no folder; give the run, export or adapter folder to measure, e.g. "
+                        "adapter=runs/cpu, or leave it out to measure the base model.")
     args.overrides = [f"eval.{o}" if o.startswith("split=") else o for o in args.overrides if not o.startswith("adapter=")]
     eval_only(_load(args), adapter)
     return 0

@@ -24,7 +24,16 @@ from transformers import AutoConfig, set_seed
 from emotune.core.config.build import dump_config
 from emotune.core.config.run import RunConfig
 from emotune.core.errors import UserError
-from emotune.core.rundir import RunDir, RunLog, drop_previous, holds_run_lock, old_run_back_on_refusal, open_run, read_json
+from emotune.core.rundir import (
+    RunDir,
+    RunLog,
+    check_folder_path,
+    drop_previous,
+    holds_run_lock,
+    old_run_back_on_refusal,
+    open_run,
+    read_json,
+)
 from emotune.eval.merged import CHECK_ROWS, describe, merged_for_eval
 from emotune.model import finetuning, init_methods, quantization
 from emotune.model.artifacts import find_artifact, has_trained, is_adapter, load_artifact_model
@@ -335,6 +344,7 @@ def eval_only(cfg: RunConfig, adapter: str | None = None) -> Path:
     ctx.validate()
     artifact = ctx.task.find_adapter(adapter, cfg, ctx.data) if adapter is not None else None
     out = _eval_folder(cfg, adapter, artifact)
+    check_folder_path(out, "the results folder")  # before the model is loaded and measured, not after
     what = "the base model" if artifact is None else f"{'merged model' if artifact.merged else 'adapter'} {artifact.path}"
     print(f"Evaluating {what} on the {cfg.eval.split} split, {ctx.precision.name} on {ctx.device}", flush=True)
     if artifact is None:

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+import yaml
+
 from emotune.core import locks
 from emotune.core.errors import UserError
 
@@ -213,7 +215,17 @@ class RunDir:
                 and all(isinstance(p, str) and (self.root / p).exists() for p in outputs))
 
     def saved_config(self) -> str | None:
-        return self.config.read_text(encoding="utf-8") if self.config.is_file() else None
+        # emotune writes it in UTF-8; bytes an editor saved otherwise show as replacement characters, no traceback
+        return self.config.read_text(encoding="utf-8", errors="replace") if self.config.is_file() else None
+
+    def saved_settings(self) -> dict:
+        """config.yaml as a mapping of sections, for reports that show a few of its values; {} when it is missing,
+        unreadable, not YAML or not a mapping (an edited or cut-short file must not stop a report)."""
+        try:
+            value = yaml.safe_load(self.saved_config() or "")
+        except (OSError, ValueError, yaml.YAMLError):
+            return {}
+        return value if isinstance(value, dict) else {}
 
     def has_run(self) -> bool:
         """Something beyond prepared data: a run (finished or not) lives here."""
@@ -256,6 +268,7 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
     Locks it against other processes first (emotune.core.locks). Resumes an unfinished run made with the same
     config and data; refuses a finished run, and an unfinished one made with another config or data; with
     `overwrite`, moves any old run aside instead."""
+    check_folder_path(root, "the run folder (output_dir/name)")
     lock_run(root)
     run = RunDir(root)
     other_data = _other_data(run, data_fingerprint)
@@ -275,6 +288,19 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
         remove_partial_writes(folder)
     write_text(run.config, config_text)
     return run
+
+
+def check_folder_path(folder: Path, what: str) -> None:
+    """Refuse a folder to be made where it or a folder above it is an existing file (mkdir's FileExistsError or
+    NotADirectoryError otherwise, a traceback): names the file."""
+    for path in (Path(folder), *Path(folder).parents):
+        if path.exists() and not path.is_dir():
+            where = " in it" if path != Path(folder) else ""
+            raise UserError(f"`{path}` is a file, so {what} `{folder}` cannot be made{where}. Move or rename that "
+                            "file, or set output_dir to a folder (it is made if missing, e.g. output_dir=runs) or "
+                            "another name=.")
+        if path.exists():
+            return
 
 
 def move_aside(run: RunDir) -> None:

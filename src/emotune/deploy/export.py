@@ -104,10 +104,12 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
     if artifact.path.resolve().is_relative_to(out.resolve()):
         raise UserError(f"--out `{out}` holds the adapter being exported, so replacing it would delete the source. "
                         "Choose another folder, e.g. the default RUN_DIR/export.")
-    if out.exists() and not force:
+    # an empty folder made for the export holds nothing to keep: it is written into as a new one (replaced on success)
+    taken = out.exists() and not (out.is_dir() and not any(out.iterdir()))
+    if taken and not force:
         raise UserError(f"`{out}` already exists (an earlier export?). Pass --force to replace it once the new export is "
                         "complete, or --out <another folder>.")
-    if out.exists() and not _earlier_export(out):  # --force replaces the folder whole: never a folder export did not write
+    if taken and not _earlier_export(out):  # --force replaces the folder whole: never a folder export did not write
         raise UserError(f"--out `{out}` exists and is not a folder `emotune export` wrote (no adapter/ or merged/, or it "
                         "is a run folder), and --force would replace it whole, deleting what it holds. Give a new folder, "
                         "e.g. --out exports/NAME.")

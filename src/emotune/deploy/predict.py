@@ -164,6 +164,13 @@ def predict_cli(target: str, io: PredictIO, batch_size: int, device: str, fallba
         raise UserError("--file needs --out, the CSV file the predictions are written to.")
     if io.encoding is not None and not file:
         raise UserError("--encoding is the text encoding of --file; texts given as arguments need none. Leave it out.")
+    if out and not file:
+        raise UserError(f"--out `{out}` is where the predictions of a --file go; texts given as arguments are answered "
+                        "on the terminal, one JSON line each. Give --file in.csv --out out.csv, or leave out --out "
+                        "(and redirect the lines to a file).")
+    if file and Path(out).resolve() == Path(file).resolve():
+        raise UserError(f"--out `{out}` is the --file being read, which writing the predictions would replace. Give "
+                        "another file, e.g. --out predictions.csv.")
     if out and Path(out).is_dir():  # found before the model runs, not when the answers are written
         raise UserError(f"--out `{out}` is a folder; give the file to write, e.g. --out {Path(out) / 'predictions.csv'}.")
     if batch_size < 1:
@@ -324,6 +331,9 @@ def _read_table(path: Path, text_column: str, required: bool = True, sft: bool =
     for note in notes:
         print(f"Note: {note}", flush=True)
     rows = pd.DataFrame(records, columns=names, dtype=object)  # values as read: a text `007` stays `007`
+    if rows.empty:
+        raise UserError(f"--file `{path}` holds no rows to predict (a header or an empty table only). Give a file with "
+                        "at least one row.")
     found = column_named(names, text_column)
     if found not in names:
         if required:

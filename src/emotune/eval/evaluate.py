@@ -13,7 +13,6 @@ model that computes NaN or infinity (`refuse_nonfinite`) before anything is writ
 from __future__ import annotations
 
 import csv
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import EvalConfig
 from emotune.core.errors import listed
 from emotune.core.replies import INVALID, extract_label, label_pattern
-from emotune.core.rundir import atomic_file, write_json
+from emotune.core.rundir import atomic_file, read_json, write_json
 from emotune.data import prompt_messages, system_prompt
 from emotune.eval.scoring import LabelScorer
 from emotune.model.finite import NonFiniteOutput, NonFiniteSeen, nonfinite_rows, nonfinite_weights, not_finite_message
@@ -325,10 +324,8 @@ def read_metrics(folder: Path, methods: list[str]) -> dict[str, dict] | None:
     found = {}
     for method in methods:
         path = method_folder(folder, method, methods) / "metrics.json"
-        if not path.is_file():
-            return None
-        metrics = json.loads(path.read_text(encoding="utf-8"))
-        if metrics.get("method", "generate") != method:
+        metrics = read_json(path)  # None when missing, cut short or no object: measured again
+        if metrics is None or metrics.get("method", "generate") != method:
             return None
         found[method] = metrics
     return found

@@ -246,11 +246,16 @@ def find_artifact(target: str | Path, name: str | None = None, fallback: Fallbac
         marker = folder / ("config.json" if merged else PEFT_CONFIG)
         if marker.is_file() and (folder / META).is_file():
             meta, config = read_meta(folder), _run_config(target, folder)
-            return Artifact(name=name or default_name(target), path=folder, merged=merged, meta=meta,
-                            model_cfg=_model_config(config, meta, folder), config=config)
+            artifact = Artifact(name=name or default_name(target), path=folder, merged=merged, meta=meta,
+                                model_cfg=_model_config(config, meta, folder), config=config)
+            if not merged:
+                check_adapter_weights(folder)
+            return artifact
     for folder in (run.adapter, target):
         if is_adapter(folder):
-            return _foreign_adapter(folder, name or default_name(target), fallback)
+            artifact = _foreign_adapter(folder, name or default_name(target), fallback)
+            check_adapter_weights(folder)  # after what the adapter lacks to be used at all
+            return artifact
     raise UserError(f"`{target}` holds no emotune adapter, PEFT adapter or merged model (looked for {PEFT_CONFIG}, or config.json next to "
                     f"{META}, in the folder and in adapter/, model/ and merged/). Point at a finished run folder (runs/<name>), "
                     "the output of `emotune export`, or a PEFT adapter folder.")
@@ -280,6 +285,26 @@ def _foreign_adapter(folder: Path, name: str, fallback: Fallback | None) -> Arti
     meta = {"task": "classify", "labels": list(fallback.labels), "system_prompt_template": fallback.prompt.system_prompt,
             "user_template": fallback.prompt.user_template, "base_model": base, "foreign": True}
     return Artifact(name=name, path=folder, merged=False, meta=meta, model_cfg=ModelConfig(source=base))
+
+
+def check_adapter_weights(folder: Path) -> None:
+    """Refuse an adapter folder without its weights, or whose safetensors file is cut short or empty, before a
+    command copies it or loads a base model for it (PEFT then fails with a traceback, or takes the folder for a hub
+    id). A pickled adapter_model.bin (another tool's) is left to the loader."""
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        if (folder / "adapter_model.bin").is_file():
+            return
+        raise UserError(f"`{folder}` has {PEFT_CONFIG} but no adapter weights (adapter_model.safetensors). The adapter "
+                        "was not saved whole: train it again, or restore the file.")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(weights, "pt") as f:  # reads the header only and checks that the file is as long as it says
+            f.keys()
+    except Exception as err:  # noqa: BLE001 (safetensors raises its own error type for every kind of damage)
+        raise UserError(f"`{weights}` is not a readable safetensors file ({err}). Re-run the training or re-export "
+                        "the adapter, or restore the file.") from None
 
 
 def check_adapter_files(folder: Path) -> None:

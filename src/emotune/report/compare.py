@@ -23,8 +23,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, read_json
 from emotune.eval import stats
@@ -116,11 +114,12 @@ def read_run(path: Path) -> list[Entry]:
 
 def _setup(run: RunDir) -> dict:
     """The model and the hyper-parameters that most change a result, from the run's resolved config."""
-    config = yaml.safe_load(run.saved_config() or "") or {}
-    lora, train = config.get("lora", {}), config.get("train", {})
+    config = run.saved_settings()
+    model, lora, train = (section if isinstance(section := config.get(name), dict) else {}
+                          for name in ("model", "lora", "train"))
     targets = lora.get("target_modules")
     batch, accumulation = train.get("batch_size"), train.get("gradient_accumulation_steps", 1)
-    return {"model": config.get("model", {}).get("source"), "lora_r": lora.get("r"), "lora_alpha": lora.get("alpha"),
+    return {"model": model.get("source"), "lora_r": lora.get("r"), "lora_alpha": lora.get("alpha"),
             "lora_targets": _targets(targets, lora.get("target_parameters")),
             "learning_rate": train.get("learning_rate"),
             "batch": batch * accumulation if isinstance(batch, int) and isinstance(accumulation, int) else batch,

@@ -14,11 +14,9 @@ import html
 import math
 from pathlib import Path
 
-import yaml
-
 from emotune.core.errors import UserError
 from emotune.core.figures import embed_figure, families, figure_fonts, missing_glyphs
-from emotune.core.rundir import RunDir, read_json, write_text
+from emotune.core.rundir import RunDir, check_folder_path, read_json, write_text
 from emotune.eval.merged import describe
 
 # --------------------------------------------------------------------------------------------------
@@ -37,7 +35,8 @@ def write_report(run_dir: str | Path) -> Path:
                         "Upgrade emotune to the version that made the run.")
     if info is None or not task.has_results(run.baseline):
         raise UserError(f"`{run.root}` is not a run folder with a measured baseline (run.json or the baseline's results "
-                        f"are missing). Give the folder `emotune run` printed, e.g. runs/cpu.")
+                        f"are missing or unreadable). Give the folder `emotune run` printed, e.g. runs/cpu.")
+    check_folder_path(run.figures, "the report's figures folder")
     run.figures.mkdir(exist_ok=True)
     _note_missing_glyphs(info.get("labels") or [])
     with figure_fonts():  # labels and texts in any script: Chinese glyphs fall back to a CJK font
@@ -62,12 +61,8 @@ def _note_missing_glyphs(labels: list[str]) -> None:
               "matplotlib finds after DejaVu Sans and Noto Sans SC.", flush=True)
 
 
-def _sources(config_text: str) -> tuple[str, str]:
+def _sources(config: dict) -> tuple[str, str]:
     """model.source and data.source as the config holds them (YAML's quoting undone), `?` where it does not say."""
-    try:
-        config = yaml.safe_load(config_text) or {}
-    except yaml.YAMLError:
-        config = {}
 
     def source(section: str) -> str:
         value = config.get(section, {}).get("source") if isinstance(config.get(section), dict) else None
@@ -80,7 +75,7 @@ def _summary_section(run: dict, folder: RunDir) -> str:
     hardware = run.get("hardware", {})
     gpus = ", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in hardware.get("gpus", [])) or "none"
     config_text = folder.saved_config() or ""
-    model, data = _sources(config_text)
+    model, data = _sources(folder.saved_settings())
     facts = [
         ("status", f"{run.get('status')} (started {run.get('started')}, finished {run.get('finished', '—')})"),
         ("model", model),

@@ -11,7 +11,6 @@ import html
 import math
 
 import numpy as np
-import yaml
 
 from emotune.core.figures import embed_figure
 from emotune.core.rundir import RunDir, write_json
@@ -69,9 +68,8 @@ def _gradient_figure(logged: list[dict], clip: float | None):
 
 def _max_grad_norm(run: RunDir) -> float | None:
     try:
-        config = yaml.safe_load(run.saved_config() or "") or {}
-        return float(config["train"]["max_grad_norm"]) or None
-    except (yaml.YAMLError, KeyError, TypeError, ValueError):
+        return float(run.saved_settings()["train"]["max_grad_norm"]) or None
+    except (KeyError, TypeError, ValueError):
         return None
 
 

@@ -313,15 +313,23 @@ def describe(summary: dict) -> str:
 
 
 def read_series(path: Path) -> list[dict]:
-    """The samples in `path`; a line cut short by a crash is skipped."""
+    """The samples in `path`; a line cut short by a crash, or one that is no sample (no stage, time or field the plot
+    draws), is skipped."""
     rows = []
     if Path(path).is_file():
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
+        for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
                 continue
+            if _is_sample(row):
+                rows.append(row)
     return rows
+
+
+def _is_sample(row) -> bool:
+    return (isinstance(row, dict) and isinstance(row.get("stage"), str)
+            and isinstance(row.get("elapsed_s"), (int, float)) and any(name in row for name in UNITS))
 
 
 # --------------------------------------------------------------------------------------------------

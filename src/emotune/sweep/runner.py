@@ -32,7 +32,7 @@ from emotune.core.config.load import load_config
 from emotune.core.config.run import RunConfig
 from emotune.core.config.sweep import SEARCH_MODES, Param, is_spec, parse_grid, split_values
 from emotune.core.errors import UserError, raise_problems
-from emotune.core.rundir import PREVIOUS, RunDir, read_json, remove_partial_writes, write_json, write_text
+from emotune.core.rundir import PREVIOUS, RunDir, check_folder_path, read_json, remove_partial_writes, write_json, write_text
 from emotune.sweep.backends import Job, device_slots, require_ray, run_local, run_ray
 from emotune.sweep.search import ListSource, OptunaSource, Outcome, require_optuna
 from emotune.sweep.space import Trial, ablation_trials, grid_trials
@@ -62,6 +62,10 @@ def parse_cli_grid(items: list[str]) -> dict[str, list[str] | str]:
         key, sep, text = item.partition("=")
         if not sep or not key.strip() or not text.strip():
             problems.append(f"`{item}`: --grid takes key=value1,value2,... or key=range, e.g. lora.r=8,16,32")
+            continue
+        if key.strip() in grid:  # the later one replaced the earlier: a sweep over fewer values than asked for
+            problems.append(f"`{item}`: --grid names {key.strip()} more than once; give all its values in one item, "
+                            f"e.g. {key.strip()}=8,16,32")
             continue
         try:
             grid[key.strip()] = text.strip() if is_spec(text) else split_values(text)
@@ -171,6 +175,7 @@ def sweep_folder(cfg: RunConfig) -> Path:
 def open_sweep(folder: Path, plan: Plan, overwrite: bool) -> tuple[dict, object]:
     """Claim the folder: resume a sweep with the same plan, refuse another plan (or move it aside with `overwrite`).
     Returns the manifest and the held lock (released when the process ends)."""
+    check_folder_path(folder, "the sweep folder (output_dir/name-sweep)")
     manifest = read_json(folder / MANIFEST)
     if folder.exists() and any(folder.iterdir()):
         held = _lock(folder)
@@ -197,7 +202,7 @@ def open_sweep(folder: Path, plan: Plan, overwrite: bool) -> tuple[dict, object]
 
 def _differences(saved: dict, now: dict) -> list[str]:
     names = {"mode": "sweep.mode", "metric": "sweep.metric", "direction": "sweep.direction",
-             "trials": "grid (sweep.grid / --grid, or sweep.seeds)", "space": "grid (sweep.grid / --grid)",
+             "trials": "grid (sweep.grid / --grid, or sweep.seeds)", "space": "grid (sweep.grid / --grid, or sweep.seeds)",
              "base_config": "base config (the YAML file or its key=value overrides)"}
     return list(dict.fromkeys(names[key] for key in names if saved.get(key) != now.get(key)))
 

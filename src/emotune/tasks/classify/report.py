@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import html
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import numpy as np
 from emotune.core import terminal
 from emotune.core.errors import UserError
 from emotune.core.figures import embed_figure, short_labels
-from emotune.core.rundir import RunDir, atomic_file, write_json
+from emotune.core.rundir import RunDir, atomic_file, read_json, write_json
 from emotune.core.spreadsheet import spreadsheet_row
 from emotune.eval.evaluate import EvalResult
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
@@ -236,8 +235,9 @@ def read_stage(folder: Path) -> dict[str, dict]:
     found = {}
     for candidate in [folder, *sorted(p for p in folder.glob("*") if p.is_dir())] if folder.is_dir() else []:
         metrics_path, rows_path = candidate / "metrics.json", candidate / "predictions.csv"
-        if metrics_path.is_file() and rows_path.is_file():
-            metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+        # a metrics.json cut short or edited into something else is no measurement (read_json: None)
+        metrics = read_json(metrics_path) if rows_path.is_file() else None
+        if metrics is not None:
             with rows_path.open(encoding="utf-8", newline="") as handle:
                 found[metrics.get("method", "generate")] = {"metrics": metrics, "rows": list(csv.DictReader(handle))}
     return found

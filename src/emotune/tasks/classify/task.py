@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from emotune.core.config.data import PromptConfig
 from emotune.core.config.run import ClassifyConfig
 from emotune.core.errors import UserError
-from emotune.core.rundir import RunDir
+from emotune.core.rundir import RunDir, read_json
 from emotune.data import LabeledData, system_prompt
 from emotune.data.clean import text_steps
 from emotune.data.prepare import data_fingerprint, format_summary, prepare_data, save_prepared, saved_fingerprint
@@ -184,8 +184,8 @@ def read_results(folder: Path, cfg: ClassifyConfig) -> dict[str, EvalResult] | N
 
 
 def has_results(folder: Path) -> bool:
-    """Whether `folder` holds a measurement (the first method's metrics.json), for `emotune report`."""
-    return (folder / "metrics.json").is_file()
+    """Whether `folder` holds a measurement (the first method's metrics.json, readable), for `emotune report`."""
+    return read_json(folder / "metrics.json") is not None
 
 
 def find_adapter(path: str, cfg: ClassifyConfig, data: LabeledData) -> Artifact:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -149,9 +148,9 @@ def write_result(result: SftResult, folder: Path) -> None:
 def read_result(folder: Path) -> dict | None:
     """{"metrics", "rows", "probe"} when `folder` holds a complete measurement, else None."""
     metrics = read_json(folder / METRICS)
-    if metrics is None or "perplexity" not in metrics:
+    if metrics is None or "perplexity" not in metrics or not (folder / PREDICTIONS).is_file():
         return None
     with (folder / PREDICTIONS).open(encoding="utf-8", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    probe = json.loads((folder / PROBE).read_text(encoding="utf-8")) if (folder / PROBE).is_file() else None
+    probe = read_json(folder / PROBE)  # None when there is none, or it is unreadable
     return {"metrics": metrics, "rows": rows, "probe": probe}
