@@ -216,8 +216,8 @@ def test_a_note_with_line_breaks_stays_one_note_in_every_output(runs, tmp_path, 
 
 
 @pytest.mark.parametrize(("name", "text", "compare_says", "report_says"), [
-    ("finetuned/metrics.json", "{cut sho", "holds no complete measurement", None),
-    ("finetuned/metrics.json", "[1, 2]", "holds no complete measurement", None),
+    ("finetuned/metrics.json", "{cut sho", "metrics.json` cannot be read (cut short", None),
+    ("finetuned/metrics.json", "[1, 2]", "metrics.json` cannot be read (cut short", None),
     ("baseline/metrics.json", "", None, "missing or unreadable"),
     ("config.yaml", "- a list\n- not sections\n", None, None),
     ("config.yaml", "train: {cut sho", None, None),
@@ -244,6 +244,15 @@ def test_a_damaged_file_of_a_run_folder_is_refused_by_name_or_passed_over(runs, 
             assert code == 0, err
         else:
             assert code == 2 and err.startswith("emotune: error: ") and says in err
+
+
+def test_a_two_method_run_with_one_damaged_measurement_is_refused_by_name(runs, tmp_path, capsys):
+    """A two-method run whose headline metrics.json was cut short was compared on its other method alone, unsaid."""
+    run = shutil.copytree(runs["generative"], tmp_path / "damaged")
+    (run / "finetuned" / "metrics.json").write_text("{cut sho")
+    assert main(["compare", str(runs["generative"]), str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"`{run / 'finetuned' / 'metrics.json'}` cannot be read" in err and "Traceback" not in err
 
 
 def test_a_damaged_measurement_reads_as_none_so_a_resumed_run_measures_again(tmp_path):

@@ -225,7 +225,15 @@ def report_sections(run: RunDir, info: dict) -> list[str]:
 
 
 def measurements(stage: Path, info: dict) -> list[dict]:
-    """What `emotune compare` reads of a finished stage: one measurement per method, with the run's label set."""
+    """What `emotune compare` reads of a finished stage: one measurement per method, with the run's label set. A
+    method whose metrics.json is damaged is refused by name: read as none, a two-method run was compared on its other
+    method without a word."""
+    damaged = [path for path in _stage_folders(stage) if (path / "predictions.csv").is_file()
+               and (path / "metrics.json").is_file() and read_json(path / "metrics.json") is None]
+    if damaged:
+        raise UserError(f"`{damaged[0] / 'metrics.json'}` cannot be read (cut short, or edited into something else), so "
+                        "that method's measurement would be left out of the comparison. Restore the file, or measure "
+                        "again: `emotune run` with the run's config and overwrite=true.")
     return [{"method": method, "labels": list(info.get("labels") or found["metrics"]["per_class"]), "metrics": found["metrics"],
              "rows": found["rows"], "rows_per_s": found["metrics"].get("rows_per_s")} for method, found in read_stage(stage).items()]
 
@@ -233,7 +241,7 @@ def measurements(stage: Path, info: dict) -> list[dict]:
 def read_stage(folder: Path) -> dict[str, dict]:
     """{method: {"metrics", "rows"}} for the stage folder and its per-method subfolders."""
     found = {}
-    for candidate in [folder, *sorted(p for p in folder.glob("*") if p.is_dir())] if folder.is_dir() else []:
+    for candidate in _stage_folders(folder):
         metrics_path, rows_path = candidate / "metrics.json", candidate / "predictions.csv"
         # a metrics.json cut short or edited into something else is no measurement (read_json: None)
         metrics = read_json(metrics_path) if rows_path.is_file() else None
@@ -241,6 +249,11 @@ def read_stage(folder: Path) -> dict[str, dict]:
             with rows_path.open(encoding="utf-8", newline="") as handle:
                 found[metrics.get("method", "generate")] = {"metrics": metrics, "rows": list(csv.DictReader(handle))}
     return found
+
+
+def _stage_folders(folder: Path) -> list[Path]:
+    """The stage folder (the headline method's measurement) and its per-method subfolders."""
+    return [folder, *sorted(p for p in folder.glob("*") if p.is_dir())] if folder.is_dir() else []
 
 
 def _method_section(method: str, before: dict, after: dict | None, labels: list[str], figures_dir: Path,
