@@ -38,6 +38,12 @@ def test_config_fields_lists_the_choices_of_choice_fields(capsys):
     assert "Allowed" not in entries["model.source"]  # free text has no list of values
 
 
+def test_config_fields_refuses_a_config_or_overrides_it_would_ignore(capsys):
+    """`config --fields lora.r=2` printed every field and exited 0, the override dropped unsaid."""
+    assert main(["config", "--fields", "lora.r=2"]) == 2
+    assert "--fields lists every config key" in capsys.readouterr().err
+
+
 def test_predict_device_help_says_rocm_is_cuda_and_takes_a_gpu_number(capsys):
     from emotune.cli import build_parser
 

@@ -87,6 +87,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from emotune.core.config.build import dump_config, field_docs
 
     if args.fields:
+        given = [a for a in (args.config, *args.overrides) if a]
+        if given:
+            raise UserError(f"--fields lists every config key with its default and documentation, and takes no config or "
+                            f"override (given: {' '.join(given)}). Run `emotune config --fields` alone (| grep lora "
+                            "for a section), or `emotune config CONFIG key=value` for the resolved config.")
         for key, default, doc in field_docs():
             print(f"{key} = {default}\n    {doc}")
         return 0
