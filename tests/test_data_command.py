@@ -197,3 +197,14 @@ def test_a_file_where_the_output_folder_goes_is_refused_by_name(tiny_model_dir, 
     err = capsys.readouterr().err
     assert err.startswith("emotune: error: ") and f"`{file}` is a file, so {made}" in err and "Traceback" not in err
     assert file.read_text() == "not a folder"
+
+
+def test_a_run_folder_inside_another_run_s_folder_is_refused(tiny_model_dir, data_dir, tmp_path, capsys):
+    """`output_dir=runs/d name=adapter` wrote its config.yaml and data/ into the run `runs/d`'s adapter folder."""
+    overrides = _data_overrides(tiny_model_dir, data_dir, tmp_path)
+    assert main(["data", *overrides]) == 0
+    first = tmp_path / "runs" / "d"
+    (first / "run.json").write_text('{"status": "finished"}')  # a run's folder, as `emotune run` leaves it
+    assert main(["data", *overrides, f"output_dir={first}", "name=adapter"]) == 2
+    assert f"would be inside the run folder `{first.resolve()}`" in capsys.readouterr().err
+    assert not (first / "adapter").exists()

@@ -269,6 +269,7 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
     config and data; refuses a finished run, and an unfinished one made with another config or data; with
     `overwrite`, moves any old run aside instead."""
     check_folder_path(root, "the run folder (output_dir/name)")
+    check_not_inside_a_run(root)
     lock_run(root)
     run = RunDir(root)
     other_data = _other_data(run, data_fingerprint)
@@ -301,6 +302,17 @@ def check_folder_path(folder: Path, what: str) -> None:
                             "another name=.")
         if path.exists():
             return
+
+
+def check_not_inside_a_run(root: Path) -> None:
+    """Refuse a run folder inside another run's folder (`output_dir=runs/cpu`, `name=adapter`): its config.yaml,
+    data/ and results would be written among the other run's own (into its adapter/, say), and either run's
+    commands would read the mix."""
+    for parent in Path(root).resolve().parents:
+        if (parent / "run.json").is_file():
+            raise UserError(f"The run folder `{root}` would be inside the run folder `{parent}` (its run.json is there), "
+                            "where that run keeps its own adapter and results. Set output_dir to a folder of runs (e.g. "
+                            "output_dir=runs, where runs are made by default) and name= to this run's own name.")
 
 
 def move_aside(run: RunDir) -> None:
