@@ -27,6 +27,7 @@ from emotune.data.conversations import (
     Conversation,
     chain_parents,
     detect_format,
+    format_columns,
     has_parent_chains,
     named_as_configured,
     normalise,
@@ -230,7 +231,7 @@ def _format_problem(path: Path, fmt: str | None, column_names: list[str], entry:
 
 def _repeated_columns(column_names: list[str], entry: Entry) -> str | None:
     """A column the formats read that the file's header names twice (CSV, TSV): its rows would keep the last one."""
-    read = {*entry.columns.model_dump().values(), "messages", "conversations", *TRL_COLUMNS}
+    read = format_columns(entry.columns)
     return next((name for name in column_names if name in read and column_names.count(name) > 1), None)
 
 

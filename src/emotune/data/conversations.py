@@ -128,13 +128,18 @@ def with_tools(system: str | None, tools: str | None) -> str | None:
     return (system + "\n\n" if system else "") + "Tools available:\n" + tools
 
 
+def format_columns(columns: SftColumns) -> dict[str, None]:
+    """Every column name the sft formats read, in order: data.columns' own and the formats' fixed names."""
+    return dict.fromkeys([*columns.model_dump().values(), "messages", "conversations", *TRL_COLUMNS])
+
+
 def named_as_configured(names: list[str], rows: list[dict], columns: SftColumns
                         ) -> tuple[list[str], list[dict], dict[str, str]]:
     """Columns named as `columns` (data.columns) or the formats' own names say but for capitals and surrounding spaces
     (`Instruction`, `Output `, a spreadsheet's headers), read under those names, as a classifier's data.text_column
     finds `Text`: (names, rows, {file's name: name read as}). A name is taken only where the file has no column of
     that exact name and exactly one such close name."""
-    wanted = dict.fromkeys([*columns.model_dump().values(), "messages", "conversations", *TRL_COLUMNS])
+    wanted = format_columns(columns)
     renames: dict[str, str] = {}
     for name in wanted:
         if not isinstance(name, str) or name in names:
