@@ -54,11 +54,12 @@ def check(lora: LoraSettings, model: ModelConfig, device: torch.device, model_di
         problems.append(f"lora.init=loftq over a 4-bit base reads the original weights from safetensors files, and "
                         f"{model_dir} has no model.safetensors (nor model.safetensors.index.json); save the checkpoint "
                         "as safetensors, or set lora.init=default")
-    if lora.init in CONVERTED and model.quantization != "none" and not (lora.init == "loftq" and model.quantization == "4bit"):
+    if lora.init in ("pissa", "olora") and model.quantization != "none":
         problems.append(f"lora.init={lora.init} rewrites the base weights, which a {model.quantization} base cannot hold "
-                        "exactly" + ("; LoftQ over a quantized base (PEFT's replace_lora_weights_loftq) is 4-bit only: "
-                                     "set model.quantization=4bit or none" if lora.init == "loftq" else
-                                     "; set model.quantization=none, or lora.init=default (or loftq) for QLoRA"))
+                        "exactly; set model.quantization=none, or lora.init=default (or loftq) for QLoRA")
+    if lora.init == "loftq" and model.quantization == "8bit":
+        problems.append("LoftQ over a quantized base (PEFT's replace_lora_weights_loftq) is 4-bit only: set "
+                        "model.quantization=4bit or none")
     if lora.init in CONVERTED and lora.use_dora:
         problems.append(f"lora.init={lora.init} with DoRA is not converted back by PEFT; set lora.use_dora=false")
     if problems:
