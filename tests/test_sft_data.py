@@ -636,3 +636,20 @@ def test_columns_named_in_other_capitals_or_with_spaces_are_read_under_their_nam
     both = [{**r, "Output": "other"} for r in rows]
     write_jsonl(tmp_path / "both.jsonl", both)
     assert {c.response for s in _data(tmp_path / "both.jsonl").splits.values() for c in s} == {r["output"] for r in rows}
+
+
+def test_role_names_in_other_capitals_are_read_as_their_roles(tmp_path):
+    """ShareGPT turns from `Human` / `GPT` / `System ` and messages with role `User` / `Assistant` (hand-made and
+    converted files) were refused as "none of data.tags"; an unknown role is still refused by name."""
+    share = [{"conversations": [{"from": "System ", "value": "be brief"}, {"from": "Human", "value": f"q {i}"},
+                                {"from": "GPT", "value": f"a {i}"}]} for i in range(20)]
+    chat = [{"messages": [{"role": "User", "content": f"q {i}"}, {"role": "ASSISTANT", "content": f"a {i}"}]}
+            for i in range(20)]
+    for name, rows in (("s", share), ("m", chat)):
+        every = [c for split in _data(write_jsonl(tmp_path / f"{name}.jsonl", rows)).splits.values() for c in split]
+        assert sorted(c.messages for c in every) == sorted((("user", f"q {i}"), ("assistant", f"a {i}"))
+                                                           for i in range(20))
+        assert {c.system for c in every} == ({"be brief"} if name == "s" else {None})
+    bad = [{"conversations": [{"from": "Humans", "value": "q"}, {"from": "gpt", "value": "a"}]}] * 20
+    with pytest.raises(UserError, match="role 'Humans'"):
+        _data(write_jsonl(tmp_path / "bad.jsonl", bad))

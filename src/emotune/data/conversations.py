@@ -284,10 +284,11 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     system_text = _system_text(system) or None
     results = {tags.observation_tag, *(("function",) if tags is OPENAI_TAGS else ()),
                *(("tool",) if tags == SHAREGPT_TAGS else ())}  # a tool's result
+    role_of = _role_reader(side, tags.role_tag)
     messages: list[tuple[str, str]] = []
     untrained: list[int] = []
     for i, turn in enumerate(turns):
-        role = turn.get(tags.role_tag)
+        role = role_of(turn)
         kinds = {p.get("type", "text") for p in _parts(turn.get(tags.content_tag)) if isinstance(p, dict)}
         if any(turn.get(key) for key in REASONING_KEYS) or kinds & set(THINKING_BLOCKS):
             return REASONING
@@ -307,7 +308,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
             system_text = text or system_text
         elif role in system_side:
             return LATE_SYSTEM
-        elif role in results and i > 0 and turns[i - 1].get(tags.role_tag) in results:
+        elif role in results and i > 0 and role_of(turns[i - 1]) in results:
             # the results of parallel tool calls, one turn each (OpenAI's format): one user turn, in their order
             messages[-1] = ("user", "\n".join(t for t in (messages[-1][1], text) if t))
         elif role in user_side:
@@ -322,6 +323,18 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
         else:
             return _unknown_role(turn, tags)
     return system_text, messages, untrained
+
+
+def _role_reader(side: dict[str, str], role_tag: str):
+    """A turn -> its role, written as the tag it names up to capitals and surrounding spaces (`Human`, `GPT`, `User `,
+    as hand-made and converted files write them; an exact name wins); a role no tag names is returned as it is, for the
+    error."""
+    tags = {name.strip().casefold(): name for name in side}
+
+    def role_of(turn: dict) -> object:
+        role = turn.get(role_tag)
+        return tags.get(role.strip().casefold(), role) if isinstance(role, str) and role not in side else role
+    return role_of
 
 
 def _prompt_completion(row: dict, system: object) -> Turns | str:
