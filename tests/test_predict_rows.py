@@ -301,3 +301,17 @@ def test_gemini_tuning_rows_are_prompted_as_the_same_rows_in_openai_messages(sft
         assert _predict(sft_run, source, out) == 0
         written[name] = (list(asked), [r["reference"] for r in csv.DictReader(out.open(encoding="utf-8"))])
     assert written["gemini"] == written["openai"] and written["gemini"][1] == ["yes"]
+
+
+def test_a_reference_answer_under_a_capitalised_role_is_kept_beside_the_reply(sft_run, asked, tmp_path):
+    """A ShareGPT row ending with from: GPT (training reads it as the answer) was prompted with the answer inside,
+    as a user turn would be, and its reference was lost."""
+    written = {}
+    for name, answer in (("lower", "gpt"), ("capitals", "GPT")):
+        asked.clear()
+        row = {"conversations": [{"from": "human", "value": "is it sunny"}, {"from": answer, "value": "yes"}]}
+        source, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.csv"
+        source.write_text(json.dumps(row) + "\n", encoding="utf-8")
+        assert _predict(sft_run, source, out) == 0
+        written[name] = (list(asked), [r["reference"] for r in csv.DictReader(out.open(encoding="utf-8"))])
+    assert written["capitals"] == written["lower"] and written["lower"][1] == ["yes"]

@@ -275,6 +275,12 @@ def role_sides(tags: SftTags) -> dict[str, str]:
     return sides
 
 
+def side_of(turn: dict, tags: SftTags) -> str | None:
+    """The side (`system`, `user`, `assistant`) a turn's role is read as, its capitals aside; None for no known role."""
+    side = role_sides(tags)
+    return side.get(_role_reader(side, tags.role_tag)(turn))
+
+
 def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return BAD_TURNS

@@ -31,7 +31,7 @@ from emotune.data.conversations import (
     named_as_configured,
     normalise,
     required_columns,
-    role_sides,
+    side_of,
     turn_text,
     with_json_turns,
 )
@@ -175,7 +175,7 @@ def _with_reference(row: dict, fmt: str, columns: SftColumns, tags: SftTags) -> 
     turns, tags = row.get(key), OPENAI_TAGS if fmt == "messages" else tags
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return row, False  # the data layer names what is wrong with it
-    last_side = role_sides(tags).get(turns[-1].get(tags.role_tag)) if turns else None
+    last_side = side_of(turns[-1], tags) if turns else None
     if last_side == "assistant" and turn_text(turns[-1], tags).strip():
         return row, True
     kept = turns[:-1] if last_side == "assistant" else turns  # an empty reference is none
