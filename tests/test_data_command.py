@@ -208,3 +208,23 @@ def test_a_run_folder_inside_another_run_s_folder_is_refused(tiny_model_dir, dat
     assert main(["data", *overrides, f"output_dir={first}", "name=adapter"]) == 2
     assert f"would be inside the run folder `{first.resolve()}`" in capsys.readouterr().err
     assert not (first / "adapter").exists()
+
+
+def test_a_run_folder_that_holds_other_files_is_refused(tiny_model_dir, data_dir, tmp_path, capsys):
+    """`name=` a project folder (or output_dir=. name=.) wrote the run's config.yaml and data/ among the user's files,
+    and a later overwrite=true moved the folder aside and deleted it, the user's files with it, once the new run
+    finished. An empty folder, or one holding a run's files only, is still taken."""
+    overrides = _data_overrides(tiny_model_dir, data_dir, tmp_path)
+    project = tmp_path / "runs" / "d"
+    (project / "src").mkdir(parents=True)
+    (project / "notes.md").write_text("mine")
+    for extra in ([], ["overwrite=true"]):
+        assert main(["data", *overrides, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "already holds files that are not a run's (`notes.md`, `src`)" in err and "Traceback" not in err
+    assert sorted(p.name for p in project.iterdir()) == ["notes.md", "src"]
+    for name in ("notes.md", "src"):
+        (project / name).unlink() if name == "notes.md" else (project / name).rmdir()
+    (project / ".DS_Store").write_text("")
+    assert main(["data", *overrides]) == 0
+    assert main(["data", *overrides, "overwrite=true"]) == 0  # its own folder, prepared before

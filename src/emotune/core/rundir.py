@@ -270,6 +270,7 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
     `overwrite`, moves any old run aside instead."""
     check_folder_path(root, "the run folder (output_dir/name)")
     check_not_inside_a_run(root)
+    check_not_foreign(RunDir(root))
     lock_run(root)
     run = RunDir(root)
     other_data = _other_data(run, data_fingerprint)
@@ -313,6 +314,28 @@ def check_not_inside_a_run(root: Path) -> None:
             raise UserError(f"The run folder `{root}` would be inside the run folder `{parent}` (its run.json is there), "
                             "where that run keeps its own adapter and results. Set output_dir to a folder of runs (e.g. "
                             "output_dir=runs, where runs are made by default) and name= to this run's own name.")
+
+
+RUN_ENTRIES = ("config.yaml", "run.json", "data", "baseline", "finetuned", "adapter", "model", "checkpoints", "train",
+               "telemetry.jsonl", "comparison.json", "comparison.csv", "report.html", "report", "eval", "export")
+"""What a run writes into its folder (RunDir's paths): a folder holding only these (and partial writes) is a run's."""
+IGNORED_ENTRIES = (".DS_Store", "Thumbs.db", "desktop.ini", ".gitkeep")
+
+
+def check_not_foreign(run: RunDir) -> None:
+    """Refuse a run folder that already holds files emotune did not write (`output_dir=.`, or a project folder as
+    name=): the run's outputs would be mixed with them, and a later overwrite=true moves the whole folder aside and
+    deletes it when the new run finishes, the user's files with it."""
+    if not run.root.is_dir() or run.config.exists() or run.has_run():
+        return
+    foreign = sorted(p.name for p in run.root.iterdir()
+                     if p.name not in RUN_ENTRIES + IGNORED_ENTRIES and not p.name.endswith(PARTIAL))
+    if foreign:
+        shown = ", ".join(f"`{name}`" for name in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(f"The run folder `{run.root}` already holds files that are not a run's ({shown}). A run writes "
+                        "its config, data, adapter and results into a folder of its own, and overwrite=true later "
+                        "replaces that folder as a whole, so emotune does not mix them with other files. Set name= to a "
+                        "new name (the run folder is output_dir/name; output_dir=runs by default), or empty the folder.")
 
 
 def move_aside(run: RunDir) -> None:
