@@ -360,8 +360,11 @@ def test_sweep_folder_resumes_the_same_plan_and_refuses_another_unless_overwrite
     assert fresh["trials"] == [] and read_json(tmp_path / f"tiny-sweep{PREVIOUS}" / "sweep.json") == manifest
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "file").write_text("x")
-    with pytest.raises(UserError, match="holds no sweep.json"):
-        open_sweep(tmp_path / "other", _plan([8]), overwrite=False)
+    for overwrite in (False, True):  # overwrite=true moved a folder of other files aside, then deleted it
+        with pytest.raises(UserError, match="holds no sweep.json"):
+            open_sweep(tmp_path / "other", _plan([8]), overwrite=overwrite)
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["file"]
+    assert not (tmp_path / f"other{PREVIOUS}").exists()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from emotune.core.config.load import load_config
 from emotune.core.config.run import RunConfig
 from emotune.core.config.sweep import SEARCH_MODES, Param, is_spec, parse_grid, split_values
 from emotune.core.errors import UserError, raise_problems
-from emotune.core.rundir import PREVIOUS, RunDir, check_folder_path, read_json, remove_partial_writes, write_json, write_text
+from emotune.core.rundir import PARTIAL, PREVIOUS, RunDir, check_folder_path, read_json, remove_partial_writes, write_json, write_text
 from emotune.sweep.backends import Job, device_slots, require_ray, run_local, run_ray
 from emotune.sweep.search import ListSource, OptunaSource, Outcome, require_optuna
 from emotune.sweep.space import Trial, ablation_trials, grid_trials
@@ -178,13 +178,14 @@ def open_sweep(folder: Path, plan: Plan, overwrite: bool) -> tuple[dict, object]
     check_folder_path(folder, "the sweep folder (output_dir/name-sweep)")
     manifest = read_json(folder / MANIFEST)
     if folder.exists() and any(folder.iterdir()):
+        if manifest is None and any(p.name != LOCK and not p.name.endswith(PARTIAL) for p in folder.iterdir()):
+            # overwrite=true would move it aside and delete it when the new sweep finishes, whatever it holds
+            raise UserError(f"`{folder}` exists but holds no {MANIFEST}, so it is not a sweep folder emotune can resume "
+                            "or replace. Move it away, or set name=<new name> for another folder.")
         held = _lock(folder)
         if overwrite:
             _move_aside(folder, manifest)
             manifest = None
-        elif manifest is None:
-            raise UserError(f"`{folder}` exists but holds no {MANIFEST}, so it is not a sweep folder emotune can resume. "
-                            "Move it away, pass overwrite=true to replace it, or name=<new name> for another folder.")
         elif (changed := _differences(manifest.get("plan", {}), plan.comparable())):
             raise UserError(f"The sweep folder `{folder}` was made with a different {' and '.join(changed)}, so it cannot "
                             "be resumed. Run the same command as before to resume it, pass overwrite=true to start this "
@@ -197,6 +198,7 @@ def open_sweep(folder: Path, plan: Plan, overwrite: bool) -> tuple[dict, object]
     if manifest is None:
         manifest = {"plan": plan.comparable(), "trials": [], "started": _now()}
     manifest.update(status="running", budget=plan.budget)
+    write_json(folder / MANIFEST, manifest)  # from the start: a folder without one is not a sweep's
     return manifest, held
 
 
