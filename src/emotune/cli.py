@@ -272,7 +272,9 @@ TRAILING = ("overrides", "items", "texts")  # each command's list of positional 
 def build_parser() -> argparse.ArgumentParser:
     from emotune import __version__
 
-    parser = argparse.ArgumentParser(prog="emotune", description="Turn an instruction-tuned LLM into a measured classifier with LoRA.")
+    parser = argparse.ArgumentParser(prog="emotune", description=(
+        "Turn an instruction-tuned LLM into a measured, deployable model with LoRA: a classifier (tasks classify, "
+        "classify_head) or an assistant tuned on instructions (sft)."))
     parser.add_argument("--version", action="version", version=f"emotune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
