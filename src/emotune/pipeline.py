@@ -41,6 +41,7 @@ from emotune.model.attention import check_attention
 from emotune.model.loading import Base, load_base, load_tokenizer, load_tokenizer_only, resolve_model_dir, weights_dtype
 from emotune.model.lora import check_layers, check_targets
 from emotune.model.text import causal_lm_class
+from emotune.model.weight_files import check_weight_files
 from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
 from emotune.train import compiling, optim
@@ -74,6 +75,7 @@ class Context:
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
             causal_lm_class(AutoConfig.from_pretrained(model_dir))  # refuses encoder models before the run folder
+            check_weight_files(model_dir)  # shards missing or cut short: refused before the data stage, not halfway
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model, announce=True)
             dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
             check_attention(self.cfg.model, model_dir, self.device, dtype)

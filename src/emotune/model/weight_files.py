@@ -1,0 +1,64 @@
+"""A model folder's weight files checked before they load: every shard its index lists is there, and every safetensors
+file is as long as its header says (a download or copy cut short). transformers would otherwise stop halfway through
+loading with a safetensors or OS error and a traceback, after the data was prepared and the run folder opened."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from emotune.core.errors import UserError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+OTHER_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "tf_model.h5", "flax_model.msgpack")
+"""Weights in the other formats transformers reads; their files are left to it."""
+
+AGAIN = "Download or copy the model again (the files must be complete), then run the same command."
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Refuse `model_dir` before its weights load when they cannot: no weight files at all, shards its index lists
+    that are missing, or a safetensors file that is cut short or not safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        files = _indexed(index)
+    elif (model_dir / SINGLE_FILE).is_file():
+        files = [model_dir / SINGLE_FILE]
+    elif any((model_dir / name).is_file() for name in OTHER_WEIGHTS):
+        return
+    else:
+        raise UserError(f"The model folder `{model_dir}` holds config.json but no weights ({SINGLE_FILE}, or the shards "
+                        f"that {SAFETENSORS_INDEX} lists). {AGAIN}")
+    for path in files:
+        _check_readable(path)
+
+
+def _indexed(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"`{index}` is not a shard index (a JSON object whose `weight_map` names each tensor's file). "
+                        f"{AGAIN}")
+    shards = sorted(set(weight_map.values()))
+    missing = [name for name in shards if not (index.parent / name).is_file()]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise UserError(f"The model folder `{index.parent}` lacks {len(missing)} of the {len(shards)} weight files that "
+                        f"{SAFETENSORS_INDEX} lists ({shown}). {AGAIN}")
+    return [index.parent / name for name in shards]
+
+
+def _check_readable(path: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:  # reads the header; checks the data covers it
+            handle.keys()
+    except Exception as err:  # noqa: BLE001 (safetensors raises its own error type for every kind of damage)
+        size = path.stat().st_size
+        raise UserError(f"`{path}` ({size:,} bytes) is not a complete safetensors file ({err}): a download or copy "
+                        f"cut short, or another file under that name. {AGAIN}") from None
