@@ -225,7 +225,8 @@ def test_comparison_with_probe_and_intervals():
 def test_answers_with_weight_0_carry_no_loss_and_the_data_keeps_the_mark(tokenizer, tmp_path):
     """OpenAI's fine-tuning format marks answers not to learn with "weight": 0; they were trained on like any other."""
     from emotune.core.config.sft import SftColumns
-    from emotune.data.conversations import OPENAI_TAGS, normalise
+    from emotune.data.conversations import normalise
+    from emotune.data.roles import OPENAI_TAGS
 
     row = {"messages": [{"role": "user", "content": "i feel so lonely today"},
                         {"role": "assistant", "content": "joy", "weight": 0},
@@ -260,7 +261,8 @@ def test_axolotl_training_flags_are_honoured_or_refused(tokenizer):
     """Axolotl's per-turn `training` flag (message_field_training) was ignored: an answer marked `training: false` was
     trained on, and a user turn marked `training: true` was silently not."""
     from emotune.core.config.sft import SftColumns
-    from emotune.data.conversations import OPENAI_TAGS, normalise
+    from emotune.data.conversations import normalise
+    from emotune.data.roles import OPENAI_TAGS
 
     def turns(*extra):
         messages = [{"role": "system", "content": "be kind", "training": False},

@@ -254,7 +254,8 @@ def test_chat_renders_tool_turns_as_the_adapter_trained_on_them(client, sft_run)
     from transformers import AutoTokenizer
 
     from emotune.core.config.sft import SftColumns
-    from emotune.data.conversations import OPENAI_TAGS, normalise
+    from emotune.data.conversations import normalise
+    from emotune.data.roles import OPENAI_TAGS
 
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
     messages = [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -26,16 +26,9 @@ from dataclasses import dataclass
 
 from emotune.core.config.sft import INPUT_SEPARATOR, SftColumns, SftTags
 from emotune.core.errors import listed
+from emotune.data.roles import OPENAI_TAGS, SHAREGPT_TAGS, role_reader, role_sides, unknown_role
 
 FORMATS = ("alpaca", "sharegpt", "messages")
-OPENAI_TAGS = SftTags(role_tag="role", content_tag="content", user_tag="user", assistant_tag="assistant",
-                      observation_tag="tool", function_tag="function_call", system_tag="system")
-
-SHAREGPT_TAGS = SftTags()
-SHAREGPT_ALIASES = (("user", "user"), ("assistant", "assistant"), ("tool", "user"))
-"""Role names read beside ShareGPT's default tags (`human`, `gpt`, `observation`), as Axolotl's and Unsloth's ShareGPT
-readers map them: files written with OpenAI's names inside `conversations` are common. data.tags other than the defaults
-read only the names they give."""
 
 # Reasons a row is refused; the keys group rows in the error message.
 EMPTY_RESPONSE = "the response (last assistant turn) is empty"
@@ -263,24 +256,6 @@ def _instruction_and_input(row: dict, columns: SftColumns, separator: str) -> st
     return separator.join(p for p in (_text(row.get(columns.prompt)), _text(row.get(columns.query))) if p.strip())
 
 
-def role_sides(tags: SftTags) -> dict[str, str]:
-    """Each role tag of `tags` -> the side it is trained on: `system`, `user` (tool results too) or `assistant` (tool
-    calls too)."""
-    sides = {tags.system_tag: "system", tags.user_tag: "user", tags.observation_tag: "user",
-             tags.assistant_tag: "assistant", tags.function_tag: "assistant"}
-    if tags is OPENAI_TAGS:  # OpenAI's newer name for the system role, and its older one for a tool's result
-        sides.update(developer="system", function="user")
-    elif tags == SHAREGPT_TAGS:  # ShareGPT's default tags: also the role names Axolotl and Unsloth read in ShareGPT files
-        sides = {**dict(SHAREGPT_ALIASES), **sides}
-    return sides
-
-
-def side_of(turn: dict, tags: SftTags) -> str | None:
-    """The side (`system`, `user`, `assistant`) a turn's role is read as, its capitals aside; None for no known role."""
-    side = role_sides(tags)
-    return side.get(_role_reader(side, tags.role_tag)(turn))
-
-
 def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return BAD_TURNS
@@ -290,7 +265,7 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
     system_text = _system_text(system) or None
     results = {tags.observation_tag, *(("function",) if tags is OPENAI_TAGS else ()),
                *(("tool",) if tags == SHAREGPT_TAGS else ())}  # a tool's result
-    role_of = _role_reader(side, tags.role_tag)
+    role_of = role_reader(side, tags.role_tag)
     messages: list[tuple[str, str]] = []
     untrained: list[int] = []
     for i, turn in enumerate(turns):
@@ -327,20 +302,8 @@ def _turns(turns, tags: SftTags, system: object) -> Turns | str:
                 untrained.append(sum(r == "assistant" for r, _ in messages))
             messages.append(("assistant", text))
         else:
-            return _unknown_role(turn, tags)
+            return unknown_role(turn, tags)
     return system_text, messages, untrained
-
-
-def _role_reader(side: dict[str, str], role_tag: str):
-    """A turn -> its role, written as the tag it names up to capitals and surrounding spaces (`Human`, `GPT`, `User `,
-    as hand-made and converted files write them; an exact name wins); a role no tag names is returned as it is, for the
-    error."""
-    tags = {name.strip().casefold(): name for name in side}
-
-    def role_of(turn: dict) -> object:
-        role = turn.get(role_tag)
-        return tags.get(role.strip().casefold(), role) if isinstance(role, str) and role not in side else role
-    return role_of
 
 
 def _prompt_completion(row: dict, system: object) -> Turns | str:
@@ -355,25 +318,6 @@ def _prompt_completion(row: dict, system: object) -> Turns | str:
     system_text, messages, untrained = found
     in_prompt = sum(isinstance(t, dict) and t.get("role") == "assistant" for t in prompt)
     return system_text, messages, sorted(set(untrained) | set(range(in_prompt)))
-
-
-def _unknown_role(turn: dict, tags: SftTags) -> str:
-    """Why a turn's role is none of the tags: the key is missing, or its value is another one (shown, so that rows
-    with the same role are reported together)."""
-    named = (f"data.tags (user_tag {tags.user_tag!r}, assistant_tag {tags.assistant_tag!r}, observation_tag "
-             f"{tags.observation_tag!r}, function_tag {tags.function_tag!r}, system_tag {tags.system_tag!r})")
-    if tags.role_tag not in turn:
-        keys = ", ".join(f"`{k}`" for k in list(turn)[:6]) or "none"
-        return (f"a turn has no `{tags.role_tag}` key (data.tags.role_tag; its keys: {keys}); set data.tags.role_tag "
-                "and data.tags.content_tag to the keys of the role and the text (in dataset_info.json: the entry's "
-                "\"tags\"), e.g. role and content for OpenAI-style turns")
-    role = str(turn[tags.role_tag])[:40]
-    if tags is OPENAI_TAGS:
-        return (f"a turn has the role {role!r}, which is not one of OpenAI's (system, developer, user, assistant, tool, "
-                "function); for other role names set data.format=sharegpt and data.tags to them")
-    hint = (" For OpenAI-style role names set data.tags.user_tag=user and data.tags.assistant_tag=assistant (in "
-            "dataset_info.json: the entry's \"tags\")") if role in ("user", "assistant") else ""
-    return f"a turn has the role {role!r}, which is none of {named}.{hint}"
 
 
 def turn_text(turn: dict, tags: SftTags = OPENAI_TAGS) -> str:

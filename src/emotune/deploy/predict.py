@@ -24,8 +24,9 @@ from emotune.core.errors import UserError
 from emotune.core.rundir import atomic_file, json_text
 from emotune.data.clean import clean_for_inference
 from emotune.data.conversation_data import clean_chats_for_inference
-from emotune.data.conversations import OPENAI_TAGS, role_sides, turn_text
+from emotune.data.conversations import turn_text
 from emotune.data.read import read_records
+from emotune.data.roles import OPENAI_TAGS, role_sides
 from emotune.data.sources import column_named, is_saved_dataset
 from emotune.deploy.predict_rows import row_prompts
 from emotune.eval.scoring import label_token_ids, prompt_token_ids, score_label_probs

@@ -22,7 +22,6 @@ from emotune.core.errors import UserError, listed
 from emotune.data import gemini
 from emotune.data.conversations import (
     FORMATS,
-    OPENAI_TAGS,
     TRL_COLUMNS,
     chain_parents,
     detect_format,
@@ -31,10 +30,10 @@ from emotune.data.conversations import (
     named_as_configured,
     normalise,
     required_columns,
-    side_of,
     turn_text,
     with_json_turns,
 )
+from emotune.data.roles import OPENAI_TAGS, side_of
 from emotune.model.artifacts import META, Artifact
 
 SAVED_SPLIT_COLUMNS = {"messages", "untrained", "source"}
