@@ -48,3 +48,20 @@ def test_whole_weights_pass_in_one_file_and_in_shards(tiny_model_dir, tmp_path):
     sharded = _copy(tiny_model_dir, tmp_path / "sharded", shards=True)
     check_weight_files(sharded)
     assert load_model(sharded, torch.float32, torch.device("cpu")) is not None
+
+
+def test_a_model_folder_without_a_readable_tokenizer_is_refused_by_name(tiny_model_dir, tiny_overrides, tmp_path, capsys):
+    """No tokenizer files: transformers 5 built an empty tokenizer of the config's class, and the run refused the
+    labels as "the same tokens"; a broken tokenizer.json ended `emotune run` in a JSONDecodeError traceback."""
+    bare = _copy(tiny_model_dir, tmp_path / "bare")
+    for file in bare.glob("tokenizer*"):
+        file.unlink()
+    broken = _copy(tiny_model_dir, tmp_path / "broken")
+    (broken / "tokenizer.json").write_text((broken / "tokenizer.json").read_text()[:200])
+    said = {bare: "holds no tokenizer files (tokenizer.json", broken: "Could not load the tokenizer of model.source"}
+    for folder, why in said.items():
+        for command in ("run", "data"):
+            assert main([command, *tiny_overrides, f"model.source={folder}"]) == 2
+            err = capsys.readouterr().err
+            assert why in err and "Traceback" not in err and "same tokens" not in err
+    assert not (tmp_path / "runs").exists()

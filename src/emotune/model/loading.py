@@ -224,7 +224,7 @@ def load_tokenizer(model_dir: Path, cfg: ModelConfig, announce: bool = False) ->
     """The tokenizer with a chat template and a pad token, whatever the folder lacks (base models often have
     neither): Gemma's turn format, and the end-of-sequence (else the unknown) token as padding, which every batch
     masks. `announce`: say what was filled in or changed (a run prints it once, at the start)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = _read_tokenizer(model_dir, None, cfg.source)
     filled = _with_template(tokenizer, cfg)
     if tokenizer.pad_token is None:
         filled.append(_pad_with_a_special_token(tokenizer, model_dir))
@@ -360,15 +360,38 @@ def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple | None:
 def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     try:
         folder, gguf_file = _tokenizer_location(cfg)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
     except UserError:
         raise
-    except Exception as err:  # missing files, offline hub, unknown tokenizer class
-        raise UserError(f"Could not load the tokenizer of model.source `{cfg.source}` ({type(err).__name__}: "
-                        f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). "
-                        "Check model.source; token counts need the model's tokenizer.") from None
+    except Exception as err:  # the packaged model's files, an offline hub
+        raise _unreadable_tokenizer(cfg.source, err) from None
+    tokenizer = _read_tokenizer(folder, gguf_file, cfg.source)
     _with_template(tokenizer, cfg)
     return tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model*", "*.model", "vocab.*", "merges.txt", "*.tiktoken", "tekken.json")
+"""The files a tokenizer's vocabulary is read from (fast, SentencePiece, BPE, WordPiece, tiktoken, Mistral's)."""
+
+
+def _read_tokenizer(folder: Path, gguf_file: str | None, source: str) -> PreTrainedTokenizerBase:
+    """The tokenizer in `folder` (or its GGUF file), or a UserError naming what is wrong with it. A folder without
+    vocabulary files is refused: transformers 5 then builds an empty tokenizer of the config's class, which reads
+    every text as its unknown token."""
+    if not gguf_file and not any(next(Path(folder).glob(pattern), None) for pattern in TOKENIZER_FILES):
+        where = "" if Path(source).expanduser() == Path(folder) else f" (`{folder}`)"
+        raise UserError(f"The model folder of model.source `{source}`{where} holds no tokenizer files (tokenizer.json, "
+                        "tokenizer.model, vocab.json, ...), so its texts cannot be read. Copy the tokenizer files from "
+                        "the model's repository into it (they come with the weights).")
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # broken files, an unknown tokenizer class
+        raise _unreadable_tokenizer(source, err) from None
+
+
+def _unreadable_tokenizer(source: str, err: Exception) -> UserError:
+    return UserError(f"Could not load the tokenizer of model.source `{source}` ({type(err).__name__}: "
+                     f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). "
+                     "Check model.source; token counts need the model's tokenizer.")
 
 
 def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
