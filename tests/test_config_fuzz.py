@@ -48,7 +48,8 @@ for _task, _schema in SCHEMAS.items():
 def _load(key: str, text: str):
     return load_config(None, [f"task={TASK_OF[key]}", f"{key}={text}"])
 BAD_WORDS = ["true", "false", ".nan", "nan", "NaN", ".inf", "inf", "-.inf", "-inf", "1e999"]
-NUMBERS = [-1_000_000_000, -2, -1, -0.5, -0.0, 0, 0.5, 1, 1.5, 65_536, 2**32, 1e12, 1e300]
+NUMBERS = [-1_000_000_000, -2, -1, -0.5, -0.0, 0, 0.5, 1, 1.5, 65_536, 2**32, 1e12, 1e300,
+           2**53 + 1, -(2**63) - 1]  # integers a float field cannot hold exactly (hypothesis found 2**53 + 1)
 
 
 def test_the_walk_finds_the_number_fields():

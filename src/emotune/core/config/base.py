@@ -132,6 +132,10 @@ class Section(BaseModel):
             raise ValueError(expected) from None
         if isinstance(result, (int, float)) and not isinstance(result, bool) and not allowed.allows(result):
             raise ValueError(expected)
+        if isinstance(result, float) and isinstance(value, int) and not isinstance(value, bool) and result != value:
+            # an integer beyond 2**53 that a float field would round: refused, never taken as another number
+            raise ValueError(f"{expected}; {value} has more digits than a number field holds exactly (it would read "
+                             f"as {result:.17g})")
         return result
 
 
