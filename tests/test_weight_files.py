@@ -3,6 +3,8 @@ before the run folder is opened, on every command that loads weights; transforme
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import pytest
@@ -58,10 +60,29 @@ def test_a_model_folder_without_a_readable_tokenizer_is_refused_by_name(tiny_mod
         file.unlink()
     broken = _copy(tiny_model_dir, tmp_path / "broken")
     (broken / "tokenizer.json").write_text((broken / "tokenizer.json").read_text()[:200])
-    said = {bare: "holds no tokenizer files (tokenizer.json", broken: "Could not load the tokenizer of model.source"}
+    said = {bare: "holds no tokenizer files (tokenizer.json", broken: "cannot be loaded (JSONDecodeError"}
     for folder, why in said.items():
         for command in ("run", "data"):
             assert main([command, *tiny_overrides, f"model.source={folder}"]) == 2
             err = capsys.readouterr().err
             assert why in err and "Traceback" not in err and "same tokens" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_weights_that_do_not_fill_the_config_are_refused(tiny_model_dir, tiny_overrides, tmp_path, capsys):
+    """A config.json edited to more layers left the new layers at random values and the run measured that model
+    without a word; one edited to a wider MLP ended in transformers' RuntimeError traceback."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    deeper = _copy(tiny_model_dir, tmp_path / "deeper")
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1,
+                                                    "layer_types": None}))
+    wider = _copy(tiny_model_dir, tmp_path / "wider")
+    (wider / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    said = {deeper: r"no values for \d+ of the parameters its config.json gives \(model.layers.\d+",
+            wider: r"\d+ tensors whose shapes are not what its config.json gives \(model.layers.0.mlp.down_proj.weight"}
+    for folder, why in said.items():
+        assert main(["eval", *tiny_overrides, f"model.source={folder}"]) == 2
+        err = capsys.readouterr().err
+        assert re.search(why, err) and "Traceback" not in err
+        with pytest.raises(UserError, match="do not fit its config.json"):
+            load_model(folder, torch.float32, torch.device("cpu"))

@@ -22,7 +22,7 @@ from emotune.model import quantization
 from emotune.model.attention import check_attention
 from emotune.model.system_role import fold_system_role
 from emotune.model.text import causal_lm_class
-from emotune.model.weight_files import check_weight_files
+from emotune.model.weight_files import check_loaded, check_weight_files
 from emotune.runtime.device import Precision, bf16_supported, choose_precision
 
 EMBEDDED_MODEL = "embedded"
@@ -331,8 +331,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attent
     placed = {"quantization_config": quantized, "device_map": {"": device}} if quantized is not None else {}
     loader = causal_lm_class(AutoConfig.from_pretrained(model_dir))
     check_weight_files(model_dir)
-    model = loader.from_pretrained(model_dir, dtype=dtype, attn_implementation=None if attention == "auto" else attention,
-                                   **placed)
+    model, info = loader.from_pretrained(model_dir, dtype=dtype, attn_implementation=None if attention == "auto" else attention,
+                                         output_loading_info=True, ignore_mismatched_sizes=True, **placed)
+    check_loaded(model_dir, info)
     head = model.get_output_embeddings()
     if head is not None:
         head.register_forward_pre_hook(_contiguous_input)

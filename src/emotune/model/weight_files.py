@@ -62,3 +62,24 @@ def _check_readable(path: Path) -> None:
         size = path.stat().st_size
         raise UserError(f"`{path}` ({size:,} bytes) is not a complete safetensors file ({err}): a download or copy "
                         f"cut short, or another file under that name. {AGAIN}") from None
+
+
+def check_loaded(model_dir: Path, info: dict) -> None:
+    """Refuse weights that do not fill the model config.json describes (transformers' loading info): tensors of
+    other shapes (a config edited, or weights of another size), or parameters the files lack, which transformers
+    would leave at random values and the run would measure and train as if they were the model's."""
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda entry: entry[0])
+    missing = sorted(info.get("missing_keys") or [])
+    if not mismatched and not missing:
+        return
+    if mismatched:
+        shown = "; ".join(f"{key}: {tuple(stored)} stored, {tuple(wanted)} in config.json"
+                          for key, stored, wanted in mismatched[:3])
+        what = (f"{len(mismatched)} tensors whose shapes are not what its config.json gives ({shown}"
+                f"{', ...' if len(mismatched) > 3 else ''})")
+    else:
+        what = (f"no values for {len(missing)} of the parameters its config.json gives ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}), which would start at random")
+    raise UserError(f"The weights in `{model_dir}` do not fit its config.json: they hold {what}. The config was edited "
+                    "or belongs to another size of the model: put back the config.json that came with the weights, or "
+                    "download or copy the model again, then run the same command.")
