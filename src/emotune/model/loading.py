@@ -224,7 +224,7 @@ def load_tokenizer(model_dir: Path, cfg: ModelConfig, announce: bool = False) ->
     """The tokenizer with a chat template and a pad token, whatever the folder lacks (base models often have
     neither): Gemma's turn format, and the end-of-sequence (else the unknown) token as padding, which every batch
     masks. `announce`: say what was filled in or changed (a run prints it once, at the start)."""
-    tokenizer = _read_tokenizer(model_dir, None, cfg.source)
+    tokenizer = _read_tokenizer(model_dir, None, None)
     filled = _with_template(tokenizer, cfg)
     if tokenizer.pad_token is None:
         filled.append(_pad_with_a_special_token(tokenizer, model_dir))
@@ -364,7 +364,7 @@ def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     except UserError:
         raise
     except Exception as err:  # the packaged model's files, an offline hub
-        raise _unreadable_tokenizer(cfg.source, err) from None
+        raise _unreadable_tokenizer(f"model.source `{cfg.source}`", err) from None
     tokenizer = _read_tokenizer(folder, gguf_file, cfg.source)
     _with_template(tokenizer, cfg)
     return tokenizer
@@ -374,25 +374,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model*", "*.model", "vocab.*", "
 """The files a tokenizer's vocabulary is read from (fast, SentencePiece, BPE, WordPiece, tiktoken, Mistral's)."""
 
 
-def _read_tokenizer(folder: Path, gguf_file: str | None, source: str) -> PreTrainedTokenizerBase:
-    """The tokenizer in `folder` (or its GGUF file), or a UserError naming what is wrong with it. A folder without
-    vocabulary files is refused: transformers 5 then builds an empty tokenizer of the config's class, which reads
-    every text as its unknown token."""
+def _read_tokenizer(folder: Path, gguf_file: str | None, source: str | None) -> PreTrainedTokenizerBase:
+    """The tokenizer in `folder` (or its GGUF file), or a UserError naming what is wrong with it; `source`: the
+    model.source the folder was found for (None for a run's, an adapter's or an export's own folder). A folder
+    without vocabulary files is refused: transformers 5 then builds an empty tokenizer of the config's class, which
+    reads every text as its unknown token."""
+    where = f"`{folder}`" if source is None else f"the folder of model.source `{source}`" + (
+        "" if Path(source).expanduser() == Path(folder) else f" (`{folder}`)")
     if not gguf_file and not any(next(Path(folder).glob(pattern), None) for pattern in TOKENIZER_FILES):
-        where = "" if Path(source).expanduser() == Path(folder) else f" (`{folder}`)"
-        raise UserError(f"The model folder of model.source `{source}`{where} holds no tokenizer files (tokenizer.json, "
-                        "tokenizer.model, vocab.json, ...), so its texts cannot be read. Copy the tokenizer files from "
-                        "the model's repository into it (they come with the weights).")
+        raise UserError(f"{where[0].upper()}{where[1:]} holds no tokenizer files (tokenizer.json, tokenizer.model, "
+                        "vocab.json, ...), so its texts cannot be read. Copy the tokenizer files back from where the "
+                        "model came from (they come with the weights).")
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
     except Exception as err:  # broken files, an unknown tokenizer class
-        raise _unreadable_tokenizer(source, err) from None
+        raise _unreadable_tokenizer(where, err) from None
 
 
-def _unreadable_tokenizer(source: str, err: Exception) -> UserError:
-    return UserError(f"Could not load the tokenizer of model.source `{source}` ({type(err).__name__}: "
-                     f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). "
-                     "Check model.source; token counts need the model's tokenizer.")
+def _unreadable_tokenizer(where: str, err: Exception) -> UserError:
+    return UserError(f"The tokenizer in {where} cannot be loaded ({type(err).__name__}: "
+                     f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else 'no details'}). Restore its "
+                     "tokenizer files from where the model came from, or check model.source; token counts need the "
+                     "model's tokenizer.")
 
 
 def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
