@@ -307,6 +307,18 @@ def test_a_malformed_value_is_a_problem_naming_the_key_not_a_traceback(ax_yaml, 
     assert expected in str(err.value)
 
 
+def test_quoted_true_and_false_are_read_as_axolotls_schema_reads_them(ax_yaml):
+    """A quoted 'false' is text, true to Python: it quantized the model and put LoRA on every linear layer."""
+    cfg = load_config(ax_yaml(adapter="lora", load_in_4bit="'false'", lora_target_linear="'False'",
+                              lora_target_modules="[q_proj, v_proj]", bf16="'true'", gradient_checkpointing="'no'",
+                              sample_packing="'false'"))
+    assert (cfg.model.quantization, cfg.lora.target_modules) == ("none", ["q_proj", "v_proj"])
+    assert (cfg.train.precision, cfg.train.gradient_checkpointing) == ("bf16", False)
+    with pytest.raises(UserError) as err:
+        load_config(ax_yaml(load_in_4bit="'maybe'"))
+    assert "`load_in_4bit`: 'maybe' is not true or false" in str(err.value)
+
+
 def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
     text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    message_property_mappings: [role]")
     with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):

@@ -163,6 +163,17 @@ def test_yaml_spellings_and_older_key_names(lf_yaml):
     assert (cfg.prompt.system_prompt, cfg.prompt.mask_history) == ("be brief", True)
 
 
+def test_quoted_true_false_and_whole_numbers_are_read_as_meant(lf_yaml):
+    """A quoted 'no' is text, true to Python: `bf16: 'no'` with `fp16: 'yes'` was refused as both true; a quoted
+    `quantization_bit: '4'` was refused saying to use 4, and `4.0` became the quantization `4.0bit`."""
+    cfg = load_config(lf_yaml(do_train="'true'", bf16="'no'", fp16="'yes'", pure_bf16="'false'", quantization_bit="'4'"))
+    assert (cfg.train.precision, cfg.model.quantization) == ("fp16", "4bit")
+    assert load_config(lf_yaml(quantization_bit=8.0)).model.quantization == "8bit"
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(use_dora="'sometimes'"))
+    assert "`use_dora`: 'sometimes' is not true or false" in str(err.value)
+
+
 @pytest.mark.parametrize(("val_size", "held_out"), [(500, 500), (100.7, 100), (0.05, 0.05)])
 def test_val_size_above_one_is_a_count_of_rows(lf_yaml, val_size, held_out):
     """LLaMA-Factory's split_dataset holds out int(val_size) rows when val_size > 1; such a file was refused."""

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from emotune.core.config.axolotl_data import chat_template, dataset
-from emotune.core.config.axolotl_keys import IGNORED, KERNEL_PLUGINS, KEY_DEFAULTS, REFUSED
+from emotune.core.config.axolotl_keys import FLAGS, IGNORED, KERNEL_PLUGINS, KEY_DEFAULTS, REFUSED
 from emotune.core.config.base import is_run_name
 from emotune.core.config.build import build_config, read_yaml
 from emotune.core.config.llamafactory_keys import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES
@@ -28,7 +28,9 @@ from emotune.core.config.sft import SftConfig
 from emotune.core.config.translation import (
     Translation,
     adam_settings,
+    as_flag,
     commented_yaml,
+    flags,
     harmless,
     held_out,
     name_list,
@@ -51,7 +53,8 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     file, rest = split_overrides(dict(file), overrides, KEY_DEFAULTS.keys() | REFUSED.keys() | IGNORED.keys())
     t = Translation(overrides=rest, given=set(file))
     t.settings = {key: default for key, (default, _) in KEY_DEFAULTS.items()} | file
-    numbers(t, KEY_DEFAULTS)
+    # gradient_checkpointing may also be `offload`; bf16 `auto` or `full`: read with as_flag where they are used
+    numbers(t, KEY_DEFAULTS, kinds={**dict.fromkeys(FLAGS, bool), "gradient_checkpointing": object} | flags(REFUSED))
     t.raw["task"] = SftConfig.model_fields["task"].default  # the task Axolotl's supervised fine-tuning is
     for step in (_refusals, _model, _method, _notes, dataset, _data_rest, _schedule, _precision, _steps, _output):
         step(t)
@@ -271,6 +274,7 @@ def _schedule(t: Translation) -> None:
 
 def _precision(t: Translation) -> None:
     s = t.settings
+    s["bf16"] = as_flag(s["bf16"])
     bf16 = s["bf16"] in (True, "full")
     if bf16 and s["fp16"]:
         t.problems.append("`bf16` and `fp16` are both true; choose one")
@@ -279,7 +283,7 @@ def _precision(t: Translation) -> None:
     if precision == "auto":
         t.notes.append("bf16: auto: Axolotl trains in bf16 where the GPU has it, else in fp32; emotune's `auto` picks "
                        "fp16 on GPUs without bf16: set train.precision=fp32 there to match.")
-    t.set("train.gradient_checkpointing", bool(s["gradient_checkpointing"]), "gradient_checkpointing")
+    t.set("train.gradient_checkpointing", bool(as_flag(s["gradient_checkpointing"])), "gradient_checkpointing")
 
 
 def _steps(t: Translation) -> None:

@@ -77,6 +77,10 @@ KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "early_stopping_patience": (None, CONFIG),
 }
 
+# The true/false keys whose default is None (unset), so their default's type does not say it
+FLAGS = ("lora_target_linear", "peft_use_rslora", "peft_use_dora", "fp16", "group_by_length",
+         "dataset_exact_deduplication")
+
 PACKING = "emotune trains on one row at a time (padded batches) and does not pack rows together"
 # Keys that would make Axolotl train differently from anything emotune does, and their harmless values.
 REFUSED: dict[str, tuple[Any, str]] = {

@@ -39,6 +39,7 @@ from emotune.core.config.translation import (
     Translation,
     adam_settings,
     commented_yaml,
+    flags,
     harmless,
     held_out,
     name_list,
@@ -65,7 +66,7 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     file, rest = split_overrides(dict(file), overrides, DEFAULTS.keys() | REFUSED.keys() | IGNORED.keys())
     t = Translation(overrides=rest, given=set(file))
     t.settings = {key: default for key, (default, _) in DEFAULTS.items()} | file
-    numbers(t, DEFAULTS)
+    numbers(t, DEFAULTS, kinds={"quantization_bit": int} | flags(REFUSED))
     t.set("task", "sft", "stage")
     for step in (_refusals, _model, _method, _dataset, _schedule, _precision, _steps, _output):
         step(t)

@@ -48,16 +48,47 @@ def split_overrides(file: dict[str, Any], overrides, known) -> tuple[dict[str, A
     return file, rest
 
 
-def numbers(t: Translation, defaults: dict[str, tuple[Any, str]]) -> None:
-    """YAML reads `1e-4` as text; the tools' argument parsers make it the number the field holds."""
-    for key, (default, _) in defaults.items():
-        value = t.settings[key]
-        if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(value, str):
+# the words pydantic (Axolotl's schemas, emotune's own config) reads as true or false; a quoted `'false'` is text,
+# and text is true to Python, so a translator that tests the value would read it as true
+TRUE_WORDS = frozenset({"true", "yes", "on", "y", "t", "1"})
+FALSE_WORDS = frozenset({"false", "no", "off", "n", "f", "0"})
+
+
+def as_flag(value: Any) -> Any:
+    """`'false'`, `'no'`, `'True'` as the true/false they say; any other value as it is."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        return True if word in TRUE_WORDS else False if word in FALSE_WORDS else value
+    return value
+
+
+def numbers(t: Translation, defaults: dict[str, tuple[Any, str]], kinds: dict[str, type] | None = None) -> None:
+    """YAML reads `1e-4` as text, and `'false'` (quoted) is text too; the tools' argument parsers make it the number or
+    the true/false the field holds. A key's kind is its default's type, or `kinds[key]` where the default is None;
+    a key the settings lack (a refused key the file leaves out) is skipped."""
+    kinds = {key: type(default) for key, (default, _) in defaults.items()
+             if isinstance(default, (bool, int, float))} | (kinds or {})
+    for key, kind in kinds.items():
+        value = t.settings.get(key)
+        if kind is bool and isinstance(value, str):
+            t.settings[key] = as_flag(value)
+            if isinstance(t.settings[key], str):
+                t.problems.append(f"`{key}`: {value!r} is not true or false")
+                t.settings[key] = defaults.get(key, (None,))[0]
+        elif kind is int and isinstance(value, float) and value.is_integer():
+            t.settings[key] = int(value)  # `quantization_bit: 4.0`
+        elif kind in (int, float) and isinstance(value, str):
             try:
-                t.settings[key] = float(value) if isinstance(default, float) or "." in value or "e" in value else int(value)
+                t.settings[key] = (float(value) if kind is float or "." in value or "e" in value.lower()
+                                   else int(value))
             except ValueError:
                 t.problems.append(f"`{key}`: {value!r} is not a number")
-                t.settings[key] = default  # so the rest of the translation can go on and find the other problems
+                t.settings[key] = defaults.get(key, (None,))[0]  # so the rest can go on and find the other problems
+
+
+def flags(refused: dict[str, tuple[Any, str]]) -> dict[str, type]:
+    """The refused keys that are true/false (their harmless value is false), so `'false'` is read as false."""
+    return {key: bool for key, (harmless_value, _) in refused.items() if harmless_value is False}
 
 
 def harmless(value: Any, harmless_value: Any) -> bool:
