@@ -319,6 +319,21 @@ def test_quoted_true_and_false_are_read_as_axolotls_schema_reads_them(ax_yaml):
     assert "`load_in_4bit`: 'maybe' is not true or false" in str(err.value)
 
 
+@pytest.mark.parametrize(("path", "expected"), [
+    ("../data/emotion_alpaca.jsonl", "is not a file or folder here (a relative path is read from the folder emotune runs in"),
+    ("/no/such/emotion.jsonl", "is not a file or folder here"),
+    ("emotion_alpaca.jsonl", "is not a file or folder here"),
+    ("file:///data/emotion_alpaca.jsonl", "is not supported: give the file's plain path, without file://"),
+])
+def test_a_missing_local_dataset_path_is_named_not_taken_for_a_hub_id(ax_yaml, tmp_path, monkeypatch, path, expected):
+    """Axolotl tries a path that is not there on the hub; `hf:../data/x.jsonl` was refused as a badly written hub id."""
+    monkeypatch.chdir(tmp_path / "..")  # the data file is in tmp_path, so these relative paths miss it
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(ax_yaml(QLORA_YAML.replace("path: {data}", f"path: {path}")))
+    assert f"`datasets[0].path: {path}` {expected}" in str(err.value)
+    assert load_config(ax_yaml(QLORA_YAML.replace("path: {data}", "path: tatsu-lab/alpaca"))).data.source == "hf:tatsu-lab/alpaca"
+
+
 def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
     text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    message_property_mappings: [role]")
     with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):

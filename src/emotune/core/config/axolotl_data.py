@@ -17,6 +17,8 @@ from emotune.core.config.sft import INPUT_SEPARATOR
 from emotune.core.config.translation import Translation, name_list, show
 
 FIRST = "datasets[0]"
+# the files of rows a hub dataset id never ends in
+LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt")
 REMOTE = ("s3://", "gs://", "gcs://", "az://", "abfs://", "oci://", "http://", "https://")
 # Axolotl's default `roles` (SFTDataset.roles): each side and the role names it accepts
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant"], "system": ["system"], "tool": ["tool"]}
@@ -64,6 +66,12 @@ def dataset(t: Translation) -> None:
     t.ignored += [(f"{FIRST}.{key}", why) for key, why in DATASET_IGNORED.items() if key in entry]
 
 
+def _local_looking(path: str) -> bool:
+    """A path no hub dataset id can be: Axolotl tries a missing local path on the hub, which fails on the name."""
+    return (path.startswith(("/", "./", "../", "~", ".\\")) or "\\" in path or path.count("/") > 1
+            or Path(path).suffix.lower() in LOCAL_SUFFIXES)
+
+
 def _source(t: Translation, entry: dict[str, Any]) -> None:
     path = str(entry["path"])
     files = name_list(entry["data_files"]) if entry.get("data_files") else []
@@ -82,6 +90,12 @@ def _source(t: Translation, entry: dict[str, Any]) -> None:
             t.set("data.source", str(local), f"{FIRST}.path", f"{FIRST}.data_files")
     elif Path(path).expanduser().exists():
         t.set("data.source", path, f"{FIRST}.path", note="a local file or folder")
+    elif path.startswith("file:"):
+        t.problems.append(f"`{FIRST}.path: {path}` is not supported: give the file's plain path, without file://")
+    elif _local_looking(path):
+        t.problems.append(f"`{FIRST}.path: {path}` is not a file or folder here (a relative path is read from the "
+                          f"folder emotune runs in, {Path.cwd()}, as Axolotl reads it) and cannot be a hub dataset's "
+                          "id (owner/name): fix the path")
     else:
         t.set("data.source", f"hf:{path}", f"{FIRST}.path",
               note="not a local path, so a Hugging Face hub dataset, as Axolotl reads it")
