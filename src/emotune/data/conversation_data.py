@@ -115,7 +115,7 @@ def _named_entries(folder: Path, cfg: SftDataConfig) -> list[tuple[str, Entry]]:
                         "data.datasets=[alpaca_en_demo] (several are mixed).")
     problems: list[str] = []
     train = read_entries(folder, cfg.datasets, cfg, problems)
-    test = read_entries(folder, cfg.eval_datasets or [], cfg, problems)
+    test = read_entries(folder, cfg.eval_datasets or [], cfg, problems, key="data.eval_datasets")
     raise_problems("The data", problems)
     return [("all" if not test else "train", e) for e in train] + [("test", e) for e in test]
 
