@@ -214,6 +214,8 @@ def test_config_from_axolotl_writes_an_equivalent_emotune_yaml(ax_yaml, tmp_path
 def test_key_value_overrides_apply_on_top(ax_yaml):
     cfg = load_config(ax_yaml(), ["train.max_steps=7", "lora_r=2", "seed=3", "sequence_len=64"])
     assert (cfg.train.max_steps, cfg.lora.r, cfg.seed, cfg.train.max_length) == (7, 2, 3, 64)
+    with pytest.raises(UserError, match="`micro_batchsize` is not an Axolotl key; did you mean `micro_batch_size`"):
+        load_config(ax_yaml(), ["micro_batchsize=2"])
 
 
 def test_emotune_and_llamafactory_files_are_not_taken_for_axolotl(tmp_path):

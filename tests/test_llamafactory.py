@@ -286,6 +286,12 @@ def test_key_value_overrides_apply_on_top(lf_yaml):
     assert (cfg.train.max_steps, cfg.lora.r, cfg.lora.alpha, cfg.seed) == (7, 2, 4, 3)
     with pytest.raises(UserError, match="`train.max_stepz` is not a config key"):
         load_config(lf_yaml(), ["train.max_stepz=7"])
+    # a misspelt LLaMA-Factory key is named with the key it misses (it was `did you mean lora?`, emotune's section)
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(), ["lora_rnak=16"])
+    assert "`lora_rnak` is not a LLaMA-Factory key; did you mean `lora_rank`?" in str(err.value)
+    with pytest.raises(UserError, match="`nmae` is not a config key; did you mean `name`"):  # emotune's own still
+        load_config(lf_yaml(), ["nmae=x"])
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ from typing import Any
 from emotune.core.config.build import _parse_value, _set_dotted
 from emotune.core.config.run import RunConfigBase
 
+NEAR_MISS = 0.85  # difflib's likeness above which a key the tool lacks is taken for a misspelling of one it has
+
 
 @dataclass
 class Translation:
@@ -37,15 +39,24 @@ class Translation:
 
 
 def split_overrides(file: dict[str, Any], overrides, known) -> tuple[dict[str, Any], list[str]]:
-    """`max_steps=2` (a key of the tool's that emotune's top level lacks) changes the file; the rest are emotune's."""
+    """`max_steps=2` (a key of the tool's that emotune's top level lacks) changes the file; the rest are emotune's.
+    A near miss of the tool's key (`lora_rnak=16`) goes to the file too, where sort_unknown names the key it misses
+    (as an emotune key it would be told of emotune's sections, `did you mean lora?`)."""
     rest = []
     for item in overrides:
         key, sep, value = item.partition("=")
-        if sep and key.strip() in known and key.strip() not in RunConfigBase.model_fields:
-            file[key.strip()] = _parse_value(value)
+        key = key.strip()
+        if sep and key not in RunConfigBase.model_fields and (key in known or _near_miss_of_the_tools(key, known)):
+            file[key] = _parse_value(value)
         else:
             rest.append(item)
     return file, rest
+
+
+def _near_miss_of_the_tools(key: str, known) -> bool:
+    """A plain key (no section) close to one of the tool's keys and to none of emotune's top-level keys."""
+    return ("." not in key and bool(difflib.get_close_matches(key, list(known), n=1, cutoff=NEAR_MISS))
+            and not difflib.get_close_matches(key, list(RunConfigBase.model_fields), n=1, cutoff=NEAR_MISS))
 
 
 # the words pydantic (Axolotl's schemas, emotune's own config) reads as true or false; a quoted `'false'` is text,
@@ -108,7 +119,7 @@ def sort_unknown(t: Translation, file: dict[str, Any], translated, ignored: dict
     for key in file:
         if key in translated:
             continue
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.85) if key not in ignored else []
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=NEAR_MISS) if key not in ignored else []
         if close:
             t.problems.append(f"`{key}` is not {tool} key; did you mean `{close[0]}`?")
         else:
