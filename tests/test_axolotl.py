@@ -336,6 +336,18 @@ def test_a_missing_local_dataset_path_is_named_not_taken_for_a_hub_id(ax_yaml, t
     assert load_config(ax_yaml(QLORA_YAML.replace("path: {data}", "path: tatsu-lab/alpaca"))).data.source == "hf:tatsu-lab/alpaca"
 
 
+def test_chat_template_jinja_is_a_file_a_missing_file_is_named_and_template_text_is_refused(ax_yaml, tmp_path):
+    """A missing file was refused as "not supported as template text", sending the user to write a file they had."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    assert load_config(ax_yaml(chat_template="jinja", chat_template_jinja=str(template))).model.chat_template == str(template)
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(ax_yaml(chat_template="jinja", chat_template_jinja=str(tmp_path / "nope.jinja")))
+    assert f"`chat_template_jinja: {tmp_path / 'nope.jinja'}`: no such file" in str(err.value)
+    with pytest.raises(UserError, match="`chat_template_jinja` is not supported as template text"):
+        load_config(ax_yaml(chat_template="jinja", chat_template_jinja="\"{{ bos_token }}{% for m in messages %}{% endfor %}\""))
+
+
 def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
     text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    message_property_mappings: [role]")
     with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):

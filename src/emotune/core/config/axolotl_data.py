@@ -186,6 +186,9 @@ def chat_template(t: Translation, name: Any, jinja: Any, where: str = "") -> Non
         file = Path(str(jinja)).expanduser()
         if "\n" not in str(jinja) and file.is_file():
             t.set("model.chat_template", str(jinja), f"{where}chat_template_jinja")
+        elif not any(mark in str(jinja) for mark in ("{{", "{%", "\n")):  # a path, not a template
+            t.problems.append(f"`{where}chat_template_jinja: {jinja}`: no such file (a relative path is read from the "
+                              f"folder emotune runs in, {Path.cwd()}); fix the path")
         else:
             t.problems.append(f"`{where}chat_template_jinja` is not supported as template text: write the template "
                               "to a .jinja file and give its path")
