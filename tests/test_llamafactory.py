@@ -174,6 +174,24 @@ def test_quoted_true_false_and_whole_numbers_are_read_as_meant(lf_yaml):
     assert "`use_dora`: 'sometimes' is not true or false" in str(err.value)
 
 
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("max_steps", "[10]", "`max_steps`: [10] is not a number"),
+    ("bf16", "{on: 1}", "`bf16`: {True: 1} is not true or false"),
+    ("optim", "[adamw_torch]", "`optim: ['adamw_torch']` is not supported; emotune has"),
+])
+def test_a_list_or_mapping_where_a_value_goes_is_a_problem_not_a_traceback(lf_yaml, key, value, expected):
+    """`max_steps: [10]` and `optim: [adamw_torch]` raised TypeError out of the translation."""
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(**{key: value}))
+    assert expected in str(err.value)
+
+
+def test_keys_left_empty_are_unset(lf_yaml):
+    """`max_steps:` (null) raised TypeError; `adapter_name_or_path: ' '` raised IndexError."""
+    cfg = load_config(lf_yaml(max_steps="", lora_dropout="null", adapter_name_or_path="' '"))
+    assert (cfg.train.max_steps, cfg.lora.dropout, cfg.lora.adapter) == (-1, 0.0, None)
+
+
 @pytest.mark.parametrize(("val_size", "held_out"), [(500, 500), (100.7, 100), (0.05, 0.05)])
 def test_val_size_above_one_is_a_count_of_rows(lf_yaml, val_size, held_out):
     """LLaMA-Factory's split_dataset holds out int(val_size) rows when val_size > 1; such a file was refused."""

@@ -147,13 +147,12 @@ def _method(t: Translation) -> None:
     if s["additional_target"]:
         t.set("lora.modules_to_save", name_list(s["additional_target"]), "additional_target")
     t.set("lora.use_dora", s["use_dora"], "use_dora")
-    if s["adapter_name_or_path"]:
-        names = name_list(s["adapter_name_or_path"])
-        if len(names) > 1:
-            t.problems.append("`adapter_name_or_path` lists several adapters; emotune trains on from one: merge the "
-                              "others into the base first (`emotune export --merge`)")
-        else:
-            t.set("lora.adapter", names[0], "adapter_name_or_path", note="its score is the run's before")
+    names = name_list(s["adapter_name_or_path"]) if s["adapter_name_or_path"] else []
+    if len(names) > 1:
+        t.problems.append("`adapter_name_or_path` lists several adapters; emotune trains on from one: merge the "
+                          "others into the base first (`emotune export --merge`)")
+    elif names:
+        t.set("lora.adapter", names[0], "adapter_name_or_path", note="its score is the run's before")
     if s["pissa_init"]:
         t.set("lora.init", "pissa", "pissa_init")
         t.set("lora.pissa_iter", s["pissa_iter"], "pissa_iter")
@@ -251,10 +250,10 @@ def _schedule(t: Translation) -> None:
     adam_settings(t)
     t.set("train.group_by_length", bool(s["group_by_length"]), "group_by_length",
           note="rows in the order the shuffle gives" if not s["group_by_length"] else "")
-    if s["optim"] in OPTIMIZERS or s["optim"] in OPTIMIZER_ALIASES:
+    if isinstance(s["optim"], str) and (s["optim"] in OPTIMIZERS or s["optim"] in OPTIMIZER_ALIASES):
         t.set("train.optim", OPTIMIZER_ALIASES.get(s["optim"], s["optim"]), "optim")
     else:
-        t.problems.append(f"`optim: {s['optim']}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
+        t.problems.append(f"`optim: {show(s['optim'])}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
     t.set("eval.batch_size", s["per_device_eval_batch_size"], "per_device_eval_batch_size")
     if s["loraplus_lr_ratio"] is not None:
         t.set("train.loraplus_lr_ratio", s["loraplus_lr_ratio"], "loraplus_lr_ratio")

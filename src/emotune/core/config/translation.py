@@ -81,11 +81,17 @@ def numbers(t: Translation, defaults: dict[str, tuple[Any, str]], kinds: dict[st
              if isinstance(default, (bool, int, float))} | (kinds or {})
     for key, kind in kinds.items():
         value = t.settings.get(key)
-        if kind is bool and isinstance(value, str):
+        default = defaults.get(key, (None,))[0]
+        if kind in (bool, int, float) and isinstance(value, (list, dict)):  # `max_steps: [10]`
+            t.problems.append(f"`{key}`: {value!r} is not " + ("true or false" if kind is bool else "a number"))
+            t.settings[key] = default
+        elif value is None and key in t.settings and default is not None:
+            t.settings[key] = default  # `max_steps:` left empty (or null) is the key unset, as Axolotl's examples write it
+        elif kind is bool and isinstance(value, str):
             t.settings[key] = as_flag(value)
             if isinstance(t.settings[key], str):
                 t.problems.append(f"`{key}`: {value!r} is not true or false")
-                t.settings[key] = defaults.get(key, (None,))[0]
+                t.settings[key] = default
         elif kind is int and isinstance(value, float) and value.is_integer():
             t.settings[key] = int(value)  # `quantization_bit: 4.0`
         elif kind in (int, float) and isinstance(value, str):
@@ -94,7 +100,7 @@ def numbers(t: Translation, defaults: dict[str, tuple[Any, str]], kinds: dict[st
                                    else int(value))
             except ValueError:
                 t.problems.append(f"`{key}`: {value!r} is not a number")
-                t.settings[key] = defaults.get(key, (None,))[0]  # so the rest can go on and find the other problems
+                t.settings[key] = default  # so the rest can go on and find the other problems
 
 
 def flags(refused: dict[str, tuple[Any, str]]) -> dict[str, type]:
