@@ -178,8 +178,11 @@ def test_quoted_true_false_and_whole_numbers_are_read_as_meant(lf_yaml):
     ("max_steps", "[10]", "`max_steps`: [10] is not a number"),
     ("bf16", "{on: 1}", "`bf16`: {True: 1} is not true or false"),
     ("optim", "[adamw_torch]", "`optim: ['adamw_torch']` is not supported; emotune has"),
+    # a share of the steps, as transformers reads it, was refused under the emotune key with no fix
+    ("eval_steps", "0.1", "`eval_steps: 0.1` (a share of the training steps) is not supported: give a number of steps"),
+    ("save_steps", "0.25", "`save_steps: 0.25` (a share of the training steps) is not supported"),
 ])
-def test_a_list_or_mapping_where_a_value_goes_is_a_problem_not_a_traceback(lf_yaml, key, value, expected):
+def test_a_value_of_the_wrong_kind_is_a_problem_naming_the_key(lf_yaml, key, value, expected):
     """`max_steps: [10]` and `optim: [adamw_torch]` raised TypeError out of the translation."""
     with pytest.raises(UserError, match="1 problem") as err:
         load_config(lf_yaml(**{key: value}))

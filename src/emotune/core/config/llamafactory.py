@@ -280,6 +280,11 @@ def _precision(t: Translation) -> None:
 
 def _steps(t: Translation) -> None:
     s = t.settings
+    for key in ("logging_steps", "save_steps", "eval_steps"):
+        if isinstance(s[key], float) and not s[key].is_integer():  # transformers reads a value below 1 so
+            t.problems.append(f"`{key}: {s[key]}` (a share of the training steps) is not supported: give a number of "
+                              f"steps, e.g. {key}: 50")
+            s[key] = DEFAULTS[key][0]  # so the emotune key is not refused a second time
     t.set("train.logging_steps", s["logging_steps"], "logging_steps")
     t.set("train.save_steps", s["save_steps"], "save_steps")
     if s.get("save_total_limit"):  # unset, transformers keeps every checkpoint; that changes nothing learned
