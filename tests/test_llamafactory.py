@@ -195,6 +195,24 @@ def test_keys_left_empty_are_unset(lf_yaml):
     assert (cfg.train.max_steps, cfg.lora.dropout, cfg.lora.adapter) == (-1, 0.0, None)
 
 
+def test_relative_paths_are_read_from_the_folder_emotune_runs_in_and_a_miss_says_so(lf_yaml, tmp_path, monkeypatch):
+    """As LLaMA-Factory reads `dataset_dir: data`. A miss said only "does not exist", so a file run from another
+    folder than the one its paths were written for was not understood."""
+    from emotune.data.conversation_data import load_conversations
+    from emotune.model.loading import resolve_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(lf_yaml(dataset_dir="data"))
+    assert len(load_conversations(cfg.data, cfg.seed).splits["train"]) > 0
+    monkeypatch.chdir(tmp_path / "data")
+    with pytest.raises(UserError, match=re.escape(f"data.source `data` does not exist (a relative path is read from "
+                                                  f"the folder emotune runs in, {tmp_path / 'data'})")):
+        load_conversations(cfg.data, cfg.seed)
+    with pytest.raises(UserError, match=re.escape(f"(a relative path is read from the folder emotune runs in, "
+                                                  f"{tmp_path / 'data'})")):
+        resolve_model_dir(load_config(lf_yaml(model_name_or_path="../models/tiny")).model)
+
+
 @pytest.mark.parametrize(("val_size", "held_out"), [(500, 500), (100.7, 100), (0.05, 0.05)])
 def test_val_size_above_one_is_a_count_of_rows(lf_yaml, val_size, held_out):
     """LLaMA-Factory's split_dataset holds out int(val_size) rows when val_size > 1; such a file was refused."""
