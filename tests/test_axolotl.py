@@ -348,6 +348,20 @@ def test_chat_template_jinja_is_a_file_a_missing_file_is_named_and_template_text
         load_config(ax_yaml(chat_template="jinja", chat_template_jinja="\"{{ bos_token }}{% for m in messages %}{% endfor %}\""))
 
 
+@pytest.mark.parametrize(("typo", "meant"), [("message_property_mapping", "message_property_mappings"),
+                                              ("feild_messages", "field_messages"), ("typ", "type")])
+def test_a_misspelt_dataset_key_is_named_with_the_key_it_misses(ax_yaml, typo, meant):
+    """A misspelt key of a `datasets` entry was dropped silently: the rows were then read with the default turn keys,
+    and refused as rows without `role`, or the type as null."""
+    value = "\n      role: from\n      content: value" if typo == "message_property_mapping" else " dialog"
+    text = QLORA_YAML.replace("    type: alpaca", f"    type: chat_template\n    {typo}:{value}")
+    if typo == "typ":
+        text = QLORA_YAML.replace("    type: alpaca", "    typ: alpaca")
+    with pytest.raises(UserError) as err:
+        load_config(ax_yaml(text))
+    assert f"`datasets[0].{typo}` is not an Axolotl dataset key; did you mean `{meant}`?" in str(err.value)
+
+
 def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
     text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    message_property_mappings: [role]")
     with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):

@@ -9,12 +9,13 @@ and utils.py (handle_legacy_message_fields_logic: role and content default to `r
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any
 
 from emotune.core.config.sft import INPUT_SEPARATOR
-from emotune.core.config.translation import Translation, name_list, show
+from emotune.core.config.translation import NEAR_MISS, Translation, name_list, show
 
 FIRST = "datasets[0]"
 # the files of rows a hub dataset id never ends in
@@ -36,6 +37,10 @@ DATASET_REFUSED: dict[str, tuple[Any, str]] = {
     "field_thinking": (None, "emotune refuses reasoning traces in the rows; remove field_thinking"),
     "logprobs_field": (None, "emotune trains on answers, not on a teacher's log-probabilities"),
 }
+# the keys of a dataset entry this module reads
+DATASET_READ = ("path", "type", "data_files", "revision", "split", "field_messages", "message_property_mappings",
+                "message_field_role", "message_field_content", "roles", "roles_to_train", "train_on_eos",
+                "message_field_training", "chat_template", "chat_template_jinja")
 DATASET_IGNORED = {"ds_type": "emotune reads a file by its ending (.json, .jsonl, .parquet, .csv)",
                    "trust_remote_code": "emotune reads data files and never runs a dataset's code",
                    "preprocess_shards": "a memory setting of Axolotl's; it does not change the rows"}
@@ -52,6 +57,8 @@ def dataset(t: Translation) -> None:
         t.problems.append(f"`datasets` lists {len(entries)} datasets; emotune reads one data source: put the rows in "
                           "one file of one type (or a folder of train/validation/test files) and name it once")
     entry = entries[0]
+    if isinstance(entry, dict):
+        _misspelt_keys(t, entry)
     if not isinstance(entry, dict) or not entry.get("path"):
         t.problems.append("`datasets[0]` has no `path`; give the local file or folder, or the hub dataset's id")
         return
@@ -64,6 +71,16 @@ def dataset(t: Translation) -> None:
         if entry.get(key, harmless) not in (None, False, harmless):
             t.problems.append(f"`{FIRST}.{key}: {show(entry[key])}` is not supported: {why}")
     t.ignored += [(f"{FIRST}.{key}", why) for key, why in DATASET_IGNORED.items() if key in entry]
+
+
+def _misspelt_keys(t: Translation, entry: dict[str, Any]) -> None:
+    """A near miss of a dataset key (`feild_messages`, `message_property_mapping`) is a problem, as at the top level:
+    the setting it meant would be left at its default, and the rows read another way."""
+    known = [*DATASET_READ, *DATASET_REFUSED, *DATASET_IGNORED]
+    for key in entry:
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=NEAR_MISS) if key not in known else []
+        if close:
+            t.problems.append(f"`{FIRST}.{key}` is not an Axolotl dataset key; did you mean `{close[0]}`?")
 
 
 def _local_looking(path: str) -> bool:
