@@ -362,6 +362,18 @@ def test_a_misspelt_dataset_key_is_named_with_the_key_it_misses(ax_yaml, typo, m
     assert f"`datasets[0].{typo}` is not an Axolotl dataset key; did you mean `{meant}`?" in str(err.value)
 
 
+def test_special_tokens_the_tokenizer_has_already_are_accepted_others_refused(ax_yaml, capsys):
+    """Mistral and Llama 2 examples restate the tokenizer's own bos/eos/unk; such a file was refused as a whole."""
+    own = QLORA_YAML.replace('  pad_token: "<pad>"', '  pad_token: "<pad>"\n  bos_token: "<bos>"\n  eos_token: "<eos>"\n'
+                             '  unk_token: "<unk>"')
+    assert load_config(ax_yaml(own)).task == "sft"
+    assert main(["config", "--from-axolotl", str(ax_yaml(own))]) == 0
+    assert "special_tokens.eos_token: the tokenizer's own already" in capsys.readouterr().out
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(ax_yaml(QLORA_YAML.replace('  pad_token: "<pad>"', '  pad_token: "<pad>"\n  eos_token: "<|im_end|>"')))
+    assert "`special_tokens: {'pad_token': '<pad>', 'eos_token': '<|im_end|>'}` is not supported" in str(err.value)
+
+
 def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
     text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    message_property_mappings: [role]")
     with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):

@@ -76,14 +76,7 @@ def _refusals(t: Translation) -> None:
     if s["train_on_inputs"]:
         t.problems.append("`train_on_inputs: true` is not supported: emotune's loss is on the assistant turns only; "
                           "remove train_on_inputs")
-    tokens = s["special_tokens"] if isinstance(s["special_tokens"], dict) else {}
-    others = {key: value for key, value in tokens.items() if key != "pad_token"}
-    if others or (s["special_tokens"] is not None and not isinstance(s["special_tokens"], dict)):
-        t.problems.append(f"`special_tokens: {show(s['special_tokens'])}` is not supported: emotune keeps the "
-                          "tokenizer's special tokens (the chat template's end of turn ends each answer); remove them")
-    elif "pad_token" in tokens:
-        t.ignored.append(("special_tokens.pad_token", "padding is masked out of the loss, so the pad token changes "
-                          "nothing learned; emotune pads with the tokenizer's own (its end-of-text token if it has none)"))
+    _special_tokens(t)
     plugins = name_list(s["plugins"]) if s["plugins"] else []
     kernels = [p for p in plugins if any(k in p.lower() for k in KERNEL_PLUGINS)]
     if kernels:
@@ -91,6 +84,42 @@ def _refusals(t: Translation) -> None:
     if set(plugins) - set(kernels):
         t.problems.append(f"`plugins: {', '.join(p for p in plugins if p not in kernels)}` is not supported: emotune "
                           "runs no Axolotl plugins; remove them")
+
+
+def _special_tokens(t: Translation) -> None:
+    """`special_tokens`: the pad token changes nothing learned, nor does a token the tokenizer has already (Mistral and
+    Llama 2 examples restate `bos_token: "<s>"`, `eos_token: "</s>"`, `unk_token: "<unk>"`); any other is refused."""
+    given = t.settings["special_tokens"]
+    tokens = given if isinstance(given, dict) else {}
+    own = _own_special_tokens(t.settings.get("base_model"))
+    same = [key for key, value in tokens.items() if key != "pad_token" and own.get(key) == value]
+    others = {key: value for key, value in tokens.items() if key != "pad_token" and key not in same}
+    if others or (given is not None and not isinstance(given, dict)):
+        t.problems.append(f"`special_tokens: {show(given)}` is not supported: emotune keeps the tokenizer's special "
+                          "tokens (the chat template's end of turn ends each answer); remove them" +
+                          ("" if own else " (those the tokenizer has already are accepted where base_model is a "
+                                          "local folder, which says what they are)"))
+        return
+    if "pad_token" in tokens:
+        t.ignored.append(("special_tokens.pad_token", "padding is masked out of the loss, so the pad token changes "
+                          "nothing learned; emotune pads with the tokenizer's own (its end-of-text token if it has none)"))
+    t.ignored += [(f"special_tokens.{key}", "the tokenizer's own already") for key in same]
+
+
+def _own_special_tokens(base_model: Any) -> dict[str, str]:
+    """The special tokens of a local base_model folder's tokenizer (`bos_token`: "<s>", ...), read from its files
+    without loading it; none for a hub id or a folder without them."""
+    own: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            found = json.loads((Path(str(base_model)).expanduser() / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for key, value in (found.items() if isinstance(found, dict) else ()):
+            value = value.get("content") if isinstance(value, dict) else value  # {"content": "<s>", "lstrip": ...}
+            if key.endswith("_token") and isinstance(value, str):
+                own.setdefault(key, value)
+    return own
 
 
 def _model(t: Translation) -> None:
