@@ -213,6 +213,16 @@ def test_relative_paths_are_read_from_the_folder_emotune_runs_in_and_a_miss_says
         resolve_model_dir(load_config(lf_yaml(model_name_or_path="../models/tiny")).model)
 
 
+def test_a_dataset_dir_on_the_hub_is_refused_saying_how_to_download_it(lf_yaml):
+    """LLaMA-Factory's examples write `dataset_dir: REMOTE:llamafactory/demo_data`; it was read as a local folder of
+    that name and refused when the data was read, as a path that does not exist."""
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(dataset_dir="REMOTE:llamafactory/demo_data"))
+    assert ("`dataset_dir: REMOTE:llamafactory/demo_data` (dataset_info.json in a hub repository) is not supported; "
+            "download the repository (`hf download llamafactory/demo_data --repo-type dataset --local-dir "
+            "data/demo_data`) and give that folder as dataset_dir") in str(err.value)
+
+
 @pytest.mark.parametrize(("val_size", "held_out"), [(500, 500), (100.7, 100), (0.05, 0.05)])
 def test_val_size_above_one_is_a_count_of_rows(lf_yaml, val_size, held_out):
     """LLaMA-Factory's split_dataset holds out int(val_size) rows when val_size > 1; such a file was refused."""

@@ -196,6 +196,11 @@ def _dataset(t: Translation) -> None:
     if s["dataset_dir"] == "ONLINE":
         t.problems.append("`dataset_dir: ONLINE` is not supported; register the hub datasets in a "
                           "dataset_info.json (hf_hub_url) and give its folder")
+    elif str(s["dataset_dir"]).startswith("REMOTE:"):  # a hub dataset repository holding dataset_info.json
+        repo = str(s["dataset_dir"])[len("REMOTE:"):]
+        t.problems.append(f"`dataset_dir: {s['dataset_dir']}` (dataset_info.json in a hub repository) is not supported; "
+                          f"download the repository (`hf download {repo} --repo-type dataset --local-dir "
+                          f"data/{repo.split('/')[-1]}`) and give that folder as dataset_dir")
     t.set("data.source", str(s["dataset_dir"]), "dataset_dir")
     t.set("data.datasets", names, "dataset")
     _set_dotted(t.raw, "data.input_separator", LLAMAFACTORY_INPUT_SEPARATOR)
