@@ -284,6 +284,23 @@ def test_speed_packing_and_rl_only_keys_are_ignored_with_why(ax_yaml, capsys):
     assert ignored["rl_beta"].startswith("a preference (rl) or reward-model setting")
 
 
+def test_axolotls_swanlab_and_qwen3_5_examples_keys_are_accepted(ax_yaml, capsys):
+    """Keys of Axolotl's examples/swanlab and examples/qwen3.5: `swanlab_project` was refused as a near miss of
+    wandb_project, the SwanLab plugin as a plugin emotune does not run, and `chat_template: qwen3_5` for a Qwen3.5
+    base as another family's template."""
+    from emotune.core.config.axolotl import announce
+
+    path = ax_yaml(plugins="[axolotl.integrations.swanlab.SwanLabPlugin]", use_swanlab="true",
+                   swanlab_project="lora-profiling", swanlab_mode="cloud")
+    assert load_config(path).task == "sft"
+    announce(path)
+    out = capsys.readouterr().out
+    assert "swanlab_project: experiment tracking" in out and "plugins: axolotl.integrations.swanlab.SwanLabPlugin: " \
+        "experiment tracking" in out
+    cfg = load_config(ax_yaml(base_model="Qwen/Qwen3.5-27B", chat_template="qwen3_5"))
+    assert cfg.model.source == "Qwen/Qwen3.5-27B"
+
+
 def test_a_sliced_split_is_refused_saying_what_to_change(ax_yaml):
     """Axolotl's Qwen3 and Gemma examples (their shape) train on `split: train[:20%]`: the refusal says to remove it
     and how to train on fewer rows instead."""

@@ -19,7 +19,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from emotune.core.config.axolotl_data import chat_template, dataset
-from emotune.core.config.axolotl_keys import FLAGS, IGNORED, KERNEL_PLUGINS, KEY_DEFAULTS, REFUSED
+from emotune.core.config.axolotl_keys import (
+    FLAGS,
+    IGNORED,
+    KERNEL_PLUGINS,
+    KEY_DEFAULTS,
+    REFUSED,
+    TRACKER_PLUGINS,
+    TRACKING,
+)
 from emotune.core.config.base import is_run_name
 from emotune.core.config.build import build_config, read_yaml
 from emotune.core.config.llamafactory_keys import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES
@@ -81,9 +89,12 @@ def _refusals(t: Translation) -> None:
     kernels = [p for p in plugins if any(k in p.lower() for k in KERNEL_PLUGINS)]
     if kernels:
         t.ignored.append(("plugins: " + ", ".join(kernels), "the same loss in fewer kernels: speed and memory only"))
-    if set(plugins) - set(kernels):
-        t.problems.append(f"`plugins: {', '.join(p for p in plugins if p not in kernels)}` is not supported: emotune "
-                          "runs no Axolotl plugins; remove them")
+    trackers = [p for p in plugins if any(k in p.lower() for k in TRACKER_PLUGINS)]
+    if trackers:
+        t.ignored.append(("plugins: " + ", ".join(trackers), TRACKING))
+    if set(plugins) - set(kernels) - set(trackers):
+        t.problems.append(f"`plugins: {', '.join(p for p in plugins if p not in kernels + trackers)}` is not supported: "
+                          "emotune runs no Axolotl plugins; remove them")
 
 
 def _special_tokens(t: Translation) -> None:

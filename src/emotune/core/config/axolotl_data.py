@@ -223,7 +223,7 @@ def chat_template(t: Translation, name: Any, jinja: Any, where: str = "") -> Non
 # lower-cased with everything but letters and digits removed (google/gemma-3-270m-it: googlegemma3270mit).
 FAMILY_TEMPLATES = {"gemma": ("gemma2", "gemma7b", "gemma2b"), "gemma3": ("gemma3",), "gemma3n": ("gemma3n",),
                     "gemma4": ("gemma4",), "llama3": ("llama3",), "llama4": ("llama4",), "qwen_25": ("qwen25",),
-                    "qwen3": ("qwen3",), "phi_3": ("phi3",), "phi_35": ("phi35",), "phi_4": ("phi4",)}
+                    "qwen3": ("qwen3",), "qwen3_5": ("qwen35",), "phi_3": ("phi3",), "phi_35": ("phi35",), "phi_4": ("phi4",)}
 
 
 def _family_template(name: Any, base_model: Any) -> bool:
