@@ -301,6 +301,14 @@ def test_axolotls_swanlab_and_qwen3_5_examples_keys_are_accepted(ax_yaml, capsys
     assert cfg.model.source == "Qwen/Qwen3.5-27B"
 
 
+def test_warmup_steps_below_one_is_a_share_of_the_steps(ax_yaml):
+    """transformers 5 reads it so, and Axolotl's examples/expert_parallel write `warmup_steps: 0.1`; it was refused as
+    train.warmup_steps 'must be an integer >= 0'."""
+    train = load_config(ax_yaml(warmup_steps=0.1)).train
+    assert (train.warmup_ratio, train.warmup_steps) == (0.1, 0)
+    assert load_config(ax_yaml(warmup_steps=10)).train.warmup_steps == 10
+
+
 def test_a_sliced_split_is_refused_saying_what_to_change(ax_yaml):
     """Axolotl's Qwen3 and Gemma examples (their shape) train on `split: train[:20%]`: the refusal says to remove it
     and how to train on fewer rows instead."""

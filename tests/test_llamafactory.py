@@ -223,6 +223,12 @@ def test_a_dataset_dir_on_the_hub_is_refused_saying_how_to_download_it(lf_yaml):
             "data/demo_data`) and give that folder as dataset_dir") in str(err.value)
 
 
+def test_warmup_steps_below_one_is_a_share_of_the_steps(lf_yaml):
+    """transformers 5, whose TrainingArguments LLaMA-Factory extends, reads it so; it was refused as train.warmup_steps."""
+    train = load_config(lf_yaml(warmup_steps="0.05")).train
+    assert (train.warmup_ratio, train.warmup_steps) == (0.05, 0)
+
+
 @pytest.mark.parametrize(("val_size", "held_out"), [(500, 500), (100.7, 100), (0.05, 0.05)])
 def test_val_size_above_one_is_a_count_of_rows(lf_yaml, val_size, held_out):
     """LLaMA-Factory's split_dataset holds out int(val_size) rows when val_size > 1; such a file was refused."""

@@ -46,6 +46,7 @@ from emotune.core.config.translation import (
     show,
     sort_unknown,
     split_overrides,
+    warmup_share,
 )
 from emotune.core.config.translation import describe as shared_describe
 from emotune.core.errors import UserError
@@ -293,7 +294,8 @@ def _schedule(t: Translation) -> None:
     else:
         t.problems.append(f"`lr_scheduler: {s['lr_scheduler']}` is not supported; emotune has {', '.join(SCHEDULES)}")
     if s["warmup_steps"] is not None:
-        t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps")
+        if not warmup_share(t):
+            t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps")
     elif s["warmup_ratio"] is not None:
         t.set("train.warmup_ratio", s["warmup_ratio"], "warmup_ratio")
     else:

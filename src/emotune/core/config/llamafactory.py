@@ -47,6 +47,7 @@ from emotune.core.config.translation import (
     show,
     sort_unknown,
     split_overrides,
+    warmup_share,
     with_overrides,
 )
 from emotune.core.config.translation import describe as shared_describe
@@ -248,8 +249,9 @@ def _schedule(t: Translation) -> None:
     else:
         t.problems.append(f"`lr_scheduler_type: {s['lr_scheduler_type']}` is not supported; emotune has "
                           f"{', '.join(SCHEDULES)}")
-    t.set("train.warmup_ratio", s["warmup_ratio"], "warmup_ratio")
-    t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps", note="when above 0 it replaces warmup_ratio")
+    if not warmup_share(t):
+        t.set("train.warmup_ratio", s["warmup_ratio"], "warmup_ratio")
+        t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps", note="when above 0 it replaces warmup_ratio")
     t.set("train.weight_decay", s["weight_decay"], "weight_decay")
     t.set("train.max_grad_norm", s["max_grad_norm"], "max_grad_norm")
     adam_settings(t)

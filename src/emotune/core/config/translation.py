@@ -186,6 +186,22 @@ def show(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def warmup_share(t: Translation, key: str = "warmup_steps") -> bool:
+    """transformers (5) reads a `warmup_steps` below 1 as a share of the training steps, as Axolotl's examples write
+    it (`warmup_steps: 0.1`): set as train.warmup_ratio, and True; False for a number of steps."""
+    value = t.settings[key]
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    if isinstance(value, float) and 0 < value < 1:
+        t.set("train.warmup_ratio", value, key, note="below 1: a share of the steps, as transformers reads it")
+        t.set("train.warmup_steps", 0, key)
+        return True
+    return False
+
+
 def adam_settings(t: Translation) -> None:
     """transformers' `adam_beta1`, `adam_beta2` and `adam_epsilon` (both tools pass them to the trainer as they are;
     left out, transformers' defaults, which are emotune's) as train.adam_*."""
