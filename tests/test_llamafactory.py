@@ -468,6 +468,26 @@ def test_llamafactory_files_of_other_commands_are_named_as_what_they_are(lf_yaml
         assert says in str(err.value)
 
 
+def test_launcher_files_beside_the_training_file_are_named_as_what_they_are(tmp_path, capsys, monkeypatch):
+    """An accelerate config (LLaMA-Factory's examples/accelerate) or a DeepSpeed JSON (examples/deepspeed) given as the
+    config got a 'not a config key' line per key (`use_cpu`: did you mean `sweep`?)."""
+    accelerate = tmp_path / "fsdp_config.yaml"
+    accelerate.write_text("compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\n"
+                          "fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\nmachine_rank: 0\nmain_training_function: "
+                          "main\nmixed_precision: bf16\nnum_machines: 1\nnum_processes: 2\nuse_cpu: false\n", encoding="utf-8")
+    deepspeed = tmp_path / "ds_z3_config.json"
+    deepspeed.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                                     "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)  # where a run would write runs/
+    for path, says in ((accelerate, "is an accelerate config (compute_environment, distributed_type"),
+                       (deepspeed, "is a DeepSpeed config (zero_optimization")):
+        assert main(["run", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "not a config key" not in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_dataset_info_json_saved_with_a_byte_order_mark_is_read(lf_yaml, lf_folder):
     """Windows editors save UTF-8 with a byte-order mark: the ranking entry went unnoticed here (the file unread)."""
     info = lf_folder / "dataset_info.json"
