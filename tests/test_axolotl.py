@@ -309,6 +309,11 @@ def test_warmup_steps_below_one_is_a_share_of_the_steps(ax_yaml):
     assert load_config(ax_yaml(warmup_steps=10)).train.warmup_steps == 10
 
 
+def test_emotune_keys_inside_an_axolotl_file_are_refused_not_ignored(ax_yaml):
+    with pytest.raises(UserError, match="`lora` is emotune's key, not an Axolotl key, so this file does not read it"):
+        load_config(ax_yaml(QLORA_YAML + "lora:\n  r: 4\n"))
+
+
 def test_a_sliced_split_is_refused_saying_what_to_change(ax_yaml):
     """Axolotl's Qwen3 and Gemma examples (their shape) train on `split: train[:20%]`: the refusal says to remove it
     and how to train on fewer rows instead."""

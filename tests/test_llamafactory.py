@@ -229,6 +229,18 @@ def test_warmup_steps_below_one_is_a_share_of_the_steps(lf_yaml):
     assert (train.warmup_ratio, train.warmup_steps) == (0.05, 0)
 
 
+def test_emotune_keys_inside_a_llamafactory_file_are_refused_not_ignored(lf_yaml):
+    """`train: {max_steps: 2}` in a LLaMA-Factory file was listed as 'not a LLaMA-Factory key emotune translates' and
+    the run trained LLaMA-Factory's 3 epochs."""
+    text = LORA_SFT_YAML + "train:\n  max_steps: 2\ndevice: cpu\n"
+    with pytest.raises(UserError, match="2 problems") as err:
+        load_config(lf_yaml(text))
+    assert ("`train` is emotune's key, not a LLaMA-Factory key, so this file does not read it: give it as an override "
+            "(`train.KEY=VALUE`), or save the translation with `emotune config --from-llamafactory FILE > run.yaml`") \
+        in str(err.value)
+    assert "(`device=cpu`)" in str(err.value)
+
+
 @pytest.mark.parametrize(("val_size", "held_out"), [(500, 500), (100.7, 100), (0.05, 0.05)])
 def test_val_size_above_one_is_a_count_of_rows(lf_yaml, val_size, held_out):
     """LLaMA-Factory's split_dataset holds out int(val_size) rows when val_size > 1; such a file was refused."""

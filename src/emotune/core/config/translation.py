@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from emotune.core.config.build import _parse_value, _set_dotted
+from emotune.core.config.build import TASK_CONFIGS, _parse_value, _set_dotted
 from emotune.core.config.run import RunConfigBase
 
+# the `emotune config --from-...` option of each tool, by the article and name sort_unknown is given
+FROM = {"a LLaMA-Factory": "llamafactory", "an Axolotl": "axolotl"}
 NEAR_MISS = 0.85  # difflib's likeness above which a key the tool lacks is taken for a misspelling of one it has
 
 
@@ -122,8 +124,15 @@ def sort_unknown(t: Translation, file: dict[str, Any], translated, ignored: dict
     """Each key not translated: a near miss of a known key is a problem (one setting silently left at its default);
     the rest are listed as ignored, with why."""
     known = [*translated, *ignored]
+    emotune_keys = {key for schema in TASK_CONFIGS.values() for key in schema.model_fields}
     for key in file:
         if key in translated:
+            continue
+        if key in emotune_keys and key not in ignored:  # `train: {max_steps: 2}` was listed as ignored, and trained on
+            override = f"{key}.KEY=VALUE" if isinstance(file[key], dict) else f"{key}={show(file[key])}"
+            t.problems.append(f"`{key}` is emotune's key, not {tool} key, so this file does not read it: give it as an "
+                              f"override (`{override}`), or save the translation with `emotune config "
+                              f"--from-{FROM[tool]} FILE > run.yaml` and edit that")
             continue
         close = difflib.get_close_matches(str(key), known, n=1, cutoff=NEAR_MISS) if key not in ignored else []
         if close:
