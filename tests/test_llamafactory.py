@@ -190,9 +190,13 @@ def test_a_value_of_the_wrong_kind_is_a_problem_naming_the_key(lf_yaml, key, val
 
 
 def test_keys_left_empty_are_unset(lf_yaml):
-    """`max_steps:` (null) raised TypeError; `adapter_name_or_path: ' '` raised IndexError."""
+    """`max_steps:` (null) raised TypeError; `adapter_name_or_path: ' '` raised IndexError; `lora_target:` became the
+    target module "None", `dataset_dir:` the data folder "None" and `model_revision:` the revision "None"."""
     cfg = load_config(lf_yaml(max_steps="", lora_dropout="null", adapter_name_or_path="' '"))
     assert (cfg.train.max_steps, cfg.lora.dropout, cfg.lora.adapter) == (-1, 0.0, None)
+    cfg = load_config(lf_yaml(lora_target="", model_revision="", lr_scheduler_type=""))
+    assert (cfg.lora.target_modules, cfg.model.revision, cfg.train.lr_scheduler_type) == ("all-linear", "main", "linear")
+    assert load_config(lf_yaml(dataset_dir="")).data.source == "data"  # LLaMA-Factory's default folder
 
 
 def test_relative_paths_are_read_from_the_folder_emotune_runs_in_and_a_miss_says_so(lf_yaml, tmp_path, monkeypatch):

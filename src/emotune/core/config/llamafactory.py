@@ -66,7 +66,8 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     """The emotune `task: sft` config a LLaMA-Factory file means; refusals go to `problems`, not raised."""
     file, rest = split_overrides(dict(file), overrides, DEFAULTS.keys() | REFUSED.keys() | IGNORED.keys())
     t = Translation(overrides=rest, given=set(file))
-    t.settings = {key: default for key, (default, _) in DEFAULTS.items()} | file
+    # a key left empty (`lora_target:`) is the key unset: it became the text "None" (a target module, a data folder)
+    t.settings = {key: default for key, (default, _) in DEFAULTS.items()} | {k: v for k, v in file.items() if v is not None}
     numbers(t, DEFAULTS, kinds={"quantization_bit": int} | flags(REFUSED))
     t.set("task", "sft", "stage")
     for step in (_refusals, _model, _method, _dataset, _schedule, _precision, _steps, _output):
