@@ -314,6 +314,14 @@ def test_emotune_keys_inside_an_axolotl_file_are_refused_not_ignored(ax_yaml):
         load_config(ax_yaml(QLORA_YAML + "lora:\n  r: 4\n"))
 
 
+def test_keys_left_empty_are_unset_but_bf16_left_empty_is_not_auto(ax_yaml):
+    """`output_dir:` left empty made the run folder ./None; `optimizer:` and `lr_scheduler:` were refused as None,
+    which Axolotl reads as its defaults."""
+    cfg = load_config(ax_yaml(output_dir="", optimizer="", lr_scheduler="", bf16=""))
+    assert (cfg.output_dir, cfg.name) == (".", "model-out")
+    assert (cfg.train.optim, cfg.train.lr_scheduler_type, cfg.train.precision) == ("adamw_torch_fused", "cosine", "fp32")
+
+
 def test_a_sliced_split_is_refused_saying_what_to_change(ax_yaml):
     """Axolotl's Qwen3 and Gemma examples (their shape) train on `split: train[:20%]`: the refusal says to remove it
     and how to train on fewer rows instead."""

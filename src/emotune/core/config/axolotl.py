@@ -61,7 +61,10 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     """The emotune `task: sft` config an Axolotl file means; refusals go to `problems`, not raised."""
     file, rest = split_overrides(dict(file), overrides, KEY_DEFAULTS.keys() | REFUSED.keys() | IGNORED.keys())
     t = Translation(overrides=rest, given=set(file))
-    t.settings = {key: default for key, (default, _) in KEY_DEFAULTS.items()} | file
+    # a key left empty (`output_dir:`, as Axolotl's examples leave keys) is the key unset: output_dir became the run
+    # folder ./None; but `bf16:` empty is not Axolotl's `auto`, it trains in fp32
+    t.settings = {key: default for key, (default, _) in KEY_DEFAULTS.items()} | {
+        key: value for key, value in file.items() if value is not None or key == "bf16"}
     # gradient_checkpointing may also be `offload`; bf16 `auto` or `full`: read with as_flag where they are used
     numbers(t, KEY_DEFAULTS, kinds={**dict.fromkeys(FLAGS, bool), "gradient_checkpointing": object} | flags(REFUSED))
     t.raw["task"] = SftConfig.model_fields["task"].default  # the task Axolotl's supervised fine-tuning is
