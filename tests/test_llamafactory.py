@@ -504,6 +504,17 @@ def test_launcher_files_beside_the_training_file_are_named_as_what_they_are(tmp_
     assert not (tmp_path / "runs").exists()
 
 
+def test_export_given_a_llamafactory_merge_file_says_it_takes_a_run_folder(lf_yaml, capsys):
+    """`emotune export merge_lora.yaml` (examples/merge_lora's shape) said the file "holds no emotune adapter ... in
+    the folder and in adapter/"."""
+    path = lf_yaml("model_name_or_path: {model}\nadapter_name_or_path: saves/lora/sft\ntemplate: gemma3\n"
+                   "export_dir: merged\nexport_size: 5\n")
+    assert main(["export", str(path), "--merge"]) == 2
+    err = capsys.readouterr().err
+    assert f"`{path}` is a file, not a folder: give a finished run folder (runs/<name>)" in err
+    assert "Traceback" not in err
+
+
 def test_a_dataset_info_json_saved_with_a_byte_order_mark_is_read(lf_yaml, lf_folder):
     """Windows editors save UTF-8 with a byte-order mark: the ranking entry went unnoticed here (the file unread)."""
     info = lf_folder / "dataset_info.json"
