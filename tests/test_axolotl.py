@@ -412,6 +412,17 @@ def test_special_tokens_the_tokenizer_has_already_are_accepted_others_refused(ax
     assert "`special_tokens: {'pad_token': '<pad>', 'eos_token': '<|im_end|>'}` is not supported" in str(err.value)
 
 
+def test_dataset_keys_emotune_does_not_read_are_listed_as_ignored(ax_yaml, capsys):
+    """`system_prompt` and `system_format` of an alpaca entry (they change Axolotl's prompt) were dropped unsaid."""
+    from emotune.core.config.axolotl import announce
+
+    announce(ax_yaml(QLORA_YAML.replace("    type: alpaca", "    type: alpaca\n    system_prompt: Be brief.\n"
+                                                         "    system_format: '<<SYS>> [system] <</SYS>>'")))
+    ignored = capsys.readouterr().out.split("Ignored keys:")[1].split("Notes:")[0]
+    assert "datasets[0].system_prompt: not a dataset key emotune translates" in ignored
+    assert "datasets[0].system_format: not a dataset key emotune translates" in ignored
+
+
 def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
     text = QLORA_YAML.replace("    type: alpaca", "    type: chat_template\n    message_property_mappings: [role]")
     with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):

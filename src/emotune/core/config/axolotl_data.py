@@ -75,12 +75,17 @@ def dataset(t: Translation) -> None:
 
 def _misspelt_keys(t: Translation, entry: dict[str, Any]) -> None:
     """A near miss of a dataset key (`feild_messages`, `message_property_mapping`) is a problem, as at the top level:
-    the setting it meant would be left at its default, and the rows read another way."""
+    the setting it meant would be left at its default, and the rows read another way. Any other key emotune does not
+    read is listed as ignored, as at the top level (it was left out of the printed translation, unsaid)."""
     known = [*DATASET_READ, *DATASET_REFUSED, *DATASET_IGNORED]
     for key in entry:
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=NEAR_MISS) if key not in known else []
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=NEAR_MISS)
         if close:
             t.problems.append(f"`{FIRST}.{key}` is not an Axolotl dataset key; did you mean `{close[0]}`?")
+        else:
+            t.ignored.append((f"{FIRST}.{key}", "not a dataset key emotune translates"))
 
 
 def _local_looking(path: str) -> bool:
