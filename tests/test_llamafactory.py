@@ -270,6 +270,10 @@ def test_refusals_name_their_keys_all_at_once(lf_yaml):
     ({"val_size": 0.7}, "`val_size: 0.7` is not supported"),
     ({"template": "gemma33"}, "`template: gemma33` is not a LLaMA-Factory template; did you mean gemma3?"),
     ({"template": "llama3"}, "`template: llama3` writes <|start_header_id|> turns"),
+    # these families' turns were not compared, so a Gemma model passed with them
+    ({"template": "deepseek3"}, "`template: deepseek3` writes <｜User｜> turns"),
+    ({"template": "phi4"}, "`template: phi4` writes <|im_sep|> turns"),
+    ({"template": "glm4"}, "`template: glm4` writes <|user|> turns"),
     ({"learning_rate": "fast"}, "`learning_rate`: 'fast' is not a number"),
     # keys that were ignored as "not a LLaMA-Factory key emotune translates" although they change what is learned,
     # or are a typo of one it translates (left at its default without a word; LLaMA-Factory refuses unknown keys)
