@@ -486,6 +486,10 @@ def test_llamafactory_files_of_other_commands_are_named_as_what_they_are(lf_yaml
         with pytest.raises(UserError, match="1 problem") as err:  # the missing dataset is not a second problem
             load_config(lf_yaml(text))
         assert says in str(err.value)
+    # given to `emotune eval`, a predict file was told to use `emotune eval CONFIG`: it now says what CONFIG must hold
+    assert main(["eval", str(lf_yaml(cases[2][0]))]) == 2
+    assert "make it a training file (do_train: true and a dataset; its eval_dataset is the test split) and run " \
+        "`emotune eval FILE adapter=ADAPTER_DIR`" in capsys.readouterr().err
 
 
 def test_launcher_files_beside_the_training_file_are_named_as_what_they_are(tmp_path, capsys, monkeypatch):

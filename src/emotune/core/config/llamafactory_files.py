@@ -37,8 +37,10 @@ def not_training(given: set[str], settings: dict[str, Any]) -> str:
                 "its base, it does not train. emotune merges a finished run with `emotune export RUN_FOLDER --merge`; "
                 "to train, give a training file (do_train: true, dataset)")
     if kind == "predict":
+        # it said "or alone with `emotune eval CONFIG`", which is what was refused when the file was given to eval
         return ("`do_predict` without do_train only evaluates, with `llamafactory-cli train`; emotune measures the "
-                "model before and after every run, or alone with `emotune eval CONFIG`. To train, add do_train: true")
+                "model before and after every run. To measure an adapter alone, make it a training file (do_train: true "
+                "and a dataset; its eval_dataset is the test split) and run `emotune eval FILE adapter=ADAPTER_DIR`")
     if kind == "chat":
         return ("this is a `llamafactory-cli chat`/`api` file (a model to talk to, no do_train and no dataset): it "
                 "trains nothing. emotune serves a finished run with `emotune serve RUN_FOLDER` (an OpenAI-compatible "
