@@ -214,6 +214,8 @@ def test_config_from_axolotl_writes_an_equivalent_emotune_yaml(ax_yaml, tmp_path
 def test_key_value_overrides_apply_on_top(ax_yaml):
     cfg = load_config(ax_yaml(), ["train.max_steps=7", "lora_r=2", "seed=3", "sequence_len=64"])
     assert (cfg.train.max_steps, cfg.lora.r, cfg.seed, cfg.train.max_length) == (7, 2, 3, 64)
+    with pytest.raises(UserError, match="`micro_batchsize` is not an Axolotl key; did you mean `micro_batch_size`"):
+        load_config(ax_yaml(), ["micro_batchsize=2"])
 
 
 def test_emotune_and_llamafactory_files_are_not_taken_for_axolotl(tmp_path):
@@ -282,6 +284,44 @@ def test_speed_packing_and_rl_only_keys_are_ignored_with_why(ax_yaml, capsys):
     assert ignored["rl_beta"].startswith("a preference (rl) or reward-model setting")
 
 
+def test_axolotls_swanlab_and_qwen3_5_examples_keys_are_accepted(ax_yaml, capsys):
+    """Keys of Axolotl's examples/swanlab and examples/qwen3.5: `swanlab_project` was refused as a near miss of
+    wandb_project, the SwanLab plugin as a plugin emotune does not run, and `chat_template: qwen3_5` for a Qwen3.5
+    base as another family's template."""
+    from emotune.core.config.axolotl import announce
+
+    path = ax_yaml(plugins="[axolotl.integrations.swanlab.SwanLabPlugin]", use_swanlab="true",
+                   swanlab_project="lora-profiling", swanlab_mode="cloud")
+    assert load_config(path).task == "sft"
+    announce(path)
+    out = capsys.readouterr().out
+    assert "swanlab_project: experiment tracking" in out and "plugins: axolotl.integrations.swanlab.SwanLabPlugin: " \
+        "experiment tracking" in out
+    cfg = load_config(ax_yaml(base_model="Qwen/Qwen3.5-27B", chat_template="qwen3_5"))
+    assert cfg.model.source == "Qwen/Qwen3.5-27B"
+
+
+def test_warmup_steps_below_one_is_a_share_of_the_steps(ax_yaml):
+    """transformers 5 reads it so, and Axolotl's examples/expert_parallel write `warmup_steps: 0.1`; it was refused as
+    train.warmup_steps 'must be an integer >= 0'."""
+    train = load_config(ax_yaml(warmup_steps=0.1)).train
+    assert (train.warmup_ratio, train.warmup_steps) == (0.1, 0)
+    assert load_config(ax_yaml(warmup_steps=10)).train.warmup_steps == 10
+
+
+def test_emotune_keys_inside_an_axolotl_file_are_refused_not_ignored(ax_yaml):
+    with pytest.raises(UserError, match="`lora` is emotune's key, not an Axolotl key, so this file does not read it"):
+        load_config(ax_yaml(QLORA_YAML + "lora:\n  r: 4\n"))
+
+
+def test_keys_left_empty_are_unset_but_bf16_left_empty_is_not_auto(ax_yaml):
+    """`output_dir:` left empty made the run folder ./None; `optimizer:` and `lr_scheduler:` were refused as None,
+    which Axolotl reads as its defaults."""
+    cfg = load_config(ax_yaml(output_dir="", optimizer="", lr_scheduler="", bf16=""))
+    assert (cfg.output_dir, cfg.name) == (".", "model-out")
+    assert (cfg.train.optim, cfg.train.lr_scheduler_type, cfg.train.precision) == ("adamw_torch_fused", "cosine", "fp32")
+
+
 def test_a_sliced_split_is_refused_saying_what_to_change(ax_yaml):
     """Axolotl's Qwen3 and Gemma examples (their shape) train on `split: train[:20%]`: the refusal says to remove it
     and how to train on fewer rows instead."""
@@ -305,6 +345,82 @@ def test_a_malformed_value_is_a_problem_naming_the_key_not_a_traceback(ax_yaml, 
     with pytest.raises(UserError) as err:
         load_config(ax_yaml(**{key: value}))
     assert expected in str(err.value)
+
+
+def test_quoted_true_and_false_are_read_as_axolotls_schema_reads_them(ax_yaml):
+    """A quoted 'false' is text, true to Python: it quantized the model and put LoRA on every linear layer."""
+    cfg = load_config(ax_yaml(adapter="lora", load_in_4bit="'false'", lora_target_linear="'False'",
+                              lora_target_modules="[q_proj, v_proj]", bf16="'true'", gradient_checkpointing="'no'",
+                              sample_packing="'false'"))
+    assert (cfg.model.quantization, cfg.lora.target_modules) == ("none", ["q_proj", "v_proj"])
+    assert (cfg.train.precision, cfg.train.gradient_checkpointing) == ("bf16", False)
+    with pytest.raises(UserError) as err:
+        load_config(ax_yaml(load_in_4bit="'maybe'"))
+    assert "`load_in_4bit`: 'maybe' is not true or false" in str(err.value)
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("../data/emotion_alpaca.jsonl", "is not a file or folder here (a relative path is read from the folder emotune runs in"),
+    ("/no/such/emotion.jsonl", "is not a file or folder here"),
+    ("emotion_alpaca.jsonl", "is not a file or folder here"),
+    ("file:///data/emotion_alpaca.jsonl", "is not supported: give the file's plain path, without file://"),
+])
+def test_a_missing_local_dataset_path_is_named_not_taken_for_a_hub_id(ax_yaml, tmp_path, monkeypatch, path, expected):
+    """Axolotl tries a path that is not there on the hub; `hf:../data/x.jsonl` was refused as a badly written hub id."""
+    monkeypatch.chdir(tmp_path / "..")  # the data file is in tmp_path, so these relative paths miss it
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(ax_yaml(QLORA_YAML.replace("path: {data}", f"path: {path}")))
+    assert f"`datasets[0].path: {path}` {expected}" in str(err.value)
+    assert load_config(ax_yaml(QLORA_YAML.replace("path: {data}", "path: tatsu-lab/alpaca"))).data.source == "hf:tatsu-lab/alpaca"
+
+
+def test_chat_template_jinja_is_a_file_a_missing_file_is_named_and_template_text_is_refused(ax_yaml, tmp_path):
+    """A missing file was refused as "not supported as template text", sending the user to write a file they had."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    assert load_config(ax_yaml(chat_template="jinja", chat_template_jinja=str(template))).model.chat_template == str(template)
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(ax_yaml(chat_template="jinja", chat_template_jinja=str(tmp_path / "nope.jinja")))
+    assert f"`chat_template_jinja: {tmp_path / 'nope.jinja'}`: no such file" in str(err.value)
+    with pytest.raises(UserError, match="`chat_template_jinja` is not supported as template text"):
+        load_config(ax_yaml(chat_template="jinja", chat_template_jinja="\"{{ bos_token }}{% for m in messages %}{% endfor %}\""))
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("message_property_mapping", "message_property_mappings"),
+                                              ("feild_messages", "field_messages"), ("typ", "type")])
+def test_a_misspelt_dataset_key_is_named_with_the_key_it_misses(ax_yaml, typo, meant):
+    """A misspelt key of a `datasets` entry was dropped silently: the rows were then read with the default turn keys,
+    and refused as rows without `role`, or the type as null."""
+    value = "\n      role: from\n      content: value" if typo == "message_property_mapping" else " dialog"
+    text = QLORA_YAML.replace("    type: alpaca", f"    type: chat_template\n    {typo}:{value}")
+    if typo == "typ":
+        text = QLORA_YAML.replace("    type: alpaca", "    typ: alpaca")
+    with pytest.raises(UserError) as err:
+        load_config(ax_yaml(text))
+    assert f"`datasets[0].{typo}` is not an Axolotl dataset key; did you mean `{meant}`?" in str(err.value)
+
+
+def test_special_tokens_the_tokenizer_has_already_are_accepted_others_refused(ax_yaml, capsys):
+    """Mistral and Llama 2 examples restate the tokenizer's own bos/eos/unk; such a file was refused as a whole."""
+    own = QLORA_YAML.replace('  pad_token: "<pad>"', '  pad_token: "<pad>"\n  bos_token: "<bos>"\n  eos_token: "<eos>"\n'
+                             '  unk_token: "<unk>"')
+    assert load_config(ax_yaml(own)).task == "sft"
+    assert main(["config", "--from-axolotl", str(ax_yaml(own))]) == 0
+    assert "special_tokens.eos_token: the tokenizer's own already" in capsys.readouterr().out
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(ax_yaml(QLORA_YAML.replace('  pad_token: "<pad>"', '  pad_token: "<pad>"\n  eos_token: "<|im_end|>"')))
+    assert "`special_tokens: {'pad_token': '<pad>', 'eos_token': '<|im_end|>'}` is not supported" in str(err.value)
+
+
+def test_dataset_keys_emotune_does_not_read_are_listed_as_ignored(ax_yaml, capsys):
+    """`system_prompt` and `system_format` of an alpaca entry (they change Axolotl's prompt) were dropped unsaid."""
+    from emotune.core.config.axolotl import announce
+
+    announce(ax_yaml(QLORA_YAML.replace("    type: alpaca", "    type: alpaca\n    system_prompt: Be brief.\n"
+                                                         "    system_format: '<<SYS>> [system] <</SYS>>'")))
+    ignored = capsys.readouterr().out.split("Ignored keys:")[1].split("Notes:")[0]
+    assert "datasets[0].system_prompt: not a dataset key emotune translates" in ignored
+    assert "datasets[0].system_format: not a dataset key emotune translates" in ignored
 
 
 def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):

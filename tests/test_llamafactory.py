@@ -163,6 +163,88 @@ def test_yaml_spellings_and_older_key_names(lf_yaml):
     assert (cfg.prompt.system_prompt, cfg.prompt.mask_history) == ("be brief", True)
 
 
+def test_quoted_true_false_and_whole_numbers_are_read_as_meant(lf_yaml):
+    """A quoted 'no' is text, true to Python: `bf16: 'no'` with `fp16: 'yes'` was refused as both true; a quoted
+    `quantization_bit: '4'` was refused saying to use 4, and `4.0` became the quantization `4.0bit`."""
+    cfg = load_config(lf_yaml(do_train="'true'", bf16="'no'", fp16="'yes'", pure_bf16="'false'", quantization_bit="'4'"))
+    assert (cfg.train.precision, cfg.model.quantization) == ("fp16", "4bit")
+    assert load_config(lf_yaml(quantization_bit=8.0)).model.quantization == "8bit"
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(use_dora="'sometimes'"))
+    assert "`use_dora`: 'sometimes' is not true or false" in str(err.value)
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("max_steps", "[10]", "`max_steps`: [10] is not a number"),
+    ("bf16", "{on: 1}", "`bf16`: {True: 1} is not true or false"),
+    ("optim", "[adamw_torch]", "`optim: ['adamw_torch']` is not supported; emotune has"),
+    # a share of the steps, as transformers reads it, was refused under the emotune key with no fix
+    ("eval_steps", "0.1", "`eval_steps: 0.1` (a share of the training steps) is not supported: give a number of steps"),
+    ("save_steps", "0.25", "`save_steps: 0.25` (a share of the training steps) is not supported"),
+])
+def test_a_value_of_the_wrong_kind_is_a_problem_naming_the_key(lf_yaml, key, value, expected):
+    """`max_steps: [10]` and `optim: [adamw_torch]` raised TypeError out of the translation."""
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(**{key: value}))
+    assert expected in str(err.value)
+
+
+def test_keys_left_empty_are_unset(lf_yaml):
+    """`max_steps:` (null) raised TypeError; `adapter_name_or_path: ' '` raised IndexError; `lora_target:` became the
+    target module "None", `dataset_dir:` the data folder "None" and `model_revision:` the revision "None"."""
+    cfg = load_config(lf_yaml(max_steps="", lora_dropout="null", adapter_name_or_path="' '"))
+    assert (cfg.train.max_steps, cfg.lora.dropout, cfg.lora.adapter) == (-1, 0.0, None)
+    cfg = load_config(lf_yaml(lora_target="", model_revision="", lr_scheduler_type=""))
+    assert (cfg.lora.target_modules, cfg.model.revision, cfg.train.lr_scheduler_type) == ("all-linear", "main", "linear")
+    assert load_config(lf_yaml(dataset_dir="")).data.source == "data"  # LLaMA-Factory's default folder
+
+
+def test_relative_paths_are_read_from_the_folder_emotune_runs_in_and_a_miss_says_so(lf_yaml, tmp_path, monkeypatch):
+    """As LLaMA-Factory reads `dataset_dir: data`. A miss said only "does not exist", so a file run from another
+    folder than the one its paths were written for was not understood."""
+    from emotune.data.conversation_data import load_conversations
+    from emotune.model.loading import resolve_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(lf_yaml(dataset_dir="data"))
+    assert len(load_conversations(cfg.data, cfg.seed).splits["train"]) > 0
+    monkeypatch.chdir(tmp_path / "data")
+    with pytest.raises(UserError, match=re.escape(f"data.source `data` does not exist (a relative path is read from "
+                                                  f"the folder emotune runs in, {tmp_path / 'data'})")):
+        load_conversations(cfg.data, cfg.seed)
+    with pytest.raises(UserError, match=re.escape(f"(a relative path is read from the folder emotune runs in, "
+                                                  f"{tmp_path / 'data'})")):
+        resolve_model_dir(load_config(lf_yaml(model_name_or_path="../models/tiny")).model)
+
+
+def test_a_dataset_dir_on_the_hub_is_refused_saying_how_to_download_it(lf_yaml):
+    """LLaMA-Factory's examples write `dataset_dir: REMOTE:llamafactory/demo_data`; it was read as a local folder of
+    that name and refused when the data was read, as a path that does not exist."""
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(dataset_dir="REMOTE:llamafactory/demo_data"))
+    assert ("`dataset_dir: REMOTE:llamafactory/demo_data` (dataset_info.json in a hub repository) is not supported; "
+            "download the repository (`hf download llamafactory/demo_data --repo-type dataset --local-dir "
+            "data/demo_data`) and give that folder as dataset_dir") in str(err.value)
+
+
+def test_warmup_steps_below_one_is_a_share_of_the_steps(lf_yaml):
+    """transformers 5, whose TrainingArguments LLaMA-Factory extends, reads it so; it was refused as train.warmup_steps."""
+    train = load_config(lf_yaml(warmup_steps="0.05")).train
+    assert (train.warmup_ratio, train.warmup_steps) == (0.05, 0)
+
+
+def test_emotune_keys_inside_a_llamafactory_file_are_refused_not_ignored(lf_yaml):
+    """`train: {max_steps: 2}` in a LLaMA-Factory file was listed as 'not a LLaMA-Factory key emotune translates' and
+    the run trained LLaMA-Factory's 3 epochs."""
+    text = LORA_SFT_YAML + "train:\n  max_steps: 2\ndevice: cpu\n"
+    with pytest.raises(UserError, match="2 problems") as err:
+        load_config(lf_yaml(text))
+    assert ("`train` is emotune's key, not a LLaMA-Factory key, so this file does not read it: give it as an override "
+            "(`train.KEY=VALUE`), or save the translation with `emotune config --from-llamafactory FILE > run.yaml`") \
+        in str(err.value)
+    assert "(`device=cpu`)" in str(err.value)
+
+
 @pytest.mark.parametrize(("val_size", "held_out"), [(500, 500), (100.7, 100), (0.05, 0.05)])
 def test_val_size_above_one_is_a_count_of_rows(lf_yaml, val_size, held_out):
     """LLaMA-Factory's split_dataset holds out int(val_size) rows when val_size > 1; such a file was refused."""
@@ -188,6 +270,10 @@ def test_refusals_name_their_keys_all_at_once(lf_yaml):
     ({"val_size": 0.7}, "`val_size: 0.7` is not supported"),
     ({"template": "gemma33"}, "`template: gemma33` is not a LLaMA-Factory template; did you mean gemma3?"),
     ({"template": "llama3"}, "`template: llama3` writes <|start_header_id|> turns"),
+    # these families' turns were not compared, so a Gemma model passed with them
+    ({"template": "deepseek3"}, "`template: deepseek3` writes <｜User｜> turns"),
+    ({"template": "phi4"}, "`template: phi4` writes <|im_sep|> turns"),
+    ({"template": "glm4"}, "`template: glm4` writes <|user|> turns"),
     ({"learning_rate": "fast"}, "`learning_rate`: 'fast' is not a number"),
     # keys that were ignored as "not a LLaMA-Factory key emotune translates" although they change what is learned,
     # or are a typo of one it translates (left at its default without a word; LLaMA-Factory refuses unknown keys)
@@ -275,6 +361,12 @@ def test_key_value_overrides_apply_on_top(lf_yaml):
     assert (cfg.train.max_steps, cfg.lora.r, cfg.lora.alpha, cfg.seed) == (7, 2, 4, 3)
     with pytest.raises(UserError, match="`train.max_stepz` is not a config key"):
         load_config(lf_yaml(), ["train.max_stepz=7"])
+    # a misspelt LLaMA-Factory key is named with the key it misses (it was `did you mean lora?`, emotune's section)
+    with pytest.raises(UserError, match="1 problem") as err:
+        load_config(lf_yaml(), ["lora_rnak=16"])
+    assert "`lora_rnak` is not a LLaMA-Factory key; did you mean `lora_rank`?" in str(err.value)
+    with pytest.raises(UserError, match="`nmae` is not a config key; did you mean `name`"):  # emotune's own still
+        load_config(lf_yaml(), ["nmae=x"])
 
 
 @pytest.mark.slow
@@ -394,6 +486,41 @@ def test_llamafactory_files_of_other_commands_are_named_as_what_they_are(lf_yaml
         with pytest.raises(UserError, match="1 problem") as err:  # the missing dataset is not a second problem
             load_config(lf_yaml(text))
         assert says in str(err.value)
+    # given to `emotune eval`, a predict file was told to use `emotune eval CONFIG`: it now says what CONFIG must hold
+    assert main(["eval", str(lf_yaml(cases[2][0]))]) == 2
+    assert "make it a training file (do_train: true and a dataset; its eval_dataset is the test split) and run " \
+        "`emotune eval FILE adapter=ADAPTER_DIR`" in capsys.readouterr().err
+
+
+def test_launcher_files_beside_the_training_file_are_named_as_what_they_are(tmp_path, capsys, monkeypatch):
+    """An accelerate config (LLaMA-Factory's examples/accelerate) or a DeepSpeed JSON (examples/deepspeed) given as the
+    config got a 'not a config key' line per key (`use_cpu`: did you mean `sweep`?)."""
+    accelerate = tmp_path / "fsdp_config.yaml"
+    accelerate.write_text("compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\n"
+                          "fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\nmachine_rank: 0\nmain_training_function: "
+                          "main\nmixed_precision: bf16\nnum_machines: 1\nnum_processes: 2\nuse_cpu: false\n", encoding="utf-8")
+    deepspeed = tmp_path / "ds_z3_config.json"
+    deepspeed.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                                     "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)  # where a run would write runs/
+    for path, says in ((accelerate, "is an accelerate config (compute_environment, distributed_type"),
+                       (deepspeed, "is a DeepSpeed config (zero_optimization")):
+        assert main(["run", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "not a config key" not in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_export_given_a_llamafactory_merge_file_says_it_takes_a_run_folder(lf_yaml, capsys):
+    """`emotune export merge_lora.yaml` (examples/merge_lora's shape) said the file "holds no emotune adapter ... in
+    the folder and in adapter/"."""
+    path = lf_yaml("model_name_or_path: {model}\nadapter_name_or_path: saves/lora/sft\ntemplate: gemma3\n"
+                   "export_dir: merged\nexport_size: 5\n")
+    assert main(["export", str(path), "--merge"]) == 2
+    err = capsys.readouterr().err
+    assert f"`{path}` is a file, not a folder: give a finished run folder (runs/<name>)" in err
+    assert "Traceback" not in err
 
 
 def test_a_dataset_info_json_saved_with_a_byte_order_mark_is_read(lf_yaml, lf_folder):

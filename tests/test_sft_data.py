@@ -249,8 +249,11 @@ def test_dataset_info_mixes_two_datasets_and_takes_eval_dataset(tmp_path):
         _data(tmp_path, "data.datasets=[prefs]")
     with pytest.raises(UserError, match="name the datasets"):
         _data(tmp_path)
-    with pytest.raises(UserError, match="does not define"):
+    with pytest.raises(UserError, match="data.datasets names `nope`, which .* does not define"):
         _data(tmp_path, "data.datasets=[nope]")
+    # the test split's name was reported as data.datasets', the key that was right (LLaMA-Factory's eval_dataset)
+    with pytest.raises(UserError, match="data.eval_datasets names `nope`, which .* does not define"):
+        _data(tmp_path, "data.datasets=[a]", "data.eval_datasets=[nope]")
 
 
 def _fake_hub(calls: list):

@@ -30,3 +30,11 @@ def raise_problems(subject: str, problems: list[str], fix: str = "") -> None:
     lines = [p if p.endswith((".", "?", "!")) else p + "." for p in problems]
     head = f"{subject} has 1 problem:" if len(lines) == 1 else f"{subject} has {len(lines)} problems:"
     raise UserError("\n".join([head, *(f"  - {line}" for line in lines), *([fix] if fix else [])]))
+
+
+def read_from(path: str) -> str:
+    """Where a relative path that is not there was looked for: the folder emotune runs in, not the config file's
+    (as LLaMA-Factory and Axolotl read theirs), said so that a run started from another folder is understood."""
+    from pathlib import Path
+
+    return "" if Path(path).expanduser().is_absolute() else f" (a relative path is read from the folder emotune runs in, {Path.cwd()})"

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from emotune.core.config.data import CleaningConfig
 from emotune.core.config.sft import SftCleaningConfig, SftDataConfig
-from emotune.core.errors import UserError, listed, raise_problems
+from emotune.core.errors import UserError, listed, raise_problems, read_from
 from emotune.data import clean, gemini
 from emotune.data import splits as split_ops
 from emotune.data.conversations import (
@@ -97,8 +97,9 @@ def _entries(cfg: SftDataConfig) -> list[tuple[str, Entry]]:
     if folder.is_file():
         return [("all", plain(folder.name, [folder]))]
     if not folder.is_dir():
-        raise UserError(f"data.source `{cfg.source}` does not exist. Give a JSON/JSONL/Parquet file, a folder of split "
-                        "files, a folder with LLaMA-Factory's dataset_info.json, `embedded`, or a hub dataset (hf:owner/name).")
+        raise UserError(f"data.source `{cfg.source}` does not exist{read_from(cfg.source)}. Give a JSON/JSONL/Parquet "
+                        "file, a folder of split files, a folder with LLaMA-Factory's dataset_info.json, `embedded`, or a "
+                        "hub dataset (hf:owner/name).")
     if is_saved_dataset(folder):  # before dataset_info.json: save_to_disk writes a file of that name too
         return [(split, plain(f"{split} ({folder.name})", [path])) for split, path in saved_splits(folder).items()]
     if has_dataset_info(folder):
@@ -115,7 +116,7 @@ def _named_entries(folder: Path, cfg: SftDataConfig) -> list[tuple[str, Entry]]:
                         "data.datasets=[alpaca_en_demo] (several are mixed).")
     problems: list[str] = []
     train = read_entries(folder, cfg.datasets, cfg, problems)
-    test = read_entries(folder, cfg.eval_datasets or [], cfg, problems)
+    test = read_entries(folder, cfg.eval_datasets or [], cfg, problems, key="data.eval_datasets")
     raise_problems("The data", problems)
     return [("all" if not test else "train", e) for e in train] + [("test", e) for e in test]
 

@@ -55,8 +55,10 @@ def has_dataset_info(folder: Path) -> bool:
     return not (isinstance(info, dict) and {"builder_name", "features", "splits"} <= set(info))
 
 
-def read_entries(folder: Path, names: list[str], cfg: SftDataConfig, problems: list[str]) -> list[Entry]:
-    """The named entries of `folder/dataset_info.json`, resolved to local files; problems are appended."""
+def read_entries(folder: Path, names: list[str], cfg: SftDataConfig, problems: list[str],
+                 key: str = "data.datasets") -> list[Entry]:
+    """The named entries of `folder/dataset_info.json`, resolved to local files; problems are appended, naming `key`,
+    the config key that names them (data.datasets, or data.eval_datasets)."""
     path = folder / INFO_FILE
     try:
         info = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -67,7 +69,7 @@ def read_entries(folder: Path, names: list[str], cfg: SftDataConfig, problems: l
     entries = []
     for name in names:
         if name not in info:
-            problems.append(f"data.datasets names `{name}`, which `{path}` does not define (it defines: "
+            problems.append(f"{key} names `{name}`, which `{path}` does not define (it defines: "
                             f"{', '.join(info) or 'nothing'})")
             continue
         entry = _entry(name, info[name], folder, cfg, problems)

@@ -240,6 +240,10 @@ def find_artifact(target: str | Path, name: str | None = None, fallback: Fallbac
     if not target.exists():
         raise UserError(f"`{target}` does not exist, so it is neither an adapter folder nor a run folder. Give a run "
                         f"folder (runs/<name>), an export folder, or an adapter folder holding {PEFT_CONFIG}.")
+    if target.is_file():  # `emotune export merge_lora.yaml`, LLaMA-Factory's way, was told the file "holds no adapter"
+        raise UserError(f"`{target}` is a file, not a folder: give a finished run folder (runs/<name>), the output of "
+                        "`emotune export`, or a PEFT adapter folder. A config file is no adapter: train it with `emotune "
+                        "run CONFIG`, then `emotune export runs/<name> --merge` does what `llamafactory-cli export` does.")
     run = RunDir(target)
     candidates = [(run.adapter, False), (run.model, True), (target, False), (target / "merged", True), (target, True)]
     for folder, merged in candidates:

@@ -15,7 +15,7 @@ from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from emotune.core.config.model import ModelConfig
-from emotune.core.errors import UserError
+from emotune.core.errors import UserError, read_from
 from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.core.rundir import atomic_dir, json_text, remove_stale_partials
 from emotune.model import quantization
@@ -80,8 +80,8 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                             "from it, or export a merged model (emotune export RUN --merge) and point model.source at it.")
         raise UserError(f"model.source `{source}` is a folder without config.json, so it is not a Hugging Face "
                         "model folder. Point it at the folder that holds config.json and the weights, or at a .gguf file.")
-    raise UserError(f"model.source `{source}` is neither `embedded`, an existing folder, a .gguf file, nor a hub id "
-                    "(`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded.")
+    raise UserError(f"model.source `{source}` is neither `embedded`, an existing folder{read_from(source)}, a .gguf "
+                    "file, nor a hub id (`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded.")
 
 
 def looks_like_hub_id(source: str) -> bool:

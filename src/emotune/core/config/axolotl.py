@@ -19,7 +19,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from emotune.core.config.axolotl_data import chat_template, dataset
-from emotune.core.config.axolotl_keys import IGNORED, KERNEL_PLUGINS, KEY_DEFAULTS, REFUSED
+from emotune.core.config.axolotl_keys import (
+    FLAGS,
+    IGNORED,
+    KERNEL_PLUGINS,
+    KEY_DEFAULTS,
+    REFUSED,
+    TRACKER_PLUGINS,
+    TRACKING,
+)
 from emotune.core.config.base import is_run_name
 from emotune.core.config.build import build_config, read_yaml
 from emotune.core.config.llamafactory_keys import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES
@@ -28,7 +36,9 @@ from emotune.core.config.sft import SftConfig
 from emotune.core.config.translation import (
     Translation,
     adam_settings,
+    as_flag,
     commented_yaml,
+    flags,
     harmless,
     held_out,
     name_list,
@@ -36,6 +46,7 @@ from emotune.core.config.translation import (
     show,
     sort_unknown,
     split_overrides,
+    warmup_share,
 )
 from emotune.core.config.translation import describe as shared_describe
 from emotune.core.errors import UserError
@@ -50,8 +61,12 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     """The emotune `task: sft` config an Axolotl file means; refusals go to `problems`, not raised."""
     file, rest = split_overrides(dict(file), overrides, KEY_DEFAULTS.keys() | REFUSED.keys() | IGNORED.keys())
     t = Translation(overrides=rest, given=set(file))
-    t.settings = {key: default for key, (default, _) in KEY_DEFAULTS.items()} | file
-    numbers(t, KEY_DEFAULTS)
+    # a key left empty (`output_dir:`, as Axolotl's examples leave keys) is the key unset: output_dir became the run
+    # folder ./None; but `bf16:` empty is not Axolotl's `auto`, it trains in fp32
+    t.settings = {key: default for key, (default, _) in KEY_DEFAULTS.items()} | {
+        key: value for key, value in file.items() if value is not None or key == "bf16"}
+    # gradient_checkpointing may also be `offload`; bf16 `auto` or `full`: read with as_flag where they are used
+    numbers(t, KEY_DEFAULTS, kinds={**dict.fromkeys(FLAGS, bool), "gradient_checkpointing": object} | flags(REFUSED))
     t.raw["task"] = SftConfig.model_fields["task"].default  # the task Axolotl's supervised fine-tuning is
     for step in (_refusals, _model, _method, _notes, dataset, _data_rest, _schedule, _precision, _steps, _output):
         step(t)
@@ -73,21 +88,53 @@ def _refusals(t: Translation) -> None:
     if s["train_on_inputs"]:
         t.problems.append("`train_on_inputs: true` is not supported: emotune's loss is on the assistant turns only; "
                           "remove train_on_inputs")
-    tokens = s["special_tokens"] if isinstance(s["special_tokens"], dict) else {}
-    others = {key: value for key, value in tokens.items() if key != "pad_token"}
-    if others or (s["special_tokens"] is not None and not isinstance(s["special_tokens"], dict)):
-        t.problems.append(f"`special_tokens: {show(s['special_tokens'])}` is not supported: emotune keeps the "
-                          "tokenizer's special tokens (the chat template's end of turn ends each answer); remove them")
-    elif "pad_token" in tokens:
-        t.ignored.append(("special_tokens.pad_token", "padding is masked out of the loss, so the pad token changes "
-                          "nothing learned; emotune pads with the tokenizer's own (its end-of-text token if it has none)"))
+    _special_tokens(t)
     plugins = name_list(s["plugins"]) if s["plugins"] else []
     kernels = [p for p in plugins if any(k in p.lower() for k in KERNEL_PLUGINS)]
     if kernels:
         t.ignored.append(("plugins: " + ", ".join(kernels), "the same loss in fewer kernels: speed and memory only"))
-    if set(plugins) - set(kernels):
-        t.problems.append(f"`plugins: {', '.join(p for p in plugins if p not in kernels)}` is not supported: emotune "
-                          "runs no Axolotl plugins; remove them")
+    trackers = [p for p in plugins if any(k in p.lower() for k in TRACKER_PLUGINS)]
+    if trackers:
+        t.ignored.append(("plugins: " + ", ".join(trackers), TRACKING))
+    if set(plugins) - set(kernels) - set(trackers):
+        t.problems.append(f"`plugins: {', '.join(p for p in plugins if p not in kernels + trackers)}` is not supported: "
+                          "emotune runs no Axolotl plugins; remove them")
+
+
+def _special_tokens(t: Translation) -> None:
+    """`special_tokens`: the pad token changes nothing learned, nor does a token the tokenizer has already (Mistral and
+    Llama 2 examples restate `bos_token: "<s>"`, `eos_token: "</s>"`, `unk_token: "<unk>"`); any other is refused."""
+    given = t.settings["special_tokens"]
+    tokens = given if isinstance(given, dict) else {}
+    own = _own_special_tokens(t.settings.get("base_model"))
+    same = [key for key, value in tokens.items() if key != "pad_token" and own.get(key) == value]
+    others = {key: value for key, value in tokens.items() if key != "pad_token" and key not in same}
+    if others or (given is not None and not isinstance(given, dict)):
+        t.problems.append(f"`special_tokens: {show(given)}` is not supported: emotune keeps the tokenizer's special "
+                          "tokens (the chat template's end of turn ends each answer); remove them" +
+                          ("" if own else " (those the tokenizer has already are accepted where base_model is a "
+                                          "local folder, which says what they are)"))
+        return
+    if "pad_token" in tokens:
+        t.ignored.append(("special_tokens.pad_token", "padding is masked out of the loss, so the pad token changes "
+                          "nothing learned; emotune pads with the tokenizer's own (its end-of-text token if it has none)"))
+    t.ignored += [(f"special_tokens.{key}", "the tokenizer's own already") for key in same]
+
+
+def _own_special_tokens(base_model: Any) -> dict[str, str]:
+    """The special tokens of a local base_model folder's tokenizer (`bos_token`: "<s>", ...), read from its files
+    without loading it; none for a hub id or a folder without them."""
+    own: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            found = json.loads((Path(str(base_model)).expanduser() / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for key, value in (found.items() if isinstance(found, dict) else ()):
+            value = value.get("content") if isinstance(value, dict) else value  # {"content": "<s>", "lstrip": ...}
+            if key.endswith("_token") and isinstance(value, str):
+                own.setdefault(key, value)
+    return own
 
 
 def _model(t: Translation) -> None:
@@ -250,7 +297,8 @@ def _schedule(t: Translation) -> None:
     else:
         t.problems.append(f"`lr_scheduler: {s['lr_scheduler']}` is not supported; emotune has {', '.join(SCHEDULES)}")
     if s["warmup_steps"] is not None:
-        t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps")
+        if not warmup_share(t):
+            t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps")
     elif s["warmup_ratio"] is not None:
         t.set("train.warmup_ratio", s["warmup_ratio"], "warmup_ratio")
     else:
@@ -271,6 +319,7 @@ def _schedule(t: Translation) -> None:
 
 def _precision(t: Translation) -> None:
     s = t.settings
+    s["bf16"] = as_flag(s["bf16"])
     bf16 = s["bf16"] in (True, "full")
     if bf16 and s["fp16"]:
         t.problems.append("`bf16` and `fp16` are both true; choose one")
@@ -279,7 +328,7 @@ def _precision(t: Translation) -> None:
     if precision == "auto":
         t.notes.append("bf16: auto: Axolotl trains in bf16 where the GPU has it, else in fp32; emotune's `auto` picks "
                        "fp16 on GPUs without bf16: set train.precision=fp32 there to match.")
-    t.set("train.gradient_checkpointing", bool(s["gradient_checkpointing"]), "gradient_checkpointing")
+    t.set("train.gradient_checkpointing", bool(as_flag(s["gradient_checkpointing"])), "gradient_checkpointing")
 
 
 def _steps(t: Translation) -> None:

@@ -9,14 +9,17 @@ and utils.py (handle_legacy_message_fields_logic: role and content default to `r
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any
 
 from emotune.core.config.sft import INPUT_SEPARATOR
-from emotune.core.config.translation import Translation, name_list, show
+from emotune.core.config.translation import NEAR_MISS, Translation, name_list, show
 
 FIRST = "datasets[0]"
+# the files of rows a hub dataset id never ends in
+LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt")
 REMOTE = ("s3://", "gs://", "gcs://", "az://", "abfs://", "oci://", "http://", "https://")
 # Axolotl's default `roles` (SFTDataset.roles): each side and the role names it accepts
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant"], "system": ["system"], "tool": ["tool"]}
@@ -34,6 +37,10 @@ DATASET_REFUSED: dict[str, tuple[Any, str]] = {
     "field_thinking": (None, "emotune refuses reasoning traces in the rows; remove field_thinking"),
     "logprobs_field": (None, "emotune trains on answers, not on a teacher's log-probabilities"),
 }
+# the keys of a dataset entry this module reads
+DATASET_READ = ("path", "type", "data_files", "revision", "split", "field_messages", "message_property_mappings",
+                "message_field_role", "message_field_content", "roles", "roles_to_train", "train_on_eos",
+                "message_field_training", "chat_template", "chat_template_jinja")
 DATASET_IGNORED = {"ds_type": "emotune reads a file by its ending (.json, .jsonl, .parquet, .csv)",
                    "trust_remote_code": "emotune reads data files and never runs a dataset's code",
                    "preprocess_shards": "a memory setting of Axolotl's; it does not change the rows"}
@@ -50,6 +57,8 @@ def dataset(t: Translation) -> None:
         t.problems.append(f"`datasets` lists {len(entries)} datasets; emotune reads one data source: put the rows in "
                           "one file of one type (or a folder of train/validation/test files) and name it once")
     entry = entries[0]
+    if isinstance(entry, dict):
+        _misspelt_keys(t, entry)
     if not isinstance(entry, dict) or not entry.get("path"):
         t.problems.append("`datasets[0]` has no `path`; give the local file or folder, or the hub dataset's id")
         return
@@ -62,6 +71,27 @@ def dataset(t: Translation) -> None:
         if entry.get(key, harmless) not in (None, False, harmless):
             t.problems.append(f"`{FIRST}.{key}: {show(entry[key])}` is not supported: {why}")
     t.ignored += [(f"{FIRST}.{key}", why) for key, why in DATASET_IGNORED.items() if key in entry]
+
+
+def _misspelt_keys(t: Translation, entry: dict[str, Any]) -> None:
+    """A near miss of a dataset key (`feild_messages`, `message_property_mapping`) is a problem, as at the top level:
+    the setting it meant would be left at its default, and the rows read another way. Any other key emotune does not
+    read is listed as ignored, as at the top level (it was left out of the printed translation, unsaid)."""
+    known = [*DATASET_READ, *DATASET_REFUSED, *DATASET_IGNORED]
+    for key in entry:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=NEAR_MISS)
+        if close:
+            t.problems.append(f"`{FIRST}.{key}` is not an Axolotl dataset key; did you mean `{close[0]}`?")
+        else:
+            t.ignored.append((f"{FIRST}.{key}", "not a dataset key emotune translates"))
+
+
+def _local_looking(path: str) -> bool:
+    """A path no hub dataset id can be: Axolotl tries a missing local path on the hub, which fails on the name."""
+    return (path.startswith(("/", "./", "../", "~", ".\\")) or "\\" in path or path.count("/") > 1
+            or Path(path).suffix.lower() in LOCAL_SUFFIXES)
 
 
 def _source(t: Translation, entry: dict[str, Any]) -> None:
@@ -82,6 +112,12 @@ def _source(t: Translation, entry: dict[str, Any]) -> None:
             t.set("data.source", str(local), f"{FIRST}.path", f"{FIRST}.data_files")
     elif Path(path).expanduser().exists():
         t.set("data.source", path, f"{FIRST}.path", note="a local file or folder")
+    elif path.startswith("file:"):
+        t.problems.append(f"`{FIRST}.path: {path}` is not supported: give the file's plain path, without file://")
+    elif _local_looking(path):
+        t.problems.append(f"`{FIRST}.path: {path}` is not a file or folder here (a relative path is read from the "
+                          f"folder emotune runs in, {Path.cwd()}, as Axolotl reads it) and cannot be a hub dataset's "
+                          "id (owner/name): fix the path")
     else:
         t.set("data.source", f"hf:{path}", f"{FIRST}.path",
               note="not a local path, so a Hugging Face hub dataset, as Axolotl reads it")
@@ -172,6 +208,9 @@ def chat_template(t: Translation, name: Any, jinja: Any, where: str = "") -> Non
         file = Path(str(jinja)).expanduser()
         if "\n" not in str(jinja) and file.is_file():
             t.set("model.chat_template", str(jinja), f"{where}chat_template_jinja")
+        elif not any(mark in str(jinja) for mark in ("{{", "{%", "\n")):  # a path, not a template
+            t.problems.append(f"`{where}chat_template_jinja: {jinja}`: no such file (a relative path is read from the "
+                              f"folder emotune runs in, {Path.cwd()}); fix the path")
         else:
             t.problems.append(f"`{where}chat_template_jinja` is not supported as template text: write the template "
                               "to a .jinja file and give its path")
@@ -189,7 +228,7 @@ def chat_template(t: Translation, name: Any, jinja: Any, where: str = "") -> Non
 # lower-cased with everything but letters and digits removed (google/gemma-3-270m-it: googlegemma3270mit).
 FAMILY_TEMPLATES = {"gemma": ("gemma2", "gemma7b", "gemma2b"), "gemma3": ("gemma3",), "gemma3n": ("gemma3n",),
                     "gemma4": ("gemma4",), "llama3": ("llama3",), "llama4": ("llama4",), "qwen_25": ("qwen25",),
-                    "qwen3": ("qwen3",), "phi_3": ("phi3",), "phi_35": ("phi35",), "phi_4": ("phi4",)}
+                    "qwen3": ("qwen3",), "qwen3_5": ("qwen35",), "phi_3": ("phi3",), "phi_35": ("phi35",), "phi_4": ("phi4",)}
 
 
 def _family_template(name: Any, base_model: Any) -> bool:

@@ -77,6 +77,10 @@ KEY_DEFAULTS: dict[str, tuple[Any, str]] = {
     "early_stopping_patience": (None, CONFIG),
 }
 
+# The true/false keys whose default is None (unset), so their default's type does not say it
+FLAGS = ("lora_target_linear", "peft_use_rslora", "peft_use_dora", "fp16", "group_by_length",
+         "dataset_exact_deduplication")
+
 PACKING = "emotune trains on one row at a time (padded batches) and does not pack rows together"
 # Keys that would make Axolotl train differently from anything emotune does, and their harmless values.
 REFUSED: dict[str, tuple[Any, str]] = {
@@ -137,6 +141,12 @@ IGNORED: dict[str, str] = {
                      "wandb_mode", "use_wandb", "mlflow_tracking_uri", "mlflow_experiment_name", "mlflow_run_name",
                      "use_mlflow", "use_tensorboard", "use_comet", "comet_project_name", "comet_mode",
                      "include_tokens_per_second", "include_tkps", "profiler_steps"), TRACKING),
+    # the keys of Axolotl's SwanLab plugin (integrations/swanlab/args.py); `swanlab_project` read as a near miss of
+    # wandb_project and was refused
+    **dict.fromkeys(("use_swanlab", "swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode",
+                     "swanlab_workspace", "swanlab_api_key", "swanlab_log_model", "swanlab_web_host",
+                     "swanlab_api_host", "swanlab_lark_webhook_url", "swanlab_lark_secret", "swanlab_log_completions",
+                     "swanlab_completion_log_interval", "swanlab_completion_max_buffer"), TRACKING),
     **dict.fromkeys(("flash_attention", "sdp_attention", "xformers_attention", "flex_attention", "s2_attention",
                      "eager_attention", "flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv",
                      "flash_attn_fuse_mlp", "liger_rope", "liger_rms_norm", "liger_glu_activation",
@@ -186,3 +196,5 @@ IGNORED: dict[str, str] = {
 
 # Axolotl's own plugins that change only speed or memory (the same loss, computed in fewer kernels)
 KERNEL_PLUGINS = ("liger", "cut_cross_entropy", "integrations.kernels")
+# Axolotl's plugins that only report the run to a tracker (its keys are in IGNORED)
+TRACKER_PLUGINS = ("integrations.swanlab",)

@@ -39,6 +39,7 @@ from emotune.core.config.translation import (
     Translation,
     adam_settings,
     commented_yaml,
+    flags,
     harmless,
     held_out,
     name_list,
@@ -46,6 +47,7 @@ from emotune.core.config.translation import (
     show,
     sort_unknown,
     split_overrides,
+    warmup_share,
     with_overrides,
 )
 from emotune.core.config.translation import describe as shared_describe
@@ -64,8 +66,9 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     """The emotune `task: sft` config a LLaMA-Factory file means; refusals go to `problems`, not raised."""
     file, rest = split_overrides(dict(file), overrides, DEFAULTS.keys() | REFUSED.keys() | IGNORED.keys())
     t = Translation(overrides=rest, given=set(file))
-    t.settings = {key: default for key, (default, _) in DEFAULTS.items()} | file
-    numbers(t, DEFAULTS)
+    # a key left empty (`lora_target:`) is the key unset: it became the text "None" (a target module, a data folder)
+    t.settings = {key: default for key, (default, _) in DEFAULTS.items()} | {k: v for k, v in file.items() if v is not None}
+    numbers(t, DEFAULTS, kinds={"quantization_bit": int} | flags(REFUSED))
     t.set("task", "sft", "stage")
     for step in (_refusals, _model, _method, _dataset, _schedule, _precision, _steps, _output):
         step(t)
@@ -146,13 +149,12 @@ def _method(t: Translation) -> None:
     if s["additional_target"]:
         t.set("lora.modules_to_save", name_list(s["additional_target"]), "additional_target")
     t.set("lora.use_dora", s["use_dora"], "use_dora")
-    if s["adapter_name_or_path"]:
-        names = name_list(s["adapter_name_or_path"])
-        if len(names) > 1:
-            t.problems.append("`adapter_name_or_path` lists several adapters; emotune trains on from one: merge the "
-                              "others into the base first (`emotune export --merge`)")
-        else:
-            t.set("lora.adapter", names[0], "adapter_name_or_path", note="its score is the run's before")
+    names = name_list(s["adapter_name_or_path"]) if s["adapter_name_or_path"] else []
+    if len(names) > 1:
+        t.problems.append("`adapter_name_or_path` lists several adapters; emotune trains on from one: merge the "
+                          "others into the base first (`emotune export --merge`)")
+    elif names:
+        t.set("lora.adapter", names[0], "adapter_name_or_path", note="its score is the run's before")
     if s["pissa_init"]:
         t.set("lora.init", "pissa", "pissa_init")
         t.set("lora.pissa_iter", s["pissa_iter"], "pissa_iter")
@@ -196,6 +198,11 @@ def _dataset(t: Translation) -> None:
     if s["dataset_dir"] == "ONLINE":
         t.problems.append("`dataset_dir: ONLINE` is not supported; register the hub datasets in a "
                           "dataset_info.json (hf_hub_url) and give its folder")
+    elif str(s["dataset_dir"]).startswith("REMOTE:"):  # a hub dataset repository holding dataset_info.json
+        repo = str(s["dataset_dir"])[len("REMOTE:"):]
+        t.problems.append(f"`dataset_dir: {s['dataset_dir']}` (dataset_info.json in a hub repository) is not supported; "
+                          f"download the repository (`hf download {repo} --repo-type dataset --local-dir "
+                          f"data/{repo.split('/')[-1]}`) and give that folder as dataset_dir")
     t.set("data.source", str(s["dataset_dir"]), "dataset_dir")
     t.set("data.datasets", names, "dataset")
     _set_dotted(t.raw, "data.input_separator", LLAMAFACTORY_INPUT_SEPARATOR)
@@ -243,17 +250,18 @@ def _schedule(t: Translation) -> None:
     else:
         t.problems.append(f"`lr_scheduler_type: {s['lr_scheduler_type']}` is not supported; emotune has "
                           f"{', '.join(SCHEDULES)}")
-    t.set("train.warmup_ratio", s["warmup_ratio"], "warmup_ratio")
-    t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps", note="when above 0 it replaces warmup_ratio")
+    if not warmup_share(t):
+        t.set("train.warmup_ratio", s["warmup_ratio"], "warmup_ratio")
+        t.set("train.warmup_steps", s["warmup_steps"], "warmup_steps", note="when above 0 it replaces warmup_ratio")
     t.set("train.weight_decay", s["weight_decay"], "weight_decay")
     t.set("train.max_grad_norm", s["max_grad_norm"], "max_grad_norm")
     adam_settings(t)
     t.set("train.group_by_length", bool(s["group_by_length"]), "group_by_length",
           note="rows in the order the shuffle gives" if not s["group_by_length"] else "")
-    if s["optim"] in OPTIMIZERS or s["optim"] in OPTIMIZER_ALIASES:
+    if isinstance(s["optim"], str) and (s["optim"] in OPTIMIZERS or s["optim"] in OPTIMIZER_ALIASES):
         t.set("train.optim", OPTIMIZER_ALIASES.get(s["optim"], s["optim"]), "optim")
     else:
-        t.problems.append(f"`optim: {s['optim']}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
+        t.problems.append(f"`optim: {show(s['optim'])}` is not supported; emotune has {', '.join(OPTIMIZERS)}")
     t.set("eval.batch_size", s["per_device_eval_batch_size"], "per_device_eval_batch_size")
     if s["loraplus_lr_ratio"] is not None:
         t.set("train.loraplus_lr_ratio", s["loraplus_lr_ratio"], "loraplus_lr_ratio")
@@ -280,6 +288,11 @@ def _precision(t: Translation) -> None:
 
 def _steps(t: Translation) -> None:
     s = t.settings
+    for key in ("logging_steps", "save_steps", "eval_steps"):
+        if isinstance(s[key], float) and not s[key].is_integer():  # transformers reads a value below 1 so
+            t.problems.append(f"`{key}: {s[key]}` (a share of the training steps) is not supported: give a number of "
+                              f"steps, e.g. {key}: 50")
+            s[key] = DEFAULTS[key][0]  # so the emotune key is not refused a second time
     t.set("train.logging_steps", s["logging_steps"], "logging_steps")
     t.set("train.save_steps", s["save_steps"], "save_steps")
     if s.get("save_total_limit"):  # unset, transformers keeps every checkpoint; that changes nothing learned

@@ -1,6 +1,7 @@
 """Files of other tools that are not LLaMA-Factory v0 training files: LLaMA-Factory's v1 layout (examples/v1), the
-files of its other commands (export, chat/api, do_predict evaluation), Axolotl configs without datasets, and H2O LLM
-Studio configs, each named as what it is, with emotune's way to do it."""
+files of its other commands (export, chat/api, do_predict evaluation), Axolotl configs without datasets, H2O LLM
+Studio configs, and the launcher files beside them (accelerate and DeepSpeed configs), each named as what it is, with
+emotune's way to do it."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def not_training(given: set[str], settings: dict[str, Any]) -> str:
                 "its base, it does not train. emotune merges a finished run with `emotune export RUN_FOLDER --merge`; "
                 "to train, give a training file (do_train: true, dataset)")
     if kind == "predict":
+        # it said "or alone with `emotune eval CONFIG`", which is what was refused when the file was given to eval
         return ("`do_predict` without do_train only evaluates, with `llamafactory-cli train`; emotune measures the "
-                "model before and after every run, or alone with `emotune eval CONFIG`. To train, add do_train: true")
+                "model before and after every run. To measure an adapter alone, make it a training file (do_train: true "
+                "and a dataset; its eval_dataset is the test split) and run `emotune eval FILE adapter=ADAPTER_DIR`")
     if kind == "chat":
         return ("this is a `llamafactory-cli chat`/`api` file (a model to talk to, no do_train and no dataset): it "
                 "trains nothing. emotune serves a finished run with `emotune serve RUN_FOLDER` (an OpenAI-compatible "
@@ -102,3 +105,25 @@ def h2o_lead(file: dict[str, Any], path: str | Path) -> list[str]:
                 f"{columns}; the lines below go through its keys.{chained}")
     return [f"`{path}` is an H2O LLM Studio experiment config (llm_backbone, problem_type, dataset): emotune does not "
             f"read H2O files; {what}"]
+
+
+ACCELERATE_KEYS = ("compute_environment", "distributed_type", "num_processes", "mixed_precision", "fsdp_config")
+DEEPSPEED_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping")
+
+
+def launcher_lead(file: dict[str, Any], path: str | Path) -> list[str]:
+    """The first problem of an accelerate or DeepSpeed config (LLaMA-Factory's examples/accelerate and
+    examples/deepspeed, Axolotl's deepspeed_configs): a launcher's file given as the training config, which was answered
+    with a 'not a config key' line per key. Empty for other files."""
+    accelerate = [key for key in ACCELERATE_KEYS if key in file]
+    if "compute_environment" in file or len(accelerate) >= 2:
+        return [f"`{path}` is an accelerate config ({', '.join(accelerate)}), for `accelerate launch --config_file`, not "
+                "a training config: give emotune a training config (emotune's, LLaMA-Factory's or Axolotl's), and for "
+                "several processes launch `accelerate launch --num_processes N -m emotune train CONFIG` (train.fsdp=true "
+                "to shard the model)."]
+    deepspeed = [key for key in DEEPSPEED_KEYS if key in file]
+    if "zero_optimization" in file or len(deepspeed) >= 2:
+        return [f"`{path}` is a DeepSpeed config ({', '.join(deepspeed)}), not a training config; emotune does not run "
+                "DeepSpeed: give a training config, and for several processes launch `torchrun --nproc_per_node N -m "
+                "emotune train CONFIG` (train.fsdp=true to shard the model)."]
+    return []

@@ -39,6 +39,10 @@ MARKERS: dict[str, tuple[str, ...]] = {
     "<|start_header_id|>": ("llama3",),
     "<|header_start|>": ("llama4",),
     "[INST]": ("mistral", "ministral", "mistral_small", "ministral3", "pixtral", "llama2", "llama2_zh"),
+    # a ChatML model's template passed these unchecked ("not compared"), though they write other turns
+    "<｜User｜>": ("deepseek3", "deepseekr1"),
+    "<|im_sep|>": ("phi4",),
+    "<|user|>": ("phi", "phi_small", "phi4_mini", "glm4", "zephyr"),
 }
 FAMILY = {name: marker for marker, names in MARKERS.items() for name in names}
 

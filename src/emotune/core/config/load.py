@@ -8,8 +8,9 @@ from typing import Any
 
 from emotune.core.config import axolotl, llamafactory
 from emotune.core.config.build import build_config, read_yaml, read_yaml_as_written
-from emotune.core.config.llamafactory_files import axolotl_lead, h2o_lead
+from emotune.core.config.llamafactory_files import axolotl_lead, h2o_lead, launcher_lead
 from emotune.core.config.run import RunConfigBase
+from emotune.core.errors import UserError
 
 # --------------------------------------------------------------------------------------------------
 # Loading: defaults < YAML < key=value
@@ -30,6 +31,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             return llamafactory.load(raw, Path(path), overrides)
         if axolotl.is_axolotl(raw):
             return axolotl.load(raw, Path(path), overrides)
+        launcher = launcher_lead(raw, path)
+        if launcher:  # a launcher's file: its keys are no training settings, so no line per key follows
+            raise UserError(launcher[0])
         written = read_yaml_as_written(Path(path))
     lead = (axolotl_lead(raw, path) or h2o_lead(raw, path)) if path is not None else []
     return build_config(raw, overrides, path, lead, written=written)

@@ -11,8 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from emotune.core.config.build import _parse_value, _set_dotted
+from emotune.core.config.build import TASK_CONFIGS, _parse_value, _set_dotted
 from emotune.core.config.run import RunConfigBase
+
+# the `emotune config --from-...` option of each tool, by the article and name sort_unknown is given
+FROM = {"a LLaMA-Factory": "llamafactory", "an Axolotl": "axolotl"}
+NEAR_MISS = 0.85  # difflib's likeness above which a key the tool lacks is taken for a misspelling of one it has
 
 
 @dataclass
@@ -37,27 +41,73 @@ class Translation:
 
 
 def split_overrides(file: dict[str, Any], overrides, known) -> tuple[dict[str, Any], list[str]]:
-    """`max_steps=2` (a key of the tool's that emotune's top level lacks) changes the file; the rest are emotune's."""
+    """`max_steps=2` (a key of the tool's that emotune's top level lacks) changes the file; the rest are emotune's.
+    A near miss of the tool's key (`lora_rnak=16`) goes to the file too, where sort_unknown names the key it misses
+    (as an emotune key it would be told of emotune's sections, `did you mean lora?`)."""
     rest = []
     for item in overrides:
         key, sep, value = item.partition("=")
-        if sep and key.strip() in known and key.strip() not in RunConfigBase.model_fields:
-            file[key.strip()] = _parse_value(value)
+        key = key.strip()
+        if sep and key not in RunConfigBase.model_fields and (key in known or _near_miss_of_the_tools(key, known)):
+            file[key] = _parse_value(value)
         else:
             rest.append(item)
     return file, rest
 
 
-def numbers(t: Translation, defaults: dict[str, tuple[Any, str]]) -> None:
-    """YAML reads `1e-4` as text; the tools' argument parsers make it the number the field holds."""
-    for key, (default, _) in defaults.items():
-        value = t.settings[key]
-        if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(value, str):
+def _near_miss_of_the_tools(key: str, known) -> bool:
+    """A plain key (no section) close to one of the tool's keys and to none of emotune's top-level keys."""
+    return ("." not in key and bool(difflib.get_close_matches(key, list(known), n=1, cutoff=NEAR_MISS))
+            and not difflib.get_close_matches(key, list(RunConfigBase.model_fields), n=1, cutoff=NEAR_MISS))
+
+
+# the words pydantic (Axolotl's schemas, emotune's own config) reads as true or false; a quoted `'false'` is text,
+# and text is true to Python, so a translator that tests the value would read it as true
+TRUE_WORDS = frozenset({"true", "yes", "on", "y", "t", "1"})
+FALSE_WORDS = frozenset({"false", "no", "off", "n", "f", "0"})
+
+
+def as_flag(value: Any) -> Any:
+    """`'false'`, `'no'`, `'True'` as the true/false they say; any other value as it is."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        return True if word in TRUE_WORDS else False if word in FALSE_WORDS else value
+    return value
+
+
+def numbers(t: Translation, defaults: dict[str, tuple[Any, str]], kinds: dict[str, type] | None = None) -> None:
+    """YAML reads `1e-4` as text, and `'false'` (quoted) is text too; the tools' argument parsers make it the number or
+    the true/false the field holds. A key's kind is its default's type, or `kinds[key]` where the default is None;
+    a key the settings lack (a refused key the file leaves out) is skipped."""
+    kinds = {key: type(default) for key, (default, _) in defaults.items()
+             if isinstance(default, (bool, int, float))} | (kinds or {})
+    for key, kind in kinds.items():
+        value = t.settings.get(key)
+        default = defaults.get(key, (None,))[0]
+        if kind in (bool, int, float) and isinstance(value, (list, dict)):  # `max_steps: [10]`
+            t.problems.append(f"`{key}`: {value!r} is not " + ("true or false" if kind is bool else "a number"))
+            t.settings[key] = default
+        elif value is None and key in t.settings and default is not None:
+            t.settings[key] = default  # `max_steps:` left empty (or null) is the key unset, as Axolotl's examples write it
+        elif kind is bool and isinstance(value, str):
+            t.settings[key] = as_flag(value)
+            if isinstance(t.settings[key], str):
+                t.problems.append(f"`{key}`: {value!r} is not true or false")
+                t.settings[key] = default
+        elif kind is int and isinstance(value, float) and value.is_integer():
+            t.settings[key] = int(value)  # `quantization_bit: 4.0`
+        elif kind in (int, float) and isinstance(value, str):
             try:
-                t.settings[key] = float(value) if isinstance(default, float) or "." in value or "e" in value else int(value)
+                t.settings[key] = (float(value) if kind is float or "." in value or "e" in value.lower()
+                                   else int(value))
             except ValueError:
                 t.problems.append(f"`{key}`: {value!r} is not a number")
-                t.settings[key] = default  # so the rest of the translation can go on and find the other problems
+                t.settings[key] = default  # so the rest can go on and find the other problems
+
+
+def flags(refused: dict[str, tuple[Any, str]]) -> dict[str, type]:
+    """The refused keys that are true/false (their harmless value is false), so `'false'` is read as false."""
+    return {key: bool for key, (harmless_value, _) in refused.items() if harmless_value is False}
 
 
 def harmless(value: Any, harmless_value: Any) -> bool:
@@ -74,10 +124,17 @@ def sort_unknown(t: Translation, file: dict[str, Any], translated, ignored: dict
     """Each key not translated: a near miss of a known key is a problem (one setting silently left at its default);
     the rest are listed as ignored, with why."""
     known = [*translated, *ignored]
+    emotune_keys = {key for schema in TASK_CONFIGS.values() for key in schema.model_fields}
     for key in file:
         if key in translated:
             continue
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.85) if key not in ignored else []
+        if key in emotune_keys and key not in ignored:  # `train: {max_steps: 2}` was listed as ignored, and trained on
+            override = f"{key}.KEY=VALUE" if isinstance(file[key], dict) else f"{key}={show(file[key])}"
+            t.problems.append(f"`{key}` is emotune's key, not {tool} key, so this file does not read it: give it as an "
+                              f"override (`{override}`), or save the translation with `emotune config "
+                              f"--from-{FROM[tool]} FILE > run.yaml` and edit that")
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=NEAR_MISS) if key not in ignored else []
         if close:
             t.problems.append(f"`{key}` is not {tool} key; did you mean `{close[0]}`?")
         else:
@@ -136,6 +193,22 @@ def show(value: Any) -> str:
     if isinstance(value, str) and any(c in value for c in "\n\r\t"):
         return json.dumps(value, ensure_ascii=False)
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def warmup_share(t: Translation, key: str = "warmup_steps") -> bool:
+    """transformers (5) reads a `warmup_steps` below 1 as a share of the training steps, as Axolotl's examples write
+    it (`warmup_steps: 0.1`): set as train.warmup_ratio, and True; False for a number of steps."""
+    value = t.settings[key]
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    if isinstance(value, float) and 0 < value < 1:
+        t.set("train.warmup_ratio", value, key, note="below 1: a share of the steps, as transformers reads it")
+        t.set("train.warmup_steps", 0, key)
+        return True
+    return False
 
 
 def adam_settings(t: Translation) -> None:
