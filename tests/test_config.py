@@ -407,3 +407,20 @@ def test_label_settings_that_cannot_mean_anything_are_refused(overrides, says):
     that differ in case only are one label to the data, which then had no rows for the other."""
     with pytest.raises(UserError, match=re.escape(says)):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "utf-8-sig"])
+def test_a_config_saved_with_a_byte_order_mark_reads_as_its_utf8_text(tmp_path, encoding):
+    """PowerShell's `>` and Windows editors save UTF-16 with a byte-order mark, as YAML allows: such a config was
+    refused as "not UTF-8 text". Bytes that are none of these are still refused."""
+    text = "model:\n  source: embedded\ntrain:\n  max_steps: 7\ndata:\n  label_names: [喜悦, 悲伤]\n"
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    plain, marked = tmp_path / "a" / "job.yaml", tmp_path / "b" / "job.yaml"  # the run's name is the file's
+    plain.write_text(text, encoding="utf-8")
+    marked.write_bytes(("\ufeff" + text).encode(encoding) if encoding == "utf-16-be" else text.encode(encoding))
+    assert dump_config(load_config(marked)) == dump_config(load_config(plain))
+    assert load_config(marked).train.max_steps == 7
+    broken = tmp_path / "broken.yaml"
+    broken.write_bytes(b"train:\n  max_steps: \xff\xfe\n")
+    with pytest.raises(UserError, match="not UTF-8 text"):
+        load_config(broken)

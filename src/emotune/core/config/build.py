@@ -151,13 +151,14 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise UserError(f"`{path}` is a data file, not a config. Give it as data.source after a config, e.g. "
                         f"emotune run configs/cpu-own-data.yaml data.source={path}")
     try:
-        data = parse_yaml(path.read_text(encoding="utf-8"))
+        data = parse_yaml(read_yaml_text(path))
     except (DuplicateKeyError, TooDeepError) as err:
         raise UserError(f"Config file `{path}`: {err}.") from None
     except yaml.YAMLError as err:
         raise UserError(f"Config file `{path}` is not valid YAML: {err}. Fix the syntax at the position shown.") from None
     except UnicodeDecodeError:
-        raise UserError(f"Config file `{path}` is not UTF-8 text. Save it as UTF-8.") from None
+        raise UserError(f"Config file `{path}` is not UTF-8 text (nor UTF-16 or UTF-32 with a byte-order mark). Save it "
+                        "as UTF-8.") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -167,11 +168,23 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"),
+        (b"\xfe\xff", "utf-16"))
+
+
+def read_yaml_text(path: Path) -> str:
+    """A YAML file's text: UTF-8 (a byte-order mark dropped), or UTF-16/32 where a byte-order mark says so, as YAML
+    allows and as Windows tools write it (PowerShell's `>` writes UTF-16)."""
+    raw = path.read_bytes()
+    encoding = next((name for bom, name in BOMS if raw.startswith(bom)), "utf-8-sig")
+    return raw.decode(encoding)
+
+
 def read_yaml_as_written(path: Path) -> dict[str, Any]:
     """The YAML mapping in `path` with every scalar as the text written (`yes`, `1.0` and `007` stay text); call it
     after read_yaml, which has already refused what is not a valid mapping."""
     try:
-        data = parse_yaml(path.read_text(encoding="utf-8"), yaml.BaseLoader)
+        data = parse_yaml(read_yaml_text(path), yaml.BaseLoader)
     except (yaml.YAMLError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
