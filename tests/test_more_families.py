@@ -362,3 +362,30 @@ def test_a_target_list_naming_a_shared_experts_layers_adapts_those_modules_only(
     kept = [0, 1] if layers is None else layers
     assert wrapped == sorted(f"model.layers.{i}.{leaf}" for i in kept for leaf in (
         "self_attn.q_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"))
+
+
+def test_gpt_neo_local_layers_score_whole_rows(tmp_path):
+    """EleutherAI/gpt-neo-125m config.json: hidden 768, 12 layers alternating global and local attention
+    (`attention_layers`, window_size 256), learned positions, tied. Scaled: hidden 64, 2 layers (global, local), window
+    4. Its local layers cut the window from a fixed causal buffer by index: label scoring put the label paths side by
+    side after one prompt, whose indices run past their positions, and a path lost prompt keys inside its window
+    (log-probabilities off by up to 17 against the model's own forward, without an error)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from emotune.eval.scoring import LabelScorer
+    from emotune.model.prefix import cannot_share
+    from families import spread_logits
+    from test_equivalence import SHORT_PROMPT, TEXTS, TRIE_LABELS, brute_force_log_probs
+
+    tokenizer = build_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    model = GPTNeoForCausalLM(GPTNeoConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        window_size=4, max_position_embeddings=512, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model.eval()
+    spread_logits(model, tokenizer)
+    expected = brute_force_log_probs(model, tokenizer, TEXTS, SHORT_PROMPT, TRIE_LABELS)
+    got = LabelScorer(model, tokenizer, SHORT_PROMPT, TRIE_LABELS).log_probs(TEXTS, batch_size=3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert "(local)" in cannot_share(model)
