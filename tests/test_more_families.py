@@ -389,3 +389,24 @@ def test_gpt_neo_local_layers_score_whole_rows(tmp_path):
     got = LabelScorer(model, tokenizer, SHORT_PROMPT, TRIE_LABELS).log_probs(TEXTS, batch_size=3)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert "(local)" in cannot_share(model)
+
+
+def test_checkpointing_a_model_transformers_cannot_checkpoint_is_refused_before_the_run(data_dir, tmp_path, capsys):
+    """jetmoe/jetmoe-8b config.json: hidden 2,048, 24 layers, mixture-of-attention-heads and 8 MLP experts (2 per token),
+    a class transformers marks `supports_gradient_checkpointing = False`. Scaled: hidden 64, 2 layers, 4 experts.
+    `train.gradient_checkpointing=true` stopped the run with transformers' ValueError after the baseline evaluation."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    def jetmoe(tokenizer):
+        return JetMoeForCausalLM(JetMoeConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                              num_key_value_heads=2, kv_channels=16, intermediate_size=64,
+                                              num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                              eos_token_id=tokenizer.eos_token_id))
+
+    model_dir = _saved(jetmoe, tmp_path / "jetmoe")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "gc")
+    assert main(["run", *overrides, "train.gradient_checkpointing=true"]) == 2
+    err = capsys.readouterr().err
+    assert "JetMoeForCausalLM does not support gradient checkpointing" in err and "Traceback" not in err
+    assert "train.gradient_checkpointing=auto" in err and not (tmp_path / "runs" / "gc").exists()

@@ -45,6 +45,7 @@ from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
 from emotune.train import compiling, optim
 from emotune.train.batches import describe_shared_prefix, share_prefix
+from emotune.train.pass_size import check_checkpointing
 
 
 class Context:
@@ -73,7 +74,8 @@ class Context:
         self.data = self.task.load_data(self.cfg)
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
-            causal_lm_class(AutoConfig.from_pretrained(model_dir))  # refuses encoder models before the run folder
+            model_config = AutoConfig.from_pretrained(model_dir)
+            check_checkpointing(self.cfg.train, causal_lm_class(model_config), model_config)  # refuses encoders too
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model, announce=True)
             dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)
             check_attention(self.cfg.model, model_dir, self.device, dtype)
