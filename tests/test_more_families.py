@@ -410,3 +410,38 @@ def test_checkpointing_a_model_transformers_cannot_checkpoint_is_refused_before_
     err = capsys.readouterr().err
     assert "JetMoeForCausalLM does not support gradient checkpointing" in err and "Traceback" not in err
     assert "train.gradient_checkpointing=auto" in err and not (tmp_path / "runs" / "gc").exists()
+
+
+def test_recurrent_gemma_scores_and_trains_under_its_own_soft_cap(tmp_path):
+    """google/recurrentgemma-2b config.json: hidden 2,560, 26 layers (recurrent, recurrent, local attention of 2,048),
+    10 heads / 1 KV head, final logits soft-capped at 30 under the name `logits_soft_cap` (Gemma's is
+    `final_logit_softcapping`), tied. Scaled: hidden 64, 3 layers, window 8; the cap as released. Label scores came
+    without the cap, and the chunked loss (SFT, more than CHUNK_TOKENS positions a pass) capped the hidden states
+    instead of the logits: the model's forward caps by dividing by the field unconditionally, so it cannot be
+    suspended; that model takes the one-projection path."""
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    from emotune.eval.scoring import LabelScorer
+    from emotune.model.text import logit_softcap
+    from emotune.train.batches import collate, completion_loss
+    from families import spread_logits
+    from test_equivalence import SHORT_PROMPT, TEXTS, TRIE_LABELS, brute_force_log_probs, classify_rows, reference_update
+
+    tokenizer = build_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    model = RecurrentGemmaForCausalLM(RecurrentGemmaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=64, attention_window_size=8, logits_soft_cap=30.0,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model.eval()
+    spread_logits(model, tokenizer)
+    texts = TEXTS[1:3]  # a short and a long one (past the window)
+    expected = brute_force_log_probs(model, tokenizer, texts, SHORT_PROMPT, TRIE_LABELS)
+    got = LabelScorer(model, tokenizer, SHORT_PROMPT, TRIE_LABELS).log_probs(texts, batch_size=2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    rows = classify_rows(tokenizer, n=3)
+    own, _ = reference_update(model, rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        parts = completion_loss(model, collate(rows, tokenizer.pad_token_id, CPU), chunk_tokens=5)
+    assert float(parts.loss_sum) / parts.tokens == pytest.approx(own, rel=1e-5)
+    assert logit_softcap(model) == 30.0
