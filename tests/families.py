@@ -500,11 +500,12 @@ def build(name: str, tokenizer_dir: Path):
 
 def final_norm(model) -> torch.nn.Module:
     """The text model's last norm, before the output projection: `norm`, or GPT-2's and Falcon's `ln_f`, GPT-NeoX's
-    `final_layer_norm`, Phi-2's `final_layernorm`, MPT's `norm_f`, LFM2's `embedding_norm` (run last, despite its name)."""
+    `final_layer_norm`, Phi-2's `final_layernorm`, MPT's `norm_f`, LFM2's `embedding_norm` (run last, despite its name),
+    RecurrentGemma's `final_norm`."""
     from emotune.model.text import language_model
 
     decoder = language_model(model)
-    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "embedding_norm"):
+    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "embedding_norm", "final_norm"):
         if isinstance(getattr(decoder, name, None), torch.nn.Module):
             return getattr(decoder, name)
     raise AttributeError(f"no final norm found in {type(decoder).__name__}")
@@ -518,7 +519,7 @@ def spread_logits(model, tokenizer) -> None:
     std = float(model(input_ids=probe).logits.float().std())
     norm = final_norm(model)
     factor = LOGIT_STD / std
-    if type(norm).__name__ in {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}:
+    if type(norm).__name__ in {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "RecurrentGemmaRMSNorm"}:
         norm.weight.copy_((1 + norm.weight) * factor - 1)
     else:
         norm.weight.mul_(factor)

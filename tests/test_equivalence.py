@@ -383,6 +383,20 @@ def test_generation_is_greedy_over_the_models_own_logits(name, tokenizer, tokeni
     check_generation(name, tokenizer, tokenizer_dir)
 
 
+def test_generation_ignores_the_checkpoints_decoding_settings(tokenizer, tokenizer_dir):
+    """Qwen/Qwen2.5-0.5B-Instruct's generation_config.json asks for sampling with a repetition penalty of 1.1:
+    evaluation turned sampling off but kept the penalty, so its greedy replies were not the argmax of the model's own
+    logits (every label word, listed in the prompt, was penalised; so was a word the reply repeated). On the Gemma 3
+    fixture, whose greedy replies repeat words (the Qwen2.5 one repeats a single token, which the penalty leaves first)."""
+    model = build("gemma3-1b", tokenizer_dir)
+    model.generation_config.update(do_sample=True, repetition_penalty=1.1, temperature=0.7, top_p=0.8, top_k=20)
+    prompts = [tokenizer.apply_chat_template(prompt_messages(t, SHORT_PROMPT, LABELS), tokenize=False,
+                                             add_generation_prompt=True) for t in TEXTS]
+    got = generate_texts(model, tokenizer, prompts, max_new_tokens=4, batch_size=3, desc=None)
+    assert got == [greedy_by_hand(model, tokenizer, p, 4) for p in prompts]
+    assert model.generation_config.repetition_penalty == 1.1  # the checkpoint's own, as a merged export writes it
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_generation_every_family(name, tokenizer, tokenizer_dir):

@@ -143,6 +143,17 @@ def test_gemma3_with_another_query_scale_is_refused(tiny_model_dir, tmp_path):
         write_gguf(tiny_model_dir, tmp_path / "x.gguf", "f16", META)
 
 
+@pytest.mark.parametrize(("model_type", "window"), [("mistral", dict(sliding_window=8)),
+                                                   ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))])
+def test_a_sliding_window_llama_cpp_would_not_apply_is_refused(model_type, window, tmp_path):
+    """mistralai/Mistral-7B-v0.1 slides every layer's window (4,096 of a 32,768 context), Qwen2 with use_sliding_window
+    the upper layers': the GGUF file carried no window and llama.cpp's llama and qwen2 graphs attend to the whole
+    context, so past the window the exported model computed something else, without a word (here 8 of 256)."""
+    folder = tiny_llama(tmp_path / model_type, model_type, **window)
+    with pytest.raises(UserError, match="sliding window of 8 tokens"):
+        write_gguf(folder, tmp_path / "x.gguf", "f16", META)
+
+
 def test_word_level_tokenizer_is_refused(llama_dir, tmp_path):
     import shutil
 

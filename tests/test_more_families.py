@@ -362,3 +362,86 @@ def test_a_target_list_naming_a_shared_experts_layers_adapts_those_modules_only(
     kept = [0, 1] if layers is None else layers
     assert wrapped == sorted(f"model.layers.{i}.{leaf}" for i in kept for leaf in (
         "self_attn.q_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"))
+
+
+def test_gpt_neo_local_layers_score_whole_rows(tmp_path):
+    """EleutherAI/gpt-neo-125m config.json: hidden 768, 12 layers alternating global and local attention
+    (`attention_layers`, window_size 256), learned positions, tied. Scaled: hidden 64, 2 layers (global, local), window
+    4. Its local layers cut the window from a fixed causal buffer by index: label scoring put the label paths side by
+    side after one prompt, whose indices run past their positions, and a path lost prompt keys inside its window
+    (log-probabilities off by up to 17 against the model's own forward, without an error)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from emotune.eval.scoring import LabelScorer
+    from emotune.model.prefix import cannot_share
+    from families import spread_logits
+    from test_equivalence import SHORT_PROMPT, TEXTS, TRIE_LABELS, brute_force_log_probs
+
+    tokenizer = build_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    model = GPTNeoForCausalLM(GPTNeoConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        window_size=4, max_position_embeddings=512, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model.eval()
+    spread_logits(model, tokenizer)
+    expected = brute_force_log_probs(model, tokenizer, TEXTS, SHORT_PROMPT, TRIE_LABELS)
+    got = LabelScorer(model, tokenizer, SHORT_PROMPT, TRIE_LABELS).log_probs(TEXTS, batch_size=3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert "(local)" in cannot_share(model)
+
+
+def test_checkpointing_a_model_transformers_cannot_checkpoint_is_refused_before_the_run(data_dir, tmp_path, capsys):
+    """jetmoe/jetmoe-8b config.json: hidden 2,048, 24 layers, mixture-of-attention-heads and 8 MLP experts (2 per token),
+    a class transformers marks `supports_gradient_checkpointing = False`. Scaled: hidden 64, 2 layers, 4 experts.
+    `train.gradient_checkpointing=true` stopped the run with transformers' ValueError after the baseline evaluation."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    def jetmoe(tokenizer):
+        return JetMoeForCausalLM(JetMoeConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                              num_key_value_heads=2, kv_channels=16, intermediate_size=64,
+                                              num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                              eos_token_id=tokenizer.eos_token_id))
+
+    model_dir = _saved(jetmoe, tmp_path / "jetmoe")
+    overrides = _run_overrides(model_dir, data_dir, tmp_path, "gc")
+    assert main(["run", *overrides, "train.gradient_checkpointing=true"]) == 2
+    err = capsys.readouterr().err
+    assert "JetMoeForCausalLM does not support gradient checkpointing" in err and "Traceback" not in err
+    assert "train.gradient_checkpointing=auto" in err and not (tmp_path / "runs" / "gc").exists()
+
+
+def test_recurrent_gemma_scores_and_trains_under_its_own_soft_cap(tmp_path):
+    """google/recurrentgemma-2b config.json: hidden 2,560, 26 layers (recurrent, recurrent, local attention of 2,048),
+    10 heads / 1 KV head, final logits soft-capped at 30 under the name `logits_soft_cap` (Gemma's is
+    `final_logit_softcapping`), tied. Scaled: hidden 64, 3 layers, window 8; the cap as released. Label scores came
+    without the cap, and the chunked loss (SFT, more than CHUNK_TOKENS positions a pass) capped the hidden states
+    instead of the logits: the model's forward caps by dividing by the field unconditionally, so it cannot be
+    suspended; that model takes the one-projection path."""
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    from emotune.eval.scoring import LabelScorer
+    from emotune.model.text import logit_softcap
+    from emotune.train.batches import collate, completion_loss
+    from families import spread_logits
+    from test_equivalence import SHORT_PROMPT, TEXTS, TRIE_LABELS, brute_force_log_probs, classify_rows, reference_update
+
+    tokenizer = build_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    model = RecurrentGemmaForCausalLM(RecurrentGemmaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=64, attention_window_size=8, logits_soft_cap=30.0,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model.eval()
+    spread_logits(model, tokenizer)
+    texts = TEXTS[1:3]  # a short and a long one (past the window)
+    expected = brute_force_log_probs(model, tokenizer, texts, SHORT_PROMPT, TRIE_LABELS)
+    got = LabelScorer(model, tokenizer, SHORT_PROMPT, TRIE_LABELS).log_probs(texts, batch_size=2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    rows = classify_rows(tokenizer, n=3)
+    own, _ = reference_update(model, rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        parts = completion_loss(model, collate(rows, tokenizer.pad_token_id, CPU), chunk_tokens=5)
+    assert float(parts.loss_sum) / parts.tokens == pytest.approx(own, rel=1e-5)
+    assert logit_softcap(model) == 30.0

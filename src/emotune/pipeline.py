@@ -46,6 +46,7 @@ from emotune.runtime import device as device_mod
 from emotune.tasks import task_for
 from emotune.train import compiling, optim
 from emotune.train.batches import describe_shared_prefix, share_prefix
+from emotune.train.pass_size import check_checkpointing
 
 
 class Context:
@@ -74,7 +75,8 @@ class Context:
         self.data = self.task.load_data(self.cfg)
         if model_source:
             model_dir = resolve_model_dir(self.cfg.model)
-            causal_lm_class(AutoConfig.from_pretrained(model_dir))  # refuses encoder models before the run folder
+            model_config = AutoConfig.from_pretrained(model_dir)
+            check_checkpointing(self.cfg.train, causal_lm_class(model_config), model_config)  # refuses encoders too
             check_weight_files(model_dir)  # shards missing or cut short: refused before the data stage, not halfway
             self.tokenizer = load_tokenizer(model_dir, self.cfg.model, announce=True)
             dtype = weights_dtype(self.cfg.model, self.device, self.cfg.train.precision)

@@ -83,6 +83,9 @@ def _layout_problems(model_type: str, config) -> list[str]:
     allowed = {"gemma3_text": ("default", "linear"), "llama": ("default", "linear", "llama3")}.get(model_type, ("default",))
     if rope_type not in allowed:
         problems.append(f"its RoPE scaling `{rope_type}` (written here: {', '.join(allowed)})")
+    if model_type != "gemma3_text" and (window := _sliding_window(config)):
+        problems.append(f"its sliding window of {window} tokens (the file carries none, so llama.cpp's {model_type} "
+                        f"graph attends to all {config.max_position_embeddings} positions of the context)")
     if model_type == "gemma3_text":
         layers = list(getattr(config, "layer_types", []) or [])
         expected = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(len(layers))]
@@ -95,6 +98,15 @@ def _layout_problems(model_type: str, config) -> list[str]:
         if scale != config.head_dim and not (config.num_hidden_layers == 62 and scale == config.hidden_size // config.num_attention_heads):
             problems.append(f"query_pre_attn_scalar={scale} (llama.cpp scales queries by head_dim={config.head_dim})")
     return problems
+
+
+def _sliding_window(config) -> int | None:
+    """The window of a config whose layers slide, where it is shorter than the context: every layer without
+    `layer_types` (Mistral v0.1: 4,096 of 32,768), those typed `sliding_attention` (Qwen2 with use_sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    slides = "sliding_attention" in types if types else bool(window)
+    return window if slides and window and window < int(config.max_position_embeddings) else None
 
 
 def write_hparams(writer: GGUFWriter, model_type: str, family: Family, config, vocab_size: int) -> None:

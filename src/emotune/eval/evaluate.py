@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from datasets import Dataset
 from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, log_loss, precision_recall_fscore_support, top_k_accuracy_score
-from transformers import LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList
 
 from emotune.core.config.data import PromptConfig
 from emotune.core.config.eval import EvalConfig
@@ -32,7 +32,7 @@ from emotune.core.rundir import atomic_file, read_json, write_json
 from emotune.data import prompt_messages, system_prompt
 from emotune.eval.scoring import LabelScorer
 from emotune.model.finite import NonFiniteOutput, NonFiniteSeen, nonfinite_rows, nonfinite_weights, not_finite_message
-from emotune.model.text import context_length
+from emotune.model.text import context_length, unwrapped
 from emotune.model.turns import stop_token_ids
 from emotune.runtime.oom import run_in_batches
 
@@ -99,12 +99,26 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
 
     was_training = model.training
     model.eval()
+    inner = unwrapped(model)
+    checkpoints = getattr(inner, "generation_config", None)
+    if checkpoints is not None:
+        inner.generation_config = _plain_decoding(checkpoints)
     try:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         run_in_batches(order, batch_size, step, desc)
     finally:
         model.train(was_training)
+        if checkpoints is not None:
+            inner.generation_config = checkpoints
     return outputs
+
+
+def _plain_decoding(checkpoints: GenerationConfig) -> GenerationConfig:
+    """The checkpoint's special token ids alone. transformers fills every decoding setting generate() is not given from
+    the model's generation_config.json, so a released one's repetition penalty (Qwen/Qwen2.5-0.5B-Instruct: 1.1), banned
+    words or minimum length reshaped the logits of an evaluation that is greedy over the model's own."""
+    return GenerationConfig(bos_token_id=checkpoints.bos_token_id, eos_token_id=checkpoints.eos_token_id,
+                            pad_token_id=checkpoints.pad_token_id)
 
 
 def eval_methods(cfg: EvalConfig) -> list[str]:

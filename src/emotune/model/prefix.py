@@ -112,10 +112,14 @@ def other_layers(model) -> str | None:
     Layers of other types than attention (`layer_types`: LFM2's short convolutions `conv`, the `linear_attention` of
     Qwen3-Next, Jamba and the Mamba hybrids) carry a state from one token to the next instead of looking keys up by
     mask, so rows after a shared prefix, or label paths side by side after one prompt, would run through each
-    other's state: such models run whole rows."""
+    other's state: such models run whole rows.
+    GPT-Neo names its layers in `attention_layers` (`global`, `local`): its local layers cut their window from a fixed
+    causal buffer by index, not by position, so label paths side by side after one prompt (whose indices run past
+    their positions) lost prompt keys within the window; they run whole rows too."""
     config = _unwrapped(model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     other = set(getattr(text, "layer_types", None) or []) - LAYER_KINDS
+    other |= set(getattr(text, "attention_layers", None) or []) - {"global"}
     if other:
         return f"the model has layer types ({', '.join(sorted(other))}) whose masks emotune does not build"
     return None

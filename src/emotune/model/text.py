@@ -112,9 +112,23 @@ def logit_scale(model) -> float:
     return scale
 
 
+SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+"""Where configs keep the final logit soft-cap: Gemma 2-4's `final_logit_softcapping`, RecurrentGemma's
+`logits_soft_cap` (google/recurrentgemma-2b: 30), xLSTM's `output_logit_soft_cap`."""
+SUSPENDABLE_SOFTCAP = "final_logit_softcapping"
+"""The one field a forward reads None from as "no cap" (Gemma's); RecurrentGemma's divides by its cap unconditionally."""
+
+
+def softcap_field(config) -> str | None:
+    """The name of the field that holds `config`'s final logit soft-cap, None where it has none."""
+    return next((field for field in SOFTCAP_FIELDS if getattr(config, field, None)), None)
+
+
 def logit_softcap(model) -> float | None:
     """The text model's final logit soft-cap (`tanh(logits / cap) * cap`), None where it has none."""
-    return getattr(text_config(unwrapped(model).config), "final_logit_softcapping", None)
+    config = text_config(unwrapped(model).config)
+    field = softcap_field(config)
+    return getattr(config, field) if field else None
 
 
 @contextmanager
@@ -126,6 +140,8 @@ def softcap_suspended(model):
     config's own `__setattr__`: Gemma 3n's strict config refuses None for the field, which its forward still reads
     as "no cap"."""
     config = text_config(unwrapped(model).config)
+    if softcap_field(config) not in (None, SUSPENDABLE_SOFTCAP):
+        raise ValueError(f"{type(config).__name__}'s soft-cap cannot be suspended (see SUSPENDABLE_SOFTCAP)")
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is None:
         yield None

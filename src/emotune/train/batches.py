@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from emotune.model.prefix import cannot_share, model_inputs
-from emotune.model.text import soft_capped, softcap_suspended
+from emotune.model.text import SUSPENDABLE_SOFTCAP, soft_capped, softcap_field, softcap_suspended, text_config, unwrapped
 
 CHUNK_TOKENS = 1024  # loss positions per projection chunk: 1 GiB of fp32 logits for a 262,144-entry vocabulary
 SHARED_PREFIX_MIN_TOKENS = 16  # a shorter shared head is not worth a forward pass of its own
@@ -308,7 +308,7 @@ def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chun
     apply as usual. More than `chunk_tokens` positions: `chunked_loss` instead of one projection."""
     head = _plain_head(model)
     with model_inputs(model, batch) as inputs:  # a batch after a shared prefix runs the prefix first
-        if head is not None and int(batch["targets"].numel()) > chunk_tokens:
+        if head is not None and int(batch["targets"].numel()) > chunk_tokens and _cap_suspendable(model):
             return _chunked_completion_loss(model, head, inputs, batch, chunk_tokens)
         logits = model(**inputs, logits_to_keep=batch["predicts"]).logits.float()
     targets = batch["targets"]
@@ -317,6 +317,13 @@ def completion_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chun
     loss_sum = (per_token * batch["token_weights"]).sum() if "token_weights" in batch else per_token.sum()
     correct = (logits.detach().argmax(-1) == targets).sum()
     return LossParts(loss_sum, targets.numel(), correct)
+
+
+def _cap_suspendable(model: torch.nn.Module) -> bool:
+    """Whether the model's forward can run without its final soft-cap (none, or Gemma's, read as None); RecurrentGemma
+    caps by dividing by its `logits_soft_cap`, so with the head passed through it capped the hidden states: it takes
+    the one-projection path."""
+    return softcap_field(text_config(unwrapped(model).config)) in (None, SUSPENDABLE_SOFTCAP)
 
 
 def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:

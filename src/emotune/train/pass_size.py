@@ -136,6 +136,20 @@ def _fixed_or_auto(cfg: RunConfig, model, rows, lengths, device, sharded: bool, 
     return auto_size(arch, work, _shortest_longest(lengths), checkpointing, device.type == "cpu", free)
 
 
+def check_checkpointing(t, auto_class, config) -> None:
+    """Refuse, from config.json before any weight loads, `train.gradient_checkpointing=true` on a model class that
+    transformers cannot checkpoint (JetMoe, GPT-NeoX-Japanese, CPM-Ant: `supports_gradient_checkpointing` false):
+    the run stopped with transformers' ValueError after the baseline evaluation. `auto_class` loads `config`."""
+    if t.gradient_checkpointing is not True or type(config) not in auto_class._model_mapping:
+        return
+    model_class = auto_class._model_mapping[type(config)]
+    if not getattr(model_class, "supports_gradient_checkpointing", False):
+        raise UserError(f"train.gradient_checkpointing=true: {model_class.__name__} does not support gradient "
+                        "checkpointing in transformers (its layers cannot recompute their activations). Set "
+                        "train.gradient_checkpointing=auto (off for this model) or false, and lower train.batch_size or "
+                        "train.max_length if memory is short.")
+
+
 def _auto_checkpointing(cfg: RunConfig, model, rows, lengths, device, sharded: bool,
                         count) -> tuple[bool, PassSize | None, str]:
     """`train.gradient_checkpointing=auto`: (on?, the pass size that goes with it or None, why)."""
