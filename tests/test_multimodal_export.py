@@ -6,8 +6,8 @@ The tiny base keeps the released checkpoint's structure, scaled from google/gemm
 text soft-cap 30, sliding and full layers with different head dims (256/512 there, 16/32 here), per-layer inputs,
 KV-shared layers (18 of 42 there, 1 of 4 here), tied embeddings, a vision tower and an audio tower (transformers'
 Gemma4VisionConfig/Gemma4AudioConfig shrunk); its processor is E4B's image processor (patch 16, pooling 3, 280 soft
-tokens) and audio feature extractor, with the tokenizer's image/audio tokens, built locally.
-To be unified with tests/families.py (branch g4-scoring) at merge time."""
+tokens) and audio feature extractor, with the tokenizer's image/audio tokens, built locally. It keeps its own
+builder beside tests/gemma_families.py's (which has no processor) because the export copies the processor's files."""
 
 from __future__ import annotations
 
