@@ -428,3 +428,12 @@ def test_malformed_turn_keys_are_a_problem_naming_the_key(ax_yaml):
     with pytest.raises(UserError, match=r"`datasets\[0\].message_property_mappings: \['role'\]` is not supported"):
         load_config(ax_yaml(text))
     assert load_config(ax_yaml(eval_steps="'10'")).train.eval_steps == 10  # quoted numbers still read
+
+
+def test_a_value_out_of_range_is_named_by_the_file_s_own_key(ax_yaml):
+    """`sequence_len: 0` was reported as `train.max_length`, a key the Axolotl file does not have; an emotune
+    override of the same key keeps its own name."""
+    with pytest.raises(UserError, match=r"`sequence_len` \(read as `train.max_length`\): must be an integer >= 1"):
+        load_config(ax_yaml(sequence_len=0))
+    with pytest.raises(UserError, match=r"  - `train.max_length`: must be an integer >= 1"):
+        load_config(ax_yaml(), ["train.max_length=0"])

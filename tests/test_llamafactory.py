@@ -289,7 +289,7 @@ def test_refusals_name_their_keys_all_at_once(lf_yaml):
     ({"use_eaft_loss": "true"}, "`use_eaft_loss: true` is not supported"),
     ({"use_muon": "true"}, "`use_muon: true` is not supported: Muon"),
     ({"mixture_of_depths": "convert"}, "`mixture_of_depths: convert` is not supported"),
-    ({"adam_beta2": 1.5}, "`train.adam_beta2`: must be a number in [0, 1)"),
+    ({"adam_beta2": 1.5}, "`adam_beta2` (read as `train.adam_beta2`): must be a number in [0, 1)"),
     ({"push_to_hub": "true"}, "`emotune push RUN_FOLDER`"),
     ({"freeze_language_model": "true"}, "`freeze_language_model: true` is not supported"),
 ])
@@ -529,3 +529,11 @@ def test_a_dataset_info_json_saved_with_a_byte_order_mark_is_read(lf_yaml, lf_fo
     info.write_bytes(b"\xef\xbb\xbf" + info.read_bytes())
     with pytest.raises(UserError, match="`dataset`: `emotion_prefs` is a ranking"):
         load_config(lf_yaml(dataset="emotion_alpaca,emotion_prefs"))
+
+
+def test_a_value_out_of_range_is_named_by_the_file_s_own_key(lf_yaml):
+    """`cutoff_len: 0` was reported as `train.max_length`, a key the LLaMA-Factory file does not have."""
+    with pytest.raises(UserError, match=r"`cutoff_len` \(read as `train.max_length`\): must be an integer >= 1"):
+        load_config(lf_yaml(cutoff_len=0))
+    with pytest.raises(UserError, match=r"  - `train.max_length`: must be an integer >= 1"):
+        load_config(lf_yaml(), ["train.max_length=0"])

@@ -42,6 +42,7 @@ from emotune.core.config.translation import (
     harmless,
     held_out,
     name_list,
+    named_as_given,
     numbers,
     show,
     sort_unknown,
@@ -77,7 +78,7 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
 def load(file: dict[str, Any], path: Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfigBase:
     """The resolved config of an Axolotl file: translated, then overridden, then validated, all problems at once."""
     t = translate(file, overrides)
-    return build_config(t.raw, t.overrides, path, t.problems)
+    return build_config(t.raw, t.overrides, path, t.problems, named=named_as_given(t, t.overrides))
 
 
 def _refusals(t: Translation) -> None:

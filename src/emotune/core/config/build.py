@@ -31,10 +31,12 @@ TASK_CONFIGS: dict[str, type[RunConfigBase]] = {"classify": ClassifyConfig, "sft
 
 
 def build_config(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), path: str | Path | None = None,
-                 problems: list[str] | None = None, check=None, written: dict[str, Any] | None = None) -> RunConfigBase:
+                 problems: list[str] | None = None, check=None, written: dict[str, Any] | None = None,
+                 named: dict[str, str] | None = None) -> RunConfigBase:
     """Apply the overrides to `raw` and validate it against its task's class; `problems` found before (by a
     translation) and those of `check(raw)` (run after the overrides) are reported with the others, all at once.
-    `written` is `raw` as written (read_yaml_as_written): text fields take their values from it (see restore_text)."""
+    `written` is `raw` as written (read_yaml_as_written): text fields take their values from it (see restore_text).
+    `named`: how a problem names a key another tool's file set (emotune.core.config.translation.named_as_given)."""
     problems = list(problems or [])
     written = dict(written or {})
     typed_text: dict[tuple[str, ...], str] = {}
@@ -60,10 +62,15 @@ def build_config(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = (
     try:
         cfg = schema.model_validate(_known_only(raw, schema))
     except ValidationError as err:
-        problems += [_describe(e) for e in err.errors()]
+        problems += [_as_named(_describe(e), named or {}) for e in err.errors()]
     if problems:  # unknown keys and bad values, all at once
         raise_problems("The configuration", problems, "Fix them in the YAML file or the key=value overrides and run again.")
     return cfg
+
+
+def _as_named(problem: str, named: dict[str, str]) -> str:
+    key = problem[1:].partition("`")[0] if problem.startswith("`") else None
+    return named[key] + problem[len(key) + 2:] if key in named else problem
 
 
 def _task_config(raw: dict[str, Any], problems: list[str]) -> type[RunConfigBase]:

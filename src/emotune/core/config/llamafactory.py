@@ -43,6 +43,7 @@ from emotune.core.config.translation import (
     harmless,
     held_out,
     name_list,
+    named_as_given,
     numbers,
     show,
     sort_unknown,
@@ -79,7 +80,8 @@ def translate(file: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
 def load(file: dict[str, Any], path: Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfigBase:
     """The resolved config of a LLaMA-Factory file: translated, then overridden, then validated, all problems at once."""
     t = translate(file, overrides)
-    return build_config(t.raw, t.overrides, path, t.problems, check=lambda raw: template_check(t.template, raw)[0])
+    return build_config(t.raw, t.overrides, path, t.problems, check=lambda raw: template_check(t.template, raw)[0],
+                        named=named_as_given(t, t.overrides))
 
 
 def _refusals(t: Translation) -> None:

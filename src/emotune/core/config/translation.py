@@ -32,12 +32,22 @@ class Translation:
     template: str | None = None
     given: set[str] = field(default_factory=set)  # the keys the file (or an override of the tool's key) sets
     settings: dict[str, Any] = field(default_factory=dict)  # every translated key: the file's value or the default
+    origins: dict[str, tuple[str, ...]] = field(default_factory=dict)  # emotune key -> the tool's keys it came from
 
     def set(self, emotune_key: str, value: Any, *tool_keys: str, note: str = "") -> None:
         _set_dotted(self.raw, emotune_key, value)
+        self.origins[emotune_key] = tuple(tool_keys)
         source = ", ".join(f"{k}: {show(self.settings.get(k))}" + ("" if k in self.given else " (default)")
                            for k in tool_keys)
         self.rows.append((source, f"{emotune_key}: {show(value)}" + (f"  ({note})" if note else "")))
+
+
+def named_as_given(t: Translation, overrides) -> dict[str, str]:
+    """How a problem names each emotune key the file set: `cutoff_len` (read as `train.max_length`), so that a value
+    out of range is found in the file as written; a key an emotune override sets keeps its own name."""
+    overridden = {item.partition("=")[0].strip() for item in overrides}
+    return {key: " and ".join(f"`{k}`" for k in tool_keys) + f" (read as `{key}`)"
+            for key, tool_keys in t.origins.items() if tool_keys and key not in overridden}
 
 
 def split_overrides(file: dict[str, Any], overrides, known) -> tuple[dict[str, Any], list[str]]:
