@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from pathlib import Path
@@ -13,7 +14,7 @@ from transformers.utils import is_flash_attn_2_available
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
-from emotune.model.loading import GEMMA_CHAT_TEMPLATE, load_model, load_tokenizer, resolve_model_dir
+from emotune.model.loading import GEMMA_CHAT_TEMPLATE, load_model, load_tokenizer, load_tokenizer_only, resolve_model_dir
 from emotune.model.turns import stop_token_ids
 
 
@@ -23,6 +24,18 @@ def test_hub_id_without_network_says_how_to_download(tmp_path):
         resolve_model_dir(cfg)
     message = str(err.value)
     assert "google/gemma-4-E4B-it" in message and "Download it first" in message and "model.source" in message
+    assert "read as a hub id" not in message
+
+
+def test_a_missing_folder_read_as_a_hub_id_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """`models/gemma-4` with `models/` here but no `gemma-4` in it was said to be a hub download that failed, as if
+    the user had meant the hub."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for resolve in (resolve_model_dir, load_tokenizer_only):
+        with pytest.raises(UserError, match=r"read as a hub id because there is no folder `models/gemma-4` \(a relative "
+                                            rf"path is read from the folder emotune runs in, {re.escape(str(tmp_path))}\)"):
+            resolve(ModelConfig(source="models/gemma-4", cache_dir=str(tmp_path / "cache")))
 
 
 def test_hub_id_downloads_into_the_shared_hf_cache(tmp_path, monkeypatch, tiny_model_dir):

@@ -84,6 +84,15 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                     "file, nor a hub id (`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded.")
 
 
+def _meant_a_folder(source: str) -> str:
+    """`models/gemma-4` is read as a hub id when no such folder exists; where `models/` does, a folder was likely
+    meant: say where it was looked for."""
+    if source.startswith(HUB_PREFIXES) or not Path(source.split("/")[0]).expanduser().is_dir():
+        return ""
+    return (f" It was read as a hub id because there is no folder `{source}`{read_from(source)}; if you meant a "
+            "folder, fix the path.")
+
+
 def looks_like_hub_id(source: str) -> bool:
     parts = source.split("/")
     return len(parts) == 2 and all(parts) and not Path(source).exists() and not source.startswith((".", "~"))
@@ -216,7 +225,8 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
         raise
     except Exception as err:  # offline, auth, not found: all end the same way for the user
         raise UserError(f"model.source `{source}`: could not download from the {hub} hub "
-                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'}). {how}") from None
+                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'}). {how}"
+                        f"{_meant_a_folder(source)}") from None
     return Path(path)
 
 
@@ -462,5 +472,6 @@ def _download_tokenizer(cfg: ModelConfig) -> Path:
                                           allow_patterns=patterns))
     except Exception as err:
         raise UserError(f"model.source `{cfg.source}`: could not download its tokenizer from the {hub} hub "
-                        f"({type(err).__name__}). Download the model first and set model.source to its folder.") from None
+                        f"({type(err).__name__}). Download the model first and set model.source to its folder."
+                        f"{_meant_a_folder(cfg.source)}") from None
     return local
