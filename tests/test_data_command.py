@@ -223,6 +223,10 @@ def test_a_run_folder_that_holds_other_files_is_refused(tiny_model_dir, data_dir
         err = capsys.readouterr().err
         assert "already holds files that are not a run's (`notes.md`, `src`)" in err and "Traceback" not in err
     assert sorted(p.name for p in project.iterdir()) == ["notes.md", "src"]
+    (project / "config.yaml").write_text("my: project\n")  # a project's own config.yaml makes it no run folder
+    assert main(["data", *overrides]) == 2
+    assert "already holds files that are not a run's (`notes.md`, `src`)" in capsys.readouterr().err
+    (project / "config.yaml").unlink()
     for name in ("notes.md", "src"):
         (project / name).unlink() if name == "notes.md" else (project / name).rmdir()
     (project / ".DS_Store").write_text("")

@@ -326,7 +326,7 @@ def check_not_foreign(run: RunDir) -> None:
     """Refuse a run folder that already holds files emotune did not write (`output_dir=.`, or a project folder as
     name=): the run's outputs would be mixed with them, and a later overwrite=true moves the whole folder aside and
     deletes it when the new run finishes, the user's files with it."""
-    if not run.root.is_dir() or run.config.exists() or run.has_run():
+    if not run.root.is_dir() or run.has_run():  # a run's own folder: resumed, refused or replaced as open_run says
         return
     foreign = sorted(p.name for p in run.root.iterdir()
                      if p.name not in RUN_ENTRIES + IGNORED_ENTRIES and not p.name.endswith(PARTIAL))
