@@ -28,6 +28,7 @@ from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError, first_line
 from emotune.core.rundir import RunDir, atomic_dir, json_text, read_json
 from emotune.model.prompt import system_prompt
+from emotune.model.weight_files import damage
 
 META = "emotune.json"
 PEFT_CONFIG = "adapter_config.json"
@@ -301,14 +302,10 @@ def check_adapter_weights(folder: Path) -> None:
             return
         raise UserError(f"`{folder}` has {PEFT_CONFIG} but no adapter weights (adapter_model.safetensors). The adapter "
                         "was not saved whole: train it again, or restore the file.")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(weights, "pt") as f:  # reads the header only and checks that the file is as long as it says
-            f.keys()
-    except Exception as err:  # noqa: BLE001 (safetensors raises its own error type for every kind of damage)
-        raise UserError(f"`{weights}` is not a readable safetensors file ({err}). Re-run the training or re-export "
-                        "the adapter, or restore the file.") from None
+    why = damage(weights)
+    if why is not None:
+        raise UserError(f"`{weights}` is not a readable safetensors file ({why}). Re-run the training or re-export "
+                        "the adapter, or restore the file.")
 
 
 def check_adapter_files(folder: Path) -> None:

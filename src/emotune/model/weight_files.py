@@ -52,16 +52,24 @@ def _indexed(index: Path) -> list[Path]:
     return [index.parent / name for name in shards]
 
 
-def _check_readable(path: Path) -> None:
+def damage(path: Path) -> str | None:
+    """Why `path` is no readable safetensors file (safetensors' own words: cut short, a header that is not JSON, ...),
+    None when its header reads and its data covers what the header lists. Reads the header only."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(path), framework="pt") as handle:  # reads the header; checks the data covers it
+        with safe_open(str(path), framework="pt") as handle:
             handle.keys()
     except Exception as err:  # noqa: BLE001 (safetensors raises its own error type for every kind of damage)
-        size = path.stat().st_size
-        raise UserError(f"`{path}` ({size:,} bytes) is not a complete safetensors file ({err}): a download or copy "
-                        f"cut short, or another file under that name. {AGAIN}") from None
+        return str(err)
+    return None
+
+
+def _check_readable(path: Path) -> None:
+    why = damage(path)
+    if why is not None:
+        raise UserError(f"`{path}` ({path.stat().st_size:,} bytes) is not a complete safetensors file ({why}): a download "
+                        f"or copy cut short, or another file under that name. {AGAIN}")
 
 
 def check_loaded(model_dir: Path, info: dict) -> None:
