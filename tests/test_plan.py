@@ -270,3 +270,22 @@ def test_a_layer_the_probe_cannot_rebuild_is_a_plan_error_not_a_traceback(tiny_m
     assert main(["plan", "configs/cpu.yaml", f"model.source={folder}"]) == 2
     said = capsys.readouterr().err
     assert "emotune plan could not measure a decoder layer of FalconH1Config" in said and "Traceback" not in said
+
+
+def test_a_model_whose_layer_kinds_repeat_a_pattern_is_planned_near_a_measured_step():
+    """google/recurrentgemma-2b: 26 layers whose kinds repeat `block_types` (recurrent, recurrent, attention), read
+    back through `layer_types`. The probe kept the first layer of each kind but left the 3-entry pattern as it was, so
+    its 2 layers were both recurrent: transformers' cache then had no attention layer to size a mask from, and the
+    model's output has no `past_key_values` at all; `emotune plan` was an error on every RecurrentGemma. Scaled:
+    hidden 64, 4 layers, window 16."""
+    from transformers import RecurrentGemmaConfig
+
+    from emotune.train.probe import _one_layer_of_each_kind
+
+    config = RecurrentGemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=1, lru_width=64, attention_window_size=16,
+                                  pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    small, kinds = _one_layer_of_each_kind(config)
+    assert kinds == list(small.layers_block_type) == ["linear_attention", "sliding_attention"]
+    line = BENCH["measure_training"](config, 32, 2, checkpointing=False, sft=False)
+    assert within(line), line

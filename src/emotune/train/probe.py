@@ -204,7 +204,16 @@ def _one_layer_of_each_kind(text) -> tuple[object, list[str]]:
             values[name] = min(values[name], PROBE_VOCAB)
     if values.get("num_kv_shared_layers"):
         values["num_kv_shared_layers"] = 0
-    return type(text).from_dict(values), [kinds[i] for i in keep]
+    small, kept = type(text).from_dict(values), [kinds[i] for i in keep]
+    if layer_kinds(small) != kept:  # the kinds come from a pattern repeated over the layers (RecurrentGemma's
+        for name, value in values.items():  # block_types): the kept layers' entries of the repeated pattern
+            if isinstance(value, list) and 0 < len(value) < n and all(isinstance(v, str) for v in value):
+                values[name] = [value[i % len(value)] for i in keep]
+        small = type(text).from_dict(values)
+    if layer_kinds(small) != kept:
+        raise UserError(f"emotune plan could not cut {type(text).__name__} to one decoder layer of each kind "
+                        f"({', '.join(kept)}); the run itself does not need the plan.")
+    return small, kept
 
 
 def _decoder_layers(model, count: int) -> list[torch.nn.Module]:
@@ -271,8 +280,10 @@ def _inference_bytes(model, owned: set, ids, mask) -> tuple[int, list[int]]:
     model.eval()
     with TensorPeak() as tracker:
         output = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+    # a model whose output has no cache field (RecurrentGemma keeps its fixed-size state inside its layers, counted in
+    # the peak) raises AttributeError on transformers' deprecated `past_key_values` alias: no per-layer cache then
     cache = [sum(t.untyped_storage().nbytes() for t in vars(layer).values() if isinstance(t, torch.Tensor))
-             for layer in getattr(output.past_key_values, "layers", [])]
+             for layer in getattr(getattr(output, "past_key_values", None), "layers", [])]
     return tracker.peak, cache
 
 
