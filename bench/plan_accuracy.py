@@ -1,8 +1,8 @@
 """How close `emotune plan`'s memory estimate comes to the measured peak of real training steps and generation.
 
-    PYTHONPATH=src python bench/plan_accuracy.py [--model tiny|small|gemma-3-270m] [--length 128] [--rows 4]
-        [--dtype float32|bfloat16] [--quantization none|8bit|4bit] [--optim adamw_torch|adamw_8bit]
-        [--finetuning lora|full|freeze] [--freeze-layers N] [--smoke]
+    PYTHONPATH=src python bench/plan_accuracy.py [--model tiny|small|gemma-3-270m|wide-vocab] [--length 128]
+        [--rows 4] [--dtype float32|bfloat16] [--quantization none|8bit|4bit] [--optim adamw_torch|adamw_8bit]
+        [--finetuning lora|full|freeze] [--freeze-layers N] [--softcap 30] [--smoke]
 
 For each setting (gradient checkpointing on/off x a classification row, whose loss is on 3 tokens, or an
 sft row, whose loss is on every token) it builds the model from its config with zero weights (no
@@ -17,6 +17,8 @@ BitsAndBytesConfig; zeros would quantize to NaN scales), trained as a QLoRA run 
 packed bytes and their quantization constants count as weights. `--optim adamw_8bit`: bitsandbytes' 8-bit AdamW state.
 `--finetuning full|freeze`: the model's own weights trained (freeze: the last `--freeze-layers` layers), kept in fp32
 while training as emotune keeps them (their bf16 originals, freed then, are not counted).
+`--softcap C`: a final logit soft-cap as Gemma 2's (`wide-vocab`: a 16,384-entry vocabulary, so that the loss's
+buffers, chunked past emotune.train.batches.CHUNK_TOKENS loss positions, make the peak).
 `--smoke`: the tiny model, short rows, one setting of each (what tests/test_plan.py runs).
 """
 
@@ -49,14 +51,20 @@ MODELS = {
     "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=1, head_dim=64, max_position_embeddings=1024, sliding_window=64),
     "gemma-3-270m": GEMMA_3_270M,
+    # a vocabulary large against the rest, so the loss's buffers (chunked past CHUNK_TOKENS positions) are the peak
+    "wide-vocab": dict(vocab_size=16384, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                       sliding_window=64),
 }
 CLASSIFY_LOSS_TOKENS = 3
 
 
-def model_config(name: str):
+def model_config(name: str, softcap: float | None = None):
+    """`softcap`: a final logit soft-cap (Gemma 2's `final_logit_softcapping`; Gemma 3's is None)."""
     from transformers import Gemma3TextConfig
 
-    return Gemma3TextConfig(**MODELS[name], pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    fields = {**MODELS[name], **({"final_logit_softcapping": softcap} if softcap else {})}
+    return Gemma3TextConfig(**fields, pad_token_id=0, bos_token_id=2, eos_token_id=1)
 
 
 def build_model(config, dtype: torch.dtype):
@@ -197,11 +205,12 @@ def main() -> None:
     parser.add_argument("--optim", choices=["adamw_torch", "adamw_8bit"], default="adamw_torch")
     parser.add_argument("--finetuning", choices=["lora", "full", "freeze"], default="lora")
     parser.add_argument("--freeze-layers", type=int, default=1, help="train.freeze_trainable_layers with --finetuning freeze")
+    parser.add_argument("--softcap", type=float, default=None, help="a final logit soft-cap, as Gemma 2's")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, 32-token rows, one setting of each")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.length, args.rows = "tiny", 32, 2
-    config, dtype = model_config(args.model), getattr(torch, args.dtype)
+    config, dtype = model_config(args.model, args.softcap), getattr(torch, args.dtype)
     settings = [(False, False), (True, True)] if args.smoke else [(gc, sft) for gc in (False, True) for sft in (False, True)]
     for checkpointing, sft in settings:
         print(json.dumps(measure_training(config, args.length, args.rows, checkpointing, sft, dtype, args.quantization,

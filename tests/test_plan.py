@@ -289,3 +289,29 @@ def test_a_model_whose_layer_kinds_repeat_a_pattern_is_planned_near_a_measured_s
     assert kinds == list(small.layers_block_type) == ["linear_attention", "sliding_attention"]
     line = BENCH["measure_training"](config, 32, 2, checkpointing=False, sft=False)
     assert within(line), line
+
+
+@pytest.mark.slow
+def test_a_loss_past_one_chunk_under_a_cap_that_cannot_be_suspended_is_planned_as_one_projection():
+    """RecurrentGemma's forward divides by its `logits_soft_cap` unconditionally, so training projects its sft loss
+    at once however many positions (emotune.train.batches.completion_loss); the plan counted it chunked, 0.52 of the
+    measured peak at 4 x 512 positions."""
+    from transformers import RecurrentGemmaConfig
+
+    config = RecurrentGemmaConfig(vocab_size=8192, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=1, lru_width=64, attention_window_size=16,
+                                  pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    line = BENCH["measure_training"](config, 512, 4, checkpointing=True, sft=True)
+    assert "backward: vocabulary projection" in line["estimate_parts"] and within(line), line
+
+
+@pytest.mark.parametrize("length, rows, dtype", [pytest.param(1024, 2, torch.float32, marks=pytest.mark.slow),
+                                                (256, 4, torch.bfloat16)])
+def test_the_loss_of_a_soft_capped_vocabulary_is_estimated_near_its_measured_peak(length, rows, dtype):
+    """A 16,384-entry vocabulary with Gemma 2's final soft-cap, its sft loss the peak: chunked past CHUNK_TOKENS
+    positions (2 x 1024), the estimate counted the chunk's logits again beside the 12 bytes an entry measures and two
+    fp32 copies for the cap where one is kept (1.48 times the measured peak); in one projection (4 x 256, bf16) the
+    cap's two extra copies in fp32 where the model keeps one tanh in bf16 (1.43)."""
+    line = BENCH["measure_training"](BENCH["model_config"]("wide-vocab", softcap=30.0), length, rows,
+                                     checkpointing=True, sft=True, dtype=dtype)
+    assert within(line), line

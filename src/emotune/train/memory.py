@@ -33,6 +33,7 @@ from emotune.core.config.model import ModelConfig
 from emotune.core.config.train import LoraSettings, TrainConfig
 from emotune.core.errors import UserError
 from emotune.model import finetuning, quantization
+from emotune.model.text import SUSPENDABLE_SOFTCAP, softcap_field
 from emotune.train.batches import CHUNK_TOKENS
 from emotune.train.probe import Quadratic, layer_kinds, run_probe
 
@@ -182,16 +183,18 @@ STEADY = ("weights", "adapters", "trained weights", "trained weights (fp32)", "g
 
 def loss_bytes(arch: Architecture, work: Workload, rows: int, length: int) -> int:
     """The loss's buffers in the backward pass: the float32 log-softmax of the loss positions and two gradients of
-    that size (12 bytes per position and vocabulary entry, measured in both dtypes; Gemma 2's soft-capping adds
-    two more); chunked, one chunk's (with its recomputed logits) and the kept hidden states and their gradient."""
+    that size (12 bytes per position and vocabulary entry, measured in both dtypes; a final soft-cap adds the tanh
+    kept for the backward pass, in the logits' dtype); chunked, one chunk's and the kept hidden states and their
+    gradient (bench/plan_accuracy.py at a 16,384-entry vocabulary: 12 bytes per chunk entry in fp32 and bf16, 16
+    with the cap; the logits' own copy was counted as well before, 1.31-1.47 times the measured peak)."""
     if not work.vocabulary_loss:
         return rows * work.head_outputs * 4 * 3
     positions = rows * (length if work.loss_tokens_per_row is None else min(length, work.loss_tokens_per_row))
-    capped = 8 if arch.softcap else 0
-    if arch.plain_head and positions > CHUNK_TOKENS:
+    if arch.plain_head and positions > CHUNK_TOKENS:  # the cap applied inside the chunk, in float32
         return (2 * positions * arch.hidden * arch.weight_bytes_per_element
-                + CHUNK_TOKENS * arch.vocab * (arch.weight_bytes_per_element + 12 + capped))
-    return positions * arch.vocab * (12 + capped)
+                + CHUNK_TOKENS * arch.vocab * (12 + (4 if arch.softcap else 0)))
+    # the model's own forward caps the logits in their dtype and keeps the tanh for the backward pass
+    return positions * arch.vocab * (12 + (arch.weight_bytes_per_element if arch.softcap else 0))
 
 
 def evaluation_parts(arch: Architecture, ev: Evaluation, rows: int | None = None) -> dict[str, int]:
@@ -316,7 +319,8 @@ def describe(config, lora: LoraSettings, optim: str, dtype: torch.dtype, work: W
         working=probe.working,
         kv_per_token=[(probe.kv[kind] if i < shared_from else 0.0, window if kind.startswith("sliding") else None)
                       for i, kind in enumerate(kinds)],
-        plain_head=_plain_head(adapted), softcap=getattr(text, "final_logit_softcapping", None),
+        plain_head=_plain_head(adapted) and softcap_field(text) in (None, SUSPENDABLE_SOFTCAP),
+        softcap=getattr(text, softcap_field(text) or SUSPENDABLE_SOFTCAP, None),
         dequantized_bytes=quantization.dequantized_layer_bytes(adapted, model_cfg),
         whole=whole is not None, trained_rest_bytes=rest if whole is not None else 0,
         optimizer_step_bytes=_optimizer_step_bytes(optim, trained, train is None or train.foreach == "auto"))
@@ -364,6 +368,7 @@ def _optimizer_step_bytes(optim: str, params: list[torch.nn.Parameter], foreach:
 
 
 def _plain_head(model) -> bool:
-    """Whether the output projection stays a bias-free nn.Linear under the adapters (so the loss is chunked)."""
+    """Whether the output projection stays a bias-free nn.Linear under the adapters; the loss is chunked then unless the
+    model's soft-cap cannot be suspended (RecurrentGemma's: emotune.train.batches.completion_loss)."""
     head = model.get_output_embeddings()
     return type(head) is torch.nn.Linear and head.bias is None
