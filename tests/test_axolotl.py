@@ -437,3 +437,50 @@ def test_a_value_out_of_range_is_named_by_the_file_s_own_key(ax_yaml):
         load_config(ax_yaml(sequence_len=0))
     with pytest.raises(UserError, match=r"  - `train.max_length`: must be an integer >= 1"):
         load_config(ax_yaml(), ["train.max_length=0"])
+
+
+USER_DEFINED_TYPE = """\
+    type:
+      system_prompt: You label emotions.
+      field_system: persona
+      field_instruction: question
+      field_input: passage
+      field_output: answer
+      format: "[INST] {{instruction}}\\n{{input}} [/INST]"
+      no_input_format: "[INST] {{instruction}} [/INST]"\
+"""
+
+
+def test_a_user_defined_prompt_type_reads_its_columns_and_runs(ax_yaml, tmp_path, capsys):
+    """Axolotl's `type:` given as a mapping (prompt_strategies/user_defined.py: the columns under other names, prompt
+    strings around them) was refused as an unknown type. The columns are read as an Alpaca row's, its system_prompt
+    goes to rows without their own, the text between {instruction} and {input} joins them, and the prompt strings are
+    left to the chat template, saying so."""
+    from emotune.core.config.axolotl import announce
+
+    renamed = [{"question": r["instruction"], "passage": r["input"], "answer": r["output"]} for r in _alpaca_rows(40)]
+    renamed[0]["persona"] = "You are a careful annotator."
+    data = write_jsonl(tmp_path / "renamed.jsonl", renamed)
+    text = QLORA_YAML.replace("    type: alpaca", USER_DEFINED_TYPE).replace("{data}", str(data))
+    path = ax_yaml(text, load_in_4bit=None, adapter="lora", max_steps=1)
+    cfg = load_config(path)
+    columns = cfg.data.columns
+    assert (cfg.data.format, columns.prompt, columns.query, columns.response, columns.system) == (
+        "alpaca", "question", "passage", "answer", "persona")
+    assert (cfg.data.input_separator, cfg.prompt.system_prompt) == ("\n", "You label emotions.")
+    announce(path)
+    assert "not the prompt strings of format, no_input_format and system_format" in capsys.readouterr().out
+    code = main(["run", str(path), "train.precision=fp32", "eval.max_new_tokens=2", "eval.probe=false",
+                 "data.test_limit=2", f"model.cache_dir={tmp_path / 'cache'}"])
+    assert code == 0
+    assert json.loads((tmp_path / "outputs" / "qlora-out" / "run.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("    type:\n      field_instructions: question", r"`datasets\[0\].type` names `field_instructions`, which"),
+    ("    type:\n      format: '{{input}} {{instruction}}'", r"does not put \{instruction\} before \{input\}"),
+    ("    type:\n      field_output: [a, b]", r"`datasets\[0\].type.field_output: \['a', 'b'\]` must be text"),
+])
+def test_a_user_defined_prompt_type_emotune_cannot_read_is_named(ax_yaml, spec, expected):
+    with pytest.raises(UserError, match=expected):
+        load_config(ax_yaml(QLORA_YAML.replace("    type: alpaca", spec)))

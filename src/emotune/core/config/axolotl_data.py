@@ -41,6 +41,10 @@ DATASET_REFUSED: dict[str, tuple[Any, str]] = {
 DATASET_READ = ("path", "type", "data_files", "revision", "split", "field_messages", "message_property_mappings",
                 "message_field_role", "message_field_content", "roles", "roles_to_train", "train_on_eos",
                 "message_field_training", "chat_template", "chat_template_jinja")
+# Axolotl's user-defined prompt (`type:` given as a mapping) and its defaults (UserDefinedDatasetConfig)
+USER_DEFINED = {"system_prompt": "", "field_system": "system", "field_instruction": "instruction",
+                "field_input": "input", "field_output": "output", "format": "{instruction} {input} ",
+                "no_input_format": "{instruction} ", "system_format": "{system}"}
 DATASET_IGNORED = {"ds_type": "emotune reads a file by its ending (.json, .jsonl, .parquet, .csv)",
                    "trust_remote_code": "emotune reads data files and never runs a dataset's code",
                    "preprocess_shards": "a memory setting of Axolotl's; it does not change the rows"}
@@ -148,6 +152,8 @@ def _format(t: Translation, entry: dict[str, Any]) -> None:
     elif kind == "chat_template":
         _chat_turns(t, entry)
         chat_template(t, entry.get("chat_template"), entry.get("chat_template_jinja"), f"{FIRST}.")
+    elif isinstance(kind, dict):
+        _user_defined(t, kind)
     elif kind in ("completion", "pretraining"):
         t.problems.append(f"`{FIRST}.type: {kind}` is not supported: plain text (pretraining-style, the loss on every "
                           "token) is not something emotune trains on; give instructions (type: alpaca) or "
@@ -155,6 +161,49 @@ def _format(t: Translation, entry: dict[str, Any]) -> None:
     else:
         t.problems.append(f"`{FIRST}.type: {show(kind)}` is not supported: emotune reads type alpaca, chat_template "
                           "and sharegpt rows (its own prompt formats, and Axolotl's others, are not emotune's)")
+
+
+def _user_defined(t: Translation, spec: dict[str, Any]) -> None:
+    """`type:` as a mapping, Axolotl's user-defined prompt (prompt_strategies/user_defined.py): instruction, input,
+    output and system columns under other names, and prompt strings around them. emotune reads the columns as an
+    Alpaca row's, with the system prompt for rows without one, and renders the turns with the chat template; the
+    text between {instruction} and {input} in `format` is what joins them."""
+    where = f"{FIRST}.type"
+    unknown = [key for key in spec if key not in USER_DEFINED]
+    if unknown:
+        t.problems.append(f"`{where}` names {', '.join(f'`{k}`' for k in unknown)}, which Axolotl's user-defined prompt "
+                          f"does not read (it reads {', '.join(USER_DEFINED)}); fix the key")
+    fields = {**USER_DEFINED, **{k: v for k, v in spec.items() if v is not None}}
+    bad = [key for key, value in fields.items() if not isinstance(value, str) or (key.startswith("field_") and
+                                                                                   key != "field_input" and not value)]
+    if bad:
+        t.problems.append(f"`{where}.{bad[0]}: {show(fields[bad[0]])}` must be text (a column name for field_ keys); "
+                          "fix the value")
+        return
+    t.set("data.format", "alpaca", where, note="Axolotl's user-defined prompt: an instruction, input and output "
+                                               "column each")
+    for column, key in (("prompt", "field_instruction"), ("query", "field_input"), ("response", "field_output"),
+                        ("system", "field_system")):
+        if fields[key]:
+            t.set(f"data.columns.{column}", fields[key], f"{where}.{key}")
+    if fields["system_prompt"]:
+        t.set("prompt.system_prompt", fields["system_prompt"], f"{where}.system_prompt",
+              note="for rows without a system column")
+    form = fields["format"]
+    start, end = form.find("{instruction}"), form.find("{input}")
+    if start < 0 or (end >= 0 and end < start):
+        t.problems.append(f"`{where}.format: {show(form)}` does not put {{instruction}} before {{input}}, which is "
+                          "how emotune joins an Alpaca row's two parts; give format as \"{instruction} {input}\" "
+                          "(or swap field_instruction and field_input)")
+    elif end >= 0:
+        separator = form[start + len("{instruction}"):end]
+        if separator:
+            t.set("data.input_separator", separator, f"{where}.format",
+                  note="the text between {instruction} and {input}")
+    if any(fields[key] != USER_DEFINED[key] for key in ("format", "no_input_format", "system_format")):
+        t.notes.append(f"{where}: emotune renders each row with the model's chat template, not the prompt strings of "
+                       "format, no_input_format and system_format (their text around the columns is left out), so "
+                       "the model learns the turn format it will be served with.")
 
 
 def _chat_turns(t: Translation, entry: dict[str, Any]) -> None:
