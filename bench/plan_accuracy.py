@@ -71,10 +71,11 @@ def build_model(config, dtype: torch.dtype):
     """The model with every weight zero: memory does not depend on the values, and zeros spare the random
     initialisation (seconds for Gemma 3 270M). Buffers (rotary frequencies, embedding scale) are computed as usual."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from emotune.model.text import causal_lm_class
+
+    with init_empty_weights(include_buffers=False):  # the class a run loads it with (vision-language ones too)
+        model = causal_lm_class(config).from_config(config, dtype=dtype)
     made: dict[int, torch.nn.Parameter] = {}  # tied weights (embedding and output layer) stay one tensor
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -119,7 +120,7 @@ def _measure_training(folder: str, config, length: int, rows: int, checkpointing
     estimate = training_parts(arch, work, rows, length, checkpointing, host_copies=False)
     model = build_model(config, dtype) if quantization == "none" else quantized_model(config, cfg.model, dtype, folder)
     generator = torch.Generator().manual_seed(0)
-    examples = [Example(torch.randint(3, config.vocab_size, (length,), generator=generator).tolist(),
+    examples = [Example(torch.randint(3, config.get_text_config().vocab_size, (length,), generator=generator).tolist(),
                         1 if sft else length - CLASSIFY_LOSS_TOKENS) for _ in range(2 * rows)]
     weights = _bytes([*model.parameters(), *model.buffers(), *_quantization_constants(model)])
     with TensorPeak() as tracker:
@@ -174,7 +175,7 @@ def measure_generation(config, length: int, rows: int, new_tokens: int = 4, dtyp
     arch = describe(config, LoraSettings(), "adamw_torch", dtype, Workload(CLASSIFY_LOSS_TOKENS))
     estimate = evaluation_parts(arch, evaluation) | {"adapters": 0}  # the base model: no adapters here
     model = build_model(config, dtype).eval()
-    ids = torch.randint(3, config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, config.get_text_config().vocab_size, (rows, length), generator=torch.Generator().manual_seed(1))
     weights = _bytes([*model.parameters(), *model.buffers()])
     with TensorPeak() as tracker:
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -188,8 +189,9 @@ def _bytes(tensors) -> int:
 
 
 def _line(kind: str, config, length: int, rows: int, dtype, estimate: int, measured: int, **extra) -> dict:
-    return {"measure": kind, "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
-            "vocab_size": config.vocab_size, "length": length, "rows": rows, "dtype": str(dtype).removeprefix("torch."),
+    text = config.get_text_config()
+    return {"measure": kind, "hidden_size": text.hidden_size, "layers": text.num_hidden_layers,
+            "vocab_size": text.vocab_size, "length": length, "rows": rows, "dtype": str(dtype).removeprefix("torch."),
             **{k: v for k, v in extra.items() if k != "estimate_parts"}, "estimate_bytes": int(estimate),
             "measured_bytes": int(measured), "ratio": round(estimate / measured, 3),
             "estimate_parts": extra.get("estimate_parts")}

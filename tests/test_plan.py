@@ -315,3 +315,20 @@ def test_the_loss_of_a_soft_capped_vocabulary_is_estimated_near_its_measured_pea
     line = BENCH["measure_training"](BENCH["model_config"]("wide-vocab", softcap=30.0), length, rows,
                                      checkpointing=True, sft=True, dtype=dtype)
     assert within(line), line
+
+
+def test_a_vision_language_checkpoint_is_planned_near_a_measured_step():
+    """Qwen/Qwen2.5-VL-7B-Instruct's config: its text model (hidden 3,584, 28 layers, 28 heads / 4 KV, multimodal
+    RoPE sections [16, 24, 24]) has no causal-LM class of its own, so the one-layer probe runs transformers' base
+    text model under an output layer; the run loads the whole checkpoint (AutoModelForImageTextToText) and trains on
+    text. Scaled: hidden 256, 4 layers, sections [8, 12, 12], a 1-block vision tower."""
+    from transformers import Qwen2_5_VLConfig
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                         rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]}),
+        vision_config=dict(depth=1, hidden_size=32, out_hidden_size=256, num_heads=2, intermediate_size=64),
+        pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    line = BENCH["measure_training"](config, 64, 2, checkpointing=False, sft=True)
+    assert within(line), line

@@ -18,6 +18,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from transformers import GenerationMixin
 
 from emotune.core.config.train import LoraSettings, TrainConfig
 from emotune.core.errors import UserError
@@ -87,12 +88,8 @@ def run_probe(text, lora: LoraSettings, dtype: torch.dtype, attn_implementation:
     except ValueError as err:
         if "Unrecognized configuration class" not in str(err):
             raise
-        # a vision-language wrapper whose text model has no causal class of its own (Qwen2-VL's `qwen2_vl_text`)
-        raise UserError(f"emotune plan measures one decoder layer of each kind as a text-only causal model, and "
-                        f"transformers has no causal-LM class for `{small.model_type}` alone (the text model of a "
-                        "vision-language checkpoint). Training, evaluation and serving are not affected; to see the "
-                        "memory a run needs, run it with train.max_steps=2 and read the peak memory it logs "
-                        "(train/log_history.json, peak_memory_mb).") from None
+        # a vision-language checkpoint's text model with no causal class of its own (Qwen2.5-VL's `qwen2_5_vl_text`)
+        model = _TextCausalLM.build(small, dtype, attn)
     model.config.use_cache = False
     autocast = None
     if whole is None:
@@ -183,6 +180,49 @@ def _probe_saved(subject: _Subject, batches, autocast: torch.dtype | None, eleme
     rows = {i: [(c - fixed[i]) / PROBE_ROWS for c in values] for i, values in counts.items()}
     return _Kept({kind: Quadratic.through(PROBE_LENGTHS, rows[i]) for i, kind in enumerate(kinds)},
                  {kind: fixed[i] for i, kind in enumerate(kinds)}, Quadratic.through(PROBE_LENGTHS, rows[None]))
+
+
+class _TextCausalLM(torch.nn.Module, GenerationMixin):
+    """The text model of a vision-language checkpoint whose text config has no causal-LM class (Qwen2-VL's, Qwen2.5-VL's,
+    Qwen3-VL's): transformers' base text model with an output layer, as the checkpoint's own forward runs it on text
+    alone (its vision tower takes no part then); only the probe builds it."""
+
+    def __init__(self, body: torch.nn.Module, config) -> None:
+        super().__init__()
+        self.model, self.config = body, config
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                       dtype=body.get_input_embeddings().weight.dtype)
+
+    @classmethod
+    def build(cls, config, dtype: torch.dtype, attn: str | None) -> _TextCausalLM:
+        from transformers import AutoModel
+
+        try:
+            body = AutoModel.from_config(config, dtype=dtype, attn_implementation=attn)
+        except ValueError as err:
+            raise UserError(f"emotune plan measures one decoder layer of each kind as a text-only model, and "
+                            f"transformers has no model class for `{config.model_type}` alone. Training, evaluation "
+                            "and serving are not affected; to see the memory a run needs, run it with "
+                            "train.max_steps=2 and read the peak memory it logs (train/log_history.json, "
+                            "peak_memory_mb).") from err
+        return cls(body, config)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def get_decoder(self) -> torch.nn.Module:
+        return self.model
+
+    def forward(self, input_ids, attention_mask=None, use_cache: bool = False, logits_to_keep: int = 0, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden),
+                                      past_key_values=getattr(out, "past_key_values", None))
 
 
 def _one_layer_of_each_kind(text) -> tuple[object, list[str]]:
