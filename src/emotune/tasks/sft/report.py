@@ -17,6 +17,9 @@ TITLES = {"rouge_l": "ROUGE-L", "bleu": "BLEU (corpus)", "sentence_bleu": "BLEU 
           "probe_accuracy": "probe accuracy (forgetting check)"}
 LOWER_IS_BETTER = {"perplexity", "loss"}
 ROW_SCORES = ("rouge_l", "bleu", "exact_match")  # per-row scores in predictions.csv
+# the metric each per-row score averages to: predictions.csv's `bleu` is the row's sentence BLEU, whose mean is
+# metrics.json's `sentence_bleu` (its `bleu` is corpus BLEU, which no per-row interval describes)
+ROW_SCORE_METRIC = {"rouge_l": "rouge_l", "bleu": "sentence_bleu", "exact_match": "exact_match"}
 
 
 def _row(before: float, after: float) -> dict[str, float]:
@@ -30,7 +33,7 @@ def compare(before: dict, after: dict, data=None) -> dict:
     intervals = {}
     if before["rows"] and len(before["rows"]) == len(after["rows"]):
         for score in ROW_SCORES:
-            intervals[score] = stats.paired_bootstrap_delta([float(r[score]) for r in before["rows"]],
+            intervals[ROW_SCORE_METRIC[score]] = stats.paired_bootstrap_delta([float(r[score]) for r in before["rows"]],
                                                                   [float(r[score]) for r in after["rows"]])
     per_kind = {kind: {score: _row(one[score], a["per_kind"][kind][score]) for score in ("rouge_l", "bleu", "exact_match")}
                 for kind, one in b.get("per_kind", {}).items() if kind in a.get("per_kind", {})}
@@ -109,7 +112,8 @@ def _metrics_section(before: dict | None, after: dict | None, comparison: dict |
         if row:
             better = row["delta"] < 0 if name in LOWER_IS_BETTER else row["delta"] > 0
             tone = "good" if better else ("bad" if row["delta"] else "")
-            interval = (comparison.get("intervals") or {}).get(name)
+            # only a mean of per-row scores has one (an older comparison.json put sentence BLEU's under `bleu`)
+            interval = (comparison.get("intervals") or {}).get(name) if name in ROW_SCORE_METRIC.values() else None
             ci = f"[{interval['low']:+.3f}, {interval['high']:+.3f}]" if interval else ""
             cells += f"<td class=num>{row['after']:.3f}</td><td class='num {tone}'>{row['delta']:+.3f}</td><td class=num>{ci}</td>"
         body.append(f"<tr><th>{html.escape(title)}</th>{cells}</tr>")
