@@ -280,3 +280,16 @@ def test_report_refuses_a_file_where_its_figures_folder_goes(runs, tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("emotune: error: ") and f"`{run / 'report'}` is a file" in err
     assert (run / "report").read_text() == "notes"
+
+
+def test_a_run_json_without_its_label_list_still_gets_a_report_and_a_comparison(runs, tmp_path, capsys):
+    """A run.json edited without `labels` ended `emotune report` in a KeyError traceback (compare already read the
+    labels off the measurement); the report reads them there too."""
+    run = shutil.copytree(runs["reordered"], tmp_path / "unlabelled")
+    info = json.loads((run / "run.json").read_text())
+    del info["labels"]
+    (run / "run.json").write_text(json.dumps(info))
+    assert main(["report", str(run)]) == 0, capsys.readouterr().err
+    page = (run / "report.html").read_text()
+    assert all(f"<th>F1 {label}</th>" in page for label in LABELS)
+    assert main(["compare", str(runs["reordered"]), str(run), "--out", str(tmp_path / "out")]) == 0

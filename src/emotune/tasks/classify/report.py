@@ -215,8 +215,9 @@ def paired_sentence(paired: dict) -> str:
 
 def report_sections(run: RunDir, info: dict) -> list[str]:
     """One section per evaluation method: before/after table, figures, changed and invalid rows."""
-    labels = info["labels"]
     baseline, finetuned = read_stage(run.baseline), read_stage(run.finetuned)
+    # run.json's label list; a run.json edited without one falls back on the measurement's own (as `measurements`)
+    labels = info.get("labels") or list(next(iter(baseline.values()))["metrics"]["per_class"])
     chance = chance_levels(_support(next(iter(baseline.values()))["metrics"], labels))
     notes = baseline_notes({m: stage["metrics"] for m, stage in baseline.items()}, chance)
     intro = "<section id=chance>" + "".join(f"<p>{html.escape(note)}</p>" for note in notes) + "</section>"
