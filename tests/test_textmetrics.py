@@ -95,3 +95,16 @@ def test_summarize_gives_overall_and_per_kind_means():
     assert summarize(rows, corpus_bleu=0.25)["corpus_bleu"] == 0.25
     bare = [{k: v for k, v in r.items() if k not in ("prediction", "reference", "kind")} for r in rows]
     assert summarize(bare)["corpus_bleu"] is None and summarize(bare)["per_kind"] == {}
+
+
+def test_rows_of_data_without_kinds_make_no_nameless_kind():
+    """sft's predictions.csv writes a row without a kind as an empty cell, and those rows formed a kind named "":
+    data without a kind column got a nameless row in the report's "per kind" table and in `emotune compare`'s."""
+    from emotune.data.conversations import Conversation
+    from emotune.tasks.sft.eval import score_rows
+
+    conversations = [Conversation((("user", f"question {i}"), ("assistant", "an answer")), kind=kind)
+                     for i, kind in enumerate([None, None, "qa"])]
+    rows = score_rows(conversations, ["an answer", "no", "an answer"])
+    out = summarize([{**r, "prediction": r["output"]} for r in rows])
+    assert out["n"] == 3 and list(out["per_kind"]) == ["qa"] and out["per_kind"]["qa"]["n"] == 1

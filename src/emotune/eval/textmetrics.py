@@ -145,13 +145,13 @@ def summarize(rows: list[dict], kind_key: str = "kind", corpus_bleu: float | Non
     `prediction` and `reference`. Returns `{"n", "rouge_l", "bleu", "exact_match", "corpus_bleu",
     "per_kind": {kind: {same keys}}}`: `bleu` is the mean sentence BLEU; `corpus_bleu` is the value passed
     in, else computed from the rows' `prediction`/`reference` when every row has them, else None (also
-    per kind). Rows without a kind count only in the overall means. All values are 0–1 fractions."""
+    per kind). Rows without a kind (None or "") count only in the overall means. All values are 0–1 fractions."""
     overall = _means(rows)
     if corpus_bleu is not None:
         overall["corpus_bleu"] = corpus_bleu
     groups: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        if row.get(kind_key) is not None:
+        if row.get(kind_key) not in (None, ""):  # "": a CSV cell of a row without a kind
             groups[str(row[kind_key])].append(row)
     overall["per_kind"] = {kind: _means(group) for kind, group in sorted(groups.items())}
     return overall
