@@ -108,3 +108,11 @@ def test_rows_of_data_without_kinds_make_no_nameless_kind():
     rows = score_rows(conversations, ["an answer", "no", "an answer"])
     out = summarize([{**r, "prediction": r["output"]} for r in rows])
     assert out["n"] == 3 and list(out["per_kind"]) == ["qa"] and out["per_kind"]["qa"]["n"] == 1
+
+
+def test_an_empty_reply_is_no_exact_match_of_an_answer_made_of_punctuation():
+    """Both texts stripped of surrounding punctuation to "": an empty generation (or `!!!`) counted as an exact match
+    of the reference answer `?`, `...` or `—`. Such an answer is compared as written, case and spacing aside."""
+    assert not exact_match("", "?") and not exact_match("", "...") and not exact_match("!!!", "?")
+    assert exact_match(" ? ", "?") and exact_match("...", "...") and exact_match("", "")
+    assert exact_match("Paris.", "paris")  # words keep their normalisation

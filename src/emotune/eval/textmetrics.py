@@ -91,9 +91,9 @@ def sentence_bleu(prediction: str, reference: str) -> float:
     return _fraction(metric.sentence_score(prediction, [reference]).score)
 
 
-def _normalise(text: str) -> str:
+def _normalise(text: str, strip: bool = True) -> str:
     text = " ".join(unicodedata.normalize("NFKC", text).split()).casefold()
-    return text.strip(_QUOTES_AND_PUNCT + " ")
+    return text.strip(_QUOTES_AND_PUNCT + " ") if strip else text
 
 
 def _parse_json(text: str) -> object | None:
@@ -117,12 +117,15 @@ def exact_match(prediction: str, reference: str) -> bool:
     When the reference is a JSON object or array and the prediction parses as one too (optionally inside a
     ```json fence), the parsed values are compared, so key order and spacing do not matter (types do: `1` is not `1.0`). Otherwise both
     texts are compared after NFKC, case folding, collapsing whitespace and stripping surrounding quotes,
-    brackets and punctuation (`"Paris."` matches `paris`; `巴黎。` matches `巴黎`)."""
+    brackets and punctuation (`"Paris."` matches `paris`; `巴黎。` matches `巴黎`); a reference of punctuation alone
+    (`?`) is compared without that stripping, so an empty reply does not match it."""
     expected = _parse_json(reference)
     if expected is not None:
         got = _parse_json(prediction)
         if got is not None:
             return _canonical(got) == _canonical(expected)
+    if not _normalise(reference):  # an answer of punctuation alone (`?`, `...`): stripped, any reply would match it
+        return _normalise(prediction, strip=False) == _normalise(reference, strip=False)
     return _normalise(prediction) == _normalise(reference)
 
 
