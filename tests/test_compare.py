@@ -293,3 +293,18 @@ def test_a_run_json_without_its_label_list_still_gets_a_report_and_a_comparison(
     page = (run / "report.html").read_text()
     assert all(f"<th>F1 {label}</th>" in page for label in LABELS)
     assert main(["compare", str(runs["reordered"]), str(run), "--out", str(tmp_path / "out")]) == 0
+
+
+def test_an_sft_baseline_of_other_rows_is_refused_not_paired_row_by_row(runs, tmp_path, capsys):
+    """sft's comparison paired the baseline's and the fine-tuned rows by position, whatever rows they were (classify
+    refuses other rows): a baseline of other questions gave a paired ROUGE-L interval of unrelated rows, unsaid."""
+    run = shutil.copytree(runs["sft_b"], tmp_path / "sft")
+    shutil.copytree(run / "finetuned", run / "baseline")
+    shutil.copytree(runs["sft_a"] / "finetuned", tmp_path / "other")
+    assert main(["report", str(run)]) == 0  # the same rows: compared
+    predictions = (tmp_path / "other" / "predictions.csv").read_text().replace("question ", "other question ")
+    (run / "baseline" / "predictions.csv").write_text(predictions)
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "predictions.csv hold different rows" in err and "Traceback" not in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, write_json
 from emotune.eval import stats
 from emotune.tasks.sft import eval as sft_eval
@@ -29,9 +30,10 @@ def _row(before: float, after: float) -> dict[str, float]:
 def compare(before: dict, after: dict, data=None) -> dict:
     """{"metrics": {name: {before, after, delta}}, "intervals", "per_kind", "probe"} (comparison.json)."""
     b, a = before["metrics"], after["metrics"]
+    _same_rows(before["rows"], after["rows"])
     metrics = {name: _row(b[name], a[name]) for name in TITLES if name in b and name in a}
     intervals = {}
-    if before["rows"] and len(before["rows"]) == len(after["rows"]):
+    if before["rows"]:
         for score in ROW_SCORES:
             intervals[ROW_SCORE_METRIC[score]] = stats.paired_bootstrap_delta([float(r[score]) for r in before["rows"]],
                                                                   [float(r[score]) for r in after["rows"]])
@@ -41,6 +43,16 @@ def compare(before: dict, after: dict, data=None) -> dict:
     if before.get("probe") and after.get("probe"):
         comparison["probe"] = _compare_probe(before["probe"], after["probe"])
     return comparison
+
+
+def _same_rows(before: list[dict], after: list[dict]) -> None:
+    """Refuse two measurements of other rows: their scores were compared, and paired row by row, as if the same."""
+    key = ("prompt", "reference")
+    if [tuple(r.get(k) for k in key) for r in before] != [tuple(r.get(k) for k in key) for r in after]:
+        raise UserError(f"The baseline and fine-tuned predictions.csv hold different rows ({len(before)} and {len(after)} "
+                        "rows, or other prompts and references), so they cannot be compared row by row. Measure both "
+                        "on the same data: delete the run's finetuned/ folder and re-run `emotune run` with the same "
+                        "config.")
 
 
 def _compare_probe(before: dict, after: dict) -> dict:
