@@ -487,3 +487,8 @@ def test_a_grid_over_the_test_rows_or_labels_is_refused_before_anything_runs(tmp
     plan = make_plan(load_sweep_config(None, [], ["data.train_limit=50,100", "data.balance=none,oversample"], []),
                      None, [])
     assert len(plan.trials) == 4
+    # sft's training mix over a fixed test split (LLaMA-Factory's eval_dataset) is a training setting
+    fixed = ["task=sft", "data.eval_datasets=[held_out]"]
+    assert len(make_plan(load_sweep_config(None, fixed, ["data.datasets=[a],[a, b]"], []), None, fixed).trials) == 2
+    with pytest.raises(UserError, match=r"data.datasets=\[a\]: changes the test rows"):
+        make_plan(load_sweep_config(None, ["task=sft"], ["data.datasets=[a],[a, b]"], []), None, ["task=sft"])

@@ -154,9 +154,11 @@ OTHER_TEST_SET = ("changes the test rows or labels the trial is measured on, so 
 
 
 def _measured_on(values: dict) -> tuple:
-    """What decides a trial's measured rows and labels: the data section (its training-only keys aside) and
-    `eval.split`."""
+    """What decides a trial's measured rows and labels: the data section (its training-only keys aside, and sft's
+    `datasets` when `eval_datasets` names the test split) and `eval.split`."""
     data = {k: v for k, v in (values.get("data") or {}).items() if k not in TRAINING_ONLY_DATA}
+    if data.get("eval_datasets"):  # sft from a dataset_info.json: the test split is these, whatever is trained on
+        data.pop("datasets", None)
     return data, (values.get("eval") or {}).get("split")
 
 
