@@ -308,3 +308,23 @@ def test_an_sft_baseline_of_other_rows_is_refused_not_paired_row_by_row(runs, tm
     assert main(["report", str(run)]) == 2
     err = capsys.readouterr().err
     assert "predictions.csv hold different rows" in err and "Traceback" not in err
+
+
+def test_a_report_that_fails_half_way_leaves_the_earlier_report_and_its_figures_whole(runs, tmp_path, capsys):
+    """`emotune report` wrote each figure into report/ as it drew it: a two-method run whose second method's rows did
+    not pair up was refused after the first method's figures had replaced the earlier ones, so report/ held half of
+    a page that was never written. The figures now replace report/ only with the page."""
+    run = shutil.copytree(runs["generative"], tmp_path / "run")
+    assert main(["report", str(run)]) == 0
+    for figure in (run / "report").glob("*.png"):
+        figure.write_bytes(b"an earlier report's figure")  # so that a figure drawn again shows
+    earlier = {p.name: p.read_bytes() for p in (run / "report").iterdir()}
+    page = (run / "report.html").read_text()
+    assert "confusion_generate.png" in earlier and "confusion_score.png" in earlier
+    rows = run / "finetuned" / "score" / "predictions.csv"
+    rows.write_text(rows.read_text().replace("text number 1,", "text number one,"))  # rows that do not pair up
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 2
+    assert "hold different rows" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (run / "report").iterdir()} == earlier
+    assert (run / "report.html").read_text() == page and not list(tmp_path.glob("run/*partial*"))
