@@ -355,3 +355,17 @@ def test_the_per_row_bleu_interval_sits_beside_the_mean_per_row_bleu_not_corpus_
              for title, row in re.findall(r"<tr><th>([^<]*)</th>(.*?)</tr>", page)}
     assert cells["BLEU (corpus)"] == ["0.100", "0.500", "+0.400", ""]
     assert cells["BLEU (mean per row)"] == ["0.300", "0.200", "-0.100", "[-0.100, -0.100]"]
+
+
+def test_the_per_kind_bleu_is_named_as_the_mean_per_row_bleu_it_is():
+    """The per-kind table's "BLEU" column holds each kind's mean sentence BLEU (metrics.json's per_kind `bleu`), beside
+    a headline table whose "BLEU" is corpus BLEU: a kind scoring 0.300 under a headline of 0.050 read as one metric."""
+    from emotune.eval.textmetrics import summarize
+    from emotune.tasks.sft.report import TITLES, _kinds_section, compare
+
+    rows = [{"kind": "qa", "rouge_l": 0.5, "bleu": 0.3, "exact_match": 0.0, "prediction": "a b c d e", "reference": "x"}]
+    per_kind = summarize(rows)["per_kind"]
+    assert per_kind["qa"]["bleu"] == 0.3  # the mean sentence BLEU
+    stage = {"metrics": {"rows": 1, "per_kind": per_kind}, "rows": []}
+    page = _kinds_section(compare(stage, stage))
+    assert f"<th colspan=3>{TITLES['sentence_bleu']}</th>" in page and "<th colspan=3>BLEU</th>" not in page

@@ -143,7 +143,7 @@ def _kinds_section(comparison: dict) -> str:
     body = "".join(f"<tr><th>{html.escape(kind)}</th>" + "".join(
         f"<td class=num>{s['before']:.3f}</td><td class=num>{s['after']:.3f}</td><td class=num>{s['delta']:+.3f}</td>"
         for s in (scores["rouge_l"], scores["bleu"], scores["exact_match"])) + "</tr>" for kind, scores in kinds.items())
-    head = "".join(f"<th colspan=3>{t}</th>" for t in ("ROUGE-L", "BLEU", "exact match"))
+    head = "".join(f"<th colspan=3>{t}</th>" for t in ("ROUGE-L", TITLES["sentence_bleu"], "exact match"))  # per kind: no corpus BLEU
     return (f"<section id=sft-kinds><h2>Per kind of instruction</h2><table><tr><th>kind</th>{head}</tr>"
             f"<tr><th></th>{'<th>before</th><th>after</th><th>Δ</th>' * 3}</tr>{body}</table></section>")
 
