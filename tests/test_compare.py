@@ -280,3 +280,51 @@ def test_report_refuses_a_file_where_its_figures_folder_goes(runs, tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("emotune: error: ") and f"`{run / 'report'}` is a file" in err
     assert (run / "report").read_text() == "notes"
+
+
+def test_a_run_json_without_its_label_list_still_gets_a_report_and_a_comparison(runs, tmp_path, capsys):
+    """A run.json edited without `labels` ended `emotune report` in a KeyError traceback (compare already read the
+    labels off the measurement); the report reads them there too."""
+    run = shutil.copytree(runs["reordered"], tmp_path / "unlabelled")
+    info = json.loads((run / "run.json").read_text())
+    del info["labels"]
+    (run / "run.json").write_text(json.dumps(info))
+    assert main(["report", str(run)]) == 0, capsys.readouterr().err
+    page = (run / "report.html").read_text()
+    assert all(f"<th>F1 {label}</th>" in page for label in LABELS)
+    assert main(["compare", str(runs["reordered"]), str(run), "--out", str(tmp_path / "out")]) == 0
+
+
+def test_an_sft_baseline_of_other_rows_is_refused_not_paired_row_by_row(runs, tmp_path, capsys):
+    """sft's comparison paired the baseline's and the fine-tuned rows by position, whatever rows they were (classify
+    refuses other rows): a baseline of other questions gave a paired ROUGE-L interval of unrelated rows, unsaid."""
+    run = shutil.copytree(runs["sft_b"], tmp_path / "sft")
+    shutil.copytree(run / "finetuned", run / "baseline")
+    shutil.copytree(runs["sft_a"] / "finetuned", tmp_path / "other")
+    assert main(["report", str(run)]) == 0  # the same rows: compared
+    predictions = (tmp_path / "other" / "predictions.csv").read_text().replace("question ", "other question ")
+    (run / "baseline" / "predictions.csv").write_text(predictions)
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "predictions.csv hold different rows" in err and "Traceback" not in err
+
+
+def test_a_report_that_fails_half_way_leaves_the_earlier_report_and_its_figures_whole(runs, tmp_path, capsys):
+    """`emotune report` wrote each figure into report/ as it drew it: a two-method run whose second method's rows did
+    not pair up was refused after the first method's figures had replaced the earlier ones, so report/ held half of
+    a page that was never written. The figures now replace report/ only with the page."""
+    run = shutil.copytree(runs["generative"], tmp_path / "run")
+    assert main(["report", str(run)]) == 0
+    for figure in (run / "report").glob("*.png"):
+        figure.write_bytes(b"an earlier report's figure")  # so that a figure drawn again shows
+    earlier = {p.name: p.read_bytes() for p in (run / "report").iterdir()}
+    page = (run / "report.html").read_text()
+    assert "confusion_generate.png" in earlier and "confusion_score.png" in earlier
+    rows = run / "finetuned" / "score" / "predictions.csv"
+    rows.write_text(rows.read_text().replace("text number 1,", "text number one,"))  # rows that do not pair up
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 2
+    assert "hold different rows" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (run / "report").iterdir()} == earlier
+    assert (run / "report.html").read_text() == page and not list(tmp_path.glob("run/*partial*"))

@@ -374,3 +374,20 @@ def test_a_csv_without_a_header_says_so(tmp_path):
     (tmp_path / "named.csv").write_text("Sentence,Emotion\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
     with pytest.raises(UserError, match=r"columns found: Sentence, Emotion\)\. Set data.text_column / data.label_column"):
         _load(tmp_path / "named.csv")  # names that look like names keep the plain fix
+
+
+def test_a_label_named_like_the_invalid_answer_is_refused_with_a_spelling_that_works(tmp_path):
+    """A data set labelled VALID / INVALID trained and measured: a reply that named no label was read as INVALID, the
+    word emotune writes for such replies, so it scored as a right answer of that label, and the confusion matrix (one
+    more INVALID column) lost the label's row."""
+    from emotune.eval.evaluate import compute_metrics
+
+    rows = [{"text": f"input number {i}", "label": ["VALID", "INVALID"][i % 2]} for i in range(60)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(UserError, match=r"a label is named 'INVALID'.*data\.label_names \(e\.g\. \['invalid', 'VALID'\]\)"):
+        _load(path)
+    data = _load(path, label_names=["invalid", "VALID"])  # the spelling the message gives
+    assert data.labels == ["invalid", "VALID"]
+    gold = list(data.splits["test"]["label"])
+    metrics = compute_metrics(gold, ["INVALID"] * len(gold), data.labels)  # a model that never names a label
+    assert metrics["accuracy"] == 0 and metrics["invalid"] == len(gold)

@@ -11,6 +11,7 @@ from functools import cache
 from importlib import metadata
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -165,3 +166,33 @@ def test_labels_that_cut_to_the_same_tick_are_kept_apart():
         drawn = [t.get_text() for ax in figure.axes for t in ax.get_xticklabels()]
         plt.close(figure)
     assert drawn[:3] == ticks
+
+
+@pytest.mark.parametrize("count", [6, 15, 16, 50])
+def test_a_confusion_matrix_of_many_labels_keeps_its_names_and_numbers_apart(count):
+    """The confusion matrix was 4.6 inches whatever the label count: at 50 labels its names were drawn over each other
+    and 2,500 cell numbers over the cells and each other, a black block. The figure grows with the labels, and past
+    15 labels the cells show their share by colour alone."""
+    from emotune.eval.evaluate import compute_metrics
+    from emotune.tasks.classify.report import _confusion_figure
+
+    labels = [f"emotion label {i}" for i in range(count)]
+    gold = labels * 3
+    metrics = compute_metrics(gold, labels[1:] + labels[:1] + labels * 2, labels)
+    with fonts.figure_fonts():
+        figure = _confusion_figure(metrics, metrics, labels, "score")
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        for ax in figure.axes:
+            names = [t.get_window_extent(renderer) for t in ax.get_yticklabels()]
+            assert len(names) == count
+            assert not any(a.overlaps(b) for a, b in zip(names, names[1:], strict=False))
+            numbers = [t.get_window_extent(renderer) for t in ax.texts]
+            assert len(numbers) == (count * count if count <= 15 else 0)
+            assert not any(a.overlaps(b) for a, b in zip(numbers, numbers[1:], strict=False))
+            assert all(name.x1 <= ax.get_window_extent(renderer).x0 + 1 and name.x0 >= 0 for name in names)
+            page = figure.bbox
+            for text in (ax.title, ax.xaxis.label, ax.yaxis.label):  # the whole figure on its page
+                box = text.get_window_extent(renderer)
+                assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, text
+        plt.close(figure)

@@ -131,3 +131,18 @@ def test_a_class_never_predicted_after_training_is_warned_about_in_the_terminal_
     table = format_table(comparison, labels)
     assert "recall c" in table and "never predicted c" in table
     assert "never predicted" not in format_table(compare(after, before, labels), labels)
+
+
+def test_log_loss_of_a_confident_mistake_is_not_cut_at_float32s_epsilon():
+    """The score method's probabilities are float32, and scikit-learn clips at the epsilon of the dtype it is given
+    (1.2e-7): a row whose true label got 1e-12 counted as 15.9 nats instead of 27.6, so a confidently wrong fine-tuned
+    model's log-loss read far lower than it was. The reference: scikit-learn's log-loss of the same values in float64."""
+    import torch
+    from sklearn.metrics import log_loss
+
+    log_probs = torch.tensor([[-27.631, 0.0, -30.0], [0.0, -20.0, -25.0], [-1.0, -0.5, -3.0]]).log_softmax(-1)
+    probs = log_probs.softmax(-1).numpy()
+    assert probs.dtype == np.float32
+    expected = log_loss([0, 0, 0], probs.astype(np.float64), labels=[0, 1, 2])
+    assert probability_metrics(["a", "a", "a"], probs, ["a", "b", "c"])["log_loss"] == pytest.approx(expected, rel=1e-6)
+    assert expected == pytest.approx(float(-log_probs[:, 0].mean()), rel=1e-5)

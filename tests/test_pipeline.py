@@ -133,3 +133,22 @@ def test_resume_with_a_different_config_is_refused(tiny_overrides, tmp_path, cap
     capsys.readouterr()
     assert main(["run", *tiny_overrides, "lora.r=4"]) == 2
     assert "different config" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two runs
+def test_a_resumed_run_that_measures_again_writes_the_comparison_again(tiny_overrides, tmp_path, capsys):
+    """The report stage counted as done while comparison.json existed, so a finished run whose finetuned/ was deleted
+    (measured again on resume) kept the comparison of the measurement it replaced, and printed it as the result."""
+    import shutil
+
+    run_dir = tmp_path / "runs" / "tiny"
+    assert main(["run", *tiny_overrides]) == 0
+    comparison = json.loads((run_dir / "comparison.json").read_text())
+    comparison["metrics"]["accuracy"]["after"] = 0.123456  # what an earlier measurement said
+    (run_dir / "comparison.json").write_text(json.dumps(comparison))
+    shutil.rmtree(run_dir / "finetuned")
+    capsys.readouterr()
+    assert main(["run", *tiny_overrides]) == 0
+    measured = json.loads((run_dir / "finetuned" / "metrics.json").read_text())["accuracy"]
+    assert json.loads((run_dir / "comparison.json").read_text())["metrics"]["accuracy"]["after"] == measured
+    assert "0.123" not in capsys.readouterr().out

@@ -202,3 +202,20 @@ def test_the_cards_usage_keeps_a_local_base_path_one_argument(merged):
         assert strings == ["me/tiny", "me/tiny"] and words[:3] == ["vllm", "serve", "me/tiny"]
     else:
         assert base in strings and words[:3] == ["vllm", "serve", base] and "tiny=me/tiny" in words
+
+
+def test_the_cards_results_table_reads_an_sft_comparison():
+    """sft's comparison.json holds each interval of a change flat (`{"delta", "low", "high"}`), classify's under
+    "delta": the card read `"low" in delta` of a float and every sft run with a changed ROUGE-L failed its card with a
+    TypeError."""
+    from emotune.deploy.model_card import results_table
+    from emotune.tasks.sft.report import compare
+
+    def stage(score: float) -> dict:
+        rows = [{"rouge_l": score + i / 100, "bleu": score, "exact_match": 0.0} for i in range(6)]
+        return {"metrics": {"rows": 6, "loss": 1.0, "perplexity": 2.7, "rouge_l": score + 0.025, "bleu": score,
+                            "sentence_bleu": score, "exact_match": 0.0, "per_kind": {}}, "rows": rows}
+
+    comparison = json.loads(json.dumps(compare(stage(0.1), stage(0.3))))
+    rouge = next(line for line in results_table(comparison) if line.startswith("| rouge_l |"))
+    assert rouge.endswith("| +0.200 | [0.200, 0.200] |"), rouge

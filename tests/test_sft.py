@@ -329,3 +329,43 @@ def test_each_rendering_a_row_needs_is_made_once(tokenizer, monkeypatch):
     monkeypatch.setattr(type(tokenizer), "apply_chat_template", counted)
     assert loss_spans(tokenizer, messages) == expected
     assert sorted(calls) == [(1, True), (2, False), (3, True), (4, False)], calls
+
+
+def test_the_per_row_bleu_interval_sits_beside_the_mean_per_row_bleu_not_corpus_bleu():
+    """predictions.csv's `bleu` is each row's sentence BLEU, but its paired interval was stored under `bleu`, the key
+    of corpus BLEU, and the report showed it in the "BLEU (corpus)" row: beside a corpus-BLEU change of +0.400, an
+    interval of the mean sentence BLEU's change, [-0.100, -0.100], that says the opposite."""
+    import re
+
+    from emotune.eval.stats import paired_bootstrap_delta
+    from emotune.tasks.sft.report import _metrics_section, compare
+
+    def stage(corpus: float, sentence: float) -> dict:
+        rows = [{"rouge_l": 0.5, "bleu": sentence, "exact_match": 0.0} for _ in range(8)]
+        metrics = {"rows": 8, "loss": 1.0, "perplexity": math.e, "rouge_l": 0.5, "bleu": corpus,
+                   "sentence_bleu": sentence, "exact_match": 0.0, "per_kind": {}, "max_new_tokens": 16}
+        return {"metrics": metrics, "rows": rows}
+
+    before, after = stage(0.1, 0.3), stage(0.5, 0.2)
+    comparison = compare(before, after)
+    assert comparison["intervals"]["sentence_bleu"] == paired_bootstrap_delta([0.3] * 8, [0.2] * 8)
+    assert "bleu" not in comparison["intervals"]
+    page = _metrics_section(before, after, comparison)
+    cells = {title: re.findall(r"<td[^>]*>([^<]*)</td>", row)
+             for title, row in re.findall(r"<tr><th>([^<]*)</th>(.*?)</tr>", page)}
+    assert cells["BLEU (corpus)"] == ["0.100", "0.500", "+0.400", ""]
+    assert cells["BLEU (mean per row)"] == ["0.300", "0.200", "-0.100", "[-0.100, -0.100]"]
+
+
+def test_the_per_kind_bleu_is_named_as_the_mean_per_row_bleu_it_is():
+    """The per-kind table's "BLEU" column holds each kind's mean sentence BLEU (metrics.json's per_kind `bleu`), beside
+    a headline table whose "BLEU" is corpus BLEU: a kind scoring 0.300 under a headline of 0.050 read as one metric."""
+    from emotune.eval.textmetrics import summarize
+    from emotune.tasks.sft.report import TITLES, _kinds_section, compare
+
+    rows = [{"kind": "qa", "rouge_l": 0.5, "bleu": 0.3, "exact_match": 0.0, "prediction": "a b c d e", "reference": "x"}]
+    per_kind = summarize(rows)["per_kind"]
+    assert per_kind["qa"]["bleu"] == 0.3  # the mean sentence BLEU
+    stage = {"metrics": {"rows": 1, "per_kind": per_kind}, "rows": []}
+    page = _kinds_section(compare(stage, stage))
+    assert f"<th colspan=3>{TITLES['sentence_bleu']}</th>" in page and "<th colspan=3>BLEU</th>" not in page

@@ -470,3 +470,25 @@ def test_a_changed_grid_is_named_once_in_the_refusal_to_resume():
     from emotune.sweep.runner import _differences
 
     assert len(_differences({"trials": [1], "space": {"lora.r": [1]}}, {"trials": [2], "space": {"lora.r": [2]}})) == 1
+
+
+def test_a_grid_over_the_test_rows_or_labels_is_refused_before_anything_runs(tmp_path):
+    """A grid over data.test_limit, data.source or eval.split ranked trials measured on other test rows (or labels)
+    against each other, and named a "best" by numbers that measured other things; such keys are refused by name.
+    Keys that change only the training rows stay allowed."""
+    cfg = load_sweep_config(None, [], ["data.test_limit=50,100", "eval.split=validation,test",
+                                       "data.label_names=[a, b],[a, c]"], [])
+    with pytest.raises(UserError) as err:
+        make_plan(cfg, None, [])
+    message = str(err.value)
+    assert "data.test_limit=50: changes the test rows or labels" in message and "data.test_limit=100" in message
+    assert "eval.split=validation: changes" in message and "eval.split=test:" not in message  # test is the base's
+    assert "data.label_names=[a, b]: changes" in message
+    plan = make_plan(load_sweep_config(None, [], ["data.train_limit=50,100", "data.balance=none,oversample"], []),
+                     None, [])
+    assert len(plan.trials) == 4
+    # sft's training mix over a fixed test split (LLaMA-Factory's eval_dataset) is a training setting
+    fixed = ["task=sft", "data.eval_datasets=[held_out]"]
+    assert len(make_plan(load_sweep_config(None, fixed, ["data.datasets=[a],[a, b]"], []), None, fixed).trials) == 2
+    with pytest.raises(UserError, match=r"data.datasets=\[a\]: changes the test rows"):
+        make_plan(load_sweep_config(None, ["task=sft"], ["data.datasets=[a],[a, b]"], []), None, ["task=sft"])

@@ -165,7 +165,15 @@ def data_stage(ctx: Context) -> None:
 
 def baseline_stage(ctx: Context) -> None:
     results = ctx.task.evaluate(ctx.base.model, ctx.base.tokenizer, ctx.data, ctx.cfg, desc="baseline")
-    ctx.task.write_results(results, ctx.run.baseline)
+    write_measurement(ctx, results, ctx.run.baseline)
+
+
+def write_measurement(ctx: Context, results, folder: Path) -> None:
+    """A stage's results, after removing the comparison of the measurements they replace: the report stage counts as
+    done while comparison.json exists, so a resumed run that measured again (a deleted finetuned/, a retrained
+    adapter) kept the old comparison and printed its numbers as the run's result."""
+    ctx.run.comparison_json.unlink(missing_ok=True)
+    ctx.task.write_results(results, folder)
 
 
 def train_stage(ctx: Context) -> None:
@@ -188,7 +196,7 @@ def train_stage(ctx: Context) -> None:
 
 def finetuned_stage(ctx: Context) -> None:
     results, merge = evaluate_adapted(ctx, ctx.adapted, desc="fine-tuned")
-    ctx.task.write_results(results, ctx.run.finetuned)
+    write_measurement(ctx, results, ctx.run.finetuned)
     ctx.log.note("merged_eval", merge)  # how the fine-tuned numbers were measured
 
 

@@ -16,6 +16,7 @@ from datasets import Dataset
 
 from emotune.core.config.data import CleaningConfig, DataConfig
 from emotune.core.errors import UserError, raise_problems
+from emotune.core.replies import INVALID
 from emotune.data import clean
 from emotune.data import splits as split_ops
 from emotune.data.labels import (
@@ -252,11 +253,20 @@ def _removed_by_step(dropped: dict[str, dict[str, int]]) -> dict[str, dict[str, 
     return out
 
 
+def _not_the_word(label: str) -> str:
+    """`label`, or for INVALID a spelling that is the same label (labels match ignoring case) but not the word."""
+    return label.lower() if label == INVALID else label
+
+
 def check_splits(tables: dict[str, pa.Table], labels: list[str], given: list[str],
                  removed: dict[str, dict[str, int]]) -> list[str]:
     problems = []
     if len(labels) < 2:
         problems.append(f"a classifier needs at least two labels, found {labels}")
+    if INVALID in labels:
+        problems.append(f"a label is named {INVALID!r}, the word emotune writes for a reply that names no label, so such "
+                        "replies would score as right answers of it and its row of the confusion matrix would be lost; "
+                        f"spell it another way with data.label_names (e.g. {[_not_the_word(x) for x in labels]})")
     present = {name: set(pc.unique(t.column("label")).to_pylist()) for name, t in tables.items()}
     for name in SPLITS:
         if len(tables[name]) == 0:

@@ -124,7 +124,8 @@ def results_table(comparison: dict | None) -> list[str]:
             continue
         band = intervals.get(name) or {}
         before, after = _with_interval(row.get("before"), band.get("before")), _with_interval(row.get("after"), band.get("after"))
-        delta = band.get("delta") or {}
+        # classify nests the change's interval under "delta"; sft's band is that interval itself
+        delta = band["delta"] if isinstance(band.get("delta"), dict) else band
         change = f"[{delta['low']:.3f}, {delta['high']:.3f}]" if "low" in delta else ""
         rows.append(f"| {markdown_cell(name)} | {before} | {after} | {row.get('delta', 0):+.3f} | {change} |")
     rows += ["", f"Rows: {comparison.get('rows', '?')}; intervals: seeded percentile bootstrap over the test rows.", ""]

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import html
 import math
+import os
+import shutil
 from pathlib import Path
 
 from emotune.core.errors import UserError
 from emotune.core.figures import embed_figure, families, figure_fonts, missing_glyphs
-from emotune.core.rundir import RunDir, check_folder_path, read_json, write_text
+from emotune.core.rundir import RunDir, check_folder_path, partial_path, read_json, write_text
 from emotune.eval.merged import describe
 
 # --------------------------------------------------------------------------------------------------
@@ -37,12 +39,33 @@ def write_report(run_dir: str | Path) -> Path:
         raise UserError(f"`{run.root}` is not a run folder with a measured baseline (run.json or the baseline's results "
                         f"are missing or unreadable). Give the folder `emotune run` printed, e.g. runs/cpu.")
     check_folder_path(run.figures, "the report's figures folder")
-    run.figures.mkdir(exist_ok=True)
     _note_missing_glyphs(info.get("labels") or [])
-    with figure_fonts():  # labels and texts in any script: Chinese glyphs fall back to a CJK font
-        sections = [_summary_section(info, run), *task.report_sections(run, info), _loss_section(run),
-                    training_section(run), _telemetry_section(run, info)]
-    return write_text(run.report_html, html_page(f"emotune report: {run.root.name}", sections))
+    # the figures are drawn into a folder of their own and moved into report/ (each in one rename) with the page: a
+    # report that failed half-way (a method's rows that do not pair up) left the old page beside half of the new figures
+    staged = partial_path(run.figures, unique=True)
+    staged.mkdir(parents=True)
+    try:
+        drawn = StagedFigures(run.root, staged)
+        with figure_fonts():  # labels and texts in any script: Chinese glyphs fall back to a CJK font
+            sections = [_summary_section(info, drawn), *task.report_sections(drawn, info), _loss_section(drawn),
+                        training_section(drawn), _telemetry_section(drawn, info)]
+        run.figures.mkdir(exist_ok=True)
+        for figure in staged.iterdir():
+            os.replace(figure, run.figures / figure.name)
+        return write_text(run.report_html, html_page(f"emotune report: {run.root.name}", sections))
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+class StagedFigures(RunDir):
+    """The run folder, with the report's figures (and adapter_stats.json) going to `staged` instead of report/."""
+
+    def __init__(self, root: Path, staged: Path):
+        super().__init__(root)
+        self.staged = Path(staged)
+
+    figures = property(lambda self: self.staged)
+    adapter_stats = property(lambda self: self.staged / "adapter_stats.json")
 
 
 def html_page(title: str, sections: list[str]) -> str:

@@ -132,6 +132,8 @@ def make_plan(cfg: RunConfig, config: str | None, overrides: list[str]) -> Plan:
             if trial_cfg is not None:
                 is_base[param.key, text] = _value_at(trial_cfg.model_dump(mode="json"), param.key) == \
                     _value_at(base_values, param.key)
+                if _measured_on(trial_cfg.model_dump(mode="json")) != _measured_on(base_values):
+                    problems.append(f"{param.key}={text}: {OTHER_TEST_SET}")
     raise_problems("The sweep", problems, "Fix them in sweep.grid / --grid or the config and run again.")
     seeds = [cfg.seed + i for i in range(sweep.seeds)] if sweep.seeds > 1 else None
     if sweep.mode == "grid":
@@ -142,6 +144,22 @@ def make_plan(cfg: RunConfig, config: str | None, overrides: list[str]) -> Plan:
         trials = []
     return Plan(sweep.mode, metric, direction_of(metric, sweep.direction), params, trials, sweep.trials,
                 dump_config(base), cfg.task, cfg.seed)
+
+
+# data settings that change only what is trained on, not the rows or labels a trial is measured on
+TRAINING_ONLY_DATA = ("train_limit", "validation_limit", "balance", "cache_dir")
+OTHER_TEST_SET = ("changes the test rows or labels the trial is measured on, so its numbers could not be ranked "
+                  "against the other trials' (a sweep compares settings on one test set); sweep each data setting in "
+                  "a sweep of its own, or compare finished runs with `emotune compare --allow-mismatch`")
+
+
+def _measured_on(values: dict) -> tuple:
+    """What decides a trial's measured rows and labels: the data section (its training-only keys aside, and sft's
+    `datasets` when `eval_datasets` names the test split) and `eval.split`."""
+    data = {k: v for k, v in (values.get("data") or {}).items() if k not in TRAINING_ONLY_DATA}
+    if data.get("eval_datasets"):  # sft from a dataset_info.json: the test split is these, whatever is trained on
+        data.pop("datasets", None)
+    return data, (values.get("eval") or {}).get("split")
 
 
 def _trial_config(config: str | None, overrides: list[str], extra: list[str], problems: list[str], label: str = ""):

@@ -19,6 +19,7 @@ from emotune.eval.evaluate import EvalResult
 from emotune.eval.stats import RESAMPLES, VERDICT_NOTES, classification_intervals, format_interval, paired_comparison
 
 MAX_LISTED_ROWS = 30
+NUMBERED_CELLS_UP_TO = 15  # labels up to which the confusion matrix writes each cell's share in it
 
 TITLES = {"accuracy": "accuracy", "macro_f1": "macro-F1", "weighted_f1": "weighted-F1", "invalid": "invalid",
           "top2_accuracy": "top-2 accuracy", "log_loss": "log-loss", "ece": "calibration error (ECE)"}
@@ -215,8 +216,9 @@ def paired_sentence(paired: dict) -> str:
 
 def report_sections(run: RunDir, info: dict) -> list[str]:
     """One section per evaluation method: before/after table, figures, changed and invalid rows."""
-    labels = info["labels"]
     baseline, finetuned = read_stage(run.baseline), read_stage(run.finetuned)
+    # run.json's label list; a run.json edited without one falls back on the measurement's own (as `measurements`)
+    labels = info.get("labels") or list(next(iter(baseline.values()))["metrics"]["per_class"])
     chance = chance_levels(_support(next(iter(baseline.values()))["metrics"], labels))
     notes = baseline_notes({m: stage["metrics"] for m, stage in baseline.items()}, chance)
     intro = "<section id=chance>" + "".join(f"<p>{html.escape(note)}</p>" for note in notes) + "</section>"
@@ -345,7 +347,10 @@ def _confusion_figure(before: dict, after: dict | None, labels: list[str], metho
     import matplotlib.pyplot as plt
 
     panels = [("before", before)] + ([("after", after)] if after else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), squeeze=False)
+    numbered = len(labels) <= NUMBERED_CELLS_UP_TO
+    cell = 0.4 if numbered else 0.2  # inches: room for "0.00", or for one line of a 7-point tick
+    side = max(4.6, cell * (len(labels) + 1) + 2.6)  # the matrix and its tick names (28 columns at most)
+    fig, axes = plt.subplots(1, len(panels), figsize=((side + 0.6) * len(panels), side + 1.2), squeeze=False)
     for ax, (name, metrics) in zip(axes[0], panels, strict=False):
         names = metrics["confusion_matrix"]["labels"]
         matrix = np.array(metrics["confusion_matrix"]["matrix"], dtype=float)[:len(labels)]  # gold rows
@@ -353,12 +358,13 @@ def _confusion_figure(before: dict, after: dict | None, labels: list[str], metho
             matrix, names = matrix[:, :-1], names[:-1]
         share = matrix / np.maximum(matrix.sum(1, keepdims=True), 1)
         ax.imshow(share, vmin=0, vmax=1, cmap="Blues")
-        ax.set_xticks(range(len(names)), short_labels(names), rotation=45, ha="right")
-        ax.set_yticks(range(len(labels)), short_labels(labels))
+        ticks = {} if numbered else {"fontsize": 7}
+        ax.set_xticks(range(len(names)), short_labels(names), rotation=45, ha="right", **ticks)
+        ax.set_yticks(range(len(labels)), short_labels(labels), **ticks)
         ax.set_xlabel("predicted")
         ax.set_ylabel("gold")
         ax.set_title(f"{name} ({method}), row-normalised")
-        for (i, j), value in np.ndenumerate(share):
+        for (i, j), value in np.ndenumerate(share if numbered else np.empty((0, 0))):  # many labels: colour alone
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8, color="white" if value > 0.6 else "black")
     fig.tight_layout()
     return fig

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from emotune.core.errors import UserError
 from emotune.core.rundir import RunDir, write_json
 from emotune.eval import stats
 from emotune.tasks.sft import eval as sft_eval
@@ -17,6 +18,9 @@ TITLES = {"rouge_l": "ROUGE-L", "bleu": "BLEU (corpus)", "sentence_bleu": "BLEU 
           "probe_accuracy": "probe accuracy (forgetting check)"}
 LOWER_IS_BETTER = {"perplexity", "loss"}
 ROW_SCORES = ("rouge_l", "bleu", "exact_match")  # per-row scores in predictions.csv
+# the metric each per-row score averages to: predictions.csv's `bleu` is the row's sentence BLEU, whose mean is
+# metrics.json's `sentence_bleu` (its `bleu` is corpus BLEU, which no per-row interval describes)
+ROW_SCORE_METRIC = {"rouge_l": "rouge_l", "bleu": "sentence_bleu", "exact_match": "exact_match"}
 
 
 def _row(before: float, after: float) -> dict[str, float]:
@@ -26,11 +30,12 @@ def _row(before: float, after: float) -> dict[str, float]:
 def compare(before: dict, after: dict, data=None) -> dict:
     """{"metrics": {name: {before, after, delta}}, "intervals", "per_kind", "probe"} (comparison.json)."""
     b, a = before["metrics"], after["metrics"]
+    _same_rows(before["rows"], after["rows"])
     metrics = {name: _row(b[name], a[name]) for name in TITLES if name in b and name in a}
     intervals = {}
-    if before["rows"] and len(before["rows"]) == len(after["rows"]):
+    if before["rows"]:
         for score in ROW_SCORES:
-            intervals[score] = stats.paired_bootstrap_delta([float(r[score]) for r in before["rows"]],
+            intervals[ROW_SCORE_METRIC[score]] = stats.paired_bootstrap_delta([float(r[score]) for r in before["rows"]],
                                                                   [float(r[score]) for r in after["rows"]])
     per_kind = {kind: {score: _row(one[score], a["per_kind"][kind][score]) for score in ("rouge_l", "bleu", "exact_match")}
                 for kind, one in b.get("per_kind", {}).items() if kind in a.get("per_kind", {})}
@@ -38,6 +43,16 @@ def compare(before: dict, after: dict, data=None) -> dict:
     if before.get("probe") and after.get("probe"):
         comparison["probe"] = _compare_probe(before["probe"], after["probe"])
     return comparison
+
+
+def _same_rows(before: list[dict], after: list[dict]) -> None:
+    """Refuse two measurements of other rows: their scores were compared, and paired row by row, as if the same."""
+    key = ("prompt", "reference")
+    if [tuple(r.get(k) for k in key) for r in before] != [tuple(r.get(k) for k in key) for r in after]:
+        raise UserError(f"The baseline and fine-tuned predictions.csv hold different rows ({len(before)} and {len(after)} "
+                        "rows, or other prompts and references), so they cannot be compared row by row. Measure both "
+                        "on the same data: delete the run's finetuned/ folder and re-run `emotune run` with the same "
+                        "config.")
 
 
 def _compare_probe(before: dict, after: dict) -> dict:
@@ -109,7 +124,8 @@ def _metrics_section(before: dict | None, after: dict | None, comparison: dict |
         if row:
             better = row["delta"] < 0 if name in LOWER_IS_BETTER else row["delta"] > 0
             tone = "good" if better else ("bad" if row["delta"] else "")
-            interval = (comparison.get("intervals") or {}).get(name)
+            # only a mean of per-row scores has one (an older comparison.json put sentence BLEU's under `bleu`)
+            interval = (comparison.get("intervals") or {}).get(name) if name in ROW_SCORE_METRIC.values() else None
             ci = f"[{interval['low']:+.3f}, {interval['high']:+.3f}]" if interval else ""
             cells += f"<td class=num>{row['after']:.3f}</td><td class='num {tone}'>{row['delta']:+.3f}</td><td class=num>{ci}</td>"
         body.append(f"<tr><th>{html.escape(title)}</th>{cells}</tr>")
@@ -127,7 +143,7 @@ def _kinds_section(comparison: dict) -> str:
     body = "".join(f"<tr><th>{html.escape(kind)}</th>" + "".join(
         f"<td class=num>{s['before']:.3f}</td><td class=num>{s['after']:.3f}</td><td class=num>{s['delta']:+.3f}</td>"
         for s in (scores["rouge_l"], scores["bleu"], scores["exact_match"])) + "</tr>" for kind, scores in kinds.items())
-    head = "".join(f"<th colspan=3>{t}</th>" for t in ("ROUGE-L", "BLEU", "exact match"))
+    head = "".join(f"<th colspan=3>{t}</th>" for t in ("ROUGE-L", TITLES["sentence_bleu"], "exact match"))  # per kind: no corpus BLEU
     return (f"<section id=sft-kinds><h2>Per kind of instruction</h2><table><tr><th>kind</th>{head}</tr>"
             f"<tr><th></th>{'<th>before</th><th>after</th><th>Δ</th>' * 3}</tr>{body}</table></section>")
 
