@@ -243,6 +243,28 @@ def test_a_system_prompt_ollama_cannot_hold_is_refused_before_an_earlier_export_
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # nothing half-written beside it
 
 
+def test_a_gguf_write_that_fails_midway_leaves_the_earlier_export_whole(llama_dir, tmp_path, monkeypatch):
+    """The GGUF file was written after the new adapter/ and merged/ had replaced the earlier export: a write that
+    failed there (a full disk) left merged/ and a cut-off gguf/ in its place, the good GGUF file and Modelfile gone."""
+    from emotune.deploy import gguf_write
+
+    out = tmp_path / "export"
+    good = write_tiny_adapter(llama_dir, tmp_path / "good", r=4)
+    assert main(["export", str(good), "--format", "ollama", "--quant", "q8_0", "--out", str(out)]) == 0
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def disk_full(writer, path, *args):
+        path.write_bytes(b"GGUF" + bytes(64))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf_write, "_stream", disk_full)
+    other = write_tiny_adapter(llama_dir, tmp_path / "other", seed=1, r=4)
+    with pytest.raises(OSError, match="No space left"):
+        main(["export", str(other), "--format", "ollama", "--quant", "q8_0", "--out", str(out), "--force"])
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name]  # nothing half-written beside it
+
+
 def test_k_quant_without_llama_cpp_prints_the_command(llama_dir, tmp_path, capsys, monkeypatch):
     import builtins
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -89,7 +90,9 @@ def max_lora_rank(config: dict) -> int:
 
 
 def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = False, vllm: bool = False,
-           dtype: str = "auto", force: bool = False) -> Path:
+           dtype: str = "auto", force: bool = False, finish: Callable[[Path], None] | None = None) -> Path:
+    """`finish(folder)`: what else the export holds (GGUF files, a Modelfile), written into the temporary folder
+    before it takes OUT's place, so a failure there too leaves an earlier export as it was."""
     artifact = find_artifact(run_dir)
     trained_whole = artifact.merged and artifact.path == RunDir(run_dir).model  # train.finetuning full / freeze
     if artifact.merged and not trained_whole:
@@ -114,7 +117,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
                         "is a run folder), and --force would replace it whole, deleting what it holds. Give a new folder, "
                         "e.g. --out exports/NAME.")
     if trained_whole:
-        return _export_whole(artifact, out, vllm, dtype, merge)
+        return _export_whole(artifact, out, vllm, dtype, merge, finish)
     blockers = vllm_blockers(artifact.path)
     if vllm and blockers and not merge:
         print(f"vLLM cannot hot-load this adapter: {'; '.join(blockers)}. Exporting the merged route "
@@ -132,11 +135,14 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
                 merge_report(artifact, partial / "merged", parity, _adapted(artifact, resolve_model_dir(artifact.model_cfg)))
         if vllm:
             write_vllm_handoff(artifact, partial, out, merged=merge, lora_route=not blockers)
+        if finish is not None:
+            finish(partial)
     print(f"Exported {artifact.name} to {out}" + (" (adapter + merged model)" if merge else " (adapter)"), flush=True)
     return out
 
 
-def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: bool) -> Path:
+def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: bool,
+                  finish: Callable[[Path], None] | None) -> Path:
     """A fully or freeze-fine-tuned run (train.finetuning): its model folder is already what --merge makes, so it is
     written as merged/ (in `dtype`; auto = as trained and saved), with config.yaml and the merged vLLM route."""
     if merge:
@@ -156,6 +162,8 @@ def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: 
                                                          sort_keys=False))
         if vllm:
             write_vllm_handoff(artifact, partial, out, merged=True, lora_route=False)
+        if finish is not None:
+            finish(partial)
     print(f"Exported {artifact.name} to {out} (the fully or freeze-fine-tuned model, as merged/)", flush=True)
     return out
 
