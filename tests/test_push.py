@@ -202,3 +202,44 @@ def test_the_cards_usage_keeps_a_local_base_path_one_argument(merged):
         assert strings == ["me/tiny", "me/tiny"] and words[:3] == ["vllm", "serve", "me/tiny"]
     else:
         assert base in strings and words[:3] == ["vllm", "serve", base] and "tiny=me/tiny" in words
+
+
+def _http_error(status: int):
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    request = httpx2.Request("POST", "https://huggingface.co/api/repos/create")
+    return HfHubHTTPError(f"{status} Client Error for url {request.url} (token hf_secret_value)",
+                          response=httpx2.Response(status, request=request))
+
+
+def _network_error():
+    import httpx2
+
+    return httpx2.ConnectError("[Errno -2] Name or service not known")
+
+
+@pytest.mark.parametrize(("step", "error", "said"), [
+    ("create_repo", lambda: _http_error(401), "refused the token (401"),
+    ("create_repo", lambda: _http_error(403), "write access to `me`"),
+    ("create_repo", lambda: _http_error(429), "Wait a few minutes"),
+    ("create_repo", _network_error, "could not be reached"),
+    ("upload_folder", _network_error, "exists, but the upload did not finish"),
+    ("upload_folder", lambda: _http_error(503), "Try again later"),
+])
+def test_a_hub_that_refuses_or_cannot_be_reached_is_a_message_not_a_traceback(run_dir, fake, monkeypatch, capsys,
+                                                                              step, error, said):
+    """The client's own exceptions (an HTTP status from the hub, a connection that failed before or during the upload)
+    came out of `emotune push` as a traceback; each is one message saying what to do, the token never in it."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+
+    def refuse(*args, **kwargs):
+        raise error()
+
+    monkeypatch.setattr(fake, step, refuse)
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny-emotion"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "me/tiny-emotion" in err and "Traceback" not in err and "hf_secret_value" not in err
+    assert ("Nothing was uploaded" in err) == (step == "create_repo")
+    assert {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from emotune.core.errors import UserError
+from emotune.core.errors import UserError, first_line
 
 HUBS = {"hf": "the Hugging Face hub", "modelscope": "ModelScope"}
 
@@ -109,11 +109,48 @@ def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = Fal
     with tempfile.TemporaryDirectory(prefix="emotune-push-") as staging:
         folder = _assemble(artifact, Path(run_dir), Path(staging) / "upload", hub, repo_id, merged)
         client = hub_client(hub, token)
-        client.create_repo(repo_id, private=private, exist_ok=True)
         what = "merged model" if merged else "LoRA adapter"
-        client.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=f"emotune: {artifact.name} ({what})")
+        created = False
+        try:
+            client.create_repo(repo_id, private=private, exist_ok=True)
+            created = True
+            client.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=f"emotune: {artifact.name} ({what})")
+        except UserError:
+            raise
+        except Exception as err:  # the hub's answer (auth, permission, rate limit) or no answer (network, offline)
+            raise UserError(upload_failure(hub, repo_id, err, created, token)) from None
     print(f"Uploaded {artifact.name} ({'merged model' if merged else 'adapter'}) to {HUBS[hub]}: {repo_id}", flush=True)
     return None
+
+
+def upload_failure(hub: str, repo_id: str, err: Exception, created: bool, token: str | None) -> str:
+    """Why an upload to `repo_id` failed and what to do, from the client's exception (an HTTP status where the hub
+    answered); the token is never part of it. Nothing in the run folder was changed."""
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    owner = repo_id.split("/")[0]
+    login = "MODELSCOPE_API_TOKEN" if hub == "modelscope" else "HF_TOKEN (or log in again with `hf auth login`)"
+    if status == 401:
+        fix = f"The hub refused the token (401: wrong, revoked or expired). Set a valid token with write access in {login}."
+    elif status == 403:
+        fix = (f"The token may not create or write `{repo_id}` (403): a read-only token, or `{owner}` is an organization "
+               f"it has no write role in. Use a token with write access to `{owner}` ({login}), or push to your own "
+               "name (--to ...:YOURNAME/NAME).")
+    elif status == 404:
+        fix = f"The hub has no user or organization `{owner}` this token may use (404). Check ORG in --to."
+    elif status == 429:
+        fix = "The hub is limiting this account's requests (429: rate limit). Wait a few minutes and run the same command."
+    elif isinstance(status, int) and status >= 500:
+        fix = f"The hub failed to answer ({status}). Try again later."
+    elif isinstance(status, int):
+        fix = f"The hub refused the request ({status}). Check --to and the token."
+    else:
+        fix = (f"{HUBS[hub]} could not be reached (no network, a proxy, a timeout, or HF_HUB_OFFLINE set). Check the "
+               "connection and run the same command again.")
+    detail = first_line(err).replace(token, "***") if token else first_line(err)
+    where = (f"The repository {repo_id} exists, but the upload did not finish; running the same command again uploads "
+             "the whole folder." if created else "Nothing was uploaded.")
+    return (f"Could not upload to {HUBS[hub]} as {repo_id} ({type(err).__name__}: {detail}). {fix} {where} The run "
+            "folder is unchanged.")
 
 
 def _assemble(artifact, run_dir: Path, target: Path, hub: str, repo_id: str, merged: bool) -> Path:
