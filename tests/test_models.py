@@ -113,6 +113,35 @@ def test_modelscope_client_failure_is_a_clear_error(tmp_path, monkeypatch):
         resolve_model_dir(ModelConfig(source="modelscope:google/gemma-4-E4B-it", cache_dir=str(tmp_path)))
 
 
+def test_an_interrupted_modelscope_download_is_resumed_not_taken_as_the_model(tmp_path, monkeypatch, tiny_model_dir):
+    """A ModelScope download cut off after config.json left a folder that every later run took as the finished model
+    (its own download folder holds config.json) and refused for its missing weights, saying to download again: running
+    the same command never downloaded again. A folder without its weights is downloaded into (resumed) instead."""
+    import shutil
+
+    calls = []
+    fake = types.ModuleType("modelscope")
+
+    def cut_off_once(repo_id, revision=None, local_dir=None):
+        calls.append(repo_id)
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(tiny_model_dir / "config.json", Path(local_dir) / "config.json")
+        if len(calls) == 1:
+            raise ConnectionError("Connection reset by peer")
+        shutil.copytree(tiny_model_dir, local_dir, dirs_exist_ok=True)
+        return local_dir
+
+    fake.snapshot_download = cut_off_once
+    monkeypatch.setitem(sys.modules, "modelscope", fake)
+    cfg = ModelConfig(source="modelscope:acme/tiny", cache_dir=str(tmp_path))
+    with pytest.raises(UserError, match="Connection reset"):
+        resolve_model_dir(cfg)
+    folder = resolve_model_dir(cfg)
+    assert calls == ["acme/tiny", "acme/tiny"]
+    load_model(folder, torch.float32, torch.device("cpu"))  # the whole model, weights and all
+    assert resolve_model_dir(cfg) == folder and len(calls) == 2  # a finished download is used as it is
+
+
 def test_bad_local_sources(tmp_path):
     with pytest.raises(UserError, match="without config.json"):
         resolve_model_dir(ModelConfig(source=str(tmp_path)))

@@ -197,11 +197,19 @@ def _own_folder(cfg: ModelConfig, hub: str, repo_id: str) -> Path:
     return cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
 
 
+def _weights_complete(model_dir: Path) -> bool:
+    try:
+        check_weight_files(model_dir)
+    except UserError:
+        return False
+    return True
+
+
 def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
     hub, repo_id = _hub_repo(source)
     local_dir = _own_folder(cfg, hub, repo_id)
-    if (local_dir / "config.json").is_file():
-        return local_dir
+    if (local_dir / "config.json").is_file() and _weights_complete(local_dir):
+        return local_dir  # an interrupted download (config.json, weights missing or cut short) is resumed below
     how = (f"Download it first where the hub is reachable (e.g. `hf download {repo_id} --local-dir models/{repo_id.split('/')[-1]}`"
            if hub == "hf" else
            f"Download it first where ModelScope is reachable (e.g. `modelscope download --model {repo_id} "
