@@ -142,6 +142,46 @@ def test_an_interrupted_modelscope_download_is_resumed_not_taken_as_the_model(tm
     assert resolve_model_dir(cfg) == folder and len(calls) == 2  # a finished download is used as it is
 
 
+def _hub_error(kind: str, status: int):
+    import httpx2
+    from huggingface_hub import errors
+
+    request = httpx2.Request("GET", "https://huggingface.co/api/models/acme/tiny/revision/v2")
+    return getattr(errors, kind)(f"{status} Client Error.\n\nMore details.", response=httpx2.Response(status, request=request))
+
+
+@pytest.mark.parametrize(("kind", "status", "said"), [
+    ("GatedRepoError", 403, "is a gated repository: its terms must be accepted once with your account on "
+                            "https://huggingface.co/acme/tiny"),
+    ("RevisionNotFoundError", 404, "has no revision `v2`. Fix model.revision"),
+    ("RepositoryNotFoundError", 401, "check the spelling in model.source, or, if it is private or gated, log in"),
+    ("HfHubHTTPError", 401, "refused the token this machine is logged in with (401)"),
+    ("HfHubHTTPError", 429, "Wait a few minutes"),
+])
+def test_a_hub_that_refuses_the_download_says_why_and_the_fix(tmp_path, monkeypatch, kind, status, said):
+    """A gated model, a revision or repository the hub does not have, a refused token: each was reported as `403 Client
+    Error.` followed by "download it first where the hub is reachable", which the hub was. Each names its own fix."""
+    import huggingface_hub
+
+    def refuse(*args, **kwargs):
+        raise _hub_error(kind, status)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    cfg = ModelConfig(source="acme/tiny", revision="v2", cache_dir=str(tmp_path))
+    for resolve in (resolve_model_dir, load_tokenizer_only):
+        with pytest.raises(UserError) as err:
+            resolve(cfg)
+        assert said in str(err.value) and "where the hub is reachable" not in str(err.value)
+
+
+@pytest.mark.parametrize("source", ["acme/my model", "acme/模型", "acme/x:main", "hf://acme/x"])
+def test_a_source_that_is_no_hub_id_and_no_folder_says_so(tmp_path, source):
+    with pytest.raises(UserError) as err:
+        resolve_model_dir(ModelConfig(source=source, cache_dir=str(tmp_path)))
+    assert "is not a hub id the hub accepts" in str(err.value) and "Fix model.source" in str(err.value)
+    assert ("write hf:acme/x, without `//`" in str(err.value)) == source.startswith("hf://")
+
+
 def test_bad_local_sources(tmp_path):
     with pytest.raises(UserError, match="without config.json"):
         resolve_model_dir(ModelConfig(source=str(tmp_path)))

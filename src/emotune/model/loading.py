@@ -15,7 +15,8 @@ from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from emotune.core.config.model import ModelConfig
-from emotune.core.errors import UserError, read_from
+from emotune.core.errors import UserError, first_line, read_from
+from emotune.core.hub_errors import refused_download
 from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.core.rundir import atomic_dir, json_text, remove_stale_partials
 from emotune.model import quantization
@@ -231,9 +232,9 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"])
     except UserError:
         raise
-    except Exception as err:  # offline, auth, not found: all end the same way for the user
-        raise UserError(f"model.source `{source}`: could not download from the {hub} hub "
-                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'}). {how}"
+    except Exception as err:  # refused (gated, auth, not found: the fix), else offline (download elsewhere)
+        raise UserError(f"model.source `{source}`: could not download from the {hub} hub ({type(err).__name__}: "
+                        f"{first_line(err)}). {refused_download(err, hub, repo_id, 'model.source', cfg.revision) or how}"
                         f"{_meant_a_folder(source)}") from None
     return Path(path)
 
@@ -479,7 +480,9 @@ def _download_tokenizer(cfg: ModelConfig) -> Path:
             return Path(snapshot_download(repo_id, revision=cfg.revision, cache_dir=hf_cache_dir(cfg),
                                           allow_patterns=patterns))
     except Exception as err:
+        refused = refused_download(err, hub, repo_id, "model.source", cfg.revision)
         raise UserError(f"model.source `{cfg.source}`: could not download its tokenizer from the {hub} hub "
-                        f"({type(err).__name__}). Download the model first and set model.source to its folder."
+                        f"({type(err).__name__}: {first_line(err)}). "
+                        f"{refused or 'Download the model first and set model.source to its folder.'}"
                         f"{_meant_a_folder(cfg.source)}") from None
     return local
