@@ -155,6 +155,20 @@ def test_export_errors(tiny_run_dir, tmp_path, capsys):
     assert (other_run / "run.json").is_file() and (other_run / "adapter" / "adapter_config.json").is_file()
 
 
+def test_an_out_folder_inside_the_adapter_is_refused_before_anything_is_copied(tiny_run_dir, tmp_path, capsys):
+    """`--out RUN/adapter/exp` copied the adapter into a temporary folder inside the adapter, and so on, until the path
+    was too long: a traceback of thousands of nested names. `push --dry-run RUN/adapter/up` left a copy of the upload
+    inside the adapter (pushed with it next time). Both are refused naming the folder, the adapter unchanged."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run_dir, run)
+    before = sorted(p.name for p in (run / "adapter").iterdir())
+    assert main(["export", str(run), "--out", str(run / "adapter" / "exp")]) == 2
+    assert "is inside the folder being exported" in capsys.readouterr().err
+    assert main(["push", str(run), "--to", "hf:me/tiny", "--dry-run", str(run / "adapter" / "up")]) == 2
+    assert "is inside the folder being uploaded" in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "adapter").iterdir()) == before
+
+
 def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), *TEXTS]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

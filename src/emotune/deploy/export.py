@@ -107,6 +107,10 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
     if artifact.path.resolve().is_relative_to(out.resolve()):
         raise UserError(f"--out `{out}` holds the adapter being exported, so replacing it would delete the source. "
                         "Choose another folder, e.g. the default RUN_DIR/export.")
+    if out.resolve().is_relative_to(artifact.path.resolve()):
+        raise UserError(f"--out `{out}` is inside the folder being exported ({artifact.path}), so the export would copy "
+                        "itself into itself (without end) and change that folder. Choose a folder outside it, e.g. the "
+                        "default RUN_DIR/export.")
     # an empty folder made for the export holds nothing to keep: it is written into as a new one (replaced on success)
     taken = out.exists() and not (out.is_dir() and not any(out.iterdir()))
     if taken and not force:

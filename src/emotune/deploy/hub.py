@@ -100,6 +100,9 @@ def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = Fal
                             "folder that would be uploaded without a token.")
     if dry_run is not None:
         target = Path(dry_run).expanduser()
+        if target.resolve().is_relative_to(artifact.path.resolve()):
+            raise UserError(f"--dry-run folder `{target}` is inside the folder being uploaded ({artifact.path}), which "
+                            "would then hold a copy of itself. Give a new folder outside it.")
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise UserError(f"--dry-run folder `{target}` is {'not empty' if target.is_dir() else 'a file'}. Give a new "
                             "or empty folder.")
