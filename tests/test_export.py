@@ -169,6 +169,25 @@ def test_an_out_folder_inside_the_adapter_is_refused_before_anything_is_copied(t
     assert sorted(p.name for p in (run / "adapter").iterdir()) == before
 
 
+def test_an_out_folder_that_cannot_be_made_is_refused_naming_why(tiny_run_dir, tmp_path, capsys):
+    """`--out notes.txt/exp` (a file on the path) or a folder where nothing can be made (/proc on Linux; a read-only
+    disk alike): mkdir's NotADirectoryError / FileNotFoundError came out of export and push --dry-run as tracebacks."""
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "notes.txt").write_text("mine")
+    targets = [(tmp_path / "notes.txt" / "exp", "is a file, so"), *([(Path("/proc/emotune-exp"), "Nothing can be "
+                                                                    "written in `/proc`")] if sys.platform == "linux" else [])]
+    for out, said in targets:
+        assert main(["export", str(tiny_run_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--out" in err and "Traceback" not in err
+        assert main(["push", str(tiny_run_dir), "--to", "hf:me/tiny", "--dry-run", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--dry-run" in err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), *TEXTS]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

@@ -34,7 +34,7 @@ from transformers.utils import FEATURE_EXTRACTOR_NAME, PROCESSOR_NAME, VIDEO_PRO
 
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
-from emotune.core.rundir import RunDir, atomic_dir
+from emotune.core.rundir import RunDir, atomic_dir, check_folder_path
 from emotune.deploy.quantized_merge import SAMPLE_TEXTS, merge_report
 from emotune.model import quantization
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
@@ -120,6 +120,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
         raise UserError(f"--out `{out}` exists and is not a folder `emotune export` wrote (no adapter/ or merged/, or it "
                         "is a run folder), and --force would replace it whole, deleting what it holds. Give a new folder, "
                         "e.g. --out exports/NAME.")
+    check_folder_path(out, "the export folder (--out)", "Give --out a folder you can write to, e.g. --out exports/NAME.")
     if trained_whole:
         return _export_whole(artifact, out, vllm, dtype, merge, finish)
     blockers = vllm_blockers(artifact.path)

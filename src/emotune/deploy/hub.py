@@ -106,6 +106,9 @@ def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = Fal
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise UserError(f"--dry-run folder `{target}` is {'not empty' if target.is_dir() else 'a file'}. Give a new "
                             "or empty folder.")
+        from emotune.core.rundir import check_folder_path
+
+        check_folder_path(target, "the --dry-run folder", "Give --dry-run a new folder where you can write.")
         _assemble(artifact, Path(run_dir), target, hub, repo_id, merged)
         print(f"Dry run: the folder that would be uploaded to {HUBS[hub]} as {repo_id} is {target}", flush=True)
         return target
