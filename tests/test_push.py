@@ -243,3 +243,20 @@ def test_a_hub_that_refuses_or_cannot_be_reached_is_a_message_not_a_traceback(ru
     assert said in err and "me/tiny-emotion" in err and "Traceback" not in err and "hf_secret_value" not in err
     assert ("Nothing was uploaded" in err) == (step == "create_repo")
     assert {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_a_login_the_hub_refuses_when_the_client_is_made_is_a_message(run_dir, monkeypatch, capsys):
+    """ModelScope's client logs in as it is made (HubApi.login): a refused token or no network there was a traceback."""
+    requests = pytest.importorskip("requests")
+
+    def refusing_client(hub_name, token):
+        response = requests.Response()
+        response.status_code = 401
+        raise requests.HTTPError("401 Client Error: Unauthorized for url: https://www.modelscope.cn/api/v1/login",
+                                 response=response)
+
+    monkeypatch.setattr(hub, "hub_client", refusing_client)
+    monkeypatch.setenv("MODELSCOPE_API_TOKEN", "ms-secret")
+    assert main(["push", str(run_dir), "--to", "modelscope:me/tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "refused the token (401" in err and "MODELSCOPE_API_TOKEN" in err and "Nothing was uploaded" in err

@@ -114,10 +114,10 @@ def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = Fal
         return target
     with tempfile.TemporaryDirectory(prefix="emotune-push-") as staging:
         folder = _assemble(artifact, Path(run_dir), Path(staging) / "upload", hub, repo_id, merged)
-        client = hub_client(hub, token)
         what = "merged model" if merged else "LoRA adapter"
         created = False
         try:
+            client = hub_client(hub, token)  # ModelScope's client logs in here: a refused token fails at once
             client.create_repo(repo_id, private=private, exist_ok=True)
             created = True
             client.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=f"emotune: {artifact.name} ({what})")
