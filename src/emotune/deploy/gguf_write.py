@@ -229,7 +229,12 @@ def make_k_quant(f16_file: Path, target: Path, quant: str, announce: bool = True
     import subprocess
 
     if shutil.which("llama-quantize"):
-        subprocess.run(k_quant_command(f16_file, target, quant), check=True)
+        done = subprocess.run(k_quant_command(f16_file, target, quant), capture_output=True, text=True)
+        if done.returncode != 0:
+            said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1][:300]
+            raise UserError(f"llama.cpp's llama-quantize ({shutil.which('llama-quantize')}) failed to make {quant} "
+                            f"(exit {done.returncode}: {said}), so nothing was exported. Update llama.cpp, or export "
+                            "with --quant q8_0 (or f16, bf16), which emotune writes without it.")
         return True
     try:
         import llama_cpp
