@@ -260,3 +260,26 @@ def test_a_login_the_hub_refuses_when_the_client_is_made_is_a_message(run_dir, m
     assert main(["push", str(run_dir), "--to", "modelscope:me/tiny"]) == 2
     err = capsys.readouterr().err
     assert "refused the token (401" in err and "MODELSCOPE_API_TOKEN" in err and "Nothing was uploaded" in err
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_classification_head_run_gets_a_card_of_its_own(tiny_model_dir, tmp_path, fake, capsys, merged):
+    """`emotune push` of a task classify_head run failed with KeyError 'system_prompt_template': the card showed every
+    classifier's prompt, and a head model has none. Its card says the text goes in as it is, and how to load a model
+    that answers with probabilities (no vLLM / Ollama lines, which its export refuses)."""
+    import ast
+
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "run", task="classify_head")
+    out = tmp_path / "upload"
+    args = ["push", str(run), "--to", "hf:me/tiny-head", "--dry-run", str(out), *(["--merged"] if merged else [])]
+    assert main(args) == 0
+    header, body = _card((out / "README.md").read_text())
+    assert header["pipeline_tag"] == "text-classification" and "text-classification" in header["tags"]
+    assert "without a prompt" in body and "vllm serve" not in body and "ollama create" not in body
+    blocks = [t.content for t in MarkdownIt().parse(body) if t.type == "fence" and t.info == "python"]
+    assert len(blocks) == merged
+    for block in blocks:
+        tree = ast.parse(block)
+        assert "AutoModelForSequenceClassification" in block
+        assert [ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                and n.targets[0].id == "labels"] == [LABELS]

@@ -42,7 +42,7 @@ def license_of(base_id: str | None, model_type: str | None) -> str:
 def header(artifact, base_id: str | None, model_type: str | None, merged: bool, dataset: str | None) -> dict:
     classify = not artifact.answers_freely
     data = {"license": license_of(base_id, model_type), "library_name": "transformers" if merged else "peft",
-            "pipeline_tag": "text-generation",
+            "pipeline_tag": "text-classification" if artifact.has_head else "text-generation",
             "tags": ["emotune", "lora", *(["text-classification"] if classify else ["text-generation"]), *(["merged"] if merged else [])],
             "metrics": ["accuracy", "f1"] if classify else ["rouge"]}
     if base_id:
@@ -65,7 +65,11 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
     what = "merged model (base + LoRA folded in)" if merged else "LoRA adapter"
     lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on {inline_code(str(base_id or source))}"
                  f" ({'a classifier that answers with one label' if classify else 'instruction tuning'}).")
-    if classify:
+    if artifact.has_head:  # no prompt: the text itself goes in, a trained head gives one probability per label
+        lines += ["", f"Labels: {', '.join(map(inline_code, artifact.labels))}.", "",
+                  "Input: the text itself, without a prompt; a trained classification head answers with one "
+                  "probability per label (task classify_head)."]
+    elif classify:
         prompt = f"{_system_prompt(artifact)}\n\n{artifact.prompt.user_template}"
         lines += ["", f"Labels: {', '.join(map(inline_code, artifact.labels))}.", "",
                   "Prompt (system, then the user template):", "",
@@ -75,7 +79,7 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
     lines += results_table(read_json(run.comparison_json))
     if config_text:
         lines += ["## Training config (exact, resolved)", "", *fenced(config_text.strip(), "yaml"), ""]
-    lines += usage(artifact, hub, repo_id, base_id or str(source), merged)
+    lines += (head_usage if artifact.has_head else usage)(artifact, hub, repo_id, base_id or str(source), merged)
     return "\n".join(lines) + "\n"
 
 
@@ -154,3 +158,21 @@ def usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str
             "vLLM:", "", *fenced(vllm, "bash"), "",
             "llama.cpp / Ollama: `emotune export RUN --format ollama --quant q8_0` writes the GGUF file and a Modelfile "
             "(system prompt, stop tokens, temperature 0); then `ollama create NAME -f Modelfile`.", ""]
+
+
+def head_usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str]:
+    """How to load a classification-head model: it answers with label probabilities, not text, so neither vLLM's chat
+    route nor llama.cpp / Ollama applies (`emotune export` refuses both for it)."""
+    prefix = "modelscope:" if hub == "modelscope" else ""
+    lines = ["## How to use", "",
+             f"emotune: `emotune predict` / `emotune serve` (`/v1/classify`) on a downloaded copy (`{prefix}{repo_id}`) "
+             "give the label and its probabilities.", ""]
+    if merged:
+        python = "\n".join(["from transformers import AutoModelForSequenceClassification, AutoTokenizer",
+                            f"model = AutoModelForSequenceClassification.from_pretrained({json.dumps(repo_id)})",
+                            f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(repo_id)})",
+                            f"labels = {json.dumps(list(artifact.labels), ensure_ascii=False)}  # in the head's order"])
+        lines += ["transformers (architectures with a sequence-classification class, Gemma 1–3; every architecture "
+                  "loads with `emotune.model.head.load_classifier`):", "", *fenced(python, "python"), ""]
+    lines += ["vLLM, llama.cpp and Ollama serve generated text, so they do not apply to this model.", ""]
+    return lines
