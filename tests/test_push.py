@@ -283,3 +283,22 @@ def test_a_classification_head_run_gets_a_card_of_its_own(tiny_model_dir, tmp_pa
         assert "AutoModelForSequenceClassification" in block
         assert [ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
                 and n.targets[0].id == "labels"] == [LABELS]
+
+
+@pytest.mark.slow
+def test_a_full_fine_tuning_run_is_pushed_as_its_whole_model(tiny_overrides, fake, tmp_path, capsys):
+    """A train.finetuning full run has model/ and no adapter: `emotune push runs/NAME` (with or without --merged) was
+    refused as "a merged model folder ... point at runs/<name>", which it was. It uploads model/ as the merged model,
+    its card saying it was fine-tuned whole (no LoRA tag)."""
+    from emotune.core.config.load import load_config
+    from emotune.pipeline import run
+
+    run(load_config(None, [*tiny_overrides, "train.finetuning=full"]))
+    folder = tmp_path / "runs" / "tiny"
+    for flags in ([], ["--merged"]):
+        out = tmp_path / f"upload{len(flags)}"
+        assert main(["push", str(folder), "--to", "hf:me/tiny-full", "--dry-run", str(out), *flags]) == 0
+        assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+        header, body = _card((out / "README.md").read_text())
+        assert header["library_name"] == "transformers" and "lora" not in header["tags"]
+        assert "fully or freeze fine-tuned model" in body and "PeftModel" not in body

@@ -88,7 +88,12 @@ def push(run_dir: str | Path, to: str, merged: bool = False, private: bool = Fal
 
     hub, repo_id = parse_destination(to)
     artifact = find_artifact(run_dir)
-    if artifact.merged:
+    from emotune.core.rundir import RunDir
+
+    # a train.finetuning full / freeze run: its model/ is the merged model, uploaded as such (there is no adapter)
+    whole = artifact.merged and artifact.path.resolve() == RunDir(run_dir).model.resolve()
+    merged = merged or whole
+    if artifact.merged and not whole:
         raise UserError(f"`{run_dir}` is a merged model folder; push reads the run folder (its adapter, config and "
                         "comparison.json). Point at runs/<name> and add --merged to upload the merged model.")
     token = None
@@ -164,7 +169,9 @@ def _assemble(artifact, run_dir: Path, target: Path, hub: str, repo_id: str, mer
     from emotune.deploy.model_card import model_card
 
     run = RunDir(run_dir)
-    if merged:
+    if artifact.merged:  # a full / freeze run's model/, already the whole model
+        shutil.copytree(artifact.path, target, dirs_exist_ok=True)
+    elif merged:
         source = run.export / "merged"
         if (source / "config.json").is_file():
             shutil.copytree(source, target, dirs_exist_ok=True)

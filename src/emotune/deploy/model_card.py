@@ -43,7 +43,8 @@ def header(artifact, base_id: str | None, model_type: str | None, merged: bool, 
     classify = not artifact.answers_freely
     data = {"license": license_of(base_id, model_type), "library_name": "transformers" if merged else "peft",
             "pipeline_tag": "text-classification" if artifact.has_head else "text-generation",
-            "tags": ["emotune", "lora", *(["text-classification"] if classify else ["text-generation"]), *(["merged"] if merged else [])],
+            "tags": ["emotune", *([] if artifact.merged else ["lora"]),  # a full / freeze run's model has no LoRA
+                     *(["text-classification"] if classify else ["text-generation"]), *(["merged"] if merged else [])],
             "metrics": ["accuracy", "f1"] if classify else ["rouge"]}
     if base_id:
         data["base_model"] = base_id
@@ -62,7 +63,8 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
     lines = ["---", yaml.safe_dump(header(artifact, base_id, model_type, merged, dataset), sort_keys=False).strip(), "---", "",
              f"# {repo_id.split('/')[-1]}", ""]
     classify = not artifact.answers_freely
-    what = "merged model (base + LoRA folded in)" if merged else "LoRA adapter"
+    what = ("fully or freeze fine-tuned model (train.finetuning)" if artifact.merged else
+            "merged model (base + LoRA folded in)" if merged else "LoRA adapter")
     lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on {inline_code(str(base_id or source))}"
                  f" ({'a classifier that answers with one label' if classify else 'instruction tuning'}).")
     if artifact.has_head:  # no prompt: the text itself goes in, a trained head gives one probability per label
