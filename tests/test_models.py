@@ -182,6 +182,21 @@ def test_a_source_that_is_no_hub_id_and_no_folder_says_so(tmp_path, source):
     assert ("write hf:acme/x, without `//`" in str(err.value)) == source.startswith("hf://")
 
 
+@pytest.mark.parametrize(("source", "said"), [
+    ("https://huggingface.co/google/gemma-3-270m", "model.source: google/gemma-3-270m (a branch"),
+    ("hf.co/google/gemma-3-270m/tree/main", "model.source: google/gemma-3-270m (a branch"),
+    ("https://modelscope.cn/models/Qwen/Qwen3-0.6B/files", "model.source: modelscope:Qwen/Qwen3-0.6B (a branch"),
+    ("google/gemma-3-270m@main", "Write model.source: google/gemma-3-270m and model.revision: main."),
+])
+def test_a_hub_page_address_or_an_id_with_a_revision_says_how_to_write_it(tmp_path, source, said):
+    """A model page's address pasted as model.source was "neither an existing folder ... nor a hub id. Fix the path";
+    `ORG/NAME@main` was "not a hub id". Each says the id to write, and that the revision has a field of its own."""
+    for resolve in (resolve_model_dir, load_tokenizer_only):
+        with pytest.raises(UserError) as err:
+            resolve(ModelConfig(source=source, cache_dir=str(tmp_path)))
+        assert said in str(err.value)
+
+
 def test_bad_local_sources(tmp_path):
     with pytest.raises(UserError, match="without config.json"):
         resolve_model_dir(ModelConfig(source=str(tmp_path)))

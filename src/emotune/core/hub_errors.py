@@ -5,8 +5,27 @@ the caller says how to download elsewhere."""
 
 from __future__ import annotations
 
+import re
+
 LOGIN = {"hf": "`hf auth login` or HF_TOKEN", "modelscope": "MODELSCOPE_API_TOKEN or `modelscope login`"}
 SITE = {"hf": "https://huggingface.co/", "modelscope": "https://modelscope.cn/models/"}
+
+
+HUB_PAGE = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co|modelscope\.cn/models)/([^/@\s]+/[^/@\s]+)")
+
+
+def hub_id_hint(source: str, field: str = "model.source") -> str:
+    """How to write a source given as a hub page's address or as `ORG/NAME@REVISION`: the id, with the revision in
+    its own field; "" for anything else."""
+    page = HUB_PAGE.match(source)
+    if page:
+        hub = "modelscope:" if "modelscope" in source.split("/")[2 if "://" in source else 0] else ""
+        return (f" It is a web address: write the id alone, {field}: {hub}{page.group(1)} (a branch, tag or commit goes "
+                f"in {field.split('.')[0]}.revision).")
+    if "@" in source and source.count("/") == 1:
+        name, _, revision = source.rpartition("@")
+        return f" Write {field}: {name} and {field.split('.')[0]}.revision: {revision}."
+    return ""
 
 
 def refused_download(err: Exception, hub: str, repo_id: str, field: str, revision: str | None) -> str | None:
@@ -22,7 +41,7 @@ def refused_download(err: Exception, hub: str, repo_id: str, field: str, revisio
         url = f" (write {hub}:{repo_id.lstrip('/')}, without `//`)" if repo_id.startswith("/") else ""
         return (f"`{repo_id}` is not a hub id the hub accepts (ORG/NAME of ASCII letters, digits, `-`, `_` and `.`, "
                 f"without `--` or `..`){url}, and no such folder exists here. Fix {field}: a hub id such as "
-                "google/gemma-3-270m, or the path of a local folder.")
+                f"google/gemma-3-270m, or the path of a local folder.{hub_id_hint(repo_id, field)}")
     if isinstance(err, ImportError) and getattr(err, "name", None) == "modelscope":
         return f"{field} `modelscope:{repo_id}` needs the `modelscope` package: pip install modelscope."
     if "GatedRepoError" in names:

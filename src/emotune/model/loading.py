@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError, first_line, read_from
-from emotune.core.hub_errors import refused_download
+from emotune.core.hub_errors import hub_id_hint, refused_download
 from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.core.rundir import atomic_dir, json_text, remove_stale_partials
 from emotune.model import quantization
@@ -82,7 +82,8 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
         raise UserError(f"model.source `{source}` is a folder without config.json, so it is not a Hugging Face "
                         "model folder. Point it at the folder that holds config.json and the weights, or at a .gguf file.")
     raise UserError(f"model.source `{source}` is neither `embedded`, an existing folder{read_from(source)}, a .gguf "
-                    "file, nor a hub id (`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded.")
+                    "file, nor a hub id (`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded."
+                    f"{hub_id_hint(source)}")
 
 
 def _meant_a_folder(source: str) -> str:
