@@ -188,6 +188,27 @@ def test_an_out_folder_that_cannot_be_made_is_refused_naming_why(tiny_run_dir, t
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_a_base_model_moved_since_training_is_named_with_the_file_that_records_it(tiny_model_dir, tmp_path, capsys):
+    """The base folder a run was trained on, moved since: export, predict and push said "model.source `...` is neither
+    ... Fix the path or use model.source=embedded", which none of them takes (and another base would be wrong). The
+    message names the run's config.yaml (an export's own, for an export) that records it and the fix."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    run = write_tiny_adapter(base, tmp_path / "run")
+    assert main(["export", str(run)]) == 0
+    base.rename(tmp_path / "base-moved")
+    commands = [(["export", str(run), "--merge", "--out", str(tmp_path / "e")], run / "config.yaml"),
+                (["predict", str(run), "i feel fine"], run / "config.yaml"),
+                (["predict", str(run / "export"), "i feel fine"], run / "export" / "config.yaml"),
+                (["push", str(run), "--to", "hf:me/x", "--merged", "--dry-run", str(tmp_path / "up")], run / "config.yaml")]
+    for args, config in commands:
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"is not at `{base}` any more (model.source in `{config}` names it)" in err, args
+        assert "model.source=embedded" not in err
+
+
 def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), *TEXTS]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

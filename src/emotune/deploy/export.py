@@ -137,7 +137,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
             merge_adapter(artifact, partial / "merged", dtype)
             if quantization.bits(artifact.model_cfg):  # trained on a quantized base: say what the merge changes
                 parity = merge_parity_gap(run_dir, list(SAMPLE_TEXTS), merged_dir=partial / "merged")
-                merge_report(artifact, partial / "merged", parity, _adapted(artifact, resolve_model_dir(artifact.model_cfg)))
+                merge_report(artifact, partial / "merged", parity, _adapted(artifact, artifact.base_dir()))
         if vllm:
             write_vllm_handoff(artifact, partial, out, merged=merge, lora_route=not blockers)
         if finish is not None:
@@ -176,7 +176,7 @@ def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: 
 def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path:
     """Fold the adapter into the base weights in fp32, then save in `dtype` (auto = the base's own dtype).
     A head adapter merges into its classifier: the language model with the LoRA folded in, and the trained head."""
-    base_dir = resolve_model_dir(artifact.model_cfg)
+    base_dir = artifact.base_dir()
     native = _saved_dtype(base_dir) if dtype == "auto" else DTYPES[dtype]
     merged = _adapted(artifact, base_dir).merge_and_unload()
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
@@ -230,7 +230,7 @@ def merge_parity_gap(target: str | Path, texts: list[str], merged_dir: str | Pat
     artifact = find_artifact(target)
     cpu = torch.device("cpu")
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
-    base_dir = resolve_model_dir(artifact.model_cfg)
+    base_dir = artifact.base_dir()
     adapted = _adapted(artifact, base_dir).eval()
     if merged_dir is None:
         merged = _adapted(artifact, base_dir).merge_and_unload().eval()

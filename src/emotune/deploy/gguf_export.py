@@ -28,7 +28,6 @@ def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama:
     from emotune.deploy import gguf_arch, gguf_write
     from emotune.deploy.export import export
     from emotune.model.artifacts import find_artifact
-    from emotune.model.loading import resolve_model_dir
 
     gguf_write.check_quant(quant)
     artifact = find_artifact(run_dir)
@@ -36,7 +35,7 @@ def export_gguf(run_dir: str | Path, out: str | Path | None, quant: str, ollama:
         raise UserError(f"`{run_dir}` holds a classification-head model (task {artifact.task}): it answers with label "
                         "probabilities from a trained head that llama.cpp has no place for. Export it with --merge "
                         "(transformers) and serve it with `emotune serve`.")
-    base_dir = resolve_model_dir(artifact.model_cfg)
+    base_dir = artifact.base_dir()
     base_config = AutoConfig.from_pretrained(base_dir)
     model_type, family, text_config = gguf_arch.family_of(base_config)  # refuse before merging anything
     gguf_arch.check_layout(model_type, text_config)

@@ -111,9 +111,8 @@ def _system_prompt(artifact) -> str:
 
 def _model_type(artifact) -> str | None:
     try:
-        from emotune.model.loading import resolve_model_dir
 
-        return read_json(resolve_model_dir(artifact.model_cfg) / "config.json").get("model_type")
+        return read_json(artifact.base_dir() / "config.json").get("model_type")
     except Exception:  # the base is not on this machine: the card goes without it, the upload is unaffected
         return None
 
