@@ -197,6 +197,37 @@ def test_a_hub_page_address_or_an_id_with_a_revision_says_how_to_write_it(tmp_pa
         assert said in str(err.value)
 
 
+def test_another_modelscope_revision_is_downloaded_not_the_cached_one_reused(tmp_path, monkeypatch, tiny_model_dir):
+    """emotune's ModelScope folder was one per repository: after model.revision v1 was downloaded, model.revision v2
+    silently trained (and counted tokens) on v1's files. Each revision has its own folder, the tokenizer's too."""
+    import json
+    import shutil
+
+    calls = []
+    fake = types.ModuleType("modelscope")
+
+    def download(repo_id, revision=None, local_dir=None, allow_patterns=None):
+        calls.append((revision, "tokenizer" if allow_patterns else "model"))
+        shutil.copytree(tiny_model_dir, local_dir, dirs_exist_ok=True)
+        config = Path(local_dir) / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "emotune_test_revision": revision}))
+        return local_dir
+
+    fake.snapshot_download = download
+    monkeypatch.setitem(sys.modules, "modelscope", fake)
+    folders = {}
+    for revision in ("v1", "v2", "v1"):
+        cfg = ModelConfig(source="modelscope:acme/tiny", revision=revision, cache_dir=str(tmp_path))
+        folders[revision] = resolve_model_dir(cfg)
+        assert json.loads((folders[revision] / "config.json").read_text())["emotune_test_revision"] == revision
+        load_tokenizer_only(cfg)
+    assert folders["v1"] != folders["v2"]
+    assert calls == [("v1", "model"), ("v2", "model")]  # v1's model folder is reused, and serves its tokenizer too
+    for revision in ("v3", "v4", "v3"):  # the tokenizer alone (emotune data, plan): a folder per revision as well
+        load_tokenizer_only(ModelConfig(source="modelscope:acme/tiny", revision=revision, cache_dir=str(tmp_path)))
+    assert calls[2:] == [("v3", "tokenizer"), ("v4", "tokenizer")]
+
+
 def test_bad_local_sources(tmp_path):
     with pytest.raises(UserError, match="without config.json"):
         resolve_model_dir(ModelConfig(source=str(tmp_path)))

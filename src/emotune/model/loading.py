@@ -194,9 +194,11 @@ def _hub_repo(source: str) -> tuple[str, str]:
     return hub, repo_id
 
 
-def _own_folder(cfg: ModelConfig, hub: str, repo_id: str) -> Path:
-    """emotune's own download folder: ModelScope models, and Hugging Face models downloaded by earlier versions."""
-    return cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
+def _own_folder(cfg: ModelConfig, hub: str, repo_id: str, kind: str = "hub") -> Path:
+    """emotune's own download folder: ModelScope models (`kind` tokenizers: a model's tokenizer files alone), and
+    Hugging Face models downloaded by earlier versions. One per revision: another model.revision is another folder."""
+    revision = f"@{cfg.revision.replace('/', '--')}" if cfg.revision else ""
+    return cache_root(cfg) / kind / hub / (repo_id.replace("/", "--") + revision)
 
 
 def _weights_complete(model_dir: Path) -> bool:
@@ -466,7 +468,7 @@ def _download_tokenizer(cfg: ModelConfig) -> Path:
     full = _own_folder(cfg, hub, repo_id)
     if (full / "config.json").is_file():
         return full  # the whole model is already here
-    local = cache_root(cfg) / "tokenizers" / hub / repo_id.replace("/", "--")
+    local = _own_folder(cfg, hub, repo_id, "tokenizers")
     patterns = ["tokenizer*", "*.model", "special_tokens_map.json", "*.jinja", "chat_template*", "config.json"]
     if hub == "modelscope" and (local / "tokenizer_config.json").is_file():
         return local
