@@ -86,6 +86,19 @@ def test_a_model_in_the_hf_cache_is_used_without_downloading(tmp_path, monkeypat
     assert not (tmp_path / "user-cache").exists()  # nothing written into emotune's own folder
 
 
+def test_an_interrupted_download_in_the_hf_cache_offline_says_hf_hub_offline(tmp_path, monkeypatch, tiny_model_dir):
+    """A snapshot in the hub cache without its weights (a download cut off) with HF_HUB_OFFLINE set was taken as the
+    model, then refused with "download or copy the model again, then run the same command", which offline never
+    downloads. It names HF_HUB_OFFLINE and the cached folder."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    snapshot = _cache_snapshot(tmp_path / "own" / "hub", "acme/tiny", tiny_model_dir)
+    (snapshot / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=r"lacks weights \(an interrupted download\), and HF_HUB_OFFLINE is set"):
+        resolve_model_dir(ModelConfig(source="acme/tiny", cache_dir=str(tmp_path / "own")))
+
+
 def test_modelscope_id_uses_modelscope_client(tmp_path, monkeypatch, tiny_model_dir):
     seen = {}
     fake = types.ModuleType("modelscope")

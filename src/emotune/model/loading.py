@@ -239,6 +239,12 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
         raise UserError(f"model.source `{source}`: could not download from the {hub} hub ({type(err).__name__}: "
                         f"{first_line(err)}). {refused_download(err, hub, repo_id, 'model.source', cfg.revision) or how}"
                         f"{_meant_a_folder(source)}") from None
+    from huggingface_hub import constants
+
+    if hub == "hf" and constants.HF_HUB_OFFLINE and not _weights_complete(Path(path)):  # offline: the cache as it is
+        raise UserError(f"model.source `{source}`: the hub cache's copy ({path}) lacks weights (an interrupted "
+                        "download), and HF_HUB_OFFLINE is set, so nothing is downloaded. Unset HF_HUB_OFFLINE where the "
+                        f"hub is reachable (the missing files are fetched), or: {how}")
     return Path(path)
 
 
