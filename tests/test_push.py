@@ -302,3 +302,34 @@ def test_a_full_fine_tuning_run_is_pushed_as_its_whole_model(tiny_overrides, fak
         header, body = _card((out / "README.md").read_text())
         assert header["library_name"] == "transformers" and "lora" not in header["tags"]
         assert "fully or freeze fine-tuned model" in body and "PeftModel" not in body
+
+
+def test_private_into_an_existing_public_repository_is_refused(run_dir, monkeypatch, capsys):
+    """`--private` to a repository that exists and is public: the hub ignores `private` for an existing repository,
+    so the model went up publicly. The real client (a fake HfApi at the network boundary) refuses before uploading."""
+    import huggingface_hub
+
+    uploads = []
+
+    class PublicRepoApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False, repo_type=None):
+            return f"https://huggingface.co/{repo_id}"  # exists: returned as it is
+
+        def repo_info(self, repo_id, repo_type=None):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(private=False)
+
+        def upload_folder(self, **kwargs):
+            uploads.append(kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", PublicRepoApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny", "--private"]) == 2
+    err = capsys.readouterr().err
+    assert "already exists on the Hugging Face hub and is public" in err and "Nothing was uploaded" in err
+    assert uploads == []
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny"]) == 0 and len(uploads) == 1  # public was asked for

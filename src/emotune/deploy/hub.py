@@ -72,6 +72,11 @@ class _HfClient:
 
     def create_repo(self, repo_id: str, private: bool, exist_ok: bool = True) -> None:
         self.api.create_repo(repo_id, private=private, exist_ok=exist_ok, repo_type="model")
+        # the hub ignores `private` for a repository that exists: --private must not upload into a public one
+        if private and not self.api.repo_info(repo_id, repo_type="model").private:
+            raise UserError(f"--private: the repository {repo_id} already exists on the Hugging Face hub and is public "
+                            "(the hub keeps an existing repository's visibility). Nothing was uploaded. Make it private "
+                            f"in its settings (https://huggingface.co/{repo_id}/settings), or push to a new name.")
 
     def upload_folder(self, folder_path: str, repo_id: str, commit_message: str) -> None:
         self.api.upload_folder(folder_path=folder_path, repo_id=repo_id, commit_message=commit_message, repo_type="model")
