@@ -282,6 +282,15 @@ def test_a_gated_dataset_or_a_missing_revision_names_its_fix(tmp_path, monkeypat
         assert said in str(err.value) and "Check the name and the network" not in str(err.value)
 
 
+@pytest.mark.parametrize("source", ["hf:my org/emotion", "hf:acme/模型", "hf:acme/-x", "hf:acme/a..b"])
+def test_a_dataset_name_the_hub_cannot_hold_is_refused_before_downloading(tmp_path, capsys, source):
+    """`hf:my org/emotion` printed "Downloading ... (once)", then failed in the client and suggested `hf download my
+    org/emotion ...`, a command that fails the same way. It is refused first, naming the rule and an example."""
+    with pytest.raises(UserError, match="is not a dataset name the Hugging Face hub accepts") as err:
+        load_data(DataConfig(source=source, cache_dir=str(tmp_path)), seed=0)
+    assert "hf download" not in str(err.value) and "Downloading" not in capsys.readouterr().out
+
+
 def test_bad_hub_name(tmp_path):
     with pytest.raises(UserError, match="hf:owner/name"):
         load_data(DataConfig(source="hf:emotion", cache_dir=str(tmp_path)), seed=0)

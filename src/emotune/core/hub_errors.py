@@ -41,7 +41,8 @@ def refused_download(err: Exception, hub: str, repo_id: str, field: str, revisio
         url = f" (write {hub}:{repo_id.lstrip('/')}, without `//`)" if repo_id.startswith("/") else ""
         return (f"`{repo_id}` is not a hub id the hub accepts (ORG/NAME of ASCII letters, digits, `-`, `_` and `.`, "
                 f"without `--` or `..`){url}, and no such folder exists here. Fix {field}: a hub id such as "
-                f"google/gemma-3-270m, or the path of a local folder.{hub_id_hint(repo_id, field)}")
+                f"{'dair-ai/emotion' if field.startswith('data') else 'google/gemma-3-270m'}, or the path of a local "
+                f"folder.{hub_id_hint(repo_id, field)}")
     if isinstance(err, ImportError) and getattr(err, "name", None) == "modelscope":
         return f"{field} `modelscope:{repo_id}` needs the `modelscope` package: pip install modelscope."
     if "GatedRepoError" in names:

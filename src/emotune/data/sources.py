@@ -294,6 +294,16 @@ def download_hub_dataset(cfg: DataConfig) -> Path:
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise UserError(f"data.source `{cfg.source}`: a hub dataset is written {hub}:owner/name, e.g. "
                         "hf:dair-ai/emotion or modelscope:AI-ModelScope/emotion.")
+    if hub == "hf":  # refused before "Downloading ..." and a download command that would fail as well
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError:
+            raise UserError(f"data.source `{cfg.source}`: `{repo_id}` is not a dataset name the Hugging Face hub "
+                            "accepts (OWNER/NAME of ASCII letters, digits, `-`, `_` and `.`, not starting or ending "
+                            "with `-` or `.`, without `--` or `..`, at most 96 characters each). Fix data.source, e.g. "
+                            "hf:dair-ai/emotion, or give a local folder.") from None
     local = cache_dir(cfg) / hub / (repo_id.replace("/", "--") + (f"@{cfg.revision}" if cfg.revision else ""))
     if (local / DOWNLOAD_DONE).is_file():
         return local
