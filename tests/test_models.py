@@ -241,6 +241,22 @@ def test_another_modelscope_revision_is_downloaded_not_the_cached_one_reused(tmp
     assert calls[2:] == [("v3", "tokenizer"), ("v4", "tokenizer")]
 
 
+@pytest.mark.parametrize(("name", "content", "said"), [
+    ("model.gguf", b"<!DOCTYPE html> a login page saved as a model", "is not a readable GGUF file (GGUF magic invalid)"),
+    ("MODEL.GGUF", b"GGUF", "is not a readable GGUF file"),
+    ("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ", "It is a file: point model.source at the folder"),
+])
+def test_a_model_source_file_that_is_no_model_is_refused_naming_it(tmp_path, name, content, said):
+    """A .gguf model.source that is no GGUF file (an HTML page, a cut-off download) came out of the run as gguf's
+    `ValueError: GGUF magic invalid` traceback; an upper-case .GGUF, or the weights file itself, were "neither an existing
+    folder, a .gguf file, nor a hub id", though they exist."""
+    source = tmp_path / name
+    source.write_bytes(content)
+    for resolve in (resolve_model_dir, load_tokenizer_only):
+        with pytest.raises(UserError, match=re.escape(said)):
+            resolve(ModelConfig(source=str(source), cache_dir=str(tmp_path / "cache")))
+
+
 def test_bad_local_sources(tmp_path):
     with pytest.raises(UserError, match="without config.json"):
         resolve_model_dir(ModelConfig(source=str(tmp_path)))

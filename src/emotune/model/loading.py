@@ -23,7 +23,7 @@ from emotune.model import quantization
 from emotune.model.attention import check_attention
 from emotune.model.system_role import fold_system_role
 from emotune.model.text import causal_lm_class
-from emotune.model.weight_files import check_loaded, check_weight_files
+from emotune.model.weight_files import check_gguf_file, check_loaded, check_weight_files
 from emotune.runtime.device import Precision, bf16_supported, choose_precision
 
 EMBEDDED_MODEL = "embedded"
@@ -69,8 +69,8 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     if source.startswith(HUB_PREFIXES) or looks_like_hub_id(source):
         return _download_from_hub(source, cfg)
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        _check_gguf_readable(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        check_gguf_file(path)
         return _convert_gguf(path, cache_root(cfg) / "models" / f"{path.stem}-{_file_key(path)}")
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -81,9 +81,11 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                             "from it, or export a merged model (emotune export RUN --merge) and point model.source at it.")
         raise UserError(f"model.source `{source}` is a folder without config.json, so it is not a Hugging Face "
                         "model folder. Point it at the folder that holds config.json and the weights, or at a .gguf file.")
+    is_file = (f" It is a file: point model.source at the folder that holds config.json and the weights "
+               f"(`{path.parent}`?), or at a .gguf file.") if path.is_file() else ""  # model.safetensors, config.json
     raise UserError(f"model.source `{source}` is neither `embedded`, an existing folder{read_from(source)}, a .gguf "
                     "file, nor a hub id (`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded."
-                    f"{hub_id_hint(source)}")
+                    f"{hub_id_hint(source)}{is_file}")
 
 
 def _meant_a_folder(source: str) -> str:
@@ -135,24 +137,6 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
             _clear_leftovers(target)
             _dequantize(gguf, target)
     return target
-
-
-# GGUF architectures transformers' GGUF reader cannot rebuild: it reads Gemma 4's full-layer head size alone and fails
-# on per-layer arrays (E2B's feed_forward_length), taking defaults for the sliding head size, layer pattern, shared
-# KV layers and per-layer inputs (transformers 5.25, integrations/ggml.py)
-UNREADABLE_GGUF = {"gemma4": "Gemma 4"}
-
-
-def _check_gguf_readable(gguf: Path) -> None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf).fields.get("general.architecture")
-    arch = field.contents() if field is not None else None
-    if arch in UNREADABLE_GGUF:
-        raise UserError(f"`{gguf.name}` is a {UNREADABLE_GGUF[arch]} GGUF file, which transformers cannot turn back into "
-                        "the model it came from (its GGUF reader does not know this architecture's per-layer settings). "
-                        "Point model.source at the merged Hugging Face folder the file was exported from (export/merged), "
-                        "and run the .gguf with llama.cpp, LM Studio or Ollama.")
 
 
 def _clear_leftovers(target: Path) -> None:
@@ -439,8 +423,8 @@ def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
         gguf = packaged.assemble(cache_root(cfg) / "gguf" / packaged.MODEL_NAME)
         return gguf.parent, gguf.name
     path = Path(cfg.source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        _check_gguf_readable(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        check_gguf_file(path)
         return path.parent, path.name
     if path.exists() or not (cfg.source.startswith(HUB_PREFIXES) or looks_like_hub_id(cfg.source)):
         # a local folder is checked as a run checks it; a path that is not there is named as such, not sent to the hub
