@@ -257,6 +257,25 @@ def test_a_model_source_file_that_is_no_model_is_refused_naming_it(tmp_path, nam
             resolve(ModelConfig(source=str(source), cache_dir=str(tmp_path / "cache")))
 
 
+def test_a_gguf_file_transformers_cannot_read_back_is_refused_naming_it(tmp_path):
+    """A well-formed GGUF file of an architecture (or tokenizer) transformers' GGUF reader does not know: converting
+    it raised transformers' ValueError as a traceback, after "Converting ... (once)". Refused with its words and the
+    fix, and no cache entry is left behind."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match=r"transformers cannot turn this GGUF file back into a model \(ValueError: "):
+        resolve_model_dir(ModelConfig(source=str(tmp_path / "odd.gguf"), cache_dir=str(tmp_path / "cache")))
+    assert not [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()]
+
+
 def test_bad_local_sources(tmp_path):
     with pytest.raises(UserError, match="without config.json"):
         resolve_model_dir(ModelConfig(source=str(tmp_path)))

@@ -148,8 +148,13 @@ def _clear_leftovers(target: Path) -> None:
 
 def _dequantize(gguf: Path, target: Path) -> None:
     print(f"Converting {gguf.name} into a Hugging Face folder at {target} (once; about a minute) ...", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as err:  # an architecture or tokenizer transformers' GGUF reader does not know
+        raise UserError(f"model.source `{gguf}`: transformers cannot turn this GGUF file back into a model "
+                        f"({type(err).__name__}: {first_line(err)}). Point model.source at the model's Hugging Face "
+                        "folder (config.json and safetensors weights) or hub id instead.") from None
     # transformers refuses save_pretrained while the GGUF quantizer marker is set, although the
     # weights are already dequantized to plain tensors; clear the marker so the folder is a normal model.
     model.hf_quantizer = None
