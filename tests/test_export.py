@@ -209,6 +209,21 @@ def test_a_base_model_moved_since_training_is_named_with_the_file_that_records_i
         assert "model.source=embedded" not in err
 
 
+def test_an_adapter_folder_given_itself_exports_beside_it_not_into_it(tiny_run_dir, tmp_path, capsys):
+    """`emotune export RUN/adapter` (the help's "or adapter folder") put its default export at RUN/adapter/export, inside
+    the folder being copied: it copied itself into itself until the path was too long. The default is the run's
+    export/ for a run's adapter, `<adapter>-export` beside a bare adapter folder."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run_dir, run)
+    assert main(["export", str(run / "adapter")]) == 0
+    assert (run / "export" / "adapter" / "adapter_config.json").is_file() and not (run / "adapter" / "export").exists()
+    bare = tmp_path / "adapters" / "mine"
+    shutil.copytree(tiny_run_dir / "adapter", bare)
+    assert main(["export", str(bare)]) == 0
+    assert (tmp_path / "adapters" / "mine-export" / "adapter" / "adapter_config.json").is_file()
+    assert sorted(p.name for p in bare.iterdir()) == sorted(p.name for p in (tiny_run_dir / "adapter").iterdir())
+
+
 def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), *TEXTS]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

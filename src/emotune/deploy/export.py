@@ -103,7 +103,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
                         "serve it with `emotune serve` (/v1/classify) or classify with `emotune predict`; --merge "
                         "writes a folder transformers' AutoModelForSequenceClassification loads where the "
                         "architecture has that class (Gemma 1–3).")
-    out = Path(out).expanduser() if out else RunDir(run_dir).export
+    out = Path(out).expanduser() if out else default_out(run_dir, artifact)
     if artifact.path.resolve().is_relative_to(out.resolve()):
         raise UserError(f"--out `{out}` holds the adapter being exported, so replacing it would delete the source. "
                         "Choose another folder, e.g. the default RUN_DIR/export.")
@@ -144,6 +144,15 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
             finish(partial)
     print(f"Exported {artifact.name} to {out}" + (" (adapter + merged model)" if merge else " (adapter)"), flush=True)
     return out
+
+
+def default_out(run_dir: str | Path, artifact: Artifact) -> Path:
+    """RUN/export; for an adapter folder given itself (RUN/adapter, a folder of PEFT files), never a folder inside it:
+    its run's export/ where its parent is a run folder (a config.yaml), else `<adapter>-export` beside it."""
+    if artifact.path.resolve() != Path(run_dir).expanduser().resolve():
+        return RunDir(run_dir).export
+    parent = artifact.path.parent
+    return RunDir(parent).export if RunDir(parent).config.is_file() else parent / f"{artifact.path.name}-export"
 
 
 def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: bool,
