@@ -333,3 +333,15 @@ def test_private_into_an_existing_public_repository_is_refused(run_dir, monkeypa
     assert "already exists on the Hugging Face hub and is public" in err and "Nothing was uploaded" in err
     assert uploads == []
     assert main(["push", str(run_dir), "--to", "hf:me/tiny"]) == 0 and len(uploads) == 1  # public was asked for
+
+
+def test_an_sft_models_card_does_not_promise_the_greedy_modelfile_of_a_classifier(tiny_model_dir, tmp_path):
+    """The card said every Modelfile sets `temperature 0`; an sft model's is written without it (it answers freely),
+    so the card described a file it does not get."""
+    from emotune.deploy.ollama import artifact_modelfile
+
+    for task in ("sft", "classify"):
+        artifact = find_artifact(write_tiny_adapter(tiny_model_dir, tmp_path / task, task=task) / "adapter")
+        card = model_card(artifact, RunDir(tmp_path / task), "hf", "me/tiny", False, None)
+        greedy = "PARAMETER temperature 0" in artifact_modelfile(artifact, "gemma3_text", "m.gguf")
+        assert ("temperature 0" in card) == greedy == (task == "classify")

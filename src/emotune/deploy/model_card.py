@@ -154,11 +154,14 @@ def usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str
     python = "\n".join(["from transformers import AutoModelForCausalLM, AutoTokenizer"
                         + ("" if merged else "\nfrom peft import PeftModel"),
                         load, f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(repo_id)})"])
+    # a classifier's Modelfile answers greedily, as it was measured; an sft model's samples (ollama.modelfile_text)
+    parameters = ("system prompt, stop tokens" if getattr(artifact, "answers_freely", False)
+                  else "system prompt, stop tokens, temperature 0")
     return ["## How to use", "", "transformers" + ("" if merged else " + PEFT") + ":", "", *fenced(python, "python"), "",
             f"emotune: `emotune predict` / `emotune serve` on a downloaded copy (`{prefix}{repo_id}`).", "",
             "vLLM:", "", *fenced(vllm, "bash"), "",
             "llama.cpp / Ollama: `emotune export RUN --format ollama --quant q8_0` writes the GGUF file and a Modelfile "
-            "(system prompt, stop tokens, temperature 0); then `ollama create NAME -f Modelfile`.", ""]
+            f"({parameters}); then `ollama create NAME -f Modelfile`.", ""]
 
 
 def head_usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str]:
