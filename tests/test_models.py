@@ -200,6 +200,9 @@ def test_a_source_that_is_no_hub_id_and_no_folder_says_so(tmp_path, source):
     ("hf.co/google/gemma-3-270m/tree/main", "model.source: google/gemma-3-270m (a branch"),
     ("https://modelscope.cn/models/Qwen/Qwen3-0.6B/files", "model.source: modelscope:Qwen/Qwen3-0.6B (a branch"),
     ("google/gemma-3-270m@main", "Write model.source: google/gemma-3-270m and model.revision: main."),
+    ("acme/multi/text-only", "If `acme/multi` is a hub repository and `text-only` a folder in it: a source is a whole "
+                             "repository, so download it (`hf download acme/multi --local-dir models/multi`) and set "
+                             "model.source to models/multi/text-only."),
 ])
 def test_a_hub_page_address_or_an_id_with_a_revision_says_how_to_write_it(tmp_path, source, said):
     """A model page's address pasted as model.source was "neither an existing folder ... nor a hub id. Fix the path";

@@ -25,6 +25,12 @@ def hub_id_hint(source: str, field: str = "model.source") -> str:
     if "@" in source and source.count("/") == 1:
         name, _, revision = source.rpartition("@")
         return f" Write {field}: {name} and {field.split('.')[0]}.revision: {revision}."
+    parts = source.split("/")
+    if len(parts) > 2 and all(parts) and not source.startswith((".", "~", "/")) and ":" not in source:
+        repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
+        return (f" If `{repo}` is a hub repository and `{sub}` a folder in it: a source is a whole repository, so "
+                f"download it (`hf download {repo} --local-dir models/{parts[1]}`) and set {field} to "
+                f"models/{parts[1]}/{sub}.")
     return ""
 
 
