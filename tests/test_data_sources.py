@@ -262,6 +262,35 @@ def test_hub_without_network_is_a_clear_error(tmp_path, monkeypatch):
     assert not any(tmp_path.rglob("*.parquet"))
 
 
+def test_a_gated_dataset_or_a_missing_revision_names_its_fix(tmp_path, monkeypatch):
+    """The hub's refusal (a gated dataset, a revision it does not have) was `403 Client Error.` and "check the name and
+    the network"; it names the fix: accept the terms and log in, or fix data.revision."""
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    for kind, status, said in (("GatedRepoError", 403, "terms must be accepted once with your account on "
+                                                       "https://huggingface.co/acme/feelings"),
+                               ("RevisionNotFoundError", 404, "has no revision `v9`. Fix data.revision")):
+        def refuse(*args, kind=kind, status=status, **kwargs):
+            response = httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api/datasets/x"))
+            raise getattr(errors, kind)(f"{status} Client Error.", response=response)
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+        with pytest.raises(UserError) as err:
+            load_data(DataConfig(source="hf:acme/feelings", revision="v9", cache_dir=str(tmp_path)), seed=0)
+        assert said in str(err.value) and "Check the name and the network" not in str(err.value)
+
+
+@pytest.mark.parametrize("source", ["hf:my org/emotion", "hf:acme/模型", "hf:acme/-x", "hf:acme/a..b"])
+def test_a_dataset_name_the_hub_cannot_hold_is_refused_before_downloading(tmp_path, capsys, source):
+    """`hf:my org/emotion` printed "Downloading ... (once)", then failed in the client and suggested `hf download my
+    org/emotion ...`, a command that fails the same way. It is refused first, naming the rule and an example."""
+    with pytest.raises(UserError, match="is not a dataset name the Hugging Face hub accepts") as err:
+        load_data(DataConfig(source=source, cache_dir=str(tmp_path)), seed=0)
+    assert "hf download" not in str(err.value) and "Downloading" not in capsys.readouterr().out
+
+
 def test_bad_hub_name(tmp_path):
     with pytest.raises(UserError, match="hf:owner/name"):
         load_data(DataConfig(source="hf:emotion", cache_dir=str(tmp_path)), seed=0)

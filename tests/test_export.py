@@ -155,6 +155,75 @@ def test_export_errors(tiny_run_dir, tmp_path, capsys):
     assert (other_run / "run.json").is_file() and (other_run / "adapter" / "adapter_config.json").is_file()
 
 
+def test_an_out_folder_inside_the_adapter_is_refused_before_anything_is_copied(tiny_run_dir, tmp_path, capsys):
+    """`--out RUN/adapter/exp` copied the adapter into a temporary folder inside the adapter, and so on, until the path
+    was too long: a traceback of thousands of nested names. `push --dry-run RUN/adapter/up` left a copy of the upload
+    inside the adapter (pushed with it next time). Both are refused naming the folder, the adapter unchanged."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run_dir, run)
+    before = sorted(p.name for p in (run / "adapter").iterdir())
+    assert main(["export", str(run), "--out", str(run / "adapter" / "exp")]) == 2
+    assert "is inside the folder being exported" in capsys.readouterr().err
+    assert main(["push", str(run), "--to", "hf:me/tiny", "--dry-run", str(run / "adapter" / "up")]) == 2
+    assert "is inside the folder being uploaded" in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "adapter").iterdir()) == before
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_naming_why(tiny_run_dir, tmp_path, capsys):
+    """`--out notes.txt/exp` (a file on the path) or a folder where nothing can be made (/proc on Linux; a read-only
+    disk alike): mkdir's NotADirectoryError / FileNotFoundError came out of export and push --dry-run as tracebacks."""
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "notes.txt").write_text("mine")
+    targets = [(tmp_path / "notes.txt" / "exp", "is a file, so"), *([(Path("/proc/emotune-exp"), "Nothing can be "
+                                                                    "written in `/proc`")] if sys.platform == "linux" else [])]
+    for out, said in targets:
+        assert main(["export", str(tiny_run_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--out" in err and "Traceback" not in err
+        assert main(["push", str(tiny_run_dir), "--to", "hf:me/tiny", "--dry-run", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--dry-run" in err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_base_model_moved_since_training_is_named_with_the_file_that_records_it(tiny_model_dir, tmp_path, capsys):
+    """The base folder a run was trained on, moved since: export, predict and push said "model.source `...` is neither
+    ... Fix the path or use model.source=embedded", which none of them takes (and another base would be wrong). The
+    message names the run's config.yaml (an export's own, for an export) that records it and the fix."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    run = write_tiny_adapter(base, tmp_path / "run")
+    assert main(["export", str(run)]) == 0
+    base.rename(tmp_path / "base-moved")
+    commands = [(["export", str(run), "--merge", "--out", str(tmp_path / "e")], run / "config.yaml"),
+                (["predict", str(run), "i feel fine"], run / "config.yaml"),
+                (["predict", str(run / "export"), "i feel fine"], run / "export" / "config.yaml"),
+                (["push", str(run), "--to", "hf:me/x", "--merged", "--dry-run", str(tmp_path / "up")], run / "config.yaml")]
+    for args, config in commands:
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"is not at `{base}` any more (model.source in `{config}` names it)" in err, args
+        assert "model.source=embedded" not in err
+
+
+def test_an_adapter_folder_given_itself_exports_beside_it_not_into_it(tiny_run_dir, tmp_path, capsys):
+    """`emotune export RUN/adapter` (the help's "or adapter folder") put its default export at RUN/adapter/export, inside
+    the folder being copied: it copied itself into itself until the path was too long. The default is the run's
+    export/ for a run's adapter, `<adapter>-export` beside a bare adapter folder."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run_dir, run)
+    assert main(["export", str(run / "adapter")]) == 0
+    assert (run / "export" / "adapter" / "adapter_config.json").is_file() and not (run / "adapter" / "export").exists()
+    bare = tmp_path / "adapters" / "mine"
+    shutil.copytree(tiny_run_dir / "adapter", bare)
+    assert main(["export", str(bare)]) == 0
+    assert (tmp_path / "adapters" / "mine-export" / "adapter" / "adapter_config.json").is_file()
+    assert sorted(p.name for p in bare.iterdir()) == sorted(p.name for p in (tiny_run_dir / "adapter").iterdir())
+
+
 def test_predict_texts_and_file(tiny_run_dir, tmp_path, capsys):
     assert main(["predict", str(tiny_run_dir), *TEXTS]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

@@ -243,6 +243,28 @@ def test_a_system_prompt_ollama_cannot_hold_is_refused_before_an_earlier_export_
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # nothing half-written beside it
 
 
+def test_a_gguf_write_that_fails_midway_leaves_the_earlier_export_whole(llama_dir, tmp_path, monkeypatch):
+    """The GGUF file was written after the new adapter/ and merged/ had replaced the earlier export: a write that
+    failed there (a full disk) left merged/ and a cut-off gguf/ in its place, the good GGUF file and Modelfile gone."""
+    from emotune.deploy import gguf_write
+
+    out = tmp_path / "export"
+    good = write_tiny_adapter(llama_dir, tmp_path / "good", r=4)
+    assert main(["export", str(good), "--format", "ollama", "--quant", "q8_0", "--out", str(out)]) == 0
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def disk_full(writer, path, *args):
+        path.write_bytes(b"GGUF" + bytes(64))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf_write, "_stream", disk_full)
+    other = write_tiny_adapter(llama_dir, tmp_path / "other", seed=1, r=4)
+    with pytest.raises(OSError, match="No space left"):
+        main(["export", str(other), "--format", "ollama", "--quant", "q8_0", "--out", str(out), "--force"])
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name]  # nothing half-written beside it
+
+
 def test_k_quant_without_llama_cpp_prints_the_command(llama_dir, tmp_path, capsys, monkeypatch):
     import builtins
 
@@ -260,3 +282,26 @@ def test_k_quant_without_llama_cpp_prints_the_command(llama_dir, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "llama-quantize" in printed and "run-f16.gguf" in printed and "Q4_K_M" in printed
     assert main(["export", str(run), "--format", "gguf", "--quant", "q3", "--out", str(tmp_path / "e2")]) == 2
+
+
+def test_a_llama_quantize_that_fails_is_a_message_and_keeps_the_earlier_export(llama_dir, tmp_path, capsys, monkeypatch):
+    """llama-quantize exiting non-zero (an older llama.cpp, an architecture it lacks) was a CalledProcessError
+    traceback after the export had replaced the earlier one; now nothing is replaced and its own words are quoted."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    quantizer = bin_dir / "llama-quantize"
+    quantizer.write_text("#!/bin/sh\necho \"llama_model_quantize: failed to quantize: unknown model architecture\" >&2\n"
+                         "exit 1\n")
+    quantizer.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    run = write_tiny_adapter(llama_dir, tmp_path / "run", r=4)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--format", "gguf", "--quant", "q8_0", "--out", str(out)]) == 0
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "gguf", "--quant", "q4_k_m", "--out", str(out), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model architecture" in err and "--quant q8_0" in err and "Traceback" not in err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before

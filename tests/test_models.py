@@ -86,6 +86,19 @@ def test_a_model_in_the_hf_cache_is_used_without_downloading(tmp_path, monkeypat
     assert not (tmp_path / "user-cache").exists()  # nothing written into emotune's own folder
 
 
+def test_an_interrupted_download_in_the_hf_cache_offline_says_hf_hub_offline(tmp_path, monkeypatch, tiny_model_dir):
+    """A snapshot in the hub cache without its weights (a download cut off) with HF_HUB_OFFLINE set was taken as the
+    model, then refused with "download or copy the model again, then run the same command", which offline never
+    downloads. It names HF_HUB_OFFLINE and the cached folder."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    snapshot = _cache_snapshot(tmp_path / "own" / "hub", "acme/tiny", tiny_model_dir)
+    (snapshot / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=r"lacks weights \(an interrupted download\), and HF_HUB_OFFLINE is set"):
+        resolve_model_dir(ModelConfig(source="acme/tiny", cache_dir=str(tmp_path / "own")))
+
+
 def test_modelscope_id_uses_modelscope_client(tmp_path, monkeypatch, tiny_model_dir):
     seen = {}
     fake = types.ModuleType("modelscope")
@@ -111,6 +124,159 @@ def test_modelscope_client_failure_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "modelscope", fake)
     with pytest.raises(UserError, match=r"modelscope download --model google/gemma-4-E4B-it"):
         resolve_model_dir(ModelConfig(source="modelscope:google/gemma-4-E4B-it", cache_dir=str(tmp_path)))
+
+
+def test_an_interrupted_modelscope_download_is_resumed_not_taken_as_the_model(tmp_path, monkeypatch, tiny_model_dir):
+    """A ModelScope download cut off after config.json left a folder that every later run took as the finished model
+    (its own download folder holds config.json) and refused for its missing weights, saying to download again: running
+    the same command never downloaded again. A folder without its weights is downloaded into (resumed) instead."""
+    import shutil
+
+    calls = []
+    fake = types.ModuleType("modelscope")
+
+    def cut_off_once(repo_id, revision=None, local_dir=None):
+        calls.append(repo_id)
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(tiny_model_dir / "config.json", Path(local_dir) / "config.json")
+        if len(calls) == 1:
+            raise ConnectionError("Connection reset by peer")
+        shutil.copytree(tiny_model_dir, local_dir, dirs_exist_ok=True)
+        return local_dir
+
+    fake.snapshot_download = cut_off_once
+    monkeypatch.setitem(sys.modules, "modelscope", fake)
+    cfg = ModelConfig(source="modelscope:acme/tiny", cache_dir=str(tmp_path))
+    with pytest.raises(UserError, match="Connection reset"):
+        resolve_model_dir(cfg)
+    folder = resolve_model_dir(cfg)
+    assert calls == ["acme/tiny", "acme/tiny"]
+    load_model(folder, torch.float32, torch.device("cpu"))  # the whole model, weights and all
+    assert resolve_model_dir(cfg) == folder and len(calls) == 2  # a finished download is used as it is
+
+
+def _hub_error(kind: str, status: int):
+    import httpx2
+    from huggingface_hub import errors
+
+    request = httpx2.Request("GET", "https://huggingface.co/api/models/acme/tiny/revision/v2")
+    return getattr(errors, kind)(f"{status} Client Error.\n\nMore details.", response=httpx2.Response(status, request=request))
+
+
+@pytest.mark.parametrize(("kind", "status", "said"), [
+    ("GatedRepoError", 403, "is a gated repository: its terms must be accepted once with your account on "
+                            "https://huggingface.co/acme/tiny"),
+    ("RevisionNotFoundError", 404, "has no revision `v2`. Fix model.revision"),
+    ("RepositoryNotFoundError", 401, "check the spelling in model.source, or, if it is private or gated, log in"),
+    ("HfHubHTTPError", 401, "refused the token this machine is logged in with (401)"),
+    ("HfHubHTTPError", 429, "Wait a few minutes"),
+])
+def test_a_hub_that_refuses_the_download_says_why_and_the_fix(tmp_path, monkeypatch, kind, status, said):
+    """A gated model, a revision or repository the hub does not have, a refused token: each was reported as `403 Client
+    Error.` followed by "download it first where the hub is reachable", which the hub was. Each names its own fix."""
+    import huggingface_hub
+
+    def refuse(*args, **kwargs):
+        raise _hub_error(kind, status)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    cfg = ModelConfig(source="acme/tiny", revision="v2", cache_dir=str(tmp_path))
+    for resolve in (resolve_model_dir, load_tokenizer_only):
+        with pytest.raises(UserError) as err:
+            resolve(cfg)
+        assert said in str(err.value) and "where the hub is reachable" not in str(err.value)
+
+
+@pytest.mark.parametrize("source", ["acme/my model", "acme/模型", "acme/x:main", "hf://acme/x"])
+def test_a_source_that_is_no_hub_id_and_no_folder_says_so(tmp_path, source):
+    with pytest.raises(UserError) as err:
+        resolve_model_dir(ModelConfig(source=source, cache_dir=str(tmp_path)))
+    assert "is not a hub id the hub accepts" in str(err.value) and "Fix model.source" in str(err.value)
+    assert ("write hf:acme/x, without `//`" in str(err.value)) == source.startswith("hf://")
+
+
+@pytest.mark.parametrize(("source", "said"), [
+    ("https://huggingface.co/google/gemma-3-270m", "model.source: google/gemma-3-270m (a branch"),
+    ("hf.co/google/gemma-3-270m/tree/main", "model.source: google/gemma-3-270m (a branch"),
+    ("https://modelscope.cn/models/Qwen/Qwen3-0.6B/files", "model.source: modelscope:Qwen/Qwen3-0.6B (a branch"),
+    ("google/gemma-3-270m@main", "Write model.source: google/gemma-3-270m and model.revision: main."),
+    ("acme/multi/text-only", "If `acme/multi` is a hub repository and `text-only` a folder in it: a source is a whole "
+                             "repository, so download it (`hf download acme/multi --local-dir models/multi`) and set "
+                             "model.source to models/multi/text-only."),
+])
+def test_a_hub_page_address_or_an_id_with_a_revision_says_how_to_write_it(tmp_path, source, said):
+    """A model page's address pasted as model.source was "neither an existing folder ... nor a hub id. Fix the path";
+    `ORG/NAME@main` was "not a hub id". Each says the id to write, and that the revision has a field of its own."""
+    for resolve in (resolve_model_dir, load_tokenizer_only):
+        with pytest.raises(UserError) as err:
+            resolve(ModelConfig(source=source, cache_dir=str(tmp_path)))
+        assert said in str(err.value)
+
+
+def test_another_modelscope_revision_is_downloaded_not_the_cached_one_reused(tmp_path, monkeypatch, tiny_model_dir):
+    """emotune's ModelScope folder was one per repository: after model.revision v1 was downloaded, model.revision v2
+    silently trained (and counted tokens) on v1's files. Each revision has its own folder, the tokenizer's too."""
+    import json
+    import shutil
+
+    calls = []
+    fake = types.ModuleType("modelscope")
+
+    def download(repo_id, revision=None, local_dir=None, allow_patterns=None):
+        calls.append((revision, "tokenizer" if allow_patterns else "model"))
+        shutil.copytree(tiny_model_dir, local_dir, dirs_exist_ok=True)
+        config = Path(local_dir) / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "emotune_test_revision": revision}))
+        return local_dir
+
+    fake.snapshot_download = download
+    monkeypatch.setitem(sys.modules, "modelscope", fake)
+    folders = {}
+    for revision in ("v1", "v2", "v1"):
+        cfg = ModelConfig(source="modelscope:acme/tiny", revision=revision, cache_dir=str(tmp_path))
+        folders[revision] = resolve_model_dir(cfg)
+        assert json.loads((folders[revision] / "config.json").read_text())["emotune_test_revision"] == revision
+        load_tokenizer_only(cfg)
+    assert folders["v1"] != folders["v2"]
+    assert calls == [("v1", "model"), ("v2", "model")]  # v1's model folder is reused, and serves its tokenizer too
+    for revision in ("v3", "v4", "v3"):  # the tokenizer alone (emotune data, plan): a folder per revision as well
+        load_tokenizer_only(ModelConfig(source="modelscope:acme/tiny", revision=revision, cache_dir=str(tmp_path)))
+    assert calls[2:] == [("v3", "tokenizer"), ("v4", "tokenizer")]
+
+
+@pytest.mark.parametrize(("name", "content", "said"), [
+    ("model.gguf", b"<!DOCTYPE html> a login page saved as a model", "is not a readable GGUF file (GGUF magic invalid)"),
+    ("MODEL.GGUF", b"GGUF", "is not a readable GGUF file"),
+    ("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ", "It is a file: point model.source at the folder"),
+])
+def test_a_model_source_file_that_is_no_model_is_refused_naming_it(tmp_path, name, content, said):
+    """A .gguf model.source that is no GGUF file (an HTML page, a cut-off download) came out of the run as gguf's
+    `ValueError: GGUF magic invalid` traceback; an upper-case .GGUF, or the weights file itself, were "neither an existing
+    folder, a .gguf file, nor a hub id", though they exist."""
+    source = tmp_path / name
+    source.write_bytes(content)
+    for resolve in (resolve_model_dir, load_tokenizer_only):
+        with pytest.raises(UserError, match=re.escape(said)):
+            resolve(ModelConfig(source=str(source), cache_dir=str(tmp_path / "cache")))
+
+
+def test_a_gguf_file_transformers_cannot_read_back_is_refused_naming_it(tmp_path):
+    """A well-formed GGUF file of an architecture (or tokenizer) transformers' GGUF reader does not know: converting
+    it raised transformers' ValueError as a traceback, after "Converting ... (once)". Refused with its words and the
+    fix, and no cache entry is left behind."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match=r"transformers cannot turn this GGUF file back into a model \(ValueError: "):
+        resolve_model_dir(ModelConfig(source=str(tmp_path / "odd.gguf"), cache_dir=str(tmp_path / "cache")))
+    assert not [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()]
 
 
 def test_bad_local_sources(tmp_path):

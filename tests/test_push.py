@@ -219,3 +219,146 @@ def test_the_cards_results_table_reads_an_sft_comparison():
     comparison = json.loads(json.dumps(compare(stage(0.1), stage(0.3))))
     rouge = next(line for line in results_table(comparison) if line.startswith("| rouge_l |"))
     assert rouge.endswith("| +0.200 | [0.200, 0.200] |"), rouge
+
+
+def _http_error(status: int):
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    request = httpx2.Request("POST", "https://huggingface.co/api/repos/create")
+    return HfHubHTTPError(f"{status} Client Error for url {request.url} (token hf_secret_value)",
+                          response=httpx2.Response(status, request=request))
+
+
+def _network_error():
+    import httpx2
+
+    return httpx2.ConnectError("[Errno -2] Name or service not known")
+
+
+@pytest.mark.parametrize(("step", "error", "said"), [
+    ("create_repo", lambda: _http_error(401), "refused the token (401"),
+    ("create_repo", lambda: _http_error(403), "write access to `me`"),
+    ("create_repo", lambda: _http_error(429), "Wait a few minutes"),
+    ("create_repo", _network_error, "could not be reached"),
+    ("upload_folder", _network_error, "exists, but the upload did not finish"),
+    ("upload_folder", lambda: _http_error(503), "Try again later"),
+])
+def test_a_hub_that_refuses_or_cannot_be_reached_is_a_message_not_a_traceback(run_dir, fake, monkeypatch, capsys,
+                                                                              step, error, said):
+    """The client's own exceptions (an HTTP status from the hub, a connection that failed before or during the upload)
+    came out of `emotune push` as a traceback; each is one message saying what to do, the token never in it."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+
+    def refuse(*args, **kwargs):
+        raise error()
+
+    monkeypatch.setattr(fake, step, refuse)
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny-emotion"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "me/tiny-emotion" in err and "Traceback" not in err and "hf_secret_value" not in err
+    assert ("Nothing was uploaded" in err) == (step == "create_repo")
+    assert {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_a_login_the_hub_refuses_when_the_client_is_made_is_a_message(run_dir, monkeypatch, capsys):
+    """ModelScope's client logs in as it is made (HubApi.login): a refused token or no network there was a traceback."""
+    requests = pytest.importorskip("requests")
+
+    def refusing_client(hub_name, token):
+        response = requests.Response()
+        response.status_code = 401
+        raise requests.HTTPError("401 Client Error: Unauthorized for url: https://www.modelscope.cn/api/v1/login",
+                                 response=response)
+
+    monkeypatch.setattr(hub, "hub_client", refusing_client)
+    monkeypatch.setenv("MODELSCOPE_API_TOKEN", "ms-secret")
+    assert main(["push", str(run_dir), "--to", "modelscope:me/tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "refused the token (401" in err and "MODELSCOPE_API_TOKEN" in err and "Nothing was uploaded" in err
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_classification_head_run_gets_a_card_of_its_own(tiny_model_dir, tmp_path, fake, capsys, merged):
+    """`emotune push` of a task classify_head run failed with KeyError 'system_prompt_template': the card showed every
+    classifier's prompt, and a head model has none. Its card says the text goes in as it is, and how to load a model
+    that answers with probabilities (no vLLM / Ollama lines, which its export refuses)."""
+    import ast
+
+    run = write_tiny_adapter(tiny_model_dir, tmp_path / "run", task="classify_head")
+    out = tmp_path / "upload"
+    args = ["push", str(run), "--to", "hf:me/tiny-head", "--dry-run", str(out), *(["--merged"] if merged else [])]
+    assert main(args) == 0
+    header, body = _card((out / "README.md").read_text())
+    assert header["pipeline_tag"] == "text-classification" and "text-classification" in header["tags"]
+    assert "without a prompt" in body and "vllm serve" not in body and "ollama create" not in body
+    blocks = [t.content for t in MarkdownIt().parse(body) if t.type == "fence" and t.info == "python"]
+    assert len(blocks) == merged
+    for block in blocks:
+        tree = ast.parse(block)
+        assert "AutoModelForSequenceClassification" in block
+        assert [ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                and n.targets[0].id == "labels"] == [LABELS]
+
+
+@pytest.mark.slow
+def test_a_full_fine_tuning_run_is_pushed_as_its_whole_model(tiny_overrides, fake, tmp_path, capsys):
+    """A train.finetuning full run has model/ and no adapter: `emotune push runs/NAME` (with or without --merged) was
+    refused as "a merged model folder ... point at runs/<name>", which it was. It uploads model/ as the merged model,
+    its card saying it was fine-tuned whole (no LoRA tag)."""
+    from emotune.core.config.load import load_config
+    from emotune.pipeline import run
+
+    run(load_config(None, [*tiny_overrides, "train.finetuning=full"]))
+    folder = tmp_path / "runs" / "tiny"
+    for flags in ([], ["--merged"]):
+        out = tmp_path / f"upload{len(flags)}"
+        assert main(["push", str(folder), "--to", "hf:me/tiny-full", "--dry-run", str(out), *flags]) == 0
+        assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+        header, body = _card((out / "README.md").read_text())
+        assert header["library_name"] == "transformers" and "lora" not in header["tags"]
+        assert "fully or freeze fine-tuned model" in body and "PeftModel" not in body
+
+
+def test_private_into_an_existing_public_repository_is_refused(run_dir, monkeypatch, capsys):
+    """`--private` to a repository that exists and is public: the hub ignores `private` for an existing repository,
+    so the model went up publicly. The real client (a fake HfApi at the network boundary) refuses before uploading."""
+    import huggingface_hub
+
+    uploads = []
+
+    class PublicRepoApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False, repo_type=None):
+            return f"https://huggingface.co/{repo_id}"  # exists: returned as it is
+
+        def repo_info(self, repo_id, repo_type=None):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(private=False)
+
+        def upload_folder(self, **kwargs):
+            uploads.append(kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", PublicRepoApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny", "--private"]) == 2
+    err = capsys.readouterr().err
+    assert "already exists on the Hugging Face hub and is public" in err and "Nothing was uploaded" in err
+    assert uploads == []
+    assert main(["push", str(run_dir), "--to", "hf:me/tiny"]) == 0 and len(uploads) == 1  # public was asked for
+
+
+def test_an_sft_models_card_does_not_promise_the_greedy_modelfile_of_a_classifier(tiny_model_dir, tmp_path):
+    """The card said every Modelfile sets `temperature 0`; an sft model's is written without it (it answers freely),
+    so the card described a file it does not get."""
+    from emotune.deploy.ollama import artifact_modelfile
+
+    for task in ("sft", "classify"):
+        artifact = find_artifact(write_tiny_adapter(tiny_model_dir, tmp_path / task, task=task) / "adapter")
+        card = model_card(artifact, RunDir(tmp_path / task), "hf", "me/tiny", False, None)
+        greedy = "PARAMETER temperature 0" in artifact_modelfile(artifact, "gemma3_text", "m.gguf")
+        assert ("temperature 0" in card) == greedy == (task == "classify")

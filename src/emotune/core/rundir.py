@@ -292,17 +292,30 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
     return run
 
 
-def check_folder_path(folder: Path, what: str) -> None:
+def check_folder_path(folder: Path, what: str, fix: str | None = None) -> None:
     """Refuse a folder to be made where it or a folder above it is an existing file (mkdir's FileExistsError or
-    NotADirectoryError otherwise, a traceback): names the file."""
+    NotADirectoryError otherwise, a traceback), or where nothing can be made (a read-only file system, a folder of
+    another user's, /proc): names the file or folder, and `fix` (default: set output_dir or name=)."""
+    fix = fix or ("Set output_dir to a folder (it is made if missing, e.g. output_dir=runs) or another name=.")
     for path in (Path(folder), *Path(folder).parents):
         if path.exists() and not path.is_dir():
             where = " in it" if path != Path(folder) else ""
             raise UserError(f"`{path}` is a file, so {what} `{folder}` cannot be made{where}. Move or rename that "
-                            "file, or set output_dir to a folder (it is made if missing, e.g. output_dir=runs) or "
-                            "another name=.")
+                            f"file, or {fix[0].lower()}{fix[1:]}")
         if path.exists():
+            _check_writable(path, folder, what, fix)
             return
+
+
+def _check_writable(existing: Path, folder: Path, what: str, fix: str) -> None:
+    """Make and remove an empty folder in `existing` (the nearest folder of `folder` that exists), as the write will."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".emotune-probe-", dir=existing))
+    except OSError as err:
+        raise UserError(f"Nothing can be written in `{existing}` ({err.strerror or type(err).__name__}), so {what} "
+                        f"`{folder}` cannot be made. {fix}") from None
 
 
 def check_not_inside_a_run(root: Path) -> None:

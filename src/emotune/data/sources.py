@@ -22,6 +22,7 @@ from platformdirs import user_cache_dir
 
 from emotune.core.config.data import DataConfig
 from emotune.core.errors import UserError
+from emotune.core.hub_errors import refused_download
 from emotune.data.read import FORMATS, data_suffix, is_data_file, read_table
 
 SPLITS = ("train", "validation", "test")
@@ -293,6 +294,16 @@ def download_hub_dataset(cfg: DataConfig) -> Path:
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise UserError(f"data.source `{cfg.source}`: a hub dataset is written {hub}:owner/name, e.g. "
                         "hf:dair-ai/emotion or modelscope:AI-ModelScope/emotion.")
+    if hub == "hf":  # refused before "Downloading ..." and a download command that would fail as well
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError:
+            raise UserError(f"data.source `{cfg.source}`: `{repo_id}` is not a dataset name the Hugging Face hub "
+                            "accepts (OWNER/NAME of ASCII letters, digits, `-`, `_` and `.`, not starting or ending "
+                            "with `-` or `.`, without `--` or `..`, at most 96 characters each). Fix data.source, e.g. "
+                            "hf:dair-ai/emotion, or give a local folder.") from None
     local = cache_dir(cfg) / hub / (repo_id.replace("/", "--") + (f"@{cfg.revision}" if cfg.revision else ""))
     if (local / DOWNLOAD_DONE).is_file():
         return local
@@ -317,8 +328,9 @@ def download_hub_dataset(cfg: DataConfig) -> Path:
         raise UserError(f"{err} {how}") from None
     except Exception as err:  # offline, auth, not found: all end the same way for the user
         detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else "no details"
+        refused = refused_download(err, hub, repo_id, "data.source", cfg.revision)
         raise UserError(f"data.source `{cfg.source}`: could not download from the {hub} hub ({type(err).__name__}: "
-                        f"{detail}). Check the name and the network. {how}") from None
+                        f"{detail}). {refused or 'Check the name and the network.'} {how}") from None
     if not _data_files(local):
         raise UserError(f"data.source `{cfg.source}`: the download holds no data files ({', '.join(FORMATS)}; looked "
                         f"in {local}). Check the dataset name. {how}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from transformers.utils import FEATURE_EXTRACTOR_NAME, PROCESSOR_NAME, VIDEO_PRO
 
 from emotune.core.config.model import ModelConfig
 from emotune.core.errors import UserError
-from emotune.core.rundir import RunDir, atomic_dir
+from emotune.core.rundir import RunDir, atomic_dir, check_folder_path
 from emotune.deploy.quantized_merge import SAMPLE_TEXTS, merge_report
 from emotune.model import quantization
 from emotune.model.artifacts import META, PEFT_CONFIG, Artifact, find_artifact
@@ -89,7 +90,9 @@ def max_lora_rank(config: dict) -> int:
 
 
 def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = False, vllm: bool = False,
-           dtype: str = "auto", force: bool = False) -> Path:
+           dtype: str = "auto", force: bool = False, finish: Callable[[Path], None] | None = None) -> Path:
+    """`finish(folder)`: what else the export holds (GGUF files, a Modelfile), written into the temporary folder
+    before it takes OUT's place, so a failure there too leaves an earlier export as it was."""
     artifact = find_artifact(run_dir)
     trained_whole = artifact.merged and artifact.path == RunDir(run_dir).model  # train.finetuning full / freeze
     if artifact.merged and not trained_whole:
@@ -100,10 +103,14 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
                         "serve it with `emotune serve` (/v1/classify) or classify with `emotune predict`; --merge "
                         "writes a folder transformers' AutoModelForSequenceClassification loads where the "
                         "architecture has that class (Gemma 1–3).")
-    out = Path(out).expanduser() if out else RunDir(run_dir).export
+    out = Path(out).expanduser() if out else default_out(run_dir, artifact)
     if artifact.path.resolve().is_relative_to(out.resolve()):
         raise UserError(f"--out `{out}` holds the adapter being exported, so replacing it would delete the source. "
                         "Choose another folder, e.g. the default RUN_DIR/export.")
+    if out.resolve().is_relative_to(artifact.path.resolve()):
+        raise UserError(f"--out `{out}` is inside the folder being exported ({artifact.path}), so the export would copy "
+                        "itself into itself (without end) and change that folder. Choose a folder outside it, e.g. the "
+                        "default RUN_DIR/export.")
     # an empty folder made for the export holds nothing to keep: it is written into as a new one (replaced on success)
     taken = out.exists() and not (out.is_dir() and not any(out.iterdir()))
     if taken and not force:
@@ -113,8 +120,9 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
         raise UserError(f"--out `{out}` exists and is not a folder `emotune export` wrote (no adapter/ or merged/, or it "
                         "is a run folder), and --force would replace it whole, deleting what it holds. Give a new folder, "
                         "e.g. --out exports/NAME.")
+    check_folder_path(out, "the export folder (--out)", "Give --out a folder you can write to, e.g. --out exports/NAME.")
     if trained_whole:
-        return _export_whole(artifact, out, vllm, dtype, merge)
+        return _export_whole(artifact, out, vllm, dtype, merge, finish)
     blockers = vllm_blockers(artifact.path)
     if vllm and blockers and not merge:
         print(f"vLLM cannot hot-load this adapter: {'; '.join(blockers)}. Exporting the merged route "
@@ -129,14 +137,26 @@ def export(run_dir: str | Path, out: str | Path | None = None, merge: bool = Fal
             merge_adapter(artifact, partial / "merged", dtype)
             if quantization.bits(artifact.model_cfg):  # trained on a quantized base: say what the merge changes
                 parity = merge_parity_gap(run_dir, list(SAMPLE_TEXTS), merged_dir=partial / "merged")
-                merge_report(artifact, partial / "merged", parity, _adapted(artifact, resolve_model_dir(artifact.model_cfg)))
+                merge_report(artifact, partial / "merged", parity, _adapted(artifact, artifact.base_dir()))
         if vllm:
             write_vllm_handoff(artifact, partial, out, merged=merge, lora_route=not blockers)
+        if finish is not None:
+            finish(partial)
     print(f"Exported {artifact.name} to {out}" + (" (adapter + merged model)" if merge else " (adapter)"), flush=True)
     return out
 
 
-def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: bool) -> Path:
+def default_out(run_dir: str | Path, artifact: Artifact) -> Path:
+    """RUN/export; for an adapter folder given itself (RUN/adapter, a folder of PEFT files), never a folder inside it:
+    its run's export/ where its parent is a run folder (a config.yaml), else `<adapter>-export` beside it."""
+    if artifact.path.resolve() != Path(run_dir).expanduser().resolve():
+        return RunDir(run_dir).export
+    parent = artifact.path.parent
+    return RunDir(parent).export if RunDir(parent).config.is_file() else parent / f"{artifact.path.name}-export"
+
+
+def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: bool,
+                  finish: Callable[[Path], None] | None) -> Path:
     """A fully or freeze-fine-tuned run (train.finetuning): its model folder is already what --merge makes, so it is
     written as merged/ (in `dtype`; auto = as trained and saved), with config.yaml and the merged vLLM route."""
     if merge:
@@ -156,6 +176,8 @@ def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: 
                                                          sort_keys=False))
         if vllm:
             write_vllm_handoff(artifact, partial, out, merged=True, lora_route=False)
+        if finish is not None:
+            finish(partial)
     print(f"Exported {artifact.name} to {out} (the fully or freeze-fine-tuned model, as merged/)", flush=True)
     return out
 
@@ -163,7 +185,7 @@ def _export_whole(artifact: Artifact, out: Path, vllm: bool, dtype: str, merge: 
 def merge_adapter(artifact: Artifact, target: Path, dtype: str = "auto") -> Path:
     """Fold the adapter into the base weights in fp32, then save in `dtype` (auto = the base's own dtype).
     A head adapter merges into its classifier: the language model with the LoRA folded in, and the trained head."""
-    base_dir = resolve_model_dir(artifact.model_cfg)
+    base_dir = artifact.base_dir()
     native = _saved_dtype(base_dir) if dtype == "auto" else DTYPES[dtype]
     merged = _adapted(artifact, base_dir).merge_and_unload()
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
@@ -217,7 +239,7 @@ def merge_parity_gap(target: str | Path, texts: list[str], merged_dir: str | Pat
     artifact = find_artifact(target)
     cpu = torch.device("cpu")
     tokenizer = load_tokenizer(artifact.path, ModelConfig())
-    base_dir = resolve_model_dir(artifact.model_cfg)
+    base_dir = artifact.base_dir()
     adapted = _adapted(artifact, base_dir).eval()
     if merged_dir is None:
         merged = _adapted(artifact, base_dir).merge_and_unload().eval()

@@ -223,19 +223,25 @@ def k_quant_command(f16_file: Path, target: Path, quant: str) -> list[str]:
     return [shutil.which("llama-quantize") or "llama-quantize", str(f16_file), str(target), quant.upper()]
 
 
-def make_k_quant(f16_file: Path, target: Path, quant: str) -> bool:
+def make_k_quant(f16_file: Path, target: Path, quant: str, announce: bool = True) -> bool:
     """Run llama.cpp's quantizer when it is here (the llama-quantize program, or llama-cpp-python's binding);
-    otherwise print the command and return False."""
+    otherwise print the command (unless not `announce`: the caller prints it) and return False."""
     import subprocess
 
     if shutil.which("llama-quantize"):
-        subprocess.run(k_quant_command(f16_file, target, quant), check=True)
+        done = subprocess.run(k_quant_command(f16_file, target, quant), capture_output=True, text=True)
+        if done.returncode != 0:
+            said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1][:300]
+            raise UserError(f"llama.cpp's llama-quantize ({shutil.which('llama-quantize')}) failed to make {quant} "
+                            f"(exit {done.returncode}: {said}), so nothing was exported. Update llama.cpp, or export "
+                            "with --quant q8_0 (or f16, bf16), which emotune writes without it.")
         return True
     try:
         import llama_cpp
     except ImportError:
-        print("K-quants need llama.cpp's quantizer, which is not installed here. From the f16 file, run:\n  "
-              + shlex.join(k_quant_command(f16_file, target, quant)), flush=True)
+        if announce:
+            print("K-quants need llama.cpp's quantizer, which is not installed here. From the f16 file, run:\n  "
+                  + shlex.join(k_quant_command(f16_file, target, quant)), flush=True)
         return False
     import ctypes
 

@@ -42,8 +42,9 @@ def license_of(base_id: str | None, model_type: str | None) -> str:
 def header(artifact, base_id: str | None, model_type: str | None, merged: bool, dataset: str | None) -> dict:
     classify = not artifact.answers_freely
     data = {"license": license_of(base_id, model_type), "library_name": "transformers" if merged else "peft",
-            "pipeline_tag": "text-generation",
-            "tags": ["emotune", "lora", *(["text-classification"] if classify else ["text-generation"]), *(["merged"] if merged else [])],
+            "pipeline_tag": "text-classification" if artifact.has_head else "text-generation",
+            "tags": ["emotune", *([] if artifact.merged else ["lora"]),  # a full / freeze run's model has no LoRA
+                     *(["text-classification"] if classify else ["text-generation"]), *(["merged"] if merged else [])],
             "metrics": ["accuracy", "f1"] if classify else ["rouge"]}
     if base_id:
         data["base_model"] = base_id
@@ -62,10 +63,15 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
     lines = ["---", yaml.safe_dump(header(artifact, base_id, model_type, merged, dataset), sort_keys=False).strip(), "---", "",
              f"# {repo_id.split('/')[-1]}", ""]
     classify = not artifact.answers_freely
-    what = "merged model (base + LoRA folded in)" if merged else "LoRA adapter"
+    what = ("fully or freeze fine-tuned model (train.finetuning)" if artifact.merged else
+            "merged model (base + LoRA folded in)" if merged else "LoRA adapter")
     lines.append(f"A {what} trained with [emotune](https://pypi.org/project/emotune/) on {inline_code(str(base_id or source))}"
                  f" ({'a classifier that answers with one label' if classify else 'instruction tuning'}).")
-    if classify:
+    if artifact.has_head:  # no prompt: the text itself goes in, a trained head gives one probability per label
+        lines += ["", f"Labels: {', '.join(map(inline_code, artifact.labels))}.", "",
+                  "Input: the text itself, without a prompt; a trained classification head answers with one "
+                  "probability per label (task classify_head)."]
+    elif classify:
         prompt = f"{_system_prompt(artifact)}\n\n{artifact.prompt.user_template}"
         lines += ["", f"Labels: {', '.join(map(inline_code, artifact.labels))}.", "",
                   "Prompt (system, then the user template):", "",
@@ -75,7 +81,7 @@ def model_card(artifact, run, hub: str, repo_id: str, merged: bool, config_text:
     lines += results_table(read_json(run.comparison_json))
     if config_text:
         lines += ["## Training config (exact, resolved)", "", *fenced(config_text.strip(), "yaml"), ""]
-    lines += usage(artifact, hub, repo_id, base_id or str(source), merged)
+    lines += (head_usage if artifact.has_head else usage)(artifact, hub, repo_id, base_id or str(source), merged)
     return "\n".join(lines) + "\n"
 
 
@@ -105,9 +111,8 @@ def _system_prompt(artifact) -> str:
 
 def _model_type(artifact) -> str | None:
     try:
-        from emotune.model.loading import resolve_model_dir
 
-        return read_json(resolve_model_dir(artifact.model_cfg) / "config.json").get("model_type")
+        return read_json(artifact.base_dir() / "config.json").get("model_type")
     except Exception:  # the base is not on this machine: the card goes without it, the upload is unaffected
         return None
 
@@ -150,8 +155,29 @@ def usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str
     python = "\n".join(["from transformers import AutoModelForCausalLM, AutoTokenizer"
                         + ("" if merged else "\nfrom peft import PeftModel"),
                         load, f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(repo_id)})"])
+    # a classifier's Modelfile answers greedily, as it was measured; an sft model's samples (ollama.modelfile_text)
+    parameters = ("system prompt, stop tokens" if getattr(artifact, "answers_freely", False)
+                  else "system prompt, stop tokens, temperature 0")
     return ["## How to use", "", "transformers" + ("" if merged else " + PEFT") + ":", "", *fenced(python, "python"), "",
             f"emotune: `emotune predict` / `emotune serve` on a downloaded copy (`{prefix}{repo_id}`).", "",
             "vLLM:", "", *fenced(vllm, "bash"), "",
             "llama.cpp / Ollama: `emotune export RUN --format ollama --quant q8_0` writes the GGUF file and a Modelfile "
-            "(system prompt, stop tokens, temperature 0); then `ollama create NAME -f Modelfile`.", ""]
+            f"({parameters}); then `ollama create NAME -f Modelfile`.", ""]
+
+
+def head_usage(artifact, hub: str, repo_id: str, base: str, merged: bool) -> list[str]:
+    """How to load a classification-head model: it answers with label probabilities, not text, so neither vLLM's chat
+    route nor llama.cpp / Ollama applies (`emotune export` refuses both for it)."""
+    prefix = "modelscope:" if hub == "modelscope" else ""
+    lines = ["## How to use", "",
+             f"emotune: `emotune predict` / `emotune serve` (`/v1/classify`) on a downloaded copy (`{prefix}{repo_id}`) "
+             "give the label and its probabilities.", ""]
+    if merged:
+        python = "\n".join(["from transformers import AutoModelForSequenceClassification, AutoTokenizer",
+                            f"model = AutoModelForSequenceClassification.from_pretrained({json.dumps(repo_id)})",
+                            f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(repo_id)})",
+                            f"labels = {json.dumps(list(artifact.labels), ensure_ascii=False)}  # in the head's order"])
+        lines += ["transformers (architectures with a sequence-classification class, Gemma 1–3; every architecture "
+                  "loads with `emotune.model.head.load_classifier`):", "", *fenced(python, "python"), ""]
+    lines += ["vLLM, llama.cpp and Ollama serve generated text, so they do not apply to this model.", ""]
+    return lines

@@ -35,9 +35,9 @@ def merge_report(artifact: Artifact, merged_dir: Path, parity: float, full, text
     """Measure the quantization gap of a merged QLoRA export and print it with the merge's `parity` (measured by
     emotune.deploy.export on `texts`), and write both next to the merged folder. `full` is the adapter on the
     unquantized base in fp32 on the CPU."""
-    from emotune.model.loading import load_model, resolve_model_dir
+    from emotune.model.loading import load_model
 
-    base_dir = resolve_model_dir(artifact.model_cfg)
+    base_dir = artifact.base_dir()
     cpu = torch.device("cpu")
     full = full.eval()
     quantized = quantization.bnb_config(artifact.model_cfg, torch.float32, base_dir)

@@ -80,7 +80,6 @@ def base_context(model_dir: Path) -> int | None:
 
 def max_model_len_args(*artifacts) -> list[str]:
     """`--max-model-len N` for serving these adapters (or merged models) together: the longest any of them needs."""
-    from emotune.model.loading import resolve_model_dir
 
-    lengths = [max_model_len(a.path, base_context(a.path if a.merged else resolve_model_dir(a.model_cfg))) for a in artifacts]
+    lengths = [max_model_len(a.path, base_context(a.path if a.merged else a.base_dir())) for a in artifacts]
     return ["--max-model-len", str(max(lengths))]

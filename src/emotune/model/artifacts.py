@@ -87,6 +87,27 @@ class Artifact:
     def labels(self) -> list[str]:
         return list(self.meta["labels"])
 
+    def base_dir(self) -> Path:
+        """The base model's folder (emotune.model.loading.resolve_model_dir). A local base that is no longer where the
+        run recorded it (moved, renamed, another machine) is named with the file that records it, the fix being there:
+        the command has no model.source of its own to set."""
+        from emotune.core.errors import read_from
+        from emotune.model.loading import EMBEDDED_MODEL, HUB_PREFIXES, looks_like_hub_id, resolve_model_dir
+
+        try:
+            return resolve_model_dir(self.model_cfg)
+        except UserError:
+            source = self.model_cfg.source
+            if (source == EMBEDDED_MODEL or source.startswith(HUB_PREFIXES) or looks_like_hub_id(source)
+                    or Path(source).expanduser().exists()):
+                raise
+            config = self.path.parent / "config.yaml"
+            where = (f"model.source in `{config}`" if self.config.get("model") and config.is_file()
+                     else f"base_model in `{self.path / META}`")
+            raise UserError(f"The base model `{self.name}` was trained on is not at `{source}`{read_from(source)} any "
+                            f"more ({where} names it). Put the base model back there, or set {where} to the folder "
+                            "where it is now (the same model), then run the same command.") from None
+
     @property
     def has_head(self) -> bool:
         """A classification-head model: label probabilities from its `score` head, no prompt, no text out."""
@@ -415,14 +436,14 @@ def load_artifact_model(artifact: Artifact, dtype, device):
     """The model (PEFT-wrapped for adapters) and tokenizer, ready for inference. A head model is its classifier
     (emotune.model.head): a merged one through emotune's loader, an adapter over the base's language model."""
     from emotune.model.head import classifier_from_causal, load_classifier
-    from emotune.model.loading import load_model, load_tokenizer, resolve_model_dir
+    from emotune.model.loading import load_model, load_tokenizer
 
     if artifact.merged:
         load = load_classifier if artifact.has_head else load_model
         return load(artifact.path, dtype, device).eval(), load_tokenizer(artifact.path, ModelConfig())
     from peft import PeftModel
 
-    base_dir = resolve_model_dir(artifact.model_cfg)
+    base_dir = artifact.base_dir()
     base = load_model(base_dir, dtype, device)
     if artifact.has_head:
         base = classifier_from_causal(base, artifact.labels)  # its fresh head is replaced by the adapter's trained one

@@ -15,14 +15,15 @@ from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from emotune.core.config.model import ModelConfig
-from emotune.core.errors import UserError, read_from
+from emotune.core.errors import UserError, first_line, read_from
+from emotune.core.hub_errors import hub_id_hint, refused_download
 from emotune.core.locks import LOCK_SUFFIX, locked
 from emotune.core.rundir import atomic_dir, json_text, remove_stale_partials
 from emotune.model import quantization
 from emotune.model.attention import check_attention
 from emotune.model.system_role import fold_system_role
 from emotune.model.text import causal_lm_class
-from emotune.model.weight_files import check_loaded, check_weight_files
+from emotune.model.weight_files import check_gguf_file, check_loaded, check_weight_files
 from emotune.runtime.device import Precision, bf16_supported, choose_precision
 
 EMBEDDED_MODEL = "embedded"
@@ -68,8 +69,8 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     if source.startswith(HUB_PREFIXES) or looks_like_hub_id(source):
         return _download_from_hub(source, cfg)
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        _check_gguf_readable(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        check_gguf_file(path)
         return _convert_gguf(path, cache_root(cfg) / "models" / f"{path.stem}-{_file_key(path)}")
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -80,8 +81,11 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                             "from it, or export a merged model (emotune export RUN --merge) and point model.source at it.")
         raise UserError(f"model.source `{source}` is a folder without config.json, so it is not a Hugging Face "
                         "model folder. Point it at the folder that holds config.json and the weights, or at a .gguf file.")
+    is_file = (f" It is a file: point model.source at the folder that holds config.json and the weights "
+               f"(`{path.parent}`?), or at a .gguf file.") if path.is_file() else ""  # model.safetensors, config.json
     raise UserError(f"model.source `{source}` is neither `embedded`, an existing folder{read_from(source)}, a .gguf "
-                    "file, nor a hub id (`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded.")
+                    "file, nor a hub id (`org/name`, `modelscope:org/name`). Fix the path or use model.source=embedded."
+                    f"{hub_id_hint(source)}{is_file}")
 
 
 def _meant_a_folder(source: str) -> str:
@@ -135,24 +139,6 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
-# GGUF architectures transformers' GGUF reader cannot rebuild: it reads Gemma 4's full-layer head size alone and fails
-# on per-layer arrays (E2B's feed_forward_length), taking defaults for the sliding head size, layer pattern, shared
-# KV layers and per-layer inputs (transformers 5.25, integrations/ggml.py)
-UNREADABLE_GGUF = {"gemma4": "Gemma 4"}
-
-
-def _check_gguf_readable(gguf: Path) -> None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf).fields.get("general.architecture")
-    arch = field.contents() if field is not None else None
-    if arch in UNREADABLE_GGUF:
-        raise UserError(f"`{gguf.name}` is a {UNREADABLE_GGUF[arch]} GGUF file, which transformers cannot turn back into "
-                        "the model it came from (its GGUF reader does not know this architecture's per-layer settings). "
-                        "Point model.source at the merged Hugging Face folder the file was exported from (export/merged), "
-                        "and run the .gguf with llama.cpp, LM Studio or Ollama.")
-
-
 def _clear_leftovers(target: Path) -> None:
     """Under the entry's lock: what a killed conversion of this entry left (its temporary folders) goes, with a note."""
     removed = remove_stale_partials(target)
@@ -162,8 +148,13 @@ def _clear_leftovers(target: Path) -> None:
 
 def _dequantize(gguf: Path, target: Path) -> None:
     print(f"Converting {gguf.name} into a Hugging Face folder at {target} (once; about a minute) ...", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as err:  # an architecture or tokenizer transformers' GGUF reader does not know
+        raise UserError(f"model.source `{gguf}`: transformers cannot turn this GGUF file back into a model "
+                        f"({type(err).__name__}: {first_line(err)}). Point model.source at the model's Hugging Face "
+                        "folder (config.json and safetensors weights) or hub id instead.") from None
     # transformers refuses save_pretrained while the GGUF quantizer marker is set, although the
     # weights are already dequantized to plain tensors; clear the marker so the folder is a normal model.
     model.hf_quantizer = None
@@ -192,16 +183,26 @@ def _hub_repo(source: str) -> tuple[str, str]:
     return hub, repo_id
 
 
-def _own_folder(cfg: ModelConfig, hub: str, repo_id: str) -> Path:
-    """emotune's own download folder: ModelScope models, and Hugging Face models downloaded by earlier versions."""
-    return cache_root(cfg) / "hub" / hub / repo_id.replace("/", "--")
+def _own_folder(cfg: ModelConfig, hub: str, repo_id: str, kind: str = "hub") -> Path:
+    """emotune's own download folder: ModelScope models (`kind` tokenizers: a model's tokenizer files alone), and
+    Hugging Face models downloaded by earlier versions. One per revision: another model.revision is another folder."""
+    revision = f"@{cfg.revision.replace('/', '--')}" if cfg.revision else ""
+    return cache_root(cfg) / kind / hub / (repo_id.replace("/", "--") + revision)
+
+
+def _weights_complete(model_dir: Path) -> bool:
+    try:
+        check_weight_files(model_dir)
+    except UserError:
+        return False
+    return True
 
 
 def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
     hub, repo_id = _hub_repo(source)
     local_dir = _own_folder(cfg, hub, repo_id)
-    if (local_dir / "config.json").is_file():
-        return local_dir
+    if (local_dir / "config.json").is_file() and _weights_complete(local_dir):
+        return local_dir  # an interrupted download (config.json, weights missing or cut short) is resumed below
     how = (f"Download it first where the hub is reachable (e.g. `hf download {repo_id} --local-dir models/{repo_id.split('/')[-1]}`"
            if hub == "hf" else
            f"Download it first where ModelScope is reachable (e.g. `modelscope download --model {repo_id} "
@@ -223,10 +224,16 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"])
     except UserError:
         raise
-    except Exception as err:  # offline, auth, not found: all end the same way for the user
-        raise UserError(f"model.source `{source}`: could not download from the {hub} hub "
-                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'}). {how}"
+    except Exception as err:  # refused (gated, auth, not found: the fix), else offline (download elsewhere)
+        raise UserError(f"model.source `{source}`: could not download from the {hub} hub ({type(err).__name__}: "
+                        f"{first_line(err)}). {refused_download(err, hub, repo_id, 'model.source', cfg.revision) or how}"
                         f"{_meant_a_folder(source)}") from None
+    from huggingface_hub import constants
+
+    if hub == "hf" and constants.HF_HUB_OFFLINE and not _weights_complete(Path(path)):  # offline: the cache as it is
+        raise UserError(f"model.source `{source}`: the hub cache's copy ({path}) lacks weights (an interrupted "
+                        "download), and HF_HUB_OFFLINE is set, so nothing is downloaded. Unset HF_HUB_OFFLINE where the "
+                        f"hub is reachable (the missing files are fetched), or: {how}")
     return Path(path)
 
 
@@ -421,8 +428,8 @@ def _tokenizer_location(cfg: ModelConfig) -> tuple[Path, str | None]:
         gguf = packaged.assemble(cache_root(cfg) / "gguf" / packaged.MODEL_NAME)
         return gguf.parent, gguf.name
     path = Path(cfg.source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        _check_gguf_readable(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        check_gguf_file(path)
         return path.parent, path.name
     if path.exists() or not (cfg.source.startswith(HUB_PREFIXES) or looks_like_hub_id(cfg.source)):
         # a local folder is checked as a run checks it; a path that is not there is named as such, not sent to the hub
@@ -456,7 +463,7 @@ def _download_tokenizer(cfg: ModelConfig) -> Path:
     full = _own_folder(cfg, hub, repo_id)
     if (full / "config.json").is_file():
         return full  # the whole model is already here
-    local = cache_root(cfg) / "tokenizers" / hub / repo_id.replace("/", "--")
+    local = _own_folder(cfg, hub, repo_id, "tokenizers")
     patterns = ["tokenizer*", "*.model", "special_tokens_map.json", "*.jinja", "chat_template*", "config.json"]
     if hub == "modelscope" and (local / "tokenizer_config.json").is_file():
         return local
@@ -471,7 +478,9 @@ def _download_tokenizer(cfg: ModelConfig) -> Path:
             return Path(snapshot_download(repo_id, revision=cfg.revision, cache_dir=hf_cache_dir(cfg),
                                           allow_patterns=patterns))
     except Exception as err:
+        refused = refused_download(err, hub, repo_id, "model.source", cfg.revision)
         raise UserError(f"model.source `{cfg.source}`: could not download its tokenizer from the {hub} hub "
-                        f"({type(err).__name__}). Download the model first and set model.source to its folder."
+                        f"({type(err).__name__}: {first_line(err)}). "
+                        f"{refused or 'Download the model first and set model.source to its folder.'}"
                         f"{_meant_a_folder(cfg.source)}") from None
     return local

@@ -1,13 +1,14 @@
 """A model folder's weight files checked before they load: every shard its index lists is there, and every safetensors
 file is as long as its header says (a download or copy cut short). transformers would otherwise stop halfway through
-loading with a safetensors or OS error and a traceback, after the data was prepared and the run folder opened."""
+loading with a safetensors or OS error and a traceback, after the data was prepared and the run folder opened. A .gguf
+model.source is read as a GGUF file before it is converted."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from emotune.core.errors import UserError
+from emotune.core.errors import UserError, first_line
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -91,3 +92,27 @@ def check_loaded(model_dir: Path, info: dict) -> None:
     raise UserError(f"The weights in `{model_dir}` do not fit its config.json: they hold {what}. The config was edited "
                     "or belongs to another size of the model: put back the config.json that came with the weights, or "
                     "download or copy the model again, then run the same command.")
+
+
+# GGUF architectures transformers' GGUF reader cannot rebuild: it reads Gemma 4's full-layer head size alone and fails
+# on per-layer arrays (E2B's feed_forward_length), taking defaults for the sliding head size, layer pattern, shared
+# KV layers and per-layer inputs (transformers 5.25, integrations/ggml.py)
+UNREADABLE_GGUF = {"gemma4": "Gemma 4"}
+
+
+def check_gguf_file(gguf: Path) -> None:
+    """Refuse a .gguf model.source that is no GGUF file (cut short, another format: gguf's reader raised ValueError
+    with a traceback), or of an architecture transformers cannot rebuild from one."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(gguf).fields.get("general.architecture")
+    except (ValueError, OSError, IndexError) as err:  # bad magic, a header or tensor table cut short
+        raise UserError(f"model.source `{gguf}` is not a readable GGUF file ({first_line(err)}): a download or copy cut "
+                        f"short, or another format named .gguf. {AGAIN}") from None
+    arch = field.contents() if field is not None else None
+    if arch in UNREADABLE_GGUF:
+        raise UserError(f"`{gguf.name}` is a {UNREADABLE_GGUF[arch]} GGUF file, which transformers cannot turn back into "
+                        "the model it came from (its GGUF reader does not know this architecture's per-layer settings). "
+                        "Point model.source at the merged Hugging Face folder the file was exported from (export/merged), "
+                        "and run the .gguf with llama.cpp, LM Studio or Ollama.")
