@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -16,6 +17,7 @@ from emotune.core.errors import UserError
 from emotune.model.attention import check_attention
 from emotune.model.loading import GEMMA_CHAT_TEMPLATE, load_model, load_tokenizer, load_tokenizer_only, resolve_model_dir
 from emotune.model.turns import stop_token_ids
+from emotune.model.weight_files import check_weight_files
 
 
 def test_hub_id_without_network_says_how_to_download(tmp_path):
@@ -473,3 +475,38 @@ def test_sdpa_refused_by_a_multimodal_class_names_auto_which_picks_per_part(tmp_
         check_attention(cfg.model_copy(update={"attn_implementation": "flash_attention_2"}), tmp_path, torch.device("cuda"),
                         torch.bfloat16)
     check_attention(cfg.model_copy(update={"attn_implementation": "auto"}), tmp_path, torch.device("cpu"), torch.float32)
+
+
+def test_a_hub_repository_of_pytorch_weights_only_downloads_them(tmp_path, monkeypatch, tiny_model_dir):
+    """A repository with `pytorch_model.bin` and no safetensors (older checkpoints and many fine-tunes) came down as
+    config and tokenizer alone, since the download asks for `*.safetensors` weights, and the run then said the folder
+    had no weights and to download it again, which came down the same. transformers reads such weights; they come
+    down when the repository has no safetensors."""
+    import fnmatch
+
+    import huggingface_hub
+    from safetensors.torch import load_file
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, repo)
+    torch.save(load_file(repo / "model.safetensors"), repo / "pytorch_model.bin")
+    (repo / "model.safetensors").unlink()
+    snapshot, asked = tmp_path / "snapshot", []
+
+    def fake_hub_download(repo_id, *, revision=None, cache_dir=None, allow_patterns=None, **rest):
+        asked.append(allow_patterns)
+        snapshot.mkdir(exist_ok=True)
+        for file in repo.iterdir():
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns):
+                shutil.copy(file, snapshot / file.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub_download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the fake client is the hub here
+    folder = resolve_model_dir(ModelConfig(source="acme/old-model", cache_dir=str(tmp_path / "cache")))
+    assert (folder / "pytorch_model.bin").is_file() and len(asked) == 2
+    check_weight_files(folder)
+    shutil.rmtree(snapshot)
+    repo.joinpath("model.safetensors").write_bytes((tiny_model_dir / "model.safetensors").read_bytes())
+    resolve_model_dir(ModelConfig(source="acme/old-model", cache_dir=str(tmp_path / "cache2")))
+    assert len(asked) == 3  # a repository with safetensors: its .bin files are never fetched

@@ -217,11 +217,15 @@ def _download_from_hub(source: str, cfg: ModelConfig) -> Path:
                                 f"Or: {how}") from None
             path = ms_snapshot_download(repo_id, revision=cfg.revision, local_dir=str(local_dir))
         else:
-            from huggingface_hub import snapshot_download
+            from huggingface_hub import constants, snapshot_download
 
             # no local_dir: the shared cache, where a cached snapshot is reused (offline too) and only missing files come
             path = snapshot_download(repo_id, revision=cfg.revision, cache_dir=hf_cache_dir(cfg),
                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"])
+            if not any(Path(path).glob("*.safetensors*")) and not constants.HF_HUB_OFFLINE:
+                # a repository of PyTorch weights only (pytorch_model.bin, or its shards): transformers reads them
+                path = snapshot_download(repo_id, revision=cfg.revision, cache_dir=hf_cache_dir(cfg),
+                                         allow_patterns=["pytorch_model*.bin"])
     except UserError:
         raise
     except Exception as err:  # refused (gated, auth, not found: the fix), else offline (download elsewhere)
