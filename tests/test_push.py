@@ -362,3 +362,11 @@ def test_an_sft_models_card_does_not_promise_the_greedy_modelfile_of_a_classifie
         card = model_card(artifact, RunDir(tmp_path / task), "hf", "me/tiny", False, None)
         greedy = "PARAMETER temperature 0" in artifact_modelfile(artifact, "gemma3_text", "m.gguf")
         assert ("temperature 0" in card) == greedy == (task == "classify")
+
+
+def test_a_modelscope_upload_that_cannot_connect_does_not_name_huggingfaces_offline_switch():
+    """The message named HF_HUB_OFFLINE for ModelScope too, a switch its client does not read."""
+    said = {name: hub.upload_failure(name, "me/tiny", ConnectionError("Name or service not known"), False, None)
+            for name in ("hf", "modelscope")}
+    assert "could not be reached" in said["modelscope"] and "HF_HUB_OFFLINE" not in said["modelscope"]
+    assert "HF_HUB_OFFLINE set" in said["hf"]

@@ -160,8 +160,9 @@ def upload_failure(hub: str, repo_id: str, err: Exception, created: bool, token:
     elif isinstance(status, int):
         fix = f"The hub refused the request ({status}). Check --to and the token."
     else:
-        fix = (f"{HUBS[hub]} could not be reached (no network, a proxy, a timeout, or HF_HUB_OFFLINE set). Check the "
-               "connection and run the same command again.")
+        offline = ", or HF_HUB_OFFLINE set" if hub == "hf" else ""  # huggingface_hub's switch; ModelScope has none
+        fix = (f"{HUBS[hub]} could not be reached (no network, a proxy, a timeout{offline}). Check the connection and "
+               "run the same command again.")
     detail = first_line(err).replace(token, "***") if token else first_line(err)
     where = (f"The repository {repo_id} exists, but the upload did not finish; running the same command again uploads "
              "the whole folder." if created else "Nothing was uploaded.")
