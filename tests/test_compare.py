@@ -328,3 +328,18 @@ def test_a_report_that_fails_half_way_leaves_the_earlier_report_and_its_figures_
     assert "hold different rows" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in (run / "report").iterdir()} == earlier
     assert (run / "report.html").read_text() == page and not list(tmp_path.glob("run/*partial*"))
+
+
+def test_html_in_a_run_name_or_label_shows_as_text_in_the_markdown(runs, tmp_path):
+    """Markdown passes HTML through: a run (or a label) named `<b>` or `<unk>` vanished from compare.md where it is
+    shown, and made the rest of the cell bold; written as entities, it renders as the text it is."""
+    import shutil
+
+    from markdown_it import MarkdownIt
+
+    first = shutil.copytree(runs["head"], tmp_path / "<b>bold & <unk>")
+    compare_runs([str(first), str(runs["head"])], out=tmp_path / "out", allow_mismatch=True)
+    text = (tmp_path / "out" / "compare.md").read_text(encoding="utf-8")
+    assert "&lt;b&gt;bold &amp; &lt;unk&gt;" in text
+    rendered = MarkdownIt("commonmark").enable("table").render(text)
+    assert "&lt;b&gt;bold &amp; &lt;unk&gt;" in rendered and "<b>bold" not in rendered

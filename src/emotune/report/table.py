@@ -95,8 +95,9 @@ def _text(header: list[str], rows: list[list[str]]) -> str:
 def markdown_line(text) -> str:
     """Text as one line of Markdown, each line break a `<br>` (GitHub and the model hubs render it as one): a break
     would end the table row or bullet the text is in, and a blank line, `- ...`, `# ...` or `---` after it would
-    start a paragraph, list, heading or rule of its own."""
-    return "<br>".join(str(text).splitlines())
+    start a paragraph, list, heading or rule of its own. `<`, `>` and `&` are written as entities: Markdown passes
+    HTML through, so a label `<unk>` or `<b>` vanished or changed the text after it where the file is shown."""
+    return "<br>".join(html.escape(line, quote=False) for line in str(text).splitlines())
 
 
 def markdown_cell(cell) -> str:
