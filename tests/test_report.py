@@ -293,3 +293,12 @@ def test_the_summary_names_the_sources_as_the_config_holds_them():
     assert "'" in text  # YAML quotes both
     assert _sources(yaml.safe_load(text)) == (model, data)
     assert _sources({"task": "classify"}) == ("?", "?")
+
+
+def test_a_score_of_a_whole_number_is_shown_as_a_score_and_a_count_as_a_count():
+    """A log-loss of exactly 2.0 (JSON `2.0`) showed as `2`, as the invalid-reply count is shown; a change of +2.0
+    as `+2`."""
+    from emotune.tasks.classify.report import _fmt
+
+    assert (_fmt(2.0), _fmt(2.0, signed=True), _fmt(0.5)) == ("2.000", "+2.000", "0.500")
+    assert (_fmt(3), _fmt(-2, signed=True)) == ("3", "-2")

@@ -335,7 +335,7 @@ def _lookup(metrics: dict, key: str) -> float:
 
 
 def _fmt(value: float, signed: bool = False) -> str:
-    if isinstance(value, int) or float(value).is_integer() and abs(value) > 1:
+    if isinstance(value, int):  # a count; a score of exactly 2.0 (a log-loss) is still a score
         return f"{int(value):+d}" if signed else f"{int(value)}"
     return f"{value:+.3f}" if signed else f"{value:.3f}"
 
