@@ -1,0 +1,64 @@
+"""Label scoring, training rows and generation on trained subword tokenizers with released families' settings
+(tests/real_tokenizers.py): what is scored is what training teaches, and equals the model's own teacher-forced
+log-probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+
+from emotune.core.config.data import PromptConfig
+from emotune.core.config.model import ModelConfig
+from emotune.eval.scoring import LabelScorer, label_token_ids
+from emotune.model.loading import load_model, load_tokenizer
+from emotune.tasks.classify.task import encode_examples
+from real_tokenizers import byte_level_bpe, sentencepiece_bpe, tiny_llama
+
+PROMPT = PromptConfig()
+TEXTS = ["i feel happy today", "so lonely and lost", "喜悦 wow 😱"]
+BUILDERS = {
+    "llama2": sentencepiece_bpe,  # answers close with ` </s>`: a label's last token can take the space (`ve▁`)
+    "llama2-always": lambda folder: sentencepiece_bpe(folder, prepend_scheme="always", add_eos=True),
+    "qwen2.5": byte_level_bpe,
+    # GPT-2: no chat template, so Gemma's turn format in plain text (no `<end_of_turn>` token) closes answers
+    "gpt2": lambda folder: byte_level_bpe(folder, template=None, eos="<|endoftext|>", pad=None, bos="<|endoftext|>"),
+}
+LABEL_SETS = [["pos", "positive", "neg", "negative"], ["positive", "negative", "neutral"], ["喜悦", "愤怒", "😱", "🙂"]]
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def family(request, tmp_path_factory):
+    folder = tiny_llama(BUILDERS[request.param](tmp_path_factory.mktemp(request.param)))
+    tokenizer = load_tokenizer(folder, ModelConfig(source=str(folder)))
+    return tokenizer, load_model(folder, torch.float32, torch.device("cpu")).eval()
+
+
+def taught(tokenizer, labels: list[str], text: str) -> list[list[int]]:
+    """Each label's completion as a training row of `text` holds it (the tokens the loss falls on)."""
+    rows = encode_examples(Dataset.from_dict({"text": [text] * len(labels), "label": labels}), tokenizer, PROMPT,
+                           labels, max_length=4096)
+    return [row.input_ids[row.completion_start:] for row in rows]
+
+
+@pytest.mark.parametrize("labels", LABEL_SETS, ids=["prefixes", "plain", "byte-fallback"])
+def test_scored_label_tokens_are_what_training_teaches_and_score_as_the_model_does(family, labels):
+    tokenizer, model = family
+    scored = label_token_ids(tokenizer, PROMPT, labels)
+    completions = taught(tokenizer, labels, TEXTS[0])
+    for label, ids, completion in zip(labels, scored, completions, strict=True):
+        assert completion[:len(ids)] == ids, (label, tokenizer.convert_ids_to_tokens(ids),
+                                              tokenizer.convert_ids_to_tokens(completion))
+    assert not any(i != j and b[:len(a)] == a for i, a in enumerate(scored) for j, b in enumerate(scored))
+
+    expected = torch.zeros(len(TEXTS), len(labels))
+    for r, text in enumerate(TEXTS):  # teacher-forced on the training row itself, one unpadded sequence at a time
+        rows = encode_examples(Dataset.from_dict({"text": [text] * len(labels), "label": labels}), tokenizer, PROMPT,
+                               labels, max_length=4096)
+        for i, row in enumerate(rows):
+            n = row.completion_start + len(scored[i])
+            with torch.no_grad():
+                logp = model(input_ids=torch.tensor([row.input_ids[:n]])).logits[0].log_softmax(-1)
+            expected[r, i] = sum(logp[k - 1, row.input_ids[k]] for k in range(row.completion_start, n))
+    got = LabelScorer(model, tokenizer, PROMPT, labels).log_probs(TEXTS, batch_size=2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
