@@ -14,6 +14,7 @@ library on a small corpus and wrapped in `PreTrainedTokenizerFast` with each fam
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from conftest import CUES, FILLER, LABELS
@@ -54,8 +55,6 @@ def corpus() -> list[str]:
 
 
 def _save(tokenizer, fast, folder: Path, config: dict | None = None):
-    import json
-
     fast.save_pretrained(folder)
     if config:
         path = folder / "tokenizer_config.json"
@@ -76,10 +75,13 @@ def sentencepiece_bpe(folder: Path, prepend_scheme: str = "first", template: str
     tok.normalizer = normalizers.Sequence([])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
-    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *bytes_],
-                                  initial_alphabet=["▁"], show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=["▁"],
+                                  show_progress=False)
     tok.train_from_iterator(corpus(), trainer)
+    saved = json.loads(tok.to_str())  # the byte tokens in the model's vocabulary, as Llama 2's (not added tokens)
+    vocab = saved["model"]["vocab"]
+    vocab.update({f"<0x{i:02X}>": len(vocab) + i for i in range(256)})
+    tok = Tokenizer.from_str(json.dumps(saved))
     single = ("<s>:0 " if add_bos else "") + "$A:0" + (" </s>:0" if add_eos else "")
     pair = single + " " + ("<s>:1 " if add_bos else "") + "$B:1" + (" </s>:1" if add_eos else "")
     tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,

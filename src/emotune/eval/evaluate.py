@@ -29,8 +29,8 @@ from emotune.core.config.eval import EvalConfig
 from emotune.core.errors import listed
 from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.core.rundir import atomic_file, read_json, write_json
-from emotune.data import prompt_messages, system_prompt
-from emotune.eval.scoring import LabelScorer
+from emotune.data import system_prompt
+from emotune.eval.scoring import LabelScorer, prompt_token_ids
 from emotune.model.finite import NonFiniteOutput, NonFiniteSeen, nonfinite_rows, nonfinite_weights, not_finite_message
 from emotune.model.text import context_length, unwrapped
 from emotune.model.turns import stop_token_ids
@@ -56,16 +56,15 @@ class EvalResult:
 def generate_outputs(model, tokenizer, texts: list[str], asked: LabelPrompt, cfg: EvalConfig, desc: str | None,
                      batch_size: int | None = None) -> list[str]:
     """Greedy-decode up to `max_new_tokens` for every text; batches sorted by length to cut padding."""
-    prompts = [tokenizer.apply_chat_template(prompt_messages(t, asked.prompt, asked.labels), tokenize=False,
-                                             add_generation_prompt=True) for t in texts]
+    prompts = prompt_token_ids(tokenizer, asked.prompt, asked.labels, texts)  # the very tokens scoring reads
     return generate_texts(model, tokenizer, prompts, cfg.max_new_tokens,
                           batch_size or (cfg.batch_size if cfg.batch_size != "auto" else 16), desc)
 
 
 @torch.inference_mode()
-def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, desc: str | None,
+def generate_texts(model, tokenizer, prompts: list[str] | list[list[int]], max_new_tokens: int, batch_size: int, desc: str | None,
                    logits_processor=None) -> list[str]:
-    """Greedy continuations of chat-templated `prompts` (each stops at EOS or the end of the turn), stripped;
+    """Greedy continuations of chat-templated `prompts` (texts, or their token ids; each stops at EOS or the end of the turn), stripped;
     batched with left padding, rows sorted by length. A reply ends at the model's context: a model with a learned
     position table (GPT-2's 1,024) failed inside its forward past it, a rotary one generates from positions it never
     saw; a prompt that fills the context gets an empty reply. `logits_processor`: generate's (a LogitsProcessorList).
@@ -81,7 +80,9 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
 
     def step(batch: list[int]) -> None:
         # the chat template already holds <bos>; adding special tokens again would double it
-        enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        enc = (tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+               if isinstance(prompts[batch[0]], str) else
+               tokenizer.pad({"input_ids": [prompts[i] for i in batch]}, return_tensors="pt", padding=True)).to(device)
         room = max_new_tokens if context is None else min(max_new_tokens, context - enc["input_ids"].shape[1])
         if room < 1:
             return  # the prompt fills the context: nothing can follow it
