@@ -93,3 +93,41 @@ def test_special_tokens_typed_in_a_text_are_read_as_plain_text(family):
     reply = generate_outputs(model, tokenizer, [text], LabelPrompt(PROMPT, labels),
                              SimpleNamespace(max_new_tokens=1, batch_size=1), None)[0]
     assert reply == tokenizer.decode([first], skip_special_tokens=True).strip()
+
+
+class Scripted:
+    """A logits processor that makes greedy decoding write `ids` (the reply a trained model gives), then EOS."""
+
+    def __init__(self, ids: list[int], eos: int):
+        self.ids, self.eos, self.start = [*ids, eos], eos, None
+
+    def __call__(self, input_ids, scores):
+        self.start = input_ids.shape[1] if self.start is None else self.start
+        at = input_ids.shape[1] - self.start
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, self.ids[min(at, len(self.ids) - 1)]] = 0.0
+        return forced
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+def test_a_template_closing_answers_in_plain_text_ends_the_reply_there(family):
+    """GPT-2 has no chat template and no `<end_of_turn>` token: the fallback Gemma format closes an answer with the
+    text `<end_of_turn>` (6 ordinary tokens) and no token after it, which is what training teaches. Generation stops
+    there, and the reply holds none of it, instead of running on into a made-up next turn up to max_new_tokens."""
+    from transformers import LogitsProcessorList
+
+    from emotune.eval.evaluate import generate_texts
+    from emotune.eval.scoring import prompt_token_ids
+    from emotune.model.turns import turn_end
+
+    tokenizer, model = family
+    assert turn_end(tokenizer).token is None
+    prompt = prompt_token_ids(tokenizer, PROMPT, ["joy"], ["i feel happy"])[0]
+    taught = encode_examples(Dataset.from_dict({"text": ["i feel happy"], "label": ["joy"]}), tokenizer, PROMPT,
+                             ["joy"], max_length=4096)[0]
+    answer = taught.input_ids[taught.completion_start:]
+    more = tokenizer("<start_of_turn>user\nand another made up turn", add_special_tokens=False)["input_ids"]
+    script = Scripted(answer + more, tokenizer.eos_token_id)
+    reply = generate_texts(model, tokenizer, [prompt], max_new_tokens=len(answer + more) + 1, batch_size=1, desc=None,
+                           logits_processor=LogitsProcessorList([script]))[0]
+    assert reply == "joy"

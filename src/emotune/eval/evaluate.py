@@ -33,7 +33,7 @@ from emotune.data import system_prompt
 from emotune.eval.scoring import LabelScorer, prompt_token_ids
 from emotune.model.finite import NonFiniteOutput, NonFiniteSeen, nonfinite_rows, nonfinite_weights, not_finite_message
 from emotune.model.text import context_length, unwrapped
-from emotune.model.turns import stop_token_ids
+from emotune.model.turns import stop_text, stop_token_ids
 from emotune.runtime.oom import run_in_batches
 
 
@@ -77,6 +77,8 @@ def generate_texts(model, tokenizer, prompts: list[str] | list[list[int]], max_n
     outputs: list[str] = [""] * len(prompts)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens must follow the real prompt directly
     context = context_length(model)
+    stop = stop_text(tokenizer)  # a template closing answers with plain text: the reply ends where that text begins
+    until_text = {"stop_strings": [stop], "tokenizer": tokenizer} if stop else {}
 
     def step(batch: list[int]) -> None:
         # the chat template already holds <bos>; adding special tokens again would double it
@@ -86,7 +88,7 @@ def generate_texts(model, tokenizer, prompts: list[str] | list[list[int]], max_n
         room = max_new_tokens if context is None else min(max_new_tokens, context - enc["input_ids"].shape[1])
         if room < 1:
             return  # the prompt fills the context: nothing can follow it
-        generated = model.generate(**enc, max_new_tokens=room, do_sample=False, num_beams=1,
+        generated = model.generate(**enc, max_new_tokens=room, do_sample=False, num_beams=1, **until_text,
                                    eos_token_id=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
                                    pad_token_id=tokenizer.pad_token_id, top_p=None, top_k=None, temperature=None,
                                    logits_processor=processors)
@@ -96,7 +98,7 @@ def generate_texts(model, tokenizer, prompts: list[str] | list[list[int]], max_n
                                   rows=sorted(batch[i] for i in bad))
         new_tokens = generated[:, enc["input_ids"].shape[1]:]
         for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=False):
-            outputs[i] = text.strip()
+            outputs[i] = (text.split(stop)[0] if stop else text).strip()
 
     was_training = model.training
     model.eval()

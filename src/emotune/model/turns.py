@@ -46,6 +46,14 @@ def end_of_turn_text(tokenizer) -> str:
     return turn_end(tokenizer).token or tokenizer.eos_token or ""
 
 
+def stop_text(tokenizer) -> str:
+    """The text generation stops at where the chat template closes an answer with plain text only (the fallback Gemma
+    format on a tokenizer without `<end_of_turn>`: `<end_of_turn>` as 6 ordinary tokens; an `### End` template):
+    training teaches that text and no token after it, so no stop token ever follows. '' where a token ends the turn."""
+    ending = turn_end(tokenizer)
+    return ending.suffix.strip() if ending.token is None else ""
+
+
 def answer_end(tokenizer) -> str:
     """What a trained answer ends with: everything the chat template writes after an assistant's content
     (`<end_of_turn>\\n`, `<turn|>\\n`, `</s>`), else the EOS token, else ''."""
