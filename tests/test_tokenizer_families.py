@@ -131,3 +131,19 @@ def test_a_template_closing_answers_in_plain_text_ends_the_reply_there(family):
     reply = generate_texts(model, tokenizer, [prompt], max_new_tokens=len(answer + more) + 1, batch_size=1, desc=None,
                            logits_processor=LogitsProcessorList([script]))[0]
     assert reply == "joy"
+
+
+def test_a_training_row_is_the_templates_own_rendering_of_the_answered_conversation(family):
+    """Llama 2's template (as Mistral v0.3's) ends the prompt at `[/INST]` and writes an answer as ` ` + content, so
+    its models read `▁positive` there: a row taught `positive` without the space, and scoring read it, a token
+    sequence the template never produces (the base model's measurement of it was too low)."""
+    from emotune.data import prompt_messages
+
+    tokenizer, model = family
+    labels = ["positive", "negative", "neutral"]
+    for label in labels:
+        row = encode_examples(Dataset.from_dict({"text": [TEXTS[0]], "label": [label]}), tokenizer, PROMPT, labels,
+                              max_length=4096)[0]
+        answered = [*prompt_messages(TEXTS[0], PROMPT, labels), {"role": "assistant", "content": label}]
+        own = tokenizer(tokenizer.apply_chat_template(answered, tokenize=False), add_special_tokens=False)["input_ids"]
+        assert row.input_ids == own, tokenizer.convert_ids_to_tokens(row.input_ids[row.completion_start:])

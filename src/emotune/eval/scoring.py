@@ -17,7 +17,7 @@ from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.prefix import MASKED_ATTENTION, attention_masks, other_layers, positions_from_mask
 from emotune.model.text import float32_logits, language_model, logit_scale, logit_softcap, soft_capped, unwrapped
-from emotune.model.turns import MARKER, continuation_ids, turn_end
+from emotune.model.turns import MARKER, answer_opening, continuation_ids, turn_end
 from emotune.runtime.oom import run_in_batches
 from emotune.train.batches import common_prefix_length
 
@@ -60,7 +60,8 @@ def answer_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], answers
     text sits inside the user turn, before the template closes it)."""
     probe = tokenizer.apply_chat_template(prompt_messages("x", prompt, labels), tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    return [continuation_ids(tokenizer, probe, prompt_ids, answer) for answer in answers]
+    opening = answer_opening(tokenizer)  # Llama 2's ` ` before an answer: its models read `▁joy` after `[/INST]`
+    return [continuation_ids(tokenizer, probe, prompt_ids, opening + answer) for answer in answers]
 
 
 def prompt_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], texts: list[str]) -> list[list[int]]:

@@ -60,6 +60,27 @@ def answer_end(tokenizer) -> str:
     return turn_end(tokenizer).suffix or tokenizer.eos_token or ""
 
 
+def answer_opening(tokenizer) -> str:
+    """The whitespace a chat template writes between its generation prompt and an answer's content: Llama 2's and
+    Mistral v0.3's templates end the prompt at `[/INST]` and write an answer as ` ` + content, so their models read
+    `▁joy`, not `joy`, after it. '' for templates that open the answer in the generation prompt itself, and for any
+    opening that is more than whitespace (Qwen3's empty <think> block is left out, as scoring's prompt asks without it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    asked = [{"role": "user", "content": "hi"}]
+    try:
+        prompt = tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+        answered = tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": MARKER}], tokenize=False,
+                                                 add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 (as _rendered_suffix: a template that cannot render a plain exchange)
+        return ""
+    if not (isinstance(prompt, str) and isinstance(answered, str)) or MARKER not in answered:
+        return ""
+    before = answered[:answered.rfind(MARKER)]
+    opening = before[len(prompt):] if before.startswith(prompt) else ""
+    return opening if not opening.strip() else ""
+
+
 def continuation_ids(tokenizer, prompt_text: str, prompt_ids: list[int], text: str) -> list[int]:
     """`text`'s tokens as the model reads them right after `prompt_text` (tokenized as `prompt_ids`): cut from the
     tokenization of both together, so a tokenizer that would merge across the boundary is read as it runs; `text`
