@@ -92,12 +92,14 @@ def sentencepiece_bpe(folder: Path, prepend_scheme: str = "first", template: str
 
 
 def byte_level_bpe(folder: Path, template: str | None = CHATML, eos: str = "<|im_end|>", pad: str | None = "<|endoftext|>",
-                   bos: str | None = None, config: dict | None = None) -> Path:
+                   bos: str | None = None, config: dict | None = None, normalizer=None) -> Path:
     """Qwen 2.5's tokenizer shape (GPT-2's byte-level BPE); `template=None, eos=pad=bos='<|endoftext|>'` is GPT-2's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
+    if normalizer is not None:  # NFKC: as many released tokenizers' normalizers (google/mt5's, xlm-roberta's) fold
+        tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -147,3 +147,36 @@ def test_a_training_row_is_the_templates_own_rendering_of_the_answered_conversat
         answered = [*prompt_messages(TEXTS[0], PROMPT, labels), {"role": "assistant", "content": label}]
         own = tokenizer(tokenizer.apply_chat_template(answered, tokenize=False), add_special_tokens=False)["input_ids"]
         assert row.input_ids == own, tokenizer.convert_ids_to_tokens(row.input_ids[row.completion_start:])
+
+
+def test_labels_a_normalizing_tokenizer_cannot_write_back_are_refused_for_the_generate_method(tmp_path, capsys):
+    """An NFKC normalizer (google/mt5's and xlm-roberta's tokenizers fold text so) reads `Ｊｏｙ` as `Joy`: the model can
+    never write the label, so every generated answer for it was invalid while `score` picked it, without a word. The
+    run is refused naming the label, what it reads back as and the fix; lowercasing alone is accepted (replies are
+    matched whatever their case), and eval.method=score needs no read-back."""
+    from tokenizers import normalizers
+
+    from conftest import FILLER, write_jsonl
+    from emotune.cli import main
+    from emotune.core.errors import UserError
+    from emotune.tasks.classify.task import check_labels_spelled_back
+
+    folder = tiny_llama(byte_level_bpe(tmp_path / "nfkc", normalizer=normalizers.Sequence([normalizers.NFKC(),
+                                                                                           normalizers.Lowercase()])))
+    tokenizer = load_tokenizer(folder, ModelConfig(source=str(folder)))
+    check_labels_spelled_back(tokenizer, ["Joy", "ANGER", "喜悦"])
+    with pytest.raises(UserError, match="'ﬁne' reads back as 'fine'"):
+        check_labels_spelled_back(tokenizer, ["Joy", "ﬁne"])
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for n, split in enumerate(("train", "validation", "test")):
+        write_jsonl(data / f"{split}.jsonl", [{"text": f"{split} {filler} i feel {word}", "label": label}
+                                             for filler in FILLER[4 * n:4 * n + 4]
+                                             for word, label in [("happy", "Ｊｏｙ"), ("furious", "anger")]])
+    common = [f"model.source={folder}", f"data.source={data}", f"output_dir={tmp_path / 'runs'}", "train.max_steps=1",
+              "train.batch_size=2", "train.precision=fp32", f"model.cache_dir={tmp_path / 'cache'}"]
+    assert main(["run", "name=gen", "eval.method=both", *common]) != 0
+    said = capsys.readouterr()
+    assert "'Ｊｏｙ' reads back as 'joy'" in said.out + said.err and "data.label_aliases" in said.out + said.err
+    assert "Traceback" not in said.out + said.err
