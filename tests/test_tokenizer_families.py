@@ -180,3 +180,35 @@ def test_labels_a_normalizing_tokenizer_cannot_write_back_are_refused_for_the_ge
     said = capsys.readouterr()
     assert "'Ｊｏｙ' reads back as 'joy'" in said.out + said.err and "data.label_aliases" in said.out + said.err
     assert "Traceback" not in said.out + said.err
+
+
+@pytest.mark.slow  # a run and a predict per family (10-20 s each on a shared CPU)
+@pytest.mark.parametrize("name", ["llama2", "gpt2"])
+def test_predict_answers_as_the_runs_scoring_did(name, tmp_path, capsys):
+    """After a run on a SentencePiece (Llama 2: whitespace before the answer, ` </s>` after it) or byte-level tokenizer
+    under the fallback template (GPT-2), `emotune predict` on the test texts gives the labels and probabilities of
+    the run's own scoring of them, and the generate method's replies are labels."""
+    import csv
+    import json
+
+    from conftest import make_rows, write_jsonl
+    from emotune.cli import main
+
+    folder = tiny_llama(BUILDERS[name](tmp_path / "model"))
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n, seed in (("train", 6, 1), ("validation", 2, 2), ("test", 2, 3)):
+        write_jsonl(data / f"{split}.jsonl", make_rows(n, seed))
+    assert main(["run", "name=r", f"model.source={folder}", f"data.source={data}", f"output_dir={tmp_path / 'runs'}",
+                 "data.label_names=[sadness, joy, love, anger, fear, surprise]", "eval.method=both", "train.max_steps=3",
+                 "train.batch_size=4", "train.precision=fp32", "train.learning_rate=0.05", "eval.batch_size=6",
+                 f"model.cache_dir={tmp_path / 'cache'}"]) == 0
+    run = tmp_path / "runs" / "r"
+    with open(run / "finetuned" / "score" / "predictions.csv", encoding="utf-8") as handle:
+        scored = list(csv.DictReader(handle))
+    capsys.readouterr()
+    assert main(["predict", str(run), *[row["text"] for row in scored], "--device", "cpu"]) == 0
+    predicted = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [p["label"] for p in predicted] == [row["predicted"] for row in scored]
+    for p, row in zip(predicted, scored, strict=True):
+        assert p["probs"] == pytest.approx({k[2:]: float(v) for k, v in row.items() if k.startswith("p_")}, abs=1e-5)
