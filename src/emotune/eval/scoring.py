@@ -71,18 +71,18 @@ def prompt_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], texts: 
     rendered = [tokenizer.apply_chat_template(prompt_messages(t, prompt, labels), tokenize=False,
                                               add_generation_prompt=True) for t in texts]
     # the chat template already holds <bos>; adding special tokens again would double it
-    encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     specials = {i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
-    ids = encoded["input_ids"]
     typed = [r for r, row in enumerate(ids) if specials.keys() & set(row)]
-    if typed:
+    if typed and getattr(tokenizer, "is_fast", False):  # offsets: a Rust tokenizer's (every one transformers 5 loads)
         marked = tokenizer.apply_chat_template(prompt_messages(MARKER, prompt, labels), tokenize=False,
                                                add_generation_prompt=True)
         head, tail = marked[:marked.find(MARKER)], marked[marked.find(MARKER) + len(MARKER):]
         for r in typed:
             if rendered[r].startswith(head) and rendered[r].endswith(tail):
                 span = (len(head), len(rendered[r]) - len(tail))
-                ids[r] = _plain_text_specials(tokenizer, rendered[r], ids[r], encoded["offset_mapping"][r], specials, span)
+                offsets = tokenizer(rendered[r], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+                ids[r] = _plain_text_specials(tokenizer, rendered[r], ids[r], offsets, specials, span)
     return ids
 
 
