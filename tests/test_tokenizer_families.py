@@ -25,6 +25,10 @@ BUILDERS = {
     "qwen2.5": byte_level_bpe,
     # GPT-2: no chat template, so Gemma's turn format in plain text (no `<end_of_turn>` token) closes answers
     "gpt2": lambda folder: byte_level_bpe(folder, template=None, eos="<|endoftext|>", pad=None, bos="<|endoftext|>"),
+    # no pad token (EOS pads), left padding saved, and a model_max_length of 1e30 (tokenizers that do not know it) or 16
+    "no-pad-left": lambda folder: byte_level_bpe(folder, pad=None, config={"padding_side": "left",
+                                                                            "model_max_length": 1e30}),
+    "max-length-16": lambda folder: byte_level_bpe(folder, config={"model_max_length": 16, "truncation_side": "left"}),
 }
 LABEL_SETS = [["pos", "positive", "neg", "negative"], ["positive", "negative", "neutral"], ["喜悦", "愤怒", "😱", "🙂"]]
 
@@ -183,7 +187,7 @@ def test_labels_a_normalizing_tokenizer_cannot_write_back_are_refused_for_the_ge
 
 
 @pytest.mark.slow  # a run and a predict per family (10-20 s each on a shared CPU)
-@pytest.mark.parametrize("name", ["llama2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama2", "gpt2", "no-pad-left", "max-length-16"])
 def test_predict_answers_as_the_runs_scoring_did(name, tmp_path, capsys):
     """After a run on a SentencePiece (Llama 2: whitespace before the answer, ` </s>` after it) or byte-level tokenizer
     under the fallback template (GPT-2), `emotune predict` on the test texts gives the labels and probabilities of
