@@ -33,7 +33,7 @@ from emotune.data import system_prompt
 from emotune.eval.scoring import LabelScorer, prompt_token_ids
 from emotune.model.finite import NonFiniteOutput, NonFiniteSeen, nonfinite_rows, nonfinite_weights, not_finite_message
 from emotune.model.text import context_length, unwrapped
-from emotune.model.turns import stop_text, stop_token_ids
+from emotune.model.turns import RenderedChat, stop_text, stop_token_ids
 from emotune.runtime.oom import run_in_batches
 
 
@@ -64,10 +64,11 @@ def generate_outputs(model, tokenizer, texts: list[str], asked: LabelPrompt, cfg
 @torch.inference_mode()
 def generate_texts(model, tokenizer, prompts: list[str] | list[list[int]], max_new_tokens: int, batch_size: int, desc: str | None,
                    logits_processor=None) -> list[str]:
-    """Greedy continuations of chat-templated `prompts` (texts, or their token ids; each stops at EOS or the end of the turn), stripped;
-    batched with left padding, rows sorted by length. A reply ends at the model's context: a model with a learned
-    position table (GPT-2's 1,024) failed inside its forward past it, a rotary one generates from positions it never
-    saw; a prompt that fills the context gets an empty reply. `logits_processor`: generate's (a LogitsProcessorList).
+    """Greedy continuations of chat-templated `prompts` (texts, their token ids, or RenderedChat; each stops at EOS
+    or the end of the turn), stripped; batched with left padding, rows sorted by length. A reply ends at the model's
+    context: a model with a learned position table (GPT-2's 1,024) failed inside its forward past it, a rotary one
+    generates from positions it never saw; a prompt that fills the context gets an empty reply.
+    `logits_processor`: generate's (a LogitsProcessorList).
 
     A batch in which the model computed NaN or infinite logits raises NonFiniteOutput with `rows` (indices into
     `prompts`): greedy decoding reads token 0 from NaN logits, a reply of padding that would pass for an answer."""
@@ -81,10 +82,8 @@ def generate_texts(model, tokenizer, prompts: list[str] | list[list[int]], max_n
     until_text = {"stop_strings": [stop], "tokenizer": tokenizer} if stop else {}
 
     def step(batch: list[int]) -> None:
-        # the chat template already holds <bos>; adding special tokens again would double it
-        enc = (tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False)
-               if isinstance(prompts[batch[0]], str) else
-               tokenizer.pad({"input_ids": [prompts[i] for i in batch]}, return_tensors="pt", padding=True)).to(device)
+        ids = [_prompt_ids(tokenizer, prompts[i]) for i in batch]
+        enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt", padding=True).to(device)
         room = max_new_tokens if context is None else min(max_new_tokens, context - enc["input_ids"].shape[1])
         if room < 1:
             return  # the prompt fills the context: nothing can follow it
@@ -114,6 +113,13 @@ def generate_texts(model, tokenizer, prompts: list[str] | list[list[int]], max_n
         if checkpoints is not None:
             inner.generation_config = checkpoints
     return outputs
+
+
+def _prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, RenderedChat):  # special-token text inside a message read as plain text, as training did
+        return prompt.ids(tokenizer)
+    # the chat template already holds <bos>; adding special tokens again would double it
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
 
 
 def _plain_decoding(checkpoints: GenerationConfig) -> GenerationConfig:

@@ -17,7 +17,7 @@ from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.prefix import MASKED_ATTENTION, attention_masks, other_layers, positions_from_mask
 from emotune.model.text import float32_logits, language_model, logit_scale, logit_softcap, soft_capped, unwrapped
-from emotune.model.turns import MARKER, answer_opening, continuation_ids, turn_end
+from emotune.model.turns import MARKER, answer_opening, continuation_ids, plain_text_specials, special_texts, turn_end
 from emotune.runtime.oom import run_in_batches
 from emotune.train.batches import common_prefix_length
 
@@ -72,7 +72,7 @@ def prompt_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], texts: 
                                               add_generation_prompt=True) for t in texts]
     # the chat template already holds <bos>; adding special tokens again would double it
     ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    specials = {i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    specials = special_texts(tokenizer)
     typed = [r for r, row in enumerate(ids) if specials.keys() & set(row)]
     if typed and getattr(tokenizer, "is_fast", False):  # offsets: a Rust tokenizer's (every one transformers 5 loads)
         marked = tokenizer.apply_chat_template(prompt_messages(MARKER, prompt, labels), tokenize=False,
@@ -80,22 +80,10 @@ def prompt_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], texts: 
         head, tail = marked[:marked.find(MARKER)], marked[marked.find(MARKER) + len(MARKER):]
         for r in typed:
             if rendered[r].startswith(head) and rendered[r].endswith(tail):
-                span = (len(head), len(rendered[r]) - len(tail))
                 offsets = tokenizer(rendered[r], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-                ids[r] = _plain_text_specials(tokenizer, rendered[r], ids[r], offsets, specials, span)
+                span = (len(head), len(rendered[r]) - len(tail))
+                ids[r] = plain_text_specials(tokenizer, rendered[r], ids[r], offsets, specials, [span])
     return ids
-
-
-def _plain_text_specials(tokenizer, rendered: str, ids: list[int], offsets, specials: dict[int, str], span) -> list[int]:
-    """`ids` with every special token read from its own text inside `span` (characters of `rendered`) replaced by that
-    text's plain tokens (a byte-fallback token `<0xE5>` read from `喜` stays)."""
-    out: list[int] = []
-    for token, (start, end) in zip(ids, offsets, strict=True):
-        if token in specials and span[0] <= start and end <= span[1] and rendered[start:end] == specials[token]:
-            out += tokenizer(rendered[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        else:
-            out.append(token)
-    return out
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,65 @@ def _is_single_special(tokenizer, token_id: int) -> bool:
     if token_id in set(tokenizer.all_special_ids):
         return True
     return token_id in getattr(tokenizer, "added_tokens_decoder", {})
+
+
+def special_texts(tokenizer) -> dict[int, str]:
+    """The tokenizer's special tokens (added tokens it never splits), id to text."""
+    return {i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+
+
+def encode_rendered(tokenizer, rendered: str, contents: list[str]) -> list[int]:
+    """`rendered` (a chat template's output) as token ids, with a special token's text typed inside one of the
+    messages' `contents` (`<|im_end|>`, `</s>`, found in order in `rendered`) read as plain text, never as the token:
+    otherwise a message could close its own turn and open another. Tokens elsewhere are the tokenizer's own."""
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    specials = special_texts(tokenizer)
+    if not specials.keys() & set(ids) or not getattr(tokenizer, "is_fast", False):  # a slow tokenizer has no offsets
+        return ids
+    spans, at = [], 0
+    for content in contents:
+        text = content.strip() if isinstance(content, str) else ""
+        found = rendered.find(text, at) if text and any(s in text for s in specials.values()) else -1
+        if found >= 0:
+            spans.append((found, found + len(text)))
+            at = found + len(text)
+    if not spans:
+        return ids
+    offsets = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return plain_text_specials(tokenizer, rendered, ids, offsets, specials, spans)
+
+
+def plain_text_specials(tokenizer, rendered: str, ids: list[int], offsets, specials: dict[int, str],
+                        spans: list[tuple[int, int]]) -> list[int]:
+    """`ids` with every special token read from its own text inside one of `spans` (characters of `rendered`)
+    replaced by that text's plain tokens (a byte-fallback token `<0xE5>` read from `喜` stays)."""
+    out: list[int] = []
+    for token, (start, end) in zip(ids, offsets, strict=True):
+        if token in specials and rendered[start:end] == specials[token] and any(a <= start and end <= b for a, b in spans):
+            out += tokenizer(rendered[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        else:
+            out.append(token)
+    return out
+
+
+class RenderedChat(str):
+    """A chat template's output that keeps its messages' contents, so that whatever tokenizes it reads special-token
+    text inside a message as `encode_rendered` does (`ids`)."""
+
+    contents: tuple[str, ...] = ()
+
+    def ids(self, tokenizer) -> list[int]:
+        return encode_rendered(tokenizer, str(self), list(self.contents))
+
+
+def rendered_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> RenderedChat:
+    rendered = RenderedChat(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
+    rendered.contents = tuple(m.get("content") for m in messages if isinstance(m.get("content"), str))
+    return rendered
+
+
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    """`messages` through the chat template as token ids (`encode_rendered`: special-token text inside a message is
+    plain text)."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return encode_rendered(tokenizer, rendered, [m.get("content") for m in messages])

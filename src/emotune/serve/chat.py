@@ -20,6 +20,7 @@ import uuid
 from emotune.core.config.eval import ServeConfig
 from emotune.data.conversation_data import clean_chats_for_inference
 from emotune.data.conversations import with_tools
+from emotune.model.turns import encode_rendered
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.generation import Generation, cut_at_stop
 from emotune.serve.http import STREAM_FAILED, APIError
@@ -89,7 +90,10 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
     asked = _asked(body)
     max_tokens = asked if asked is not None else _default_tokens(cfg)
     prompt = _render(body, loaded)
-    prompt_ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    # as training read it: special-token text inside a message (`<|im_end|>` typed by a user) is plain text
+    contents = [loaded.artifact.sft_system_prompt if loaded.artifact is not None else None,
+                *(m.content for m in body.messages)]
+    prompt_ids = encode_rendered(loaded.tokenizer, prompt, [c for c in contents if isinstance(c, str)])
     prompt_tokens = len(prompt_ids)
     check_context(prompt_tokens, max_tokens if asked is not None else 1, state.context)
     max_tokens = min(max_tokens, state.context - prompt_tokens) if state.context else max_tokens
