@@ -245,3 +245,51 @@ def test_special_tokens_typed_in_an_sft_conversation_are_read_as_plain_text(fami
     rendered = rendered_chat(tokenizer, conversation.chat("be brief", 1), generation_prompt=True)
     reply = generate_texts(model, tokenizer, [rendered], max_new_tokens=1, batch_size=1, desc=None)[0]
     assert reply == tokenizer.decode([first], skip_special_tokens=True).strip()
+
+
+def _memorized(folder, tokenizer, prompt: list[int], reply: list[int]) -> None:
+    """Train the folder's tiny model until greedy decoding after `prompt` writes `reply` (then save it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([prompt + reply])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(300):
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        loss = torch.nn.functional.cross_entropy(logits, ids[0, len(prompt):])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        assert model(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist() == reply
+    model.save_pretrained(folder)
+
+
+@pytest.mark.slow  # trains a tiny model to write a reply past the closing, and serves it (about 15 s)
+def test_serve_ends_a_chat_reply_where_a_plain_text_closing_begins(tmp_path):
+    """GPT-2's tokenizer under the fallback Gemma format: a model that answers `joy<end_of_turn>` (as text) and goes on
+    into a made-up turn is served `joy`, as predict and evaluation cut it, not the made-up turn up to max_tokens."""
+    import httpx
+
+    from emotune.core.config.load import load_config
+    from emotune.model.turns import chat_ids
+    from emotune.serve import build_engine, create_app
+    from server_harness import running
+    from test_serve import AUTH, serve_config
+
+    folder = tiny_llama(BUILDERS["gpt2"](tmp_path / "gpt2"))
+    tokenizer = load_tokenizer(folder, ModelConfig(source=str(folder)))
+    prompt = chat_ids(tokenizer, [{"role": "user", "content": "happy"}], generation_prompt=True)
+    reply = tokenizer("joy<end_of_turn>\n<start_of_turn>user\nmade up", add_special_tokens=False)["input_ids"]
+    _memorized(folder, tokenizer, prompt, reply)
+
+    engine, _ = build_engine(load_config(None, ["device=cpu", f"model.source={folder}"]), [])
+    (tmp_path / "adapters").mkdir()
+    with running(create_app(engine, serve_config(tmp_path / "adapters"))) as (url, _):
+        with httpx.Client(base_url=url, timeout=60, headers=AUTH) as http:
+            answer = http.post("/v1/chat/completions", json={"model": "base", "max_tokens": 16,
+                                                              "messages": [{"role": "user", "content": "happy"}]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "joy"
+    assert answer.json()["choices"][0]["finish_reason"] == "stop"

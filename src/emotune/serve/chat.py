@@ -20,7 +20,7 @@ import uuid
 from emotune.core.config.eval import ServeConfig
 from emotune.data.conversation_data import clean_chats_for_inference
 from emotune.data.conversations import with_tools
-from emotune.model.turns import encode_rendered
+from emotune.model.turns import encode_rendered, stop_text
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.generation import Generation, cut_at_stop
 from emotune.serve.http import STREAM_FAILED, APIError
@@ -100,8 +100,15 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
     temperature, top_p = sampling(body.temperature, body.top_p)
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": loaded.name,
             "prompt": prompt, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "seed": body.seed, "stop": body.stop or [], "cancel": threading.Event(),
+            "top_p": top_p, "seed": body.seed, "stop": [*(body.stop or []), *_closing(loaded)], "cancel": threading.Event(),
             "stopping": state.stopping, "include_usage": bool(body.stream_options and body.stream_options.include_usage)}
+
+
+def _closing(loaded: Loaded) -> list[str]:
+    """The text a template closes answers with when no token ends the turn (emotune.model.turns.stop_text): training
+    taught no token after it, so the reply ends where it begins."""
+    closing = stop_text(loaded.tokenizer)
+    return [closing] if closing else []
 
 
 def tools_text(body: ChatRequest, loaded: Loaded) -> str | None:
