@@ -29,11 +29,11 @@ from emotune.core.config.eval import EvalConfig
 from emotune.core.errors import listed
 from emotune.core.replies import INVALID, extract_label, label_pattern
 from emotune.core.rundir import atomic_file, read_json, write_json
-from emotune.data import prompt_messages, system_prompt
-from emotune.eval.scoring import LabelScorer
+from emotune.data import system_prompt
+from emotune.eval.scoring import LabelScorer, prompt_token_ids
 from emotune.model.finite import NonFiniteOutput, NonFiniteSeen, nonfinite_rows, nonfinite_weights, not_finite_message
 from emotune.model.text import context_length, unwrapped
-from emotune.model.turns import stop_token_ids
+from emotune.model.turns import RenderedChat, stop_text, stop_token_ids
 from emotune.runtime.oom import run_in_batches
 
 
@@ -56,19 +56,19 @@ class EvalResult:
 def generate_outputs(model, tokenizer, texts: list[str], asked: LabelPrompt, cfg: EvalConfig, desc: str | None,
                      batch_size: int | None = None) -> list[str]:
     """Greedy-decode up to `max_new_tokens` for every text; batches sorted by length to cut padding."""
-    prompts = [tokenizer.apply_chat_template(prompt_messages(t, asked.prompt, asked.labels), tokenize=False,
-                                             add_generation_prompt=True) for t in texts]
+    prompts = prompt_token_ids(tokenizer, asked.prompt, asked.labels, texts)  # the very tokens scoring reads
     return generate_texts(model, tokenizer, prompts, cfg.max_new_tokens,
                           batch_size or (cfg.batch_size if cfg.batch_size != "auto" else 16), desc)
 
 
 @torch.inference_mode()
-def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, desc: str | None,
+def generate_texts(model, tokenizer, prompts: list[str] | list[list[int]], max_new_tokens: int, batch_size: int, desc: str | None,
                    logits_processor=None) -> list[str]:
-    """Greedy continuations of chat-templated `prompts` (each stops at EOS or the end of the turn), stripped;
-    batched with left padding, rows sorted by length. A reply ends at the model's context: a model with a learned
-    position table (GPT-2's 1,024) failed inside its forward past it, a rotary one generates from positions it never
-    saw; a prompt that fills the context gets an empty reply. `logits_processor`: generate's (a LogitsProcessorList).
+    """Greedy continuations of chat-templated `prompts` (texts, their token ids, or RenderedChat; each stops at EOS
+    or the end of the turn), stripped; batched with left padding, rows sorted by length. A reply ends at the model's
+    context: a model with a learned position table (GPT-2's 1,024) failed inside its forward past it, a rotary one
+    generates from positions it never saw; a prompt that fills the context gets an empty reply.
+    `logits_processor`: generate's (a LogitsProcessorList).
 
     A batch in which the model computed NaN or infinite logits raises NonFiniteOutput with `rows` (indices into
     `prompts`): greedy decoding reads token 0 from NaN logits, a reply of padding that would pass for an answer."""
@@ -78,14 +78,16 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
     outputs: list[str] = [""] * len(prompts)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens must follow the real prompt directly
     context = context_length(model)
+    stop = stop_text(tokenizer)  # a template closing answers with plain text: the reply ends where that text begins
+    until_text = {"stop_strings": [stop], "tokenizer": tokenizer} if stop else {}
 
     def step(batch: list[int]) -> None:
-        # the chat template already holds <bos>; adding special tokens again would double it
-        enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        ids = [_prompt_ids(tokenizer, prompts[i]) for i in batch]
+        enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt", padding=True).to(device)
         room = max_new_tokens if context is None else min(max_new_tokens, context - enc["input_ids"].shape[1])
         if room < 1:
             return  # the prompt fills the context: nothing can follow it
-        generated = model.generate(**enc, max_new_tokens=room, do_sample=False, num_beams=1,
+        generated = model.generate(**enc, max_new_tokens=room, do_sample=False, num_beams=1, **until_text,
                                    eos_token_id=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
                                    pad_token_id=tokenizer.pad_token_id, top_p=None, top_k=None, temperature=None,
                                    logits_processor=processors)
@@ -95,7 +97,7 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
                                   rows=sorted(batch[i] for i in bad))
         new_tokens = generated[:, enc["input_ids"].shape[1]:]
         for i, text in zip(batch, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=False):
-            outputs[i] = text.strip()
+            outputs[i] = (text.split(stop)[0] if stop else text).strip()
 
     was_training = model.training
     model.eval()
@@ -111,6 +113,13 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
         if checkpoints is not None:
             inner.generation_config = checkpoints
     return outputs
+
+
+def _prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, RenderedChat):  # special-token text inside a message read as plain text, as training did
+        return prompt.ids(tokenizer)
+    # the chat template already holds <bos>; adding special tokens again would double it
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
 
 
 def _plain_decoding(checkpoints: GenerationConfig) -> GenerationConfig:

@@ -17,7 +17,7 @@ from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.prefix import MASKED_ATTENTION, attention_masks, other_layers, positions_from_mask
 from emotune.model.text import float32_logits, language_model, logit_scale, logit_softcap, soft_capped, unwrapped
-from emotune.model.turns import continuation_ids, end_of_turn_text
+from emotune.model.turns import MARKER, answer_opening, continuation_ids, plain_text_specials, special_texts, turn_end
 from emotune.runtime.oom import run_in_batches
 from emotune.train.batches import common_prefix_length
 
@@ -25,18 +25,34 @@ from emotune.train.batches import common_prefix_length
 def label_token_ids(tokenizer, prompt: PromptConfig, labels: list[str]) -> list[list[int]]:
     """Each label's completion tokens as the model sees them right after the generation prompt.
 
-    Training teaches the completion `label` + the template's end-of-turn token (Gemma 3: `<end_of_turn>`, Gemma 4:
-    `<turn|>`; emotune.model.turns). When no label's tokens are a prefix of another's,
-    the events "the answer starts with label i" are disjoint and each is scored by the label's own tokens.
-    When one is a prefix of another (`joy` / `joyful` tokenized as `joy` + `ful`), every label is scored with
-    its end-of-turn token, so `joy` means "joy, then stop". The end-of-turn token costs one more vocabulary
-    projection per label and row, which is why it is added only where it changes the answer. Tokens are
-    cut from the label rendered in context, so tokenizers that merge across the boundary are handled.
+    Training teaches the completion `label` + the template's closing of an answer (Gemma 3: `<end_of_turn>\\n`, Gemma 4:
+    `<turn|>\\n`, Llama 2: ` </s>`; emotune.model.turns.answer_end). When every label's own tokens begin its taught
+    completion and no label's tokens are a prefix of another's, the events "the answer starts with label i" are
+    disjoint and each is scored by the label's own tokens. Otherwise every label is scored by the completion training
+    teaches, through the end-of-turn token (all of it where the template closes answers with plain text): when one
+    label is a prefix of another (`joy` / `joyful` tokenized as `joy` + `ful`), `joy` means "joy, then stop"; when a
+    label's last token merges with the closing (SentencePiece reads `positive </s>` as `ve▁` + `</s>`, not `ve`),
+    the label's own tokens are ones training never teaches. The closing costs a few more vocabulary projections per
+    label and row, which is why it is added only where it changes the answer. Tokens are cut from the label rendered
+    in context, so tokenizers that merge across the boundary are handled.
     """
-    end = end_of_turn_text(tokenizer)  # what the chat template closes the answer with, as training saw it
+    ending = turn_end(tokenizer)
+    end = ending.suffix or tokenizer.eos_token or ""  # answer_end: what training appends to the label
     bare = answer_token_ids(tokenizer, prompt, labels, labels)
+    if not end:
+        return bare
+    taught = answer_token_ids(tokenizer, prompt, labels, [label + end for label in labels])
     ambiguous = any(i != j and b[:len(a)] == a for i, a in enumerate(bare) for j, b in enumerate(bare))
-    return answer_token_ids(tokenizer, prompt, labels, [label + end for label in labels]) if ambiguous and end else bare
+    merged = any(t[:len(b)] != b for b, t in zip(bare, taught, strict=True))
+    if not (ambiguous or merged):
+        return bare
+    stop = ending.token_id if ending.token_id is not None else tokenizer.convert_tokens_to_ids(end) if end == tokenizer.eos_token else None
+    return [_through(t, stop, len(b) if t[:len(b)] == b else 0) for b, t in zip(bare, taught, strict=True)]
+
+
+def _through(ids: list[int], stop: int | None, start: int) -> list[int]:
+    """`ids` up to and including the first `stop` at or after `start`; all of them when there is none."""
+    return ids[:ids.index(stop, start) + 1] if stop is not None and stop in ids[start:] else ids
 
 
 def answer_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], answers: list[str]) -> list[list[int]]:
@@ -44,15 +60,30 @@ def answer_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], answers
     text sits inside the user turn, before the template closes it)."""
     probe = tokenizer.apply_chat_template(prompt_messages("x", prompt, labels), tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    return [continuation_ids(tokenizer, probe, prompt_ids, answer) for answer in answers]
+    opening = answer_opening(tokenizer)  # Llama 2's ` ` before an answer: its models read `▁joy` after `[/INST]`
+    return [continuation_ids(tokenizer, probe, prompt_ids, opening + answer) for answer in answers]
 
 
 def prompt_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], texts: list[str]) -> list[list[int]]:
-    """Each text's scoring prompt (system prompt, user turn, generation prompt) as token ids."""
+    """Each text's scoring prompt (system prompt, user turn, generation prompt) as token ids. A special token's text
+    typed inside a text (`<|im_end|>`, `<start_of_turn>`) is read as plain text, never as the token: otherwise a
+    row could close its user turn and answer itself (`<|im_end|>\\n<|im_start|>assistant\\njoy`)."""
     rendered = [tokenizer.apply_chat_template(prompt_messages(t, prompt, labels), tokenize=False,
                                               add_generation_prompt=True) for t in texts]
     # the chat template already holds <bos>; adding special tokens again would double it
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    specials = special_texts(tokenizer)
+    typed = [r for r, row in enumerate(ids) if specials.keys() & set(row)]
+    if typed and getattr(tokenizer, "is_fast", False):  # offsets: a Rust tokenizer's (every one transformers 5 loads)
+        marked = tokenizer.apply_chat_template(prompt_messages(MARKER, prompt, labels), tokenize=False,
+                                               add_generation_prompt=True)
+        head, tail = marked[:marked.find(MARKER)], marked[marked.find(MARKER) + len(MARKER):]
+        for r in typed:
+            if rendered[r].startswith(head) and rendered[r].endswith(tail):
+                offsets = tokenizer(rendered[r], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+                span = (len(head), len(rendered[r]) - len(tail))
+                ids[r] = plain_text_specials(tokenizer, rendered[r], ids[r], offsets, specials, [span])
+    return ids
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,12 @@ class Artifact:
         """The chat-templated prompt this model answers `text` under: a classifier's system prompt and user
         template, or an sft model's system prompt with `text` as the user turn (or, a list of messages, as the
         conversation so far; its own system turn replaces the model's)."""
+        from emotune.model.turns import rendered_chat  # a str that tokenizes as training read it (generate_texts)
+
+        return rendered_chat(tokenizer, self.chat_messages(text), generation_prompt=True)
+
+    def chat_messages(self, text: str | list[dict]) -> list[dict]:
+        """The messages of `chat_prompt`."""
         if self.task == "sft":
             system = self.sft_system_prompt
             turns = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
@@ -152,7 +158,7 @@ class Artifact:
             from emotune.model.prompt import prompt_messages
 
             messages = prompt_messages(text, self.prompt, self.labels)
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return messages
 
     @property
     def foreign(self) -> bool:

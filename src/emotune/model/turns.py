@@ -46,10 +46,39 @@ def end_of_turn_text(tokenizer) -> str:
     return turn_end(tokenizer).token or tokenizer.eos_token or ""
 
 
+def stop_text(tokenizer) -> str:
+    """The text generation stops at where the chat template closes an answer with plain text only (the fallback Gemma
+    format on a tokenizer without `<end_of_turn>`: `<end_of_turn>` as 6 ordinary tokens; an `### End` template):
+    training teaches that text and no token after it, so no stop token ever follows. '' where a token ends the turn."""
+    ending = turn_end(tokenizer)
+    return ending.suffix.strip() if ending.token is None else ""
+
+
 def answer_end(tokenizer) -> str:
     """What a trained answer ends with: everything the chat template writes after an assistant's content
     (`<end_of_turn>\\n`, `<turn|>\\n`, `</s>`), else the EOS token, else ''."""
     return turn_end(tokenizer).suffix or tokenizer.eos_token or ""
+
+
+def answer_opening(tokenizer) -> str:
+    """The whitespace a chat template writes between its generation prompt and an answer's content: Llama 2's and
+    Mistral v0.3's templates end the prompt at `[/INST]` and write an answer as ` ` + content, so their models read
+    `▁joy`, not `joy`, after it. '' for templates that open the answer in the generation prompt itself, and for any
+    opening that is more than whitespace (Qwen3's empty <think> block is left out, as scoring's prompt asks without it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    asked = [{"role": "user", "content": "hi"}]
+    try:
+        prompt = tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+        answered = tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": MARKER}], tokenize=False,
+                                                 add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 (as _rendered_suffix: a template that cannot render a plain exchange)
+        return ""
+    if not (isinstance(prompt, str) and isinstance(answered, str)) or MARKER not in answered:
+        return ""
+    before = answered[:answered.rfind(MARKER)]
+    opening = before[len(prompt):] if before.startswith(prompt) else ""
+    return opening if not opening.strip() else ""
 
 
 def continuation_ids(tokenizer, prompt_text: str, prompt_ids: list[int], text: str) -> list[int]:
@@ -91,3 +120,65 @@ def _is_single_special(tokenizer, token_id: int) -> bool:
     if token_id in set(tokenizer.all_special_ids):
         return True
     return token_id in getattr(tokenizer, "added_tokens_decoder", {})
+
+
+def special_texts(tokenizer) -> dict[int, str]:
+    """The tokenizer's special tokens (added tokens it never splits), id to text."""
+    return {i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+
+
+def encode_rendered(tokenizer, rendered: str, contents: list[str]) -> list[int]:
+    """`rendered` (a chat template's output) as token ids, with a special token's text typed inside one of the
+    messages' `contents` (`<|im_end|>`, `</s>`, found in order in `rendered`) read as plain text, never as the token:
+    otherwise a message could close its own turn and open another. Tokens elsewhere are the tokenizer's own."""
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    specials = special_texts(tokenizer)
+    if not specials.keys() & set(ids) or not getattr(tokenizer, "is_fast", False):  # a slow tokenizer has no offsets
+        return ids
+    spans, at = [], 0
+    for content in contents:
+        text = content.strip() if isinstance(content, str) else ""
+        found = rendered.find(text, at) if text and any(s in text for s in specials.values()) else -1
+        if found >= 0:
+            spans.append((found, found + len(text)))
+            at = found + len(text)
+    if not spans:
+        return ids
+    offsets = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return plain_text_specials(tokenizer, rendered, ids, offsets, specials, spans)
+
+
+def plain_text_specials(tokenizer, rendered: str, ids: list[int], offsets, specials: dict[int, str],
+                        spans: list[tuple[int, int]]) -> list[int]:
+    """`ids` with every special token read from its own text inside one of `spans` (characters of `rendered`)
+    replaced by that text's plain tokens (a byte-fallback token `<0xE5>` read from `喜` stays)."""
+    out: list[int] = []
+    for token, (start, end) in zip(ids, offsets, strict=True):
+        if token in specials and rendered[start:end] == specials[token] and any(a <= start and end <= b for a, b in spans):
+            out += tokenizer(rendered[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        else:
+            out.append(token)
+    return out
+
+
+class RenderedChat(str):
+    """A chat template's output that keeps its messages' contents, so that whatever tokenizes it reads special-token
+    text inside a message as `encode_rendered` does (`ids`)."""
+
+    contents: tuple[str, ...] = ()
+
+    def ids(self, tokenizer) -> list[int]:
+        return encode_rendered(tokenizer, str(self), list(self.contents))
+
+
+def rendered_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> RenderedChat:
+    rendered = RenderedChat(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
+    rendered.contents = tuple(m.get("content") for m in messages if isinstance(m.get("content"), str))
+    return rendered
+
+
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    """`messages` through the chat template as token ids (`encode_rendered`: special-token text inside a message is
+    plain text)."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return encode_rendered(tokenizer, rendered, [m.get("content") for m in messages])

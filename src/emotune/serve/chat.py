@@ -20,6 +20,7 @@ import uuid
 from emotune.core.config.eval import ServeConfig
 from emotune.data.conversation_data import clean_chats_for_inference
 from emotune.data.conversations import with_tools
+from emotune.model.turns import encode_rendered, stop_text
 from emotune.serve.engine import Engine, Loaded
 from emotune.serve.generation import Generation, cut_at_stop
 from emotune.serve.http import STREAM_FAILED, APIError
@@ -89,15 +90,25 @@ def chat_job(body: ChatRequest, loaded: Loaded, cfg: ServeConfig, state: Server)
     asked = _asked(body)
     max_tokens = asked if asked is not None else _default_tokens(cfg)
     prompt = _render(body, loaded)
-    prompt_ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    # as training read it: special-token text inside a message (`<|im_end|>` typed by a user) is plain text
+    contents = [loaded.artifact.sft_system_prompt if loaded.artifact is not None else None,
+                *(m.content for m in body.messages)]
+    prompt_ids = encode_rendered(loaded.tokenizer, prompt, [c for c in contents if isinstance(c, str)])
     prompt_tokens = len(prompt_ids)
     check_context(prompt_tokens, max_tokens if asked is not None else 1, state.context)
     max_tokens = min(max_tokens, state.context - prompt_tokens) if state.context else max_tokens
     temperature, top_p = sampling(body.temperature, body.top_p)
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": loaded.name,
             "prompt": prompt, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "seed": body.seed, "stop": body.stop or [], "cancel": threading.Event(),
+            "top_p": top_p, "seed": body.seed, "stop": [*(body.stop or []), *_closing(loaded)], "cancel": threading.Event(),
             "stopping": state.stopping, "include_usage": bool(body.stream_options and body.stream_options.include_usage)}
+
+
+def _closing(loaded: Loaded) -> list[str]:
+    """The text a template closes answers with when no token ends the turn (emotune.model.turns.stop_text): training
+    taught no token after it, so the reply ends where it begins."""
+    closing = stop_text(loaded.tokenizer)
+    return [closing] if closing else []
 
 
 def tools_text(body: ChatRequest, loaded: Loaded) -> str | None:

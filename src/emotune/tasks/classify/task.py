@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from emotune.core.config.data import PromptConfig
 from emotune.core.config.run import ClassifyConfig
 from emotune.core.errors import UserError
+from emotune.core.replies import extract_label, label_pattern
 from emotune.core.rundir import RunDir, read_json
 from emotune.data import LabeledData, system_prompt
 from emotune.data.clean import text_steps
@@ -66,6 +67,8 @@ def load_data(cfg: ClassifyConfig) -> LabeledData:
 
 def save_data(data: LabeledData, run: RunDir, tokenizer, cfg: ClassifyConfig) -> None:
     check_labels_tell_apart(tokenizer, data.labels)
+    if cfg.eval.method != "score":
+        check_labels_spelled_back(tokenizer, data.labels)
     check_room_for_the_label(tokenizer, cfg.prompt, data.labels, cfg.train.max_length)
     save_prepared(data, run, tokenizer, cfg)
 
@@ -100,6 +103,26 @@ def check_labels_tell_apart(tokenizer, labels: list[str]) -> None:
                         "know read as its unknown token), so no training or scoring could tell them apart. Rename them "
                         "with data.label_aliases (e.g. data.label_aliases={'😱': fear}) or use a model whose tokenizer "
                         "covers them.")
+
+
+def check_labels_spelled_back(tokenizer, labels: list[str]) -> None:
+    """A tokenizer whose normalizer rewrites text (NFKC folds `Ｊｏｙ` to `Joy` and `ﬁne` to `fine`; T5's and ALBERT's
+    normalizers drop characters) can never write such a label back: the `generate` method reads replies for the
+    label's own text (case aside: emotune.core.replies), so the label would be invalid in every reply while `score` picks it."""
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    if normalizer is None:
+        return
+
+    def read_back(label: str) -> str:
+        return tokenizer.decode(tokenizer(label, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+
+    pattern = label_pattern(labels)
+    lost = [label for label in labels if extract_label(read_back(label), labels, pattern) != label]
+    if lost:
+        spelled = ", ".join(f"{label!r} reads back as {read_back(label)!r}" for label in lost)
+        raise UserError(f"This model's tokenizer rewrites the labels it reads ({spelled}), so the model can never write "
+                        "them and eval.method=generate would count every such answer invalid. Rename them with "
+                        "data.label_aliases to the text the tokenizer keeps, or measure with eval.method=score.")
 
 
 def describe_data(data: LabeledData) -> str:

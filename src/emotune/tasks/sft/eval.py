@@ -30,6 +30,7 @@ from emotune.data.conversations import Conversation
 from emotune.eval import textmetrics
 from emotune.eval.evaluate import generate_texts, refuse_nonfinite, split_rows
 from emotune.model.finite import NonFiniteOutput, nonfinite_rows
+from emotune.model.turns import chat_ids
 from emotune.runtime.oom import run_in_batches
 from emotune.tasks.sft.rows import encode
 from emotune.train.batches import collate, completion_loss
@@ -63,8 +64,8 @@ def measure(model, tokenizer, conversations: list[Conversation], cfg: SftConfig,
         loss, tokens = response_loss(model, tokenizer, conversations, cfg.prompt.system_prompt, rows)
     except NonFiniteOutput as err:  # a NaN loss: the perplexity and its comparison would be NaN too
         refuse_nonfinite(model, f"the reference answers of {split_rows(err.rows, split)} (one batch's loss)", desc)
-    prompts = [tokenizer.apply_chat_template(c.chat(cfg.prompt.system_prompt, c.prompt_turns), tokenize=False,
-                                             add_generation_prompt=True) for c in conversations]
+    prompts = [chat_ids(tokenizer, c.chat(cfg.prompt.system_prompt, c.prompt_turns), generation_prompt=True)
+               for c in conversations]  # as the rows read them: special-token text inside a message is plain text
     try:
         outputs = generate_texts(model, tokenizer, prompts, cfg.eval.max_new_tokens, rows, f"{desc} (generate)")
     except NonFiniteOutput as err:  # greedy replies read from NaN logits: padding, scored as if answered

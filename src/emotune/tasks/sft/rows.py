@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from emotune.data.conversations import Conversation
-from emotune.model.turns import stop_token_ids
+from emotune.model.turns import chat_ids, stop_token_ids
 from emotune.train.batches import Example, common_prefix_length, truncated
 
 
@@ -34,8 +34,8 @@ class Encoded:
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
-                                              return_dict=False))
+    """The template's rendering as token ids; a special token's text inside a message is plain text (`chat_ids`)."""
+    return chat_ids(tokenizer, messages, generation_prompt)
 
 
 class _Prefixes:
