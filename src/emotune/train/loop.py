@@ -70,6 +70,9 @@ class Progress:
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
     log_history: list[dict] = field(default_factory=list)
+    window: dict | None = None
+    """The losses and gradient norms of the steps since the last log line (emotune.train.log.Window.carried), so the
+    first line of a resumed run averages the steps it began with before the checkpoint, as an uninterrupted run's does."""
     memory: dict | None = None
     """Out-of-memory recovery's limits (emotune.train.recovery.MemoryLimits), kept so a resumed run carries on with what fitted."""
 
@@ -215,7 +218,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
     once, early, at the pace the steps keep (emotune.train.passes.replan); a resumed run keeps the plan it had."""
     t, plan, main = cfg.train, s.plan, s.accelerator.is_main_process
     bar = tqdm(total=plan.steps, initial=progress.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
-    window = Window()
+    window = Window.resumed(progress.window)
     s.wrapped.train()
     replan_at = replan_step(plan) if progress.step == 0 else 0
     started, validation_seconds = perf_counter(), []
@@ -244,6 +247,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
             validation_seconds.append(perf_counter() - began)
         # No checkpoint inside a run of non-finite steps: the last one written stays the last good one.
         if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop and not progress.nonfinite_in_a_row:
+            progress.window = window.carried()
             _save(folder, progress, s.adapted, s.optimizer, s.scheduler, s.scaler, best, s.accelerator, t.save_total_limit)
         if stop:
             print(f"Early stopping at step {progress.step}: no better {s.objective.select} in "

@@ -1,0 +1,44 @@
+"""Training on settings the other tests leave alone: a resume whose checkpoint falls between two log lines,
+and other edges of the loop (tiny model, in-process runs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import crash_after_checkpoint
+from emotune.cli import main
+
+
+def _history(run_dir):
+    return json.loads((run_dir / "train" / "log_history.json").read_text())
+
+
+def _strip(history):
+    return [{k: v for k, v in e.items() if k not in ("tokens_per_s", "peak_memory_mb")} for e in history]
+
+
+def _adapter(run_dir):
+    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+def test_a_resume_between_two_log_lines_logs_what_the_uninterrupted_run_logs(tiny_overrides, tmp_path, monkeypatch):
+    """A log line averages the steps since the one before; a checkpoint written between two of them carries the
+    steps already taken, so the resumed run's line at step 3 averages steps 1-3 as the uninterrupted one's does."""
+    common = ["train", *tiny_overrides, "train.max_steps=6", "train.logging_steps=3", "train.save_steps=2",
+              "train.eval_steps=3", "lora.dropout=0.1", "seed=7", "device=cpu"]
+    assert main(common + ["name=straight"]) == 0
+    crash_after_checkpoint(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="step-2 checkpoint"):
+        main(common + ["name=resumed"])
+    monkeypatch.undo()
+    assert main(common + ["name=resumed"]) == 0
+    runs = tmp_path / "runs"
+    straight, resumed = _history(runs / "straight"), _history(runs / "resumed")
+    assert [e["step"] for e in straight if "loss" in e] == [3, 6]
+    assert _strip(resumed) == _strip(straight)
+    expected, got = _adapter(runs / "straight"), _adapter(runs / "resumed")
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
