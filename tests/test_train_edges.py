@@ -42,3 +42,33 @@ def test_a_resume_between_two_log_lines_logs_what_the_uninterrupted_run_logs(tin
     assert _strip(resumed) == _strip(straight)
     expected, got = _adapter(runs / "straight"), _adapter(runs / "resumed")
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_checkpoint_that_lost_its_best_weights_is_not_resumed_from(tiny_overrides, tmp_path, monkeypatch, capsys):
+    """progress.json names the best validation step, whose weights live in best.safetensors: a checkpoint without
+    that file is set aside like any other damaged one. Resumed from, it kept the last weights as "the adapter" once
+    no later validation beat the lost best (the step-1 weights here)."""
+    from emotune.train import loop as train_mod
+
+    def validations(losses):  # best at the first validation; every later one worse
+        values = iter(losses)
+        monkeypatch.setattr(train_mod, "validate", lambda *a, **k: {"eval_loss": next(values), "eval_token_accuracy": 0.5})
+
+    common = ["train", *tiny_overrides, "train.max_steps=6", "train.eval_steps=1", "train.save_steps=2",
+              "train.save_total_limit=10", "device=cpu"]
+    crash_after_checkpoint(monkeypatch, 4)
+    validations([1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(RuntimeError, match="step-4 checkpoint"):
+        main(common)
+    monkeypatch.undo()
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    (checkpoints / "step-000004" / "best.safetensors").unlink()
+    validations([3.0, 4.0, 5.0, 6.0])
+    capsys.readouterr()
+    assert main(common) == 0
+    out = capsys.readouterr().out
+    assert "Checkpoint step-000004 cannot be resumed from: best.safetensors is missing" in out
+    best = {k.replace(".default", ""): v for k, v in load_file(checkpoints / "step-000002" / "best.safetensors").items()}
+    adapter = _adapter(tmp_path / "runs" / "tiny")
+    assert adapter.keys() == best.keys()
+    assert all(torch.equal(adapter[k], best[k]) for k in adapter)

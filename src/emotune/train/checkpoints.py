@@ -234,7 +234,11 @@ def checkpoint_problem(path: Path) -> str | None:
         progress = json.loads((path / "progress.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         return f"progress.json is unreadable ({err})"
-    return None if isinstance(progress, dict) and "step" in progress else "progress.json has no step"
+    if not isinstance(progress, dict) or "step" not in progress:
+        return "progress.json has no step"
+    if progress.get("best_step") is not None and not (path / BEST_FILE).is_file():  # the kept adapter's weights
+        return f"{BEST_FILE} is missing (progress.json keeps the weights of step {progress['best_step']} as the best)"
+    return None
 
 
 def set_aside_unreadable(folder: Path) -> list[tuple[Path, Path, str]]:
