@@ -72,3 +72,23 @@ def test_a_checkpoint_that_lost_its_best_weights_is_not_resumed_from(tiny_overri
     adapter = _adapter(tmp_path / "runs" / "tiny")
     assert adapter.keys() == best.keys()
     assert all(torch.equal(adapter[k], best[k]) for k in adapter)
+
+
+def test_a_batch_larger_than_the_training_split_counts_the_epochs_it_trains(tiny_overrides, tmp_path, capsys):
+    """6 training rows in batches of 8: every step is one batch of the 6 rows, so 2 epochs are 2 steps. The plan said
+    ≈ 2.67 epochs (steps x the configured batch over the rows), as if some rows were seen twice."""
+    from conftest import make_rows, write_jsonl
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, seed in (("train", 1), ("validation", 2), ("test", 3)):
+        write_jsonl(data / f"{split}.jsonl", make_rows(1, seed=seed))
+    overrides = [o for o in tiny_overrides if not o.startswith("data.source=")]
+    assert main(["train", *overrides, f"data.source={data}", "train.max_steps=-1", "train.num_train_epochs=2",
+                 "train.batch_size=8", "train.save_steps=100"]) == 0
+    assert "optimizer steps 2 (≈ 2.00 epochs)" in capsys.readouterr().out
+    run = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
+    plan = run["stages"]["train"]["plan"]
+    assert plan["epochs"] == 2.0
+    history = _history(tmp_path / "runs" / "tiny")
+    assert [e["epoch"] for e in history if "loss" in e] == [1.0, 2.0]
