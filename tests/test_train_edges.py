@@ -92,3 +92,23 @@ def test_a_batch_larger_than_the_training_split_counts_the_epochs_it_trains(tiny
     assert plan["epochs"] == 2.0
     history = _history(tmp_path / "runs" / "tiny")
     assert [e["epoch"] for e in history if "loss" in e] == [1.0, 2.0]
+
+
+def test_a_run_killed_while_writing_its_training_log_trains_again_rather_than_keep_an_adapter_without_it(
+        tiny_overrides, tmp_path, monkeypatch):
+    """The saved adapter marks training done (a re-run skips it): the training log and loss curve are written before it,
+    so a run stopped between the two is resumed, not left for good without train/log_history.json."""
+    from emotune.train import loop as train_mod
+
+    def stopped(*args, **kwargs):
+        raise RuntimeError("killed while writing the training log")
+
+    common = ["train", *tiny_overrides, "train.max_steps=3", "train.save_steps=2"]
+    monkeypatch.setattr(train_mod, "write_history", stopped)
+    with pytest.raises(RuntimeError, match="killed while writing"):
+        main(common)
+    monkeypatch.undo()
+    assert main(common) == 0
+    run_dir = tmp_path / "runs" / "tiny"
+    assert [e["step"] for e in _history(run_dir) if "loss" in e] == [1, 2, 3]
+    assert (run_dir / "train" / "loss_curve.png").is_file() and (run_dir / "adapter" / "adapter_model.safetensors").is_file()

@@ -303,16 +303,16 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     adapted.eval()
     if t.finetuning in finetuning.WHOLE:  # the weights as loaded: the fine-tuned stage measures what is saved
         finetuning.restore_dtypes(adapted, s.upcast)
-        if main:
-            write_full_model(adapted, tokenizer, run.model, {**adapter_meta, "finetuning": finetuning.describe(t)})
+        if main:  # the log first: the saved model marks training done, so a re-run would never write it
             write_history(progress.log_history, run.train)
+            write_full_model(adapted, tokenizer, run.model, {**adapter_meta, "finetuning": finetuning.describe(t)})
         return
     # Sharded weights are gathered on every process, then written by the main one like a single process's.
     weights = ({k: v.to(s.upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()}
                if s.fsdp else None)
     if main:
-        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights, convert_from=s.initial)
         write_history(progress.log_history, run.train)
+        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights, convert_from=s.initial)
 
 
 # --------------------------------------------------------------------------------------------------
