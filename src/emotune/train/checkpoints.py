@@ -111,6 +111,11 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
         _reshard(model)
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    elif len(state["param_groups"]) != len(optimizer.param_groups):
+        raise UserError(f"The checkpoint {path} holds {len(state['param_groups'])} optimizer parameter group(s) and "
+                        f"this run builds {len(optimizer.param_groups)}: it was written by an earlier emotune, whose "
+                        "train.weight_decay also covered normalization weights and biases. Delete "
+                        f"{path.parent} to start training over, or pass overwrite=true.")
     else:
         optimizer.load_state_dict(state)
 
