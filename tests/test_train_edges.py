@@ -112,3 +112,20 @@ def test_a_run_killed_while_writing_its_training_log_trains_again_rather_than_ke
     run_dir = tmp_path / "runs" / "tiny"
     assert [e["step"] for e in _history(run_dir) if "loss" in e] == [1, 2, 3]
     assert (run_dir / "train" / "loss_curve.png").is_file() and (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_resuming_with_a_changed_setting_is_refused_naming_it(tiny_overrides, tmp_path, monkeypatch, capsys):
+    """An unfinished run resumed with another learning rate is refused, and the message says which setting differs
+    and what the run had, so the user can put it back (it said only "a different config or data")."""
+    common = ["train", *tiny_overrides, "train.max_steps=3", "train.save_steps=1"]
+    crash_after_checkpoint(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="step-1 checkpoint"):
+        main(common)
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(common + ["train.learning_rate=0.02", "train.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert "different config or data" in err and "Traceback" not in err
+    assert "train.max_steps: 4 (the run's: 3); train.learning_rate: 0.02 (the run's: 0.01)" in err, err
+    assert main(common + ["overwrite=false"]) == 0  # overwrite is not compared: the run resumes
+    assert "Resuming from" in capsys.readouterr().out
