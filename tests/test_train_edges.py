@@ -129,3 +129,19 @@ def test_resuming_with_a_changed_setting_is_refused_naming_it(tiny_overrides, tm
     assert "train.max_steps: 4 (the run's: 3); train.learning_rate: 0.02 (the run's: 0.01)" in err, err
     assert main(common + ["overwrite=false"]) == 0  # overwrite is not compared: the run resumes
     assert "Resuming from" in capsys.readouterr().out
+
+
+def test_early_stopping_between_two_log_lines_logs_the_steps_since_the_last(tiny_overrides, tmp_path, monkeypatch,
+                                                                            capsys):
+    """A run that ends early at step 4 with a log line every 3 steps: the training loss of step 4 was never logged (the
+    loss curve stopped at step 3); the last line is written when training ends, early or not."""
+    from emotune.train import loop as train_mod
+
+    losses = iter([2.0, 1.0, 1.5, 1.7, 1.9])  # best at the second validation, then worse
+    monkeypatch.setattr(train_mod, "validate", lambda *a, **k: {"eval_loss": next(losses), "eval_token_accuracy": 0.5})
+    assert main(["train", *tiny_overrides, "train.max_steps=10", "train.logging_steps=3",
+                 "train.early_stopping_patience=2"]) == 0
+    assert "Early stopping at step 4" in capsys.readouterr().out
+    history = _history(tmp_path / "runs" / "tiny")
+    assert [e["step"] for e in history if "loss" in e] == [3, 4]
+    assert [e["step"] for e in history if "eval_loss" in e] == [1, 2, 3, 4]

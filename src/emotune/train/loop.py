@@ -249,7 +249,9 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
         if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop and not progress.nonfinite_in_a_row:
             progress.window = window.carried()
             _save(folder, progress, s.adapted, s.optimizer, s.scheduler, s.scaler, best, s.accelerator, t.save_total_limit)
-        if stop:
+        if stop:  # the steps since the last log line, as the last step of a run that goes on to the end logs them
+            if progress.step % t.logging_steps and progress.step != plan.steps:
+                log(window.entry(progress, plan, s.scheduler.get_last_lr()[0], grad_norm))
             print(f"Early stopping at step {progress.step}: no better {s.objective.select} in "
                   f"{t.early_stopping_patience} validations.", flush=True)
             break
