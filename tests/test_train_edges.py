@@ -145,3 +145,27 @@ def test_early_stopping_between_two_log_lines_logs_the_steps_since_the_last(tiny
     history = _history(tmp_path / "runs" / "tiny")
     assert [e["step"] for e in history if "loss" in e] == [3, 4]
     assert [e["step"] for e in history if "eval_loss" in e] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_by_name(tiny_overrides, tiny_model_dir, tiny_gpt2_dir,
+                                                                     tmp_path, monkeypatch, capsys):
+    """The folder model.source points at now holds another model than the one the run began with (same config, same
+    data): resuming raised a RuntimeError traceback from the checkpoint loader; it is a UserError naming the checkpoint."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    overrides = [o for o in tiny_overrides if not o.startswith("model.source=")] + [f"model.source={model}"]
+    common = ["train", *overrides, "train.max_steps=3", "train.save_steps=1"]
+    crash_after_checkpoint(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="step-1 checkpoint"):
+        main(common)
+    monkeypatch.undo()
+    shutil.rmtree(model)
+    shutil.copytree(tiny_gpt2_dir, model)
+    capsys.readouterr()
+    assert main(common) == 2
+    err = capsys.readouterr().err
+    checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "step-000001"
+    assert f"The checkpoint {checkpoint} holds trained weights that do not fit this model" in err, err[-1000:]
+    assert "overwrite=true" in err

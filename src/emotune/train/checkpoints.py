@@ -73,11 +73,18 @@ def _reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+class Mismatch(RuntimeError):
+    """Saved trained weights whose names or shapes are not the model's."""
+
+
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    expected = {name for name, p in model.named_parameters() if is_trained(p)}
-    if set(tensors) != expected:
-        raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
-                           f"(missing {sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]})")
+    expected = {name: p.shape for name, p in model.named_parameters() if is_trained(p)}
+    if set(tensors) != set(expected):
+        raise Mismatch(f"missing {sorted(set(expected) - set(tensors))[:3]}, unexpected "
+                       f"{sorted(set(tensors) - set(expected))[:3]}")
+    if wrong := [f"{name} {tuple(t.shape)} for {tuple(expected[name])}" for name, t in tensors.items()
+                 if t.shape != expected[name]]:
+        raise Mismatch(f"other shapes: {'; '.join(wrong[:3])}")
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -266,7 +273,13 @@ def read_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sc
                     rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Restore everything `write_checkpoint` saved into the live objects; return the progress and the
     best weights so far."""
-    load_trainable_state(model, load_file(path / "trainable.safetensors"))
+    try:
+        load_trainable_state(model, load_file(path / "trainable.safetensors"))
+    except Mismatch as err:
+        raise UserError(f"The checkpoint {path} holds trained weights that do not fit this model ({first_line(err)}): "
+                        "the model at model.source is not the one the run began with (replaced, or a hub model "
+                        "updated without model.revision pinned). Point model.source at that model to resume, or pass "
+                        "overwrite=true to start the run over on this one.") from None
     states = safe_load(path / "optimizer.pt")
     load_optimizer_state(model, optimizer, states["optimizer"], path)
     scheduler.load_state_dict(states["scheduler"])
