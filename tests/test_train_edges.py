@@ -169,3 +169,31 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_by_name(tiny_overri
     checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "step-000001"
     assert f"The checkpoint {checkpoint} holds trained weights that do not fit this model" in err, err[-1000:]
     assert "overwrite=true" in err
+
+
+def test_the_nonfinite_stop_says_a_changed_setting_starts_over_and_that_works(tiny_overrides, tmp_path, monkeypatch,
+                                                                             capsys):
+    """The stop advises a lower learning rate and said re-running resumes from the last checkpoint; a re-run with the
+    lower rate is another config, refused as such. The message says so, and its way (overwrite=true) trains."""
+    from emotune.train import loop as train_mod
+
+    calls = {"n": 0}
+
+    def loss(model, batch):  # NaN from the third training forward pass on, as a too-high learning rate would give
+        parts = real(model, batch)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] >= 3:
+                parts.loss_sum = parts.loss_sum * float("nan")
+        return parts
+
+    real = train_mod.completion_loss
+    monkeypatch.setattr(train_mod, "completion_loss", loss)
+    common = ["train", *tiny_overrides, "train.max_steps=8", "train.save_steps=2"]
+    assert main(common) == 2
+    err = capsys.readouterr().err
+    assert "train.learning_rate" in err and "step-000002" in err and "intact" in err
+    assert "a changed setting is a new config: pass overwrite=true with it" in err, err[-600:]
+    monkeypatch.undo()
+    assert main(common + ["train.learning_rate=0.001"]) == 2  # as the message says: refused without overwrite
+    assert main(common + ["train.learning_rate=0.001", "overwrite=true"]) == 0

@@ -426,8 +426,8 @@ def _guard(progress: Progress, finite: bool, loss: float, grad_norm: float, t: T
 
 def _checkpoint_note(folder: Path) -> str:
     last = ckpt.complete_checkpoints(folder)
-    return (f"The last checkpoint, {last[-1]}, is intact; re-running resumes from it." if last else
-            "No checkpoint had been written yet.")
+    return (f"The last checkpoint, {last[-1]}, is intact; re-running the same config resumes from it (a changed setting "
+            "is a new config: pass overwrite=true with it to start over)." if last else "No checkpoint had been written yet.")
 
 
 def _val_batch_size(cfg: RunConfig) -> int:
