@@ -197,3 +197,29 @@ def test_the_nonfinite_stop_says_a_changed_setting_starts_over_and_that_works(ti
     monkeypatch.undo()
     assert main(common + ["train.learning_rate=0.001"]) == 2  # as the message says: refused without overwrite
     assert main(common + ["train.learning_rate=0.001", "overwrite=true"]) == 0
+
+
+def test_a_budget_run_whose_plan_file_is_gone_is_not_resumed_on_a_new_plan(tiny_overrides, tmp_path, monkeypatch,
+                                                                           capsys):
+    """checkpoints/plan.json holds the step count a time-budget run's schedule and data order follow. Deleted beside
+    its checkpoints, the run measured again and resumed the step-2 checkpoint of a 4-step plan as a 27-step run (a
+    new learning-rate schedule under the old scheduler state); it is refused like an unreadable plan file."""
+    from emotune.train.passes import PLAN_FILE, Calibration, Speed
+
+    def measured(per_step):
+        monkeypatch.setattr(Calibration, "measure", lambda self, plan, t, seed: Speed(per_step, 0.0, 0.0))
+
+    common = ["train", *tiny_overrides, "train.max_steps=-1", "train.time_budget=40s", "train.num_train_epochs=3",
+              "train.eval_steps=100"]
+    measured(10.0)
+    crash_after_checkpoint(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="step-2 checkpoint"):
+        main(common)
+    monkeypatch.undo()
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    (checkpoints / PLAN_FILE).unlink()
+    measured(1.0)  # a faster machine now: 27 steps would fit
+    capsys.readouterr()
+    assert main(common) == 2
+    err = capsys.readouterr().err
+    assert f"{checkpoints / PLAN_FILE} is missing, and the checkpoints beside it" in err, err[-800:]

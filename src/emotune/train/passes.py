@@ -315,13 +315,12 @@ def replan_words(plan: Plan, t: TrainConfig, rows: int) -> str:
 
 def _saved_plan(folder: Path) -> dict | None:
     path = folder / PLAN_FILE
-    if not path.exists():
-        return None
     saved = read_json(path)
     if saved is not None and isinstance(saved.get("steps"), int) and isinstance(saved.get("speed"), dict):
         return saved
-    if ckpt.complete_checkpoints(folder):
-        raise UserError(f"{path} is unreadable, and the checkpoints beside it were made with the number of steps it "
+    if ckpt.complete_checkpoints(folder):  # missing too: a new measurement would give them another step count
+        raise UserError(f"{path} is {'unreadable' if path.exists() else 'missing'}, and the checkpoints beside it were "
+                        f"made with the number of steps it "
                         f"held, so the run cannot resume. Delete {folder} to start training over.")
     return None  # no step was saved yet: the plan can be made again
 
