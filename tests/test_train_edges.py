@@ -25,6 +25,7 @@ def _adapter(run_dir):
     return load_file(run_dir / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.slow  # several runs
 def test_a_resume_between_two_log_lines_logs_what_the_uninterrupted_run_logs(tiny_overrides, tmp_path, monkeypatch):
     """A log line averages the steps since the one before; a checkpoint written between two of them carries the
     steps already taken, so the resumed run's line at step 3 averages steps 1-3 as the uninterrupted one's does."""
@@ -44,6 +45,7 @@ def test_a_resume_between_two_log_lines_logs_what_the_uninterrupted_run_logs(tin
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow  # several runs
 def test_a_checkpoint_that_lost_its_best_weights_is_not_resumed_from(tiny_overrides, tmp_path, monkeypatch, capsys):
     """progress.json names the best validation step, whose weights live in best.safetensors: a checkpoint without
     that file is set aside like any other damaged one. Resumed from, it kept the last weights as "the adapter" once
