@@ -96,3 +96,39 @@ def test_adam_settings_with_an_optimizer_without_moments_are_refused():
     with pytest.raises(ValidationError, match="train.adam_beta2=0.95 sets AdamW's moments, and train.optim=sgd has none"):
         TrainConfig(optim="sgd", adam_beta2=0.95)
     TrainConfig(optim="sgd")  # the defaults are no setting
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "sgd", "adafactor"])
+def test_weight_decay_leaves_norms_and_biases_alone_in_whole_model_training(tiny_gpt2_dir, optim):
+    """train.finetuning=full trains every weight: decay pulled GPT-2's LayerNorm scales (which start at 1) and every
+    bias towards 0 as well. They form their own group without decay, as transformers' Trainer keeps them."""
+    from transformers import AutoModelForCausalLM
+
+    from emotune.train.optim import build_optimizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir, dtype=torch.float32)
+    optimizer = build_optimizer(TrainConfig(optim=optim, weight_decay=0.1, finetuning="full"), model)
+    decay = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    names = dict(model.named_parameters())
+    assert len(decay) == len(names)
+    for name in ("transformer.h.0.ln_1.weight", "transformer.h.0.ln_1.bias", "transformer.ln_f.weight",
+                 "transformer.h.0.attn.c_attn.bias", "transformer.h.1.mlp.c_fc.bias"):
+        assert decay[id(names[name])] == 0.0, name
+    for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight", "transformer.wte.weight"):
+        assert decay[id(names[name])] == 0.1, name
+    assert len(build_optimizer(TrainConfig(optim=optim), model).param_groups) == 1  # no decay: one group, as before
+
+
+def test_a_checkpoint_with_one_decay_group_is_refused_by_name_not_with_a_traceback(tiny_gpt2_dir, tmp_path):
+    """A whole-model checkpoint written when decay covered every weight (one group) cannot load into the two groups."""
+    from transformers import AutoModelForCausalLM
+
+    from emotune.core.errors import UserError
+    from emotune.train import checkpoints as ckpt
+    from emotune.train.optim import build_optimizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir, dtype=torch.float32)
+    earlier = torch.optim.AdamW([p for p in model.parameters()], lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(TrainConfig(weight_decay=0.1, finetuning="full"), model)
+    with pytest.raises(UserError, match="1 optimizer parameter group.*builds 2.*overwrite=true"):
+        ckpt.load_optimizer_state(model, optimizer, earlier.state_dict(), tmp_path / "step-000002" / "optimizer.pt")

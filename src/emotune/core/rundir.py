@@ -284,7 +284,8 @@ def open_run(root: Path, config_text: str, overwrite: bool, data_fingerprint: st
                             f"run is kept as `{run.previous.name}` until the new one finishes), or name=<new name> to keep both.")
         elif other_data or _comparable(run.saved_config()) != _comparable(config_text):
             raise UserError(f"The run folder `{root}` holds an unfinished run made with a different config or data, so it "
-                            "cannot be resumed. Pass overwrite=true to start over, or name=<new name>.")
+                            f"cannot be resumed ({_differences(run.saved_config(), config_text, other_data)}). Pass "
+                            "overwrite=true to start over, name=<new name>, or the run's own settings to resume it.")
     run.root.mkdir(parents=True, exist_ok=True)
     for folder in (run.root, run.data, run.baseline, run.finetuned, run.checkpoints):
         remove_partial_writes(folder)
@@ -410,6 +411,24 @@ def _comparable(config_yaml: str | None) -> str | None:
         return None
     return "\n".join(line for line in config_yaml.splitlines()
                      if not line.startswith(NOT_COMPARED) and line not in SAME_AS_ABSENT)
+
+
+def _differences(saved: str | None, config_text: str, other_data: bool) -> str:
+    """What differs from the unfinished run: its data, and up to 5 settings as `key: now (the run's: before)`."""
+    def flat(text: str | None, prefix: str = "") -> dict:
+        tree = yaml.safe_load(_comparable(text) or "") if isinstance(text, str) else text
+        if not isinstance(tree, dict):
+            return {}
+        return {k: v for key, value in tree.items()
+                for k, v in (flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}).items()}
+    try:
+        before, now = flat(saved), flat(config_text)
+    except yaml.YAMLError:
+        before, now = {}, {}
+    keys = [k for k in dict.fromkeys([*now, *before]) if before.get(k, "absent") != now.get(k, "absent")]
+    said = [f"{k}: {now.get(k, 'absent')} (the run's: {before.get(k, 'absent')})" for k in keys[:5]]
+    said += [f"and {len(keys) - 5} more"] if len(keys) > 5 else []
+    return "; ".join((["the data differs from the data it was made with"] if other_data else []) + said) or "its config"
 
 
 class RunLog:

@@ -73,11 +73,18 @@ def _reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+class Mismatch(RuntimeError):
+    """Saved trained weights whose names or shapes are not the model's."""
+
+
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    expected = {name for name, p in model.named_parameters() if is_trained(p)}
-    if set(tensors) != expected:
-        raise RuntimeError(f"checkpoint does not match the model's trainable parameters "
-                           f"(missing {sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]})")
+    expected = {name: p.shape for name, p in model.named_parameters() if is_trained(p)}
+    if set(tensors) != set(expected):
+        raise Mismatch(f"missing {sorted(set(expected) - set(tensors))[:3]}, unexpected "
+                       f"{sorted(set(tensors) - set(expected))[:3]}")
+    if wrong := [f"{name} {tuple(t.shape)} for {tuple(expected[name])}" for name, t in tensors.items()
+                 if t.shape != expected[name]]:
+        raise Mismatch(f"other shapes: {'; '.join(wrong[:3])}")
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -111,6 +118,11 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
         _reshard(model)
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    elif len(state["param_groups"]) != len(optimizer.param_groups):
+        raise UserError(f"The checkpoint {path} holds {len(state['param_groups'])} optimizer parameter group(s) and "
+                        f"this run builds {len(optimizer.param_groups)}: it was written by an earlier emotune, whose "
+                        "train.weight_decay also covered normalization weights and biases. Delete "
+                        f"{path.parent} to start training over, or pass overwrite=true.")
     else:
         optimizer.load_state_dict(state)
 
@@ -234,7 +246,11 @@ def checkpoint_problem(path: Path) -> str | None:
         progress = json.loads((path / "progress.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         return f"progress.json is unreadable ({err})"
-    return None if isinstance(progress, dict) and "step" in progress else "progress.json has no step"
+    if not isinstance(progress, dict) or "step" not in progress:
+        return "progress.json has no step"
+    if progress.get("best_step") is not None and not (path / BEST_FILE).is_file():  # the kept adapter's weights
+        return f"{BEST_FILE} is missing (progress.json keeps the weights of step {progress['best_step']} as the best)"
+    return None
 
 
 def set_aside_unreadable(folder: Path) -> list[tuple[Path, Path, str]]:
@@ -257,7 +273,13 @@ def read_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler, sc
                     rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Restore everything `write_checkpoint` saved into the live objects; return the progress and the
     best weights so far."""
-    load_trainable_state(model, load_file(path / "trainable.safetensors"))
+    try:
+        load_trainable_state(model, load_file(path / "trainable.safetensors"))
+    except Mismatch as err:
+        raise UserError(f"The checkpoint {path} holds trained weights that do not fit this model ({first_line(err)}): "
+                        "the model at model.source is not the one the run began with (replaced, or a hub model "
+                        "updated without model.revision pinned). Point model.source at that model to resume, or pass "
+                        "overwrite=true to start the run over on this one.") from None
     states = safe_load(path / "optimizer.pt")
     load_optimizer_state(model, optimizer, states["optimizer"], path)
     scheduler.load_state_dict(states["scheduler"])

@@ -43,6 +43,18 @@ class Window:
     def __init__(self):
         self.started, self.losses, self.grad_norms, self.tokens = time.perf_counter(), [], [], 0
 
+    @classmethod
+    def resumed(cls, carried: dict | None) -> Window:
+        """A window holding the losses and gradient norms a checkpoint carried (`carried`), or an empty one."""
+        window = cls()
+        if carried:
+            window.losses, window.grad_norms = list(carried["losses"]), list(carried["grad_norms"])
+        return window
+
+    def carried(self) -> dict:
+        """What a checkpoint keeps of the window: its losses and gradient norms (tokens and time restart on resume)."""
+        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms)}
+
     def add(self, loss: float | None, tokens: int, grad_norm: float | None = None) -> None:
         if loss is not None:
             self.losses.append(loss)

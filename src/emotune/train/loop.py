@@ -70,6 +70,9 @@ class Progress:
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
     log_history: list[dict] = field(default_factory=list)
+    window: dict | None = None
+    """The losses and gradient norms of the steps since the last log line (emotune.train.log.Window.carried), so the
+    first line of a resumed run averages the steps it began with before the checkpoint, as an uninterrupted run's does."""
     memory: dict | None = None
     """Out-of-memory recovery's limits (emotune.train.recovery.MemoryLimits), kept so a resumed run carries on with what fitted."""
 
@@ -215,7 +218,7 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
     once, early, at the pace the steps keep (emotune.train.passes.replan); a resumed run keeps the plan it had."""
     t, plan, main = cfg.train, s.plan, s.accelerator.is_main_process
     bar = tqdm(total=plan.steps, initial=progress.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
-    window = Window()
+    window = Window.resumed(progress.window)
     s.wrapped.train()
     replan_at = replan_step(plan) if progress.step == 0 else 0
     started, validation_seconds = perf_counter(), []
@@ -244,8 +247,11 @@ def _loop(s: Session, progress: Progress, best, log: TrainLog, recovery: oom.Rec
             validation_seconds.append(perf_counter() - began)
         # No checkpoint inside a run of non-finite steps: the last one written stays the last good one.
         if progress.step % t.save_steps == 0 and progress.step < plan.steps and not stop and not progress.nonfinite_in_a_row:
+            progress.window = window.carried()
             _save(folder, progress, s.adapted, s.optimizer, s.scheduler, s.scaler, best, s.accelerator, t.save_total_limit)
-        if stop:
+        if stop:  # the steps since the last log line, as the last step of a run that goes on to the end logs them
+            if progress.step % t.logging_steps and progress.step != plan.steps:
+                log(window.entry(progress, plan, s.scheduler.get_last_lr()[0], grad_norm))
             print(f"Early stopping at step {progress.step}: no better {s.objective.select} in "
                   f"{t.early_stopping_patience} validations.", flush=True)
             break
@@ -299,16 +305,16 @@ def _finish(s: Session, progress: Progress, best, tokenizer: PreTrainedTokenizer
     adapted.eval()
     if t.finetuning in finetuning.WHOLE:  # the weights as loaded: the fine-tuned stage measures what is saved
         finetuning.restore_dtypes(adapted, s.upcast)
-        if main:
-            write_full_model(adapted, tokenizer, run.model, {**adapter_meta, "finetuning": finetuning.describe(t)})
+        if main:  # the log first: the saved model marks training done, so a re-run would never write it
             write_history(progress.log_history, run.train)
+            write_full_model(adapted, tokenizer, run.model, {**adapter_meta, "finetuning": finetuning.describe(t)})
         return
     # Sharded weights are gathered on every process, then written by the main one like a single process's.
     weights = ({k: v.to(s.upcast.get(k, v.dtype)) for k, v in ckpt.trainable_state(adapted).items()}
                if s.fsdp else None)
     if main:
-        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights, convert_from=s.initial)
         write_history(progress.log_history, run.train)
+        write_adapter(adapted, tokenizer, run.adapter, adapter_meta, state_dict=weights, convert_from=s.initial)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -420,8 +426,8 @@ def _guard(progress: Progress, finite: bool, loss: float, grad_norm: float, t: T
 
 def _checkpoint_note(folder: Path) -> str:
     last = ckpt.complete_checkpoints(folder)
-    return (f"The last checkpoint, {last[-1]}, is intact; re-running resumes from it." if last else
-            "No checkpoint had been written yet.")
+    return (f"The last checkpoint, {last[-1]}, is intact; re-running the same config resumes from it (a changed setting "
+            "is a new config: pass overwrite=true with it to start over)." if last else "No checkpoint had been written yet.")
 
 
 def _val_batch_size(cfg: RunConfig) -> int:

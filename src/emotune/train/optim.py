@@ -86,7 +86,7 @@ def build_optimizer(t: TrainConfig, model: torch.nn.Module) -> torch.optim.Optim
     """The optimizer over `model`'s trainable parameters (LoRA+ groups when `train.loraplus_lr_ratio` is set)."""
     cls, settings = optimizer_class(t)
     if t.loraplus_lr_ratio is None:
-        return cls([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate, **settings)
+        return cls(_decay_groups(model, t.weight_decay), lr=t.learning_rate, **settings)
     from peft.optimizers import create_loraplus_optimizer
 
     decay = settings.pop("weight_decay")
@@ -98,6 +98,20 @@ def build_optimizer(t: TrainConfig, model: torch.nn.Module) -> torch.optim.Optim
     print(f"LoRA+: learning rate {t.learning_rate:g} for the A matrices, {t.learning_rate * t.loraplus_lr_ratio:g} "
           f"(x{t.loraplus_lr_ratio:g}) for {b_share:,} parameters of the B matrices", flush=True)
     return optimizer
+
+
+def _decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters as optimizer groups: with `train.weight_decay`, the normalization layers' weights and
+    every bias apart, without decay (as transformers' Trainer, and so LLaMA-Factory, keep them): decay pulls a weight
+    towards 0, and a norm's scale at 0 silences its layer. One group when every parameter decays (LoRA's A and B)."""
+    exempt = {id(p) for module in model.modules() if "norm" in type(module).__name__.lower()
+              for p in module.parameters(recurse=False)}
+    exempt |= {id(p) for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] == "bias"}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    kept = [p for p in trained if id(p) in exempt]
+    if not weight_decay or not kept:
+        return [{"params": trained}]
+    return [{"params": [p for p in trained if id(p) not in exempt]}, {"params": kept, "weight_decay": 0.0}]
 
 
 def schedule_after(optimizer: torch.optim.Optimizer, t: TrainConfig, warmup: int, steps: int, done: int):

@@ -91,7 +91,7 @@ def announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, passes: str, 
     effective = plan.global_batch_rows * plan.micro_per_step
     print(f"Training rows {rows}; batch {t.batch_size} x accumulation {t.gradient_accumulation_steps} x processes "
           f"{plan.world_size} => effective batch {effective}; optimizer steps "
-          + (f"{plan.steps} (≈ {plan.steps * effective / rows:.2f} epochs)" if not t.time_budget else
+          + (f"{plan.steps} (≈ {epochs(plan):.2f} epochs)" if not t.time_budget else
              f"as many as fit the {t.time_budget} time budget, at most {plan.steps} "
              f"(train.num_train_epochs={t.num_train_epochs:g})")
           + f"; batches grouped by length: {t.group_by_length}; {passes}", flush=True)
@@ -99,6 +99,12 @@ def announce(plan: Plan, t: TrainConfig, rows: int, val_rows: int, passes: str, 
         print(f"Validation on {val_rows} rows every {t.eval_steps} steps; the adapter kept is the one with the "
               f"{best_word(objective)} {objective.select}" + (f"; early stopping after {t.early_stopping_patience} validations without "
                                     "improvement" if t.early_stopping_patience else ""), flush=True)
+
+
+def epochs(plan: Plan) -> float:
+    """The epochs `plan`'s steps train: their micro-batches over an epoch's. A training split smaller than the batch is
+    one batch of all its rows, so one micro-batch is a whole epoch (not the batch's rows over the split's)."""
+    return plan.steps * plan.micro_per_step / plan.batches_per_epoch
 
 
 def global_batch(plan: Plan, t: TrainConfig, rows: list[Example], seed: int, micro_index: int) -> list[int]:
@@ -309,13 +315,12 @@ def replan_words(plan: Plan, t: TrainConfig, rows: int) -> str:
 
 def _saved_plan(folder: Path) -> dict | None:
     path = folder / PLAN_FILE
-    if not path.exists():
-        return None
     saved = read_json(path)
     if saved is not None and isinstance(saved.get("steps"), int) and isinstance(saved.get("speed"), dict):
         return saved
-    if ckpt.complete_checkpoints(folder):
-        raise UserError(f"{path} is unreadable, and the checkpoints beside it were made with the number of steps it "
+    if ckpt.complete_checkpoints(folder):  # missing too: a new measurement would give them another step count
+        raise UserError(f"{path} is {'unreadable' if path.exists() else 'missing'}, and the checkpoints beside it were "
+                        f"made with the number of steps it "
                         f"held, so the run cannot resume. Delete {folder} to start training over.")
     return None  # no step was saved yet: the plan can be made again
 
@@ -334,7 +339,7 @@ def describe_plan(plan: Plan, t: TrainConfig, rows: int) -> dict:
     effective = plan.global_batch_rows * plan.micro_per_step
     most = make_plan(t, rows, plan.world_size).steps  # the epochs' (or max_steps') count
     out = {"rows": rows, "effective_batch": effective, "steps": plan.steps, "rows_trained": plan.steps * effective,
-           "epochs": round(plan.steps * effective / rows, 4),
+           "epochs": round(epochs(plan), 4),
            "limited_by": "max_steps" if t.max_steps > 0 else "time_budget" if plan.steps < most else "num_train_epochs"}
     if plan.speed is not None:
         out.update(time_budget=t.time_budget, budget_seconds=duration_seconds(t.time_budget),

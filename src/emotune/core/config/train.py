@@ -165,7 +165,7 @@ class TrainConfig(Section):
     """Optimizer steps spent warming the learning rate up; when above 0 it replaces `warmup_ratio` (as in
     transformers' TrainingArguments, so a LLaMA-Factory file's `warmup_steps` means the same here)."""
     weight_decay: Annotated[float, Range(0)] = 0.0
-    """AdamW weight decay."""
+    """Weight decay, on the trained weights except normalization weights and biases (as transformers' Trainer)."""
     adam_beta1: Annotated[float, Range(0, 1, high_open=True)] = 0.9
     """AdamW's first-moment decay (transformers' and LLaMA-Factory's `adam_beta1`); the AdamW optimizers only."""
     adam_beta2: Annotated[float, Range(0, 1, high_open=True)] = 0.999
