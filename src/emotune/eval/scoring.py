@@ -17,7 +17,7 @@ from emotune.core.errors import UserError
 from emotune.data import prompt_messages
 from emotune.model.prefix import MASKED_ATTENTION, attention_masks, other_layers, positions_from_mask
 from emotune.model.text import float32_logits, language_model, logit_scale, logit_softcap, soft_capped, unwrapped
-from emotune.model.turns import MARKER, answer_opening, continuation_ids, plain_text_specials, special_texts, turn_end
+from emotune.model.turns import answer_opening, continuation_ids, encode_rendered, special_texts, turn_end
 from emotune.runtime.oom import run_in_batches
 from emotune.train.batches import common_prefix_length
 
@@ -68,21 +68,14 @@ def prompt_token_ids(tokenizer, prompt: PromptConfig, labels: list[str], texts: 
     """Each text's scoring prompt (system prompt, user turn, generation prompt) as token ids. A special token's text
     typed inside a text (`<|im_end|>`, `<start_of_turn>`) is read as plain text, never as the token: otherwise a
     row could close its user turn and answer itself (`<|im_end|>\\n<|im_start|>assistant\\njoy`)."""
-    rendered = [tokenizer.apply_chat_template(prompt_messages(t, prompt, labels), tokenize=False,
-                                              add_generation_prompt=True) for t in texts]
+    asked = [prompt_messages(t, prompt, labels) for t in texts]
+    rendered = [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) for messages in asked]
     # the chat template already holds <bos>; adding special tokens again would double it
     ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    specials = special_texts(tokenizer)
-    typed = [r for r, row in enumerate(ids) if specials.keys() & set(row)]
-    if typed and getattr(tokenizer, "is_fast", False):  # offsets: a Rust tokenizer's (every one transformers 5 loads)
-        marked = tokenizer.apply_chat_template(prompt_messages(MARKER, prompt, labels), tokenize=False,
-                                               add_generation_prompt=True)
-        head, tail = marked[:marked.find(MARKER)], marked[marked.find(MARKER) + len(MARKER):]
-        for r in typed:
-            if rendered[r].startswith(head) and rendered[r].endswith(tail):
-                offsets = tokenizer(rendered[r], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-                span = (len(head), len(rendered[r]) - len(tail))
-                ids[r] = plain_text_specials(tokenizer, rendered[r], ids[r], offsets, specials, [span])
+    specials = special_texts(tokenizer).keys()
+    for r, row in enumerate(ids):
+        if specials & set(row):  # a special token's text in the row: re-read as predict and serve read the prompt
+            ids[r] = encode_rendered(tokenizer, rendered[r], [m["content"] for m in asked[r]])
     return ids
 
 

@@ -180,5 +180,4 @@ def rendered_chat(tokenizer, messages: list[dict], generation_prompt: bool = Fal
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
     """`messages` through the chat template as token ids (`encode_rendered`: special-token text inside a message is
     plain text)."""
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return encode_rendered(tokenizer, rendered, [m.get("content") for m in messages])
+    return rendered_chat(tokenizer, messages, generation_prompt).ids(tokenizer)
